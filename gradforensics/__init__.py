@@ -1,0 +1,34 @@
+"""gradforensics: offline forensics of sick neural-network training runs.
+
+``import gradforensics as gf`` is cheap: torch, dask and matplotlib load only
+when the piece that needs them is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradforensics.errors import GradforensicsError
+
+__version__ = "0.1.0"
+__all__ = ["GradforensicsError", "Recorder", "analyze", "open_store", "report", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Recorder":
+        from gradforensics.capture.recorder import Recorder
+
+        return Recorder
+    if name == "open_store":
+        from gradforensics.store.reader import open_store
+
+        return open_store
+    if name == "analyze":
+        from gradforensics.analysis.engine import analyze
+
+        return analyze
+    if name == "report":
+        from gradforensics.report import report
+
+        return report
+    raise AttributeError(f"module 'gradforensics' has no attribute {name!r}")

@@ -1,0 +1,29 @@
+"""The forensic analyses.  One module per analysis, one line per analysis here.
+
+To add an analysis: write ``gradforensics/analysis/<name>.py`` exposing
+``ANALYSIS = Analysis(name=..., needs=..., compute=..., flags=..., plot=...)``
+(see :mod:`gradforensics.analysis.base`) and add its module to ``_MODULES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from gradforensics.analysis.base import Analysis, AnalysisResult, Context, Findings, Flag, GramResult
+
+# Order = order of sections in the report.
+_MODULES: tuple[str, ...] = (
+)
+
+
+def _load() -> dict[str, Analysis]:
+    out: dict[str, Analysis] = {}
+    for mod in _MODULES:
+        a = importlib.import_module(f"gradforensics.analysis.{mod}").ANALYSIS
+        out[a.name] = a
+    return out
+
+
+REGISTRY: dict[str, Analysis] = _load()
+
+__all__ = ["REGISTRY", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult"]

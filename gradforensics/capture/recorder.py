@@ -1,0 +1,348 @@
+"""The framework-agnostic :class:`Recorder`: arrays in, schema-v1 store out.
+
+``record()`` validates and copies what it is given on the caller's thread (so
+the caller may zero its gradients right after), then hands the record to one
+background writer thread through a bounded queue: capture overlaps compute and
+memory stays bounded, because a full queue blocks ``record()`` (backpressure)
+rather than buffering without limit.  The writer thread encodes (bfloat16 bit
+patterns, head split, sketch, activation statistics) and writes.
+
+``Recorder(path, model=torch_module, ...)`` returns the PyTorch recorder
+(:mod:`gradforensics.capture.torch`), which reads ``.grad`` and hooks modules
+and then goes through the same path.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import queue
+import threading
+import time as _time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gradforensics.capture.actstats import ActRange, act_stats, make_range
+from gradforensics.capture.heads import HeadSpec, match_heads
+from gradforensics.capture.sketch import Sketcher
+from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError
+from gradforensics.store.schema import encode_bf16, new_meta
+from gradforensics.store.writer import Row, StoreWriter
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class _Pending:
+    """One record on its way to the writer thread (arrays already copied)."""
+
+    meta: dict[str, np.ndarray]
+    grads: dict[str, np.ndarray]
+    acts: dict[str, np.ndarray]
+    weights: dict[str, np.ndarray]
+    act_stats: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+
+
+def _is_bf16(a: np.ndarray) -> bool:
+    return a.dtype.name == "bfloat16"
+
+
+def encode(a: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
+    """Array -> (on-disk array, encoding).  Lossless unless *dtype* narrows it."""
+    if _is_bf16(a):
+        bits = a.view(np.uint16)
+        if dtype in (None, "bfloat16"):
+            return bits, "bfloat16-as-uint16"
+        a = (bits.astype(np.uint32) << 16).view(np.float32)
+    target = dtype or ("float16" if a.dtype == np.float16 else "float32")
+    if target == "bfloat16":
+        return encode_bf16(a), "bfloat16-as-uint16"
+    return np.ascontiguousarray(a, dtype=target), target
+
+
+class Recorder:
+    """Record per-batch gradients, activation statistics and weights into a store.
+
+    Parameters
+    ----------
+    path
+        ``*.zarr`` (Zarr v3 directory) or ``*.h5`` / ``*.hdf5`` (HDF5 file).
+    sources
+        Names of the data sources; every record names its source or mixture.
+    heads
+        ``{glob: H}`` or ``{glob: {"heads": H, "axis": A, "role": R, "fused": F,
+        "interleaved": bool}}``: tensors to store per head, ``(N, H, ...)``.
+    sketch
+        ``k`` or ``{"k": k, "seed": s, "method": "countsketch"|"gaussian"}``: also
+        store a k-dim seeded projection of every gradient (per head where split).
+    full
+        Globs of tensors whose whole gradient is stored.  Default: all, unless
+        *sketch* is given, then none (sketch-only capture).
+    dtype
+        ``"float32"``, ``"float16"`` or ``"bfloat16"``: the on-disk format of
+        gradients.  Default: as given (bfloat16 kept as its bit patterns).
+    mode
+        ``"training"`` (records over optimizer steps) or ``"replay"``.
+    act_bounds
+        ``{module_glob: (lo, hi)}`` for bounded activations (tanh: (-1, 1)).
+    queue_size
+        Records in flight to the writer thread before ``record()`` blocks.
+    background
+        ``False`` writes on the caller's thread (debugging).
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Recorder:
+        if cls is Recorder and kwargs.get("model") is not None:
+            from gradforensics.capture.torch import TorchRecorder
+
+            return super().__new__(TorchRecorder)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        sources: Sequence[str],
+        heads: Mapping[str, Any] | None = None,
+        sketch: int | Mapping[str, Any] | None = None,
+        full: Sequence[str] | None = None,
+        dtype: str | None = None,
+        mode: str = "training",
+        act_bounds: Mapping[str, tuple[float, float]] | None = None,
+        queue_size: int = 4,
+        background: bool = True,
+        overwrite: bool = True,
+        records_per_chunk: int | None = None,
+        framework: str = "numpy",
+        model_info: Mapping[str, Any] | None = None,
+        compression: str = "none",
+    ) -> None:
+        if dtype is not None and dtype not in DTYPES:
+            raise SpecError(f"dtype must be one of {DTYPES} or None; got {dtype!r}.")
+        self.path = str(path)
+        self.sources = tuple(sources)
+        self.heads = dict(heads or {})
+        self.sketcher = _parse_sketch(sketch)
+        self.full = tuple(full) if full is not None else (() if self.sketcher else ("*",))
+        self.dtype = dtype
+        self.act_bounds = dict(act_bounds or {})
+        self.compression = compression
+        meta = new_meta(self.sources, mode, framework, dict(model_info or {}))
+        self._writer = StoreWriter(self.path, meta, overwrite=overwrite, records_per_chunk=records_per_chunk)
+        self._shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._head_specs: dict[str, HeadSpec | None] = {}
+        self._ranges: dict[str, ActRange] = {}
+        self._n_submitted = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self.bytes_per_record: int | None = None
+        self._queue: queue.Queue[_Pending | None] | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=max(1, queue_size))
+            self._thread = threading.Thread(target=self._run, name="gradforensics-writer", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ API
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def n_records(self) -> int:
+        """Records handed to ``record()`` so far."""
+        return self._n_submitted
+
+    def record(
+        self,
+        *,
+        step: int | None = None,
+        loss: float = math.nan,
+        source: str | None = None,
+        mixture: Mapping[str, float] | None = None,
+        n_samples: int = 1,
+        lr: float = math.nan,
+        rank: int = 0,
+        time: float | None = None,
+        grads: Mapping[str, Any] | None = None,
+        activations: Mapping[str, Any] | None = None,
+        weights: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Record one batch.  Arrays are copied before this returns."""
+        self._raise_if_failed()
+        if self._closed:
+            raise StoreClosedError(f"{self.path}: record() after close().")
+        i = self._n_submitted
+        meta = {
+            "step": np.int64(i if step is None else step),
+            "loss": np.float32(loss),
+            "mixture": self._mixture(source, mixture),
+            "n_samples": np.int32(n_samples),
+            "rank": np.int32(rank),
+            "lr": np.float32(lr),
+            "time": np.float64(_time.time() if time is None else time),
+        }
+        pending = _Pending(
+            meta=meta,
+            grads={k: self._take(f"grads[{k!r}]", k, v) for k, v in (grads or {}).items()},
+            acts={k: self._take(f"activations[{k!r}]", "act:" + k, v, per_record_shape=False)
+                  for k, v in (activations or {}).items()},
+            weights={k: np.array(v, copy=True) for k, v in (weights or {}).items()},
+        )
+        self._submit(pending)
+
+    def flush(self) -> None:
+        """Wait until every record so far is written and committed."""
+        if self._queue is not None:
+            self._queue.join()
+        self._raise_if_failed()
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close.  Safe to call twice; re-raises a writer-thread error."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._queue is not None and self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+        finally:
+            self._writer.close()
+        self._raise_if_failed()
+
+    # ------------------------------------------------------ caller-side work
+    def _mixture(self, source: str | None, mixture: Mapping[str, float] | None) -> np.ndarray:
+        row = np.zeros(len(self.sources), dtype=np.float32)
+        if (source is None) == (mixture is None):
+            raise SpecError("record(): give exactly one of source= or mixture=.")
+        items = {source: 1.0} if source is not None else dict(mixture or {})
+        for name, share in items.items():
+            if name not in self.sources:
+                raise SpecError(f"record(): source {name!r} is not one of the store's sources {list(self.sources)}.")
+            row[self.sources.index(name)] = share
+        total = row.sum()
+        if not total > 0 or np.any(row < 0):
+            raise SpecError(f"record(): mixture shares must be >= 0 with a positive sum; got {items}.")
+        return row / total
+
+    def _take(self, label: str, key: str, value: Any, per_record_shape: bool = True) -> np.ndarray:
+        a = np.array(value, copy=True)
+        if a.dtype.kind not in "fV" and not _is_bf16(a):
+            raise StoreMismatchError(f"record(): {label} has dtype {a.dtype}; expected a floating-point array.")
+        shape = a.shape if per_record_shape else a.shape[-1:]
+        seen = self._shapes.setdefault(key, (shape, a.dtype.name))
+        if seen[0] != shape:
+            raise StoreMismatchError(
+                f"record(): {label} has shape {shape}; the store holds {seen[0]} for it since record 0."
+            )
+        if seen[1] != a.dtype.name:
+            raise StoreMismatchError(
+                f"record(): {label} has dtype {a.dtype.name}; the store holds {seen[1]} for it since record 0."
+            )
+        return a
+
+    def _submit(self, pending: _Pending) -> None:
+        self._n_submitted += 1
+        if self._queue is None:
+            self._write(pending)
+        else:
+            self._queue.put(pending)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    # ------------------------------------------------------ writer-side work
+    def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    self._write(item)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller thread
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _write(self, p: _Pending) -> None:
+        rows: dict[str, Row] = {}
+        for name, value in p.meta.items():
+            rows[f"batches/{name}"] = Row(np.asarray(value))
+        for name, g in p.grads.items():
+            rows.update(self._grad_rows(name, g))
+        for module, a in p.acts.items():
+            rows.update(self._act_rows(module, a))
+        for module, stats in p.act_stats.items():
+            rows.update({f"acts/{module}/{k}": Row(v, self._act_attrs(module, k)) for k, v in stats.items()})
+        weights = {f"weights/{k}": Row(*self._weight_row(k, w)) for k, w in p.weights.items()}
+        if self.bytes_per_record is None:
+            self.bytes_per_record = sum(r.data.nbytes for r in rows.values())
+        self._writer.append(rows, weights or None)
+
+    def _spec(self, name: str, shape: tuple[int, ...]) -> HeadSpec | None:
+        if name not in self._head_specs:
+            spec = match_heads(name, self.heads)
+            if spec is not None:
+                spec.validate(name, shape)
+            self._head_specs[name] = spec
+        return self._head_specs[name]
+
+    def _grad_rows(self, name: str, g: np.ndarray) -> dict[str, Row]:
+        spec = self._spec(name, g.shape)
+        data, encoding = encode(g, self.dtype)
+        attrs: dict[str, Any] = {"encoding": encoding, "source_dtype": g.dtype.name, "shape": list(g.shape)}
+        if spec is not None:
+            attrs.update(spec.attrs())
+        out: dict[str, Row] = {}
+        if any(fnmatch.fnmatchcase(name, pat) for pat in self.full):
+            blocks = spec.split(data) if spec is not None else data
+            out[f"grads/{name}"] = Row(blocks, attrs, head_split=spec is not None, compression=self.compression)
+        if self.sketcher is not None:
+            g32 = g if g.dtype == np.float32 else _to_f32(g)
+            sk = self.sketcher.project_heads(spec.split(g32)) if spec is not None else self.sketcher.project(g32)
+            out[f"sketch/{name}"] = Row(sk, {**attrs, **self.sketcher.attrs(), "encoding": "float32"})
+        return out
+
+    def _act_rows(self, module: str, a: np.ndarray) -> dict[str, Row]:
+        rng = self._ranges.get(module)
+        if rng is None:
+            bounds = next((b for glob, b in self.act_bounds.items() if fnmatch.fnmatchcase(module, glob)), None)
+            rng = self._ranges[module] = make_range(_to_f32(a), bounds)
+        return {f"acts/{module}/{k}": Row(v, self._act_attrs(module, k)) for k, v in act_stats(_to_f32(a), rng).items()}
+
+    def _act_attrs(self, module: str, stat: str) -> dict[str, Any]:
+        return self._ranges[module].attrs() if stat == "hist" and module in self._ranges else {}
+
+    def _weight_row(self, name: str, w: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        data, encoding = encode(w, None if _is_bf16(w) or w.dtype == np.float16 else "float32")
+        return data, {"encoding": encoding, "source_dtype": w.dtype.name}
+
+
+def _to_f32(a: np.ndarray) -> np.ndarray:
+    if _is_bf16(a):
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(a, dtype=np.float32)
+
+
+def _parse_sketch(sketch: int | Mapping[str, Any] | None) -> Sketcher | None:
+    if sketch is None:
+        return None
+    if isinstance(sketch, int) and not isinstance(sketch, bool):
+        return Sketcher(k=sketch)
+    if isinstance(sketch, Mapping):
+        unknown = set(sketch) - {"k", "seed", "method"}
+        if unknown or "k" not in sketch:
+            raise SpecError(f"sketch must be k or a dict with keys k, seed, method; got {dict(sketch)!r}.")
+        return Sketcher(k=int(sketch["k"]), seed=int(sketch.get("seed", 0)), method=str(sketch.get("method", "countsketch")))
+    raise SpecError(f"sketch must be an int k or a dict; got {type(sketch).__name__}.")

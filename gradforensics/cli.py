@@ -1,0 +1,51 @@
+"""The ``gradforensics`` command line.
+
+Each verb lives in its own module under :mod:`gradforensics.commands` exposing
+``add_arguments(parser)`` and ``run(args) -> int``; add a verb with one line in
+``VERBS``.  A :class:`~gradforensics.errors.GradforensicsError` becomes one line
+on stderr and exit code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from gradforensics.errors import GradforensicsError
+
+#: verb -> (module under gradforensics.commands, one-line help)
+VERBS: dict[str, tuple[str, str]] = {
+    "inspect": ("inspect", "what a store holds: schema, sources, records, tensors, sizes"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gradforensics import __version__
+
+    parser = argparse.ArgumentParser(prog="gradforensics", description="Offline forensics of sick training runs.")
+    parser.add_argument("--version", action="version", version=f"gradforensics {__version__}")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for verb, (module, help_) in VERBS.items():
+        p = sub.add_parser(verb, help=help_, description=help_)
+        mod = importlib.import_module(f"gradforensics.commands.{module}")
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except GradforensicsError as exc:
+        print(f"gradforensics {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gradforensics {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

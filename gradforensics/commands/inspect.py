@@ -1,0 +1,69 @@
+"""``gradforensics inspect STORE``: what the store holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from gradforensics.store.reader import Store
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", help="a *.zarr directory or *.h5 file written by gradforensics")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def summarize(store: Store) -> dict:
+    def entry(info):  # noqa: ANN001, ANN202
+        return {"shape": list(info.shape), "dtype": info.attrs.get("source_dtype", info.dtype),
+                "encoding": info.encoding, "heads": info.heads, "role": info.attrs.get("role") or None,
+                "bytes_on_disk": info.nbytes_stored, "compression_ratio": round(info.compression_ratio, 3)}
+
+    mix = store.batches()["mixture"] if store.n_records else None
+    shares = {s: float(mix[:, i].mean()) for i, s in enumerate(store.sources)} if mix is not None else {}
+    return {
+        "path": store.path, "backend": store.kind, "schema": store.meta.schema, "mode": store.mode,
+        "framework": store.meta.framework, "model": store.meta.model, "created": store.meta.created,
+        "records": store.n_records, "records_per_chunk": store.meta.records_per_chunk,
+        "sources": shares, "weight_snapshots": store.meta.n_weights,
+        "tensors": {k: entry(v) for k, v in store.grads.items()},
+        "sketches": {k: {**entry(v), "k": v.attrs.get("k"), "method": v.attrs.get("method"),
+                         "seed": v.attrs.get("seed")} for k, v in store.sketches.items()},
+        "activations": store.act_modules,
+        "analysis": sorted({n.split("/")[1] for n in store.arrays if n.startswith("analysis/")}),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    s = summarize(Store(args.store))
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    print(f"{s['path']}  ({s['backend']}, schema {s['schema']}, mode {s['mode']}, framework {s['framework']})")
+    if s["model"]:
+        print("model:   " + ", ".join(f"{k}={v}" for k, v in s["model"].items()))
+    print(f"records: {s['records']}  (chunks of {s['records_per_chunk']}), weight snapshots: {s['weight_snapshots']}")
+    print("sources: " + ", ".join(f"{k} {v:.0%}" for k, v in s["sources"].items()))
+    for title, group in (("tensors", s["tensors"]), ("sketches", s["sketches"])):
+        if not group:
+            continue
+        print(f"{title} ({len(group)}):")
+        width = max(len(k) for k in group)
+        for name, e in group.items():
+            heads = f" heads={e['heads']}" + (f" role={e['role']}" if e["role"] else "") if e["heads"] else ""
+            extra = f" k={e['k']} {e['method']}" if "k" in e else ""
+            print(f"  {name:<{width}}  {tuple(e['shape'])} {e['dtype']}{heads}{extra}  "
+                  f"{_fmt_bytes(e['bytes_on_disk'])} on disk, {e['compression_ratio']:.2f}x")
+    if s["activations"]:
+        print(f"activations ({len(s['activations'])}): " + ", ".join(s["activations"]))
+    if s["analysis"]:
+        print("analysis results: " + ", ".join(s["analysis"]))
+    return 0

@@ -1,0 +1,49 @@
+"""Errors gradforensics raises on bad input.
+
+Every error is a :class:`GradforensicsError`; subclasses also inherit the
+matching built-in exception so ``except FileNotFoundError`` still works.  The
+message is one line: what, where, expected vs found, and what to do.  The CLI
+prints it on stderr and exits with code 2; anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+
+class GradforensicsError(Exception):
+    """Base class of every error gradforensics raises on bad input."""
+
+
+class NotAStoreError(GradforensicsError, FileNotFoundError):
+    """The path is missing or holds no gradforensics store."""
+
+
+class SchemaVersionError(GradforensicsError, ValueError):
+    """The store was written with a schema this version does not read."""
+
+
+class MissingArrayError(GradforensicsError, KeyError):
+    """A required array of the schema is absent from the store."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreMismatchError(GradforensicsError, ValueError):
+    """Data handed to the store does not match what the store holds."""
+
+
+class CorruptChunkError(GradforensicsError, OSError):
+    """A chunk of an array is missing or cannot be decoded."""
+
+
+class EmptyStoreError(GradforensicsError, ValueError):
+    """The store holds no complete record."""
+
+
+class SpecError(GradforensicsError, ValueError):
+    """An option or specification given by the user is invalid."""
+
+
+class StoreClosedError(GradforensicsError, RuntimeError):
+    """The store or recorder was used after it was closed."""

@@ -1,0 +1,324 @@
+"""Two on-disk backends, one logical layout: a Zarr v3 directory or an HDF5 file.
+
+A backend knows how to create, grow, write, read and list arrays and attributes.
+It knows nothing of the schema (``schema.py``) or of buffering and commits
+(``writer.py``).  :class:`ArrayHandle` is the small, picklable piece a dask task
+carries: it opens the file *inside* the task, so HDF5 reads work on
+``dask.distributed`` worker processes (h5py handles do not pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradforensics.errors import CorruptChunkError, NotAStoreError
+from gradforensics.store.schema import decode_bf16
+
+ZARR_SUFFIXES = (".zarr",)
+HDF5_SUFFIXES = (".h5", ".hdf5")
+
+
+def backend_kind(path: str | os.PathLike[str]) -> str:
+    """``"zarr"`` or ``"hdf5"``, from the suffix of *path*."""
+    suffix = Path(path).suffix.lower()
+    if suffix in ZARR_SUFFIXES:
+        return "zarr"
+    if suffix in HDF5_SUFFIXES:
+        return "hdf5"
+    raise NotAStoreError(
+        f"{path}: unknown store suffix {suffix!r}; expected a Zarr directory '*.zarr' "
+        "or an HDF5 file '*.h5' / '*.hdf5'."
+    )
+
+
+def _zarr_codecs(compression: str) -> dict[str, Any]:
+    import zarr.codecs as zc
+
+    if compression == "none":
+        return {"compressors": None}
+    if compression == "zstd":
+        return {"compressors": zc.BloscCodec(cname="zstd", clevel=1, shuffle="shuffle")}
+    if compression == "bitshuffle":
+        return {"compressors": zc.BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle")}
+    raise ValueError(compression)
+
+
+class ZarrBackend:
+    """Zarr v3 directory store."""
+
+    kind = "zarr"
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:
+        import zarr
+
+        self.path = str(path)
+        if mode == "r" and not (Path(self.path) / "zarr.json").is_file():
+            raise NotAStoreError(f"{self.path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
+        self._root = zarr.open_group(self.path, mode=mode, zarr_format=3, use_consolidated=False)
+        self.writable = mode != "r"
+        self._open: dict[str, Any] = {}   # arrays opened here keep their write config
+
+    def _array(self, name: str) -> Any:
+        arr = self._open.get(name)
+        if arr is None:
+            arr = self._root[name]
+            if self.writable:
+                arr = arr.with_config({"write_empty_chunks": True})
+            self._open[name] = arr
+        return arr
+
+    # attributes -----------------------------------------------------------
+    def root_attrs(self) -> dict[str, Any]:
+        return dict(self._root.attrs)
+
+    def set_root_attr(self, key: str, value: dict[str, Any]) -> None:
+        self._root.attrs[key] = value
+
+    def attrs(self, name: str) -> dict[str, Any]:
+        return dict(self._root[name].attrs)
+
+    # arrays ---------------------------------------------------------------
+    def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
+               attrs: dict[str, Any], compression: str = "none") -> None:
+        self._open[name] = self._root.create_array(
+            name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
+            attributes=attrs, config={"write_empty_chunks": True}, overwrite=True,
+            **_zarr_codecs(compression),
+        )
+
+    def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
+        arr = self._array(name)
+        stop = start + data.shape[0]
+        if arr.shape[0] < stop:
+            arr.resize((stop, *arr.shape[1:]))
+        arr[start:stop] = data
+
+    def truncate(self, name: str, n: int) -> None:
+        arr = self._array(name)
+        if arr.shape[0] != n:
+            arr.resize((n, *arr.shape[1:]))
+
+    def names(self) -> list[str]:
+        return sorted(_walk_zarr(self._root))
+
+    def info(self, name: str) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
+        arr = self._root[name]
+        return tuple(arr.shape), str(arr.dtype), tuple(arr.chunks)
+
+    def has(self, name: str) -> bool:
+        try:
+            self._root[name]
+        except KeyError:
+            return False
+        return True
+
+    def nbytes_stored(self, name: str) -> int:
+        return int(_du(Path(self.path) / name))
+
+    def missing_chunks(self, name: str, n_rows: int) -> list[tuple[int, ...]]:
+        """Chunk indices within the first *n_rows* rows that have no file on disk."""
+        shape, _, chunks = self.info(name)
+        shape = (min(n_rows, shape[0]), *shape[1:])
+        grid = [range(-(-s // c)) for s, c in zip(shape, chunks, strict=True)]
+        base = Path(self.path) / name / "c"
+        missing = []
+        for idx in np.ndindex(*[len(g) for g in grid]):
+            if not base.joinpath(*map(str, idx)).is_file():
+                missing.append(tuple(int(i) for i in idx))
+        return missing
+
+    def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
+        return np.asarray(self._root[name][sel])
+
+    def close(self) -> None:
+        pass
+
+
+def _walk_zarr(group: Any) -> list[str]:
+    out = [name for name, _ in group.arrays()]
+    for gname, sub in group.groups():
+        out += [f"{gname}/{a}" for a in _walk_zarr(sub)]
+    return out
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            if f != "zarr.json":
+                total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def _h5_filter(compression: str) -> dict[str, Any]:
+    if compression == "none":
+        return {}
+    # Without hdf5plugin the portable choice is gzip-1 with the shuffle filter.
+    return {"compression": "gzip", "compression_opts": 1, "shuffle": True}
+
+
+class HDF5Backend:
+    """HDF5 file store (one writer per file; readers open it per task)."""
+
+    kind = "hdf5"
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:
+        import h5py
+
+        self.path = str(path)
+        if mode == "r":
+            if not Path(self.path).is_file():
+                raise NotAStoreError(f"{self.path}: no such HDF5 file; expected a gradforensics store.")
+            try:
+                self._f = h5py.File(self.path, "r")
+            except OSError as exc:
+                raise NotAStoreError(f"{self.path}: not an HDF5 file ({exc}); expected a gradforensics store.") from exc
+        else:
+            self._f = h5py.File(self.path, "w" if mode == "w" else "a", libver="latest")
+        self.writable = mode != "r"
+
+    def root_attrs(self) -> dict[str, Any]:
+        return {k: _from_h5_attr(v) for k, v in self._f.attrs.items()}
+
+    def set_root_attr(self, key: str, value: dict[str, Any]) -> None:
+        self._f.attrs[key] = json.dumps(value)
+        self._f.flush()
+
+    def attrs(self, name: str) -> dict[str, Any]:
+        return {k: _from_h5_attr(v) for k, v in self._f[name].attrs.items()}
+
+    def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
+               attrs: dict[str, Any], compression: str = "none") -> None:
+        if name in self._f:
+            del self._f[name]
+        ds = self._f.create_dataset(
+            name, shape=shape, maxshape=(None, *shape[1:]), dtype=dtype, chunks=chunks,
+            fillvalue=0, **_h5_filter(compression),
+        )
+        for k, v in attrs.items():
+            ds.attrs[k] = json.dumps(v)
+
+    def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
+        ds = self._f[name]
+        stop = start + data.shape[0]
+        if ds.shape[0] < stop:
+            ds.resize(stop, axis=0)
+        ds[start:stop] = data
+
+    def truncate(self, name: str, n: int) -> None:
+        ds = self._f[name]
+        if ds.shape[0] != n:
+            ds.resize(n, axis=0)
+
+    def names(self) -> list[str]:
+        import h5py
+
+        out: list[str] = []
+        self._f.visititems(lambda n, obj: out.append(n) if isinstance(obj, h5py.Dataset) else None)
+        return sorted(out)
+
+    def info(self, name: str) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
+        ds = self._f[name]
+        return tuple(ds.shape), str(ds.dtype), tuple(ds.chunks or ds.shape)
+
+    def has(self, name: str) -> bool:
+        return name in self._f
+
+    def nbytes_stored(self, name: str) -> int:
+        return int(self._f[name].id.get_storage_size())
+
+    def missing_chunks(self, name: str, n_rows: int) -> list[tuple[int, ...]]:
+        ds = self._f[name]
+        shape, _, chunks = self.info(name)
+        shape = (min(n_rows, shape[0]), *shape[1:])
+        grid = [-(-s // c) for s, c in zip(shape, chunks, strict=True)]
+        expected = int(np.prod(grid))
+        if expected == 0 or ds.id.get_num_chunks() >= expected:
+            return []
+        present = set()
+        for i in range(ds.id.get_num_chunks()):
+            off = ds.id.get_chunk_info(i).chunk_offset
+            present.add(tuple(o // c for o, c in zip(off, chunks, strict=True)))
+        return [tuple(int(i) for i in idx) for idx in np.ndindex(*grid) if tuple(idx) not in present]
+
+    def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
+        return np.asarray(self._f[name][sel])
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _from_h5_attr(v: Any) -> Any:
+    if isinstance(v, bytes):
+        v = v.decode()
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            return v
+    return v
+
+
+def open_backend(path: str | os.PathLike[str], mode: str = "r") -> ZarrBackend | HDF5Backend:
+    kind = backend_kind(path)
+    return ZarrBackend(path, mode) if kind == "zarr" else HDF5Backend(path, mode)
+
+
+@dataclass(frozen=True)
+class ArrayHandle:
+    """A picklable, lazily opened view of one stored array, decoded to float32.
+
+    ``handle[sel]`` opens the store, reads *sel* (limited to the committed
+    ``n_rows``), decodes bfloat16/float16 to float32 and closes again.  Carrying
+    only strings and numbers, it pickles to any dask worker.
+    """
+
+    kind: str
+    path: str
+    name: str
+    shape: tuple[int, ...]
+    encoding: str
+    chunks: tuple[int, ...]
+    dtype = np.dtype(np.float32)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, sel: Any) -> np.ndarray:
+        try:
+            raw = self._read(sel)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise CorruptChunkError(self._describe(sel, exc)) from exc
+        if self.encoding == "bfloat16-as-uint16":
+            return decode_bf16(raw)
+        return raw.astype(np.float32, copy=False)
+
+    def _read(self, sel: Any) -> np.ndarray:
+        if self.kind == "zarr":
+            import zarr
+
+            return np.asarray(zarr.open_array(os.path.join(self.path, self.name), mode="r")[sel])
+        import h5py
+
+        with h5py.File(self.path, "r") as f:
+            return np.asarray(f[self.name][sel])
+
+    def _describe(self, sel: Any, exc: Exception) -> str:
+        rows = sel[0] if isinstance(sel, tuple) and sel else sel
+        if isinstance(rows, slice):
+            r0, r1 = rows.start or 0, (rows.stop or self.shape[0]) - 1
+            first = r0 // self.chunks[0]
+            where = f"chunk {first} (records {r0}-{r1})"
+        else:
+            where = f"selection {sel!r}"
+        return f"{self.path}: {self.name}: {where} could not be read or decoded ({type(exc).__name__}: {exc})."

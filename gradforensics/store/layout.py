@@ -1,0 +1,68 @@
+"""Chunk layout of a store, chosen once from the first record's shapes.
+
+The rules (measured in ``benchmarks/store_layout.py``, written up in
+``docs/store-layout.md``):
+
+* All per-record arrays are flushed together every ``R`` records
+  (``records_per_chunk``): the writer buffers ``R`` records and writes each
+  chunk whole, so no append ever rewrites a chunk it wrote before.
+  ``R`` is the largest power of two with ``R x record_bytes <= buffer_bytes``,
+  between 1 and 64.
+* A chunk of a large array holds ``R`` records of a slab of rows of the tensor
+  (head by head for a head-split tensor), about ``chunk_bytes`` in all, so a
+  reader can take all records of a slab of features - the shape the Gram pass
+  wants - without reading anything else.
+* Small arrays (metadata, sketches, activation statistics) take several
+  flushes per chunk, up to ``small_chunk_bytes``; rewriting such a chunk costs
+  at most that much per flush.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LayoutPolicy:
+    chunk_bytes: int = 8 * MiB
+    buffer_bytes: int = 256 * MiB
+    small_chunk_bytes: int = 1 * MiB
+    max_records_per_chunk: int = 64
+
+
+def _pow2_floor(x: float) -> int:
+    return 1 if x < 2 else 1 << int(np.floor(np.log2(x)))
+
+
+def records_per_chunk(record_bytes: int, policy: LayoutPolicy) -> int:
+    """Records buffered per flush: a power of two in [1, max_records_per_chunk]."""
+    r = _pow2_floor(policy.buffer_bytes / max(record_bytes, 1))
+    return int(min(max(r, 1), policy.max_records_per_chunk))
+
+
+def chunk_shape(row_shape: tuple[int, ...], itemsize: int, r: int, policy: LayoutPolicy,
+                head_split: bool = False) -> tuple[int, ...]:
+    """On-disk chunk of an array whose rows (one per record) have *row_shape*.
+
+    For a head-split array (rows ``(H, ...)``) each chunk holds one head.
+    """
+    row_shape = tuple(int(s) for s in row_shape)
+    inner = list(row_shape)
+    if head_split and inner:
+        inner[0] = 1
+    inner_bytes = int(np.prod(inner, dtype=np.int64)) * itemsize
+    if r * inner_bytes <= policy.small_chunk_bytes and not head_split:
+        # Small array: several flushes per chunk.
+        m = _pow2_floor(policy.small_chunk_bytes / max(r * inner_bytes, 1))
+        m = min(m, max(1, 4096 // r))
+        return (r * m, *row_shape)
+    if r * inner_bytes > policy.chunk_bytes:
+        ax = 1 if head_split else 0
+        if ax < len(inner):
+            per_row = r * inner_bytes // inner[ax]
+            inner[ax] = int(max(1, min(inner[ax], policy.chunk_bytes // max(per_row, 1))))
+    return (r, *inner)

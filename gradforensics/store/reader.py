@@ -1,0 +1,287 @@
+"""Open a store for reading: validate once, then hand out lazy dask arrays.
+
+``Store(path)`` checks, at open: the path is a store, its schema version is
+known, the schema's arrays are present with the committed length, and every
+chunk of the committed records exists on disk (a deleted chunk would otherwise
+read back silently as zeros).  After that, readers trust the parsed metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.errors import CorruptChunkError, MissingArrayError, NotAStoreError
+from gradforensics.store.backends import ArrayHandle, backend_kind, open_backend
+from gradforensics.store.layout import MiB
+from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
+from gradforensics.store.writer import WEIGHT_RECORD
+
+if TYPE_CHECKING:
+    import dask.array as da
+
+REQUIRED_BATCHES = ("step", "loss", "mixture", "n_samples")
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What one stored array holds."""
+
+    name: str                 # path inside the store, e.g. "grads/model.layers.0.q_proj.weight"
+    shape: tuple[int, ...]    # stored shape, record axis first (committed length)
+    chunks: tuple[int, ...]
+    dtype: str                # on-disk dtype
+    attrs: dict[str, Any]
+    nbytes_stored: int
+
+    @property
+    def key(self) -> str:
+        return self.name.split("/", 1)[1]
+
+    @property
+    def heads(self) -> int | None:
+        h = self.attrs.get("heads")
+        return int(h) if h else None
+
+    @property
+    def encoding(self) -> str:
+        return str(self.attrs.get("encoding", "float32"))
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.nbytes / self.nbytes_stored if self.nbytes_stored else float("nan")
+
+
+class Store:
+    """A gradforensics store (Zarr v3 directory or HDF5 file), opened read-only."""
+
+    def __init__(self, path: str | os.PathLike[str], *, check_chunks: bool = True) -> None:
+        self.path = str(path)
+        self.kind = backend_kind(self.path)
+        if not Path(self.path).exists():
+            raise NotAStoreError(f"{self.path}: no such file or directory; expected a gradforensics store.")
+        b = open_backend(self.path, "r")
+        try:
+            self.meta: StoreMeta = parse_root_attrs(self.path, b.root_attrs().get(ROOT_ATTR))
+            names = b.names()
+            self.arrays: dict[str, ArrayInfo] = {}
+            for name in names:
+                shape, dtype, chunks = b.info(name)
+                n = self._rows_of(name)
+                self.arrays[name] = ArrayInfo(name, (min(shape[0], n), *shape[1:]), chunks, dtype,
+                                              b.attrs(name), b.nbytes_stored(name))
+            self._validate(b, check_chunks)
+        finally:
+            b.close()
+
+    # ---------------------------------------------------------------- basics
+    @property
+    def n_records(self) -> int:
+        return self.meta.n_records
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self.meta.sources
+
+    @property
+    def mode(self) -> str:
+        return self.meta.mode
+
+    def _rows_of(self, name: str) -> int:
+        if name.startswith("weights/"):
+            return self.meta.n_weights
+        if name.startswith("analysis/"):
+            return 1 << 62
+        return self.meta.n_records
+
+    def _group(self, prefix: str) -> dict[str, ArrayInfo]:
+        return {i.key: i for n, i in self.arrays.items() if n.startswith(prefix + "/")}
+
+    @cached_property
+    def grads(self) -> dict[str, ArrayInfo]:
+        """Gradient arrays by tensor name."""
+        return self._group("grads")
+
+    @cached_property
+    def sketches(self) -> dict[str, ArrayInfo]:
+        return self._group("sketch")
+
+    @cached_property
+    def weights(self) -> dict[str, ArrayInfo]:
+        return {k: v for k, v in self._group("weights").items() if k != "_record"}
+
+    @cached_property
+    def act_modules(self) -> list[str]:
+        return sorted({k.rsplit("/", 1)[0] for k in self._group("acts")})
+
+    @property
+    def tensors(self) -> list[str]:
+        """Every tensor with gradient information (whole or sketched), sorted."""
+        return sorted(set(self.grads) | set(self.sketches))
+
+    # ------------------------------------------------------------ validation
+    def _validate(self, b: Any, check_chunks: bool) -> None:
+        for f in REQUIRED_BATCHES:
+            name = f"batches/{f}"
+            if name not in self.arrays:
+                raise MissingArrayError(f"{self.path}: required array {name} is missing; the store is incomplete.")
+        for name, info in self.arrays.items():
+            want = self._rows_of(name)
+            if name.startswith("analysis/"):
+                continue
+            if info.shape[0] < want:
+                raise CorruptChunkError(
+                    f"{self.path}: {name} holds {info.shape[0]} rows; the store commits {want}."
+                )
+            if check_chunks and want:
+                missing = b.missing_chunks(name, want)
+                if missing:
+                    c0 = missing[0]
+                    r0 = c0[0] * info.chunks[0]
+                    raise CorruptChunkError(
+                        f"{self.path}: {name}: chunk {'.'.join(map(str, c0))} is missing on disk "
+                        f"(records {r0}-{min(r0 + info.chunks[0], want) - 1} affected; {len(missing)} chunk(s) missing)."
+                    )
+
+    # ---------------------------------------------------------------- reads
+    def read(self, name: str) -> np.ndarray:
+        """A small array, whole, as stored (committed rows only)."""
+        if name not in self.arrays:
+            raise MissingArrayError(f"{self.path}: no array {name} in the store.")
+        info = self.arrays[name]
+        b = open_backend(self.path, "r")
+        try:
+            return b.read(name, slice(0, info.shape[0]))
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise CorruptChunkError(f"{self.path}: {name} could not be read ({type(exc).__name__}: {exc}).") from exc
+        finally:
+            b.close()
+
+    def batches(self) -> dict[str, np.ndarray]:
+        """Every ``batches/*`` array (committed records only)."""
+        return {f: self.read(f"batches/{f}") for f in BATCH_FIELDS if f"batches/{f}" in self.arrays}
+
+    def _handle(self, info: ArrayInfo) -> ArrayHandle:
+        return ArrayHandle(self.kind, self.path, info.name, info.shape, info.encoding, info.chunks)
+
+    def lazy(self, name: str, slab_bytes: int | None = None) -> da.Array:
+        """Lazy float32 dask array of a stored array.
+
+        Chunks follow the on-disk chunks.  With *slab_bytes*, dask chunks instead
+        span all records and as many on-disk feature chunks as fit in
+        *slab_bytes* - the shape a Gram-matrix pass over features wants.
+        """
+        import dask.array as da
+
+        info = self.arrays[name]
+        chunks: tuple[Any, ...] = info.chunks
+        if slab_bytes is not None:
+            chunks = _slab_chunks(info, slab_bytes)
+        return da.from_array(self._handle(info), chunks=chunks, asarray=True, fancy=False,
+                             lock=False, name=f"gf-{_token(self.path, name, info.shape, chunks)}")
+
+    def grad(self, tensor: str, head: int | None = None, slab_bytes: int | None = None) -> da.Array:
+        """Per-record gradient of *tensor* (of one head, if given) as float32 dask array."""
+        x = self.lazy(f"grads/{tensor}", slab_bytes)
+        return x if head is None else x[:, head]
+
+    def sketch(self, tensor: str, head: int | None = None) -> da.Array:
+        x = self.lazy(f"sketch/{tensor}")
+        return x if head is None else x[:, head]
+
+    def weight_records(self) -> np.ndarray:
+        return self.read(WEIGHT_RECORD) if WEIGHT_RECORD in self.arrays else np.zeros(0, np.int64)
+
+    def weight(self, tensor: str) -> da.Array:
+        return self.lazy(f"weights/{tensor}")
+
+    def act(self, module: str, stat: str) -> np.ndarray:
+        if stat not in ACT_FIELDS:
+            raise KeyError(stat)
+        return self.read(f"acts/{module}/{stat}")
+
+    def act_attrs(self, module: str) -> dict[str, Any]:
+        return self.arrays[f"acts/{module}/hist"].attrs
+
+    # --------------------------------------------------- analysis persistence
+    def write_analysis(self, arrays: dict[str, np.ndarray], documents: dict[str, Any]) -> None:
+        """Write analysis results under ``analysis/`` (arrays, and JSON documents)."""
+        b = open_backend(self.path, "a")
+        try:
+            for key, arr in arrays.items():
+                b.create(f"analysis/{key}", arr.shape, arr.dtype.str, arr.shape or (1,), {}, "none")
+                if arr.size:
+                    b.write_rows(f"analysis/{key}", 0, arr)
+            for key, doc in documents.items():
+                raw = np.frombuffer(json.dumps(doc, default=_json_default).encode(), dtype=np.uint8)
+                b.create(f"analysis/{key}", (raw.size,), "|u1", (max(raw.size, 1),), {"format": "json"}, "none")
+                b.write_rows(f"analysis/{key}", 0, raw)
+        finally:
+            b.close()
+        self.__init__(self.path, check_chunks=False)  # type: ignore[misc]
+
+    def read_document(self, key: str) -> Any:
+        raw = self.read(f"analysis/{key}")
+        return json.loads(raw.tobytes().decode())
+
+    def has(self, name: str) -> bool:
+        return name in self.arrays
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o))
+
+
+def _slab_chunks(info: ArrayInfo, slab_bytes: int) -> tuple[Any, ...]:
+    """Dask chunks for a pass over features: all records, whole on-disk feature chunks.
+
+    The record axis is one chunk, unless even one on-disk feature chunk of all
+    records exceeds *slab_bytes*; then it is split into multiples of the on-disk
+    record chunk.  The head axis of a head-split array keeps chunk 1.
+    """
+    n = max(info.shape[0], 1)
+    disk = [int(c) for c in info.chunks]
+    shape = [int(s) for s in info.shape]
+    chunks = list(disk)
+    first = 2 if info.heads else 1      # first feature axis we may grow along
+    # smallest unit of one record: the on-disk chunk without its record axis
+    unit = 4 * int(np.prod(disk[1:], dtype=np.int64))
+    if n * unit > slab_bytes:
+        r = max(disk[0], (slab_bytes // unit) // disk[0] * disk[0])
+        chunks[0] = min(r, n)
+        return tuple(chunks)
+    chunks[0] = n
+    budget = slab_bytes // (n * unit)
+    for ax in range(first, len(shape)):
+        if disk[ax] < shape[ax]:
+            chunks[ax] = min(shape[ax], disk[ax] * max(1, int(budget)))
+            break
+    return tuple(chunks)
+
+
+def _token(*parts: Any) -> str:
+    from dask.base import tokenize
+
+    return tokenize(*parts)
+
+
+def open_store(path: str | os.PathLike[str]) -> Store:
+    """Open the store at *path* for reading (validates it; see :class:`Store`)."""
+    return Store(path)
+
+
+MAX_SLAB = 128 * MiB
