@@ -11,7 +11,7 @@ from typing import Any
 from gradforensics.errors import GradforensicsError
 
 __version__ = "0.1.0"
-__all__ = ["GradforensicsError", "Recorder", "analyze", "open_store", "report", "__version__"]
+__all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "open_store", "report"]
 
 
 def __getattr__(name: str) -> Any:

@@ -68,24 +68,23 @@ class HeadSpec:
         d = n // self.total
         if self.interleaved:
             # [h][part][d] along ax -> [part][h][d]
-            y = x.reshape(x.shape[:ax] + (self.heads, self.fused, d) + x.shape[ax + 1:])
+            y = x.reshape((*x.shape[:ax], self.heads, self.fused, d, *x.shape[ax + 1:]))
             y = np.swapaxes(y, ax, ax + 1)
         else:
-            y = x.reshape(x.shape[:ax] + (self.fused, self.heads, d) + x.shape[ax + 1:])
-        y = y.reshape(x.shape[:ax] + (self.total, d) + x.shape[ax + 1:])
+            y = x.reshape((*x.shape[:ax], self.fused, self.heads, d, *x.shape[ax + 1:]))
+        y = y.reshape((*x.shape[:ax], self.total, d, *x.shape[ax + 1:]))
         return np.ascontiguousarray(np.moveaxis(y, ax, 0))
 
     def merge(self, blocks: np.ndarray) -> np.ndarray:
         """Inverse of :meth:`split` (for tests and for rebuilding a tensor)."""
-        ax = self.axis
-        y = np.moveaxis(blocks, 0, ax % (blocks.ndim - 1) if ax >= 0 else ax)
+        a = self.axis % (blocks.ndim - 1)
+        y = np.moveaxis(blocks, 0, a)
         shp = y.shape
-        a = ax % (blocks.ndim - 1)
         d = shp[a + 1]
         if self.interleaved:
-            y = y.reshape(shp[:a] + (self.fused, self.heads, d) + shp[a + 2:])
+            y = y.reshape((*shp[:a], self.fused, self.heads, d, *shp[a + 2:]))
             y = np.swapaxes(y, a, a + 1)
-        return y.reshape(shp[:a] + (self.total * d,) + shp[a + 2:])
+        return y.reshape((*shp[:a], self.total * d, *shp[a + 2:]))
 
 
 def parse_head_spec(name: str, value: Any) -> HeadSpec:

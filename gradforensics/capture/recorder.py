@@ -30,6 +30,7 @@ from gradforensics.capture.actstats import ActRange, act_stats, make_range
 from gradforensics.capture.heads import HeadSpec, match_heads
 from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError
+from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.schema import encode_bf16, new_meta
 from gradforensics.store.writer import Row, StoreWriter
 
@@ -93,6 +94,9 @@ class Recorder:
         Records in flight to the writer thread before ``record()`` blocks.
     background
         ``False`` writes on the caller's thread (debugging).
+    records_per_chunk, layout, compression
+        On-disk layout (see :mod:`gradforensics.store.layout`); the defaults
+        were chosen by measurement (``docs/store-layout.md``).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Recorder:
@@ -120,6 +124,7 @@ class Recorder:
         framework: str = "numpy",
         model_info: Mapping[str, Any] | None = None,
         compression: str = "none",
+        layout: LayoutPolicy | None = None,
     ) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {DTYPES} or None; got {dtype!r}.")
@@ -132,7 +137,8 @@ class Recorder:
         self.act_bounds = dict(act_bounds or {})
         self.compression = compression
         meta = new_meta(self.sources, mode, framework, dict(model_info or {}))
-        self._writer = StoreWriter(self.path, meta, overwrite=overwrite, records_per_chunk=records_per_chunk)
+        self._writer = StoreWriter(self.path, meta, overwrite=overwrite, records_per_chunk=records_per_chunk,
+                                   policy=layout)
         self._shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         self._head_specs: dict[str, HeadSpec | None] = {}
         self._ranges: dict[str, ActRange] = {}
@@ -175,6 +181,27 @@ class Recorder:
         weights: Mapping[str, Any] | None = None,
     ) -> None:
         """Record one batch.  Arrays are copied before this returns."""
+        self._submit(self._make_pending(
+            step=step, loss=loss, source=source, mixture=mixture, n_samples=n_samples, lr=lr, rank=rank,
+            time=time, grads=grads, activations=activations, weights=weights))
+
+    def _make_pending(
+        self,
+        *,
+        step: int | None,
+        loss: float,
+        source: str | None,
+        mixture: Mapping[str, float] | None,
+        n_samples: int,
+        lr: float,
+        rank: int,
+        time: float | None,
+        grads: Mapping[str, Any] | None,
+        activations: Mapping[str, Any] | None,
+        weights: Mapping[str, Any] | None,
+        copy: bool = True,
+    ) -> _Pending:
+        """Validate one record; ``copy=False`` when the caller hands over fresh arrays."""
         self._raise_if_failed()
         if self._closed:
             raise StoreClosedError(f"{self.path}: record() after close().")
@@ -188,14 +215,13 @@ class Recorder:
             "lr": np.float32(lr),
             "time": np.float64(_time.time() if time is None else time),
         }
-        pending = _Pending(
+        return _Pending(
             meta=meta,
-            grads={k: self._take(f"grads[{k!r}]", k, v) for k, v in (grads or {}).items()},
-            acts={k: self._take(f"activations[{k!r}]", "act:" + k, v, per_record_shape=False)
+            grads={k: self._take(f"grads[{k!r}]", k, v, copy=copy) for k, v in (grads or {}).items()},
+            acts={k: self._take(f"activations[{k!r}]", "act:" + k, v, per_record_shape=False, copy=copy)
                   for k, v in (activations or {}).items()},
-            weights={k: np.array(v, copy=True) for k, v in (weights or {}).items()},
+            weights={k: np.array(v, copy=True) if copy else np.asarray(v) for k, v in (weights or {}).items()},
         )
-        self._submit(pending)
 
     def flush(self) -> None:
         """Wait until every record so far is written and committed."""
@@ -232,8 +258,9 @@ class Recorder:
             raise SpecError(f"record(): mixture shares must be >= 0 with a positive sum; got {items}.")
         return row / total
 
-    def _take(self, label: str, key: str, value: Any, per_record_shape: bool = True) -> np.ndarray:
-        a = np.array(value, copy=True)
+    def _take(self, label: str, key: str, value: Any, per_record_shape: bool = True,
+              copy: bool = True) -> np.ndarray:
+        a = np.array(value, copy=True) if copy else np.asarray(value)
         if a.dtype.kind not in "fV" and not _is_bf16(a):
             raise StoreMismatchError(f"record(): {label} has dtype {a.dtype}; expected a floating-point array.")
         shape = a.shape if per_record_shape else a.shape[-1:]
@@ -270,7 +297,7 @@ class Recorder:
                     return
                 if self._error is None:
                     self._write(item)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller thread
+            except BaseException as exc:
                 self._error = exc
             finally:
                 self._queue.task_done()

@@ -22,7 +22,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def summarize(store: Store) -> dict:
-    def entry(info):  # noqa: ANN001, ANN202
+    def entry(info):
         return {"shape": list(info.shape), "dtype": info.attrs.get("source_dtype", info.dtype),
                 "encoding": info.encoding, "heads": info.heads, "role": info.attrs.get("role") or None,
                 "bytes_on_disk": info.nbytes_stored, "compression_ratio": round(info.compression_ratio, 3)}

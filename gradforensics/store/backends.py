@@ -180,7 +180,7 @@ class HDF5Backend:
             except OSError as exc:
                 raise NotAStoreError(f"{self.path}: not an HDF5 file ({exc}); expected a gradforensics store.") from exc
         else:
-            self._f = h5py.File(self.path, "w" if mode == "w" else "a", libver="latest")
+            self._f = h5py.File(self.path, "w" if mode == "w" else "a")
         self.writable = mode != "r"
 
     def root_attrs(self) -> dict[str, Any]:

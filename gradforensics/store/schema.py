@@ -89,7 +89,7 @@ def new_meta(
         raise SpecError(f"sources must be distinct; {dup} given more than once.")
     if mode not in MODES:
         raise SpecError(f"mode must be one of {MODES}; got {mode!r}.")
-    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     return StoreMeta(
         sources=srcs, mode=mode, framework=framework, model=dict(model or {}),
         created=created, extra=dict(extra or {}),

@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package: contract suites and planted-truth store factories."""
