@@ -1,0 +1,72 @@
+"""The report a training team reads: ``report.html``, ``report.md``, ``flags.json``, ``tables/``.
+
+``report(findings, out_dir)`` renders :class:`~gradforensics.analysis.base.Findings`
+(from ``gf.analyze`` or ``Findings.from_store``); it never reads gradients.
+
+* ``report.html`` - one self-contained file: header, summary in sentences, the
+  at-a-glance map, a section per finding with its evidence figure and what to
+  try next, the sortable layer-by-layer table, the analysis tables;
+* ``report.md`` - the same in Markdown, figures as PNG files in ``figures/``;
+* ``flags.json`` - exactly ``findings.flags_json()``, validated against
+  :data:`~gradforensics.report.flagsjson.FLAGS_SCHEMA`;
+* ``tables/<name>.csv`` - one per analysis result table, ``tensor``, ``head`` first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gradforensics.report.severity import SEVERITY_NAMES, exit_code, parse_severity
+
+if TYPE_CHECKING:
+    from gradforensics.analysis.base import Findings
+    from gradforensics.store.reader import Store
+
+__all__ = ["SEVERITY_NAMES", "exit_code", "parse_severity", "report"]
+
+
+def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | str | None = None) -> dict[str, Path]:
+    """Write the report of *findings* into *out_dir* (created if needed).
+
+    Parameters
+    ----------
+    findings
+        What a forensic pass found.
+    out_dir
+        Directory for ``report.html``, ``report.md``, ``figures/``, ``flags.json``, ``tables/``.
+    store
+        Optional store (or its path) for header details the findings lack
+        (model, source shares).  Gradients are never read.
+
+    Returns
+    -------
+    dict
+        Written paths: ``"html"``, ``"markdown"``, ``"flags"``, ``"tables/<name>"``
+        and ``"figures/<stem>"``.
+    """
+    from gradforensics.report import document, flagsjson, html, markdown, tables
+
+    if isinstance(store, (str, os.PathLike)):
+        from gradforensics.store.reader import Store as _Store
+
+        store = _Store(store, check_chunks=False)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {"flags": flagsjson.write(findings, out / "flags.json")}
+    paths.update(tables.write_csvs(findings, out))
+    doc = document.build(findings, store)
+    figdir = out / "figures"
+    figdir.mkdir(exist_ok=True)
+    for old in [*figdir.glob("finding-*.png"), figdir / "overview.png"]:   # stale figures of an earlier render
+        old.unlink(missing_ok=True)
+    for pic in doc.pictures:
+        p = figdir / f"{pic.stem}.png"
+        p.write_bytes(pic.png)
+        paths[f"figures/{pic.stem}"] = p
+    paths["html"] = out / "report.html"
+    paths["html"].write_text(html.render(doc), encoding="utf-8")
+    paths["markdown"] = out / "report.md"
+    paths["markdown"].write_text(markdown.render(doc, "figures"), encoding="utf-8")
+    return paths

@@ -1,0 +1,158 @@
+"""What the report says, built once from :class:`Findings`; HTML and Markdown render it.
+
+Figures are drawn once here (PNG bytes): the HTML embeds them as base64, the
+Markdown links them as files in ``figures/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.report import advice, figures, summary, tables
+from gradforensics.report.severity import band
+
+if TYPE_CHECKING:
+    from gradforensics.analysis.base import Findings
+    from gradforensics.store.reader import Store
+
+#: Findings that get an evidence figure (the most severe ones).
+MAX_FIGURES = 24
+
+
+@dataclass
+class Picture:
+    stem: str                 # file name without .png, e.g. "finding-01-conflict"
+    png: bytes
+    alt: str
+    note: str | None = None   # why the analysis's figure is missing, if it is
+
+
+@dataclass
+class Section:
+    finding: summary.Finding
+    sentence: str
+    picture: Picture | None
+    advice: list[str]
+    references: list[str]
+
+
+@dataclass
+class Document:
+    title: str
+    header: list[tuple[str, str]]
+    headline: str
+    sentences: list[tuple[summary.Finding, str]]
+    n_more: int
+    overview: Picture
+    sections: list[Section]
+    layer_columns: list[str]
+    layer_rows: list[dict[str, Any]]
+    analysis_tables: dict[str, Any]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def pictures(self) -> list[Picture]:
+        return [self.overview] + [s.picture for s in self.sections if s.picture is not None]
+
+
+def _fmt_model(model: Any) -> str:
+    if isinstance(model, dict):
+        return ", ".join(f"{k}={v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k}={v}"
+                         for k, v in model.items())
+    return str(model)
+
+
+def _shares(findings: Findings, store: Store | None) -> dict[str, float] | None:
+    src = findings.header.get("sources")
+    if isinstance(src, dict):
+        return {str(k): float(v) for k, v in src.items()}
+    if store is not None and store.n_records and store.has("batches/mixture"):
+        mix = store.read("batches/mixture")
+        return {s: float(mix[:, i].mean()) for i, s in enumerate(store.sources)}
+    return None
+
+
+def _versions(findings: Findings) -> dict[str, str]:
+    v = findings.header.get("versions")
+    if isinstance(v, dict) and v:
+        return {str(k): str(x) for k, x in v.items()}
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("gradforensics", "numpy", "dask", "zarr", "h5py", "matplotlib"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+_SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions"}
+
+
+def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str]]:
+    """(label, text) pairs for the report's header, known fields first."""
+    h = findings.header
+    items = [("Store", findings.store)]
+    model = h.get("model") or (store.meta.model if store is not None else None)
+    if model:
+        items.append(("Model", _fmt_model(model)))
+    items.append(("Mode", findings.mode + (" (history over optimizer steps)" if findings.mode == "training"
+                                           else " (batches replayed through one checkpoint)")))
+    items.append(("Records", f"{findings.n_records:,}"))
+    shares = _shares(findings, store)
+    if shares:
+        items.append(("Sources", ", ".join(f"{k} {v:.0%}" for k, v in shares.items())))
+    else:
+        items.append(("Sources", ", ".join(findings.sources) or "—"))
+    items.append(("Analyses", ", ".join(findings.results) or "none"))
+    for k, v in h.items():
+        if k not in _SHOWN and v not in (None, "", {}, []):
+            items.append((k.replace("_", " ").capitalize(), _fmt_model(v)))
+    items.append(("Versions", ", ".join(f"{k} {v}" for k, v in _versions(findings).items())))
+    return items
+
+
+def _picture(fig: Any, stem: str, alt: str, note: str | None = None) -> Picture:
+    png = figures.to_png(fig)
+    fig.clear()
+    return Picture(stem, png, alt, note)
+
+
+def build(findings: Findings, store: Store | None = None) -> Document:
+    """Everything the renderers need, figures included."""
+    groups = summary.group(findings.flags)
+    shown, n_more = summary.sentences(findings, groups)
+    ov = _picture(figures.overview(findings), "overview",
+                  "Map of the highest flag severity per layer (columns) and analysis (rows).")
+    problems: list[str] = []
+    sections = []
+    for g in groups:
+        pic = None
+        if g.index < MAX_FIGURES:
+            fig, note = figures.evidence(findings, g)
+            stem = f"finding-{g.index + 1:02d}-{g.kind}"
+            pic = _picture(fig, stem, f"Evidence for finding {g.index + 1}: {g.kind} on {g.top.tensor}.", note)
+            if note:
+                problems.append(f"finding {g.index + 1} ({g.kind}, {g.top.tensor}): {note}")
+        sections.append(Section(g, g.sentence(findings.n_records), pic, advice.advice_for(g.kind, g.flags),
+                                advice.references_for(g.kind)))
+    cols, rows = tables.layer_table(findings)
+    return Document(
+        title=f"gradforensics report — {findings.store}",
+        header=header_items(findings, store),
+        headline=summary.headline(findings),
+        sentences=[(g, g.sentence(findings.n_records)) for g in shown],
+        n_more=n_more,
+        overview=ov,
+        sections=sections,
+        layer_columns=cols,
+        layer_rows=rows,
+        analysis_tables={n: tables.contract_order(r.table) for n, r in findings.results.items()},
+        problems=problems,
+    )
+
+
+def severity_label(s: float) -> str:
+    return f"{s:.2f} ({band(s)})"

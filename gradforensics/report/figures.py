@@ -1,0 +1,208 @@
+"""The report's figures, on explicit matplotlib ``Figure``/``Axes`` (no pyplot state).
+
+* :func:`overview` - the at-a-glance map: analysis x layer depth (x head where
+  heads were split), coloured by the highest flag severity in the cell; grey
+  where that analysis has no row for that layer.
+* :func:`evidence` - the evidence of one finding, drawn by the analysis that
+  produced it (``REGISTRY[name].plot(result, flag, ax)``).  A plot that raises
+  or draws nothing yields a figure that says so, never a blank panel, and a
+  ``RuntimeWarning`` naming the analysis.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import textwrap
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.report import names
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from gradforensics.analysis.base import Findings, Flag
+    from gradforensics.report.summary import Finding
+
+DPI = 110
+OTHER = "other"
+
+
+class PlotBugWarning(RuntimeWarning):
+    """An analysis's ``plot`` raised or drew nothing; the report shows a note instead."""
+
+
+def new_figure(width: float, height: float) -> Figure:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+
+
+def to_png(fig: Figure) -> bytes:
+    """PNG bytes of *fig* (Agg canvas; no display needed)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def analysis_name(flag: Flag, findings: Findings) -> str:
+    """Which analysis produced *flag*: ``evidence["analysis"]`` if given, else its kind."""
+    name = flag.evidence.get("analysis")
+    if isinstance(name, str) and name in findings.results:
+        return name
+    return flag.kind
+
+
+# ----------------------------------------------------------------- overview
+@dataclass
+class Overview:
+    rows: list[str]                     # analysis names
+    layers: list[int | str]             # layer indices, then OTHER if needed
+    heads: int                          # sub-columns per layer (1 when no head split)
+    matrix: np.ndarray                  # (rows, len(layers) * heads); NaN = not analysed
+
+
+def _table_rows(table: Any) -> list[tuple[str, int | None]]:
+    if table is None or "tensor" not in getattr(table, "columns", ()):
+        return []
+    heads = table["head"] if "head" in table.columns else [None] * len(table)
+    out = []
+    for t, h in zip(table["tensor"], heads):
+        hv = None if h is None or (isinstance(h, float) and math.isnan(h)) or h == "" else int(h)
+        out.append((str(t), hv))
+    return out
+
+
+def overview_data(findings: Findings) -> Overview:
+    """The matrix behind :func:`overview` (tested directly)."""
+    from gradforensics.analysis import REGISTRY
+
+    rows = [n for n in REGISTRY if n in findings.results] + [n for n in findings.results if n not in REGISTRY]
+    for f in findings.flags:
+        n = analysis_name(f, findings)
+        if n not in rows:
+            rows.append(n)
+    rows_of_table = {n: _table_rows(findings.table(n)) for n in rows}
+    all_names = [t for r in rows_of_table.values() for t, _ in r] + [f.tensor for f in findings.flags]
+    all_heads = [h for r in rows_of_table.values() for _, h in r] + [f.head for f in findings.flags]
+    idx = [names.layer_of(t) for t in all_names]
+    known = [i for i in idx if i is not None]
+    layers: list[int | str] = list(range(min(known), max(known) + 1)) if known else []
+    if any(i is None for i in idx):
+        layers.append(OTHER)
+    hs = [h for h in all_heads if h is not None]
+    n_heads = max(hs) + 1 if hs else 1
+    col = {lay: j for j, lay in enumerate(layers)}
+    m = np.full((len(rows), max(len(layers), 1) * n_heads), np.nan)
+
+    def cols(name: str, head: int | None) -> slice:
+        lay = names.layer_of(name)
+        j = col[OTHER if lay is None else lay]
+        if head is None or n_heads == 1:
+            return slice(j * n_heads, (j + 1) * n_heads)
+        return slice(j * n_heads + head, j * n_heads + head + 1)
+
+    for r, n in enumerate(rows):
+        entries = rows_of_table[n]
+        if not entries:                      # no per-tensor table: analysed everywhere
+            m[r, :] = 0.0
+        for t, _ in entries:
+            m[r, cols(t, None)] = 0.0
+    for f in findings.flags:
+        r = rows.index(analysis_name(f, findings))
+        s = cols(f.tensor, f.head)
+        cur = m[r, s]
+        m[r, s] = np.where(np.isnan(cur), f.severity, np.maximum(np.nan_to_num(cur), f.severity))
+    return Overview(rows, layers, n_heads, m)
+
+
+def overview(findings: Findings) -> Figure:
+    """Analysis x layer depth (x head), coloured by the highest flag severity."""
+    import matplotlib as mpl
+
+    ov = overview_data(findings)
+    n_cols = max(len(ov.layers), 1)
+    fig = new_figure(min(13.0, max(9.0, 2.8 + 0.42 * n_cols)), 1.9 + 0.42 * max(len(ov.rows), 1))
+    ax = fig.add_subplot()
+    cmap = mpl.colormaps["YlOrRd"].with_extremes(bad="#d9d9d9")
+    im = ax.imshow(np.ma.masked_invalid(ov.matrix), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
+                   interpolation="nearest")
+    h = ov.heads
+    ax.set_yticks(range(len(ov.rows)), ov.rows)
+    step = max(1, math.ceil(n_cols / 32))
+    ax.set_xticks([j * h + (h - 1) / 2 for j in range(0, n_cols, step)],
+                  [str(x) for x in ov.layers[::step]] if ov.layers else [])
+    for j in range(1, n_cols):
+        ax.axvline(j * h - 0.5, color="white", lw=1.5 if h > 1 else 0.6)
+    for r in range(1, len(ov.rows)):
+        ax.axhline(r - 0.5, color="white", lw=0.6)
+    if n_cols <= 40:
+        for r in range(len(ov.rows)):
+            for j in range(n_cols):
+                block = ov.matrix[r, j * h:(j + 1) * h]
+                if np.any(block >= 0.5):
+                    v = np.nanmax(block)
+                    ax.text(j * h + (h - 1) / 2, r, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                            color="white" if v > 0.7 else "black")
+    xl = "layer depth (block index"
+    xl += f"; each block split into heads 0–{h - 1})" if h > 1 else ")"
+    if OTHER in ov.layers:
+        xl += f"; '{OTHER}' = outside the layer stack"
+    ax.set_xlabel(xl)
+    ax.set_ylabel("analysis")
+    ax.set_title("Where it hurts: highest flag severity per layer and analysis (≥ 0.5: act; grey: not analysed)",
+                 fontsize=10)
+    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.01)
+    cb.set_label("max severity [0–1]")
+    return fig
+
+
+# ----------------------------------------------------------------- evidence
+def _note(ax: Axes, text: str) -> None:
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, "\n".join(textwrap.wrap(text, 90)), ha="center", va="center", fontsize=9,
+            color="#8a1c1c", transform=ax.transAxes,
+            bbox={"boxstyle": "round", "facecolor": "#fdecea", "edgecolor": "#8a1c1c"})
+
+
+def _drew_something(fig: Figure) -> bool:
+    return any(a.has_data() or a.images or a.texts or a.tables for a in fig.axes)
+
+
+def evidence(findings: Findings, finding: Finding) -> tuple[Figure, str | None]:
+    """The evidence figure of *finding* (its most severe flag) and a note if the plot failed."""
+    from gradforensics.analysis import REGISTRY
+
+    flag = finding.top
+    name = analysis_name(flag, findings)
+    fig = new_figure(7.2, 3.6)
+    ax = fig.add_subplot()
+    an, res = REGISTRY.get(name), findings.results.get(name)
+    note: str | None = None
+    if an is None:
+        note = f"No evidence figure: no analysis named {name!r} is registered in this gradforensics."
+    elif res is None:
+        note = f"No evidence figure: the findings hold no result of the {name!r} analysis."
+    else:
+        try:
+            an.plot(res, flag, ax)
+        except Exception as exc:  # a plot bug must not sink the report
+            note = (f"The evidence figure could not be drawn: gradforensics.analysis.{name} plot() raised "
+                    f"{type(exc).__name__}: {exc}. This is a bug; please report it.")
+        else:
+            if not _drew_something(fig):
+                note = f"The evidence figure is empty: gradforensics.analysis.{name} plot() drew nothing. This is a bug."
+    if note is not None:
+        warnings.warn(f"report: {flag.kind} on {flag.tensor}: {note}", PlotBugWarning, stacklevel=2)
+        fig.clear()
+        fig.set_size_inches(7.2, 1.1)
+        _note(fig.add_subplot(), note)
+    elif not ax.get_title():
+        head = "" if flag.head is None else f", head {flag.head}"
+        ax.set_title(f"{finding.title}: {flag.tensor}{head}", fontsize=10)
+    return fig, note

@@ -1,0 +1,153 @@
+"""``flags.json``: the machine-readable findings, and the JSON Schema they follow.
+
+The document is exactly ``Findings.flags_json()`` (design contract).
+:data:`FLAGS_SCHEMA` is a JSON Schema (draft 2020-12) of it; :func:`validate`
+checks a document against the schema with a small built-in validator (no extra
+dependency; it implements the keywords the schema uses, and the test suite
+cross-checks it with the ``jsonschema`` package) plus what a schema cannot say:
+flags sorted by severity, descending, and record ranges inside the store.
+``python -m gradforensics.report.flagsjson`` prints the schema.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.analysis.base import FLAG_KINDS
+from gradforensics.errors import GradforensicsError
+
+if TYPE_CHECKING:
+    from gradforensics.analysis.base import Findings
+
+FLAG_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["kind", "tensor", "head", "sources", "severity", "records", "evidence", "summary"],
+    "properties": {
+        "kind": {"enum": list(FLAG_KINDS), "description": "what kind of trouble"},
+        "tensor": {"type": "string", "minLength": 1,
+                   "description": "parameter name, activation module or series (batches/loss)"},
+        "head": {"type": ["integer", "null"], "minimum": 0, "description": "attention head; null = whole tensor"},
+        "sources": {"type": "array", "items": {"type": "string"}, "uniqueItems": True,
+                    "description": "data sources implicated; empty when none is"},
+        "severity": {"type": "number", "minimum": 0, "maximum": 1, "description": "comparable across kinds"},
+        "records": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 2, "maxItems": 2,
+                    "description": "inclusive record range [since, last] the finding covers"},
+        "evidence": {"type": "object", "description": "the numbers behind the flag (kind-specific keys)"},
+        "summary": {"type": "string", "description": "one sentence a person can act on"},
+    },
+}
+
+FLAGS_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "gradforensics/flags.schema.json",
+    "title": "gradforensics flags.json, schema 1",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["schema", "store", "n_records", "mode", "flags"],
+    "properties": {
+        "schema": {"const": 1},
+        "store": {"type": "string"},
+        "n_records": {"type": "integer", "minimum": 0, "description": "every record, non-finite ones included"},
+        "mode": {"enum": ["training", "replay"]},
+        "flags": {"type": "array", "items": FLAG_SCHEMA, "description": "sorted by severity, descending"},
+    },
+}
+
+
+class FlagsSchemaError(GradforensicsError, ValueError):
+    """A flags.json document does not follow the schema."""
+
+
+_TYPES: dict[str, Any] = {
+    "object": dict, "array": list, "string": str, "null": type(None),
+    "integer": int, "number": (int, float), "boolean": bool,
+}
+
+
+def _is(value: Any, t: str) -> bool:
+    if t in ("integer", "number") and isinstance(value, bool):
+        return False
+    if t == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _TYPES[t])
+
+
+def _errors(doc: Any, schema: dict[str, Any], where: str) -> Iterator[str]:
+    """The keywords :data:`FLAGS_SCHEMA` uses, checked the way JSON Schema defines them."""
+    if "const" in schema and doc != schema["const"]:
+        yield f"{where}: expected {schema['const']!r}, got {doc!r}"
+    if "enum" in schema and doc not in schema["enum"]:
+        yield f"{where}: expected one of {schema['enum']}, got {doc!r}"
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_is(doc, t) for t in types):
+            yield f"{where}: expected {' or '.join(types)}, got {type(doc).__name__} {doc!r}"
+            return
+    if _is(doc, "number"):
+        if "minimum" in schema and doc < schema["minimum"]:
+            yield f"{where}: {doc!r} is below the minimum {schema['minimum']}"
+        if "maximum" in schema and doc > schema["maximum"]:
+            yield f"{where}: {doc!r} is above the maximum {schema['maximum']}"
+    if isinstance(doc, str) and len(doc) < schema.get("minLength", 0):
+        yield f"{where}: empty string"
+    if isinstance(doc, dict):
+        for key in schema.get("required", ()):
+            if key not in doc:
+                yield f"{where}: missing required key {key!r}"
+        props = schema.get("properties", {})
+        for key, value in doc.items():
+            if key in props:
+                yield from _errors(value, props[key], f"{where}.{key}")
+            elif schema.get("additionalProperties", True) is False:
+                yield f"{where}: unexpected key {key!r}"
+    if isinstance(doc, list):
+        if len(doc) < schema.get("minItems", 0) or len(doc) > schema.get("maxItems", len(doc)):
+            yield f"{where}: expected {schema.get('minItems')}-{schema.get('maxItems')} items, got {len(doc)}"
+        if schema.get("uniqueItems") and len({json.dumps(x, sort_keys=True) for x in doc}) != len(doc):
+            yield f"{where}: items are not unique"
+        if "items" in schema:
+            for i, item in enumerate(doc):
+                yield from _errors(item, schema["items"], f"{where}[{i}]")
+
+
+def errors(doc: Any) -> list[str]:
+    """Every way *doc* departs from the flags.json contract (empty list = valid)."""
+    out = list(_errors(doc, FLAGS_SCHEMA, "flags.json"))
+    if out:
+        return out
+    sev = [f["severity"] for f in doc["flags"]]
+    if any(a < b for a, b in itertools.pairwise(sev)):
+        out.append("flags.json.flags: not sorted by severity, descending")
+    for i, f in enumerate(doc["flags"]):
+        a, b = f["records"]
+        if a > b or b >= max(doc["n_records"], 1):
+            out.append(f"flags.json.flags[{i}].records: [{a}, {b}] is not a range inside the "
+                       f"{doc['n_records']} records")
+    return out
+
+
+def validate(doc: Any) -> None:
+    """Raise :class:`FlagsSchemaError` naming the first problems if *doc* is not a valid flags.json."""
+    errs = errors(doc)
+    if errs:
+        more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
+        raise FlagsSchemaError("; ".join(errs[:3]) + more)
+
+
+def write(findings: Findings, path: str | os.PathLike[str]) -> Path:
+    """Validate ``findings.flags_json()`` and write it to *path*."""
+    doc = findings.flags_json()
+    validate(doc)
+    p = Path(path)
+    p.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return p
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(json.dumps(FLAGS_SCHEMA, indent=2))

@@ -1,0 +1,185 @@
+"""``report.html``: one self-contained file (figures as base64 PNG, inline CSS and JS).
+
+Nothing is fetched: no external script, stylesheet, font or image, so the file
+reads the same offline, attached to a ticket or opened from a cluster's
+scratch.  The only script sorts a table when its header is clicked.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from html import escape
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.report.severity import band
+
+if TYPE_CHECKING:
+    from gradforensics.report.document import Document, Picture, Section
+
+#: Rows of a per-analysis table shown inline (the CSV has all of them).
+MAX_TABLE_ROWS = 300
+MAX_FLAG_ROWS = 40
+
+CSS = """
+body{font:15px/1.5 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d1d1f;margin:0;background:#f6f7f9}
+main{max-width:1180px;margin:0 auto;padding:24px 28px 60px;background:#fff}
+h1{font-size:1.5em;margin:.2em 0 .6em}h2{margin-top:1.8em;border-bottom:2px solid #e3e5e8;padding-bottom:.2em}
+h3{margin:1.4em 0 .4em}
+table{border-collapse:collapse;font-size:13px;margin:.5em 0}
+th,td{border:1px solid #dfe1e5;padding:3px 7px;text-align:left;vertical-align:top}
+th{background:#f0f2f5}table.sortable th{cursor:pointer;user-select:none}
+table.sortable th:after{content:" \\2195";color:#999;font-size:.8em}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+.hdr th{width:9em;background:#f7f8fa}
+.sev{display:inline-block;min-width:3.6em;text-align:center;border-radius:4px;padding:0 .35em;font-weight:600;
+font-variant-numeric:tabular-nums}
+.sev.high{background:#b2182b;color:#fff}.sev.medium{background:#ef8a62;color:#000}
+.sev.low{background:#fddbc7;color:#000}.sev.info{background:#e8eaed;color:#333}
+td.high{background:#f4c7c3}td.medium{background:#fbe0cf}td.low{background:#fdf1e8}
+ol.summary li{margin:.35em 0}.headline{font-size:1.08em;font-weight:500}
+figure{margin:.6em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
+figcaption{font-size:13px;color:#555}
+.note{background:#fdecea;border-left:4px solid #b2182b;padding:.4em .8em;margin:.5em 0}
+.advice{background:#eef6ee;border-left:4px solid #2e7d32;padding:.3em 1em;margin:.6em 0}
+.advice h4{margin:.4em 0}.refs{font-size:13px;color:#444}
+section.finding{border-top:1px solid #e3e5e8;margin-top:1.4em}
+.tablewrap{max-height:640px;overflow:auto;border:1px solid #e3e5e8}
+.tablewrap table{margin:0}.tablewrap th{position:sticky;top:0}
+details{margin:.4em 0}summary{cursor:pointer}code{font-size:.95em}
+"""
+
+JS = """
+function gfSort(th){
+  var table=th.closest('table'),tbody=table.tBodies[0],col=th.cellIndex;
+  var asc=th.getAttribute('data-dir')!=='asc';
+  Array.prototype.forEach.call(th.parentNode.children,function(h){h.removeAttribute('data-dir');});
+  th.setAttribute('data-dir',asc?'asc':'desc');
+  var rows=Array.prototype.slice.call(tbody.rows);
+  function key(r){var c=r.cells[col],v=c.getAttribute('data-v');if(v===null)v=c.textContent;
+    var n=parseFloat(v);return (v!==''&&!isNaN(n))?[0,n]:[v===''?2:1,v];}
+  rows.sort(function(a,b){var x=key(a),y=key(b);
+    if(x[0]!==y[0])return x[0]-y[0];var d=x[1]<y[1]?-1:x[1]>y[1]?1:0;return asc?d:-d;});
+  rows.forEach(function(r){tbody.appendChild(r);});
+}
+document.addEventListener('click',function(e){var th=e.target.closest('table.sortable th');if(th)gfSort(th);});
+"""
+
+
+def _sev(s: float) -> str:
+    return f'<span class="sev {band(s)}" title="severity {s:.3f}">{s:.2f}</span>'
+
+
+def _img(pic: Picture) -> str:
+    data = base64.b64encode(pic.png).decode("ascii")
+    note = f'<div class="note">{escape(pic.note)}</div>' if pic.note else ""
+    return (f'{note}<figure><img id="fig-{escape(pic.stem)}" alt="{escape(pic.alt)}" '
+            f'src="data:image/png;base64,{data}"></figure>')
+
+
+def _cell(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return '<td data-v=""></td>'
+    if isinstance(v, bool):
+        return f"<td>{v}</td>"
+    if isinstance(v, (int, float)):
+        text = f"{v:.4g}" if isinstance(v, float) else str(v)
+        return f'<td class="num" data-v="{v!r}">{escape(text)}</td>'
+    return f"<td>{escape(str(v))}</td>"
+
+
+def _table(columns: list[str], rows: list[list[Any]], cls: str = "sortable", tid: str = "") -> str:
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(_cell(v) for v in r) + "</tr>" for r in rows)
+    idattr = f' id="{tid}"' if tid else ""
+    return f'<table class="{cls}"{idattr}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _layer_table(doc: Document) -> str:
+    cols = doc.layer_columns
+    analyses = cols[3:-2]
+    head = "".join(f"<th>{escape(c)}</th>" for c in cols)
+    trs = []
+    for r in doc.layer_rows:
+        cells = [_cell(r["layer"]), f"<td><code>{escape(r['tensor'])}</code></td>", _cell(r["head"])]
+        for a in [*analyses, "max"]:
+            v = r[a]
+            if v is None:
+                cells.append('<td data-v=""></td>')
+            else:
+                cls = band(v) if v >= 0.25 else ""
+                cells.append(f'<td class="num {cls}" data-v="{v:.4f}">{"—" if v == 0 else f"{v:.2f}"}</td>')
+        cells.append(f"<td>{escape(r['flags'])}</td>")
+        trs.append("<tr>" + "".join(cells) + "</tr>")
+    return (f'<div class="tablewrap"><table class="sortable" id="layer-table"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(trs)}</tbody></table></div>')
+
+
+def _recs(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}–{r[1]}"
+
+
+def _section(doc: Document, s: Section) -> str:
+    g = s.finding
+    parts = [f'<section class="finding" id="{g.anchor}">',
+             f"<h3>{g.index + 1}. {escape(g.title)} {_sev(g.severity)}</h3>",
+             f"<p>{escape(s.sentence)}</p>"]
+    if s.picture is not None:
+        parts.append(_img(s.picture))
+    rows = [[f.tensor, f.head, round(f.severity, 3), _recs(f.records), ", ".join(f.sources),
+             f.summary] for f in g.flags[:MAX_FLAG_ROWS]]
+    more = len(g.flags) - MAX_FLAG_ROWS
+    parts.append(f"<details{' open' if len(g.flags) <= 8 else ''}><summary>{len(g.flags)} flag(s)</summary>"
+                 + _table(["tensor", "head", "severity", "records", "sources", "what the analysis says"], rows)
+                 + (f"<p>… and {more} more in flags.json.</p>" if more > 0 else "") + "</details>")
+    items = "".join(f"<li>{escape(a)}</li>" for a in s.advice)
+    refs = "; ".join(escape(r) for r in s.references)
+    parts.append(f'<div class="advice"><h4>What to try next</h4><ul>{items}</ul>'
+                 + (f'<p class="refs">References: {refs}.</p>' if refs else "") + "</div>")
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+def _analysis_table(name: str, t: Any) -> str:
+    shown = t.head(MAX_TABLE_ROWS)
+    rows = shown.astype(object).where(shown.notna(), None).values.tolist()
+    note = f"<p>First {MAX_TABLE_ROWS} rows; the CSV has all.</p>" if len(t) > MAX_TABLE_ROWS else ""
+    return (f"<details><summary><code>tables/{escape(name)}.csv</code> — {len(t)} rows</summary>"
+            f'<div class="tablewrap">{_table(list(map(str, t.columns)), rows)}</div>{note}</details>')
+
+
+def render(doc: Document) -> str:
+    """The whole ``report.html`` as a string."""
+    hdr = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in doc.header)
+    summ = "".join(f'<li>{_sev(g.severity)} <a href="#{g.anchor}">{escape(g.kind)}</a> — {escape(text)}</li>'
+                   for g, text in doc.sentences)
+    more = (f"<p>… and {doc.n_more} more finding(s), below in order of severity.</p>" if doc.n_more else "")
+    problems = "".join(f'<div class="note">Report problem: {escape(p)}</div>' for p in doc.problems)
+    sections = "\n".join(_section(doc, s) for s in doc.sections) or "<p>No findings.</p>"
+    details = "\n".join(_analysis_table(n, t) for n, t in doc.analysis_tables.items())
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{escape(doc.title)}</title>
+<style>{CSS}</style></head>
+<body><main>
+<h1>{escape(doc.title)}</h1>
+<table class="hdr" id="header">{hdr}</table>
+{problems}
+<h2 id="summary">Summary</h2>
+<p class="headline">{escape(doc.headline)}</p>
+<ol class="summary" id="summary-list">{summ}</ol>
+{more}
+<h2 id="at-a-glance">At a glance</h2>
+{_img(doc.overview)}
+<h2 id="findings">Findings</h2>
+{sections}
+<h2 id="layers">Layer by layer</h2>
+<p>Highest flag severity per tensor (and head) and analysis; “—” analysed, no flag; empty: not analysed.
+Click a column header to sort.</p>
+{_layer_table(doc)}
+<h2 id="tables">Analysis tables</h2>
+{details}
+<script>{JS}</script>
+</main></body></html>
+"""

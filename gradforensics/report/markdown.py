@@ -1,0 +1,90 @@
+"""``report.md``: the same report in Markdown, to paste into a ticket.
+
+Figures are PNG files in ``figures/`` beside it, linked relatively.  Tables
+are capped (the CSVs in ``tables/`` hold everything).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.report.severity import band
+
+if TYPE_CHECKING:
+    from gradforensics.report.document import Document, Picture, Section
+
+MAX_LAYER_ROWS = 200
+MAX_FLAG_ROWS = 20
+
+
+def _esc(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    if isinstance(v, float):
+        v = f"{v:.4g}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(columns: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(_esc(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_esc(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _img(pic: Picture, figdir: str) -> str:
+    out = f"![{pic.alt}]({figdir}/{pic.stem}.png)"
+    return f"> **Note:** {pic.note}\n\n{out}" if pic.note else out
+
+
+def _sev(s: float) -> str:
+    return f"**{s:.2f}** ({band(s)})"
+
+
+def _recs(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}–{r[1]}"
+
+
+def _section(s: Section, figdir: str) -> str:
+    g = s.finding
+    out = [f"### {g.index + 1}. {g.title} — severity {_sev(g.severity)}", "", s.sentence, ""]
+    if s.picture is not None:
+        out += [_img(s.picture, figdir), ""]
+    rows = [[f"`{f.tensor}`", f.head, f"{f.severity:.2f}", _recs(f.records), ", ".join(f.sources),
+             f.summary] for f in g.flags[:MAX_FLAG_ROWS]]
+    out += [_table(["tensor", "head", "severity", "records", "sources", "what the analysis says"], rows), ""]
+    if len(g.flags) > MAX_FLAG_ROWS:
+        out += [f"… and {len(g.flags) - MAX_FLAG_ROWS} more flags in `flags.json`.", ""]
+    out += ["**What to try next**", ""] + [f"- {a}" for a in s.advice] + [""]
+    if s.references:
+        out += ["References: " + "; ".join(s.references) + ".", ""]
+    return "\n".join(out)
+
+
+def _layer_rows(doc: Document) -> list[list[Any]]:
+    analyses = doc.layer_columns[3:-2]
+    rows = []
+    for r in doc.layer_rows[:MAX_LAYER_ROWS]:
+        vals = [("" if r[a] is None else "—" if r[a] == 0 else f"{r[a]:.2f}") for a in [*analyses, "max"]]
+        rows.append([r["layer"], f"`{r['tensor']}`", r["head"], *vals, r["flags"]])
+    return rows
+
+
+def render(doc: Document, figdir: str = "figures") -> str:
+    """The whole ``report.md`` as a string; figures are expected in *figdir* beside it."""
+    out = [f"# {doc.title}", "", _table(["", ""], [[f"**{k}**", v] for k, v in doc.header]), ""]
+    if doc.problems:
+        out += [f"> Report problem: {p}\n>" for p in doc.problems] + [""]
+    out += ["## Summary", "", doc.headline, ""]
+    out += [f"{i + 1}. {_sev(g.severity)} {g.kind} — {text}" for i, (g, text) in enumerate(doc.sentences)]
+    if doc.n_more:
+        out += ["", f"… and {doc.n_more} more finding(s) below."]
+    out += ["", "## At a glance", "", _img(doc.overview, figdir), "", "## Findings", ""]
+    out += [_section(s, figdir) for s in doc.sections] or ["No findings.", ""]
+    out += ["## Layer by layer", "",
+            "Highest flag severity per tensor (and head) and analysis; — analysed, no flag; empty: not analysed.", ""]
+    out += [_table(doc.layer_columns, _layer_rows(doc)), ""]
+    if len(doc.layer_rows) > MAX_LAYER_ROWS:
+        out += [f"First {MAX_LAYER_ROWS} of {len(doc.layer_rows)} rows; see report.html or `tables/`.", ""]
+    out += ["## Analysis tables", ""] + [f"- `tables/{n}.csv` ({len(t)} rows)" for n, t in doc.analysis_tables.items()]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,118 @@
+"""Tensor names -> layer depth, short module names, and merged locations.
+
+``model.layers.5.self_attn.q_proj.weight`` is layer 5 of ``model.layers``,
+module ``q_proj``.  A group of flags on layers 5 and 6, ``q_proj`` and
+``k_proj``, heads 2 and 5 reads ``model.layers.5–6 q_proj/k_proj, heads 2 and 5``.
+The first integer path component is taken as the layer index, which covers
+LLaMA/Qwen (``model.layers.N``), GPT-2 (``transformer.h.N``), BERT/NeoX
+(``encoder.layer.N``, ``gpt_neox.layers.N``) and most ``blocks.N`` models.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+_LAYER = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?[^.\d][^.]*)\.(?P<idx>\d+)\.(?P<rest>.+)$")
+_GENERIC = {"act_fn", "act", "activation", "activation_fn", "weight", "bias", "fn"}
+
+
+@dataclass(frozen=True)
+class Loc:
+    """Where a finding is: ``prefix.layer.module`` (layer ``None`` outside the stack)."""
+
+    full: str
+    prefix: str | None
+    layer: int | None
+    module: str
+
+
+def parse(name: str) -> Loc:
+    """Split a tensor / module / series name into prefix, layer index and short module."""
+    m = _LAYER.match(name)
+    if m is None:
+        return Loc(name, None, None, short_module(name))
+    return Loc(name, m["prefix"], int(m["idx"]), short_module(m["rest"]))
+
+
+def short_module(rest: str) -> str:
+    """``self_attn.q_proj.weight`` -> ``q_proj``; ``mlp.act_fn`` -> ``mlp.act_fn``."""
+    parts = rest.split(".")
+    if len(parts) > 1 and parts[-1] in ("weight", "bias"):
+        parts = parts[:-1]
+    if len(parts) > 1 and parts[-1] in _GENERIC:
+        return ".".join(parts[-2:])
+    return parts[-1]
+
+
+#: Reading order of common module names (attention, then MLP); others sort after, alphabetically.
+_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "c_attn", "query_key_value", "query", "key", "value",
+          "dense", "c_proj", "gate_proj", "up_proj", "w1", "w3", "c_fc", "fc1", "down_proj", "w2", "fc2", "mlp.act_fn")
+
+
+def module_rank(module: str) -> tuple[int, str]:
+    return (_ORDER.index(module), "") if module in _ORDER else (len(_ORDER), module)
+
+
+def layer_of(name: str) -> int | None:
+    return parse(name).layer
+
+
+def int_ranges(values: Iterable[int]) -> list[str]:
+    """``[1, 3, 4, 5]`` -> ``["1", "3–5"]`` (adjacent integers merged, en dash)."""
+    vals = sorted(set(int(v) for v in values))
+    out: list[str] = []
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        out.append(str(vals[i]) if i == j else f"{vals[i]}–{vals[j]}")
+        i = j + 1
+    return out
+
+
+def join_and(items: Sequence[str]) -> str:
+    """``["a"]`` -> ``a``; ``["a", "b"]`` -> ``a and b``; ``["a", "b", "c"]`` -> ``a, b and c``."""
+    items = list(items)
+    if not items:
+        return ""
+    if len(items) == 1:
+        return items[0]
+    return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def heads_phrase(heads: Iterable[int | None]) -> str:
+    """``[2, 5]`` -> ``heads 2 and 5``; ``[0, 1, 2]`` -> ``heads 0–2``; no heads -> ``""``."""
+    hs = sorted({int(h) for h in heads if h is not None})
+    if not hs:
+        return ""
+    ranges = int_ranges(hs)
+    word = "head" if len(hs) == 1 else "heads"
+    return f"{word} {join_and(ranges)}"
+
+
+def location(names: Iterable[str], heads: Iterable[int | None] = ()) -> str:
+    """One phrase naming every tensor in *names*, adjacent layers merged.
+
+    Names in one layer stack are merged per prefix:
+    ``model.layers.5–6 q_proj/k_proj``; names outside a stack are listed whole.
+    """
+    stacks: dict[str, tuple[set[int], list[str]]] = {}
+    others: list[str] = []
+    for name in dict.fromkeys(names):
+        loc = parse(name)
+        if loc.prefix is None or loc.layer is None:
+            others.append(name)
+            continue
+        layers, modules = stacks.setdefault(loc.prefix, (set(), []))
+        layers.add(loc.layer)
+        if loc.module not in modules:
+            modules.append(loc.module)
+    parts = [f"{prefix}.{', '.join(int_ranges(layers))} {'/'.join(sorted(modules, key=module_rank))}"
+             for prefix, (layers, modules) in stacks.items()]
+    parts += others
+    where = "; ".join(parts)
+    hp = heads_phrase(heads)
+    return f"{where}, {hp}" if hp else where

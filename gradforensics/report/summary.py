@@ -1,0 +1,175 @@
+"""The summary in sentences: flags grouped into findings, most severe first.
+
+Flags of one kind, with the same implicated sources and in the same severity
+band, form one :class:`Finding`; its sentence names the merged location
+(``model.layers.5–6 q_proj/k_proj, heads 2 and 5``), what is wrong, the
+evidence range, the records and the sources.  Each analysis's own one-line
+``summary`` stays on its flag and is shown in the finding's section.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.report import advice, names
+from gradforensics.report.severity import band
+
+if TYPE_CHECKING:
+    from gradforensics.analysis.base import Findings, Flag
+
+#: How evidence keys read in a sentence.
+LABELS: dict[str, str] = {
+    "cosine": "cos", "p_value": "p", "snr": "SNR", "b_simple": "B_simple", "stable_rank": "stable rank",
+    "alpha": "α", "period_steps": "period", "power": "power", "growth": "growth", "top_share": "top share",
+    "rho": "ρ", "nonfinite": "non-finite values", "frac_swamped": "swamped", "swamped": "swamped",
+}
+
+#: Findings written out as sentences; the rest are counted.
+MAX_SENTENCES = 12
+
+
+@dataclass
+class Finding:
+    """Flags of one kind, same sources, same severity band: one sentence, one section."""
+
+    kind: str
+    sources: tuple[str, ...]
+    flags: list[Flag]
+    index: int = 0
+
+    @property
+    def severity(self) -> float:
+        return max(f.severity for f in self.flags)
+
+    @property
+    def band(self) -> str:
+        return band(self.severity)
+
+    @property
+    def top(self) -> Flag:
+        return max(self.flags, key=lambda f: f.severity)
+
+    @property
+    def tensors(self) -> list[str]:
+        return list(dict.fromkeys(f.tensor for f in self.flags))
+
+    @property
+    def records(self) -> tuple[int, int]:
+        return min(f.records[0] for f in self.flags), max(f.records[1] for f in self.flags)
+
+    @property
+    def anchor(self) -> str:
+        return f"finding-{self.index + 1}"
+
+    @property
+    def title(self) -> str:
+        return advice.info(self.kind).title
+
+    def location(self) -> str:
+        return names.location(self.tensors, (f.head for f in self.flags))
+
+    def evidence(self, max_keys: int = 2) -> str:
+        return evidence_phrase(self.kind, self.flags, max_keys)
+
+    def sentence(self, n_records: int | None = None) -> str:
+        """``<where>: <what> (<evidence>); <records>[, sources].``"""
+        what = advice.phrase(self.kind, self.sources)
+        ev = self.evidence()
+        text = f"{self.location()}: {what}"
+        if ev:
+            text += f" ({ev})"
+        text += f", {records_phrase(self.records, n_records)}"
+        if self.sources and "{sources}" not in advice.info(self.kind).phrase:
+            text += f"; sources involved: {names.join_and(list(self.sources))}"
+        n = len(self.flags)
+        if n > 1:
+            text += f" [{n} flags]"
+        return text + "."
+
+
+def group(flags: Sequence[Flag]) -> list[Finding]:
+    """Flags -> findings, most severe first (ties: kind, then location)."""
+    buckets: dict[tuple[str, tuple[str, ...], str], list[Flag]] = {}
+    for f in flags:
+        key = (f.kind, tuple(f.sources), band(f.severity))
+        buckets.setdefault(key, []).append(f)
+    out = [Finding(kind, srcs, sorted(fl, key=lambda f: -f.severity)) for (kind, srcs, _), fl in buckets.items()]
+    out.sort(key=lambda g: (-g.severity, g.kind, g.tensors[0]))
+    for i, g in enumerate(out):
+        g.index = i
+    return out
+
+
+def records_phrase(records: tuple[int, int], n_records: int | None = None) -> str:
+    a, b = records
+    if n_records and a == 0 and b >= n_records - 1 and n_records > 1:
+        return f"in all {n_records} records"
+    if a == b:
+        return f"at record {a}"
+    return f"in records {a}–{b}"
+
+
+def _numbers(flags: Sequence[Flag], key: str) -> list[float] | None:
+    vals: list[float] = []
+    for f in flags:
+        v: Any = f.evidence.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            return None
+        vals.append(float(v))
+    return vals
+
+
+def fmt_value(key: str, v: float) -> str:
+    if key == "p_value":
+        return "p < 0.001" if v < 0.001 else f"p = {v:.2g}"
+    if float(v).is_integer() and abs(v) < 1e6:
+        return f"{int(v)}"
+    return f"{v:.2g}" if abs(v) < 0.01 or abs(v) >= 1e4 else f"{v:.2f}".replace("-", "−")
+
+
+def evidence_phrase(kind: str, flags: Sequence[Flag], max_keys: int = 2) -> str:
+    """``cos −0.71 to −0.55, p < 0.001``: the kind's key evidence, as a range over the flags."""
+    preferred = list(advice.info(kind).evidence_keys)
+    keys = [k for k in preferred if _numbers(flags, k) is not None]
+    if not keys:
+        first = flags[0].evidence if flags else {}
+        keys = [k for k in first if _numbers(flags, k) is not None]
+    parts = []
+    for k in keys[:max_keys]:
+        vals = _numbers(flags, k) or []
+        label = LABELS.get(k, k.replace("_", " "))
+        if k == "p_value":
+            worst = max(vals)
+            parts.append("p < 0.001" if worst < 0.001 else f"p ≤ {worst:.2g}")
+            continue
+        lo, hi = min(vals), max(vals)
+        if math.isclose(lo, hi, rel_tol=1e-3, abs_tol=1e-12):
+            parts.append(f"{label} {fmt_value(k, lo)}")
+        else:
+            parts.append(f"{label} {fmt_value(k, lo)} to {fmt_value(k, hi)}")
+    return ", ".join(parts)
+
+
+def headline(findings: Findings) -> str:
+    """One sentence: how many flags act-level, where, and the worst."""
+    act = [f for f in findings.flags if f.severity >= 0.5]
+    if not findings.flags:
+        return (f"No finding in {findings.n_records} records: nothing recorded here looks sick "
+                f"to the {len(findings.results)} analyses that ran.")
+    if not act:
+        return (f"No flag reaches 0.5 (the level a healthy run stays under) in {findings.n_records} records; "
+                f"{len(findings.flags)} minor flag(s) are listed below as a watch list.")
+    worst = findings.flags[0]
+    kinds = sorted({f.kind for f in act})
+    tensors = {f.tensor for f in act}
+    return (f"{len(act)} flag(s) at or above 0.5 on {len(tensors)} tensor(s) ({', '.join(kinds)}); the most severe "
+            f"is {worst.kind} on {names.location([worst.tensor], [worst.head])} (severity {worst.severity:.2f}).")
+
+
+def sentences(findings: Findings, groups: list[Finding] | None = None) -> tuple[list[Finding], int]:
+    """The findings to write as sentences (at most :data:`MAX_SENTENCES`), and how many were left out."""
+    groups = group(findings.flags) if groups is None else groups
+    return groups[:MAX_SENTENCES], max(0, len(groups) - MAX_SENTENCES)

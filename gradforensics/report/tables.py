@@ -1,0 +1,81 @@
+"""Tables: one CSV per analysis (``tables/<name>.csv``), and the layer-by-layer table.
+
+CSV contract (design): a row per tensor (and head, and source or source pair),
+columns ``tensor``, ``head`` first; ``head`` empty on a whole-tensor row.  The
+layer-by-layer table joins every analysis: a row per (tensor, head) seen in any
+table or flag, a column per analysis holding the highest flag severity there
+(0 = analysed, no flag; empty = not analysed).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.report import names
+from gradforensics.report.figures import _table_rows, analysis_name
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from gradforensics.analysis.base import Findings
+
+
+def contract_order(table: pd.DataFrame) -> pd.DataFrame:
+    """``tensor``, ``head`` first; ``head`` as nullable integers (empty on whole-tensor rows)."""
+    import pandas as pd
+
+    t = table.copy()
+    first = [c for c in ("tensor", "head") if c in t.columns]
+    t = t[first + [c for c in t.columns if c not in first]]
+    if "head" in t.columns:
+        t["head"] = pd.to_numeric(t["head"], errors="coerce").astype("Int64")
+    return t
+
+
+def write_csvs(findings: Findings, out_dir: Path) -> dict[str, Path]:
+    """``out_dir/tables/<name>.csv`` for every analysis result."""
+    d = out_dir / "tables"
+    d.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Path] = {}
+    for name, res in findings.results.items():
+        p = d / f"{name}.csv"
+        contract_order(res.table).to_csv(p, index=False, na_rep="")
+        out[f"tables/{name}"] = p
+    return out
+
+
+def layer_table(findings: Findings) -> tuple[list[str], list[dict[str, Any]]]:
+    """Columns and rows of the layer-by-layer severity table, deepest problems first within a layer."""
+    analyses = list(findings.results)
+    for f in findings.flags:
+        n = analysis_name(f, findings)
+        if n not in analyses:
+            analyses.append(n)
+    rows: dict[tuple[str, int | None], dict[str, Any]] = {}
+
+    def row(tensor: str, head: int | None) -> dict[str, Any]:
+        key = (tensor, head)
+        if key not in rows:
+            lay = names.layer_of(tensor)
+            rows[key] = {"layer": lay, "tensor": tensor, "head": head, **{a: None for a in analyses},
+                         "max": 0.0, "flags": []}
+        return rows[key]
+
+    for a in analyses:
+        for t, h in _table_rows(findings.table(a)):
+            r = row(t, h)
+            if r[a] is None:
+                r[a] = 0.0
+    for f in findings.flags:
+        a = analysis_name(f, findings)
+        r = row(f.tensor, f.head)
+        r[a] = max(r[a] or 0.0, f.severity)
+        r["max"] = max(r["max"], f.severity)
+        r["flags"].append(f.kind)
+    out = sorted(rows.values(), key=lambda r: (math.inf if r["layer"] is None else r["layer"], r["tensor"],
+                                               -1 if r["head"] is None else r["head"]))
+    for r in out:
+        r["flags"] = ", ".join(dict.fromkeys(r["flags"]))
+    return ["layer", "tensor", "head", *analyses, "max", "flags"], out
