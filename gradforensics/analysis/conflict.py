@@ -1,0 +1,246 @@
+"""Data-source conflict: do two sources' mean gradients point opposite ways?
+
+For each tensor and head, from its Gram matrix ``K`` and ``batches/mixture`` only
+(see :mod:`._kspace`):
+
+* the **per-source mean gradients** ``M = C X`` with ``C = (AᵀA)⁻¹Aᵀ``, the least
+  squares fit of ``X ≈ A M`` (``A``: the records' mixture rows; for pure batches
+  ``C``'s rows are the per-source averages), and their Gram ``M Mᵀ = C K Cᵀ``,
+  hence the **cosine matrix** between sources;
+* a **debiased cosine**: ``C K Cᵀ - C diag(r) Cᵀ`` with the per-record noise
+  energy ``r_i`` estimated from the residuals (HC2; MacKinnon & White 1985):
+  the cosine between the *population* source means, free of the attenuation
+  batch noise puts on the sample means;
+* **significance** by permutation of the source labels: the mixture rows are
+  shuffled among the records (within consecutive blocks in a ``training`` store,
+  so a trend over time cannot pose as a source effect), ``B = 999`` seeded
+  permutations, one-sided (less aligned than chance), ``p = (1 + #{cos_π ≤
+  cos}) / (B + 1)`` (Phipson & Smyth 2010).  ``AᵀA`` is invariant under row
+  permutations, so a permutation costs one ``O(N² S)`` product with K.  Where no
+  permutation reaches the observed cosine, the normal approximation of the
+  permutation distribution extrapolates the p-value for the severity
+  (reported as ``z``);
+* the **depth band** and **heads** that concentrate a pair's conflict: the layer
+  range (parsed from ``model.layers.L.``) and the heads of its flagged units.
+
+Conflict means a *negative* inner product: a step along ``-g_a`` then raises the
+loss of source b to first order (Yu et al. 2020, "gradient surgery").  Severity
+= ``significance(p, n_tests) × clip(-cos / 0.5, 0, 1)`` with ``cos`` the debiased
+cosine (the raw one where the debiased is undefined) and ``n_tests`` the number
+of (unit, pair) tests in the store: two sources that merely differ (positive
+cosine) are reported in the table but not flagged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import combinations
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.analysis import _kspace as ks
+from gradforensics.analysis.base import Analysis, AnalysisResult, Context, Flag
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+COLUMNS = [
+    "tensor", "head", "layer", "source_a", "source_b", "cosine", "p_value", "cosine_debiased", "z",
+    "n_a", "n_b", "n_records", "n_excluded", "severity",
+]
+EFFECT_FULL = 0.5      # -cosine at which the effect score saturates
+
+
+@dataclass(frozen=True)
+class ConflictOptions:
+    """``permutations`` (B), ``seed``, and ``block``: records per permutation block in training mode
+    (default ``max(4, ceil(N/16))``; replay permutes over all records)."""
+
+    permutations: int = 999
+    seed: int = 0
+    block: int | None = None
+
+    def __post_init__(self) -> None:
+        ks.check_int("conflict", "permutations", self.permutations, 19)
+        ks.check_int("conflict", "seed", self.seed, 0)
+        ks.check_int("conflict", "block", self.block, 2, allow_none=True)
+
+
+# ---------------------------------------------------------------- statistics
+def permutations(n: int, B: int, seed: int, block: int | None) -> np.ndarray:
+    """B×n seeded permutations of ``range(n)``, within consecutive blocks of *block* (None: one block)."""
+    rng = np.random.default_rng([seed, n, block or 0])
+    keys = rng.random((B, n))
+    if block:
+        keys += (np.arange(n) // block)[None, :]
+    return np.argsort(keys, axis=1)
+
+
+def permuted_source_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np.ndarray,
+                          chunk: int = 128) -> np.ndarray:
+    """``Q A_πᵀ K A_π Q`` for every permutation π (rows of *perms*): B×S×S.
+
+    ``Q = (AᵀA)⁺`` is the same for every π.  One BLAS product ``K [A_π1 … A_πc]``
+    per *chunk* permutations.
+    """
+    n, S = A.shape
+    out = np.empty((perms.shape[0], S, S))
+    for s in range(0, perms.shape[0], chunk):
+        P = A[perms[s:s + chunk]]                          # c×n×S
+        c = P.shape[0]
+        KP = (K @ P.transpose(1, 0, 2).reshape(n, c * S)).reshape(n, c, S).transpose(1, 0, 2)
+        G = np.einsum("cns,cnt->cst", P, KP)
+        out[s:s + c] = Q @ G @ Q
+    return out
+
+
+def _pair_cos(G: np.ndarray, a: int, b: int) -> np.ndarray:
+    den = np.sqrt(np.maximum(G[..., a, a], 0.0) * np.maximum(G[..., b, b], 0.0))
+    return np.where(den > 0, G[..., a, b] / np.where(den > 0, den, 1.0), np.nan)
+
+
+def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, training: bool
+                  ) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
+    """Per-pair rows (store source indices ``a``, ``b``), the S'×S' cosine matrix, kept source indices."""
+    n = K.shape[0]
+    fit = ks.fit_sources(mixture)
+    if fit.index.size < 2 or not fit.rank_ok or n < fit.index.size + 2:
+        return [], None, fit.index
+    G = ks.source_gram(K, fit)
+    cos = ks.gram_to_cos(G)
+    cos_db = ks.gram_to_cos(ks.source_gram(K, fit, debias=True))
+    Q = np.linalg.pinv(fit.A.T @ fit.A)
+    block = (opts.block or ks.window_size(n)) if training else None
+    null = permuted_source_grams(K, fit.A, Q, permutations(n, opts.permutations, opts.seed, block))
+    rows = []
+    for i, j in combinations(range(fit.index.size), 2):
+        c0 = float(cos[i, j])
+        perm = _pair_cos(null, i, j)
+        perm = perm[np.isfinite(perm)]
+        p = (1.0 + np.sum(perm <= c0 + 1e-12)) / (perm.size + 1.0) if np.isfinite(c0) else math.nan
+        sd = float(perm.std()) if perm.size > 1 else math.nan
+        z = (float(perm.mean()) - c0) / sd if sd and sd > 0 else math.nan
+        rows.append({"a": int(fit.index[i]), "b": int(fit.index[j]), "cosine": c0, "p_value": p,
+                     "cosine_debiased": float(cos_db[i, j]), "z": z,
+                     "n_a": float(fit.weight[i]), "n_b": float(fit.weight[j])})
+    return rows, cos, fit.index
+
+
+def severity_p(p: float, z: float, B: int) -> float:
+    """The p-value a severity uses: the permutation p, extrapolated by ``z`` at its floor ``1/(B+1)``."""
+    from scipy.stats import norm
+
+    if np.isfinite(p) and p <= 1.0 / (B + 1) + 1e-12 and np.isfinite(z):
+        return float(min(p, norm.sf(z)))
+    return p
+
+
+def effect(cos_db: float, cos: float) -> float:
+    c = cos_db if np.isfinite(cos_db) else cos
+    return ks.ramp(-c, EFFECT_FULL)
+
+
+# ------------------------------------------------------------------ analysis
+def compute(ctx: Context) -> AnalysisResult:
+    """The conflict table (a row per unit and source pair) and the cosine matrices."""
+    import pandas as pd
+
+    opts = ks.parse_options(ConflictOptions, ctx.options.get("conflict"), "conflict")
+    mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
+    training = ctx.meta.mode == "training"
+    rows, series = [], {}
+    for u in ks.units(ctx):
+        pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training)
+        for r in pairs:
+            r.update(tensor=u.tensor, head=u.head, layer=u.layer, source_a=ctx.sources[r.pop("a")],
+                     source_b=ctx.sources[r.pop("b")], n_records=u.n, n_excluded=u.n_excluded)
+            rows.append(r)
+        if cos is not None:
+            full = np.full((len(ctx.sources),) * 2, np.nan)
+            full[np.ix_(idx, idx)] = cos
+            series[ks.series_key("cosine_matrix", u.tensor, u.head)] = full
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    table["head"] = table["head"].astype("Int64")
+    table["layer"] = table["layer"].astype("Int64")
+    n_tests = int(table["p_value"].notna().sum())
+    table["severity"] = [
+        ks.significance(severity_p(p, z, opts.permutations), n_tests) * effect(cdb, c)
+        for p, z, cdb, c in zip(table["p_value"], table["z"], table["cosine_debiased"], table["cosine"])
+    ]
+    series.update(_depth_profiles(table))
+    series["source_names"] = ks.encode_names(ctx.sources)
+    return AnalysisResult(table=table, series=series)
+
+
+def _depth_profiles(table: Any) -> dict[str, np.ndarray]:
+    """Per source pair: rows (layer, mean cosine, units flagged above 0.5) over the layered units."""
+    out: dict[str, np.ndarray] = {}
+    layered = table[table["layer"].notna()]
+    for (a, b), grp in layered.groupby(["source_a", "source_b"], sort=True):
+        prof = grp.groupby("layer").agg(cos=("cosine", "mean"), hot=("severity", lambda s: int((s > 0.5).sum())))
+        out[f"depth/{a}|{b}"] = np.c_[prof.index.to_numpy(dtype=float), prof["cos"], prof["hot"]]
+    return out
+
+
+def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
+    """One flag per conflicting source pair and unit (heads localise it), with its depth band."""
+    t = result.table
+    floor = 1.0 / (ks.parse_options(ConflictOptions, ctx.options.get("conflict"), "conflict").permutations + 1)
+    out = []
+    last = ctx.n_records - 1
+    for r in t.itertuples(index=False):
+        if not r.severity >= ks.REPORT_FLOOR:
+            continue
+        head = ks.head_of(r.head)
+        hot = t[(t.source_a == r.source_a) & (t.source_b == r.source_b) & (t.severity > 0.5)]
+        band = _band(hot["layer"])
+        heads = sorted({int(h) for h in hot.loc[(hot.tensor == r.tensor) & hot["head"].notna(), "head"]})
+        ev = {"cosine": r.cosine, "p_value": r.p_value, "cosine_debiased": r.cosine_debiased, "z": r.z,
+              "depth_band": band, "heads": heads, "n_a": r.n_a, "n_b": r.n_b}
+        out.append(Flag(kind="conflict", tensor=r.tensor, head=head, sources=(r.source_a, r.source_b),
+                        severity=float(r.severity), records=(0, last), evidence=ev,
+                        summary=_summary(r, head, band, heads, len(hot), floor)))
+    return ks.dedupe_heads(out, ks.heads_per_tensor(t), by_sources=True)
+
+
+def _band(layers: Any) -> list[int] | None:
+    ls = [int(x) for x in layers.dropna()]
+    return [min(ls), max(ls)] if ls else None
+
+
+def _summary(r: Any, head: int | None, band: list[int] | None, heads: list[int], n_hot: int, floor: float) -> str:
+    where = r.tensor if head is None else f"{r.tensor} head {head}"
+    way = "point opposite ways" if r.cosine < 0 else "pull against each other once batch noise is removed"
+    s = (f"{where}: '{r.source_a}' and '{r.source_b}' gradients {way} (cos {r.cosine:.2f}, "
+         f"noise-corrected {r.cosine_debiased:.2f}, {ks.fmt_p(r.p_value, floor)})")
+    if band is not None:
+        s += f"; across the model this pair conflicts in {n_hot} unit(s), layers {band[0]}-{band[1]}"
+    if heads:
+        s += f"; in this tensor heads {', '.join(map(str, heads))}"
+    return s + ". Re-balance or separate these sources (e.g. per-source loss weights or gradient surgery)."
+
+
+def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
+    """Cosine matrix of the per-source mean gradients of the flagged unit."""
+    M = result.series.get(ks.series_key("cosine_matrix", flag.tensor, flag.head))
+    if M is not None:
+        keep = np.flatnonzero(np.isfinite(np.diag(M)))
+        names = ks.decode_names(result.series.get("source_names"), M.shape[0])
+        sub = M[np.ix_(keep, keep)]
+        im = ax.imshow(sub, vmin=-1, vmax=1, cmap="RdBu")
+        ax.set_xticks(range(keep.size), [names[i] for i in keep], rotation=45, fontsize=8)
+        ax.set_yticks(range(keep.size), [names[i] for i in keep], fontsize=8)
+        for (i, j), v in np.ndenumerate(sub):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.figure.colorbar(im, ax=ax, fraction=0.046, label="cosine")
+    ax.set_xlabel("source")
+    ax.set_ylabel("source")
+    where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
+    a, b = (*flag.sources, "", "")[:2]
+    ax.set_title(f"conflict: {where}\nred cell = {a} and {b} mean gradients point opposite ways", fontsize=9)
+
+
+ANALYSIS = Analysis(name="conflict", needs=("gram", "batches"), compute=compute, flags=flags, plot=plot,
+                    title="Data-source conflict")

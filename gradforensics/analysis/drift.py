@@ -1,0 +1,260 @@
+"""Direction drift: has the mean gradient of a tensor (or head) turned away from where it started?
+
+For each tensor and head, from its Gram matrix ``K`` only (see :mod:`._kspace`):
+
+* ``m_0``, the mean gradient of the *opening window* (the first ``w`` records in
+  step order, ``w = max(4, ceil(N/16))`` by default);
+* the cosine of every record to ``m_0`` (leave-one-out inside the opening window)
+  and of every window mean to ``m_0``;
+* the **trend**: Spearman's rank correlation ρ between time and the per-record
+  cosine after the opening window, one-sided (a fall).  Under a stationary run
+  those cosines are exchangeable (they share ``m_0``), so the rank test is valid;
+  its p-value uses the t approximation (Kendall & Stuart 1979, §31.19);
+* the **effect**: ``rotation = 1 - cos(G_late, G_0)``, the cosine between the
+  *population* means of the last third of the windows and the opening window,
+  estimated without the noise floor by U-statistics
+  (``mean_{i∈late, j∈open} K_ij / sqrt(U_late U_open)``).  A falling gradient
+  SNR alone (noise attenuating every cosine) therefore does not count as drift.
+  Where a U-statistic is not positive (too little signal), the ratio of raw
+  window cosines ``1 - c_late / c_early`` is used instead;
+* **since when**: the change point of a hinge fit (flat, then linear fall) to the
+  per-record cosines, least squares over every candidate record (Hudson 1966);
+* **towards what**: the cosine between each source's mean gradient (least
+  squares on ``batches/mixture``) and the new direction ``m_late - m_0``.
+
+Severity = ``significance(p, n_units) × clip(rotation / 0.5, 0, 1)``: a
+Bonferroni-adjusted significance over every unit of the store, times the effect.
+Drift is a statement about training history: in a ``replay`` store (one fixed
+checkpoint) the table is produced but no flag is raised.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.analysis import _kspace as ks
+from gradforensics.analysis.base import Analysis, AnalysisResult, Context, Flag
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+COLUMNS = [
+    "tensor", "head", "layer", "n_records", "n_excluded", "window", "cos_early", "cos_late",
+    "cos_late_debiased", "rotation", "rho", "p_value", "rho_windows", "since_record", "since_step",
+    "aligned_source", "aligned_cosine", "severity",
+]
+EFFECT_FULL = 0.5  # rotation at which the effect score saturates
+ALIGN_MIN, ALIGN_MARGIN = 0.3, 0.15
+
+
+@dataclass(frozen=True)
+class DriftOptions:
+    """``window``: records per window (default ``max(4, ceil(N/16))``)."""
+
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        ks.check_int("drift", "window", self.window, 2, allow_none=True)
+
+
+# ---------------------------------------------------------------- statistics
+def hinge_changepoint(y: np.ndarray) -> tuple[int | None, float]:
+    """Least-squares fit of ``y_t = a`` (t < k), ``a + b (t - k)`` (t ≥ k), ``b < 0``.
+
+    Returns ``(k, b)`` minimising the residual sum of squares over every
+    candidate ``k`` in ``1 .. n-2`` (NaNs are skipped), or ``(None, nan)`` when no
+    candidate has a falling slope.
+    """
+    t = np.flatnonzero(np.isfinite(y)).astype(np.float64)
+    v = y[np.isfinite(y)]
+    n = v.size
+    if n < 4:
+        return None, math.nan
+    ks_ = np.arange(1, n - 1)
+    Z = np.maximum(0.0, t[None, :] - t[ks_][:, None])             # candidates × n
+    zc = Z - Z.mean(axis=1, keepdims=True)
+    vc = v - v.mean()
+    szz = np.einsum("ij,ij->i", zc, zc)
+    szy = zc @ vc
+    slope = np.where(szz > 0, szy / np.where(szz > 0, szz, 1.0), 0.0)
+    sse = vc @ vc - np.where(szz > 0, szy**2 / np.where(szz > 0, szz, 1.0), 0.0)
+    sse = np.where(slope < 0, sse, np.inf)
+    if not np.isfinite(sse).any():
+        return None, math.nan
+    j = int(np.argmin(sse))
+    return int(t[ks_[j]]), float(slope[j])
+
+
+def _spearman_fall(y: np.ndarray) -> tuple[float, float]:
+    """(ρ, one-sided p) of a fall of *y* over its position; NaN below 4 values."""
+    from scipy.stats import spearmanr
+
+    ok = np.isfinite(y)
+    if ok.sum() < 4 or np.ptp(y[ok]) == 0:
+        return math.nan, math.nan
+    r = spearmanr(np.flatnonzero(ok), y[ok], alternative="less")
+    return float(r.statistic), float(r.pvalue)
+
+
+def opening_cosines(K: np.ndarray, open_rows: np.ndarray) -> np.ndarray:
+    """Per-record cosine to the opening mean; leave-one-out for the opening records.
+
+    For an opening record ``i`` the reference is the mean of the other ``w-1``
+    opening records: ``cos = (S_i - K_ii) / sqrt(K_ii (T - 2 S_i + K_ii))`` with
+    ``S_i = Σ_{j∈open} K_ij`` and ``T = Σ_{j,k∈open} K_jk``.
+    """
+    n = K.shape[0]
+    cos = ks.record_cosines(K, ks.mean_coefficients(n, open_rows))
+    if open_rows.size > 1:
+        sub = K[np.ix_(open_rows, open_rows)]
+        S, T, d = sub.sum(axis=1), sub.sum(), np.diag(sub)
+        cos[open_rows] = ks._safe_div(S - d, np.sqrt(np.maximum(d * (T - 2 * S + d), 0.0)))
+    return cos
+
+
+@dataclass
+class UnitDrift:
+    row: dict[str, Any]
+    record_cos: np.ndarray
+    window_cos: np.ndarray        # W×2: centre position, cosine
+
+
+def drift_unit(K: np.ndarray, mixture: np.ndarray, window: int | None) -> UnitDrift:
+    """All drift statistics of one unit (K in time order, mixture rows alike)."""
+    n = K.shape[0]
+    w = ks.window_size(n, window)
+    W = ks.window_coefficients(n, w) if n else np.zeros((0, 0))
+    row: dict[str, Any] = {"n_records": n, "window": w}
+    if W.shape[0] < 4:
+        return UnitDrift(row, np.full(n, np.nan), np.zeros((0, 2)))
+    rows_of = [np.flatnonzero(W[i] > 0) for i in range(W.shape[0])]
+    open_rows = rows_of[0]
+    rec = opening_cosines(K, open_rows)
+    wcos = ks.cosines(K, W, W[:1])[:, 0]
+    wcos[0] = np.nan
+    rho, p = _spearman_fall(rec[open_rows.size:])
+    k = max(1, (W.shape[0] - 1) // 3)
+    late = np.concatenate(rows_of[-k:])
+    c_early, c_late = float(np.nanmean(wcos[1:1 + k])), float(np.nanmean(wcos[-k:]))
+    c_db = ks.debiased_cosine(K, late, open_rows)
+    rotation = 1.0 - c_db if np.isfinite(c_db) else (1.0 - c_late / c_early if c_early > 0.1 else math.nan)
+    since, _ = hinge_changepoint(rec)
+    row.update(cos_early=c_early, cos_late=c_late, cos_late_debiased=c_db, rotation=rotation, rho=rho,
+               p_value=p, rho_windows=_spearman_fall(wcos[1:])[0], since_pos=since)
+    row.update(_alignment(K, mixture, ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)))
+    centres = np.array([r.mean() for r in rows_of])
+    return UnitDrift(row, rec, np.c_[centres, wcos])
+
+
+def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray) -> dict[str, Any]:
+    """Which source's mean gradient points most along the new direction *d*."""
+    fit = ks.fit_sources(mixture)
+    if fit.index.size < 2 or not fit.rank_ok:
+        return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
+    c = ks.cosines(K, fit.C, d[None, :])[:, 0]
+    if not np.isfinite(c).any():
+        return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
+    order = np.argsort(-np.nan_to_num(c, nan=-2.0))
+    margin = float(c[order[0]] - c[order[1]]) if np.isfinite(c[order[1]]) else math.inf
+    return {"align_idx": int(fit.index[order[0]]), "aligned_cosine": float(c[order[0]]), "align_margin": margin}
+
+
+# ------------------------------------------------------------------ analysis
+def compute(ctx: Context) -> AnalysisResult:
+    """The drift table and per-record series of every tensor and head."""
+    import pandas as pd
+
+    opts = ks.parse_options(DriftOptions, ctx.options.get("drift"), "drift")
+    mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
+    step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)))
+    rows, series = [], {}
+    for u in ks.units(ctx):
+        res = drift_unit(u.gram, mix[u.records], opts.window)
+        r = res.row
+        pos = r.pop("since_pos", None)
+        ai = r.pop("align_idx", None)
+        margin = r.pop("align_margin", math.nan)
+        named = ai is not None and r["aligned_cosine"] >= ALIGN_MIN and margin >= ALIGN_MARGIN
+        r.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
+                 since_record=None if pos is None else int(u.records[pos]),
+                 since_step=None if pos is None else int(step[u.records[pos]]),
+                 aligned_source=ctx.sources[ai] if named else None)
+        rows.append(r)
+        full = np.full(ctx.n_records, np.nan)
+        full[u.records] = res.record_cos
+        series[ks.series_key("record_cosine", u.tensor, u.head)] = full
+        if res.window_cos.size:
+            centre = u.records[np.round(res.window_cos[:, 0]).astype(int)]
+            series[ks.series_key("window_cosine", u.tensor, u.head)] = np.c_[centre, res.window_cos[:, 1]]
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    for col in ("head", "layer", "since_record", "since_step"):
+        table[col] = table[col].astype("Int64")
+    n_tests = int(table["p_value"].notna().sum()) if len(table) else 0
+    table["severity"] = [
+        0.0 if ctx.meta.mode == "replay" else ks.significance(p, n_tests) * ks.ramp(rot, EFFECT_FULL)
+        for p, rot in zip(table["p_value"], table["rotation"])
+    ]
+    return AnalysisResult(table=table, series=series)
+
+
+def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
+    """One flag per drifting tensor (or the heads that localise it); none in replay mode."""
+    if ctx.meta.mode == "replay":
+        return []
+    out = []
+    last = ctx.n_records - 1
+    for r in result.table.itertuples(index=False):
+        if r.severity < ks.REPORT_FLOOR:
+            continue
+        head = ks.head_of(r.head)
+        since = int(r.since_record) if _ok(r.since_record) else 0
+        src = (r.aligned_source,) if isinstance(r.aligned_source, str) else ()
+        out.append(Flag(kind="drift", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
+                        records=(since, last), evidence=_evidence(r), summary=_summary(r, head)))
+    return ks.dedupe_heads(out, ks.heads_per_tensor(result.table), by_sources=False)
+
+
+def _ok(x: Any) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def _evidence(r: Any) -> dict[str, Any]:
+    return {"rotation": r.rotation, "cos_early": r.cos_early, "cos_late": r.cos_late, "rho": r.rho,
+            "p_value": r.p_value, "since_step": r.since_step, "aligned_cosine": r.aligned_cosine}
+
+
+def _summary(r: Any, head: int | None) -> str:
+    where = r.tensor if head is None else f"{r.tensor} head {head}"
+    since = f"since record {int(r.since_record)} (step {int(r.since_step)})" if _ok(r.since_record) else ""
+    s = (f"{where}: the mean gradient has turned away from its opening direction {since}: "
+         f"window-mean cosine to the opening mean fell from {r.cos_early:.2f} to {r.cos_late:.2f} "
+         f"(rotation {r.rotation:.2f}, Spearman rho {r.rho:.2f}, {ks.fmt_p(r.p_value)})")
+    if isinstance(r.aligned_source, str):
+        s += f"; the new direction aligns with source '{r.aligned_source}' (cos {r.aligned_cosine:.2f})"
+    return s + "."
+
+
+def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
+    """Per-record and window-mean cosine to the opening mean, with the change point."""
+    rec = result.series.get(ks.series_key("record_cosine", flag.tensor, flag.head))
+    win = result.series.get(ks.series_key("window_cosine", flag.tensor, flag.head))
+    if rec is not None:
+        x = np.flatnonzero(np.isfinite(rec))
+        ax.plot(x, rec[x], ".", ms=3, alpha=0.5, color="0.5", label="record")
+    if win is not None and len(win):
+        ax.plot(win[:, 0], win[:, 1], "-o", ms=4, color="C0", label="window mean")
+    ax.axvline(flag.records[0], color="C3", ls="--", lw=1, label=f"change point (record {flag.records[0]})")
+    ax.axhline(0.0, color="0.8", lw=0.8)
+    ax.set_xlabel("record")
+    ax.set_ylabel("cosine to opening-window mean")
+    where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
+    ax.set_title(f"drift: {where}\ncosine to the opening direction falls after the dashed line", fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+
+
+ANALYSIS = Analysis(name="drift", needs=("gram", "batches"), compute=compute, flags=flags, plot=plot,
+                    title="Direction drift")

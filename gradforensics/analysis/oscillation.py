@@ -1,0 +1,301 @@
+"""Oscillation between opposing directions: does a tensor's gradient flip back and forth?
+
+For each tensor and head, from its Gram matrix ``K`` only (see :mod:`._kspace`):
+
+* **consecutive-record cosines** ``cos(g_i, g_{i+1})`` (negative on a period-2 flip);
+* the **principal directions** of the records: eigenpairs ``(λ_k, u_k)`` of the
+  centred ``H K H``; the records' scores on direction ``v_k`` are ``u_k √λ_k``
+  and their *uncentred* projections ``<g_i, v_k> = (K u_k)_i / √λ_k``
+  (kernel PCA with a linear kernel; Schölkopf, Smola & Müller 1998);
+* the **alternation** of each of the top three score series: the periodogram
+  ordinate ``I_f`` of Fourier frequency ``f`` over the centred sum of squares is
+  ``Beta(d_f/2, (N-1-d_f)/2)`` under i.i.d. Gaussian records (``d_f`` = 2, or 1 at
+  the Nyquist frequency, so a period-2 flip is covered), exactly, because the
+  eigenvectors of a Wishart matrix are Haar-distributed and the ratio is scale
+  free (Fisher 1929's g test, per ordinate, Bonferroni over the frequencies and
+  components).  Only periods with at least ``min_cycles`` cycles in the records
+  count, so a slow trend (drift's business) is not an oscillation;
+* the **poles**: the optimal two-group split of the scores (1-D 2-means); the
+  mean uncentred projection of each pole (opposite signs: the gradient along
+  ``v`` reverses), the bimodality coefficient of the scores
+  ``BC = (γ² + 1) / (κ + 3(n-1)²/((n-2)(n-3)))`` (SAS; Pfister et al. 2013;
+  > 5/9 suggests bimodality), and the sources sitting at each pole;
+* ``source_r2``: the share of the score variance explained by the records'
+  source mixture (least squares on ``batches/mixture``).
+
+**Oscillation vs conflict.**  In a ``replay`` store no optimizer step separates
+the records: their order is the capture schedule, and with sources interleaved
+round-robin two conflicting sources alternate exactly like a period-2 flip.  So
+in replay mode the records are first centred *per source* (``K ← E K E`` with
+``E = I - A(AᵀA)⁻¹Aᵀ``): a difference between the sources' mean gradients cannot
+show up here and is left to :mod:`.conflict`.  In a ``training`` store the
+alternation *is* the training dynamics (the weights zig-zag whatever the cause),
+so it is flagged, and the sources at each pole are named; ``source_r2`` near 1
+says the zig-zag follows the data order and the cure is in the data mix.
+
+Severity = ``significance(p, n_units) × clip(reversal / 0.5, 0, 1) ×
+(0.6 + 0.4 · bimodality)``, where ``reversal = min(|μ+|, |μ−|) / max(|μ+|, |μ−|)``
+when the poles' mean projections have opposite signs (else 0) and
+``bimodality = clip((BC - 1/3) / (5/9 - 1/3), 0, 1)`` (0 for a Gaussian, 1 at the
+uniform's 5/9).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.analysis import _kspace as ks
+from gradforensics.analysis.base import Analysis, AnalysisResult, Context, Flag
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+COLUMNS = [
+    "tensor", "head", "layer", "n_records", "n_excluded", "consec_cos", "component", "explained",
+    "period_records", "period_steps", "p_value", "bimodality_coefficient", "pole_pos", "pole_neg",
+    "reversal", "source_r2", "sources_pos", "sources_neg", "severity",
+]
+POLE_SHARE = 0.6          # a source "sits at a pole" when it holds this share of the pole's records
+
+
+@dataclass(frozen=True)
+class OscillationOptions:
+    """``components``: principal directions examined; ``min_cycles``: fewest cycles for a period."""
+
+    components: int = 3
+    min_cycles: int = 3
+
+    def __post_init__(self) -> None:
+        ks.check_int("oscillation", "components", self.components, 1)
+        ks.check_int("oscillation", "min_cycles", self.min_cycles, 2)
+
+
+# ---------------------------------------------------------------- statistics
+def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None = None) -> tuple[float, float]:
+    """Strongest periodic component of *x* with ≥ *min_cycles* cycles: ``(period, p)``.
+
+    Per Fourier frequency ``j/n`` (``min_cycles ≤ j ≤ n/2``), ``I_j / SS`` is
+    ``Beta(d/2, (n-1-d)/2)`` for i.i.d. Gaussian *x* (``SS`` = centred sum of
+    squares, ``d`` = 2, 1 at Nyquist); p is the smallest tail probability times
+    the number of frequencies tested (Bonferroni).  *dof_total* is the degrees of
+    freedom of ``SS`` (``n - 1`` for centred records; ``n - S`` after removing S
+    source means).
+    """
+    from scipy.stats import beta
+
+    n = x.size
+    nu = n - 1 if dof_total is None else int(dof_total)
+    xc = x - x.mean()
+    ss = float(xc @ xc)
+    j = np.arange(min_cycles, n // 2 + 1)
+    if n < 8 or j.size == 0 or ss <= 0:
+        return math.nan, math.nan
+    F = np.fft.rfft(xc)
+    power = np.abs(F[j]) ** 2
+    dof = np.where(2 * j == n, 1.0, 2.0)
+    power = np.where(dof == 1.0, power, 2.0 * power) / n      # share of SS carried by each frequency
+    share = np.clip(power / ss, 0.0, 1.0)
+    tail = beta.sf(share, dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0)
+    best = int(np.argmin(tail))
+    return n / float(j[best]), float(min(1.0, tail[best] * j.size))
+
+
+def bimodality_coefficient(x: np.ndarray) -> float:
+    """Sample bimodality coefficient (bias-corrected skewness and excess kurtosis)."""
+    from scipy.stats import kurtosis, skew
+
+    n = x.size
+    if n < 4 or np.ptp(x) == 0:
+        return math.nan
+    g, k = skew(x, bias=False), kurtosis(x, bias=False)
+    return float((g**2 + 1.0) / (k + 3.0 * (n - 1) ** 2 / ((n - 2) * (n - 3))))
+
+
+def two_means_split(x: np.ndarray) -> np.ndarray:
+    """Boolean mask of the upper group of the optimal 1-D two-group split (max between-group SS)."""
+    order = np.argsort(x)
+    xs = x[order]
+    n = xs.size
+    c = np.cumsum(xs)
+    k = np.arange(1, n)
+    m1, m2 = c[:-1] / k, (c[-1] - c[:-1]) / (n - k)
+    between = k * (n - k) * (m1 - m2) ** 2
+    cut = int(np.argmax(between)) + 1
+    upper = np.zeros(n, bool)
+    upper[order[cut:]] = True
+    return upper
+
+
+def source_r2(scores: np.ndarray, mixture: np.ndarray) -> float:
+    """R² of the scores regressed on the source mixture (least squares, sums to one: intercept included)."""
+    fit = ks.fit_sources(mixture)
+    if fit.index.size < 2:
+        return 0.0
+    resid = scores - fit.hat @ scores
+    sc = scores - scores.mean()
+    return float(max(0.0, 1.0 - (resid @ resid) / (sc @ sc))) if sc @ sc > 0 else math.nan
+
+
+def _pole_sources(mixture: np.ndarray, mask: np.ndarray, names: tuple[str, ...], idx: np.ndarray) -> str:
+    """Sources holding ≥ POLE_SHARE of a pole's records, ';'-joined ('' if none)."""
+    if not mask.any():
+        return ""
+    share = mixture[mask].mean(axis=0)
+    return ";".join(names[i] for i in idx if share[i] >= POLE_SHARE)
+
+
+@dataclass
+class Component:
+    k: int
+    lam: float
+    scores: np.ndarray
+    proj: np.ndarray
+    period: float
+    p: float
+
+
+def components(Kp: np.ndarray, K: np.ndarray, n_comp: int, min_cycles: int, dof_total: int) -> list[Component]:
+    """Top principal directions of *Kp* (a centred K) with their alternation test.
+
+    *K* (uncentred) gives the records' projections ``(K u) / √λ`` on each direction.
+    """
+    lam, U = ks.top_components(Kp, n_comp)
+    out = []
+    for k in range(lam.size):
+        if lam[k] <= 1e-12 * max(np.trace(Kp), 1e-300):
+            continue
+        scores = U[:, k] * math.sqrt(lam[k])
+        period, p = periodogram_test(scores, min_cycles, dof_total)
+        out.append(Component(k, float(lam[k]), scores, K @ U[:, k] / math.sqrt(lam[k]), period, p))
+    return out
+
+
+def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
+                     names: tuple[str, ...]) -> tuple[dict[str, Any], Component | None]:
+    """Oscillation statistics of one unit (K and mixture rows in time order)."""
+    n = K.shape[0]
+    row: dict[str, Any] = {"n_records": n,
+                           "consec_cos": float(np.nanmean(ks.consecutive_cosines(K))) if n > 1 else math.nan}
+    if n < 8:
+        return row, None
+    fit = ks.fit_sources(mixture)
+    residualise = replay and fit.index.size >= 1
+    Kp = ks.residual_gram(K, fit) if residualise else ks.centred(K)
+    dof = n - (np.linalg.matrix_rank(fit.A) if residualise else 1)
+    comps = [c for c in components(Kp, K, opts.components, opts.min_cycles, dof) if np.isfinite(c.p)]
+    if not comps:
+        return row, None
+    best = min(comps, key=lambda c: c.p)
+    upper = two_means_split(best.scores)
+    mu_pos, mu_neg = float(best.proj[upper].mean()), float(best.proj[~upper].mean())
+    if mu_pos < mu_neg:
+        mu_pos, mu_neg, upper = mu_neg, mu_pos, ~upper
+    rev = min(abs(mu_pos), abs(mu_neg)) / max(abs(mu_pos), abs(mu_neg), 1e-300) if mu_pos > 0 > mu_neg else 0.0
+    row.update(component=best.k + 1, explained=best.lam / max(float(np.trace(Kp)), 1e-300),
+               period_records=best.period, p_value=min(1.0, best.p * len(comps)),
+               bimodality_coefficient=bimodality_coefficient(best.scores), pole_pos=mu_pos, pole_neg=mu_neg,
+               reversal=rev, source_r2=source_r2(best.scores, mixture),
+               sources_pos=_pole_sources(mixture, upper, names, fit.index),
+               sources_neg=_pole_sources(mixture, ~upper, names, fit.index))
+    return row, best
+
+
+def severity(p: float, n_tests: int, reversal: float, bc: float) -> float:
+    bimod = ks.ramp(bc - 1.0 / 3.0, 5.0 / 9.0 - 1.0 / 3.0)
+    return ks.significance(p, n_tests) * ks.ramp(reversal, 0.5) * (0.6 + 0.4 * bimod)
+
+
+# ------------------------------------------------------------------ analysis
+def compute(ctx: Context) -> AnalysisResult:
+    """The oscillation table, projection and consecutive-cosine series of every tensor and head."""
+    import pandas as pd
+
+    opts = ks.parse_options(OscillationOptions, ctx.options.get("oscillation"), "oscillation")
+    mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
+    step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)), dtype=np.float64)
+    replay = ctx.meta.mode == "replay"
+    rows, series = [], {}
+    for u in ks.units(ctx):
+        row, comp = oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources)
+        dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
+        row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
+                   period_steps=row.get("period_records", math.nan) * dstep if not replay else math.nan)
+        rows.append(row)
+        if comp is not None:
+            proj = np.full(ctx.n_records, np.nan)
+            proj[u.records] = comp.proj
+            series[ks.series_key("projection", u.tensor, u.head)] = proj
+        if u.n > 1:
+            cc = np.full(ctx.n_records, np.nan)
+            cc[u.records[1:]] = ks.consecutive_cosines(u.gram)
+            series[ks.series_key("consecutive_cosine", u.tensor, u.head)] = cc
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    table["head"] = table["head"].astype("Int64")
+    table["layer"] = table["layer"].astype("Int64")
+    n_tests = int(table["p_value"].notna().sum())
+    table["severity"] = [severity(p, n_tests, r, bc) for p, r, bc in
+                         zip(table["p_value"], table["reversal"], table["bimodality_coefficient"])]
+    return AnalysisResult(table=table, series=series)
+
+
+def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
+    """One flag per oscillating tensor (or the heads that localise it)."""
+    out = []
+    last = ctx.n_records - 1
+    for r in result.table.itertuples(index=False):
+        if not r.severity >= ks.REPORT_FLOOR:
+            continue
+        head = ks.head_of(r.head)
+        poles = [s for s in (r.sources_pos, r.sources_neg) if isinstance(s, str) and s]
+        src = tuple(dict.fromkeys(x for s in poles for x in s.split(";")))
+        out.append(Flag(kind="oscillation", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
+                        records=(0, last), evidence=_evidence(r), summary=_summary(r, head, ctx.meta.mode)))
+    return ks.dedupe_heads(out, ks.heads_per_tensor(result.table), by_sources=False)
+
+
+def _evidence(r: Any) -> dict[str, Any]:
+    return {"period_records": r.period_records, "period_steps": r.period_steps, "p_value": r.p_value,
+            "pole_pos": r.pole_pos, "pole_neg": r.pole_neg, "reversal": r.reversal,
+            "bimodality_coefficient": r.bimodality_coefficient, "consec_cos": r.consec_cos,
+            "explained": r.explained, "source_r2": r.source_r2}
+
+
+def _summary(r: Any, head: int | None, mode: str) -> str:
+    where = r.tensor if head is None else f"{r.tensor} head {head}"
+    steps = f" (~{r.period_steps:.0f} steps)" if np.isfinite(r.period_steps) else ""
+    s = (f"{where}: gradient flips between opposite directions every {r.period_records:.1f} records{steps} "
+         f"along principal direction {int(r.component)} ({100 * r.explained:.0f}% of the record variance; "
+         f"poles at {r.pole_pos:+.3g} and {r.pole_neg:+.3g}, consecutive-record cosine {r.consec_cos:.2f}, "
+         f"{ks.fmt_p(r.p_value)})")
+    pos, neg = r.sources_pos or "mixed", r.sources_neg or "mixed"
+    if r.sources_pos or r.sources_neg:
+        s += f"; sources at the poles: + {pos}, - {neg}"
+        if r.source_r2 > 0.5 and mode == "training":
+            s += f" (the data order explains {100 * r.source_r2:.0f}% of it: mix sources within batches; see conflict)"
+    return s + "."
+
+
+def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
+    """The records' projection on the oscillating direction, record by record."""
+    proj = result.series.get(ks.series_key("projection", flag.tensor, flag.head))
+    if proj is not None:
+        x = np.flatnonzero(np.isfinite(proj))
+        y = proj[x]
+        ax.plot(x, y, "-", lw=0.6, color="0.6")
+        ax.scatter(x, y, s=8, c=np.where(y >= np.median(y), "C3", "C0"), zorder=3)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("record")
+    ax.set_ylabel("projection on principal direction")
+    where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
+    period = flag.evidence.get("period_records")
+    ptxt = f"period {period:.1f} records" if isinstance(period, (int, float)) and np.isfinite(period) else ""
+    ax.set_title(f"oscillation: {where}\npoints alternate above and below 0: the update reverses ({ptxt})",
+                 fontsize=9)
+
+
+ANALYSIS = Analysis(name="oscillation", needs=("gram", "batches"), compute=compute, flags=flags, plot=plot,
+                    title="Oscillation between opposing directions")
