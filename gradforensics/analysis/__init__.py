@@ -13,6 +13,9 @@ from gradforensics.analysis.base import Analysis, AnalysisResult, Context, Findi
 
 # Order = order of sections in the report.
 _MODULES: tuple[str, ...] = (
+    "drift",
+    "oscillation",
+    "conflict",
 )
 
 
