@@ -1,0 +1,357 @@
+"""Per-tensor, per-head Gram matrices ``K = X Xᵀ`` in one streaming pass.
+
+``X`` is the (N, d) matrix of the N flattened per-record gradients of one
+tensor (or one head).  Every direction statistic of gradforensics (cosines,
+drift, principal directions, per-source means, noise scale) is a function of
+``K`` and the batch metadata, so the store is read once and ``K`` (N x N,
+small) carries everything onwards.
+
+The pass is a dask reduction written as chunk / combine / aggregate over the
+feature axis, as dask's own reductions are (``mean_chunk`` / ``mean_combine``
+/ ``mean_agg``):
+
+* **chunk** (:func:`chunk_partial`): one slab of the array (all records x a run
+  of whole on-disk feature chunks, see ``Store.grad(..., slab_bytes=...)``)
+  becomes a partial sum ``{("k", head, a, b): X_a X_bᵀ, ("nf", head, a): counts}``.
+  Non-finite elements are zeroed before the product and counted per record.
+  Products run in float32 over sub-blocks of ``SUB_BLOCK`` features and are
+  accumulated in float64 (``precision="float64"`` makes the products float64
+  too; a sub-block that overflows float32 is redone in float64).
+* **combine** (:func:`combine_partials`): partial sums add, in a tree of fan-in
+  ``split_every``.
+* **aggregate** (:func:`aggregate_partial`): the blocks are assembled into K per
+  head, the whole-tensor K of a head-split tensor is the sum of its head Ks (no
+  extra read), and the rows/columns of records holding any non-finite value are
+  zeroed (they are excluded from direction statistics and counted instead).
+
+When the record axis of a slab is split (huge records), the chunk step works on
+pairs of record blocks ``(a, b)``, ``a <= b``.
+
+Where the store keeps only a sketch of a tensor (``sketch/<tensor>``, no
+``grads/<tensor>``), K is computed the same way from the sketch; its inner
+products are then unbiased estimates (``GramResult.from_sketch``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.analysis.base import GramResult
+from gradforensics.errors import MissingArrayError, SpecError
+from gradforensics.store.layout import MiB
+
+if TYPE_CHECKING:
+    import dask.array as da
+    from dask.delayed import Delayed
+
+    from gradforensics.store.reader import Store
+
+SUB_BLOCK = 4096
+"""Features per float32 product inside a chunk; the products are summed in float64."""
+
+DEFAULT_SLAB_BYTES = 64 * MiB
+DEFAULT_SPLIT_EVERY = 8
+PRECISIONS = ("float32", "float64")
+
+Partial = dict[tuple[Any, ...], np.ndarray]
+
+
+# --------------------------------------------------------------------- kernel
+def _finite_product(xa: np.ndarray, xb: np.ndarray | None, precision: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """``xa @ xbᵀ`` (``xb`` None: ``xa @ xaᵀ``) in float64 with non-finite elements zeroed.
+
+    Returns the product and, for ``xb is None``, the per-row count of
+    non-finite elements of ``xa``.
+    """
+    na, f = xa.shape
+    nb = na if xb is None else xb.shape[0]
+    acc = np.zeros((na, nb), dtype=np.float64)
+    counts = np.zeros(na, dtype=np.int64) if xb is None else None
+    for s in range(0, f, SUB_BLOCK):
+        pa = xa[:, s:s + SUB_BLOCK]
+        pb = pa if xb is None else xb[:, s:s + SUB_BLOCK]
+        if precision == "float64":
+            prod = _product(pa.astype(np.float64), None if xb is None else pb.astype(np.float64))
+        else:
+            prod = _product(pa, None if xb is None else pb)
+        if not np.isfinite(prod).all():
+            prod, n_bad = _slow_product(pa, None if xb is None else pb)
+            if counts is not None:
+                counts += n_bad
+        acc += prod
+    return acc, counts
+
+
+def _product(pa: np.ndarray, pb: np.ndarray | None) -> np.ndarray:
+    return pa @ (pa if pb is None else pb).T
+
+
+def _slow_product(pa: np.ndarray, pb: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 product after zeroing non-finite elements; per-row counts of ``pa``'s."""
+    fa = np.isfinite(pa)
+    n_bad = pa.shape[1] - np.count_nonzero(fa, axis=1)
+    a = np.where(fa, pa, 0).astype(np.float64)
+    b = None if pb is None else np.where(np.isfinite(pb), pb, 0).astype(np.float64)
+    return _product(a, b), n_bad.astype(np.int64)
+
+
+def _head_blocks(block: np.ndarray, head0: int, split: bool) -> Iterable[tuple[int, np.ndarray]]:
+    """``(head, (n, features))`` views of one dask block; head -1 for a tensor not split."""
+    if not split:
+        yield -1, block.reshape(block.shape[0], -1)
+        return
+    for j in range(block.shape[1]):
+        yield head0 + j, block[:, j].reshape(block.shape[0], -1)
+
+
+def chunk_partial(xa: np.ndarray, xb: np.ndarray | None, a: int, b: int, head0: int, split: bool,
+                  precision: str = "float32") -> Partial:
+    """Chunk step: the partial Gram sums of one slab (record blocks *a*, *b*).
+
+    ``xb`` is None on the diagonal (``a == b``); only diagonal partials carry
+    non-finite counts, so each record block is counted once per slab.
+    """
+    out: Partial = {}
+    heads_b = None if xb is None else dict(_head_blocks(xb, head0, split))
+    for h, xa2 in _head_blocks(xa, head0, split):
+        xb2 = None if heads_b is None else heads_b[h]
+        prod, counts = _finite_product(np.asarray(xa2), None if xb2 is None else np.asarray(xb2), precision)
+        out[("k", h, a, b)] = prod
+        if counts is not None:
+            out[("nf", h, a)] = counts
+    return out
+
+
+def combine_partials(parts: Sequence[Partial]) -> Partial:
+    """Combine step: partial sums add key by key (inputs are not modified)."""
+    out: Partial = {}
+    for part in parts:
+        for key, val in part.items():
+            if key in out:
+                out[key] = out[key] + val
+            else:
+                out[key] = val.copy()
+    return out
+
+
+def aggregate_partial(part: Partial, tensor: str, record_chunks: tuple[int, ...], n_heads: int | None,
+                      n_features: int, from_sketch: bool) -> list[GramResult]:
+    """Aggregate step: assemble K per head, add heads for the whole tensor, zero bad records.
+
+    Returns the whole-tensor result first, then one per head (head-split tensors).
+    """
+    n = int(sum(record_chunks))
+    offsets = np.concatenate([[0], np.cumsum(record_chunks)]).astype(int)
+    heads = [-1] if n_heads is None else list(range(n_heads))
+    raw: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for h in heads:
+        k = np.zeros((n, n), dtype=np.float64)
+        nf = np.zeros(n, dtype=np.int64)
+        for key, val in part.items():
+            if key[1] != h:
+                continue
+            if key[0] == "nf":
+                nf[offsets[key[2]]:offsets[key[2] + 1]] += val
+            else:
+                _, _, a, b = key
+                k[offsets[a]:offsets[a + 1], offsets[b]:offsets[b + 1]] += val
+                if a != b:
+                    k[offsets[b]:offsets[b + 1], offsets[a]:offsets[a + 1]] += val.T
+        raw[h] = (0.5 * (k + k.T), nf)
+    if n_heads is None:
+        k, nf = raw[-1]
+        return [_result(tensor, None, k, nf, n_features, from_sketch)]
+    whole_k = sum((raw[h][0] for h in heads), np.zeros((n, n)))
+    whole_nf = sum((raw[h][1] for h in heads), np.zeros(n, dtype=np.int64))
+    per_head = n_features // n_heads
+    out = [_result(tensor, None, whole_k, whole_nf, n_features, from_sketch)]
+    out += [_result(tensor, h, raw[h][0], raw[h][1], per_head, from_sketch) for h in heads]
+    return out
+
+
+def _result(tensor: str, head: int | None, k: np.ndarray, nf: np.ndarray, n_features: int,
+            from_sketch: bool) -> GramResult:
+    bad = nf > 0
+    if bad.any():
+        k = k.copy()
+        k[bad, :] = 0.0
+        k[:, bad] = 0.0
+    return GramResult(tensor=tensor, head=head, gram=k, nonfinite=nf, n_features=int(n_features),
+                      from_sketch=from_sketch)
+
+
+# ---------------------------------------------------------------------- graph
+def gram_of_array(x: da.Array, tensor: str, *, heads: bool = False, from_sketch: bool = False,
+                  split_every: int = DEFAULT_SPLIT_EVERY, precision: str = "float32") -> Delayed:
+    """Lazy Gram matrices of a dask array ``x`` of shape (N, ...) or (N, H, ...).
+
+    Parameters
+    ----------
+    x
+        Per-record arrays, record axis first.  With ``heads=True`` axis 1 is the
+        head axis; the result then holds the whole tensor and every head.
+    tensor
+        Name carried into each :class:`GramResult`.
+    split_every
+        Fan-in of the combine tree (>= 2).
+    precision
+        ``"float32"``: products over sub-blocks of ``SUB_BLOCK`` features in
+        float32, summed in float64 (default; about twice as fast);
+        ``"float64"``: products in float64 as well.
+
+    Returns
+    -------
+    dask.delayed.Delayed
+        Computes to ``list[GramResult]``: the whole tensor first, then each head.
+    """
+    from dask.base import tokenize
+    from dask.delayed import Delayed
+    from dask.highlevelgraph import HighLevelGraph
+
+    if split_every < 2:
+        raise SpecError(f"split_every must be >= 2; got {split_every}.")
+    if precision not in PRECISIONS:
+        raise SpecError(f"precision must be one of {PRECISIONS}; got {precision!r}.")
+    if heads and x.ndim < 2:
+        raise SpecError(f"{tensor}: a head-split array needs a head axis; got shape {x.shape}.")
+    name = f"gram-{tokenize(x.name, tensor, heads, from_sketch, split_every, precision)}"
+    layer, parts = _chunk_layer(x, name, heads, precision)
+    top = _tree(layer, name, parts, split_every)
+    n_heads = int(x.shape[1]) if heads else None
+    n_features = int(np.prod(x.shape[1:], dtype=np.int64))
+    final = (name, "agg")
+    layer[final] = (aggregate_partial, top, tensor, tuple(int(c) for c in x.chunks[0]), n_heads, n_features,
+                    from_sketch)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
+    return Delayed(final, graph, layer=name)
+
+
+def _chunk_layer(x: da.Array, name: str, heads: bool, precision: str) -> tuple[dict[Any, Any], list[Any]]:
+    head_starts = np.concatenate([[0], np.cumsum(x.chunks[1])]).astype(int) if heads else None
+    layer: dict[Any, Any] = {}
+    parts: list[Any] = []
+    n_rec_blocks = len(x.chunks[0])
+    for col in itertools.product(*[range(len(c)) for c in x.chunks[1:]]):
+        head0 = int(head_starts[col[0]]) if head_starts is not None else 0
+        for a in range(n_rec_blocks):
+            for b in range(a, n_rec_blocks):
+                key = (name, "chunk", len(parts))
+                kb = None if a == b else (x.name, b, *col)
+                layer[key] = (chunk_partial, (x.name, a, *col), kb, a, b, head0, heads, precision)
+                parts.append(key)
+    return layer, parts
+
+
+def _tree(layer: dict[Any, Any], name: str, parts: list[Any], split_every: int) -> Any:
+    """Add combine tasks of fan-in *split_every* until one key remains; return it."""
+    level = 0
+    while len(parts) > 1:
+        nxt = []
+        for i in range(0, len(parts), split_every):
+            key = (name, "combine", level, i // split_every)
+            layer[key] = (combine_partials, list(parts[i:i + split_every]))
+            nxt.append(key)
+        parts = nxt
+        level += 1
+    if not parts:
+        raise SpecError(f"{name}: the array has no chunks to reduce.")
+    return parts[0]
+
+
+# ------------------------------------------------------------------ the store
+def gram_sources(store: Store) -> dict[str, str]:
+    """Which stored array each tensor's K is computed from: ``grads/<t>`` or, failing that, ``sketch/<t>``."""
+    return {t: (f"grads/{t}" if t in store.grads else f"sketch/{t}") for t in store.tensors}
+
+
+def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTES,
+               split_every: int = DEFAULT_SPLIT_EVERY, precision: str = "float32") -> Delayed:
+    """Lazy Gram matrices of one stored tensor (whole, and per head where split).
+
+    Reads ``grads/<tensor>`` in slabs of about *slab_bytes* (all records x whole
+    on-disk feature chunks), or ``sketch/<tensor>`` where no full gradient is stored.
+    """
+    if tensor in store.grads:
+        info, from_sketch = store.grads[tensor], False
+        x = store.grad(tensor, slab_bytes=slab_bytes)
+    elif tensor in store.sketches:
+        info, from_sketch = store.sketches[tensor], True
+        x = store.lazy(f"sketch/{tensor}", slab_bytes)
+    else:
+        raise MissingArrayError(f"{store.path}: no grads/{tensor} or sketch/{tensor} in the store; "
+                                f"tensors are {store.tensors[:5]}{'...' if len(store.tensors) > 5 else ''}.")
+    return gram_of_array(x, tensor, heads=info.heads is not None, from_sketch=from_sketch,
+                         split_every=split_every, precision=precision)
+
+
+def gram_graphs(store: Store, tensors: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Delayed]:
+    """:func:`gram_graph` of every tensor (default: all tensors with gradients or sketches)."""
+    return {t: gram_graph(store, t, **kwargs) for t in (store.tensors if tensors is None else tensors)}
+
+
+def flatten_grams(results: dict[str, list[GramResult]]) -> dict[tuple[str, int | None], GramResult]:
+    """``{tensor: [whole, head0, ...]}`` -> ``{(tensor, head): GramResult}`` (the ``Context.grams`` shape)."""
+    return {(g.tensor, g.head): g for res in results.values() for g in res}
+
+
+# ----------------------------------------------------------- persistence
+GRAM_INDEX = "gram_index"
+GRAM_ARRAY = "analysis/gram/k"
+NONFINITE_ARRAY = "analysis/gram/nonfinite"
+
+
+def _ordered(grams: dict[tuple[str, int | None], GramResult]) -> list[GramResult]:
+    return [grams[k] for k in sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
+
+
+def save_grams(store: Store, grams: dict[tuple[str, int | None], GramResult]) -> None:
+    """Save every Gram matrix in the store: ``analysis/gram/k`` (M, N, N) float64, one
+    chunk per matrix, ``analysis/gram/nonfinite`` (M, N) and the ``gram_index`` document.
+
+    Two arrays in all (not two per tensor and head), so a model with thousands of
+    heads does not create thousands of arrays.  Call before ``Store.write_analysis``
+    (which re-reads the store's listing).
+    """
+    import json
+
+    from gradforensics.store.backends import open_backend
+
+    entries = _ordered(grams)
+    n = store.n_records
+    index = [{"i": i, "tensor": g.tensor, "head": g.head, "n_features": g.n_features, "from_sketch": g.from_sketch}
+             for i, g in enumerate(entries)]
+    b = open_backend(store.path, "a")
+    try:
+        b.create(GRAM_ARRAY, (len(entries), n, n), "<f8", (1, max(n, 1), max(n, 1)), {}, "none")
+        b.create(NONFINITE_ARRAY, (len(entries), n), "<i8", (max(len(entries), 1), max(n, 1)), {}, "none")
+        for start in range(0, len(entries), 64):
+            part = entries[start:start + 64]
+            b.write_rows(GRAM_ARRAY, start, np.stack([g.gram for g in part]))
+        if entries:
+            b.write_rows(NONFINITE_ARRAY, 0, np.stack([g.nonfinite for g in entries]))
+        raw = np.frombuffer(json.dumps(index).encode(), dtype=np.uint8)
+        b.create(f"analysis/{GRAM_INDEX}", (raw.size,), "|u1", (max(raw.size, 1),), {"format": "json"}, "none")
+        b.write_rows(f"analysis/{GRAM_INDEX}", 0, raw)
+    finally:
+        b.close()
+
+
+def load_grams(store: Store) -> dict[tuple[str, int | None], GramResult]:
+    """The Gram matrices a previous ``analyze`` saved in *store* (no gradient is read)."""
+    if not store.has(f"analysis/{GRAM_INDEX}"):
+        raise MissingArrayError(f"{store.path}: no Gram matrices saved; run `gradforensics analyze` first.")
+    index = store.read_document(GRAM_INDEX)
+    if not index:
+        return {}
+    k = store.read(GRAM_ARRAY)
+    nf = store.read(NONFINITE_ARRAY)
+    out: dict[tuple[str, int | None], GramResult] = {}
+    for e in index:
+        head = None if e["head"] is None else int(e["head"])
+        out[(e["tensor"], head)] = GramResult(e["tensor"], head, k[e["i"]], nf[e["i"]], int(e["n_features"]),
+                                              bool(e["from_sketch"]))
+    return out
