@@ -16,6 +16,8 @@ _MODULES: tuple[str, ...] = (
     "drift",
     "oscillation",
     "conflict",
+    "noise",
+    "nonfinite",
 )
 
 
