@@ -2,14 +2,7 @@
 
 from gradforensics.capture.heads import HeadSpec
 from gradforensics.capture.recorder import Recorder
+from gradforensics.capture.replay import replay  # torch is imported only when replay() runs
 from gradforensics.capture.sketch import Sketcher
 
 __all__ = ["HeadSpec", "Recorder", "Sketcher", "replay"]
-
-
-def __getattr__(name: str):  # replay needs torch; import it only when asked
-    if name == "replay":
-        from gradforensics.capture.replay import replay
-
-        return replay
-    raise AttributeError(name)
