@@ -18,6 +18,9 @@ _MODULES: tuple[str, ...] = (
     "conflict",
     "noise",
     "nonfinite",
+    "saturation",
+    "spectral",
+    "precision",
 )
 
 

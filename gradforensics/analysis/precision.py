@@ -1,0 +1,365 @@
+"""Precision floor: weight updates the number format rounds away, and fp16 gradient range.
+
+Without fp32 master weights an optimizer step stores ``w ← round_f(w + Δ)`` in the
+training format ``f``.  When ``|Δ|`` is below half the spacing of ``f`` at ``w``
+(half an ULP), round-to-nearest gives ``w`` back: the update is *swamped* and that
+weight stops learning (Micikevicius et al. 2018, §3.1; Kalamkar et al. 2019 for
+bfloat16).  From consecutive weight snapshots ``W_t, W_{t+1}`` this analysis
+measures, per tensor:
+
+* ``swamped_bf16`` / ``swamped_fp16``: the share of non-zero per-step updates
+  ``Δ = (W_{t+1} - W_t) / steps`` with ``round_f(round_f(w) + Δ) == round_f(w)``,
+  i.e. updates that would be lost if the weights were kept in bfloat16 (8
+  significant bits, ULP ``2^(e-7)``) or float16 (11 bits, ULP ``2^(e-10)``,
+  subnormal spacing ``2^-24``).  This is the exact rounding rule, not only
+  ``|Δ| < ULP/2``: at a power of two the spacing below ``w`` is half the spacing
+  above it, and ties go to even.
+* ``lost_share``: among elements whose gradient was non-zero on a record between
+  the two snapshots, the share whose stored weight did not change at all - updates
+  *already* being lost, when the snapshots themselves are low precision.
+* ``grad_underflow_fp16`` / ``grad_subnormal_fp16`` / ``grad_overflow_fp16``: the
+  share of non-zero gradient values that, multiplied by the loss scale ``s``,
+  fall below ``2^-24`` (flushed to zero in fp16), in ``[2^-24, 2^-14)`` (fp16
+  subnormal: fewer significant bits), or reach ``2^16`` (overflow to inf; fp16's
+  largest finite value is 65504).  They come from an exact histogram of base-2
+  exponents, so they are exact for power-of-two scales (what dynamic loss scaling
+  uses) and within one binade otherwise.
+
+Snapshots are assumed taken at ``record()`` time, before that record's optimizer
+step: the gradients of records ``r_t .. r_{t+1}-1`` drive ``W_t → W_{t+1}``.
+
+References
+----------
+Micikevicius, P. et al. (2018). Mixed precision training. ICLR.
+Kalamkar, D. et al. (2019). A study of BFLOAT16 for deep learning training. arXiv:1905.12322.
+IEEE 754-2008, §4.3.1 (round to nearest, ties to even).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.analysis.base import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.spectral import head_spec_from_attrs
+from gradforensics.errors import SpecError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from gradforensics.analysis.base import Context
+    from gradforensics.store.reader import Store
+
+NAME = "precision"
+#: name -> (explicit mantissa bits, smallest normal exponent, largest finite value)
+FORMATS: dict[str, tuple[int, int, float]] = {
+    "bf16": (7, -126, float(np.finfo(np.float32).max) * (1 - 2.0 ** -8)),
+    "fp16": (10, -14, 65504.0),
+}
+MAX_PAIRS = 32                      # snapshot pairs analysed per tensor (evenly spaced)
+EXP_MIN, EXP_MAX = -160, 160        # base-2 exponent histogram range (frexp convention)
+ULP_EDGES = np.arange(-30.0, 20.5, 0.5)   # bins of log2(|Δ| / ULP_bf16(w))
+SLAB_BYTES = 64 << 20               # = the Gram pass's default slab, so dask shares the gradient reads
+_BLOCK = 1 << 20                    # elements per block inside a pair task (bounds memory)
+
+
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """Options of the precision analysis.
+
+    Parameters
+    ----------
+    loss_scale
+        Scale the gradients are multiplied by before the fp16 cast (the run's
+        recorded loss scale).  Default: ``extra["loss_scale"]`` of the store, else 1.
+    format
+        ``"bf16"`` or ``"fp16"``: the training format whose swamped share raises the
+        flag.  With ``"fp16"`` the gradient underflow share is flagged too.
+    min_severity
+        Flags below this severity are not emitted.
+    """
+
+    loss_scale: float | None = None
+    format: str = "bf16"
+    min_severity: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise SpecError(f"precision: format must be one of {tuple(FORMATS)}; got {self.format!r}.")
+        if self.loss_scale is not None and not (np.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise SpecError(f"precision: loss_scale must be a positive number; got {self.loss_scale!r}.")
+
+    @classmethod
+    def parse(cls, value: Any) -> PrecisionOptions:
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(**dict(value))
+        except TypeError as exc:
+            raise SpecError(f"precision: bad options {value!r} ({exc}).") from exc
+
+
+# ------------------------------------------------------------------ number formats
+def round_to(x: np.ndarray, fmt: str) -> np.ndarray:
+    """Round float64 values to the nearest value of *fmt* (ties to even), as float64.
+
+    The spacing at ``x`` is ``2^(max(e, e_min) - p)`` with ``e = floor(log2|x|)`` and
+    ``p`` explicit mantissa bits; values past the largest finite one become ±inf.
+    """
+    p, emin, vmax = FORMATS[fmt]
+    x = np.asarray(x, dtype=np.float64)
+    _, e = np.frexp(x)                                  # |x| = m 2^e, m in [0.5, 1)
+    q = np.ldexp(1.0, np.maximum(e - 1, emin) - p)
+    r = np.rint(x / q) * q
+    return np.where(np.abs(r) > vmax, np.copysign(np.inf, x), r)
+
+
+def ulp(x: np.ndarray, fmt: str) -> np.ndarray:
+    """Spacing of *fmt* at ``round_to(x)`` (upward spacing at a power of two)."""
+    p, emin, _ = FORMATS[fmt]
+    _, e = np.frexp(round_to(x, fmt))
+    return np.ldexp(1.0, np.maximum(e - 1, emin) - p)
+
+
+def swamped(w: np.ndarray, delta: np.ndarray, fmt: str) -> np.ndarray:
+    """True where the non-zero update *delta* leaves ``round_to(w, fmt)`` unchanged."""
+    wf = round_to(w, fmt)
+    d = np.asarray(delta, dtype=np.float64)
+    return (d != 0) & (round_to(wf + d, fmt) == wf)
+
+
+def exponent_hist(g: np.ndarray) -> np.ndarray:
+    """Counts of non-zero finite ``|g|`` by frexp exponent ``e`` (``|g| ∈ [2^(e-1), 2^e)``).
+
+    Returns ``EXP_MAX - EXP_MIN + 3`` counts: one per exponent, then zeros, then non-finite.
+    """
+    g = np.asarray(g, dtype=np.float32).ravel()
+    fin = np.isfinite(g)
+    nz = fin & (g != 0)
+    _, e = np.frexp(g[nz])
+    counts = np.bincount(np.clip(e, EXP_MIN, EXP_MAX) - EXP_MIN, minlength=EXP_MAX - EXP_MIN + 1)
+    return np.concatenate([counts, [int((fin & ~nz).sum()), int((~fin).sum())]]).astype(np.int64)
+
+
+def fp16_gradient_shares(hist: np.ndarray, loss_scale: float = 1.0) -> dict[str, float]:
+    """Underflow / subnormal / overflow shares of the non-zero gradients at *loss_scale*."""
+    counts = hist[: EXP_MAX - EXP_MIN + 1].astype(np.float64)
+    n = counts.sum()
+    e = np.arange(EXP_MIN, EXP_MAX + 1) + np.log2(loss_scale)     # scaled |g| in [2^(e-1), 2^e)
+    if n == 0:
+        return {"grad_underflow_fp16": np.nan, "grad_subnormal_fp16": np.nan, "grad_overflow_fp16": np.nan}
+    return {"grad_underflow_fp16": counts[e <= -24].sum() / n,
+            "grad_subnormal_fp16": counts[(e > -24) & (e <= -14)].sum() / n,
+            "grad_overflow_fp16": counts[e - 1 >= 16].sum() / n}
+
+
+def pair_counts(w0: np.ndarray, w1: np.ndarray, grad_nonzero: np.ndarray | None, steps: float) -> dict[str, Any]:
+    """Update statistics of one snapshot pair (see the module docstring).
+
+    ``grad_nonzero``: where some gradient between the snapshots was non-zero
+    (``None`` when the store has no whole gradient for the tensor).
+    """
+    w0 = np.asarray(w0, dtype=np.float32).ravel()
+    w1 = np.asarray(w1, dtype=np.float32).ravel()
+    gnz = None if grad_nonzero is None else np.asarray(grad_nonzero, dtype=bool).ravel()
+    out = {k: 0 for k in ("n", "updated", "swamped_bf16", "swamped_fp16", "grad_nonzero", "lost")}
+    hist = np.zeros(ULP_EDGES.size - 1, dtype=np.int64)
+    for a in range(0, w0.size, _BLOCK):
+        s = slice(a, a + _BLOCK)
+        x0, x1 = w0[s].astype(np.float64), w1[s].astype(np.float64)
+        fin = np.isfinite(x0) & np.isfinite(x1)
+        d = np.where(fin, x1 - x0, 0.0)
+        step = d / max(steps, 1.0)
+        out["n"] += int(fin.sum())
+        out["updated"] += int((d != 0).sum())
+        out["swamped_bf16"] += int(swamped(x0, step, "bf16").sum())
+        out["swamped_fp16"] += int(swamped(x0, step, "fp16").sum())
+        nz = d != 0
+        with np.errstate(divide="ignore"):
+            ratio = np.log2(np.abs(step[nz]) / ulp(x0[nz], "bf16"))
+        hist += np.histogram(np.clip(ratio, ULP_EDGES[0], ULP_EDGES[-1]), bins=ULP_EDGES)[0]
+        if gnz is not None:
+            g = gnz[s] & fin
+            out["grad_nonzero"] += int(g.sum())
+            out["lost"] += int((g & (d == 0)).sum())
+    out["ulp_hist"] = hist
+    out["has_grad"] = gnz is not None
+    return out
+
+
+# ---------------------------------------------------------------------- lazy pass
+def _pair_task(w0: np.ndarray, w1: np.ndarray, gnz: np.ndarray | None, steps: float, spec: Any,
+               records: tuple[int, int]) -> dict[str, Any]:
+    if gnz is not None and spec is not None:
+        gnz = spec.merge(gnz)
+    out = pair_counts(w0, w1, gnz, steps)
+    out["records"] = records
+    out["steps"] = steps
+    return out
+
+
+def _pairs(n_snapshots: int) -> list[int]:
+    """Indices ``t`` of the pairs ``(t, t+1)`` analysed: all, or MAX_PAIRS evenly spaced."""
+    if n_snapshots < 2:
+        return []
+    t = np.arange(n_snapshots - 1)
+    if t.size > MAX_PAIRS:
+        t = np.unique(np.linspace(0, n_snapshots - 2, MAX_PAIRS).round().astype(int))
+    return [int(i) for i in t]
+
+
+def lazy(store: Store) -> dict[str, Any]:
+    """Per tensor: snapshot-pair update counts and the gradients' exponent histogram."""
+    import dask
+
+    out: dict[str, Any] = {}
+    rec = store.weight_records()
+    step = store.read("batches/step").astype(np.float64) if store.n_records else np.zeros(0)
+    for tensor in sorted(store.weights):
+        tasks = []
+        for t in _pairs(len(rec)):
+            r0, r1 = int(rec[t]), int(rec[t + 1])
+            steps = float(step[r1] - step[r0]) if r1 < step.size and r0 < step.size else float(r1 - r0)
+            gnz, spec = None, None
+            if tensor in store.grads and r1 > r0:
+                gnz = (store.grad(tensor)[r0:r1] != 0).any(axis=0)
+                spec = head_spec_from_attrs(store.grads[tensor].attrs)
+            w = store.weight(tensor)
+            tasks.append(dask.delayed(_pair_task)(w[t], w[t + 1], gnz, max(steps, 1.0), spec, (r0, r1)))
+        if tasks:
+            out[f"pairs|{tensor}"] = dask.delayed(list)(tasks)
+    for tensor in sorted(store.grads):
+        blocks = store.grad(tensor, slab_bytes=SLAB_BYTES).to_delayed().ravel()
+        out[f"grad_exp|{tensor}"] = dask.delayed(sum)([dask.delayed(exponent_hist)(b) for b in blocks])
+    return out
+
+
+# ------------------------------------------------------------------------ compute
+def _ratio(a: float, b: float) -> float:
+    return float(a) / float(b) if b else float("nan")
+
+
+def tensor_row(tensor: str, pairs: list[dict[str, Any]] | None, grad_hist: np.ndarray | None,
+               loss_scale: float) -> dict[str, Any]:
+    """One table row from the pair counts and the gradient exponent histogram."""
+    tot = {k: sum(int(p[k]) for p in pairs or []) for k in
+           ("n", "updated", "swamped_bf16", "swamped_fp16", "grad_nonzero", "lost")}
+    has_grad = any(p["has_grad"] for p in pairs or [])
+    row: dict[str, Any] = {
+        "tensor": tensor, "head": None, "n_pairs": len(pairs or []),
+        "record_first": pairs[0]["records"][0] if pairs else None,
+        "record_last": pairs[-1]["records"][1] if pairs else None,
+        "updated_share": _ratio(tot["updated"], tot["n"]),
+        "swamped_bf16": _ratio(tot["swamped_bf16"], tot["updated"]),
+        "swamped_fp16": _ratio(tot["swamped_fp16"], tot["updated"]),
+        "lost_share": _ratio(tot["lost"], tot["grad_nonzero"]) if has_grad else float("nan"),
+        "median_update_ulps_bf16": _median_ulps(pairs),
+        "loss_scale": loss_scale,
+    }
+    hist = grad_hist if grad_hist is not None else np.zeros(EXP_MAX - EXP_MIN + 3, np.int64)
+    row.update(fp16_gradient_shares(hist, loss_scale))
+    row["grad_zero_share"] = _ratio(hist[-2], hist[:-1].sum()) if grad_hist is not None else float("nan")
+    return row
+
+
+def _median_ulps(pairs: list[dict[str, Any]] | None) -> float:
+    """Median of ``|Δ| / ULP_bf16(w)`` from the pooled histogram (bin centre, as a ratio)."""
+    if not pairs:
+        return float("nan")
+    h = np.sum([p["ulp_hist"] for p in pairs], axis=0)
+    if h.sum() == 0:
+        return float("nan")
+    i = int(np.searchsorted(np.cumsum(h), h.sum() / 2))
+    return float(2.0 ** ((ULP_EDGES[i] + ULP_EDGES[i + 1]) / 2))
+
+
+def compute(ctx: Context) -> AnalysisResult:
+    import pandas as pd
+
+    opt = PrecisionOptions.parse(ctx.options.get(NAME))
+    scale = opt.loss_scale or float(ctx.meta.extra.get("loss_scale", 1.0) or 1.0)
+    lz = ctx.lazy.get(NAME, {})
+    tensors = sorted({k.split("|", 1)[1] for k in lz})
+    rows, series = [], {}
+    for t in tensors:
+        pairs = lz.get(f"pairs|{t}")
+        rows.append(tensor_row(t, pairs, lz.get(f"grad_exp|{t}"), scale))
+        if pairs:
+            series[f"ulp_hist/{t}"] = np.sum([p["ulp_hist"] for p in pairs], axis=0)
+            series[f"swamped_bf16/{t}"] = np.array([_ratio(p["swamped_bf16"], p["updated"]) for p in pairs])
+            series[f"pair_records/{t}"] = np.array([p["records"] for p in pairs], dtype=np.int64)
+    series["ulp_edges"] = ULP_EDGES
+    cols = ["tensor", "head", "n_pairs", "record_first", "record_last", "updated_share", "swamped_bf16",
+            "swamped_fp16", "lost_share", "median_update_ulps_bf16", "grad_underflow_fp16", "grad_subnormal_fp16",
+            "grad_overflow_fp16", "grad_zero_share", "loss_scale"]
+    return AnalysisResult(table=pd.DataFrame(rows, columns=cols), series=series)
+
+
+# -------------------------------------------------------------------------- flags
+def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
+    """A flag per tensor whose updates are swamped (severity = swamped share), or lost."""
+    opt = PrecisionOptions.parse(ctx.options.get(NAME))
+    out = []
+    for row in result.table.to_dict("records"):
+        sw = _num(row[f"swamped_{opt.format}"])
+        lost = _num(row["lost_share"])
+        under = _num(row["grad_underflow_fp16"]) if opt.format == "fp16" else 0.0
+        sev = max(sw, lost, under)
+        if sev < opt.min_severity:
+            continue
+        first = int(row["record_first"]) if row["n_pairs"] else 0
+        last = int(row["record_last"]) if row["n_pairs"] else max(ctx.n_records - 1, 0)
+        out.append(Flag(
+            kind="precision", tensor=row["tensor"], head=None, sources=(), severity=float(min(sev, 1.0)),
+            records=(first, last),
+            evidence={k: row[k] for k in ("swamped_bf16", "swamped_fp16", "lost_share", "median_update_ulps_bf16",
+                                          "grad_underflow_fp16", "grad_overflow_fp16", "loss_scale")}
+            | {"format": opt.format},
+            summary=_summary(row, opt.format, sw, lost, under, first, last)))
+    return out
+
+
+def _num(x: Any) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return 0.0
+    return v if np.isfinite(v) else 0.0
+
+
+def _summary(row: dict[str, Any], fmt: str, sw: float, lost: float, under: float, first: int, last: int) -> str:
+    t = row["tensor"]
+    if lost >= max(sw, under):
+        return (f"{t}: {lost:.0%} of the weights that had a non-zero gradient between records {first} and {last} "
+                f"did not change at all in the stored snapshots: updates are already rounded away; keep fp32 "
+                f"master weights or raise the learning rate for this tensor.")
+    if under > sw:
+        return (f"{t}: {under:.0%} of its gradient values fall below fp16's smallest subnormal (2^-24) at loss "
+                f"scale {row['loss_scale']:g}: raise the loss scale or train in bf16.")
+    return (f"{t}: {sw:.0%} of its weight updates between records {first} and {last} are smaller than half a "
+            f"{fmt} ULP of the weight (median update {row['median_update_ulps_bf16']:.2g} bf16 ULP): without fp32 "
+            f"master weights this tensor stops learning.")
+
+
+def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
+    """Histogram of per-step update size in bf16 ULPs of the weight, with the half-ULP lines."""
+    edges = np.asarray(result.series["ulp_edges"])
+    h = np.asarray(result.series.get(f"ulp_hist/{flag.tensor}", np.zeros(edges.size - 1)), dtype=float)
+    share = h / h.sum() if h.sum() else h
+    ax.bar(edges[:-1], share, width=np.diff(edges), align="edge", color="0.6", edgecolor="0.3")
+    ax.axvline(-1.0, color="C3", lw=2, label="bf16: half an ULP")
+    ax.axvline(-4.0, color="C0", lw=2, ls="--", label="fp16: half an ULP")
+    ax.set_xlabel("log2( |per-step update| / bf16 ULP of the weight )")
+    ax.set_ylabel("share of updated elements")
+    sw = flag.evidence.get("swamped_bf16")
+    ax.set_title(f"{flag.tensor}: updates left of the red line are rounded away in bf16"
+                 + (f" ({sw:.0%})" if isinstance(sw, float) and np.isfinite(sw) else ""), fontsize=9)
+    ax.legend(fontsize=8)
+
+
+ANALYSIS = Analysis(name=NAME, needs=("weights", "grads"), compute=compute, flags=flags, plot=plot, lazy=lazy,
+                    title="Precision floor: updates the number format rounds away")

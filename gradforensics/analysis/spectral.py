@@ -1,0 +1,524 @@
+"""SVD spectra of weight snapshots and window-mean gradients, whole tensors and per head.
+
+For every 2-D matrix ``W`` (a weight snapshot, the mean gradient of a window of
+records, or one head's block of either) with singular values ``σ_1 ≥ σ_2 ≥ …``:
+
+* stable rank ``‖W‖_F² / ‖W‖_2² = Σσ_i² / σ_1²`` (Rudelson & Vershynin 2007);
+* effective rank ``exp(H(p))``, ``p_i = σ_i / Σσ_j`` (Roy & Vetterli 2007, eq. 1);
+* top-k share ``Σ_{i≤k} σ_i² / Σσ_i²``;
+* spectral-norm growth ``σ_1(last) / σ_1(first)`` across snapshots; in query/key
+  projections it is the attention-logit-growth symptom (logits scale with
+  ``‖W_q‖ ‖W_k‖``; Dehghani et al. 2023, Wortsman et al. 2023);
+* ``alpha``, the power-law exponent of the empirical spectral density of ``WᵀW``
+  (eigenvalues ``λ_i = σ_i²``), fitted as WeightWatcher does (Martin & Mahoney
+  2021): eigenvalues above 1e-5 are sorted, and for every candidate ``xmin`` the
+  continuous maximum-likelihood exponent ``α̂ = 1 + n / Σ ln(λ_i / xmin)``
+  (Clauset, Shalizi & Newman 2009, eq. 3.1) and the Kolmogorov–Smirnov distance
+  between the tail and the fitted law are computed; the ``xmin`` with the smallest
+  distance wins (their §3.3).  Well-trained layers sit in roughly ``2 ≤ α ≤ 6``;
+  ``α < 2`` is a very heavy tail (over-fit, ill-conditioned), ``α > 6`` a
+  random-like, under-trained layer.
+
+Flags: fast spectral-norm growth in q/k projections, collapse of the stable rank of
+window-mean gradients over the run (training mode), alpha outside ``[2, 6]``.
+
+Exact versus approximate: a matrix whose smaller side is at most
+:data:`EXACT_MAX_DIM` (4096) gets an exact LAPACK SVD (``scipy.linalg.svdvals``, float64);
+a larger one gets a randomized SVD of its top :data:`RANDOMIZED_K` singular values
+(Halko, Martinsson & Tropp 2011, via ``sklearn.utils.extmath.randomized_svd``).
+There ``‖W‖_F`` is still exact (sum of squares), so the stable rank is exact up to
+the error of ``σ_1``; the effective rank and alpha use the top-k values only, and
+the table's ``exact`` column says so.
+
+References
+----------
+Martin, C. H. & Mahoney, M. W. (2021). Implicit self-regularization in deep neural
+    networks. JMLR 22(165); Martin, Peng & Mahoney (2021), Nat. Commun. 12, 4122.
+Clauset, A., Shalizi, C. R. & Newman, M. E. J. (2009). Power-law distributions in
+    empirical data. SIAM Review 51, 661–703.
+Roy, O. & Vetterli, M. (2007). The effective rank. EUSIPCO.
+Rudelson, M. & Vershynin, R. (2007). Sampling from large matrices. J. ACM 54(4).
+Dehghani, M. et al. (2023). Scaling vision transformers to 22 billion parameters. ICML.
+Wortsman, M. et al. (2023). Small-scale proxies for large-scale transformer training
+    instabilities. arXiv:2309.14322.
+Halko, N., Martinsson, P.-G. & Tropp, J. A. (2011). SIAM Review 53, 217–288.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.analysis.base import Analysis, AnalysisResult, Flag
+from gradforensics.errors import SpecError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from gradforensics.analysis.base import Context
+    from gradforensics.store.reader import Store
+
+NAME = "spectral"
+EXACT_MAX_DIM = 4096       # exact SVD when min(shape) <= this, randomized top-k above
+RANDOMIZED_K = 256
+EVALS_THRESH = 1e-5        # WeightWatcher's floor on eigenvalues entering the fit
+MIN_TAIL = 10              # alpha with a shorter tail is not flagged
+MIN_EVALS = 20             # no fit below this many eigenvalues
+MAX_SNAPSHOTS = 16
+WINDOWS = 8
+SLAB_BYTES = 64 << 20    # = the Gram pass's default slab, so dask shares the gradient reads
+
+
+@dataclass(frozen=True)
+class SpectralOptions:
+    """Options of the spectral analysis's flags.
+
+    Parameters
+    ----------
+    alpha_range
+        Healthy range of alpha; outside it a flag is raised (mild above, stronger below).
+    growth_double
+        Spectral-norm growth ratio of a q/k projection that scores severity 0.5
+        (severity ``log2(ratio) / (2 log2(growth_double) / 1)`` capped at 1).
+    top_k
+        ``k`` of the top-k share column.
+    min_severity
+        Flags below this severity are not emitted.
+    """
+
+    alpha_range: tuple[float, float] = (2.0, 6.0)
+    growth_double: float = 2.0
+    top_k: int = 5
+    min_severity: float = 0.1
+
+    def __post_init__(self) -> None:
+        lo, hi = self.alpha_range
+        if not 1.0 < lo < hi:
+            raise SpecError(f"spectral: alpha_range must be (lo, hi) with 1 < lo < hi; got {self.alpha_range!r}.")
+        if not self.growth_double > 1.0 or self.top_k < 1:
+            raise SpecError(f"spectral: growth_double must be > 1 and top_k >= 1; got {self.growth_double!r}, "
+                            f"{self.top_k!r}.")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpectralOptions:
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(**dict(value))
+        except TypeError as exc:
+            raise SpecError(f"spectral: bad options {value!r} ({exc}).") from exc
+
+
+# ---------------------------------------------------------------------- spectra
+@dataclass(frozen=True)
+class Spectrum:
+    """Singular values (descending), ``‖W‖_F²`` and whether the values are all of them."""
+
+    sv: np.ndarray
+    fro2: float
+    exact: bool
+
+
+def singular_values(m: np.ndarray, exact_max: int = EXACT_MAX_DIM, k: int = RANDOMIZED_K) -> Spectrum:
+    """Singular values of a 2-D matrix: exact up to ``min(shape) <= exact_max``, else top-*k* randomized."""
+    import scipy.linalg
+
+    a = np.asarray(m, dtype=np.float64)
+    a = np.where(np.isfinite(a), a, 0.0)
+    fro2 = float(np.einsum("ij,ij->", a, a))
+    if min(a.shape) <= exact_max:
+        sv = scipy.linalg.svdvals(a, check_finite=False)
+        return Spectrum(np.sort(sv)[::-1], fro2, True)
+    from sklearn.utils.extmath import randomized_svd
+
+    _, sv, _ = randomized_svd(a.astype(np.float32), n_components=k, n_iter=7, random_state=0)
+    return Spectrum(np.sort(sv.astype(np.float64))[::-1], fro2, False)
+
+
+def stable_rank(s: Spectrum) -> float:
+    """``‖W‖_F² / ‖W‖_2²``."""
+    return float(s.fro2 / s.sv[0] ** 2) if s.sv.size and s.sv[0] > 0 else float("nan")
+
+
+def effective_rank(sv: np.ndarray) -> float:
+    """``exp(-Σ p_i ln p_i)`` with ``p_i = σ_i / Σσ`` (Roy & Vetterli 2007)."""
+    sv = np.asarray(sv, dtype=np.float64)
+    total = sv.sum()
+    if total <= 0:
+        return float("nan")
+    p = sv[sv > 0] / total
+    return float(np.exp(-np.sum(p * np.log(p))))
+
+
+def top_share(s: Spectrum, k: int) -> float:
+    """Share of ``‖W‖_F²`` in the top *k* singular values."""
+    return float(np.sum(s.sv[:k] ** 2) / s.fro2) if s.fro2 > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class PowerLawFit:
+    alpha: float
+    xmin: float
+    ks: float
+    n_tail: int
+
+
+NO_FIT = PowerLawFit(float("nan"), float("nan"), float("nan"), 0)
+
+
+def powerlaw_fit(evals: np.ndarray, thresh: float = EVALS_THRESH) -> PowerLawFit:
+    """Power-law exponent of the tail of *evals*, with xmin chosen by KS distance.
+
+    For each candidate ``xmin = λ_(i)`` (every sorted eigenvalue above *thresh* but
+    the largest): ``α̂ = 1 + n / Σ_{j≥i} ln(λ_j / xmin)`` and
+    ``D = max_j |1 - (λ_j/xmin)^(1-α̂) - (j-i)/n|``; the fit with the smallest ``D``
+    wins (the estimator WeightWatcher 0.7 uses).  Fewer than :data:`MIN_EVALS`
+    eigenvalues give NaN.
+    """
+    x = np.sort(np.asarray(evals, dtype=np.float64))
+    x = x[np.isfinite(x) & (x > thresh)]
+    n_all = x.size
+    if n_all < MIN_EVALS:
+        return NO_FIT
+    logx = np.log(x)
+    tail_sum = np.cumsum(logx[::-1])[::-1]                  # Σ_{j>=i} ln λ_j
+    n = (n_all - np.arange(n_all - 1)).astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        alphas = 1.0 + n / (tail_sum[:-1] - n * logx[:-1])
+    ds = np.ones(n_all - 1)
+    for i in np.flatnonzero(alphas > 1.0):
+        m = n_all - i
+        cdf = 1.0 - np.exp((1.0 - alphas[i]) * (logx[i:] - logx[i]))
+        ds[i] = np.max(np.abs(cdf - np.arange(m) / m))
+    best = int(np.argmin(ds))
+    return PowerLawFit(float(alphas[best]), float(x[best]), float(ds[best]), int(n_all - best))
+
+
+def head_spec_from_attrs(attrs: dict[str, Any]) -> Any:
+    """The :class:`~gradforensics.capture.heads.HeadSpec` a head-split array was stored with, or None."""
+    if not attrs.get("heads"):
+        return None
+    from gradforensics.capture.heads import HeadSpec
+
+    return HeadSpec(int(attrs.get("heads_per_part", attrs["heads"])), int(attrs.get("split_axis", 0)),
+                    attrs.get("role") or None, int(attrs.get("fused", 1)), bool(attrs.get("interleaved", False)))
+
+
+def block_spectra(m: np.ndarray, spec: Any, split: bool) -> dict[int | None, Spectrum]:
+    """Spectra of a matrix (key None) and of its per-head blocks (keys 0..H-1).
+
+    *m* is the whole matrix when ``split`` is False (blocks are cut with *spec*), or
+    already ``(H, ...)`` head blocks when True (the whole matrix is rebuilt).
+    """
+    m = np.asarray(m)
+    if spec is None:
+        return {None: singular_values(m)}
+    blocks = m if split else spec.split(m)
+    whole = spec.merge(blocks) if split else m
+    out: dict[int | None, Spectrum] = {None: singular_values(whole)}
+    for h in range(blocks.shape[0]):
+        out[h] = singular_values(blocks[h].reshape(blocks.shape[1], -1))
+    return out
+
+
+# ---------------------------------------------------------------------- lazy pass
+def _snapshots(m: int) -> list[int]:
+    """Snapshot indices analysed: all, or MAX_SNAPSHOTS evenly spaced including first and last."""
+    if m <= MAX_SNAPSHOTS:
+        return list(range(m))
+    return [int(i) for i in np.unique(np.linspace(0, m - 1, MAX_SNAPSHOTS).round().astype(int))]
+
+
+def window_edges(n: int, windows: int = WINDOWS) -> np.ndarray:
+    """Record boundaries of ``min(windows, n)`` contiguous, near-equal windows."""
+    return np.linspace(0, n, min(windows, n) + 1).round().astype(int) if n else np.zeros(1, int)
+
+
+def _is_matrix(attrs: dict[str, Any], shape: tuple[int, ...]) -> bool:
+    """Whether a stored gradient is of a 2-D tensor (its per-record shape, before any head split)."""
+    orig = attrs.get("shape")
+    return len(orig) == 2 if orig is not None else len(shape) == 3
+
+
+def lazy(store: Store) -> dict[str, Any]:
+    """Per 2-D tensor: spectra of chosen weight snapshots and of window-mean gradients."""
+    import dask
+    import dask.array as da
+
+    out: dict[str, Any] = {}
+    wrec = store.weight_records()
+    for tensor, info in sorted(store.weights.items()):
+        if len(info.shape) != 3:
+            continue
+        spec = head_spec_from_attrs(store.grads[tensor].attrs) if tensor in store.grads else None
+        w = store.weight(tensor)
+        idx = _snapshots(info.shape[0])
+        out[f"weight|{tensor}"] = dask.delayed(list)([dask.delayed(block_spectra)(w[t], spec, False) for t in idx])
+        out[f"weight_records|{tensor}"] = dask.delayed(np.asarray)([int(wrec[t]) for t in idx])
+    edges = window_edges(store.n_records)
+    for tensor, info in sorted(store.grads.items()):
+        if not _is_matrix(info.attrs, info.shape):
+            continue
+        spec = head_spec_from_attrs(info.attrs)
+        x = store.grad(tensor, slab_bytes=SLAB_BYTES)
+        tasks = []
+        for a, b in itertools.pairwise(edges):
+            xs = x[int(a):int(b)]
+            mean = da.where(da.isfinite(xs), xs, 0.0).sum(axis=0) / max(int(b - a), 1)
+            tasks.append(dask.delayed(block_spectra)(mean, spec, spec is not None))
+        out[f"gradient|{tensor}"] = dask.delayed(list)(tasks)
+        out[f"gradient_records|{tensor}"] = dask.delayed(np.asarray)([int(b) - 1 for b in edges[1:]])
+    return out
+
+
+# ------------------------------------------------------------------------ compute
+_Q = re.compile(r"(^|[._])(q|query|q_proj|wq|to_q|q_lin)([._]|$)")
+_K = re.compile(r"(^|[._])(k|key|k_proj|wk|to_k|k_lin)([._]|$)")
+_PAIRS = (("q_proj", "k_proj"), ("query", "key"), (".wq.", ".wk."), ("to_q", "to_k"), ("q_lin", "k_lin"),
+          (".q.", ".k."))
+
+
+def role_of(tensor: str, attrs_role: str = "", head_label: str | None = None) -> str:
+    """``q``, ``k``, ``qkv`` (fused) or ``""``, from the stored role, the head label or the name."""
+    if head_label and head_label[0] in "qk" and head_label[1:].isdigit():
+        return head_label[0]
+    if attrs_role in ("q", "k", "qkv"):
+        return attrs_role
+    low = tensor.lower()
+    if _Q.search(low):
+        return "q"
+    if _K.search(low):
+        return "k"
+    if any(s in low for s in ("qkv", "c_attn", "query_key_value", "in_proj")):
+        return "qkv"
+    return ""
+
+
+def partner_of(tensor: str) -> str | None:
+    """The key projection of a query projection and vice versa (by name), or None."""
+    for q, k in _PAIRS:
+        if q in tensor:
+            return tensor.replace(q, k)
+        if k in tensor:
+            return tensor.replace(k, q)
+    return None
+
+
+def _spearman(y: np.ndarray) -> tuple[float, float]:
+    from scipy.stats import spearmanr
+
+    y = np.asarray(y, dtype=float)
+    if y.size < 3 or not np.all(np.isfinite(y)) or np.ptp(y) == 0:
+        return float("nan"), float("nan")
+    r = spearmanr(np.arange(y.size), y)
+    return float(r.statistic), float(r.pvalue)
+
+
+def matrix_row(tensor: str, head: int | None, matrix: str, spectra: list[Spectrum], records: np.ndarray,
+               role: str, top_k: int) -> dict[str, Any]:
+    """One table row: the last point's spectrum, growth and stable rank against the first."""
+    first, last = spectra[0], spectra[-1]
+    rel = EVALS_THRESH if matrix == "weight" else EVALS_THRESH * (last.sv[0] ** 2 if last.sv.size else 1.0)
+    fit = powerlaw_fit(last.sv ** 2, rel)
+    srs = np.array([stable_rank(s) for s in spectra])
+    rho, p = _spearman(srs)
+    half = srs[: max(1, srs.size // 2)]
+    ref = float(np.median(half))
+    steady = srs.size >= 4 and bool(np.all(srs[-2:] < np.min(half)))
+    return {
+        "tensor": tensor, "head": head, "matrix": matrix, "role": role, "exact": bool(last.exact),
+        "n_points": len(spectra), "record_first": int(records[0]), "record_last": int(records[-1]),
+        "sigma_max": float(last.sv[0]) if last.sv.size else np.nan,
+        "sigma_max_first": float(first.sv[0]) if first.sv.size else np.nan,
+        "norm_growth": float(last.sv[0] / first.sv[0]) if first.sv.size and first.sv[0] > 0 else np.nan,
+        "stable_rank": float(srs[-1]), "stable_rank_first": float(srs[0]),
+        "stable_rank_trend": rho, "stable_rank_trend_p": p,
+        "stable_rank_drop": ref / float(srs[-1]) if steady and srs[-1] > 0 else 1.0,
+        "effective_rank": effective_rank(last.sv), "top_share": top_share(last, top_k),
+        "alpha": fit.alpha, "alpha_xmin": fit.xmin, "alpha_ks": fit.ks, "alpha_n_tail": fit.n_tail,
+    }
+
+
+COLUMNS = ["tensor", "head", "matrix", "role", "exact", "n_points", "record_first", "record_last", "sigma_max",
+           "sigma_max_first", "norm_growth", "stable_rank", "stable_rank_first", "stable_rank_trend",
+           "stable_rank_trend_p", "stable_rank_drop", "effective_rank", "top_share", "alpha", "alpha_xmin", "alpha_ks", "alpha_n_tail"]
+
+
+def compute(ctx: Context) -> AnalysisResult:
+    import pandas as pd
+
+    opt = SpectralOptions.parse(ctx.options.get(NAME))
+    lz = ctx.lazy.get(NAME, {})
+    rows: list[dict[str, Any]] = []
+    series: dict[str, np.ndarray] = {}
+    for key in sorted(k for k in lz if "_records|" not in k):
+        matrix, tensor = key.split("|", 1)
+        points: list[dict[int | None, Spectrum]] = lz[key]
+        if not points:
+            continue
+        records = np.asarray(lz[f"{matrix}_records|{tensor}"])
+        attrs = ctx.store.grads[tensor].attrs if tensor in ctx.store.grads else {}
+        labels = attrs.get("head_labels") or []
+        series[f"records/{matrix}/{tensor}"] = records
+        for head in points[0]:
+            spectra = [pt[head] for pt in points]
+            label = labels[head] if head is not None and head < len(labels) else None
+            rows.append(matrix_row(tensor, head, matrix, spectra, records,
+                                   role_of(tensor, str(attrs.get("role", "")), label), opt.top_k))
+            series[f"sv/{matrix}/{tensor}/{'all' if head is None else head}"] = _stack([s.sv for s in spectra])
+    return AnalysisResult(table=pd.DataFrame(rows, columns=COLUMNS), series=series)
+
+
+def _stack(svs: list[np.ndarray]) -> np.ndarray:
+    r = max(s.size for s in svs)
+    out = np.full((len(svs), r), np.nan, dtype=np.float32)
+    for i, s in enumerate(svs):
+        out[i, : s.size] = s
+    return out
+
+
+# -------------------------------------------------------------------------- flags
+def growth_severity(ratio: float, double: float = 2.0) -> float:
+    """0 at no growth, 0.5 at *double*-fold growth, 1 at its square."""
+    if not np.isfinite(ratio) or ratio <= 1.0:
+        return 0.0
+    return float(min(1.0, 0.5 * np.log(ratio) / np.log(double)))
+
+
+def collapse_severity(drop: float) -> float:
+    """0.5 when the gradient's stable rank fell 2^1.5 ≈ 2.8-fold, 1 at 8-fold.
+
+    *drop* is the median stable rank of the first half of the windows over the
+    last one, counted only when the last two windows both sit below every window
+    of the first half (1 otherwise).
+    """
+    if not np.isfinite(drop) or drop <= 1.0:
+        return 0.0
+    return float(min(1.0, np.log2(drop) / 3.0))
+
+
+def alpha_severity(alpha: float, lo: float = 2.0, hi: float = 6.0) -> float:
+    """Below *lo*: 0.5 at ``lo - 1/3``, 0.9 at most; above *hi*: mild (at most 0.3, under-trained)."""
+    if not np.isfinite(alpha):
+        return 0.0
+    if alpha < lo:
+        return float(min(0.9, 1.5 * (lo - alpha)))
+    if alpha > hi:
+        return float(min(0.3, 0.05 * (alpha - hi)))
+    return 0.0
+
+
+def _rows(table: Any, matrix: str) -> list[dict[str, Any]]:
+    return [r for r in table.to_dict("records") if r["matrix"] == matrix]
+
+
+def _head(r: dict[str, Any]) -> int | None:
+    h = r["head"]
+    return None if h is None or (isinstance(h, float) and np.isnan(h)) else int(h)
+
+
+def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
+    """Norm growth in q/k projections, gradient rank collapse, alpha outside the healthy range."""
+    opt = SpectralOptions.parse(ctx.options.get(NAME))
+    table = result.table
+    out: list[Flag] = []
+    weights = _rows(table, "weight")
+    whole = {r["tensor"]: r for r in weights if _head(r) is None}
+    for r in weights:
+        sev = growth_severity(r["norm_growth"], opt.growth_double) if r["role"] in ("q", "k", "qkv") else 0.0
+        if _head(r) is not None:   # a head only when it grows clearly faster than its tensor
+            sev = sev if sev - growth_severity(whole[r["tensor"]]["norm_growth"], opt.growth_double) >= 0.15 else 0
+        if sev >= opt.min_severity:
+            out.append(_growth_flag(r, sev, whole))
+        a_sev = alpha_severity(r["alpha"], *opt.alpha_range) if r["alpha_n_tail"] >= MIN_TAIL else 0.0
+        if _head(r) is None and a_sev >= opt.min_severity:
+            out.append(_flag(r, a_sev, "alpha", (
+                f"{r['tensor']}: the eigenvalue spectrum of WᵀW has power-law exponent alpha={r['alpha']:.2f} at "
+                f"record {r['record_last']}, outside the healthy {opt.alpha_range[0]:g}-{opt.alpha_range[1]:g}: "
+                + ("a very heavy tail, typical of an over-fit or ill-conditioned layer."
+                   if r["alpha"] < opt.alpha_range[0] else "a random-like, under-trained layer."))))
+    if ctx.meta.mode == "training":
+        for r in _rows(table, "gradient"):
+            sev = collapse_severity(r["stable_rank_drop"])
+            if sev >= opt.min_severity and _head(r) is None:
+                out.append(_flag(r, sev, "rank_collapse", (
+                    f"{r['tensor']}: the window-mean gradient's stable rank fell "
+                    f"{r['stable_rank_drop']:.1f}-fold, to {r['stable_rank']:.1f}, between records {r['record_first']} and {r['record_last']}: its "
+                    f"updates collapse onto {max(1, round(r['stable_rank']))} direction(s).")))
+    return out
+
+
+def _flag(r: dict[str, Any], sev: float, reason: str, summary: str) -> Flag:
+    ev = {k: r[k] for k in ("matrix", "sigma_max", "norm_growth", "stable_rank", "stable_rank_first", "alpha",
+                            "alpha_ks", "exact")}
+    ev["reason"] = reason
+    return Flag(kind="spectral", tensor=r["tensor"], head=_head(r), sources=(), severity=float(sev),
+                records=(int(r["record_first"]), int(r["record_last"])), evidence=ev, summary=summary)
+
+
+def _growth_flag(r: dict[str, Any], sev: float, whole: dict[str, dict[str, Any]]) -> Flag:
+    partner = partner_of(r["tensor"])
+    pr = whole.get(partner) if partner else None
+    where = r["tensor"] + (f" head {_head(r)}" if _head(r) is not None else "")
+    text = (f"{where}: spectral norm grew x{r['norm_growth']:.2f} ({r['sigma_max_first']:.3g} -> {r['sigma_max']:.3g}) "
+            f"between records {r['record_first']} and {r['record_last']}")
+    if pr is not None and np.isfinite(pr["norm_growth"]):
+        text += (f"; with {partner} (x{pr['norm_growth']:.2f}) the attention logits can grow "
+                 f"x{r['norm_growth'] * pr['norm_growth']:.2f}: watch for entropy collapse, consider QK-norm")
+    f = _flag(r, sev, "norm_growth", text + ".")
+    if pr is not None:
+        return replace(f, evidence={**f.evidence, "partner": partner, "partner_growth": pr["norm_growth"]})
+    return f
+
+
+# --------------------------------------------------------------------------- plot
+def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
+    """Spectral-norm history (growth), stable rank per window (collapse) or the ESD with its fit (alpha)."""
+    reason = flag.evidence.get("reason")
+    head = "all" if flag.head is None else flag.head
+    matrix = flag.evidence.get("matrix", "weight")
+    sv = np.asarray(result.series[f"sv/{matrix}/{flag.tensor}/{head}"], dtype=float)
+    rec = np.asarray(result.series[f"records/{matrix}/{flag.tensor}"])
+    if reason == "norm_growth":
+        ax.plot(rec, sv[:, 0], "o-", label=flag.tensor)
+        partner = flag.evidence.get("partner")
+        key = f"sv/weight/{partner}/all"
+        if partner and key in result.series:
+            ax.plot(np.asarray(result.series[f"records/weight/{partner}"]),
+                    np.asarray(result.series[key], dtype=float)[:, 0], "s--", label=str(partner))
+        ax.set_yscale("log")
+        ax.set(xlabel="record", ylabel="spectral norm σ_max",
+               title=f"{flag.tensor}: spectral norm grows x{flag.evidence['norm_growth']:.2f} (attention-logit growth)")
+        ax.legend(fontsize=7)
+    elif reason == "rank_collapse":
+        sr = np.nansum(sv ** 2, axis=1) / sv[:, 0] ** 2
+        ax.plot(rec, sr, "o-")
+        ax.set(xlabel="record (end of window)", ylabel="stable rank of window-mean gradient",
+               title=f"{flag.tensor}: gradient stable rank falls to {sr[-1]:.1f}: updates collapse to few directions")
+    else:
+        ev = sv[-1][np.isfinite(sv[-1])] ** 2
+        ev = ev[ev > EVALS_THRESH]
+        bins = np.logspace(np.log10(ev.min()), np.log10(ev.max()), 40)
+        h, e = np.histogram(ev, bins=bins, density=True)
+        ax.loglog(np.sqrt(e[:-1] * e[1:]), np.where(h > 0, h, np.nan), "o", ms=3, label="ESD of WᵀW")
+        fit = powerlaw_fit(ev)
+        if np.isfinite(fit.alpha):
+            x = np.logspace(np.log10(fit.xmin), np.log10(ev.max()), 20)
+            share = fit.n_tail / ev.size
+            ax.loglog(x, share * (fit.alpha - 1) / fit.xmin * (x / fit.xmin) ** -fit.alpha, "r-",
+                      label=f"power law, alpha={fit.alpha:.2f}")
+            ax.axvline(fit.xmin, color="0.5", ls=":", label="xmin")
+        ax.set(xlabel="eigenvalue λ = σ²", ylabel="density",
+               title=f"{flag.tensor}: ESD tail slope alpha={flag.evidence['alpha']:.2f} (healthy 2-6)")
+        ax.legend(fontsize=7)
+    ax.title.set_fontsize(9)
+
+
+ANALYSIS = Analysis(name=NAME, needs=("weights", "grads"), compute=compute, flags=flags, plot=plot, lazy=lazy,
+                    title="Spectra: stable rank, norm growth and power-law alpha of weights and gradients")

@@ -1,0 +1,194 @@
+"""Planted-truth stores for the saturation, spectral and precision analyses.
+
+Each factory writes a small store through :class:`gradforensics.Recorder` in which
+exactly the named modules or tensors are sick, among healthy ones, and returns a
+:class:`Planted` that says which.  With the trouble switched off the same factory
+writes a healthy control.  :func:`run_analysis` runs one analysis the way the
+engine does (its lazy graph in one ``dask.compute``, then ``compute`` and
+``flags``), without the Gram pass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
+BOUNDS = {"tanh": (-1.0, 1.0), "sigmoid": (0.0, 1.0)}
+
+
+@dataclass(frozen=True)
+class Planted:
+    """Where the trouble was planted: the names that must be flagged, and the healthy ones."""
+
+    path: str
+    sick: tuple[str, ...]
+    healthy: tuple[str, ...]
+    onset: int | None = None
+    sources: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def activation(name: str, x: np.ndarray) -> np.ndarray:
+    """The activation *name* applied to pre-activations *x*."""
+    from scipy.special import erf, expit
+
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    if name == "gelu":
+        return 0.5 * x * (1.0 + erf(x / np.sqrt(2.0)))
+    if name == "silu":
+        return x * expit(x)
+    if name == "tanh":
+        return np.tanh(x)
+    if name == "sigmoid":
+        return expit(x)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}; got {name!r}.")
+
+
+# ------------------------------------------------------------------ saturation
+def planted_saturation_store(path: str | os.PathLike[str], act: str = "gelu", *, polarise: bool = True,
+                             n_records: int = 96, onset: int = 40, units: int = 64, tokens: int = 128,
+                             sources: tuple[str, ...] = ("en", "zh", "code"), culprit: str = "code",
+                             healthy: tuple[str, ...] = ("relu", "gelu", "silu", "tanh", "sigmoid"),
+                             push: float = 6.0, others: float = 0.4, mode: str = "training",
+                             seed: int = 0) -> Planted:
+    """One module (activation *act*) whose units split into dead and saturated camps after *onset*.
+
+    Pre-activations are ``z + b_u (+ m_t c_u)``, ``z ~ N(0, 1)`` per token, fixed
+    biases ``b_u ~ N(0, 0.5²)``; in the sick module ``c_u = ±U(1, 1.5)`` (half the
+    units each way) and ``m_t`` ramps from 0 at *onset* to *push* at the last record
+    on the *culprit* source's batches (``others x`` that on the rest).  Healthy
+    modules, one per name in *healthy*, keep their biases.
+    """
+    import gradforensics as gf
+
+    rng = np.random.default_rng(seed)
+    sick_name = f"layers.{len(healthy)}.mlp.act_fn"
+    names = {f"layers.{i}.mlp.act_fn": a for i, a in enumerate(healthy)} | {sick_name: act}
+    bias = {n: rng.normal(0.0, 0.5, units) for n in names}
+    sign = np.where(rng.permutation(units) < units // 2, -1.0, 1.0) * rng.uniform(1.0, 1.5, units)
+    bounds = {n: BOUNDS[a] for n, a in names.items() if a in BOUNDS}
+    with gf.Recorder(path, sources=sources, act_bounds=bounds, mode=mode, background=False) as rec:
+        for i in range(n_records):
+            src = sources[i % len(sources)]
+            ramp = push * max(0.0, (i - onset) / max(n_records - 1 - onset, 1)) if polarise else 0.0
+            m = ramp * (1.0 if src == culprit else others)
+            acts = {}
+            for n, a in names.items():
+                pre = rng.normal(size=(tokens, units)) + bias[n] + (m * sign if n == sick_name else 0.0)
+                acts[n] = activation(a, pre).astype(np.float32)
+            rec.record(step=i, loss=2.0, source=src, n_samples=tokens, activations=acts)
+    return Planted(str(path), (sick_name,) if polarise else (), tuple(n for n in names if n != sick_name or not polarise),
+                   onset if polarise else None, (culprit,) if polarise else (), {"activation": act})
+
+
+# --------------------------------------------------------------------- precision
+def planted_precision_store(path: str | os.PathLike[str], *, swamped: bool = True, pure_bf16: bool = False,
+                            n_records: int = 16, snapshot_every: int = 1, scale: float = 0.05,
+                            healthy_rel: float = 0.02, swamped_rel: float = 1e-4, seed: int = 0) -> Planted:
+    """Weights updated by SGD; one tensor's updates are far below half a bf16 ULP of its weights.
+
+    ``w ← w - lr g`` with ``lr`` chosen so that ``|Δ| ≈ healthy_rel · scale`` for the
+    healthy tensors and ``swamped_rel · scale`` for ``layers.0.mlp.down.weight``.
+    With *pure_bf16* the weights themselves are kept in bfloat16 (rounded every
+    step), so swamped updates vanish from the snapshots: ``lost_share`` sees them.
+    """
+    import gradforensics as gf
+    from gradforensics.analysis.precision import round_to
+
+    rng = np.random.default_rng(seed)
+    shapes = {"layers.0.attn.q_proj.weight": (32, 32), "layers.0.mlp.up.weight": (64, 32),
+              "layers.0.mlp.down.weight": (32, 64)}
+    sick = "layers.0.mlp.down.weight"
+    w = {n: (rng.normal(0.0, scale, s)).astype(np.float32) for n, s in shapes.items()}
+    if pure_bf16:
+        w = {n: round_to(v, "bf16").astype(np.float32) for n, v in w.items()}
+    with gf.Recorder(path, sources=("a", "b"), mode="training", background=False) as rec:
+        for i in range(n_records):
+            g = {n: rng.normal(0.0, 1.0, s).astype(np.float32) for n, s in shapes.items()}
+            snap = {n: v.copy() for n, v in w.items()} if i % snapshot_every == 0 else None
+            rec.record(step=i, loss=1.0, source="ab"[i % 2], grads=g, weights=snap, lr=1.0)
+            for n in shapes:
+                lr = (swamped_rel if (swamped and n == sick) else healthy_rel) * scale
+                new = w[n].astype(np.float64) - lr * g[n]
+                w[n] = (round_to(new, "bf16") if pure_bf16 else new).astype(np.float32)
+    return Planted(str(path), (sick,) if swamped else (), tuple(n for n in shapes if n != sick or not swamped))
+
+
+# ---------------------------------------------------------------------- spectral
+def powerlaw_matrix(rows: int, cols: int, alpha: float, rng: np.random.Generator, xmin: float = 1.0) -> np.ndarray:
+    """A matrix whose ``WᵀW`` eigenvalues are a sample of ``p(λ) ∝ λ^-alpha`` on ``[xmin, ∞)``."""
+    r = min(rows, cols)
+    lam = np.sort(xmin * (1.0 - rng.random(r)) ** (-1.0 / (alpha - 1.0)))[::-1]
+    u, _ = np.linalg.qr(rng.normal(size=(rows, r)))
+    v, _ = np.linalg.qr(rng.normal(size=(cols, r)))
+    return (u * np.sqrt(lam)) @ v.T
+
+
+def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, collapse: bool = False,
+                           n_records: int = 32, snapshot_every: int = 4, d: int = 96, heads: int = 4,
+                           growth: float = 4.0, alpha: float = 3.5, seed: int = 0) -> Planted:
+    """Two attention layers and an MLP; layer 0's q/k spectral norm grows *growth*-fold.
+
+    Weights are heavy-tailed (ESD exponent *alpha*) and drift slowly; in layer 0
+    the top singular value of ``q_proj`` and ``k_proj`` is scaled from 1 to
+    *growth* across the run.  With *collapse*, ``layers.1.mlp.up.weight``'s
+    gradients go from a rank-8 mean to a single direction after half the run.
+    """
+    import gradforensics as gf
+
+    rng = np.random.default_rng(seed)
+    shapes = {f"layers.{i}.attn.{p}_proj.weight": (d, d) for i in (0, 1) for p in "qkv"}
+    shapes |= {f"layers.{i}.mlp.up.weight": (2 * d, d) for i in (0, 1)}
+    w0 = {n: powerlaw_matrix(*s, alpha, rng) * 0.05 for n, s in shapes.items()}
+    top = {}
+    for n in w0:
+        u, s, vt = np.linalg.svd(w0[n], full_matrices=False)
+        top[n] = s[0] * np.outer(u[:, 0], vt[0])
+    growing = ("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight") if grow else ()
+    collapsing = "layers.1.mlp.up.weight"
+    means = {n: sum(np.outer(rng.normal(size=s[0]), rng.normal(size=s[1])) for _ in range(8)) / 8
+             for n, s in shapes.items()}
+    direction = np.outer(rng.normal(size=shapes[collapsing][0]), rng.normal(size=shapes[collapsing][1]))
+    drift = {n: np.zeros(s) for n, s in shapes.items()}
+    with gf.Recorder(path, sources=("a", "b"), heads={"*_proj.weight": heads}, mode="training",
+                     background=False) as rec:
+        for i in range(n_records):
+            t = i / max(n_records - 1, 1)
+            grads = {n: (means[n] + 0.3 * rng.normal(size=s)).astype(np.float32) for n, s in shapes.items()}
+            if collapse and i >= n_records // 2:
+                grads[collapsing] = (3.0 * direction + 0.02 * rng.normal(size=shapes[collapsing])).astype(np.float32)
+            snap = None
+            if i % snapshot_every == 0 or i == n_records - 1:
+                snap = {}
+                for n in shapes:
+                    extra = (growth - 1.0) * t * top[n] if n in growing else 0.0
+                    snap[n] = (w0[n] + drift[n] + extra).astype(np.float32)
+            for n, s in shapes.items():
+                drift[n] += 0.0005 * rng.normal(size=s)
+            rec.record(step=i, loss=1.0, source="ab"[i % 2], grads=grads, weights=snap)
+    sick = growing + ((collapsing,) if collapse else ())
+    return Planted(str(path), sick, tuple(n for n in shapes if n not in sick))
+
+
+# ---------------------------------------------------------------------- running
+def run_analysis(path: str | os.PathLike[str], name: str, options: dict[str, Any] | None = None) -> tuple[Any, list]:
+    """Run analysis *name* on the store at *path* as the engine does; returns ``(result, flags)``."""
+    import dask
+
+    from gradforensics.analysis import REGISTRY, Context
+    from gradforensics.store.reader import Store
+
+    a = REGISTRY[name]
+    store = Store(path)
+    graphs = a.lazy(store) if a.lazy is not None else {}
+    keys = list(graphs)
+    values = dask.compute(*[graphs[k] for k in keys], scheduler="threads") if keys else ()
+    ctx = Context(store=store, meta=store.meta, batches=store.batches(), grams={},
+                  lazy={name: dict(zip(keys, values))}, options={name: dict(options or {})})
+    result = a.compute(ctx)
+    return result, a.flags(result, ctx)

@@ -1,0 +1,195 @@
+"""Spectral analysis: spectra against numpy.linalg.svd, alpha on known power laws, planted trouble."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gradforensics as gf
+from gradforensics.analysis import spectral as S
+from gradforensics.capture.heads import HeadSpec
+from gradforensics.errors import SpecError
+from gradforensics.testing.planted_units import planted_spectral_store, powerlaw_matrix, run_analysis
+
+
+def _naive_fit(evals: np.ndarray, thresh: float = 1e-5) -> tuple[float, float]:
+    """Clauset et al. (2009) by brute force: every xmin, MLE alpha, KS distance as WeightWatcher measures it."""
+    x = np.sort(evals[evals > thresh])
+    best = (np.inf, np.nan, np.nan)
+    for i in range(x.size - 1):
+        tail = x[i:]
+        n = tail.size
+        a = 1 + n / np.sum(np.log(tail / x[i]))
+        if a <= 1:
+            continue
+        d = max(abs(1 - (t / x[i]) ** (1 - a) - j / n) for j, t in enumerate(tail))
+        if d < best[0]:
+            best = (d, a, x[i])
+    return best[1], best[2]
+
+
+def test_singular_values_match_numpy() -> None:
+    rng = np.random.default_rng(0)
+    m = rng.normal(size=(50, 30))
+    s = S.singular_values(m)
+    np.testing.assert_allclose(s.sv, np.linalg.svd(m, compute_uv=False), rtol=1e-10)
+    assert s.exact and s.fro2 == pytest.approx(np.sum(m ** 2))
+
+
+def test_randomized_path_matches_numpy_top_values() -> None:
+    rng = np.random.default_rng(1)
+    m = (rng.normal(size=(120, 20)) * np.geomspace(10, 0.1, 20)) @ rng.normal(size=(20, 80)) / 10
+    s = S.singular_values(m, exact_max=40, k=10)
+    ref = np.linalg.svd(m, compute_uv=False)[:10]
+    assert not s.exact and s.sv.size == 10
+    np.testing.assert_allclose(s.sv, ref, rtol=1e-3)
+    assert S.stable_rank(s) == pytest.approx(np.sum(m ** 2) / ref[0] ** 2, rel=1e-3)
+
+
+def test_rank_statistics_against_their_formulas() -> None:
+    rng = np.random.default_rng(2)
+    m = rng.normal(size=(40, 25))
+    sv = np.linalg.svd(m, compute_uv=False)
+    s = S.singular_values(m)
+    assert S.stable_rank(s) == pytest.approx(np.linalg.norm(m, "fro") ** 2 / np.linalg.norm(m, 2) ** 2)
+    p = sv / sv.sum()
+    assert S.effective_rank(sv) == pytest.approx(np.exp(-np.sum(p * np.log(p))))
+    assert S.top_share(s, 3) == pytest.approx(np.sum(sv[:3] ** 2) / np.sum(sv ** 2))
+    assert S.effective_rank(np.array([2.0, 0, 0])) == pytest.approx(1.0)
+
+
+def test_powerlaw_fit_matches_brute_force_clauset() -> None:
+    rng = np.random.default_rng(3)
+    ev = np.concatenate([rng.uniform(0.01, 1, 150), (1 - rng.random(60)) ** (-1 / 2.5)])
+    fit = S.powerlaw_fit(ev)
+    alpha, xmin = _naive_fit(ev)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-10) and fit.xmin == pytest.approx(xmin)
+
+
+@pytest.mark.parametrize("alpha", [2.5, 3.5, 5.0])
+def test_powerlaw_fit_recovers_a_known_exponent(alpha: float) -> None:
+    rng = np.random.default_rng(4)
+    ev = 0.3 * (1 - rng.random(3000)) ** (-1 / (alpha - 1))
+    fit = S.powerlaw_fit(ev)
+    assert fit.alpha == pytest.approx(alpha, abs=0.2)
+    assert fit.ks < 0.05
+
+
+@pytest.mark.parametrize("alpha", [2.0, 3.0, 4.5])
+def test_alpha_of_a_matrix_with_a_known_heavy_tailed_spectrum(alpha: float) -> None:
+    rng = np.random.default_rng(5)
+    w = powerlaw_matrix(900, 600, alpha, rng)
+    fit = S.powerlaw_fit(np.linalg.svd(w, compute_uv=False) ** 2)
+    assert fit.alpha == pytest.approx(alpha, abs=0.25)
+
+
+def test_too_few_eigenvalues_give_no_fit() -> None:
+    assert np.isnan(S.powerlaw_fit(np.arange(1.0, 10.0)).alpha)
+
+
+def test_block_spectra_split_and_merge_agree() -> None:
+    rng = np.random.default_rng(6)
+    spec = HeadSpec(4)
+    w = rng.normal(size=(32, 20))
+    a = S.block_spectra(w, spec, split=False)
+    b = S.block_spectra(spec.split(w), spec, split=True)
+    for h in (None, 0, 3):
+        np.testing.assert_allclose(a[h].sv, b[h].sv)
+    np.testing.assert_allclose(a[2].sv, np.linalg.svd(w[16:24], compute_uv=False))
+
+
+def test_roles_and_partners() -> None:
+    assert S.role_of("model.layers.3.self_attn.q_proj.weight") == "q"
+    assert S.role_of("encoder.layer.0.attention.self.key.weight") == "k"
+    assert S.role_of("h.0.attn.c_attn.weight") == "qkv"
+    assert S.role_of("h.0.attn.c_attn.weight", "qkv", "k2") == "k"
+    assert S.role_of("model.layers.3.mlp.up_proj.weight") == ""
+    assert S.partner_of("l.3.self_attn.q_proj.weight") == "l.3.self_attn.k_proj.weight"
+    assert S.partner_of("e.layer.0.attention.self.key.weight") == "e.layer.0.attention.self.query.weight"
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    p = planted_spectral_store(tmp_path_factory.mktemp("s") / "s.zarr", grow=True, collapse=True)
+    return p, *run_analysis(p.path, "spectral")
+
+
+def test_table_contract_and_lazy_values_match_numpy(planted) -> None:
+    p, result, _ = planted
+    t = result.table
+    assert list(t.columns[:3]) == ["tensor", "head", "matrix"]
+    assert {"stable_rank", "alpha"} <= set(t.columns) and set(t["matrix"]) == {"weight", "gradient"}
+    store = gf.open_store(p.path)
+    name = "layers.0.mlp.up.weight"
+    w_last = store.weight(name)[-1].compute()
+    row = t[(t.tensor == name) & (t.matrix == "weight")].iloc[0]
+    assert row["sigma_max"] == pytest.approx(np.linalg.svd(w_last, compute_uv=False)[0], rel=1e-6)
+    g = store.grad(name).compute()
+    edges = S.window_edges(store.n_records)
+    g_last = g[edges[-2]:edges[-1]].mean(axis=0)
+    row = t[(t.tensor == name) & (t.matrix == "gradient")].iloc[0]
+    sv = np.linalg.svd(g_last, compute_uv=False)
+    assert row["stable_rank"] == pytest.approx(np.sum(sv ** 2) / sv[0] ** 2, rel=1e-5)
+    q = "layers.0.attn.q_proj.weight"
+    heads = t[(t.tensor == q) & (t.matrix == "gradient") & t["head"].notna()]
+    assert len(heads) == 4
+
+
+def test_planted_qk_growth_and_rank_collapse_are_the_only_strong_flags(planted) -> None:
+    p, _, flags = planted
+    strong = {(f.tensor, f.evidence["reason"]) for f in flags if f.severity > 0.5}
+    assert strong == {("layers.0.attn.q_proj.weight", "norm_growth"), ("layers.0.attn.k_proj.weight", "norm_growth"),
+                      ("layers.1.mlp.up.weight", "rank_collapse")}
+    q = next(f for f in flags if f.tensor == "layers.0.attn.q_proj.weight")
+    assert q.evidence["partner"] == "layers.0.attn.k_proj.weight" and q.evidence["norm_growth"] == pytest.approx(4, 0.1)
+    assert "x4" in q.summary or "x3.9" in q.summary
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_healthy_control_raises_nothing_above_half(tmp_path, seed: int) -> None:
+    p = planted_spectral_store(tmp_path / "h.h5", grow=False, collapse=False, seed=seed, n_records=24)
+    _, flags = run_analysis(p.path, "spectral")
+    assert max((f.severity for f in flags), default=0.0) <= 0.5
+
+
+def test_heavy_tailed_weight_alpha_below_two_is_flagged(tmp_path) -> None:
+    rng = np.random.default_rng(7)
+    w = {"over.weight": powerlaw_matrix(300, 200, 1.5, rng), "ok.weight": powerlaw_matrix(300, 200, 3.5, rng)}
+    with gf.Recorder(tmp_path / "a.zarr", sources=["x"], background=False) as rec:
+        rec.record(step=0, source="x", weights=w)
+    result, flags = run_analysis(tmp_path / "a.zarr", "spectral")
+    assert [(f.tensor, f.evidence["reason"]) for f in flags if f.severity > 0.5] == [("over.weight", "alpha")]
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    S.plot(result, flags[0], ax)
+    assert "alpha" in ax.get_title() and ax.get_xscale() == "log" and len(ax.lines) >= 2
+
+
+def test_severity_scales() -> None:
+    assert S.growth_severity(2.0) == pytest.approx(0.5) and S.growth_severity(4.0) == 1.0
+    assert S.growth_severity(0.8) == 0.0
+    assert S.collapse_severity(2 ** 1.5) == pytest.approx(0.5) and S.collapse_severity(1.0) == 0.0
+    assert S.alpha_severity(3.0) == 0.0 and S.alpha_severity(2 - 1 / 3) == pytest.approx(0.5)
+    assert 0 < S.alpha_severity(9.0) <= 0.3
+
+
+def test_plots_draw_each_kind_of_evidence(planted) -> None:
+    from matplotlib.figure import Figure
+
+    _, result, flags = planted
+    reasons = {}
+    for f in flags:
+        reasons.setdefault(f.evidence["reason"], f)
+    assert {"norm_growth", "rank_collapse"} <= set(reasons)
+    for f in reasons.values():
+        ax = Figure().subplots()
+        S.plot(result, f, ax)
+        assert ax.get_xlabel() and ax.get_ylabel() and f.tensor in ax.get_title() and ax.lines
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(SpecError, match="alpha_range"):
+        S.SpectralOptions.parse({"alpha_range": (6, 2)})
+    with pytest.raises(SpecError, match="bad options"):
+        S.SpectralOptions.parse({"alpha": 2})
