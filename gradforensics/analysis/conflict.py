@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import combinations
 from typing import TYPE_CHECKING, Any
 
@@ -69,13 +70,19 @@ class ConflictOptions:
 
 
 # ---------------------------------------------------------------- statistics
+@lru_cache(maxsize=8)
 def permutations(n: int, B: int, seed: int, block: int | None) -> np.ndarray:
-    """B×n seeded permutations of ``range(n)``, within consecutive blocks of *block* (None: one block)."""
+    """B×n seeded permutations of ``range(n)``, within consecutive blocks of *block* (None: one block).
+
+    Cached: every unit with the same records shares them (read-only array).
+    """
     rng = np.random.default_rng([seed, n, block or 0])
     keys = rng.random((B, n))
     if block:
         keys += (np.arange(n) // block)[None, :]
-    return np.argsort(keys, axis=1)
+    out = np.argsort(keys, axis=1)
+    out.flags.writeable = False
+    return out
 
 
 def permuted_source_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np.ndarray,
@@ -91,7 +98,7 @@ def permuted_source_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np
         P = A[perms[s:s + chunk]]                          # c×n×S
         c = P.shape[0]
         KP = (K @ P.transpose(1, 0, 2).reshape(n, c * S)).reshape(n, c, S).transpose(1, 0, 2)
-        G = np.einsum("cns,cnt->cst", P, KP)
+        G = np.matmul(P.transpose(0, 2, 1), KP)
         out[s:s + c] = Q @ G @ Q
     return out
 
@@ -179,8 +186,10 @@ def _depth_profiles(table: Any) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     layered = table[table["layer"].notna()]
     for (a, b), grp in layered.groupby(["source_a", "source_b"], sort=True):
-        prof = grp.groupby("layer").agg(cos=("cosine", "mean"), hot=("severity", lambda s: int((s > 0.5).sum())))
-        out[f"depth/{a}|{b}"] = np.c_[prof.index.to_numpy(dtype=float), prof["cos"], prof["hot"]]
+        layer = grp["layer"].to_numpy(dtype=float)
+        cos, hot = grp["cosine"].to_numpy(dtype=float), grp["severity"].to_numpy(dtype=float) > 0.5
+        rows = [(L, np.nanmean(cos[layer == L]), hot[layer == L].sum()) for L in np.unique(layer)]
+        out[f"depth/{a}|{b}"] = np.asarray(rows, dtype=float)
     return out
 
 
@@ -229,17 +238,17 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
         keep = np.flatnonzero(np.isfinite(np.diag(M)))
         names = ks.decode_names(result.series.get("source_names"), M.shape[0])
         sub = M[np.ix_(keep, keep)]
-        im = ax.imshow(sub, vmin=-1, vmax=1, cmap="RdBu")
+        ax.imshow(sub, vmin=-1, vmax=1, cmap="RdBu")
         ax.set_xticks(range(keep.size), [names[i] for i in keep], rotation=45, fontsize=8)
         ax.set_yticks(range(keep.size), [names[i] for i in keep], fontsize=8)
         for (i, j), v in np.ndenumerate(sub):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
-        ax.figure.colorbar(im, ax=ax, fraction=0.046, label="cosine")
     ax.set_xlabel("source")
     ax.set_ylabel("source")
     where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
     a, b = (*flag.sources, "", "")[:2]
-    ax.set_title(f"conflict: {where}\nred cell = {a} and {b} mean gradients point opposite ways", fontsize=9)
+    ax.set_title(f"conflict: {where}\ncosine of per-source mean gradients (red = {a} and {b} point opposite ways)",
+                 fontsize=9)
 
 
 ANALYSIS = Analysis(name="conflict", needs=("gram", "batches"), compute=compute, flags=flags, plot=plot,

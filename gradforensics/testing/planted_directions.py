@@ -293,3 +293,36 @@ def with_nonfinite(p: Planted, tensor: str, records: list[int]) -> Planted:
     grads = {t: g.copy() for t, g in p.grads.items()}
     grads[tensor][records, 0, 0] = np.nan
     return Planted(grads, p.heads, p.mixture, p.sources, p.mode, dict(p.truth), p.step)
+
+
+# ---------------------------------------------------------------- calibration
+DIRECTION_ANALYSES = ("drift", "oscillation", "conflict")
+
+
+def healthy_severities(seeds: range | list[int], snrs: tuple[float, ...] = (0.05, 0.3, 1.0, 5.0),
+                       modes: tuple[str, ...] = ("training", "replay"), analyses: tuple[str, ...] = DIRECTION_ANALYSES,
+                       **kwargs: Any) -> Any:
+    """Largest severity and number of flags above 0.5 per healthy store and analysis.
+
+    Returns a DataFrame with columns ``seed, snr, mode, analysis, max_severity,
+    n_units, n_flags_above_half``: the false-alarm measurement (a flag above 0.5
+    on a healthy store is a false alarm).  *kwargs* go to :func:`healthy_directions`.
+    """
+    import importlib
+
+    import pandas as pd
+
+    mods = {a: importlib.import_module(f"gradforensics.analysis.{a}").ANALYSIS for a in analyses}
+    rows = []
+    for seed in seeds:
+        for snr in snrs:
+            for mode in modes:
+                ctx = healthy_directions(seed=seed, snr=snr, mode=mode, **kwargs).context()
+                for name, a in mods.items():
+                    res = a.compute(ctx)
+                    fl = a.flags(res, ctx)
+                    rows.append({"seed": seed, "snr": snr, "mode": mode, "analysis": name,
+                                 "max_severity": float(res.table["severity"].max()) if len(res.table) else 0.0,
+                                 "n_units": len(res.table),
+                                 "n_flags_above_half": sum(f.severity > 0.5 for f in fl)})
+    return pd.DataFrame(rows)

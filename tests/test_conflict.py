@@ -1,0 +1,158 @@
+"""Conflict: oracle tests (means, cosines, permutation p) against NumPy on X, planted conflict, controls."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradforensics.analysis import conflict as cf
+from gradforensics.analysis._kspace import head_of
+from gradforensics.testing import planted_directions as P
+from gradforensics.testing.contracts import AnalysisContract
+
+Q1, M2 = P.q_name(1), P.mlp_name(2)
+PLANTED = {(Q1, 1), (Q1, 2), (M2, None)}
+
+
+def _cos(u: np.ndarray, v: np.ndarray) -> float:
+    return float(u @ v / np.linalg.norm(u) / np.linalg.norm(v))
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_cosines_and_permutation_p_match_numpy_oracle(mixed: bool) -> None:
+    p = P.planted_conflict(seed=3, n=60, mixed=mixed, snr=0.3)
+    X = p.unit_matrix(Q1, 1)
+    A = p.mixture.astype(np.float64)
+    opts = cf.ConflictOptions(permutations=59, seed=7)
+    rows, cos, _ = cf.conflict_unit(X @ X.T, A, opts, training=False)
+    M, *_ = np.linalg.lstsq(A, X, rcond=None)                        # per-source means, straight from X
+    want = np.array([[_cos(a, b) for b in M] for a in M])
+    np.testing.assert_allclose(cos, want, rtol=1e-9)
+    perms = cf.permutations(60, 59, 7, None)
+    for r in rows:
+        a, b = r["a"], r["b"]
+        null = []
+        for pi in perms:                                              # brute force: refit on shuffled labels
+            Mp, *_ = np.linalg.lstsq(A[pi], X, rcond=None)
+            null.append(_cos(Mp[a], Mp[b]))
+        null = np.array(null)
+        assert r["cosine"] == pytest.approx(want[a, b])
+        assert r["p_value"] == pytest.approx((1 + np.sum(null <= want[a, b] + 1e-12)) / 60)
+        assert r["z"] == pytest.approx((null.mean() - want[a, b]) / null.std(), rel=1e-6)
+    zh_en = next(r for r in rows if (r["a"], r["b"]) == (0, 1))
+    assert zh_en["cosine"] < 0 and zh_en["p_value"] == pytest.approx(1 / 60)
+
+
+def test_permuted_source_grams_match_direct() -> None:
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((30, 12))
+    A = rng.dirichlet(np.ones(3), size=30)
+    Q = np.linalg.pinv(A.T @ A)
+    perms = cf.permutations(30, 5, 1, None)
+    got = cf.permuted_source_grams(X @ X.T, A, Q, perms, chunk=2)
+    for g, pi in zip(got, perms):
+        Mp = Q @ A[pi].T @ X
+        np.testing.assert_allclose(g, Mp @ Mp.T, rtol=1e-9, atol=1e-12)
+
+
+def test_block_permutations_stay_in_their_blocks() -> None:
+    perms = cf.permutations(50, 200, 0, 8)
+    blocks = np.arange(50) // 8
+    assert (blocks[perms] == blocks[None, :]).all()
+    assert all(sorted(p) == list(range(50)) for p in perms[:5])
+    assert len({tuple(p) for p in perms}) == 200                        # distinct
+    np.testing.assert_array_equal(perms, cf.permutations(50, 200, 0, 8))  # seeded
+
+
+@pytest.mark.parametrize(("mode", "mixed"), [("replay", False), ("replay", True), ("training", False)])
+def test_conflict_is_localised_to_the_planted_heads(mode: str, mixed: bool) -> None:
+    p = P.planted_conflict(seed=4, mode=mode, mixed=mixed)
+    ctx = p.context()
+    res = cf.compute(ctx)
+    fl = cf.flags(res, ctx)
+    hot = [f for f in fl if f.severity > 0.5]
+    assert {(f.tensor, f.head) for f in hot} == PLANTED                # exactly those heads, no whole-tensor echo
+    assert all(f.sources == ("zh", "en") for f in fl)                   # the consistent source is never named
+    for f in hot:
+        assert f.evidence["cosine"] == pytest.approx(-0.6, abs=0.1)
+        assert f.evidence["p_value"] == pytest.approx(1 / 1000)
+        assert f.evidence["depth_band"] == [1, 2]
+        assert "'zh' and 'en' gradients point opposite ways" in f.summary and "p < 0.001" in f.summary
+    assert next(f for f in hot if f.head == 1).evidence["heads"] == [1, 2]
+    t = res.table
+    code = t[(t.source_a == "code") | (t.source_b == "code")]
+    assert code.severity.max() == 0.0                                   # differs from both, conflicts with neither
+    planted_or_holding = PLANTED | {(Q1, None)}                         # the whole q_proj holds heads 1, 2
+    keys = [(tensor, head_of(h)) for tensor, h in zip(t.tensor, t["head"])]
+    healthy = t[[k not in planted_or_holding for k in keys]]
+    assert len(healthy) == 3 * (3 * 6 - 4) and healthy.severity.max() <= 0.5
+
+
+def test_table_contract_columns_and_rows() -> None:
+    ctx = P.planted_conflict(seed=0, n_layers=3).context()
+    t = cf.compute(ctx).table
+    assert list(t.columns[:2]) == ["tensor", "head"]
+    assert {"source_a", "source_b", "cosine", "p_value"} <= set(t.columns)
+    q = t[t.tensor == Q1]
+    assert len(q) == 5 * 3                                              # (whole + 4 heads) x 3 pairs
+    assert q["head"].isna().sum() == 3
+    assert set(zip(q.source_a, q.source_b)) == {("zh", "en"), ("zh", "code"), ("en", "code")}
+    assert t.severity.between(0, 1).all()
+
+
+def test_healthy_control_raises_no_flag_above_half() -> None:
+    for seed in range(3):
+        for snr in (0.05, 1.0, 10.0):
+            for mode, mixed in (("replay", False), ("training", True)):
+                ctx = P.healthy_directions(seed=seed, snr=snr, mode=mode, mixed=mixed).context()
+                res = cf.compute(ctx)
+                assert res.table.severity.max() <= 0.5, (seed, snr, mode)
+
+
+def test_single_source_and_nonfinite_records() -> None:
+    ctx = P.healthy_directions(seed=0, sources=("en",)).context()
+    res = cf.compute(ctx)
+    assert len(res.table) == 0 and cf.flags(res, ctx) == []
+    p = P.with_nonfinite(P.planted_conflict(seed=1), M2, [0, 1, 2])
+    res = cf.compute(p.context())
+    row = res.table[(res.table.tensor == M2) & (res.table.source_a == "zh") & (res.table.source_b == "en")].iloc[0]
+    assert row.n_excluded == 3 and row.n_records == p.n - 3 and row.severity > 0.5
+
+
+def test_depth_profile_series_and_plot() -> None:
+    from matplotlib.figure import Figure
+
+    ctx = P.planted_conflict(seed=2).context()
+    res = cf.compute(ctx)
+    prof = res.series["depth/zh|en"]
+    assert list(prof[:, 0]) == [0, 1, 2] and list(prof[:, 2]) == [0, 3, 1]   # q_proj whole + heads 1, 2; mlp 2
+    M = res.series[f"cosine_matrix/{Q1}/1"]
+    assert M.shape == (3, 3) and M[0, 1] < 0 < M[0, 2]
+    flag = next(f for f in cf.flags(res, ctx) if f.head == 1)
+    fig = Figure()
+    ax = fig.add_subplot()
+    cf.plot(res, flag, ax)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["zh", "en", "code"]
+    assert "conflict" in ax.get_title() and "zh and en" in ax.get_title()
+    assert len(ax.texts) == 9 and ax.get_xlabel() == "source"
+
+
+# ------------------------------------------------------------- end to end (engine)
+class TestConflictContract(AnalysisContract):
+    analysis_name = "conflict"
+    store_suffix = ".h5"
+    factory = staticmethod(lambda path, seed: P.planted_conflict(seed=seed).write(path))
+
+
+def test_engine_pass_localises_conflict_in_heads(tmp_path) -> None:
+    import gradforensics as gf
+
+    p = P.planted_conflict(seed=6, mixed=True)
+    store = p.write(tmp_path / "conflict.zarr")
+    found = gf.analyze(store.path, only="conflict", options={"engine": {"persist": False}}, progress=False)
+    assert {(f.tensor, f.head) for f in found.flags if f.severity > 0.5} == PLANTED
+    assert all(f.sources == ("zh", "en") for f in found.flags)
+    want = cf.compute(p.context()).table
+    got = found.table("conflict")
+    for col in ("cosine", "cosine_debiased"):
+        np.testing.assert_allclose(got[col], want[col], atol=1e-4, err_msg=col)

@@ -1,0 +1,194 @@
+"""Oracle tests of the K-space helpers: every quantity against a direct NumPy computation on X."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradforensics.analysis import _kspace as ks
+from gradforensics.analysis.base import Flag
+from gradforensics.errors import SpecError
+from gradforensics.testing import planted_directions as P
+
+
+@pytest.fixture
+def X() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((24, 40)) + rng.standard_normal(40)
+
+
+def _cos(u: np.ndarray, v: np.ndarray) -> float:
+    return float(u @ v / np.linalg.norm(u) / np.linalg.norm(v))
+
+
+def test_inner_and_cosines_match_direct(X: np.ndarray) -> None:
+    K = X @ X.T
+    rng = np.random.default_rng(1)
+    A, B = rng.standard_normal((3, 24)), rng.standard_normal((2, 24))
+    np.testing.assert_allclose(ks.inner(K, A, B), (A @ X) @ (B @ X).T, rtol=1e-10)
+    want = np.array([[_cos(a @ X, b @ X) for b in B] for a in A])
+    np.testing.assert_allclose(ks.cosines(K, A, B), want, rtol=1e-10)
+
+
+def test_record_and_consecutive_cosines(X: np.ndarray) -> None:
+    K = X @ X.T
+    a = ks.mean_coefficients(24, np.arange(5))
+    m = X[:5].mean(axis=0)
+    np.testing.assert_allclose(ks.record_cosines(K, a), [_cos(x, m) for x in X], rtol=1e-10)
+    np.testing.assert_allclose(ks.consecutive_cosines(K), [_cos(X[i], X[i + 1]) for i in range(23)], rtol=1e-10)
+
+
+def test_zero_vector_gives_nan_not_error() -> None:
+    X = np.zeros((4, 3))
+    X[1] = 1.0
+    c = ks.cosines(X @ X.T, np.eye(4))
+    assert np.isnan(c[0, 1]) and c[1, 1] == pytest.approx(1.0)
+
+
+def test_window_coefficients_are_window_means(X: np.ndarray) -> None:
+    W = ks.window_coefficients(24, 5)              # 5,5,5,5 and a 4-record tail kept (4 >= 2.5)
+    assert W.shape == (5, 24)
+    np.testing.assert_allclose(W @ X, [X[i:i + 5].mean(axis=0) for i in range(0, 24, 5)], rtol=1e-12)
+    W2 = ks.window_coefficients(22, 5)             # tail of 2 < 2.5 merges into the last window
+    assert W2.shape == (4, 22)
+    np.testing.assert_allclose(W2[-1] @ X[:22], X[15:22].mean(axis=0), rtol=1e-12)
+    assert ks.window_size(128) == 8 and ks.window_size(20) == 4 and ks.window_size(50, 7) == 7
+
+
+def test_u_statistic_and_debiased_cosine() -> None:
+    rng = np.random.default_rng(2)
+    d, n = 2000, 200
+    G = rng.standard_normal(d)
+    G2 = np.cos(1.0) * G + np.sin(1.0) * P._orthogonal_to(rng, G)
+    X = np.r_[G + 8 * rng.standard_normal((n, d)), G2 + 8 * rng.standard_normal((n, d))]
+    K = X @ X.T
+    rows = np.arange(n)
+    sub = X[rows]
+    direct = (np.sum(sub.sum(axis=0) ** 2) - np.sum(sub**2)) / (n * (n - 1))
+    assert ks.u_statistic_norm2(K, rows) == pytest.approx(direct, rel=1e-10)
+    # raw cosine of the sample means is attenuated by the noise; the debiased one finds cos(1 rad)
+    raw = _cos(X[:n].mean(0), X[n:].mean(0))
+    deb = ks.debiased_cosine(K, np.arange(n), np.arange(n, 2 * n))
+    assert raw < np.cos(1.0) - 0.1
+    assert deb == pytest.approx(np.cos(1.0), abs=0.05)
+
+
+def test_least_squares_source_means_match_lstsq() -> None:
+    p = P.planted_mixture(seed=3)
+    X = p.unit_matrix(P.q_name(0), 1)
+    A = p.mixture.astype(np.float64)
+    K = X @ X.T
+    fit = ks.fit_sources(A)
+    M, *_ = np.linalg.lstsq(A, X, rcond=None)
+    np.testing.assert_allclose(fit.C @ X, M, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(ks.source_gram(K, fit), M @ M.T, rtol=1e-8)
+    E = X - A @ M
+    np.testing.assert_allclose(ks.residual_gram(K, fit), E @ E.T, rtol=1e-8, atol=1e-8)
+    h = np.diag(A @ np.linalg.pinv(A.T @ A) @ A.T)
+    np.testing.assert_allclose(ks.noise_energy(K, fit), np.sum(E**2, axis=1) / (1 - h), rtol=1e-8)
+    # the recovered means point where the planted ones do
+    true = p.truth["means"][(P.q_name(0), 1)]
+    assert min(_cos(m, t) for m, t in zip(M, true)) > 0.95
+
+
+def test_debiased_source_gram_removes_noise_floor() -> None:
+    p = P.planted_mixture(seed=0, snr=0.05, n=400)
+    X = p.unit_matrix(P.mlp_name(0), None)
+    K = X @ X.T
+    fit = ks.fit_sources(p.mixture)
+    true = p.truth["means"][(P.mlp_name(0), None)]
+    want = true @ true.T
+    raw, deb = ks.source_gram(K, fit), ks.source_gram(K, fit, debias=True)
+    assert np.all(np.diag(raw) > 1.2 * np.diag(want))                  # noise inflates the raw norms
+    assert np.abs(deb - want).mean() < 0.4 * np.abs(raw - want).mean()   # the debiased Gram removes most of it
+
+
+def test_fit_sources_drops_absent_source() -> None:
+    A = np.array([[1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 1, 0]], float)
+    fit = ks.fit_sources(A)
+    assert list(fit.index) == [0, 1] and fit.rank_ok
+    np.testing.assert_allclose(fit.C, [[0.5, 0, 0.5, 0], [0, 0.5, 0, 0.5]])
+
+
+def test_centred_pca_scores_match_svd(X: np.ndarray) -> None:
+    K = X @ X.T
+    Xc = X - X.mean(axis=0)
+    np.testing.assert_allclose(ks.centred(K), Xc @ Xc.T, rtol=1e-9, atol=1e-9)
+    lam, U = ks.top_components(ks.centred(K), 2)
+    _, s, vt = np.linalg.svd(Xc, full_matrices=False)
+    np.testing.assert_allclose(lam, s[:2] ** 2, rtol=1e-9)
+    for k in range(2):
+        scores = U[:, k] * np.sqrt(lam[k])
+        direct = Xc @ vt[k]
+        np.testing.assert_allclose(np.abs(scores @ direct), direct @ direct, rtol=1e-9)
+        # the uncentred projection of each record on v_k, from K only
+        v = Xc.T @ U[:, k] / np.sqrt(lam[k])
+        np.testing.assert_allclose(K @ U[:, k] / np.sqrt(lam[k]), X @ v, rtol=1e-9, atol=1e-9)
+
+
+def test_units_exclude_nonfinite_and_sum_heads() -> None:
+    p = P.with_nonfinite(P.healthy_directions(seed=0, n=40, n_layers=1), P.q_name(0), [3, 7])
+    ctx = p.context()
+    del ctx.grams[(P.q_name(0), None)]                     # the whole-tensor K is rebuilt from the heads
+    us = {(u.tensor, u.head): u for u in ks.units(ctx)}
+    whole = us[(P.q_name(0), None)]
+    X = p.unit_matrix(P.q_name(0), None)
+    keep = np.setdiff1d(np.arange(40), [3, 7])
+    assert whole.n_heads == 4 and whole.n_excluded == 2 and list(whole.records) == list(keep)
+    np.testing.assert_allclose(whole.gram, X[keep] @ X[keep].T, rtol=1e-6)
+    # head 1's rows [8, 16) hold no NaN, but whole records are excluded everywhere the engine says so
+    assert us[(P.q_name(0), 1)].n_excluded == 0
+    assert us[(P.q_name(0), 0)].n_excluded == 2
+    assert us[(P.mlp_name(0), None)].layer == 0
+
+
+def test_units_follow_step_order() -> None:
+    p = P.healthy_directions(seed=0, n=20, n_layers=1)
+    p.step = np.r_[np.arange(10, 20), np.arange(10)]
+    u = ks.units(p.context())[0]
+    assert list(u.records[:3]) == [10, 11, 12]
+
+
+@pytest.mark.parametrize(("name", "layer"), [
+    ("model.layers.5.self_attn.q_proj.weight", 5), ("transformer.h.11.attn.c_attn.weight", 11),
+    ("encoder.layer.3.attention.self.query.weight", 3), ("blocks.0.mlp.fc1.weight", 0),
+    ("lm_head.weight", None), ("model.embed_tokens.weight", None),
+])
+def test_layer_of(name: str, layer: int | None) -> None:
+    assert ks.layer_of(name) == layer
+
+
+def test_significance_map() -> None:
+    assert ks.significance(1e-3, 1) == pytest.approx(0.5)
+    assert ks.significance(1e-4, 1) == pytest.approx(1.0)
+    assert ks.significance(1e-4, 10) == pytest.approx(0.5)     # Bonferroni over the store
+    assert ks.significance(0.01, 1) == 0.0
+    assert ks.significance(float("nan"), 1) == 0.0
+    assert ks.significance(0.0, 5) == 1.0
+
+
+def _flag(head: int | None, src: tuple[str, ...] = ()) -> Flag:
+    return Flag("conflict", "t", head, src, 0.9, (0, 1), {}, "s")
+
+
+def test_dedupe_heads() -> None:
+    some = ks.dedupe_heads([_flag(None), _flag(1), _flag(2)], {"t": 4})
+    assert sorted(f.head for f in some) == [1, 2]                     # localised: heads only
+    everyone = ks.dedupe_heads([_flag(None), *[_flag(h) for h in range(4)]], {"t": 4})
+    assert [f.head for f in everyone] == [None]                       # tensor-wide: the whole tensor
+    alone = ks.dedupe_heads([_flag(None)], {"t": 4})
+    assert [f.head for f in alone] == [None]
+    pairs = ks.dedupe_heads([_flag(None, ("a", "b")), _flag(1, ("a", "c"))], {"t": 4})
+    assert len(pairs) == 2                                            # different pairs, different stories
+
+
+def test_names_roundtrip_and_options() -> None:
+    raw = ks.encode_names(["zh", "en", "代码"])
+    assert raw.dtype == np.uint8 and ks.decode_names(raw, 3) == ["zh", "en", "代码"]
+    assert ks.decode_names(None, 2) == ["0", "1"]
+    from gradforensics.analysis.conflict import ConflictOptions
+
+    with pytest.raises(SpecError, match="unknown key"):
+        ks.parse_options(ConflictOptions, {"perms": 5}, "conflict")
+    with pytest.raises(SpecError, match="'permutations' option of conflict must be an int >= 19; got 5"):
+        ks.parse_options(ConflictOptions, {"permutations": 5}, "conflict")
