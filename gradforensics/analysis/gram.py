@@ -87,7 +87,8 @@ def _finite_product(xa: np.ndarray, xb: np.ndarray | None, precision: str) -> tu
 
 
 def _product(pa: np.ndarray, pb: np.ndarray | None) -> np.ndarray:
-    return pa @ (pa if pb is None else pb).T
+    with np.errstate(over="ignore", invalid="ignore"):
+        return pa @ (pa if pb is None else pb).T
 
 
 def _slow_product(pa: np.ndarray, pb: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

@@ -193,6 +193,8 @@ def noise_store(
     n_samples: int | Callable[[int], int] = 32,
     tensors: Mapping[str, tuple[int, ...]] | None = None,
     mode: str = "replay",
+    source_noise: Mapping[str, float] | None = None,
+    source_noise_tensors: Sequence[str] = ("layers.0.mlp.up.weight",),
     **kwargs: Any,
 ) -> PlantedStore:
     """Known ``G`` and diagonal ``Σ`` per tensor, hence known ``|G|²``, ``tr(Σ)`` and ``B_simple``.
@@ -202,7 +204,9 @@ def noise_store(
     By default every tensor has ``B_simple = B / snr_healthy`` except the
     *noisy* ones, at ``B / snr_noisy``; *b_simple* overrides per tensor.
     ``truth`` holds ``b_simple``, ``g2`` and ``trace_sigma`` per tensor and, for
-    head-split tensors, per ``"<tensor>#<head>"``.
+    head-split tensors, per ``"<tensor>#<head>"`` (all sources; values for the
+    default sources when *source_noise* is set).  ``source_noise={"c": 25.0}``
+    multiplies ``Σ`` by 25 for records of source ``c`` in *source_noise_tensors*.
     """
     from gradforensics.capture.heads import match_heads
 
@@ -218,7 +222,8 @@ def noise_store(
         v = np.exp(g_rng.normal(0.0, 0.5, size=s))
         var[t] = v * target[t] / v.sum()
     truth: dict[str, Any] = {"b_simple": {}, "g2": {}, "trace_sigma": {}, "noisy": list(noisy),
-                             "batch_size": b_ref}
+                             "batch_size": b_ref, "source_noise": dict(source_noise or {}),
+                             "source_noise_tensors": list(source_noise_tensors) if source_noise else []}
     for t in tensors:
         _truth_entry(truth, t, means[t], var[t])
         spec = match_heads(t, heads)
@@ -226,10 +231,14 @@ def noise_store(
             for h, (gm, vv) in enumerate(zip(spec.split(means[t]), spec.split(var[t]))):
                 _truth_entry(truth, f"{t}#{h}", gm, vv)
 
+    def scale(t: str, src: Any) -> float:
+        hit = source_noise and t in source_noise_tensors and isinstance(src, str)
+        return float(source_noise.get(src, 1.0)) if hit else 1.0
+
     def grads(i: int, src: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
         b = n_samples(i) if callable(n_samples) else n_samples
-        return {t: (means[t] + np.sqrt(var[t] / b) * rng.standard_normal(means[t].shape)).astype(np.float32)
-                for t in tensors}
+        return {t: (means[t] + np.sqrt(scale(t, src) * var[t] / b) * rng.standard_normal(means[t].shape))
+                .astype(np.float32) for t in tensors}
 
     return write_store(path, grads, n_records, sources, seed=seed, n_samples=n_samples, mode=mode,
                        heads=heads, truth=truth, loss_fn=healthy_loss(n_records), **kwargs)

@@ -1,0 +1,190 @@
+"""Gradient noise scale: estimators against McCandlish's formulas and planted truth,
+detection of a planted noisy tensor and source, calibration on healthy controls."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import gradforensics as gf
+from gradforensics.analysis.base import AnalysisResult, Context, GramResult
+from gradforensics.analysis.noise import flags, noise_estimate, noise_table, severity
+from gradforensics.capture.heads import HeadSpec
+from gradforensics.store.schema import new_meta
+from gradforensics.testing.contracts import AnalysisContract
+from gradforensics.testing.planted import TENSORS, noise_store
+
+OPTS = {"engine": {"persist": False}}
+
+
+def _rows(findings, head=False):
+    t = findings.table("noise")
+    t = t[t["source"] == ""]
+    return t if head else t[t["head"].isna()]
+
+
+# ------------------------------------------------------------- estimators
+def test_equal_batches_reduce_to_the_two_batch_size_estimator() -> None:
+    """|G|² and tr(Σ) equal McCandlish eq. A.2-A.3 with B_small = B, B_big = N B."""
+    rng = np.random.default_rng(0)
+    n, b = 40, 16
+    x = rng.standard_normal((n, 300)) * 0.3 + rng.standard_normal(300) * 0.1
+    k = x @ x.T
+    est = noise_estimate(k, np.full(n, b))
+    small, big = np.mean(np.sum(x * x, axis=1)), np.sum(x.mean(axis=0) ** 2)
+    b_small, b_big = b, n * b
+    g2 = (b_big * big - b_small * small) / (b_big - b_small)
+    tr = (small - big) / (1 / b_small - 1 / b_big)
+    assert math.isclose(est["g2"], g2, rel_tol=1e-10)
+    assert math.isclose(est["trace_sigma"], tr, rel_tol=1e-10)
+    assert math.isclose(est["b_simple"], tr / g2, rel_tol=1e-10)
+    assert math.isclose(est["snr"], g2 / (tr / b), rel_tol=1e-10)
+
+
+def test_jackknife_closed_form_matches_brute_force() -> None:
+    rng = np.random.default_rng(1)
+    n = 15
+    bs = rng.integers(4, 64, n)
+    x = rng.standard_normal((n, 80)) / np.sqrt(bs)[:, None] + 0.2
+    k = x @ x.T
+    est = noise_estimate(k, bs)
+    bref = bs.mean()
+    loo = []
+    for m in range(n):
+        keep = np.arange(n) != m
+        e = noise_estimate(k[np.ix_(keep, keep)], bs[keep])
+        loo.append(e["g2"] * bref / e["trace_sigma"])     # same reference batch size
+    loo = np.array(loo)
+    se = np.sqrt((n - 1) / n * np.sum((loo - loo.mean()) ** 2))
+    assert math.isclose(est["snr_se"], se, rel_tol=1e-9)
+
+
+def test_degenerate_inputs_do_not_raise() -> None:
+    assert math.isnan(noise_estimate(np.ones((1, 1)), np.array([8]))["snr"])
+    two = noise_estimate(np.array([[2.0, 1.0], [1.0, 2.0]]), np.array([8, 8]))
+    assert math.isclose(two["g2"], 1.0) and math.isnan(two["snr_se"])
+    no_signal = noise_estimate(np.eye(5), np.full(5, 4))        # orthogonal records: |G|² = 0
+    assert no_signal["g2"] == 0 and no_signal["b_simple"] == math.inf
+
+
+def test_jackknife_interval_covers_truth() -> None:
+    """The 90% interval covers the true SNR in about 90% of synthetic runs."""
+    rng = np.random.default_rng(2)
+    d, n, b, snr_true = 256, 64, 32, 1.0
+    g = rng.standard_normal(d)
+    g /= np.linalg.norm(g)
+    hits = 0
+    reps = 200
+    for _ in range(reps):
+        x = g + rng.standard_normal((n, d)) * np.sqrt(1 / (snr_true * d))
+        e = noise_estimate(x @ x.T, np.full(n, b))
+        hits += e["snr_lo"] <= snr_true <= e["snr_hi"]
+    assert 0.8 <= hits / reps <= 0.97
+
+
+# --------------------------------------------------------- planted truth
+@pytest.mark.parametrize("n_samples", [32, "mixed"])
+def test_b_simple_within_ten_percent_of_truth(tmp_path, n_samples) -> None:
+    ns = (lambda i: (8, 16, 32, 64)[i % 4]) if n_samples == "mixed" else n_samples
+    store = noise_store(tmp_path / "n.zarr", 4, n_records=256, n_samples=ns)
+    t = _rows(gf.analyze(store.path, only=["noise"], options=OPTS, progress=False), head=True)
+    truth = store.truth["b_simple"]
+    assert len(t) == len(truth) == 12
+    for _, r in t.iterrows():
+        key = r["tensor"] if pd.isna(r["head"]) else f"{r['tensor']}#{int(r['head'])}"
+        assert abs(r["b_simple"] / truth[key] - 1) < 0.10, (key, r["b_simple"], truth[key])
+        assert r["n"] == 256
+
+
+def test_planted_noisy_tensor_is_the_one_flagged(tmp_path) -> None:
+    store = noise_store(tmp_path / "n.h5", 1, n_records=64)
+    f = gf.analyze(store.path, only=["noise"], options=OPTS, progress=False)
+    loud = [x for x in f.flags if x.severity > 0.5]
+    assert [(x.tensor, x.head) for x in loud] == [("layers.1.mlp.up.weight", None)]
+    ev = loud[0].evidence
+    assert ev["snr_hi"] < 1 and ev["b_simple"] > ev["batch_size"]
+    assert "B_simple" in loud[0].summary and loud[0].sources == ()
+
+
+def test_planted_noisy_source_is_named(tmp_path) -> None:
+    store = noise_store(tmp_path / "n.zarr", 2, n_records=96, noisy=(), source_noise={"c": 30.0})
+    f = gf.analyze(store.path, only=["noise"], options=OPTS, progress=False)
+    loud = [x for x in f.flags if x.severity > 0.5]
+    assert loud and {x.tensor for x in loud} == {"layers.0.mlp.up.weight"}
+    assert all(x.sources == ("c",) for x in loud)
+
+
+def test_table_columns_per_source_rows(tmp_path) -> None:
+    store = noise_store(tmp_path / "n.zarr", 3, n_records=30)
+    t = gf.analyze(store.path, only=["noise"], options=OPTS, progress=False).table("noise")
+    assert list(t.columns[:3]) == ["tensor", "head", "source"]
+    assert {"b_simple", "snr", "n", "g2", "trace_sigma", "snr_lo", "snr_hi"} <= set(t.columns)
+    whole = t[(t["tensor"] == "layers.0.mlp.up.weight") & t["head"].isna()]
+    assert list(whole["source"]) == ["", "a", "b", "c"]
+    assert list(whole["n"]) == [30, 10, 10, 10]
+
+
+# ------------------------------------------------------------ calibration
+def _healthy_grams(rng: np.random.Generator, snr: float, n: int, sources: int) -> dict:
+    grams = {}
+    for t, shape in TENSORS.items():
+        d = int(np.prod(shape))
+        g = rng.standard_normal(d)
+        g /= np.linalg.norm(g)
+        x = g + rng.standard_normal((n, d)) * np.sqrt(1 / (snr * d))
+        nf = np.zeros(n, np.int64)
+        grams[(t, None)] = GramResult(t, None, x @ x.T, nf, d)
+        if "attn" in t:
+            blocks = np.stack([HeadSpec(4).split(r.reshape(shape)) for r in x])   # (n, 4, 8, 16)
+            for h in range(4):
+                xh = blocks[:, h].reshape(n, -1)
+                grams[(t, h)] = GramResult(t, h, xh @ xh.T, nf, xh.shape[1])
+    return grams
+
+
+def healthy_severities(snrs=(0.05, 0.25, 1.0, 4.0, 16.0, 64.0), seeds=range(50), n=64) -> np.ndarray:
+    """Max noise severity of each healthy synthetic model (shared G, i.i.d. noise, 3 identical sources)."""
+    sources = ("a", "b", "c")
+    out = []
+    for snr in snrs:
+        for seed in seeds:
+            rng = np.random.default_rng([seed, int(snr * 1000)])
+            mix = np.eye(3, dtype=np.float32)[np.arange(n) % 3]
+            batches = {"n_samples": np.full(n, 32), "mixture": mix, "step": np.arange(n)}
+            ctx = Context(store=None, meta=new_meta(sources, "replay"), batches=batches,  # type: ignore[arg-type]
+                          grams=_healthy_grams(rng, snr, n, 3))
+            table = noise_table(ctx.grams, batches["n_samples"], ctx.source_of_record(), sources)
+            sev = [f.severity for f in flags(AnalysisResult(table=table), ctx)]
+            out.append((snr, seed, max(sev, default=0.0)))
+    return np.array(out)
+
+
+def test_healthy_models_never_flag_above_half() -> None:
+    """Calibration: 6 SNRs (0.05-64) x 50 seeds of healthy models; no noise flag above 0.5."""
+    res = healthy_severities()
+    assert len(res) == 300
+    false_alarms = res[res[:, 2] > 0.5]
+    assert len(false_alarms) == 0, false_alarms
+    # low-SNR healthy models do get low-severity notes, high-SNR ones none
+    assert res[res[:, 0] <= 0.25, 2].min() >= 0.15
+    assert res[res[:, 0] >= 4, 2].max() == 0.0
+
+
+def test_severity_shape() -> None:
+    assert severity(2.0, 2.5, 3.0, 4.0) == 0.0
+    assert severity(0.9, 1.2, None, 4.0) == 0.15
+    assert 0.30 <= severity(0.5, 0.8, None, 4.0) <= 0.45
+    assert severity(0.5, 0.8, 3.0, 4.0) <= 0.45                # upper bound not 4x below the model
+    assert 0.55 <= severity(0.05, 0.08, 8.0, 4.0) <= 0.9
+    assert severity(0.001, 0.002, 100.0, 4.0) == pytest.approx(0.9)
+    assert severity(math.nan, math.nan, 1.0, 4.0) == 0.0
+
+
+class TestNoiseContract(AnalysisContract):
+    analysis_name = "noise"
+    factory = staticmethod(noise_store)
+    healthy_snrs = (0.1, 1.0, 10.0)
+
