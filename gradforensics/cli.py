@@ -18,6 +18,7 @@ from gradforensics.errors import GradforensicsError
 #: verb -> (module under gradforensics.commands, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "inspect": ("inspect", "what a store holds: schema, sources, records, tensors, sizes"),
+    "analyze": ("analyze", "run the forensic pass over a store (Dask) and write the report"),
 }
 
 
