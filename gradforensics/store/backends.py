@@ -159,7 +159,7 @@ def _du(path: Path) -> int:
 def _h5_filter(compression: str) -> dict[str, Any]:
     if compression == "none":
         return {}
-    # Without hdf5plugin the portable choice is gzip-1 with the shuffle filter.
+    # Without hdf5plugin the portable choice is gzip-1 with the shuffle filter ("zstd" maps to it).
     return {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 
 

@@ -64,5 +64,7 @@ def chunk_shape(row_shape: tuple[int, ...], itemsize: int, r: int, policy: Layou
         ax = 1 if head_split else 0
         if ax < len(inner):
             per_row = r * inner_bytes // inner[ax]
-            inner[ax] = int(max(1, min(inner[ax], policy.chunk_bytes // max(per_row, 1))))
+            rows = int(max(1, min(inner[ax], policy.chunk_bytes // max(per_row, 1))))
+            n_chunks = -(-inner[ax] // rows)
+            inner[ax] = -(-inner[ax] // n_chunks)  # balance the chunks: least padding at the edge
     return (r, *inner)
