@@ -18,6 +18,8 @@ from gradforensics.errors import GradforensicsError
 #: verb -> (module under gradforensics.commands, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "inspect": ("inspect", "what a store holds: schema, sources, records, tensors, sizes"),
+    "report": ("report", "re-render the report from a store's stored analysis results (no gradient reads)"),
+    "demo": ("demo", "train a tiny transformer with planted trouble on CPU, capture, analyze, report"),
     "analyze": ("analyze", "run the forensic pass over a store (Dask) and write the report"),
 }
 

@@ -91,6 +91,23 @@ def _versions(findings: Findings) -> dict[str, str]:
 _SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions"}
 
 
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _extra(key: str, value: Any) -> tuple[str, str]:
+    """A header field the report has no special place for, readably."""
+    if key == "bytes" and isinstance(value, (int, float)):
+        return "Gradient bytes", _fmt_bytes(float(value))
+    if key == "seconds" and isinstance(value, (int, float)):
+        return "Analysis time", f"{value:.1f} s"
+    return key.replace("_", " ").capitalize(), _fmt_model(value)
+
+
 def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str]]:
     """(label, text) pairs for the report's header, known fields first."""
     h = findings.header
@@ -109,7 +126,7 @@ def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str
     items.append(("Analyses", ", ".join(findings.results) or "none"))
     for k, v in h.items():
         if k not in _SHOWN and v not in (None, "", {}, []):
-            items.append((k.replace("_", " ").capitalize(), _fmt_model(v)))
+            items.append(_extra(k, v))
     items.append(("Versions", ", ".join(f"{k} {v}" for k, v in _versions(findings).items())))
     return items
 

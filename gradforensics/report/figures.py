@@ -70,12 +70,10 @@ class Overview:
 def _table_rows(table: Any) -> list[tuple[str, int | None]]:
     if table is None or "tensor" not in getattr(table, "columns", ()):
         return []
-    heads = table["head"] if "head" in table.columns else [None] * len(table)
-    out = []
-    for t, h in zip(table["tensor"], heads):
-        hv = None if h is None or (isinstance(h, float) and math.isnan(h)) or h == "" else int(h)
-        out.append((str(t), hv))
-    return out
+    import pandas as pd
+
+    heads = pd.to_numeric(table["head"], errors="coerce") if "head" in table.columns else [None] * len(table)
+    return [(str(t), None if h is None or pd.isna(h) else int(h)) for t, h in zip(table["tensor"], heads)]
 
 
 def overview_data(findings: Findings) -> Overview:

@@ -49,6 +49,17 @@ section.finding{border-top:1px solid #e3e5e8;margin-top:1.4em}
 details{margin:.4em 0}summary{cursor:pointer}code{font-size:.95em}
 """
 
+#: Runs first: records script errors and, once loaded, how many figures decoded, as attributes of
+#: <body> (``data-js-errors``, ``data-figures="decoded/total"``), so a headless browser's DOM dump
+#: shows whether the page rendered.
+SELF_CHECK = """
+window.gfErrors=[];window.addEventListener('error',function(e){window.gfErrors.push(String(e.message));});
+window.addEventListener('load',function(){var im=document.images,ok=0;
+  for(var i=0;i<im.length;i++){if(im[i].complete&&im[i].naturalWidth>0)ok++;}
+  document.body.setAttribute('data-figures',ok+'/'+im.length);
+  document.body.setAttribute('data-js-errors',String(window.gfErrors.length));});
+"""
+
 JS = """
 function gfSort(th){
   var table=th.closest('table'),tbody=table.tBodies[0],col=th.cellIndex;
@@ -126,7 +137,7 @@ def _section(doc: Document, s: Section) -> str:
              f"<p>{escape(s.sentence)}</p>"]
     if s.picture is not None:
         parts.append(_img(s.picture))
-    rows = [[f.tensor, f.head, round(f.severity, 3), _recs(f.records), ", ".join(f.sources),
+    rows = [[f.tensor, f.head, f"{f.severity:.2f}", _recs(f.records), ", ".join(f.sources),
              f.summary] for f in g.flags[:MAX_FLAG_ROWS]]
     more = len(g.flags) - MAX_FLAG_ROWS
     parts.append(f"<details{' open' if len(g.flags) <= 8 else ''}><summary>{len(g.flags)} flag(s)</summary>"
@@ -161,6 +172,7 @@ def render(doc: Document) -> str:
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{escape(doc.title)}</title>
+<script>{SELF_CHECK}</script>
 <style>{CSS}</style></head>
 <body><main>
 <h1>{escape(doc.title)}</h1>

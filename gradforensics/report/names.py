@@ -93,26 +93,35 @@ def heads_phrase(heads: Iterable[int | None]) -> str:
     return f"{word} {join_and(ranges)}"
 
 
-def location(names: Iterable[str], heads: Iterable[int | None] = ()) -> str:
-    """One phrase naming every tensor in *names*, adjacent layers merged.
+def location(units: Iterable[tuple[str, int | None]]) -> str:
+    """One phrase naming every ``(tensor, head)`` unit, adjacent layers merged.
 
-    Names in one layer stack are merged per prefix:
-    ``model.layers.5–6 q_proj/k_proj``; names outside a stack are listed whole.
+    Modules of one layer flagged on the same heads merge (``q_proj/k_proj``),
+    then layers with the same modules and heads merge (``5–6``):
+    ``model.layers.5–6 q_proj/k_proj, heads 2 and 5``.  Different patterns are
+    joined with ``"; "``; names outside a layer stack are listed whole.
     """
-    stacks: dict[str, tuple[set[int], list[str]]] = {}
+    heads_of: dict[str, set[int]] = {}
+    for name, head in units:
+        seen = heads_of.setdefault(name, set())
+        if head is not None:
+            seen.add(int(head))
+    by_layer: dict[tuple[str, int, frozenset[int]], list[str]] = {}
     others: list[str] = []
-    for name in dict.fromkeys(names):
+    for name, head_set in heads_of.items():
         loc = parse(name)
         if loc.prefix is None or loc.layer is None:
-            others.append(name)
+            others.append(name + (f", {heads_phrase(head_set)}" if head_set else ""))
             continue
-        layers, modules = stacks.setdefault(loc.prefix, (set(), []))
-        layers.add(loc.layer)
+        modules = by_layer.setdefault((loc.prefix, loc.layer, frozenset(head_set)), [])
         if loc.module not in modules:
             modules.append(loc.module)
-    parts = [f"{prefix}.{', '.join(int_ranges(layers))} {'/'.join(sorted(modules, key=module_rank))}"
-             for prefix, (layers, modules) in stacks.items()]
-    parts += others
-    where = "; ".join(parts)
-    hp = heads_phrase(heads)
-    return f"{where}, {hp}" if hp else where
+    by_pattern: dict[tuple[str, tuple[str, ...], frozenset[int]], set[int]] = {}
+    for (prefix, layer, hs), modules in by_layer.items():
+        key = (prefix, tuple(sorted(modules, key=module_rank)), hs)
+        by_pattern.setdefault(key, set()).add(layer)
+    parts = []
+    for (prefix, mods, hs), layers in sorted(by_pattern.items(), key=lambda kv: (kv[0][0], min(kv[1]))):
+        text = f"{prefix}.{', '.join(int_ranges(layers))} {'/'.join(mods)}"
+        parts.append(text + (f", {heads_phrase(hs)}" if hs else ""))
+    return "; ".join(parts + others)

@@ -69,7 +69,7 @@ class Finding:
         return advice.info(self.kind).title
 
     def location(self) -> str:
-        return names.location(self.tensors, (f.head for f in self.flags))
+        return names.location((f.tensor, f.head) for f in self.flags)
 
     def evidence(self, max_keys: int = 2) -> str:
         return evidence_phrase(self.kind, self.flags, max_keys)
@@ -123,11 +123,16 @@ def _numbers(flags: Sequence[Flag], key: str) -> list[float] | None:
 
 
 def fmt_value(key: str, v: float) -> str:
+    """A number as a sentence quotes it: cosines to 2 decimals, others to 3 significant digits."""
     if key == "p_value":
         return "p < 0.001" if v < 0.001 else f"p = {v:.2g}"
     if float(v).is_integer() and abs(v) < 1e6:
-        return f"{int(v)}"
-    return f"{v:.2g}" if abs(v) < 0.01 or abs(v) >= 1e4 else f"{v:.2f}".replace("-", "−")
+        text = f"{int(v)}"
+    elif key == "cosine" or 0.01 <= abs(v) < 10:
+        text = f"{v:.2f}"
+    else:
+        text = f"{v:.3g}"
+    return text.replace("-", "−")
 
 
 def evidence_phrase(kind: str, flags: Sequence[Flag], max_keys: int = 2) -> str:
@@ -166,7 +171,7 @@ def headline(findings: Findings) -> str:
     kinds = sorted({f.kind for f in act})
     tensors = {f.tensor for f in act}
     return (f"{len(act)} flag(s) at or above 0.5 on {len(tensors)} tensor(s) ({', '.join(kinds)}); the most severe "
-            f"is {worst.kind} on {names.location([worst.tensor], [worst.head])} (severity {worst.severity:.2f}).")
+            f"is {worst.kind} on {names.location([(worst.tensor, worst.head)])} (severity {worst.severity:.2f}).")
 
 
 def sentences(findings: Findings, groups: list[Finding] | None = None) -> tuple[list[Finding], int]:

@@ -1,0 +1,24 @@
+"""``gradforensics demo --out DIR``: train a tiny transformer with planted trouble, capture, analyze, report."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="gradforensics-demo", metavar="DIR",
+                   help="directory for the checkpoint, the store and the report (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the replay (default: 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradforensics import demo
+    from gradforensics.commands.report import print_top
+
+    res = demo.run(args.out, seed=args.seed)
+    t = res.timings
+    print(f"done in {t['total_s']:.0f} s (train {t['train_s']:.0f} s, capture {t['capture_s']:.0f} s, "
+          f"analyze {t['analyze_s']:.0f} s, report {t['report_s']:.0f} s); store: {res.store}")
+    print_top(res.findings, res.paths)
+    print(f"open {res.paths['html']} in a browser.")
+    return 0
