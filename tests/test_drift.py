@@ -60,6 +60,24 @@ def test_hinge_changepoint_finds_the_knee() -> None:
     assert drift.hinge_changepoint(np.linspace(0, 1, 30))[0] is None   # a rise is not a fall
 
 
+def test_hinge_changepoint_matches_brute_force_least_squares() -> None:
+    rng = np.random.default_rng(8)
+    y = np.r_[np.ones(50), 1 - 0.03 * np.arange(50)] + 0.1 * rng.standard_normal(100)
+    y[7] = np.nan
+    t = np.flatnonzero(np.isfinite(y)).astype(float)
+    v = y[np.isfinite(y)]
+    best = None
+    for j in range(1, v.size - 1):
+        Z = np.c_[np.ones_like(t), np.maximum(0, t - t[j])]
+        c, *_ = np.linalg.lstsq(Z, v, rcond=None)
+        sse = float(np.sum((v - Z @ c) ** 2))
+        if c[1] < 0 and (best is None or sse < best[0]):
+            best = (sse, int(t[j]), float(c[1]))
+    assert best is not None
+    k, slope = drift.hinge_changepoint(y)
+    assert (k, slope) == (best[1], pytest.approx(best[2]))
+
+
 @pytest.mark.parametrize("cause", ["rotation", "source"])
 def test_planted_drift_is_flagged_where_planted(cause: str) -> None:
     p = P.planted_drift(seed=2, cause=cause, since=64)

@@ -192,3 +192,15 @@ def test_names_roundtrip_and_options() -> None:
         ks.parse_options(ConflictOptions, {"perms": 5}, "conflict")
     with pytest.raises(SpecError, match="'permutations' option of conflict must be an int >= 19; got 5"):
         ks.parse_options(ConflictOptions, {"permutations": 5}, "conflict")
+
+
+def test_top_components_lanczos_path_matches_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((120, 30))
+    X[::2] += 4 * rng.standard_normal(30)
+    Kc = ks.centred(X @ X.T)
+    dense = ks.top_components(Kc, 3)
+    monkeypatch.setattr(ks, "LANCZOS_MIN", 100)
+    lanczos = ks.top_components(Kc, 3)
+    np.testing.assert_allclose(lanczos[0], dense[0], rtol=1e-7)
+    np.testing.assert_allclose(np.abs(np.sum(lanczos[1] * dense[1], axis=0)), 1.0, rtol=1e-6)

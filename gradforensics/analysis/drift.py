@@ -67,26 +67,34 @@ def hinge_changepoint(y: np.ndarray) -> tuple[int | None, float]:
 
     Returns ``(k, b)`` minimising the residual sum of squares over every
     candidate ``k`` in ``1 .. n-2`` (NaNs are skipped), or ``(None, nan)`` when no
-    candidate has a falling slope.
+    candidate has a falling slope.  O(n) via suffix sums: for the regressor
+    ``z_t = max(0, t - t_k)``, ``Σz``, ``Σz²`` and ``Σzy`` over ``t > t_k`` are
+    polynomials in ``t_k`` of the suffix sums of ``1, t, t², y, t·y``.
     """
     t = np.flatnonzero(np.isfinite(y)).astype(np.float64)
-    v = y[np.isfinite(y)]
+    v = y[np.isfinite(y)].astype(np.float64)
     n = v.size
     if n < 4:
         return None, math.nan
-    ks_ = np.arange(1, n - 1)
-    Z = np.maximum(0.0, t[None, :] - t[ks_][:, None])             # candidates × n
-    zc = Z - Z.mean(axis=1, keepdims=True)
+
+    def suffix(a: np.ndarray) -> np.ndarray:          # Σ_{j > k} a_j for every k
+        return np.r_[np.cumsum(a[::-1])[::-1][1:], 0.0]
+
+    m, st, stt, sy, sty = suffix(np.ones(n)), suffix(t), suffix(t * t), suffix(v), suffix(t * v)
+    sz = st - m * t
+    szz = stt - 2 * t * st + m * t * t
+    szy = sty - t * sy
     vc = v - v.mean()
-    szz = np.einsum("ij,ij->i", zc, zc)
-    szy = zc @ vc
-    slope = np.where(szz > 0, szy / np.where(szz > 0, szz, 1.0), 0.0)
-    sse = vc @ vc - np.where(szz > 0, szy**2 / np.where(szz > 0, szz, 1.0), 0.0)
-    sse = np.where(slope < 0, sse, np.inf)
+    var_z = szz - sz**2 / n
+    cov_zy = szy - sz * v.sum() / n
+    ok = np.zeros(n, bool)
+    ok[1:n - 1] = var_z[1:n - 1] > 1e-12
+    slope = np.where(ok, cov_zy / np.where(ok, var_z, 1.0), 0.0)
+    sse = np.where(ok & (slope < 0), vc @ vc - cov_zy**2 / np.where(ok, var_z, 1.0), np.inf)
     if not np.isfinite(sse).any():
         return None, math.nan
     j = int(np.argmin(sse))
-    return int(t[ks_[j]]), float(slope[j])
+    return int(t[j]), float(slope[j])
 
 
 def _spearman_fall(y: np.ndarray) -> tuple[float, float]:
