@@ -478,3 +478,30 @@ def test_device_path_reuses_buffers_without_corrupting_records(tmp_path, monkeyp
     assert rec._pool is not None and rec._pool.qsize() == gtorch.N_BUFFER_SETS
     assert [e.waited for e in events] == [1] * 6
     np.testing.assert_array_equal(gf.open_store(path).grad("fc1.weight").compute(), np.stack(seen))
+
+
+def test_extra_arrays_recorded_next_to_the_model(tmp_path):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    path = tmp_path / "x.zarr"
+    with gf.Recorder(path, model=model, sources=["a"], tensors=["fc1.weight"]) as rec:
+        model(torch.randn(4, 6)).sum().backward()
+        rec.record(source="a", grads={"extra.g": np.arange(6, dtype=np.float32)})
+        with pytest.raises(SpecError, match=r"grads\['fc1.weight'\] is already recorded"):
+            rec.record(source="a", grads={"fc1.weight": np.zeros((16, 6), np.float32)})
+    np.testing.assert_array_equal(gf.open_store(path).grad("extra.g")[0].compute(), np.arange(6))
+
+
+def test_example_script_runs(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "examples" / "instrument_training_loop.py"
+    spec = importlib.util.spec_from_file_location("gf_example_loop", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = mod.main(["--out", str(tmp_path), "--steps", "4"])
+    store = gf.open_store(path)
+    assert store.n_records == 4 and store.grads["model.layers.0.self_attn.k_proj.weight"].heads == 2
+    np.testing.assert_array_equal(store.weight_records(), [0])
+    assert "4 records" in capsys.readouterr().out

@@ -227,20 +227,27 @@ class TorchRecorder(Recorder):
         self._pool_lock = threading.Lock()
 
     # ------------------------------------------------------------------ API
+    def __enter__(self) -> TorchRecorder:
+        return self
+
     def record(self, *, step: int | None = None, loss: Any = math.nan, source: str | None = None,
                mixture: Mapping[str, float] | None = None, n_samples: int = 1, lr: float = math.nan,
-               rank: int | None = None, time: float | None = None) -> None:
+               rank: int | None = None, time: float | None = None, grads: Mapping[str, Any] | None = None,
+               activations: Mapping[str, Any] | None = None, weights: Mapping[str, Any] | None = None) -> None:
         """Record the current ``.grad`` of the selected parameters, and the hooked activations.
 
         Call it after ``loss.backward()`` (after the last micro-batch) and before
         ``optimizer.zero_grad()``.  Returns without waiting for the device copy.
+        *grads*, *activations*, *weights*: extra NumPy arrays recorded alongside
+        (names must differ from the model's).
         """
-        grads, events, release, on_device = self._grads()
+        g, events, release, on_device = self._grads()
         try:
             pending = self._make_pending(
                 step=step, loss=_scalar(loss), source=source, mixture=mixture, n_samples=int(n_samples),
-                lr=float(lr), rank=_rank() if rank is None else int(rank), time=time, grads=grads,
-                activations=self._activations(), weights=self._weights(), copy=False)
+                lr=float(lr), rank=_rank() if rank is None else int(rank), time=time,
+                grads=_merge("grads", g, grads), activations=_merge("activations", self._activations(), activations),
+                weights=_merge("weights", self._weights(), weights), copy=False)
         except BaseException:
             if release is not None:
                 release()
@@ -370,6 +377,15 @@ def _host_buffer(shape: Any, dtype: torch.dtype) -> torch.Tensor:
     import torch
 
     return torch.empty(tuple(shape), dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+def _merge(what: str, ours: dict[str, np.ndarray], extra: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    if not extra:
+        return ours
+    clash = sorted(set(ours) & set(extra))
+    if clash:
+        raise SpecError(f"record(): {what}[{clash[0]!r}] is already recorded from the model; give extras other names.")
+    return {**ours, **{k: np.array(v, copy=True) for k, v in extra.items()}}
 
 
 def _scalar(x: Any) -> float:

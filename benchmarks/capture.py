@@ -1,0 +1,166 @@
+"""Capture overhead on CPU: plain fwd+bwd vs fwd+bwd+record (full dump, sketch), and store write speed.
+
+Run::
+
+    OMP_NUM_THREADS=1 python benchmarks/capture.py            # prints the table
+    python benchmarks/capture.py --json capture.json          # and writes the figures
+
+A GPT-2-style model (4 layers, hidden 256, 4 heads, vocab 8192, context 128,
+random init) trains with SGD on random tokens.  Three modes run in blocks of
+``--steps`` steps, the cycle repeated ``--repeats`` times (A B C A B C), so
+that slow drifts of a shared machine hit every mode alike:
+
+* ``plain``:  forward + backward + optimizer step;
+* ``full``:   the same + ``rec.record()`` of every 2-D weight, heads auto;
+* ``sketch``: the same + ``rec.record()`` with ``sketch=1024`` (sketches only).
+
+Per mode we report the median step time and the *amortised* time (the block's
+wall time including the final flush and close, per step).  Then the store's
+write throughput (StoreWriter, Zarr and HDF5, no compression) is measured
+against ``numpy.save`` of the same arrays to the same disk, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def build(args: argparse.Namespace) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+                     n_positions=args.seq, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def run_block(model: Any, opt: Any, mode: str, args: argparse.Namespace, path: Path) -> dict[str, float]:
+    import torch
+
+    import gradforensics as gf
+
+    rec = None
+    if mode == "full":
+        rec = gf.Recorder(path, model=model, sources=["a", "b"], heads="auto")
+    elif mode == "sketch":
+        rec = gf.Recorder(path, model=model, sources=["a", "b"], heads="auto", sketch=args.k)
+    gen = torch.Generator().manual_seed(1)
+    times = []
+    t_block, cpu_block = time.perf_counter(), time.process_time()
+    for i in range(args.steps):
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if rec is not None:
+            rec.record(step=i, loss=loss, source="ab"[i % 2], n_samples=args.batch)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    if rec is not None:
+        rec.close()
+    total = time.perf_counter() - t_block
+    cpu = time.process_time() - cpu_block       # all threads of the process, writer included
+    return {"median_s": statistics.median(times[1:]), "amortised_s": total / args.steps,
+            "cpu_s": cpu / args.steps}
+
+
+def write_throughput(grads: dict[str, np.ndarray], n: int, root: Path) -> dict[str, float]:
+    """MB/s of StoreWriter (zarr, hdf5) and of numpy.save, same arrays, same disk."""
+    from gradforensics.store.schema import new_meta
+    from gradforensics.store.writer import Row, StoreWriter
+
+    nbytes = sum(g.nbytes for g in grads.values()) * n
+    out: dict[str, float] = {"bytes": float(nbytes)}
+    for kind, suffix in (("zarr", ".zarr"), ("hdf5", ".h5")):
+        t0 = time.perf_counter()
+        w = StoreWriter(root / f"tp{suffix}", new_meta(["a"], "training"), overwrite=True)
+        for i in range(n):
+            rows = {f"grads/{k}": Row(v) for k, v in grads.items()}
+            rows["batches/step"] = Row(np.asarray(i, np.int64))
+            w.append(rows)
+        w.close()
+        out[f"{kind}_MBps"] = nbytes / (time.perf_counter() - t0) / 1e6
+    npy = root / "npy"
+    npy.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    for i in range(n):
+        for j, v in enumerate(grads.values()):
+            np.save(npy / f"{i}_{j}.npy", v)
+    out["numpy_save_MBps"] = nbytes / (time.perf_counter() - t0) / 1e6
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--k", type=int, default=1024)
+    p.add_argument("--dir", default=None, help="where stores go (default: a temporary directory)")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+
+    import torch
+
+    model = build(args)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    n_params = sum(q.numel() for q in model.parameters())
+    grad_bytes = sum(q.numel() * 4 for q in model.parameters() if q.ndim == 2)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        res: dict[str, list[dict[str, float]]] = {"plain": [], "full": [], "sketch": []}
+        run_block(model, opt, "plain", argparse.Namespace(**{**vars(args), "steps": 3}), root / "w.zarr")  # warm-up
+        for r in range(args.repeats):
+            for mode in res:
+                res[mode].append(run_block(model, opt, mode, args, root / f"{mode}{r}.zarr"))
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads = {n: q.grad.detach().numpy().copy() for n, q in model.named_parameters() if q.ndim == 2}
+        tp = write_throughput(grads, max(8, args.steps // 2), root)
+    med = {m: statistics.median(x["median_s"] for x in v) for m, v in res.items()}
+    amo = {m: statistics.median(x["amortised_s"] for x in v) for m, v in res.items()}
+    cpu = {m: statistics.median(x["cpu_s"] for x in v) for m, v in res.items()}
+    figures = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores (shared)", "torch": torch.__version__, "n_params": n_params,
+        "grad_bytes_per_record": grad_bytes, "config": {k: v for k, v in vars(args).items() if k not in ("json", "dir")},
+        "load_average": os.getloadavg(), "median_step_s": med, "amortised_step_s": amo, "cpu_step_s": cpu,
+        "ratio_median": {m: med[m] / med["plain"] for m in ("full", "sketch")},
+        "ratio_amortised": {m: amo[m] / amo["plain"] for m in ("full", "sketch")},
+        "ratio_cpu": {m: cpu[m] / cpu["plain"] for m in ("full", "sketch")},
+        "write": tp, "write_ratio_vs_numpy_save": {k: tp[f"{k}_MBps"] / tp["numpy_save_MBps"] for k in ("zarr", "hdf5")},
+    }
+    print(f"model: GPT-2-style, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, batch "
+          f"{args.batch}x{args.seq}; {n_params / 1e6:.1f} M params, {grad_bytes / 1e6:.1f} MB of 2-D grads a record")
+    print(f"{'mode':8s} {'median step':>12s} {'x plain':>8s} {'amortised':>10s} {'x plain':>8s} "
+          f"{'CPU/step':>9s} {'x plain':>8s}")
+    for m in res:
+        print(f"{m:8s} {med[m] * 1e3:10.0f}ms {med[m] / med['plain']:8.2f} {amo[m] * 1e3:8.0f}ms "
+              f"{amo[m] / amo['plain']:8.2f} {cpu[m] * 1e3:7.0f}ms {cpu[m] / cpu['plain']:8.2f}")
+    print(f"load average during the run: {os.getloadavg()[1]:.1f} (1 = one busy core)")
+    print(f"write: zarr {tp['zarr_MBps']:.0f} MB/s, hdf5 {tp['hdf5_MBps']:.0f} MB/s, "
+          f"numpy.save {tp['numpy_save_MBps']:.0f} MB/s ({tp['bytes'] / 1e6:.0f} MB each)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
