@@ -287,7 +287,7 @@ class TorchRecorder(Recorder):
                 self._warned.add(name)
                 warnings.warn(f"gradforensics: {name} has no .grad at record {self.n_records}; "
                               "recording zeros for it.", RuntimeWarning, stacklevel=4)
-            return torch.zeros(p.shape, dtype=p.dtype)
+            return torch.zeros(p.shape, dtype=p.dtype, device=p.device)   # same path as a real .grad
         return g.detach()
 
     def _grads(self) -> tuple[dict[str, np.ndarray], list[Any], Callable[[], None] | None, tuple[str, ...]]:
