@@ -27,6 +27,7 @@ import numpy as np
 HEADS, HEAD_ROWS, COLS = 4, 8, 16
 D_HEAD = HEAD_ROWS * COLS
 MLP_SHAPE = (16, 16)
+Unit = tuple[str, int | None]
 
 
 def q_name(layer: int) -> str:
@@ -111,12 +112,12 @@ def _noise(rng: np.random.Generator, n: int, d: int, snr: float, decay: float) -
 
 
 def _model(rng: np.random.Generator, n: int, n_layers: int, snr: float, decay: float,
-           means: dict[tuple[str, int | None], np.ndarray] | None = None) -> dict[str, np.ndarray]:
+           means: dict[Unit, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Healthy per-unit matrices keyed (tensor, head|None for mlp): (N, d) each.
 
     *means* overrides the mean of a unit with an (N, d) per-record mean.
     """
-    out: dict[tuple[str, int | None], np.ndarray] = {}
+    out: dict[Unit, np.ndarray] = {}
     for layer in range(n_layers):
         for h in range(HEADS):
             out[(q_name(layer), h)] = np.broadcast_to(rng.standard_normal(D_HEAD), (n, D_HEAD)).copy()
@@ -129,7 +130,7 @@ def _model(rng: np.random.Generator, n: int, n_layers: int, snr: float, decay: f
     return _assemble(out, n, n_layers)
 
 
-def _assemble(units: dict[tuple[str, int | None], np.ndarray], n: int, n_layers: int) -> dict[str, np.ndarray]:
+def _assemble(units: dict[Unit, np.ndarray], n: int, n_layers: int) -> dict[str, np.ndarray]:
     grads: dict[str, np.ndarray] = {}
     for layer in range(n_layers):
         q = np.stack([units[(q_name(layer), h)].reshape(n, HEAD_ROWS, COLS) for h in range(HEADS)], axis=1)
@@ -190,7 +191,7 @@ def planted_drift(seed: int = 0, snr: float = 1.0, n: int = 128, n_layers: int =
     else:
         raise ValueError(f"cause must be 'rotation' or 'source'; got {cause!r}.")
     planted = [(mlp_name(layer), None)] + [(q_name(layer), h) for h in range(HEADS)]
-    means = {}
+    means: dict[Unit, np.ndarray] = {}
     for key in planted:
         G = rng.standard_normal(_unit_dim(key[0]))
         G2 = _orthogonal_to(rng, G)
@@ -226,7 +227,7 @@ def planted_oscillation(seed: int = 0, snr: float = 1.0, n: int = 128, n_layers:
     keys = [(tensor, h) for h in heads] if heads is not None and "q_proj" in tensor else (
         [(tensor, h) for h in range(HEADS)] if "q_proj" in tensor else [(tensor, None)])
     s = square_wave(n, period)
-    means = {}
+    means: dict[Unit, np.ndarray] = {}
     for key in keys:
         G = rng.standard_normal(_unit_dim(key[0]))
         means[key] = G[None, :] + amplitude * s[:, None] * _orthogonal_to(rng, G)[None, :]
@@ -255,7 +256,7 @@ def planted_conflict(seed: int = 0, snr: float = 1.0, n: int = 128, n_layers: in
     A = rng.dirichlet(np.ones(S), size=n).astype(np.float32) if mixed else round_robin(n, S)
     sign = np.zeros(S)
     sign[sources.index(pair[0])], sign[sources.index(pair[1])] = -1.0, 1.0
-    means = {}
+    means: dict[Unit, np.ndarray] = {}
     for tensor, hs in where.items():
         keys = [(tensor, None)] if hs is None else [(tensor, h) for h in hs]
         for key in keys:
@@ -278,7 +279,8 @@ def planted_mixture(seed: int = 0, snr: float = 4.0, n: int = 96, n_layers: int 
     rng = np.random.default_rng([seed, 55])
     S = len(sources)
     A = rng.dirichlet(np.ones(S) * 0.7, size=n).astype(np.float32)
-    means, truth = {}, {}
+    means: dict[Unit, np.ndarray] = {}
+    truth: dict[Unit, np.ndarray] = {}
     for layer in range(n_layers):
         for key in [(q_name(layer), h) for h in range(HEADS)] + [(mlp_name(layer), None)]:
             M = rng.standard_normal((S, _unit_dim(key[0])))
