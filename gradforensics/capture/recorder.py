@@ -206,7 +206,7 @@ class Recorder:
         if self._closed:
             raise StoreClosedError(f"{self.path}: record() after close().")
         i = self._n_submitted
-        meta = {
+        meta: dict[str, Any] = {
             "step": np.int64(i if step is None else step),
             "loss": np.float32(loss),
             "mixture": self._mixture(source, mixture),
