@@ -203,7 +203,7 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         if not r.severity >= ks.REPORT_FLOOR:
             continue
         head = ks.head_of(r.head)
-        hot = t[(t.source_a == r.source_a) & (t.source_b == r.source_b) & (t.severity > 0.5)]
+        hot = _hot_units(t[(t.source_a == r.source_a) & (t.source_b == r.source_b) & (t.severity > 0.5)])
         band = _band(hot["layer"])
         heads = sorted({int(h) for h in hot.loc[(hot.tensor == r.tensor) & hot["head"].notna(), "head"]})
         ev = {"cosine": r.cosine, "p_value": r.p_value, "cosine_debiased": r.cosine_debiased, "z": r.z,
@@ -212,6 +212,12 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
                         severity=float(r.severity), records=(0, last), evidence=ev,
                         summary=_summary(r, head, band, heads, len(hot), floor)))
     return ks.dedupe_heads(out, ks.heads_per_tensor(t), by_sources=True)
+
+
+def _hot_units(hot: Any) -> Any:
+    """Flagged rows of one pair, without the whole-tensor rows of tensors whose heads are flagged."""
+    with_heads = set(hot.loc[hot["head"].notna(), "tensor"])
+    return hot[hot["head"].notna() | ~hot["tensor"].isin(with_heads)]
 
 
 def _band(layers: Any) -> list[int] | None:
