@@ -21,6 +21,9 @@ _MODULES: tuple[str, ...] = (
     "saturation",
     "spectral",
     "precision",
+    "loss_spectrum",
+    "fractal",
+    "coherence",
 )
 
 
