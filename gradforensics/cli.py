@@ -21,6 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "report": ("report", "re-render the report from a store's stored analysis results (no gradient reads)"),
     "demo": ("demo", "train a tiny transformer with planted trouble on CPU, capture, analyze, report"),
     "analyze": ("analyze", "run the forensic pass over a store (Dask) and write the report"),
+    "loss": ("loss", "loss-curve forensics of a store or training logs: spectrum vs red noise, fractal dimension"),
 }
 
 
