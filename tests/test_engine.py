@@ -71,6 +71,20 @@ def test_one_compute_and_each_gradient_byte_read_once(stores, monkeypatch) -> No
     assert findings.flags and findings.flags[0].kind == "nonfinite"
 
 
+def test_mixed_collections_keep_their_order() -> None:
+    """dask 2026.8 regroups the results of a mixed Array/Delayed compute when it optimizes; _run must not."""
+    import dask.array as da
+
+    from gradforensics.analysis.engine import _run
+
+    x = da.ones((10, 4), chunks=5)
+    d1 = dask.delayed(lambda: "D1")()
+    d2 = dask.delayed(list)([dask.delayed(np.sum)(x[0:5].mean(axis=0))])
+    a = da.stack([x[0:5].mean(axis=0), x[5:].mean(axis=0)])
+    out = _run([d1, a, d2, x.sum()], None, False, None)
+    assert [type(v).__name__ for v in out] == ["str", "ndarray", "list", "float64"]
+
+
 def test_graph_has_few_tasks(stores, monkeypatch) -> None:
     sizes = []
 

@@ -14,6 +14,7 @@ from gradforensics.analysis.gram import (
     combine_partials,
     gram_graph,
     gram_of_array,
+    gram_of_handle,
     load_grams,
     save_grams,
 )
@@ -150,6 +151,21 @@ def test_store_grams_match_numpy_both_backends(tmp_path, suffix) -> None:
     k, counts = oracle(np.stack([recs[i]["mlp.up"] for i in range(20)]))
     np.testing.assert_allclose(up[0].gram, k, rtol=1e-5, atol=1e-4)
     assert up[0].nonfinite.tolist() == counts.tolist() and counts[4] == 1
+
+
+@pytest.mark.parametrize("suffix", [".zarr", ".h5"])
+def test_handle_reads_fused_and_record_split(tmp_path, suffix) -> None:
+    """Reading through the handle inside tasks: fused slabs, and paired record blocks when split."""
+    path = tmp_path / f"s{suffix}"
+    recs = _store(path)
+    store = Store(path)
+    info = store.grads["attn.q"]
+    q = np.stack([recs[i]["attn.q"] for i in range(20)])
+    for chunks in (((20,), (1,) * 4, (2, 2), (8,)), ((6, 6, 8), (2, 2), (4,), (8,))):
+        (res,) = dask.compute(gram_of_handle(store._handle(info), chunks, "attn.q", heads=True, split_every=2))
+        np.testing.assert_allclose(res[0].gram, oracle(q)[0], rtol=1e-5, atol=1e-4)
+        blocks = np.stack([HeadSpec(4).split(q[i]) for i in range(20)])
+        np.testing.assert_allclose(res[3].gram, oracle(blocks[:, 2])[0], rtol=1e-5, atol=1e-4)
 
 
 def test_graph_stays_small(tmp_path) -> None:

@@ -201,9 +201,13 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
     import dask
 
     client = client if client is not None else _default_client()
+    # dask 2026.8 (dask.compute and Client.compute alike) returns the results of mixed
+    # Array / Delayed collections grouped by type, not in the order given, when it
+    # optimizes the graph; keep the order by not optimizing a mixed list.
+    optimize = len({type(c) for c in collections}) <= 1
     if client is not None:
         client.run(_pin_blas)
-        futures = client.compute(collections)
+        futures = client.compute(collections, optimize_graph=optimize)
         if progress:
             from distributed import progress as dprogress
 
@@ -217,7 +221,7 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
         if num_workers:
             kwargs["num_workers"] = int(num_workers)
     with threadpool_limits(limits=1), _progress_bar(progress):
-        return list(dask.compute(*collections, **kwargs))
+        return list(dask.compute(*collections, optimize_graph=optimize, **kwargs))
 
 
 def _progress_bar(progress: bool) -> AbstractContextManager[Any]:

@@ -48,12 +48,13 @@ if TYPE_CHECKING:
     import dask.array as da
     from dask.delayed import Delayed
 
+    from gradforensics.store.backends import ArrayHandle
     from gradforensics.store.reader import Store
 
 SUB_BLOCK = 4096
 """Features per float32 product inside a chunk; the products are summed in float64."""
 
-DEFAULT_SLAB_BYTES = 64 * MiB
+DEFAULT_SLAB_BYTES = 128 * MiB
 DEFAULT_SPLIT_EVERY = 8
 PRECISIONS = ("float32", "float64")
 
@@ -209,6 +210,25 @@ def gram_of_array(x: da.Array, tensor: str, *, heads: bool = False, from_sketch:
     dask.delayed.Delayed
         Computes to ``list[GramResult]``: the whole tensor first, then each head.
     """
+    return _gram_graph(x.shape, x.chunks, tensor, heads, from_sketch, split_every, precision, dep=x)
+
+
+def gram_of_handle(handle: ArrayHandle, chunks: tuple[tuple[int, ...], ...], tensor: str, **kwargs: Any) -> Delayed:
+    """As :func:`gram_of_array`, reading a stored array through *handle* inside each task.
+
+    Where a slab spans all records (the usual case) the read and the chunk step
+    are one task, so a slab never outlives its product and never crosses
+    between worker processes; with a split record axis, blocks are read once
+    into their own tasks and paired.
+    """
+    return _gram_graph(handle.shape, chunks, tensor, kwargs.pop("heads", False), kwargs.pop("from_sketch", False),
+                       kwargs.pop("split_every", DEFAULT_SPLIT_EVERY), kwargs.pop("precision", "float32"),
+                       handle=handle)
+
+
+def _gram_graph(shape: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], tensor: str, heads: bool,
+                from_sketch: bool, split_every: int, precision: str, dep: Any = None,
+                handle: ArrayHandle | None = None) -> Delayed:
     from dask.base import tokenize
     from dask.delayed import Delayed
     from dask.highlevelgraph import HighLevelGraph
@@ -217,32 +237,59 @@ def gram_of_array(x: da.Array, tensor: str, *, heads: bool = False, from_sketch:
         raise SpecError(f"split_every must be >= 2; got {split_every}.")
     if precision not in PRECISIONS:
         raise SpecError(f"precision must be one of {PRECISIONS}; got {precision!r}.")
-    if heads and x.ndim < 2:
-        raise SpecError(f"{tensor}: a head-split array needs a head axis; got shape {x.shape}.")
-    name = f"gram-{tokenize(x.name, tensor, heads, from_sketch, split_every, precision)}"
-    layer, parts = _chunk_layer(x, name, heads, precision)
+    if heads and len(shape) < 2:
+        raise SpecError(f"{tensor}: a head-split array needs a head axis; got shape {shape}.")
+    source = dep.name if dep is not None else handle
+    name = f"gram-{tokenize(source, chunks, tensor, heads, from_sketch, split_every, precision)}"
+    layer, parts = _chunk_layer(name, chunks, heads, precision, xname=None if dep is None else dep.name,
+                                handle=handle)
     top = _tree(layer, name, parts, split_every)
-    n_heads = int(x.shape[1]) if heads else None
-    n_features = int(np.prod(x.shape[1:], dtype=np.int64))
+    n_heads = int(shape[1]) if heads else None
+    n_features = int(np.prod(shape[1:], dtype=np.int64))
     final = (name, "agg")
-    layer[final] = (aggregate_partial, top, tensor, tuple(int(c) for c in x.chunks[0]), n_heads, n_features,
+    layer[final] = (aggregate_partial, top, tensor, tuple(int(c) for c in chunks[0]), n_heads, n_features,
                     from_sketch)
-    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[] if dep is None else [dep])
     return Delayed(final, graph, layer=name)
 
 
-def _chunk_layer(x: da.Array, name: str, heads: bool, precision: str) -> tuple[dict[Any, Any], list[Any]]:
-    head_starts = np.concatenate([[0], np.cumsum(x.chunks[1])]).astype(int) if heads else None
+def _read(handle: ArrayHandle, sel: tuple[slice, ...]) -> np.ndarray:
+    return handle[sel]
+
+
+def _read_chunk(handle: ArrayHandle, sel: tuple[slice, ...], head0: int, split: bool, precision: str) -> Partial:
+    """Read one slab of all records and reduce it at once (read and chunk step fused)."""
+    return chunk_partial(handle[sel], None, 0, 0, head0, split, precision)
+
+
+def _chunk_layer(name: str, chunks: tuple[tuple[int, ...], ...], heads: bool, precision: str,
+                 xname: str | None, handle: ArrayHandle | None) -> tuple[dict[Any, Any], list[Any]]:
+    starts = [np.concatenate([[0], np.cumsum(c)]).astype(int) for c in chunks]
+
+    def sel(idx: tuple[int, ...]) -> tuple[slice, ...]:
+        return tuple(slice(int(starts[ax][i]), int(starts[ax][i + 1])) for ax, i in enumerate(idx))
+
     layer: dict[Any, Any] = {}
     parts: list[Any] = []
-    n_rec_blocks = len(x.chunks[0])
-    for col in itertools.product(*[range(len(c)) for c in x.chunks[1:]]):
-        head0 = int(head_starts[col[0]]) if head_starts is not None else 0
+    n_rec_blocks = len(chunks[0])
+    for col in itertools.product(*[range(len(c)) for c in chunks[1:]]):
+        head0 = int(starts[1][col[0]]) if heads else 0
+        if handle is not None and n_rec_blocks == 1:
+            key = (name, "chunk", len(parts))
+            layer[key] = (_read_chunk, handle, sel((0, *col)), head0, heads, precision)
+            parts.append(key)
+            continue
+        refs = []
+        for a in range(n_rec_blocks):
+            if handle is None:
+                refs.append((xname, a, *col))
+            else:
+                refs.append((name, "read", a, *col))
+                layer[refs[-1]] = (_read, handle, sel((a, *col)))
         for a in range(n_rec_blocks):
             for b in range(a, n_rec_blocks):
                 key = (name, "chunk", len(parts))
-                kb = None if a == b else (x.name, b, *col)
-                layer[key] = (chunk_partial, (x.name, a, *col), kb, a, b, head0, heads, precision)
+                layer[key] = (chunk_partial, refs[a], None if a == b else refs[b], a, b, head0, heads, precision)
                 parts.append(key)
     return layer, parts
 
@@ -278,15 +325,14 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
     """
     if tensor in store.grads:
         info, from_sketch = store.grads[tensor], False
-        x = store.grad(tensor, slab_bytes=slab_bytes)
     elif tensor in store.sketches:
         info, from_sketch = store.sketches[tensor], True
-        x = store.lazy(f"sketch/{tensor}", slab_bytes)
     else:
         raise MissingArrayError(f"{store.path}: no grads/{tensor} or sketch/{tensor} in the store; "
                                 f"tensors are {store.tensors[:5]}{'...' if len(store.tensors) > 5 else ''}.")
-    return gram_of_array(x, tensor, heads=info.heads is not None, from_sketch=from_sketch,
-                         split_every=split_every, precision=precision)
+    chunks = store.lazy(info.name, slab_bytes).chunks       # all records x whole on-disk feature chunks
+    return gram_of_handle(store._handle(info), chunks, tensor, heads=info.heads is not None,
+                          from_sketch=from_sketch, split_every=split_every, precision=precision)
 
 
 def gram_graphs(store: Store, tensors: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Delayed]:
