@@ -194,13 +194,15 @@ def _png_ok(raw: bytes) -> bool:
     return raw[:8] == b"\x89PNG\r\n\x1a\n" and imread(io.BytesIO(raw), format="png").shape[0] > 50
 
 
-@pytest.fixture
-def rendered(tmp_path, monkeypatch):
-    data.install(monkeypatch)
-    f = data.findings()
-    with pytest.warns(PlotBugWarning, match="planted plot bug"):
-        paths = report(f, tmp_path / "out")
-    return f, paths, tmp_path / "out"
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        data.install(mp)
+        f = data.findings()
+        with pytest.warns(PlotBugWarning, match="planted plot bug"):
+            paths = report(f, out)
+    return f, paths, out
 
 
 def test_report_writes_every_output(rendered):
