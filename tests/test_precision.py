@@ -7,6 +7,7 @@ import pytest
 
 from gradforensics.analysis import precision as P
 from gradforensics.errors import SpecError
+from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted_units import planted_precision_store, run_analysis
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -134,3 +135,8 @@ def test_options_are_validated() -> None:
         P.PrecisionOptions.parse({"scale": 2})
     with pytest.raises(SpecError, match="loss_scale"):
         P.PrecisionOptions(loss_scale=-1.0)
+
+
+class TestPrecisionContract(AnalysisContract):
+    analysis_name = "precision"
+    factory = staticmethod(lambda path, seed: planted_precision_store(path, seed=seed))

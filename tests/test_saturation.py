@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 import gradforensics as gf
 from gradforensics.analysis import saturation as S
 from gradforensics.errors import SpecError
+from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted_units import planted_saturation_store, run_analysis
 
 SMALL = {"n_records": 48, "onset": 16, "tokens": 64, "units": 40}
@@ -53,7 +56,7 @@ def test_lazy_reductions_match_numpy(tmp_path) -> None:
         low, high = store.act(m, "frac_low"), store.act(m, "frac_high")
         np.testing.assert_allclose(lz[f"dead|{m}"], (low >= S.POLE).mean(axis=1))
         np.testing.assert_allclose(lz[f"saturated|{m}"], (high >= S.POLE).mean(axis=1))
-        want = np.stack([high[a:b].mean(axis=0) for a, b in zip(edges[:-1], edges[1:], strict=True)])
+        want = np.stack([high[a:b].mean(axis=0) for a, b in itertools.pairwise(edges)])
         np.testing.assert_allclose(lz[f"high_w|{m}"], want, rtol=1e-6)
 
 
@@ -126,3 +129,8 @@ def test_engine_runs_saturation_in_its_single_pass(tmp_path) -> None:
     findings = gf.analyze(p.path, only="saturation", progress=False)
     assert [f.tensor for f in findings.flags if f.severity > 0.5] == list(p.sick)
     assert findings.table("saturation") is not None
+
+
+class TestSaturationContract(AnalysisContract):
+    analysis_name = "saturation"
+    factory = staticmethod(lambda path, seed: planted_saturation_store(path, "gelu", seed=seed, **SMALL))

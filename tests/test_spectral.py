@@ -9,6 +9,7 @@ import gradforensics as gf
 from gradforensics.analysis import spectral as S
 from gradforensics.capture.heads import HeadSpec
 from gradforensics.errors import SpecError
+from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted_units import planted_spectral_store, powerlaw_matrix, run_analysis
 
 
@@ -136,7 +137,7 @@ def test_table_contract_and_lazy_values_match_numpy(planted) -> None:
 
 
 def test_planted_qk_growth_and_rank_collapse_are_the_only_strong_flags(planted) -> None:
-    p, _, flags = planted
+    _p, _, flags = planted
     strong = {(f.tensor, f.evidence["reason"]) for f in flags if f.severity > 0.5}
     assert strong == {("layers.0.attn.q_proj.weight", "norm_growth"), ("layers.0.attn.k_proj.weight", "norm_growth"),
                       ("layers.1.mlp.up.weight", "rank_collapse")}
@@ -167,7 +168,8 @@ def test_heavy_tailed_weight_alpha_below_two_is_flagged(tmp_path) -> None:
 
 
 def test_severity_scales() -> None:
-    assert S.growth_severity(2.0) == pytest.approx(0.5) and S.growth_severity(4.0) == 1.0
+    assert S.growth_severity(3.0) == pytest.approx(0.5) and S.growth_severity(9.0) == 1.0
+    assert S.growth_severity(2.0) < 0.5
     assert S.growth_severity(0.8) == 0.0
     assert S.collapse_severity(2 ** 1.5) == pytest.approx(0.5) and S.collapse_severity(1.0) == 0.0
     assert S.alpha_severity(3.0) == 0.0 and S.alpha_severity(2 - 1 / 3) == pytest.approx(0.5)
@@ -193,3 +195,8 @@ def test_options_are_validated() -> None:
         S.SpectralOptions.parse({"alpha_range": (6, 2)})
     with pytest.raises(SpecError, match="bad options"):
         S.SpectralOptions.parse({"alpha": 2})
+
+
+class TestSpectralContract(AnalysisContract):
+    analysis_name = "spectral"
+    factory = staticmethod(lambda path, seed: planted_spectral_store(path, seed=seed, n_records=24))

@@ -166,7 +166,7 @@ def pair_counts(w0: np.ndarray, w1: np.ndarray, grad_nonzero: np.ndarray | None,
     w0 = np.asarray(w0, dtype=np.float32).ravel()
     w1 = np.asarray(w1, dtype=np.float32).ravel()
     gnz = None if grad_nonzero is None else np.asarray(grad_nonzero, dtype=bool).ravel()
-    out = {k: 0 for k in ("n", "updated", "swamped_bf16", "swamped_fp16", "grad_nonzero", "lost")}
+    out: dict[str, Any] = {k: 0 for k in ("n", "updated", "swamped_bf16", "swamped_fp16", "grad_nonzero", "lost")}
     hist = np.zeros(ULP_EDGES.size - 1, dtype=np.int64)
     for a in range(0, w0.size, _BLOCK):
         s = slice(a, a + _BLOCK)

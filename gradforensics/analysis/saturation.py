@@ -358,8 +358,9 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     m = flag.tensor
     hist = np.asarray(result.series[f"polarity_hist/{m}"], dtype=float)
     edges = np.asarray(result.series[f"window_edges/{m}"], dtype=float)
-    mesh = ax.pcolormesh(edges, POLARITY_BINS, hist.T, cmap="viridis", shading="flat")
-    ax.figure.colorbar(mesh, ax=ax, label="share of units")
+    ax.pcolormesh(edges, POLARITY_BINS, hist.T, cmap="viridis", shading="flat", vmin=0.0, vmax=1.0)
+    ax.text(0.99, 0.01, "colour: share of units (0-1)", transform=ax.transAxes, ha="right", va="bottom",
+            fontsize=7, color="w")
     ax.set_xlabel("record")
     ax.set_ylabel("unit polarity: share at top - share near zero")
     polar = np.asarray(result.series[f"polar/{m}"], dtype=float)

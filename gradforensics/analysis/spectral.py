@@ -81,9 +81,11 @@ class SpectralOptions:
     ----------
     alpha_range
         Healthy range of alpha; outside it a flag is raised (mild above, stronger below).
-    growth_double
-        Spectral-norm growth ratio of a q/k projection that scores severity 0.5
-        (severity ``log2(ratio) / (2 log2(growth_double) / 1)`` capped at 1).
+    growth_half
+        Spectral-norm growth ratio (last / first snapshot) of a q/k projection that
+        scores severity 0.5; its square scores 1.  Default 3: a q and a k that both
+        grow 3-fold let the attention logits grow 9-fold.  Weights that merely
+        double from their initialisation stay below 0.5.
     top_k
         ``k`` of the top-k share column.
     min_severity
@@ -91,7 +93,7 @@ class SpectralOptions:
     """
 
     alpha_range: tuple[float, float] = (2.0, 6.0)
-    growth_double: float = 2.0
+    growth_half: float = 3.0
     top_k: int = 5
     min_severity: float = 0.1
 
@@ -99,8 +101,8 @@ class SpectralOptions:
         lo, hi = self.alpha_range
         if not 1.0 < lo < hi:
             raise SpecError(f"spectral: alpha_range must be (lo, hi) with 1 < lo < hi; got {self.alpha_range!r}.")
-        if not self.growth_double > 1.0 or self.top_k < 1:
-            raise SpecError(f"spectral: growth_double must be > 1 and top_k >= 1; got {self.growth_double!r}, "
+        if not self.growth_half > 1.0 or self.top_k < 1:
+            raise SpecError(f"spectral: growth_half must be > 1 and top_k >= 1; got {self.growth_half!r}, "
                             f"{self.top_k!r}.")
 
     @classmethod
@@ -280,6 +282,9 @@ def lazy(store: Store) -> dict[str, Any]:
 # ------------------------------------------------------------------------ compute
 _Q = re.compile(r"(^|[._])(q|query|q_proj|wq|to_q|q_lin)([._]|$)")
 _K = re.compile(r"(^|[._])(k|key|k_proj|wk|to_k|k_lin)([._]|$)")
+# Embedding tables are lookups, not linear maps: the 2-6 range is not theirs (a healthy
+# BERT position-embedding table has alpha 1.55).  Reported, never flagged on alpha.
+_EMBEDDING = re.compile(r"embed|(^|[._])(wte|wpe|tok_embeddings)([._]|$)")
 _PAIRS = (("q_proj", "k_proj"), ("query", "key"), (".wq.", ".wk."), ("to_q", "to_k"), ("q_lin", "k_lin"),
           (".q.", ".k."))
 
@@ -384,11 +389,11 @@ def _stack(svs: list[np.ndarray]) -> np.ndarray:
 
 
 # -------------------------------------------------------------------------- flags
-def growth_severity(ratio: float, double: float = 2.0) -> float:
-    """0 at no growth, 0.5 at *double*-fold growth, 1 at its square."""
+def growth_severity(ratio: float, half: float = 3.0) -> float:
+    """0 at no growth, 0.5 at *half*-fold growth, 1 at its square (log scale in between)."""
     if not np.isfinite(ratio) or ratio <= 1.0:
         return 0.0
-    return float(min(1.0, 0.5 * np.log(ratio) / np.log(double)))
+    return float(min(1.0, 0.5 * np.log(ratio) / np.log(half)))
 
 
 def collapse_severity(drop: float) -> float:
@@ -431,12 +436,13 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     weights = _rows(table, "weight")
     whole = {r["tensor"]: r for r in weights if _head(r) is None}
     for r in weights:
-        sev = growth_severity(r["norm_growth"], opt.growth_double) if r["role"] in ("q", "k", "qkv") else 0.0
+        sev = growth_severity(r["norm_growth"], opt.growth_half) if r["role"] in ("q", "k", "qkv") else 0.0
         if _head(r) is not None:   # a head only when it grows clearly faster than its tensor
-            sev = sev if sev - growth_severity(whole[r["tensor"]]["norm_growth"], opt.growth_double) >= 0.15 else 0
+            sev = sev if sev - growth_severity(whole[r["tensor"]]["norm_growth"], opt.growth_half) >= 0.15 else 0
         if sev >= opt.min_severity:
             out.append(_growth_flag(r, sev, whole))
         a_sev = alpha_severity(r["alpha"], *opt.alpha_range) if r["alpha_n_tail"] >= MIN_TAIL else 0.0
+        a_sev = 0.0 if _EMBEDDING.search(r["tensor"].lower()) else a_sev
         if _head(r) is None and a_sev >= opt.min_severity:
             out.append(_flag(r, a_sev, "alpha", (
                 f"{r['tensor']}: the eigenvalue spectrum of WᵀW has power-law exponent alpha={r['alpha']:.2f} at "

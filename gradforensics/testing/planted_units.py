@@ -31,6 +31,12 @@ class Planted:
     sources: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
 
 def activation(name: str, x: np.ndarray) -> np.ndarray:
     """The activation *name* applied to pre-activations *x*."""
@@ -147,8 +153,8 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
     w0 = {n: powerlaw_matrix(*s, alpha, rng) * 0.05 for n, s in shapes.items()}
     top = {}
     for n in w0:
-        u, s, vt = np.linalg.svd(w0[n], full_matrices=False)
-        top[n] = s[0] * np.outer(u[:, 0], vt[0])
+        u, sv, vt = np.linalg.svd(w0[n], full_matrices=False)
+        top[n] = sv[0] * np.outer(u[:, 0], vt[0])
     growing = ("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight") if grow else ()
     collapsing = "layers.1.mlp.up.weight"
     means = {n: sum(np.outer(rng.normal(size=s[0]), rng.normal(size=s[1])) for _ in range(8)) / 8
