@@ -10,9 +10,12 @@ magnitude-squared coherence ``C(f) = |S_ab|² / (S_aa S_bb)`` with Welch average
 phase (and lag) of the cross-spectrum at coherent peaks.
 
 Under independence, with K independent Welch segments,
-``P(C > c) = (1 − c)^{K−1}`` (Carter, Knapp & Nuttall 1973, eq. 14); with 50 %
-overlapping Hann segments K is the equivalent number ``ν/2`` (Percival & Walden
-1993, eq. 292b).  p-values are corrected over the tested frequencies like the
+``P(C > c) = (1 − c)^{K−1}`` (Carter, Knapp & Nuttall 1973, eq. 14).  The
+segments overlap by half; crediting the overlap (K = ν/2 of Percival & Walden
+1993, eq. 292b) made the tail too light (2.7 % of 300 independent pairs had a
+"significant" bin at 1 %), so K counts non-overlapping segments only,
+``K = N / nperseg``: measured, 0 of 300 pairs and 0.4 % of bins at p < 0.05 -
+conservative.  p-values are corrected over the tested frequencies like the
 spectrum's.  Coherence is context, not a verdict: healthy ranks share the slow
 drift of the weights, so this analysis raises **no flags**.
 
@@ -41,7 +44,6 @@ from gradforensics.analysis.loss_spectrum import (
     adjust_pvalues,
     default_nperseg,
     detrend,
-    welch_dof,
     winsorize,
 )
 
@@ -102,8 +104,7 @@ def pair_coherence(a: np.ndarray, b: np.ndarray, options: SpectrumOptions | None
     kw = {"fs": 1.0, "window": "hann", "nperseg": nper, "noverlap": nper // 2, "detrend": False}
     f, c = coherence(res[0], res[1], **kw)
     _, sab = csd(res[0], res[1], **kw)
-    n_seg = 1 + (n - nper) // (nper - nper // 2)
-    k_eff = max(welch_dof(nper, n_seg) / 2.0, 2.0)
+    k_eff = max(n / nper, 2.0)
     tested = (f > 0) & (det.gain(f) >= 0.5)
     p = np.ones(f.size)
     p[tested] = msc_pvalue(c[tested], k_eff)

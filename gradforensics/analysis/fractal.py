@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 NAME = "fractal"
 COLUMNS = ("tensor", "head", "series", "box_counting", "higuchi", "box_fit_from", "box_fit_to", "box_r2",
            "higuchi_fit_from", "higuchi_fit_to", "higuchi_r2", "n_points", "detrend", "note")
-R2_STRAIGHT = 0.995
+R2_STRAIGHT = 0.999
 MIN_FIT_POINTS = 5
 MIN_FIT_SPAN = 8.0
 
@@ -157,14 +157,16 @@ def box_counts(y: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         ends = np.minimum(starts + s, n - 1)
         hi = np.maximum(np.maximum.reduceat(u[:-1], starts), u[ends])
         lo = np.minimum(np.minimum.reduceat(u[:-1], starts), u[ends])
-        out[a] = float((np.floor(hi / eps) - np.floor(lo / eps) + 1).sum())
+        top = np.ceil(1.0 / eps - 1e-9) - 1          # the row of cells holding u = 1 (closed top edge)
+        out[a] = float((np.minimum(np.floor(hi / eps), top) - np.floor(lo / eps) + 1).sum())
     return out
 
 
-def box_counting(y: np.ndarray, min_width: int = 4) -> ScalingFit:
+def box_counting(y: np.ndarray, min_width: int = 4, max_width: int | None = None) -> ScalingFit:
     """Box-counting dimension of the graph, ``D = −slope`` of ``log N(ε)`` on ``log ε``.
 
-    Column widths run from *min_width* samples to N/4 (narrower columns measure
+    Column widths run from *min_width* samples to *max_width* (default N/4;
+    narrower columns measure
     the sampling more than the curve: a discrete walk's range over s steps is
     ``≈ 1.6√s − 1.2`` σ, Feller 1951), the fit range from :func:`fit_range`.
 
@@ -177,7 +179,7 @@ def box_counting(y: np.ndarray, min_width: int = 4) -> ScalingFit:
     reach the same ranking.
     """
     y = np.asarray(y, dtype=float)
-    sizes = _scales(min(min_width, max(y.size // 8, 1)), max(y.size // 4, 2))
+    sizes = _scales(min(min_width, max(y.size // 8, 1)), max(min(max_width or y.size // 4, y.size // 4), 2))
     counts = box_counts(y, sizes)
     lo, hi, slope, r2 = fit_range(sizes.astype(float), counts)  # slope on ε = s/(N−1) is the same
     return ScalingFit(-slope, float(sizes[lo]), float(sizes[hi]), r2, sizes.astype(float), counts)
@@ -197,18 +199,27 @@ def analyze_series(groups: Sequence[SeriesGroup], options: Any = None) -> Analys
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
 
 
+def fractal_window(n: int, opt: SpectrumOptions) -> int:
+    """Savitzky–Golay window for the fractal analysis: the spectrum's ``2·nperseg + 1``
+    or N/2, whichever is wider.  The detrender flattens a random walk at scales
+    above ~W/16 (Higuchi) and ~W/8 (box counting), so the fits stop there."""
+    from gradforensics.analysis.loss_spectrum import default_nperseg
+
+    return int(max(2 * (opt.nperseg or default_nperseg(n)) + 1, n // 2) | 1)
+
+
 def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    from gradforensics.analysis.loss_spectrum import default_nperseg, winsorize
+    from gradforensics.analysis.loss_spectrum import winsorize
 
     row: dict[str, Any] = {"tensor": s.tensor, "head": None, "series": s.name, "n_points": s.n,
                            "detrend": "savgol", "note": ""}
     if s.n < MIN_POINTS or not np.ptp(s.y) > 0:
         return {**row, "note": f"too short or constant ({s.n} usable points, needs {MIN_POINTS})"}
-    nper = min(opt.nperseg or default_nperseg(s.n), s.n)
-    r, _ = winsorize(detrend(s.y, "savgol", 2 * nper + 1).residual, opt.clip_mad)
+    w = fractal_window(s.n, opt)
+    r, _ = winsorize(detrend(s.y, "savgol", w).residual, opt.clip_mad)
     if not np.std(r) > 1e-9 * max(float(np.std(s.y)), 1e-300):
         return {**row, "note": "nothing left after detrending (the curve is its trend: smooth)"}
-    h, b = higuchi(r), box_counting(r)
+    h, b = higuchi(r, kmax=max(8, w // 16)), box_counting(r, max_width=max(32, w // 8))
     for key, fit in (("higuchi", h), ("box", b)):
         arrays[f"{s.name}/{key}_scales"] = fit.scales
         arrays[f"{s.name}/{key}_values"] = fit.values
