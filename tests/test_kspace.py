@@ -174,12 +174,28 @@ def _flag(head: int | None, src: tuple[str, ...] = ()) -> Flag:
 def test_dedupe_heads() -> None:
     some = ks.dedupe_heads([_flag(None), _flag(1), _flag(2)], {"t": 4})
     assert sorted(f.head for f in some) == [1, 2]                     # localised: heads only
+    assert "whole tensor: severity 0.90" in some[0].summary
     everyone = ks.dedupe_heads([_flag(None), *[_flag(h) for h in range(4)]], {"t": 4})
     assert [f.head for f in everyone] == [None]                       # tensor-wide: the whole tensor
+    # heads 0 and 3 show it only nominally (not flagged): still tensor-wide
+    nominal = ks.dedupe_heads([_flag(None), _flag(1), _flag(2)], {"t": 4}, {("t", ()): {0, 3}}, by_sources=False)
+    assert [f.head for f in nominal] == [None]
     alone = ks.dedupe_heads([_flag(None)], {"t": 4})
     assert [f.head for f in alone] == [None]
+    heads_only = ks.dedupe_heads([_flag(1)], {"t": 4})
+    assert [f.head for f in heads_only] == [1] and "whole tensor" not in heads_only[0].summary
     pairs = ks.dedupe_heads([_flag(None, ("a", "b")), _flag(1, ("a", "c"))], {"t": 4})
     assert len(pairs) == 2                                            # different pairs, different stories
+
+
+def test_involved_heads_from_table() -> None:
+    import pandas as pd
+
+    t = pd.DataFrame({"tensor": ["t"] * 5, "head": pd.array([None, 0, 1, 2, 3], dtype="Int64"),
+                      "source_a": ["a"] * 5, "source_b": ["b"] * 5})
+    got = ks.involved_heads(t, [True, True, False, True, False], by_sources=True)
+    assert got == {("t", ("a", "b")): {0, 2}}
+    assert ks.involved_heads(t, [True] * 5) == {("t", ()): {0, 1, 2, 3}}
 
 
 def test_names_roundtrip_and_options() -> None:

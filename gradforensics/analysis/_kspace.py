@@ -440,26 +440,54 @@ def heads_per_tensor(table: Any) -> dict[str, int]:
     return {t: len(h) for t, h in seen.items()}
 
 
-def dedupe_heads(flags: Iterable[Flag], n_heads: Mapping[str, int], by_sources: bool = True) -> list[Flag]:
+InvolvedHeads = Mapping[tuple[str, tuple[str, ...]], set[int]]
+
+
+def involved_heads(table: Any, involved: Iterable[bool],
+                   by_sources: bool = False) -> dict[tuple[str, tuple[str, ...]], set[int]]:
+    """``{(tensor, sources): heads}`` of the head rows of *table* where *involved* is true.
+
+    *involved* (one bool per row) says the head shows the trouble at least
+    nominally (an effect in the flagged direction and a raw p-value below 0.05).
+    """
+    out: dict[tuple[str, tuple[str, ...]], set[int]] = {}
+    cols = ("source_a", "source_b") if by_sources else ()
+    for (_, r), ok in zip(table.iterrows(), involved):
+        h = head_of(r["head"])
+        if h is not None and ok:
+            key = (r["tensor"], tuple(sorted(str(r[c]) for c in cols)))
+            out.setdefault(key, set()).add(h)
+    return out
+
+
+def dedupe_heads(flags: Iterable[Flag], n_heads: Mapping[str, int], involved: InvolvedHeads | None = None,
+                 by_sources: bool = True) -> list[Flag]:
     """One story per tensor: head flags *or* the whole-tensor flag, not both.
 
-    For each tensor (and source set, with *by_sources*): if every head of a head-split tensor is flagged
-    and the whole tensor is too, the trouble is tensor-wide and only the
-    whole-tensor flag is kept; otherwise the head flags localise it and the
-    whole-tensor flag (which only dilutes them) is dropped.
+    For each tensor (and source set, with *by_sources*) of a head-split tensor
+    whose whole tensor is flagged: if every head shows the trouble (flagged, or
+    *involved* at least nominally), it is tensor-wide and only the whole-tensor
+    flag is kept; otherwise the flagged heads localise it and the whole-tensor
+    flag, which only dilutes them, is dropped (its severity is quoted in the
+    heads' summaries).
     """
-    flags = list(flags)
+    import dataclasses as dc
+
     groups: dict[tuple[str, tuple[str, ...]], list[Flag]] = {}
     for f in flags:
         groups.setdefault((f.tensor, tuple(sorted(f.sources)) if by_sources else ()), []).append(f)
     out: list[Flag] = []
-    for (tensor, _), fs in groups.items():
+    for key, fs in groups.items():
+        tensor = key[0]
         heads = [f for f in fs if f.head is not None]
         whole = [f for f in fs if f.head is None]
-        if not heads or tensor not in n_heads:
+        if not heads or not whole or tensor not in n_heads:
             out.extend(fs)
-        elif whole and len({f.head for f in heads}) >= n_heads[tensor]:
+            continue
+        shown = {int(f.head) for f in heads if f.head is not None} | set((involved or {}).get(key, set()))
+        if len(shown) >= n_heads[tensor]:
             out.extend(whole)
         else:
-            out.extend(heads)
+            note = f" (whole tensor: severity {whole[0].severity:.2f}, diluted by its other heads)"
+            out.extend(dc.replace(f, summary=f.summary.rstrip(".") + note + ".") for f in heads)
     return out

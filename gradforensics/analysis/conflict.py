@@ -25,7 +25,7 @@ For each tensor and head, from its Gram matrix ``K`` and ``batches/mixture`` onl
 
 Conflict means a *negative* inner product: a step along ``-g_a`` then raises the
 loss of source b to first order (Yu et al. 2020, "gradient surgery").  Severity
-= ``significance(p, n_tests) × clip(-cos / 0.5, 0, 1)`` with ``cos`` the debiased
+= ``significance(p, n_tests) × clip(-cos / 0.3, 0, 1)`` with ``cos`` the debiased
 cosine (the raw one where the debiased is undefined) and ``n_tests`` the number
 of (unit, pair) tests in the store: two sources that merely differ (positive
 cosine) are reported in the table but not flagged.
@@ -51,7 +51,7 @@ COLUMNS = [
     "tensor", "head", "layer", "source_a", "source_b", "cosine", "p_value", "cosine_debiased", "z",
     "n_a", "n_b", "n_records", "n_excluded", "severity",
 ]
-EFFECT_FULL = 0.5      # -cosine at which the effect score saturates
+EFFECT_FULL = 0.3      # -cosine at which the effect score saturates
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,9 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         out.append(Flag(kind="conflict", tensor=r.tensor, head=head, sources=(r.source_a, r.source_b),
                         severity=float(r.severity), records=(0, last), evidence=ev,
                         summary=_summary(r, head, band, heads, len(hot), floor)))
-    return ks.dedupe_heads(out, ks.heads_per_tensor(t), by_sources=True)
+    cos_eff = t["cosine_debiased"].where(t["cosine_debiased"].notna(), t["cosine"])
+    involved = ks.involved_heads(t, (cos_eff < 0) & (t["p_value"] < 0.05), by_sources=True)
+    return ks.dedupe_heads(out, ks.heads_per_tensor(t), involved, by_sources=True)
 
 
 def _hot_units(hot: Any) -> Any:

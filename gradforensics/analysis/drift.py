@@ -223,7 +223,9 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         src = (r.aligned_source,) if isinstance(r.aligned_source, str) else ()
         out.append(Flag(kind="drift", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
                         records=(since, last), evidence=_evidence(r), summary=_summary(r, head)))
-    return ks.dedupe_heads(out, ks.heads_per_tensor(result.table), by_sources=False)
+    t = result.table
+    involved = ks.involved_heads(t, (t["rotation"] > 0.1) & (t["p_value"] < 0.05))
+    return ks.dedupe_heads(out, ks.heads_per_tensor(t), involved, by_sources=False)
 
 
 def _ok(x: Any) -> bool:

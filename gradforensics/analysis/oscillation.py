@@ -260,7 +260,9 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         src = tuple(dict.fromkeys(x for s in poles for x in s.split(";")))
         out.append(Flag(kind="oscillation", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
                         records=(0, last), evidence=_evidence(r), summary=_summary(r, head, ctx.meta.mode)))
-    return ks.dedupe_heads(out, ks.heads_per_tensor(result.table), by_sources=False)
+    t = result.table
+    involved = ks.involved_heads(t, (t["reversal"] > 0) & (t["p_value"] < 0.05))
+    return ks.dedupe_heads(out, ks.heads_per_tensor(t), involved, by_sources=False)
 
 
 def _evidence(r: Any) -> dict[str, Any]:

@@ -77,7 +77,8 @@ class Planted:
         meta = StoreMeta(sources=self.sources, mode=self.mode, n_records=self.n)
         batches = {"step": self.steps(), "loss": np.full(self.n, np.nan, np.float32),
                    "mixture": self.mixture.astype(np.float32), "n_samples": np.full(self.n, 32, np.int32)}
-        return Context(store=None, meta=meta, batches=batches, grams=grams, options=dict(options or {}))  # type: ignore[arg-type]
+        return Context(store=None, meta=meta, batches=batches, grams=grams,  # type: ignore[arg-type]
+                       options=dict(options or {}))
 
     def steps(self) -> np.ndarray:
         return np.arange(self.n, dtype=np.int64) if self.step is None else self.step
