@@ -17,6 +17,8 @@ GPT-NeoX ``attention.query_key_value`` Linear ``(3 H d, in)``, rows    axis 0, f
                                        ``[h][q|k|v][d]``
 GPT-NeoX ``attention.dense``           Linear ``(out, H d)``           axis 1, role o
 Phi-3 ``qkv_proj``                     Linear ``((H+2KV) d, in)``      axis 0, ``H + 2 KV`` heads, role qkv
+BERT ``self.query/key/value``          Linear ``(H d, in)``            axis 0, ``H`` heads, role q / k / v
+BERT ``attention.output.dense``        Linear ``(out, H d)``           axis 1, role o
 ``nn.MultiheadAttention``              ``in_proj_weight (3 E, E)``     axis 0, fused 3, role qkv;
                                        ``out_proj (E, E)``             axis 1, role o
 =====================================  ==============================  =======================================
@@ -175,6 +177,13 @@ def _mha_rule(name: str, param: str, mha: nn.Module) -> HeadSpec | None:
     return None
 
 
+def _bert_output_spec(name: str, parent_name: str, model: nn.Module) -> HeadSpec:
+    """BERT-style ``attention.output.dense``: Linear ``(out, H d)``; the sibling ``attention.self`` has the counts."""
+    attn = model.get_submodule(parent_name.rpartition(".")[0])
+    inner = getattr(attn, "self", attn)
+    return HeadSpec(_need(counts_for(inner, model).heads, "num_attention_heads", name), 1, "o")
+
+
 def auto_spec(model: nn.Module, name: str, ndim: int) -> HeadSpec | None:
     """The automatic head spec of parameter *name* of *model* (``None``: not per head)."""
     from torch import nn as tnn
@@ -187,6 +196,8 @@ def auto_spec(model: nn.Module, name: str, ndim: int) -> HeadSpec | None:
     parent = model.get_submodule(parent_name) if parent_name else model
     if isinstance(parent, tnn.MultiheadAttention):
         return _mha_rule(name, param, parent)
+    if leaf == "dense" and parent_name.endswith("attention.output") and ndim >= 2:
+        return _bert_output_spec(name, parent_name, model)
     if not _is_attention(parent, parent_name):
         if leaf in ATTENTION_LEAVES and leaf not in ("query", "key", "value") and ndim >= 2:
             raise _undecided(name, f"its module {parent_name or '<root>'} is not recognised as attention")

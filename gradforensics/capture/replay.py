@@ -124,13 +124,13 @@ def size_estimate(bytes_per_record: int, n_records: int, path: str | os.PathLike
             "total_bytes": float(bytes_per_record) * n_records, "free_bytes": float(free)}
 
 
-def _announce(est: dict[str, float], path: str, file: IO[str] | None) -> None:
+def _announce(est: dict[str, float], path: str, file: IO[str] | None, check_space: bool = True) -> None:
     line = (f"gradforensics replay -> {path}: {int(est['n_records'])} records x "
             f"~{_fmt_bytes(est['bytes_per_record'])} = ~{_fmt_bytes(est['total_bytes'])}; "
             f"{_fmt_bytes(est['free_bytes'])} free on that disk.")
     if file is not None:
         print(line, file=file, flush=True)
-    if est["total_bytes"] > est["free_bytes"]:
+    if check_space and est["total_bytes"] > est["free_bytes"]:
         raise SpecError(
             f"replay: {path} would need ~{_fmt_bytes(est['total_bytes'])} but only "
             f"{_fmt_bytes(est['free_bytes'])} is free; lower n_per_source, record fewer tensors= or use sketch=."
@@ -141,7 +141,7 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
            loss_fn: Callable[[nn.Module, Any], torch.Tensor], path: str | os.PathLike[str], *,
            n_per_source: int | Mapping[str, int] = 32, step: int = 0,
            n_samples: Callable[[Any], int] | None = None, progress: bool = True,
-           file: IO[str] | None = None, **recorder_kwargs: Any) -> Store:
+           file: IO[str] | None = None, check_space: bool = True, **recorder_kwargs: Any) -> Store:
     """Capture per-batch gradients of *model* at a fixed checkpoint, per data source.
 
     Parameters
@@ -163,6 +163,9 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
         ``n_samples(batch) -> int``; default :func:`batch_size`.
     progress
         Print the size estimate and a progress bar on *file* (default stderr).
+    check_space
+        Refuse (``SpecError``) when the estimate exceeds the free disk space;
+        ``False`` only prints it (``gradforensics capture --force``).
     **recorder_kwargs
         Passed to :class:`~gradforensics.capture.torch.TorchRecorder`
         (``tensors``, ``heads``, ``activations``, ``sketch``, ``dtype``, ...).
@@ -200,7 +203,7 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
             rec.record(step=step, loss=float(loss.detach()), source=source, n_samples=count(batch))
             if i == 0:
                 rec.drain()
-                _announce(size_estimate(rec.bytes_per_record or 0, total, path), str(path), out)
+                _announce(size_estimate(rec.bytes_per_record or 0, total, path), str(path), out, check_space)
             bar.update(i + 1)
         model.zero_grad(set_to_none=True)
     bar.close()

@@ -1,0 +1,438 @@
+"""Load a problem checkpoint for ``gradforensics capture``, strictly offline.
+
+Two kinds:
+
+* a **Hugging Face model directory** (``config.json`` + weights + tokenizer),
+  loaded with ``local_files_only=True`` under ``HF_HUB_OFFLINE=1``, never
+  running code shipped in the directory (``trust_remote_code=False``); the
+  model class and the loss follow from the config's ``architectures``
+  (``*ForCausalLM`` / ``*LMHeadModel`` -> causal-LM loss; ``*ForMaskedLM`` /
+  ``*ForPreTraining`` -> masked-LM loss with seeded masking; anything else, a
+  bare encoder for instance, needs ``--loss module:function``).  Weights the
+  directory lacks (a head that would be randomly initialised) are an error.
+* a **raw PyTorch checkpoint** (a state dict in a ``.pt``/``.pth``/``.bin``
+  or ``.safetensors`` file): ``--model-factory module:function`` builds the
+  model, the state dict is read with ``torch.load(..., weights_only=True)`` -
+  never an unrestricted unpickle of a file someone handed you - and loaded
+  strictly; the tokenizer comes from ``--tokenizer DIR``.
+
+While loading, a connection to anything but the local machine raises
+:class:`OfflineError` (a guard on ``socket``), so a load that would need the
+network fails with one clear line instead of a timeout or a download.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.errors import GradforensicsError, SpecError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+LossFn = Callable[["nn.Module", Any], "torch.Tensor"]
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+MASKED_SUFFIXES = ("ForMaskedLM", "ForPreTraining")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length",
+                 "max_seq_len", "block_size")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+BUILTIN_LOSSES = ("auto", "causal-lm", "masked-lm")
+_LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "", None})
+
+
+class NotACheckpointError(GradforensicsError, FileNotFoundError):
+    """The path is neither a Hugging Face model directory nor a checkpoint file."""
+
+
+class CheckpointError(GradforensicsError, ValueError):
+    """The checkpoint is there but cannot be loaded as asked."""
+
+
+class OfflineError(GradforensicsError, ConnectionError):
+    """Loading would have needed the network."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint, ready for :func:`gradforensics.capture.replay.replay`."""
+
+    model: nn.Module
+    tokenizer: Any
+    loss_fn: LossFn
+    loss_name: str
+    max_positions: int | None
+    path: Path
+    kind: str                  # "hf" or "torch"
+    step: int = 0
+
+
+# ------------------------------------------------------------------ offline
+@contextmanager
+def offline() -> Iterator[None]:
+    """``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` and no non-local connections, for the block."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    old_env = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: "1" for k in keys})
+    real_connect, real_gai = socket.socket.connect, socket.getaddrinfo
+
+    def connect(sock: socket.socket, address: Any) -> Any:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in _LOCAL_HOSTS:
+            raise OfflineError(_offline_message(address[0]))
+        return real_connect(sock, address)
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host not in _LOCAL_HOSTS:
+            raise OfflineError(_offline_message(host))
+        return real_gai(host, *args, **kwargs)
+
+    socket.socket.connect = connect  # type: ignore[method-assign]
+    socket.getaddrinfo = getaddrinfo  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        socket.socket.connect = real_connect  # type: ignore[method-assign]
+        socket.getaddrinfo = real_gai  # type: ignore[assignment]
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _offline_message(host: Any) -> str:
+    return (f"loading the checkpoint tried to reach {host!r}; gradforensics capture works offline only: "
+            "put every file (config, weights, tokenizer) in the checkpoint directory.")
+
+
+def _caused_by_offline(exc: BaseException) -> OfflineError | None:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OfflineError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+# ------------------------------------------------------------------ helpers
+def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
+    """``module:function`` or ``path/to/file.py:function`` -> the function."""
+    mod_name, colon, fn_name = spec.rpartition(":")
+    if not colon or not mod_name or not fn_name:
+        raise SpecError(f"{what} {spec!r}: expected module:function (or file.py:function).")
+    try:
+        if mod_name.endswith(".py"):
+            file = Path(mod_name)
+            if not file.is_file():
+                raise SpecError(f"{what} {spec!r}: file {file} not found.")
+            mspec = importlib.util.spec_from_file_location(file.stem, file)
+            assert mspec is not None and mspec.loader is not None
+            module = importlib.util.module_from_spec(mspec)
+            mspec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise SpecError(f"{what} {spec!r}: cannot import {mod_name} ({exc}).") from exc
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise SpecError(f"{what} {spec!r}: {mod_name} has no callable {fn_name!r}.")
+    return fn
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    if name not in MODEL_DTYPES:
+        raise SpecError(f"--model-dtype must be one of {MODEL_DTYPES}; got {name!r}.")
+    return getattr(torch, name)
+
+
+def max_positions(model: nn.Module) -> tuple[int | None, str]:
+    """The longest sequence the model takes, and where that number comes from."""
+    cfg = getattr(model, "config", None)
+    get_text = getattr(cfg, "get_text_config", None)
+    cfg = get_text() if callable(get_text) else cfg
+    for obj, where in ((cfg, "config"), (model, type(model).__name__)):
+        for key in POSITION_KEYS:
+            v = getattr(obj, key, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v, f"{where} {key}"
+    return None, ""
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """``global_step`` from a Trainer checkpoint's ``trainer_state.json``, if there is one."""
+    state = path / "trainer_state.json" if path.is_dir() else path.parent / "trainer_state.json"
+    try:
+        return int(json.loads(state.read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ------------------------------------------------------------------ Hugging Face
+def is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _check_hf_dir(path: Path) -> None:
+    if not path.exists():
+        raise NotACheckpointError(f"{path}: no such file or directory.")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise NotACheckpointError(
+            f"{path} is not a checkpoint: no config.json (a Hugging Face model directory has config.json, "
+            "weights and a tokenizer); for a raw PyTorch checkpoint file pass --model-factory module:function.")
+    if path.is_file():
+        raise NotACheckpointError(f"{path} is a file, not a Hugging Face model directory; for a raw PyTorch "
+                                  "checkpoint pass --model-factory module:function (and --tokenizer DIR).")
+    if not any((path / f).is_file() for f in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
+        raise NotACheckpointError(f"{path} has config.json but no weights ({', '.join(WEIGHT_FILES[::2])}).")
+
+
+def _objective(config: Any, loss: str, path: Path) -> str:
+    """``causal-lm``, ``masked-lm`` or ``custom``, from ``--loss`` and the config."""
+    if loss in ("causal-lm", "masked-lm"):
+        return loss
+    if loss != "auto":
+        return "custom"
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    if getattr(config, "is_encoder_decoder", False):
+        raise CheckpointError(f"{path}: {arch or config.model_type} is an encoder-decoder; pass "
+                              "--loss module:function.")
+    if arch.endswith(CAUSAL_SUFFIXES):
+        return "causal-lm"
+    if arch.endswith(MASKED_SUFFIXES):
+        return "masked-lm"
+    raise CheckpointError(f"{path}: {arch or config.model_type} has no language-model head (config architectures "
+                          f"{getattr(config, 'architectures', None)}); pass --loss module:function, e.g. "
+                          "--loss gradforensics.capture.losses:contrastive for a sentence encoder.")
+
+
+def _model_class(objective: str, config: Any) -> Any:
+    import transformers
+
+    if objective == "causal-lm":
+        return transformers.AutoModelForCausalLM
+    if objective == "masked-lm":
+        return transformers.AutoModelForMaskedLM
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    return cls if cls is not None else transformers.AutoModel
+
+
+def _load_hf_model(path: Path, loss: str, dtype: torch.dtype) -> tuple[nn.Module, str]:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        if getattr(_raw_config(path), "get", lambda _k: None)("auto_map"):
+            raise CheckpointError(f"{path}/config.json asks for modelling code shipped with the checkpoint "
+                                  "(auto_map); gradforensics does not run it: build the model with "
+                                  "--model-factory module:function.") from exc
+        raise CheckpointError(f"{path}/config.json cannot be read by transformers: {_one_line(exc)}") from exc
+    objective = _objective(config, loss, path)
+    cls = _model_class(objective, config)
+    try:
+        model, info = cls.from_pretrained(path, config=config, local_files_only=True, trust_remote_code=False,
+                                          dtype=dtype, output_loading_info=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: transformers cannot load the model as {getattr(cls, '__name__', cls)}: "
+                              f"{_one_line(exc)}") from exc
+    missing = sorted(info.get("missing_keys", ()))
+    if missing:
+        raise CheckpointError(f"{path}: the weights lack {len(missing)} tensors of {type(model).__name__} "
+                              f"(e.g. {', '.join(missing[:3])}); they would be random. Pick another --loss "
+                              "(a model without that head) or a complete checkpoint.")
+    return model, objective
+
+
+def _raw_config(path: Path) -> dict[str, Any]:
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer saved in directory *path*, from local files only."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: no usable tokenizer (tokenizer.json / tokenizer_config.json / vocab): "
+                              f"{_one_line(exc)}; pass --tokenizer DIR.") from exc
+
+
+# ------------------------------------------------------------------ raw PyTorch
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from *path*: safetensors, or ``torch.load(weights_only=True)``.
+
+    Nested checkpoints (``{"model": ...}``, ``{"state_dict": ...}``,
+    ``{"model_state_dict": ...}``) are unwrapped.
+    """
+    import pickle
+
+    import torch
+
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{path}: refused to unpickle - it holds more than tensors and plain containers "
+                              f"(weights_only=True: {_one_line(exc)[:160]}); save model.state_dict() instead.") from exc
+    except (RuntimeError, OSError, EOFError) as exc:
+        raise CheckpointError(f"{path}: not a PyTorch checkpoint torch.load can read ({_one_line(exc)}).") from exc
+    for key in ("model", "state_dict", "model_state_dict", "module"):
+        if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
+            obj = obj[key]
+            break
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path}: expected a state dict (names -> tensors); found {type(obj).__name__}.")
+    return dict(obj)
+
+
+def _load_raw(path: Path, factory: str, dtype: torch.dtype) -> nn.Module:
+    from torch import nn
+
+    if not path.is_file():
+        raise NotACheckpointError(f"{path}: no checkpoint file there (with --model-factory, CHECKPOINT is a "
+                                  "state-dict file: .pt, .pth, .bin or .safetensors).")
+    model = resolve_callable(factory, "--model-factory")()
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"--model-factory {factory}: returned {type(model).__name__}, not a torch.nn.Module.")
+    state = read_state_dict(path)
+    result = model.load_state_dict(state, strict=False)
+    bad = [("missing", result.missing_keys), ("unexpected", result.unexpected_keys)]
+    for what, keys in bad:
+        if keys:
+            raise CheckpointError(f"{path}: {len(keys)} {what} tensors for the model {factory} builds "
+                                  f"(e.g. {', '.join(sorted(keys)[:3])}); the factory must build the model "
+                                  "the state dict was saved from.")
+    return model.to(dtype)
+
+
+# ------------------------------------------------------------------ entry point
+def _loss_fn(objective: str, custom: LossFn | None, model: nn.Module, tokenizer: Any, seed: int) -> LossFn:
+    from gradforensics.capture import losses
+
+    if custom is not None:
+        return custom
+    if objective == "causal-lm":
+        return losses.causal_lm
+    if objective == "masked-lm":
+        if tokenizer.mask_token_id is None:
+            raise CheckpointError("masked-lm loss needs a tokenizer with a mask token; it has none.")
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or len(tokenizer))
+        return losses.MaskedLM(int(tokenizer.mask_token_id), vocab, tuple(tokenizer.all_special_ids), seed)
+    raise AssertionError(objective)   # pragma: no cover
+
+
+def _custom_loss(loss: str) -> LossFn | None:
+    if loss in BUILTIN_LOSSES:
+        return None
+    if ":" not in loss:
+        raise SpecError(f"--loss must be one of {', '.join(BUILTIN_LOSSES)} or module:function; got {loss!r}.")
+    return resolve_callable(loss, "--loss")
+
+
+def _raw_objective(loss: str, model: nn.Module) -> str:
+    if loss != "auto":
+        return loss if loss in ("causal-lm", "masked-lm") else "custom"
+    name = type(model).__name__
+    if name.endswith(CAUSAL_SUFFIXES):
+        return "causal-lm"
+    if name.endswith(MASKED_SUFFIXES):
+        return "masked-lm"
+    raise SpecError(f"--loss is needed for a raw checkpoint of a {name}: causal-lm, masked-lm or module:function.")
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, loss: str = "auto", model_factory: str | None = None,
+                    tokenizer: str | os.PathLike[str] | None = None, device: str = "cpu",
+                    model_dtype: str = "float32", seed: int = 0) -> Checkpoint:
+    """Load *path* offline: model (on *device*, eval mode), tokenizer and loss function.
+
+    Parameters
+    ----------
+    path
+        A Hugging Face model directory, or (with *model_factory*) a state-dict file.
+    loss
+        ``"auto"`` (from the config), ``"causal-lm"``, ``"masked-lm"`` or
+        ``"module:function"`` / ``"file.py:function"`` taking ``(model, batch)``.
+    model_factory
+        ``"module:function"`` returning the ``nn.Module`` the state dict fits.
+    tokenizer
+        Directory of a saved tokenizer; default the checkpoint directory.
+    device, model_dtype, seed
+        Where the model runs, its parameter dtype, and the seed of masked-LM masking.
+
+    Raises
+    ------
+    NotACheckpointError, CheckpointError, OfflineError, SpecError
+    """
+    p = Path(path)
+    dtype = _torch_dtype(model_dtype)
+    _check_device(device)
+    custom = _custom_loss(loss)
+    try:
+        with offline():
+            if model_factory is None:
+                _check_hf_dir(p)
+                model, objective = _load_hf_model(p, loss, dtype)
+            else:
+                model = _load_raw(p, model_factory, dtype)
+                objective = _raw_objective(loss, model)
+            tok_dir = Path(tokenizer) if tokenizer is not None else (p if p.is_dir() else None)
+            if tok_dir is None:
+                raise SpecError(f"{p}: a raw checkpoint needs --tokenizer DIR (a saved Hugging Face tokenizer).")
+            tok = load_tokenizer(tok_dir)
+    except GradforensicsError as exc:
+        cause = _caused_by_offline(exc)
+        if cause is not None and cause is not exc:
+            raise cause from exc
+        raise
+    except Exception as exc:
+        cause = _caused_by_offline(exc)
+        if cause is not None:
+            raise cause from exc
+        raise
+    model.eval()
+    model.to(device)
+    n, _ = max_positions(model)
+    fn = _loss_fn(objective, custom, model, tok, seed)
+    return Checkpoint(model, tok, fn, objective if objective != "custom" else loss, n, p,
+                      "torch" if model_factory else "hf", checkpoint_step(p) or 0)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecError(f"--device {device}: torch sees no CUDA device here; use --device cpu.")
+    try:
+        torch.device(device)
+    except RuntimeError as exc:
+        raise SpecError(f"--device {device!r} is not a torch device ({_one_line(exc)}).") from exc
