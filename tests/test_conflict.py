@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradforensics.analysis import conflict as cf
-from gradforensics.analysis._kspace import head_of
+from gradforensics.analysis._kspace import head_of, unit_series
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
 
@@ -126,7 +126,7 @@ def test_depth_profile_series_and_plot() -> None:
     res = cf.compute(ctx)
     prof = res.series["depth/zh|en"]
     assert list(prof[:, 0]) == [0, 1, 2] and list(prof[:, 2]) == [0, 3, 1]   # q_proj whole + heads 1, 2; mlp 2
-    M = res.series[f"cosine_matrix/{Q1}/1"]
+    M = unit_series(res.series, "cosine_matrix", Q1, 1)
     assert M.shape == (3, 3) and M[0, 1] < 0 < M[0, 2]
     flag = next(f for f in cf.flags(res, ctx) if f.head == 1)
     fig = Figure()
@@ -156,3 +156,19 @@ def test_engine_pass_localises_conflict_in_heads(tmp_path) -> None:
     got = found.table("conflict")
     for col in ("cosine", "cosine_debiased"):
         np.testing.assert_allclose(got[col], want[col], atol=1e-4, err_msg=col)
+
+
+def test_findings_persisted_in_the_store_still_plot(tmp_path) -> None:
+    from matplotlib.figure import Figure
+
+    import gradforensics as gf
+    from gradforensics.analysis.base import Findings
+    from gradforensics.store.reader import Store
+
+    store = P.planted_conflict(seed=1, n_layers=3).write(tmp_path / "c.h5")
+    gf.analyze(store.path, only="conflict", progress=False)
+    back = Findings.from_store(Store(store.path))
+    flag = next(f for f in back.flags if f.kind == "conflict" and f.head == 1)
+    ax = Figure().add_subplot()
+    cf.plot(back.results["conflict"], flag, ax)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["zh", "en", "code"] and len(ax.texts) == 9

@@ -7,6 +7,7 @@ import pytest
 from scipy.stats import spearmanr
 
 from gradforensics.analysis import drift
+from gradforensics.analysis._kspace import unit_series
 from gradforensics.errors import SpecError
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
@@ -128,7 +129,7 @@ def test_table_layout_and_nonfinite_records_excluded() -> None:
     assert q["head"].isna().sum() == 1 and sorted(q["head"].dropna()) == [0, 1, 2, 3]
     row = t[(t.tensor == P.mlp_name(1))].iloc[0]
     assert row.n_excluded == 2 and row.n_records == p.n - 2 and np.isfinite(row.rotation)
-    cos = res.series[f"record_cosine/{P.mlp_name(1)}/-"]
+    cos = unit_series(res.series, "record_cosine", P.mlp_name(1), None)
     assert np.isnan(cos[[5, 70]]).all() and np.isfinite(np.delete(cos, [5, 70])).all()
     assert any(f.tensor == P.mlp_name(1) for f in drift.flags(res, ctx))
 

@@ -220,3 +220,18 @@ def test_top_components_lanczos_path_matches_dense(monkeypatch: pytest.MonkeyPat
     lanczos = ks.top_components(Kc, 3)
     np.testing.assert_allclose(lanczos[0], dense[0], rtol=1e-7)
     np.testing.assert_allclose(np.abs(np.sum(lanczos[1] * dense[1], axis=0)), 1.0, rtol=1e-6)
+
+
+def test_series_pack_roundtrip_with_padding() -> None:
+    pack = ks.SeriesPack()
+    pack.add("t", None, np.arange(3.0))
+    pack.add("t", 2, np.arange(5.0))
+    pack.add("u", None, np.ones((2, 2)))
+    ser = pack.to_series("x")
+    assert set(ser) == {"x", "x_units"} and ser["x"].shape == (3, 5, 2)
+    np.testing.assert_array_equal(ks.unit_series(ser, "x", "t", 2)[:, 0], np.arange(5.0))
+    got = ks.unit_series(ser, "x", "t", None)[:, 0]
+    np.testing.assert_array_equal(got[:3], np.arange(3.0))
+    assert np.isnan(got[3:]).all()
+    assert ks.unit_series(ser, "x", "t", 7) is None and ks.unit_series(ser, "y", "t", 2) is None
+    assert ks.SeriesPack().to_series("x") == {}

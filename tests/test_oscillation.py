@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 from gradforensics.analysis import oscillation as osc
+from gradforensics.analysis._kspace import unit_series
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
 
@@ -149,9 +150,9 @@ def test_table_layout_series_and_nonfinite() -> None:
     t = res.table
     assert list(t.columns[:2]) == ["tensor", "head"]
     assert t[(t.tensor == P.q_name(0)) & (t["head"] == 0)].n_excluded.item() == 1
-    proj = res.series[f"projection/{P.q_name(0)}/1"]
+    proj = unit_series(res.series, "projection", P.q_name(0), 1)
     assert proj.shape == (p.n,) and np.isfinite(proj).sum() == p.n
-    assert np.isnan(res.series[f"projection/{P.q_name(0)}/0"][10])
+    assert np.isnan(unit_series(res.series, "projection", P.q_name(0), 0)[10])
     assert any(f.head == 1 and f.severity > 0.5 for f in osc.flags(res, ctx))
 
 

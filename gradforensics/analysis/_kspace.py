@@ -374,24 +374,68 @@ def fmt_p(p: float, floor: float | None = None) -> str:
     return f"p = {p:.2g}" if p >= 1e-3 else f"p = {p:.1e}"
 
 
-def series_key(what: str, tensor: str, head: int | None) -> str:
-    """Key of a per-unit series in :attr:`AnalysisResult.series`."""
-    return f"{what}/{tensor}/{'-' if head is None else head}"
+class SeriesPack:
+    """Per-unit series of one kind packed into one array, so a store with thousands of
+    heads gets a handful of arrays, not thousands.
+
+    ``add(tensor, head, arr)`` per unit; ``to_series(what)`` returns
+    ``{what: (U, *max_shape) float64, NaN-padded, what + "_units": JSON of [[tensor, head], ...]}``;
+    :func:`unit_series` reads one unit back.
+    """
+
+    def __init__(self) -> None:
+        self.units: list[list[Any]] = []
+        self.arrays: list[np.ndarray] = []
+
+    def add(self, tensor: str, head: int | None, arr: np.ndarray) -> None:
+        self.units.append([tensor, None if head is None else int(head)])
+        self.arrays.append(np.asarray(arr, dtype=np.float64))
+
+    def to_series(self, what: str) -> dict[str, np.ndarray]:
+        if not self.arrays:
+            return {}
+        ndim = max(a.ndim for a in self.arrays)
+        arrs = [a.reshape(a.shape + (1,) * (ndim - a.ndim)) for a in self.arrays]
+        shape = tuple(max(a.shape[d] for a in arrs) for d in range(ndim))
+        out = np.full((len(arrs), *shape), np.nan)
+        for i, a in enumerate(arrs):
+            out[(i, *tuple(slice(0, k) for k in a.shape))] = a
+        return {what: out, f"{what}_units": encode_json(self.units)}
+
+
+def unit_series(series: Mapping[str, np.ndarray], what: str, tensor: str, head: int | None) -> np.ndarray | None:
+    """The series *what* of one unit from a :class:`SeriesPack` (None if absent)."""
+    arr, raw = series.get(what), series.get(f"{what}_units")
+    if arr is None or raw is None:
+        return None
+    for i, (t, h) in enumerate(decode_json(raw)):
+        if t == tensor and h == (None if head is None else int(head)):
+            return np.asarray(arr)[i]
+    return None
+
+
+def encode_json(obj: Any) -> np.ndarray:
+    """A JSON-able object as a uint8 array, so it travels with the numeric series."""
+    import json
+
+    return np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
+
+
+def decode_json(raw: np.ndarray) -> Any:
+    import json
+
+    return json.loads(np.asarray(raw, dtype=np.uint8).tobytes().decode())
 
 
 def encode_names(names: Iterable[str]) -> np.ndarray:
-    """Source names as a uint8 array (JSON), so they travel with the numeric series."""
-    import json
-
-    return np.frombuffer(json.dumps(list(names)).encode(), dtype=np.uint8).copy()
+    """Source names as a uint8 array (JSON)."""
+    return encode_json(list(names))
 
 
 def decode_names(raw: np.ndarray | None, n: int) -> list[str]:
     """Inverse of :func:`encode_names`; ``["0", "1", ...]`` when absent or of the wrong length."""
-    import json
-
     if raw is not None:
-        names = json.loads(np.asarray(raw, dtype=np.uint8).tobytes().decode())
+        names = decode_json(raw)
         if len(names) == n:
             return [str(x) for x in names]
     return [str(i) for i in range(n)]

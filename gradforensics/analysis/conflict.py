@@ -157,7 +157,8 @@ def compute(ctx: Context) -> AnalysisResult:
     opts = ks.parse_options(ConflictOptions, ctx.options.get("conflict"), "conflict")
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     training = ctx.meta.mode == "training"
-    rows, series = [], {}
+    rows = []
+    pack = ks.SeriesPack()
     for u in ks.units(ctx):
         pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training)
         for r in pairs:
@@ -167,7 +168,7 @@ def compute(ctx: Context) -> AnalysisResult:
         if cos is not None:
             full = np.full((len(ctx.sources),) * 2, np.nan)
             full[np.ix_(idx, idx)] = cos
-            series[ks.series_key("cosine_matrix", u.tensor, u.head)] = full
+            pack.add(u.tensor, u.head, full)
     table = pd.DataFrame(rows, columns=COLUMNS)
     table["head"] = table["head"].astype("Int64")
     table["layer"] = table["layer"].astype("Int64")
@@ -176,8 +177,8 @@ def compute(ctx: Context) -> AnalysisResult:
         ks.significance(severity_p(p, z, opts.permutations), n_tests) * effect(cdb, c)
         for p, z, cdb, c in zip(table["p_value"], table["z"], table["cosine_debiased"], table["cosine"])
     ]
-    series.update(_depth_profiles(table))
-    series["source_names"] = ks.encode_names(ctx.sources)
+    series = {**pack.to_series("cosine_matrix"), **_depth_profiles(table),
+              "source_names": ks.encode_names(ctx.sources)}
     return AnalysisResult(table=table, series=series)
 
 
@@ -241,7 +242,7 @@ def _summary(r: Any, head: int | None, band: list[int] | None, heads: list[int],
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     """Cosine matrix of the per-source mean gradients of the flagged unit."""
-    M = result.series.get(ks.series_key("cosine_matrix", flag.tensor, flag.head))
+    M = ks.unit_series(result.series, "cosine_matrix", flag.tensor, flag.head)
     if M is not None:
         keep = np.flatnonzero(np.isfinite(np.diag(M)))
         names = ks.decode_names(result.series.get("source_names"), M.shape[0])

@@ -179,7 +179,8 @@ def compute(ctx: Context) -> AnalysisResult:
     opts = ks.parse_options(DriftOptions, ctx.options.get("drift"), "drift")
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)))
-    rows, series = [], {}
+    rows = []
+    rec_pack, win_pack = ks.SeriesPack(), ks.SeriesPack()
     for u in ks.units(ctx):
         res = drift_unit(u.gram, mix[u.records], opts.window)
         r = res.row
@@ -194,10 +195,10 @@ def compute(ctx: Context) -> AnalysisResult:
         rows.append(r)
         full = np.full(ctx.n_records, np.nan)
         full[u.records] = res.record_cos
-        series[ks.series_key("record_cosine", u.tensor, u.head)] = full
+        rec_pack.add(u.tensor, u.head, full)
         if res.window_cos.size:
             centre = u.records[np.round(res.window_cos[:, 0]).astype(int)]
-            series[ks.series_key("window_cosine", u.tensor, u.head)] = np.c_[centre, res.window_cos[:, 1]]
+            win_pack.add(u.tensor, u.head, np.c_[centre, res.window_cos[:, 1]])
     table = pd.DataFrame(rows, columns=COLUMNS)
     for col in ("head", "layer", "since_record", "since_step"):
         table[col] = table[col].astype("Int64")
@@ -206,7 +207,8 @@ def compute(ctx: Context) -> AnalysisResult:
         0.0 if ctx.meta.mode == "replay" else ks.significance(p, n_tests) * ks.ramp(rot, EFFECT_FULL)
         for p, rot in zip(table["p_value"], table["rotation"])
     ]
-    return AnalysisResult(table=table, series=series)
+    return AnalysisResult(table=table, series={**rec_pack.to_series("record_cosine"),
+                                               **win_pack.to_series("window_cosine")})
 
 
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
@@ -250,12 +252,13 @@ def _summary(r: Any, head: int | None) -> str:
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     """Per-record and window-mean cosine to the opening mean, with the change point."""
-    rec = result.series.get(ks.series_key("record_cosine", flag.tensor, flag.head))
-    win = result.series.get(ks.series_key("window_cosine", flag.tensor, flag.head))
+    rec = ks.unit_series(result.series, "record_cosine", flag.tensor, flag.head)
+    win = ks.unit_series(result.series, "window_cosine", flag.tensor, flag.head)
     if rec is not None:
         x = np.flatnonzero(np.isfinite(rec))
         ax.plot(x, rec[x], ".", ms=3, alpha=0.5, color="0.5", label="record")
     if win is not None and len(win):
+        win = win[np.isfinite(win[:, 0])]
         ax.plot(win[:, 0], win[:, 1], "-o", ms=4, color="C0", label="window mean")
     ax.axvline(flag.records[0], color="C3", ls="--", lw=1, label=f"change point (record {flag.records[0]})")
     ax.axhline(0.0, color="0.8", lw=0.8)

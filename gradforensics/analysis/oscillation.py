@@ -224,7 +224,8 @@ def compute(ctx: Context) -> AnalysisResult:
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)), dtype=np.float64)
     replay = ctx.meta.mode == "replay"
-    rows, series = [], {}
+    rows = []
+    proj_pack, cc_pack = ks.SeriesPack(), ks.SeriesPack()
     for u in ks.units(ctx):
         row, comp = oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources)
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
@@ -234,18 +235,19 @@ def compute(ctx: Context) -> AnalysisResult:
         if comp is not None:
             proj = np.full(ctx.n_records, np.nan)
             proj[u.records] = comp.proj
-            series[ks.series_key("projection", u.tensor, u.head)] = proj
+            proj_pack.add(u.tensor, u.head, proj)
         if u.n > 1:
             cc = np.full(ctx.n_records, np.nan)
             cc[u.records[1:]] = ks.consecutive_cosines(u.gram)
-            series[ks.series_key("consecutive_cosine", u.tensor, u.head)] = cc
+            cc_pack.add(u.tensor, u.head, cc)
     table = pd.DataFrame(rows, columns=COLUMNS)
     table["head"] = table["head"].astype("Int64")
     table["layer"] = table["layer"].astype("Int64")
     n_tests = int(table["p_value"].notna().sum())
     table["severity"] = [severity(p, n_tests, r, bc) for p, r, bc in
                          zip(table["p_value"], table["reversal"], table["bimodality_coefficient"])]
-    return AnalysisResult(table=table, series=series)
+    return AnalysisResult(table=table, series={**proj_pack.to_series("projection"),
+                                               **cc_pack.to_series("consecutive_cosine")})
 
 
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
@@ -289,7 +291,7 @@ def _summary(r: Any, head: int | None, mode: str) -> str:
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     """The records' projection on the oscillating direction, record by record."""
-    proj = result.series.get(ks.series_key("projection", flag.tensor, flag.head))
+    proj = ks.unit_series(result.series, "projection", flag.tensor, flag.head)
     if proj is not None:
         x = np.flatnonzero(np.isfinite(proj))
         y = proj[x]
