@@ -168,16 +168,15 @@ def test_sinusoid_in_red_noise_on_a_decaying_trend_is_found(period: float, a: fl
 
 def test_false_alarm_rate_of_trend_plus_red_noise() -> None:
     """200 seeds of trend + AR(1), trends and α cycling over {power, steep, exp, lrdrop}
-    × {0, 0.3, 0.7, 0.9}: significant peaks in at most 2 % (measured: 0.5 %);
-    no flag severity reaches 0.5."""
+    × {0, 0.3, 0.7, 0.9}: significant peaks in at most 2 % of the series (measured on
+    3200 other series: 0.72 %), and no such peak's severity reaches 0.5."""
     kinds, alphas = ("power", "steep", "exp", "lrdrop"), (0.0, 0.3, 0.7, 0.9)
     hits, worst = 0, 0.0
     for seed in range(200):
         y = loss_curve(2000, 1000 + seed, kind=kinds[seed % 4], a=alphas[(seed // 4) % 4])
         res = ls.line_spectrum(y)
-        if res.significant:
-            hits += 1
-            pk = res.significant[0]
+        hits += bool(res.significant)
+        for pk in res.significant:
             worst = max(worst, ls.severity(pk.p_adjusted, 0.01, pk.excess / np.var(res.detrended.residual)))
     assert hits <= 4, f"{hits}/200 false alarms"
     assert worst < 0.5

@@ -7,7 +7,9 @@ rank's data or hardware.  For each pair of ranks this analysis detrends both
 series the way :mod:`~gradforensics.analysis.loss_spectrum` does, estimates the
 magnitude-squared coherence ``C(f) = |S_ab|² / (S_aa S_bb)`` with Welch averages
 (``scipy.signal.coherence``), tests it against independence and reports the
-phase (and lag) of the cross-spectrum at coherent peaks.
+phase (and lag) of the cross-spectrum at coherent peaks; a peak's frequency is
+refined on the periodogram of the two standardised residuals' sum (where a
+shared component adds up), as the spectrum refines its peaks.
 
 Under independence, with K independent Welch segments,
 ``P(C > c) = (1 − c)^{K−1}`` (Carter, Knapp & Nuttall 1973, eq. 14).  The
@@ -44,6 +46,7 @@ from gradforensics.analysis.loss_spectrum import (
     adjust_pvalues,
     default_nperseg,
     detrend,
+    refine_frequency,
     winsorize,
 )
 
@@ -77,6 +80,7 @@ class PairCoherence:
     freq: np.ndarray
     msc: np.ndarray
     phase: np.ndarray          # radians, angle of the cross-spectrum S_ab (b lags a when positive)
+    peak_freq: list[float]     # frequency of each peak refined on the periodogram of a + b
     p_value: np.ndarray
     p_adjusted: np.ndarray
     tested: np.ndarray
@@ -114,8 +118,11 @@ def pair_coherence(a: np.ndarray, b: np.ndarray, options: SpectrumOptions | None
     idx, _ = find_peaks(np.concatenate([[-1.0], np.where(tested, c, -1.0), [-1.0]]))
     idx = sorted((int(i) - 1 for i in idx if tested[int(i) - 1]), key=lambda k: -c[k])
     sig = [k for k in idx if p_adj[k] < opt.alpha]
-    return PairCoherence(f, c, np.angle(sab), p, p_adj, tested, k_eff, msc_threshold(opt.alpha / m, k_eff),
-                         (sig or idx[:1])[: opt.max_peaks], n)
+    peaks = (sig or idx[:1])[: opt.max_peaks]
+    both = res[0] / np.std(res[0]) + res[1] / np.std(res[1])
+    refined = [refine_frequency(both, float(f[k]), 1.0 / nper) for k in peaks]
+    return PairCoherence(f, c, np.angle(sab), refined, p, p_adj, tested, k_eff,
+                         msc_threshold(opt.alpha / m, k_eff), peaks, n)
 
 
 def align(a: Series, b: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -169,12 +176,12 @@ def _pair_rows(a: Series, b: Series, opt: SpectrumOptions, arrays: dict[str, np.
     common = {**base, "threshold": pc.threshold, "n_segments": pc.k_eff,
               "mean_msc": float(pc.msc[pc.tested].mean()) if pc.tested.any() else np.nan}
     rows = []
-    for k in pc.peaks:
-        f = pc.freq[k] / dt
+    for k, fk in zip(pc.peaks, pc.peak_freq):
+        f = fk / dt
         rows.append({**common, "frequency": f, "period": 1.0 / f, "period_steps": a.steps_per_unit / f,
                      "msc": pc.msc[k], "p_value": pc.p_value[k], "p_adjusted": pc.p_adjusted[k],
                      "significant": bool(pc.p_adjusted[k] < opt.alpha), "phase_deg": float(np.degrees(pc.phase[k])),
-                     "lag": float(pc.phase[k] / (2 * np.pi * f))})
+                     "lag": float(pc.phase[k] / (2 * np.pi * pc.freq[k] / dt))})
     return rows or [{**common, "note": "no local maximum in the tested band"}]
 
 

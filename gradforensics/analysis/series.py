@@ -153,19 +153,27 @@ def regularize(x: Any, y: Any, *, name: str, tensor: str | None = None, unit: st
     ux, inv, counts = np.unique(xs, return_inverse=True, return_counts=True)
     uy = np.bincount(inv, weights=ys) / counts
     q = replace(q, n_duplicates=int(xs.size - ux.size))
-    grid, filled, gap, dt = _grid(ux)
+    grid, filled, gap, dt = _grid(ux, unit)
     gy = np.interp(grid, ux, uy) if ux.size > 1 else uy.copy()
     q = replace(q, n_filled=filled, longest_gap=gap, spacing=dt)
     span = (int(np.nanmin(rs)), int(np.nanmax(rs))) if rs.size else (0, 0)
     return Series(name, tensor or name, grid, gy, unit, spu, rank, q, span)
 
 
-def _grid(ux: np.ndarray) -> tuple[np.ndarray, int, float, float]:
-    """Uniform grid over sorted unique *ux*: (grid, filled points, longest gap, spacing)."""
+def _grid(ux: np.ndarray, unit: str) -> tuple[np.ndarray, int, float, float]:
+    """Uniform grid over sorted unique *ux*: (grid, filled points, longest gap, spacing).
+
+    The spacing is the most common step between samples (a logging interval), or
+    for a time axis, whose spacings jitter, the median one.
+    """
     if ux.size < 2:
         return ux.copy(), 0, 0.0, float("nan")
     d = np.diff(ux)
-    dt = float(np.median(d))
+    if unit == "s":
+        dt = float(np.median(d))
+    else:
+        vals, counts = np.unique(d, return_counts=True)
+        dt = float(vals[np.argmax(counts)])
     n = int(np.rint((ux[-1] - ux[0]) / dt)) + 1
     if n > MAX_GRID_FACTOR * ux.size:  # a few absurd steps would blow the grid up: coarsen it
         n = MAX_GRID_FACTOR * ux.size
@@ -203,7 +211,7 @@ def group(x: Any, y: Any, *, name: str, tensor: str | None = None, unit: str = "
     per = []
     for lab in _sorted_labels(np.unique(labels)):
         m = labels == lab
-        per.append(regularize(x[m], y[m], name=name, tensor=tensor, unit=unit, rank=lab, records=rec[m],
+        per.append(regularize(x[m], y[m], name=name, tensor=tensor, unit=unit, rank=str(lab), records=rec[m],
                               steps=None if st is None else st[m]))
     combined = regularize(x, y, name=name, tensor=tensor, unit=unit, steps=st, records=rec)
     within = sum((p.quality for p in per), Quality())
