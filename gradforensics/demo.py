@@ -83,11 +83,12 @@ class Source:
     def sample(self, rng: np.random.Generator, batch: int, seq_len: int) -> np.ndarray:
         """``(batch, seq_len)`` int64 token ids: ``BOS, [s, perm(s)] x pairs, chain...``."""
         out = np.zeros((batch, seq_len), dtype=np.int64)
-        k = 2 * self.pairs if self.perm is not None else 0
-        if k:
-            s = rng.integers(len(self.perm), size=(batch, self.pairs))
+        perm = self.perm
+        k = 2 * self.pairs if perm is not None else 0
+        if perm is not None and k:
+            s = rng.integers(len(perm), size=(batch, self.pairs))
             out[:, 1:k + 1:2] = self.shared_lo + s
-            out[:, 2:k + 2:2] = self.shared_lo + self.perm[s]
+            out[:, 2:k + 2:2] = self.shared_lo + perm[s]
         state = rng.integers(self.n, size=batch)
         first = rng.random((batch, seq_len)) < self.p_first
         for t in range(k + 1, seq_len):
@@ -218,7 +219,8 @@ def run(out_dir: str | os.PathLike[str], seed: int = 0, cfg: DemoConfig | None =
     """Train, save, replay, analyze and report into *out_dir*; see the module docstring."""
     from transformers.utils import logging as hf_logging
 
-    import gradforensics as gf
+    from gradforensics.analysis.engine import analyze
+    from gradforensics.report import report
 
     hf_logging.disable_progress_bar()            # the demo prints its own progress
     cfg = cfg or DemoConfig(seed=seed)
@@ -242,10 +244,10 @@ def run(out_dir: str | os.PathLike[str], seed: int = 0, cfg: DemoConfig | None =
     store = capture(checkpoint, out / "dump.zarr", cfg, log)
     t["capture_s"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    findings = gf.analyze(store, progress=log is not None)
+    findings = analyze(store, progress=log is not None)
     t["analyze_s"] = time.perf_counter() - t2
     t3 = time.perf_counter()
-    paths = gf.report(findings, out, store=str(store))  # type: ignore[operator]
+    paths = report(findings, out, store=str(store))
     t["report_s"] = time.perf_counter() - t3
     t["total_s"] = time.perf_counter() - t0
     return DemoResult(out, checkpoint, store, paths, findings, t, losses)

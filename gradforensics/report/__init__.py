@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,3 +72,20 @@ def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | s
     paths["markdown"] = out / "report.md"
     paths["markdown"].write_text(markdown.render(doc, "figures"), encoding="utf-8")
     return paths
+
+
+class _CallableModule(types.ModuleType):
+    """``gf.report(findings, out)`` must work even after ``gradforensics.report`` was imported.
+
+    Importing any ``gradforensics.report.*`` module binds the attribute
+    ``gradforensics.report`` to this package, shadowing the lazy
+    ``gradforensics.__getattr__`` that returns the function; making the package
+    callable keeps the public call working either way.
+    """
+
+    def __call__(self, findings: Findings, out_dir: str | os.PathLike[str],
+                 store: Store | str | None = None) -> dict[str, Path]:
+        return report(findings, out_dir, store)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -139,8 +139,8 @@ KINDS: dict[str, KindInfo] = {
          "Chowdhery et al. 2022, PaLM (restart and skip batches around spikes)"),
     ),
     "loss_spectrum": KindInfo(
-        "Periodic loss",
-        "the loss has periodic structure",
+        "Periodic loss / gradient norm",
+        "the per-record series (loss or gradient norm) is periodic",
         ("period_steps", "power", "p_value"),
         ("A peak at a fixed period in steps is usually data order: shards, epochs or a sorted-by-length "
          "loader repeating; shuffle across shards and check the period against the shard size.",
@@ -170,11 +170,26 @@ def _is_qk(flag: Flag) -> bool:
     return flag.evidence.get("role") in ("q", "k") or mod in ("q_proj", "k_proj", "query", "key", "wq", "wk")
 
 
-def advice_for(kind: str, flags: list[Flag]) -> list[str]:
-    """Remedies for a group of flags of one kind, most specific first."""
+#: Kinds whose statistic reads the record axis as time.
+TIME_KINDS = ("drift", "oscillation", "loss_spectrum")
+
+
+def advice_for(kind: str, flags: list[Flag], mode: str = "training", n_sources: int = 1) -> list[str]:
+    """Remedies for a group of flags of one kind, most specific first.
+
+    In a ``replay`` store the record axis is not time: batches were replayed
+    through one checkpoint, round-robin over the sources, so a time-based
+    finding there first gets that caveat.
+    """
     items = list(info(kind).advice)
     if kind == "spectral" and flags and not any(_is_qk(f) for f in flags):
         items = items[1:] + items[:1]           # QK-norm is not the first thing to try on an MLP
+    if mode == "replay" and kind in TIME_KINDS:
+        rr = (f" round-robin over the {n_sources} sources, so a period of {n_sources} records is the replay order"
+              if n_sources > 1 else "")
+        items.insert(0, "Caveat: this store is a replay (batches replayed through one checkpoint"
+                        f"{rr}); the record axis is not training time. Confirm on a training-mode capture "
+                        "before acting on a time-based finding.")
     return items
 
 

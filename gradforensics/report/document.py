@@ -57,10 +57,18 @@ class Document:
 
 
 def _fmt_model(model: Any) -> str:
-    if isinstance(model, dict):
-        return ", ".join(f"{k}={v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k}={v}"
-                         for k, v in model.items())
-    return str(model)
+    """``{"class": "X", "n_params": 96576, "config": {...}}`` -> ``class=X, n_params=96,576, config: ...``."""
+    if not isinstance(model, dict):
+        return str(model)
+    parts = []
+    for k, v in model.items():
+        if isinstance(v, dict):
+            parts.append(f"{k}: ({_fmt_model(v)})")
+        elif isinstance(v, int) and not isinstance(v, bool):
+            parts.append(f"{k}={v:,}")
+        else:
+            parts.append(f"{k}={v}")
+    return ", ".join(parts)
 
 
 def _shares(findings: Findings, store: Store | None) -> dict[str, float] | None:
@@ -153,8 +161,8 @@ def build(findings: Findings, store: Store | None = None) -> Document:
             pic = _picture(fig, stem, f"Evidence for finding {g.index + 1}: {g.kind} on {g.top.tensor}.", note)
             if note:
                 problems.append(f"finding {g.index + 1} ({g.kind}, {g.top.tensor}): {note}")
-        sections.append(Section(g, g.sentence(findings.n_records), pic, advice.advice_for(g.kind, g.flags),
-                                advice.references_for(g.kind)))
+        tips = advice.advice_for(g.kind, g.flags, findings.mode, len(findings.sources))
+        sections.append(Section(g, g.sentence(findings.n_records), pic, tips, advice.references_for(g.kind)))
     cols, rows = tables.layer_table(findings)
     return Document(
         title=f"gradforensics report — {findings.store}",

@@ -125,7 +125,8 @@ def overview(findings: Findings) -> Figure:
 
     ov = overview_data(findings)
     n_cols = max(len(ov.layers), 1)
-    fig = new_figure(min(13.0, max(9.0, 2.8 + 0.42 * n_cols)), 1.9 + 0.42 * max(len(ov.rows), 1))
+    per_layer = 0.42 if ov.heads == 1 else min(0.12 * ov.heads, 0.9)     # room for head sub-columns
+    fig = new_figure(min(13.0, max(6.5, 3.2 + per_layer * n_cols)), 1.7 + 0.3 * max(len(ov.rows), 1))
     ax = fig.add_subplot()
     cmap = mpl.colormaps["YlOrRd"].with_extremes(bad="#d9d9d9")
     im = ax.imshow(np.ma.masked_invalid(ov.matrix), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
@@ -147,13 +148,14 @@ def overview(findings: Findings) -> Figure:
                     v = np.nanmax(block)
                     ax.text(j * h + (h - 1) / 2, r, f"{v:.2f}", ha="center", va="center", fontsize=7,
                             color="white" if v > 0.7 else "black")
-    xl = "layer depth (block index"
-    xl += f"; each block split into heads 0–{h - 1})" if h > 1 else ")"
+    xl = "layer depth (block index)"
+    if h > 1:
+        xl += f"\neach block split into heads 0–{h - 1}"
     if OTHER in ov.layers:
-        xl += f"; '{OTHER}' = outside the layer stack"
+        xl += f"{'; ' if h > 1 else chr(10)}'{OTHER}' = outside the layer stack"
     ax.set_xlabel(xl)
     ax.set_ylabel("analysis")
-    ax.set_title("Where it hurts: highest flag severity per layer and analysis (≥ 0.5: act; grey: not analysed)",
+    ax.set_title("Where it hurts: highest flag severity per layer and analysis\n(≥ 0.5: act; grey: not analysed)",
                  fontsize=10)
     cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.01)
     cb.set_label("max severity [0–1]")

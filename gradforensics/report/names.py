@@ -93,12 +93,23 @@ def heads_phrase(heads: Iterable[int | None]) -> str:
     return f"{word} {join_and(ranges)}"
 
 
+def _modules_phrase(pattern: tuple[tuple[str, frozenset[int]], ...]) -> str:
+    """``q_proj/k_proj, heads 2 and 5`` when the modules share their heads, else
+    ``q_proj (heads 0–2), v_proj, o_proj``."""
+    head_sets = {hs for _, hs in pattern}
+    if len(head_sets) == 1:
+        (hs,) = head_sets
+        mods = "/".join(m for m, _ in pattern)
+        return f"{mods}, {heads_phrase(hs)}" if hs else mods
+    return ", ".join(f"{m} ({heads_phrase(hs)})" if hs else m for m, hs in pattern)
+
+
 def location(units: Iterable[tuple[str, int | None]]) -> str:
     """One phrase naming every ``(tensor, head)`` unit, adjacent layers merged.
 
-    Modules of one layer flagged on the same heads merge (``q_proj/k_proj``),
-    then layers with the same modules and heads merge (``5–6``):
-    ``model.layers.5–6 q_proj/k_proj, heads 2 and 5``.  Different patterns are
+    Layers with the same modules (and heads) merge (``5–6``); modules that share
+    their heads read ``model.layers.5–6 q_proj/k_proj, heads 2 and 5``, others
+    ``model.layers.0 q_proj (heads 0–2), v_proj``.  Different layer patterns are
     joined with ``"; "``; names outside a layer stack are listed whole.
     """
     heads_of: dict[str, set[int]] = {}
@@ -106,22 +117,20 @@ def location(units: Iterable[tuple[str, int | None]]) -> str:
         seen = heads_of.setdefault(name, set())
         if head is not None:
             seen.add(int(head))
-    by_layer: dict[tuple[str, int, frozenset[int]], list[str]] = {}
+    by_layer: dict[tuple[str, int], dict[str, frozenset[int]]] = {}
     others: list[str] = []
     for name, head_set in heads_of.items():
         loc = parse(name)
         if loc.prefix is None or loc.layer is None:
             others.append(name + (f", {heads_phrase(head_set)}" if head_set else ""))
             continue
-        modules = by_layer.setdefault((loc.prefix, loc.layer, frozenset(head_set)), [])
-        if loc.module not in modules:
-            modules.append(loc.module)
-    by_pattern: dict[tuple[str, tuple[str, ...], frozenset[int]], set[int]] = {}
-    for (prefix, layer, hs), modules in by_layer.items():
-        key = (prefix, tuple(sorted(modules, key=module_rank)), hs)
+        items = by_layer.setdefault((loc.prefix, loc.layer), {})
+        items[loc.module] = items.get(loc.module, frozenset()) | frozenset(head_set)
+    by_pattern: dict[tuple[str, tuple[tuple[str, frozenset[int]], ...]], set[int]] = {}
+    for (prefix, layer), items in by_layer.items():
+        key = (prefix, tuple(sorted(items.items(), key=lambda kv: module_rank(kv[0]))))
         by_pattern.setdefault(key, set()).add(layer)
     parts = []
-    for (prefix, mods, hs), layers in sorted(by_pattern.items(), key=lambda kv: (kv[0][0], min(kv[1]))):
-        text = f"{prefix}.{', '.join(int_ranges(layers))} {'/'.join(mods)}"
-        parts.append(text + (f", {heads_phrase(hs)}" if hs else ""))
+    for (prefix, pattern), layers in sorted(by_pattern.items(), key=lambda kv: (kv[0][0], min(kv[1]))):
+        parts.append(f"{prefix}.{', '.join(int_ranges(layers))} {_modules_phrase(pattern)}")
     return "; ".join(parts + others)

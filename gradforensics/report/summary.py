@@ -130,6 +130,8 @@ def fmt_value(key: str, v: float) -> str:
         text = f"{int(v)}"
     elif key == "cosine" or 0.01 <= abs(v) < 10:
         text = f"{v:.2f}"
+    elif 1000 <= abs(v) < 1e6:
+        text = f"{v:,.0f}"
     else:
         text = f"{v:.3g}"
     return text.replace("-", "−")
@@ -150,11 +152,8 @@ def evidence_phrase(kind: str, flags: Sequence[Flag], max_keys: int = 2) -> str:
             worst = max(vals)
             parts.append("p < 0.001" if worst < 0.001 else f"p ≤ {worst:.2g}")
             continue
-        lo, hi = min(vals), max(vals)
-        if math.isclose(lo, hi, rel_tol=1e-3, abs_tol=1e-12):
-            parts.append(f"{label} {fmt_value(k, lo)}")
-        else:
-            parts.append(f"{label} {fmt_value(k, lo)} to {fmt_value(k, hi)}")
+        lo, hi = fmt_value(k, min(vals)), fmt_value(k, max(vals))
+        parts.append(f"{label} {lo}" if lo == hi else f"{label} {lo} to {hi}")
     return ", ".join(parts)
 
 
