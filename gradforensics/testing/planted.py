@@ -231,9 +231,11 @@ def noise_store(
             for h, (gm, vv) in enumerate(zip(spec.split(means[t]), spec.split(var[t]))):
                 _truth_entry(truth, f"{t}#{h}", gm, vv)
 
+    extra = dict(source_noise or {})
+
     def scale(t: str, src: Any) -> float:
-        hit = source_noise and t in source_noise_tensors and isinstance(src, str)
-        return float(source_noise.get(src, 1.0)) if hit else 1.0
+        hit = t in source_noise_tensors and isinstance(src, str)
+        return float(extra.get(src, 1.0)) if hit else 1.0
 
     def grads(i: int, src: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
         b = n_samples(i) if callable(n_samples) else n_samples
