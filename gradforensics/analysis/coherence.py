@@ -7,7 +7,9 @@ rank's data or hardware.  For each pair of ranks this analysis detrends both
 series the way :mod:`~gradforensics.analysis.loss_spectrum` does, estimates the
 magnitude-squared coherence ``C(f) = |S_ab|² / (S_aa S_bb)`` with Welch averages
 (``scipy.signal.coherence``), tests it against independence and reports the
-phase (and lag) of the cross-spectrum at coherent peaks; a peak's frequency is
+phase of the cross-spectrum at coherent peaks and the lag it implies (``lag =
+−phase / 2πf``, in the axis unit, positive when rank b lags rank a, modulo a
+period); a peak's frequency is
 refined on the periodogram of the two standardised residuals' sum (where a
 shared component adds up), as the spectrum refines its peaks.
 
@@ -79,7 +81,7 @@ class PairCoherence:
 
     freq: np.ndarray
     msc: np.ndarray
-    phase: np.ndarray          # radians, angle of the cross-spectrum S_ab (b lags a when positive)
+    phase: np.ndarray          # radians, angle of S_ab = conj(A)·B (SciPy's csd): −2πf·lag when b lags a
     peak_freq: list[float]     # frequency of each peak refined on the periodogram of a + b
     p_value: np.ndarray
     p_adjusted: np.ndarray
@@ -181,7 +183,7 @@ def _pair_rows(a: Series, b: Series, opt: SpectrumOptions, arrays: dict[str, np.
         rows.append({**common, "frequency": f, "period": 1.0 / f, "period_steps": a.steps_per_unit / f,
                      "msc": pc.msc[k], "p_value": pc.p_value[k], "p_adjusted": pc.p_adjusted[k],
                      "significant": bool(pc.p_adjusted[k] < opt.alpha), "phase_deg": float(np.degrees(pc.phase[k])),
-                     "lag": float(pc.phase[k] / (2 * np.pi * pc.freq[k] / dt))})
+                     "lag": float(-pc.phase[k] / (2 * np.pi * pc.freq[k] / dt))})
     return rows or [{**common, "note": "no local maximum in the tested band"}]
 
 

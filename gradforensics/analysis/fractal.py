@@ -193,9 +193,8 @@ def analyze_series(groups: Sequence[SeriesGroup], options: Any = None) -> Analys
     import pandas as pd
 
     opt = SpectrumOptions.parse(options)
-    rows, arrays = [], {}
-    for g in groups:
-        rows.append(_row(g.combined, opt, arrays))
+    arrays: dict[str, np.ndarray] = {}
+    rows = [_row(g.combined, opt, arrays) for g in groups]
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
 
 

@@ -283,7 +283,8 @@ def _grad_norms(grams: Mapping[tuple[str, int | None], GramResult]) -> dict[str,
         d = np.diag(np.asarray(g.gram, dtype=float)).copy()
         d[~np.asarray(g.finite)] = np.nan
         if head is None:
-            sq[tensor], _ = d, whole.add(tensor)
+            sq[tensor] = d
+            whole.add(tensor)
         elif tensor not in whole:
             sq[tensor] = sq.get(tensor, 0.0) + d
     return {t: np.sqrt(np.clip(v, 0.0, None)) for t, v in sq.items()}
