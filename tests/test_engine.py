@@ -211,7 +211,13 @@ def test_cli_scheduler_address(tmp_path) -> None:
                                   dashboard_address=None) as cluster:
         rc = main(["analyze", store.path, "--out", str(tmp_path / "o"), "--only", "nonfinite", "--quiet",
                    "--scheduler", cluster.scheduler_address, "--fail-on", "high"])
+        sched_file = tmp_path / "scheduler.json"          # as `dask scheduler --scheduler-file` writes it
+        sched_file.write_text(json.dumps({"address": cluster.scheduler_address}))
+        rc_file = main(["analyze", store.path, "--out", str(tmp_path / "o2"), "--only", "nonfinite", "--quiet",
+                        "--scheduler", str(sched_file), "--fail-on", "0.6"])
     assert rc == 0   # 2 of 12 records -> severity ~0.68 < 0.75
+    assert rc_file == 1
+    assert json.loads((tmp_path / "o2" / "flags.json").read_text())["flags"][0]["tensor"] == "layers.1.mlp.up.weight"
     doc = json.loads((tmp_path / "o" / "flags.json").read_text())
     assert doc["flags"][0]["tensor"] == "layers.1.mlp.up.weight"
     assert np.isclose(doc["flags"][0]["severity"], 0.6 + 0.3 * 2 / 12 + 0.1 * np.log10(2) / 2, atol=1e-3)
