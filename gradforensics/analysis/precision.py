@@ -61,7 +61,7 @@ FORMATS: dict[str, tuple[int, int, float]] = {
 MAX_PAIRS = 32                      # snapshot pairs analysed per tensor (evenly spaced)
 EXP_MIN, EXP_MAX = -160, 160        # base-2 exponent histogram range (frexp convention)
 ULP_EDGES = np.arange(-30.0, 20.5, 0.5)   # bins of log2(|Δ| / ULP_bf16(w))
-SLAB_BYTES = 64 << 20               # = the Gram pass's default slab, so dask shares the gradient reads
+SLAB_BYTES = 64 << 20               # dask chunk of a gradient read: all records x whole feature chunks
 _BLOCK = 1 << 20                    # elements per block inside a pair task (bounds memory)
 
 
@@ -220,13 +220,14 @@ def lazy(store: Store) -> dict[str, Any]:
     rec = store.weight_records()
     step = store.read("batches/step").astype(np.float64) if store.n_records else np.zeros(0)
     for tensor in sorted(store.weights):
+        x = store.grad(tensor, slab_bytes=SLAB_BYTES) if tensor in store.grads else None
         tasks = []
         for t in _pairs(len(rec)):
             r0, r1 = int(rec[t]), int(rec[t + 1])
             steps = float(step[r1] - step[r0]) if r1 < step.size and r0 < step.size else float(r1 - r0)
             gnz, spec = None, None
-            if tensor in store.grads and r1 > r0:
-                gnz = (store.grad(tensor)[r0:r1] != 0).any(axis=0)
+            if x is not None and r1 > r0:
+                gnz = (x[r0:r1] != 0).any(axis=0)
                 spec = head_spec_from_attrs(store.grads[tensor].attrs)
             w = store.weight(tensor)
             tasks.append(dask.delayed(_pair_task)(w[t], w[t + 1], gnz, max(steps, 1.0), spec, (r0, r1)))

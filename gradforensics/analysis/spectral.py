@@ -70,7 +70,7 @@ MIN_TAIL = 10              # alpha with a shorter tail is not flagged
 MIN_EVALS = 20             # no fit below this many eigenvalues
 MAX_SNAPSHOTS = 16
 WINDOWS = 8
-SLAB_BYTES = 64 << 20    # = the Gram pass's default slab, so dask shares the gradient reads
+SLAB_BYTES = 64 << 20    # dask chunk of a gradient read: all records x whole on-disk feature chunks
 
 
 @dataclass(frozen=True)

@@ -60,15 +60,16 @@ def planted_saturation_store(path: str | os.PathLike[str], act: str = "gelu", *,
                              n_records: int = 96, onset: int = 40, units: int = 64, tokens: int = 128,
                              sources: tuple[str, ...] = ("en", "zh", "code"), culprit: str = "code",
                              healthy: tuple[str, ...] = ("relu", "gelu", "silu", "tanh", "sigmoid"),
-                             push: float = 6.0, others: float = 0.4, mode: str = "training",
-                             seed: int = 0) -> Planted:
+                             push: float = 6.0, others: float = 0.4, drift: float = 0.0,
+                             mode: str = "training", seed: int = 0) -> Planted:
     """One module (activation *act*) whose units split into dead and saturated camps after *onset*.
 
     Pre-activations are ``z + b_u (+ m_t c_u)``, ``z ~ N(0, 1)`` per token, fixed
     biases ``b_u ~ N(0, 0.5²)``; in the sick module ``c_u = ±U(1, 1.5)`` (half the
     units each way) and ``m_t`` ramps from 0 at *onset* to *push* at the last record
     on the *culprit* source's batches (``others x`` that on the rest).  Healthy
-    modules, one per name in *healthy*, keep their biases.
+    modules, one per name in *healthy*, keep their biases; with *drift* their
+    pre-activations grow by ``1 + drift`` over the run (healthy scale drift).
     """
     import gradforensics as gf
 
@@ -84,8 +85,9 @@ def planted_saturation_store(path: str | os.PathLike[str], act: str = "gelu", *,
             ramp = push * max(0.0, (i - onset) / max(n_records - 1 - onset, 1)) if polarise else 0.0
             m = ramp * (1.0 if src == culprit else others)
             acts = {}
+            grow = 1.0 + drift * i / max(n_records - 1, 1)
             for n, a in names.items():
-                pre = rng.normal(size=(tokens, units)) + bias[n] + (m * sign if n == sick_name else 0.0)
+                pre = (rng.normal(size=(tokens, units)) + bias[n]) * grow + (m * sign if n == sick_name else 0.0)
                 acts[n] = activation(a, pre).astype(np.float32)
             rec.record(step=i, loss=2.0, source=src, n_samples=tokens, activations=acts)
     return Planted(str(path), (sick_name,) if polarise else (), tuple(n for n in names if n != sick_name or not polarise),
