@@ -172,3 +172,11 @@ def test_findings_persisted_in_the_store_still_plot(tmp_path) -> None:
     ax = Figure().add_subplot()
     cf.plot(back.results["conflict"], flag, ax)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["zh", "en", "code"] and len(ax.texts) == 9
+
+
+def test_each_unit_draws_its_own_reproducible_permutations() -> None:
+    a = cf.permutations(40, 50, cf.unit_seed(0, "model.layers.1.q.weight", 2), None)
+    b = cf.permutations(40, 50, cf.unit_seed(0, "model.layers.1.q.weight", 3), None)
+    assert not np.array_equal(a, b)
+    np.testing.assert_array_equal(a, cf.permutations(40, 50, cf.unit_seed(0, "model.layers.1.q.weight", 2), None))
+    assert cf.unit_seed(0, "t", None) == (0, 2238339752, 0)          # crc32: the same on every platform

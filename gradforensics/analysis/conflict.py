@@ -34,8 +34,8 @@ cosine) are reported in the table but not flagged.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import combinations
 from typing import TYPE_CHECKING, Any
 
@@ -70,19 +70,25 @@ class ConflictOptions:
 
 
 # ---------------------------------------------------------------- statistics
-@lru_cache(maxsize=8)
-def permutations(n: int, B: int, seed: int, block: int | None) -> np.ndarray:
+def permutations(n: int, B: int, seed: int | tuple[int, ...], block: int | None) -> np.ndarray:
     """B×n seeded permutations of ``range(n)``, within consecutive blocks of *block* (None: one block).
 
-    Cached: every unit with the same records shares them (read-only array).
+    *seed* may be a tuple: :func:`compute` seeds each tensor and head with
+    ``(seed, crc32(tensor), head + 1)`` (0 for the whole tensor), so every test draws its own permutations
+    (a Monte-Carlo permutation p-value is valid over independent draws; one draw
+    shared by every unit would bias them all the same way) and stays reproducible.
     """
-    rng = np.random.default_rng([seed, n, block or 0])
+    parts = [int(x) for x in (seed if isinstance(seed, tuple) else (seed,))]
+    rng = np.random.default_rng([*parts, n, block or 0])
     keys = rng.random((B, n))
     if block:
         keys += (np.arange(n) // block)[None, :]
-    out = np.argsort(keys, axis=1)
-    out.flags.writeable = False
-    return out
+    return np.argsort(keys, axis=1)
+
+
+def unit_seed(seed: int, tensor: str, head: int | None) -> tuple[int, int, int]:
+    """The permutation seed of one unit: stable across runs and platforms (crc32 of the name)."""
+    return (int(seed), zlib.crc32(tensor.encode()), 0 if head is None else int(head) + 1)
 
 
 def permuted_source_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np.ndarray,
@@ -108,7 +114,8 @@ def _pair_cos(G: np.ndarray, a: int, b: int) -> np.ndarray:
     return np.where(den > 0, G[..., a, b] / np.where(den > 0, den, 1.0), np.nan)
 
 
-def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, training: bool
+def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, training: bool,
+                  seed: int | tuple[int, ...] | None = None
                   ) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
     """Per-pair rows (store source indices ``a``, ``b``), the S'×S' cosine matrix, kept source indices."""
     n = K.shape[0]
@@ -120,7 +127,7 @@ def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, tra
     cos_db = ks.gram_to_cos(ks.source_gram(K, fit, debias=True))
     Q = np.linalg.pinv(fit.A.T @ fit.A)
     block = (opts.block or ks.window_size(n)) if training else None
-    null = permuted_source_grams(K, fit.A, Q, permutations(n, opts.permutations, opts.seed, block))
+    null = permuted_source_grams(K, fit.A, Q, permutations(n, opts.permutations, opts.seed if seed is None else seed, block))
     rows = []
     for i, j in combinations(range(fit.index.size), 2):
         c0 = float(cos[i, j])
@@ -160,7 +167,8 @@ def compute(ctx: Context) -> AnalysisResult:
     rows = []
     pack = ks.SeriesPack()
     for u in ks.units(ctx):
-        pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training)
+        seed = unit_seed(opts.seed, u.tensor, u.head)
+        pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training, seed)
         for r in pairs:
             r.update(tensor=u.tensor, head=u.head, layer=u.layer, source_a=ctx.sources[r.pop("a")],
                      source_b=ctx.sources[r.pop("b")], n_records=u.n, n_excluded=u.n_excluded)
