@@ -11,7 +11,10 @@ periodogram of a loss curve therefore means little.  This analysis
 3. fits an AR(1) red-noise background *to the residual*: the AR(1) coefficient is
    the one whose spectrum, passed through ``G(f)``, reproduces the residual's
    lag-1 autocorrelation; its scale reproduces the residual's variance; the
-   background is the exact expected Welch estimate of that model;
+   background is the exact expected Welch estimate of that model.  When peaks
+   are significant, the background is refitted once with their least-squares
+   sinusoids removed (a strong oscillation would otherwise inflate both the
+   lag-1 autocorrelation and the variance) and the test repeated;
 4. tests every frequency with the χ² confidence of Torrence & Compo (1998),
    ``P/B ~ χ²_ν / ν`` (their eq. 18), with ν the equivalent degrees of freedom of
    the Welch average (Percival & Walden 1993, eq. 292b);
@@ -521,18 +524,36 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> Line
     if nper % 2 == 0:
         dof[-1] /= 2.0
     grid = det.gain_grid(max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
-    a, s2 = fit_ar1(r, grid)
-    bg = s2 * expected_welch(filtered_ar1_acov(a, grid, nper), nper)
-    tested = (freq > 0) & (bg > 0) & ((det.method == "diff") | (det.gain(freq) >= 0.5))
-    p = np.ones(freq.size)
-    p[tested] = chi2.sf(dof[tested] * power[tested] / bg[tested], dof[tested])
-    p_adj = np.ones(freq.size)
-    p_adj[tested] = adjust_pvalues(p[tested], opt.correction)
-    m = max(int(tested.sum()), 1)
-    peaks, n_sig = _peaks(r, freq, power, bg, p, p_adj, tested, det, nper, opt, find_peaks)
-    return LineSpectrum(freq, power, bg, p, p_adj, tested, _chi2_line(bg, dof, opt.alpha / m),
+    tested = (freq > 0) & ((det.method == "diff") | (det.gain(freq) >= 0.5))
+    fit = r
+    for _ in range(2):   # second pass: background refitted with the significant sinusoids removed
+        a, s2 = fit_ar1(fit, grid)
+        bg = s2 * expected_welch(filtered_ar1_acov(a, grid, nper), nper)
+        ok = tested & (bg > 0)
+        p = np.ones(freq.size)
+        p[ok] = chi2.sf(dof[ok] * power[ok] / bg[ok], dof[ok])
+        p_adj = np.ones(freq.size)
+        p_adj[ok] = adjust_pvalues(p[ok], opt.correction)
+        peaks, n_sig = _peaks(r, freq, power, bg, p, p_adj, ok, det, nper, opt, find_peaks)
+        sig = [q.frequency for q in peaks if q.significant]
+        if not sig or fit is not r:
+            break
+        fit = r - sinusoid_fit(r, sig)
+    m = max(int(ok.sum()), 1)
+    return LineSpectrum(freq, power, bg, p, p_adj, ok, _chi2_line(bg, dof, opt.alpha / m),
                         _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), nper,
                         n_seg, a, s2, det, n_clipped, peaks, n_sig, opt)
+
+
+def sinusoid_fit(r: np.ndarray, freqs: Sequence[float]) -> np.ndarray:
+    """Least-squares sum of sinusoids at *freqs* (cycles/sample) fitted to *r*."""
+    t = np.arange(r.size)
+    cols = [np.ones(r.size)]
+    for f in freqs:
+        cols += [np.cos(2 * np.pi * f * t), np.sin(2 * np.pi * f * t)]
+    basis = np.column_stack(cols)
+    coef, *_ = np.linalg.lstsq(basis, r, rcond=None)
+    return basis[:, 1:] @ coef[1:]
 
 
 def _peaks(r, freq, power, bg, p, p_adj, tested, det, nper, opt, find_peaks) -> tuple[list[Peak], int]:
@@ -634,7 +655,8 @@ def _store_arrays(s: Series, res: LineSpectrum, arrays: dict[str, np.ndarray]) -
     for what in ("power", "background", "threshold", "threshold_nominal"):
         arrays[f"{k}/{what}"] = getattr(res, what) * s.dt
     arrays[f"{k}/tested"] = res.tested.astype(np.uint8)
-    arrays[f"{k}/peaks"] = np.array([p.frequency / s.dt for p in res.significant], dtype=float)
+    if res.significant:  # no empty arrays: an HDF5 store cannot hold a zero-length analysis array
+        arrays[f"{k}/peaks"] = np.array([p.frequency / s.dt for p in res.significant], dtype=float)
     arrays[f"{k}/x"] = s.x[det.offset:]
     arrays[f"{k}/residual"] = det.residual
     arrays[f"{k}/trend"] = det.trend
