@@ -314,10 +314,15 @@ def test_report_command_rerenders_without_gradients(tmp_path, monkeypatch, capsy
     assert json.loads((tmp_path / "r" / "flags.json").read_text()) == json.loads(json.dumps(data.findings().flags_json()))
 
 
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    return _store_with_findings(tmp_path_factory.mktemp("stored") / "dump.zarr", data.findings())
+
+
 @pytest.mark.parametrize(("fail_on", "rc"), [("high", 1), ("0.91", 1), ("0.95", 0), ("low", 1)])
-def test_report_command_fail_on(tmp_path, monkeypatch, fail_on, rc):
+def test_report_command_fail_on(tmp_path, monkeypatch, stored, fail_on, rc):
     data.install(monkeypatch)
-    store = _store_with_findings(tmp_path / "dump.zarr", data.findings())
+    store = stored
     with pytest.warns(PlotBugWarning):
         assert main(["report", str(store), "--out", str(tmp_path / "r"), "--fail-on", fail_on]) == rc
 
