@@ -396,13 +396,17 @@ def test_bad_data_is_named_before_the_model_loads(tmp_path, llama_dir, files, ca
         assert "data file not found" in err
 
 
-@pytest.mark.parametrize("case", ["not_ckpt", "glob", "seq_len", "exists", "heads"])
+@pytest.mark.parametrize("case", ["not_ckpt", "no_weights", "glob", "full", "seq_len", "exists", "heads"])
 def test_bad_checkpoint_and_options(tmp_path, llama_dir, files, capsys, case):
     (tmp_path / "exists.zarr").mkdir()
     ckpt, extra, out = llama_dir, [], tmp_path / "o.zarr"
-    if case == "not_ckpt":
-        ckpt = tmp_path / "empty_dir"
+    if case in ("not_ckpt", "no_weights"):
+        ckpt = tmp_path / "some_dir"
         ckpt.mkdir()
+        if case == "no_weights":
+            (ckpt / "config.json").write_text((llama_dir / "config.json").read_text())
+    elif case == "full":
+        extra = ["--sketch", "8", "--full", "*.layers.9.*"]
     elif case == "glob":
         extra = ["--tensors", "*.layers.*.attn.q.weight"]
     elif case == "seq_len":
@@ -411,7 +415,8 @@ def test_bad_checkpoint_and_options(tmp_path, llama_dir, files, capsys, case):
         out = tmp_path / "exists.zarr"
     else:
         extra = ["--heads", "*.q_proj.weight=x"]
-    want = {"not_ckpt": "is not a checkpoint: no config.json", "glob": "glob '*.layers.*.attn.q.weight' matches no "
+    want = {"not_ckpt": "is not a checkpoint: no config.json", "no_weights": "has config.json but no weights",
+            "full": "--full: glob '*.layers.9.*' matches none of the recorded tensors", "glob": "glob '*.layers.*.attn.q.weight' matches no "
             "parameter", "seq_len": "--seq-len 128 is beyond the model's 64 positions (config max_position_embeddings)",
             "exists": "already exists; pass --overwrite", "heads": "expected auto, none, or GLOB=H"}[case]
     rc, err = capture(ckpt, "--data", f"en={files['en']}", "--out", out, "--seq-len", "16", *extra, capsys=capsys)

@@ -98,7 +98,7 @@ def offline() -> Iterator[None]:
             raise OfflineError(_offline_message(host))
         return real_gai(host, *args, **kwargs)
 
-    socket.socket.connect = connect  # type: ignore[method-assign]
+    socket.socket.connect = connect  # type: ignore[method-assign,assignment]
     socket.getaddrinfo = getaddrinfo  # type: ignore[assignment]
     try:
         yield
@@ -209,14 +209,17 @@ def _objective(config: Any, loss: str, path: Path) -> str:
     if loss != "auto":
         return "custom"
     arch = (getattr(config, "architectures", None) or [""])[0]
+    if not arch:
+        raise CheckpointError(f"{path}/config.json names no architectures, so the loss is not known; pass "
+                              "--loss causal-lm, masked-lm or module:function.")
     if getattr(config, "is_encoder_decoder", False):
-        raise CheckpointError(f"{path}: {arch or config.model_type} is an encoder-decoder; pass "
+        raise CheckpointError(f"{path}: {arch} is an encoder-decoder; pass "
                               "--loss module:function.")
     if arch.endswith(CAUSAL_SUFFIXES):
         return "causal-lm"
     if arch.endswith(MASKED_SUFFIXES):
         return "masked-lm"
-    raise CheckpointError(f"{path}: {arch or config.model_type} has no language-model head (config architectures "
+    raise CheckpointError(f"{path}: {arch} has no language-model head (config architectures "
                           f"{getattr(config, 'architectures', None)}); pass --loss module:function, e.g. "
                           "--loss gradforensics.capture.losses:contrastive for a sentence encoder.")
 

@@ -152,6 +152,10 @@ def _plan(args: argparse.Namespace, model: nn.Module, heads: Any, dtype: str | N
     if not params:
         raise SpecError(f"tensors: {type(model).__name__} has no trainable 2-D weight to record; pass --tensors.")
     specs = resolve_heads(model, {n: tuple(p.shape) for n, p in params.items()}, heads)
+    for glob in args.full or ():
+        if not any(fnmatch.fnmatchcase(n, glob) for n in params):
+            raise SpecError(f"--full: glob {glob!r} matches none of the recorded tensors "
+                            f"(e.g. {', '.join(list(params)[:3])}).")
     modules = _modules(model, args.activations)
     shapes = {n: (tuple(p.shape), ITEMSIZE[dtype] if dtype else p.element_size()) for n, p in params.items()}
     units = [_units(m, model, n) for n, m in modules.items()]
