@@ -113,6 +113,21 @@ def test_gain_grid_equals_direct_gain() -> None:
     d = ls.detrend(np.random.default_rng(2).standard_normal(600), "savgol", 129)
     f = np.arange(4097) / 8192
     np.testing.assert_allclose(d.gain_grid(8192), d.gain(f), atol=1e-12)
+    long = ls.detrend(np.random.default_rng(2).standard_normal(40000), "savgol", 8193)   # interpolated path
+    f = np.random.default_rng(3).uniform(0, 0.5, 2000)                  # 2000 x 4096 > 2**22
+    c, half = long.coeffs, 4096
+    direct = (1 - (c[half] + 2 * np.cos(2 * np.pi * np.outer(f, np.arange(1, half + 1))) @ c[half + 1:])) ** 2
+    np.testing.assert_allclose(long.gain(f), direct, atol=1e-4)
+
+
+def test_long_window_savgol_by_fft_equals_scipy() -> None:
+    """Windows above 1025 are smoothed by FFT convolution + edge cubics: same as SciPy's interp mode."""
+    from scipy.signal import savgol_coeffs, savgol_filter
+
+    z = np.cumsum(np.random.default_rng(9).standard_normal(9000))
+    for w in (1027, 4097):
+        np.testing.assert_allclose(ls._savgol_fft(z, savgol_coeffs(w, 3)), savgol_filter(z, w, 3, mode="interp"),
+                                   atol=1e-9)
 
 
 def test_fit_ar1_recovers_coefficient() -> None:

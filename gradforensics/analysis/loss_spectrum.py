@@ -158,6 +158,9 @@ class Detrended:
         if self.method == "diff":
             return 2.0 - 2.0 * np.cos(2 * np.pi * f)
         half = (self.coeffs.size - 1) // 2
+        if half * f.size > 1 << 22:  # long kernels: the FFT grid, 64 points per 1/w, interpolated
+            m = 1 << int(np.ceil(np.log2(max(128 * half, 1 << 16))))
+            return np.interp(np.abs(f) % 1.0, np.arange(m // 2 + 1) / m, self.gain_grid(m))
         k = np.arange(1, half + 1)
         h = self.coeffs[half] + 2.0 * np.cos(2 * np.pi * np.multiply.outer(f, k)) @ self.coeffs[half + 1:]
         return (1.0 - h) ** 2
@@ -196,8 +199,27 @@ def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) ->
         raise SpecError(f"detrend: need at least 5 points for a Savitzky–Golay window; got {n}.")
     base = log_time_fit(y)
     z, shifts = remove_level_shifts(y - base, max(8, w // 8))
-    smooth = savgol_filter(z, w, 3, mode="interp")
-    return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, savgol_coeffs(w, 3), tuple(shifts))
+    coeffs = savgol_coeffs(w, 3)
+    smooth = savgol_filter(z, w, 3, mode="interp") if w <= 1025 else _savgol_fft(z, coeffs)
+    return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, coeffs, tuple(shifts))
+
+
+def _savgol_fft(z: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
+    """``savgol_filter(z, w, 3, mode="interp")`` for long windows: the interior by FFT
+    convolution (O(N log N) instead of O(N·w)), each edge by the cubic fitted to its
+    first/last w samples, as SciPy's ``interp`` mode does."""
+    from scipy.signal import fftconvolve
+
+    w = coeffs.size
+    half = w // 2
+    out = fftconvolve(z, coeffs[::-1], mode="same")
+    t = np.arange(w, dtype=float)
+    for sl, idx in ((slice(0, w), slice(0, half)), (slice(z.size - w, z.size), slice(w - half, w))):
+        poly = np.polynomial.polynomial.Polynomial.fit(t, z[sl], 3)
+        seg = out[sl]
+        seg[idx] = poly(t[idx])
+        out[sl] = seg
+    return out
 
 
 def log_time_fit(y: np.ndarray, degree: int = 3) -> np.ndarray:
