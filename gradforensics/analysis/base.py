@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
+    from gradforensics.analysis.gram import SlabReduction
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
 
@@ -171,7 +172,14 @@ class Analysis:
     lazy
         Optional ``lazy(store) -> dict[str, dask collection]`` of extra reductions
         the engine computes in the same single ``dask.compute`` as the Gram
-        matrices; the results arrive as ``ctx.lazy[name]``.
+        matrices; the results arrive as ``ctx.lazy[name]``.  It must not read
+        ``grads/*``: gradient reductions go in ``slab_reductions``.
+    slab_reductions
+        Optional ``slab_reductions(store) -> {key: SlabReduction}``
+        (:class:`gradforensics.analysis.gram.SlabReduction`): per-slab reductions of
+        stored gradients that the engine runs inside the Gram pass's read of each
+        slab, so every gradient byte is still read once; each result arrives as
+        ``ctx.lazy[name][key]`` next to those of ``lazy``.
     """
 
     name: str
@@ -181,6 +189,7 @@ class Analysis:
     plot: Callable[[AnalysisResult, Flag, Axes], None]
     lazy: Callable[[Store], dict[str, Any]] | None = None
     title: str = ""
+    slab_reductions: Callable[[Store], Mapping[str, SlabReduction]] | None = None
 
 
 @dataclass
@@ -217,9 +226,7 @@ class Findings:
         }
         for name, res in self.results.items():
             docs[f"tables/{name}"] = json.loads(res.table.to_json(orient="split", index=False))
-            for key, arr in res.series.items():
-                arrays[f"series/{name}/{_safe_key(key)}"] = np.asarray(arr)
-            docs[f"series_index/{name}"] = {_safe_key(k): k for k in res.series}
+            arrays[f"series/{name}"] = pack_series(res.series)
         return arrays, docs
 
     @classmethod
@@ -231,16 +238,33 @@ class Findings:
         for name in doc["analyses"]:
             t = store.read_document(f"tables/{name}")
             table = pd.DataFrame(t["data"], columns=t["columns"])
-            index = store.read_document(f"series_index/{name}")
-            series = {orig: store.read(f"analysis/series/{name}/{safe}") for safe, orig in index.items()}
-            results[name] = AnalysisResult(table=table, series=series)
+            results[name] = AnalysisResult(table=table, series=unpack_series(store.read(f"analysis/series/{name}")))
         return cls(store=doc["store"], n_records=doc["n_records"], mode=doc["mode"], sources=tuple(doc["sources"]),
                    header=doc["header"], results=results, flags=[Flag.from_dict(f) for f in doc["flags"]])
 
 
-def _safe_key(key: str) -> str:
-    """A series key usable as one array name in both backends (no '/')."""
-    return key.replace("/", "|")
+def pack_series(series: Mapping[str, Any]) -> np.ndarray:
+    """All series of one analysis as one uint8 array (an ``.npz`` image, no pickle).
+
+    One stored array per analysis instead of one per series: a store with
+    hundreds of tensors would otherwise get thousands of tiny arrays, and their
+    metadata dominated the time of writing the results.
+    """
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, **{f"s{i}": np.asarray(v) for i, v in enumerate(series.values())},
+             __keys__=np.asarray(list(series.keys()), dtype=str))
+    return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+
+def unpack_series(raw: np.ndarray) -> dict[str, np.ndarray]:
+    """Inverse of :func:`pack_series`."""
+    import io
+
+    with np.load(io.BytesIO(np.asarray(raw, dtype=np.uint8).tobytes()), allow_pickle=False) as z:
+        keys = [str(k) for k in z["__keys__"]]
+        return {k: z[f"s{i}"] for i, k in enumerate(keys)}
 
 
 def flag_to_json(flag: Flag) -> str:
