@@ -14,7 +14,7 @@ comparable across records:
 *Near zero* means ``|a| <= 0.05 S``; *top of range* means ``|a| >= 0.9 S``
 (``a >= 0.9 hi`` or ``a <= 0.9 lo`` for bounded ones).  A unit that is near
 zero on almost every token is dead; one at the top on almost every token is
-saturated.  See ``docs/activations.md``.
+saturated.  See ``docs/capture.md`` and ``docs/saturation.md``.
 """
 
 from __future__ import annotations
