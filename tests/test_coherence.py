@@ -142,3 +142,23 @@ class TestCoherenceContract(AnalysisContract):
         tab = planted[1].table("coherence")
         assert len(tab) == 6 and tab["significant"].all()
         assert tab["period_steps"].between(15, 17.5).all() and (tab["msc"] > 0.8).all()
+
+
+def test_persisted_findings_replot_from_an_hdf5_store(tmp_path) -> None:
+    """Figure arrays (pair keys with '~', no empty arrays) survive the store round trip."""
+    from matplotlib.figure import Figure
+
+    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine import analyze
+    from gradforensics.analysis.loss_spectrum import plot_detrended
+    from gradforensics.store.reader import Store
+
+    path = tmp_path / "ranks.h5"
+    multi_rank_store(path)
+    analyze(str(path), only=["loss_spectrum", "coherence"], progress=False)
+    back = Findings.from_store(Store(str(path), check_chunks=False))
+    fig = Figure()
+    a1, a2 = fig.add_subplot(211), fig.add_subplot(212)
+    co.plot_coherence(back.results["coherence"], "batches/loss", a1)
+    plot_detrended(back.results["loss_spectrum"], "batches/loss", a2)
+    assert len(a1.lines) == 7 and len(a2.lines) >= 1        # 6 pairs + the threshold line

@@ -91,6 +91,18 @@ def test_jsonl_log_with_rank_and_time_columns(tmp_path) -> None:
     assert g.ranks[0].quality.n_nonfinite == 1
 
 
+def test_json_array_export_and_interleaved_ranks_on_a_time_axis(tmp_path) -> None:
+    """A ``.json`` array of records; four ranks log each step at the same moments:
+    10 steps per second is still 10 steps per second."""
+    recs = [{"step": i, "time": i / 10, "rank": r, "loss": float(v)}
+            for i, v in enumerate(periodic_loss(300)) for r in range(4)]
+    p = tmp_path / "export.json"
+    p.write_text(json.dumps(recs))
+    g = se.read_logs([p], se.LogSpec(time_col="time", rank_col="rank"))[0]
+    assert g.combined.unit == "s" and g.combined.steps_per_unit == pytest.approx(10.0)
+    assert len(g.ranks) == 4 and g.combined.n == 300
+
+
 def test_several_files_are_ranks(tmp_path) -> None:
     paths = []
     for r in range(3):

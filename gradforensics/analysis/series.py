@@ -186,17 +186,16 @@ def _grid(ux: np.ndarray, unit: str) -> tuple[np.ndarray, int, float, float]:
 
 
 def _steps_per_unit(t: np.ndarray, steps: Any, keep: np.ndarray) -> float:
+    """Optimizer steps per second: least-squares slope of step on time (robust to
+    several ranks logging the same step at interleaved times)."""
     if steps is None:
         return float("nan")
     s = np.asarray(steps, dtype=float)[keep]
     tt = t[keep]
     ok = np.isfinite(s) & np.isfinite(tt)
-    if ok.sum() < 2:
+    if ok.sum() < 2 or not np.ptp(tt[ok]) > 0:
         return float("nan")
-    order = np.argsort(tt[ok])
-    ds, dtt = np.diff(s[ok][order]), np.diff(tt[ok][order])
-    good = dtt > 0
-    return float(np.median(ds[good] / dtt[good])) if good.any() else float("nan")
+    return float(np.polyfit(tt[ok], s[ok], 1)[0])
 
 
 def group(x: Any, y: Any, *, name: str, tensor: str | None = None, unit: str = "step", steps: Any = None,
@@ -322,15 +321,12 @@ def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
 
 
 def _read_json(p: str) -> pd.DataFrame:
-    """JSON Lines; a ``.json`` file holding one array of records is accepted too."""
+    """JSON Lines, or one JSON array of records (a ``.json`` export)."""
     import pandas as pd
 
-    try:
-        return pd.read_json(p, lines=True)
-    except ValueError:
-        if not p.lower().endswith(".json"):
-            raise
-        return pd.read_json(p)
+    with open(p, "rb") as fh:
+        head = fh.read(64).lstrip()
+    return pd.read_json(p) if head.startswith(b"[") else pd.read_json(p, lines=True)
 
 
 def _log_kind(p: str) -> str:
@@ -423,16 +419,17 @@ def _samples(df: pd.DataFrame, path: str, spec: LogSpec, label: str | None) -> d
 def _value_columns(df: pd.DataFrame, path: str, spec: LogSpec, used: set[str]) -> dict[str, np.ndarray]:
     import pandas as pd
 
+    by_name = {str(c): c for c in df.columns}
     if spec.columns:
-        missing = [c for c in spec.columns if c not in df.columns]
+        missing = [c for c in spec.columns if c not in by_name]
         if missing:
-            raise LogReadError(f"{path}: no column(s) {missing}; columns are {list(map(str, df.columns))[:20]}.")
+            raise LogReadError(f"{path}: no column(s) {missing}; columns are {list(by_name)[:20]}.")
         names = list(spec.columns)
     else:
-        names = [str(c) for c in df.columns if str(c) not in used and str(c).lower() not in META_COLUMNS]
+        names = [c for c in by_name if c not in used and c.lower() not in META_COLUMNS]
     out = {}
     for c in names:
-        v = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=float)
+        v = pd.to_numeric(df[by_name[c]], errors="coerce").to_numpy(dtype=float)
         if spec.columns or np.isfinite(v).any():
             out[c] = v
     if not out:
