@@ -319,3 +319,22 @@ def test_engine_finds_planted_period_and_gradient_norm_series(tmp_path) -> None:
     assert set(t["series"]) == {"batches/loss", "grad_norm/w"}
     top = [x for x in f.flags if x.kind == "loss_spectrum"]
     assert top and top[0].tensor == "batches/loss" and top[0].evidence["period_steps"] == pytest.approx(12, rel=0.02)
+
+
+@pytest.mark.parametrize("mode", ["training", "replay"])
+def test_store_loss_period_flagged_only_in_training_mode(tmp_path, mode):
+    """In replay the record index is not time (sources interleave): no loss_spectrum flag."""
+    import gradforensics as gf
+
+    rng = np.random.default_rng(5)
+    n = 1024
+    loss = 3.0 * np.exp(-np.arange(n) / 300) + 0.4 * np.sin(2 * np.pi * np.arange(n) / 12) + 0.1 * rng.standard_normal(n)
+    path = tmp_path / f"{mode}.zarr"
+    with gf.Recorder(path, sources=["a", "b"], mode=mode) as rec:
+        for i in range(n):
+            rec.record(step=i, loss=float(loss[i]), source="ab"[i % 2], grads={"w": rng.standard_normal(4).astype("f4")})
+    findings = gf.analyze(path, only="loss_spectrum", progress=False)
+    flagged = [f for f in findings.flags if f.kind == "loss_spectrum" and f.tensor == "batches/loss"]
+    table = findings.table("loss_spectrum")
+    assert ((table["series"] == "batches/loss") & np.isclose(table["period_steps"], 12, rtol=0.02)).any()
+    assert bool(flagged) == (mode == "training")

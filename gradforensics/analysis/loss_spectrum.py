@@ -813,6 +813,16 @@ def _compute(ctx: Context) -> AnalysisResult:
 
 
 def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
+    """Flags for a store's series; none in replay mode.
+
+    A replay store's records are batches run through one fixed checkpoint, usually
+    interleaved round-robin by source: the record index is not time, and a loss
+    "period" equal to the number of sources is the interleaving, not the training
+    run.  The table is still computed (it shows what the interleaving does); the
+    training run's own loss log is analysed with ``gradforensics loss LOG``.
+    """
+    if ctx.meta.mode == "replay":
+        return []
     return flags_from_table(result.table, context_options(ctx))
 
 

@@ -219,7 +219,8 @@ class Store:
         b = open_backend(self.path, "a")
         try:
             for key, arr in arrays.items():
-                b.create(f"analysis/{key}", arr.shape, arr.dtype.str, arr.shape or (1,), {}, "none")
+                chunks = tuple(max(int(c), 1) for c in arr.shape) or (1,)
+                b.create(f"analysis/{key}", arr.shape, arr.dtype.str, chunks, {}, "none")
                 if arr.size:
                     b.write_rows(f"analysis/{key}", 0, arr)
             for key, doc in documents.items():
