@@ -71,6 +71,63 @@ def test_one_compute_and_each_gradient_byte_read_once(stores, monkeypatch) -> No
     assert findings.flags and findings.flags[0].kind == "nonfinite"
 
 
+@pytest.mark.parametrize("slab_bytes", [1 << 16, 128 << 20])
+def test_slab_reductions_share_the_single_gradient_read(tmp_path, monkeypatch, slab_bytes) -> None:
+    """spectral and precision fold their gradient reductions into the Gram pass: every gradient
+    region is read once (whole slabs, and record-split blocks at 64 KiB slabs), in one compute,
+    with the same tables as when each analysis runs alone."""
+    from gradforensics.testing.planted_units import planted_spectral_store
+
+    path = planted_spectral_store(tmp_path / "s.zarr", collapse=True, n_records=16, d=64).path
+    only = ("noise", "nonfinite", "spectral", "precision")
+    opts = {"engine": {"persist": False, "slab_bytes": slab_bytes}}
+    alone = {name: analyze(path, only=[name], progress=False, options=opts) for name in only}
+    calls, reads = [], []
+    original_read = ArrayHandle._read
+
+    def counting_get(dsk, keys, **kwargs):
+        calls.append(keys)
+        return dask.threaded.get(dsk, keys, **kwargs)
+
+    def counting_read(self, sel):
+        out = original_read(self, sel)
+        if self.name.startswith("grads/"):
+            reads.append((self.name, tuple((s.start, s.stop) for s in sel), out.nbytes))
+        return out
+
+    monkeypatch.setattr(ArrayHandle, "_read", counting_read)
+    with dask.config.set(scheduler=counting_get):
+        findings = analyze(path, only=only, progress=False, options=opts)
+    assert len(calls) == 1, f"expected one compute, got {len(calls)}"
+    regions = [(name, sel) for name, sel, _ in reads]
+    assert len(regions) == len(set(regions)), "a gradient region was read more than once"
+    store = Store(path)
+    per_array: dict[str, int] = {}
+    for name, _, nbytes in reads:
+        per_array[name] = per_array.get(name, 0) + nbytes
+    assert per_array == {i.name: i.nbytes for i in store.grads.values()}
+    if slab_bytes == 1 << 16:      # the record axis is split into blocks at this slab size
+        assert any(sel[0] != (0, store.n_records) for _, sel in regions)
+    for name in only:
+        pd.testing.assert_frame_equal(findings.table(name), alone[name].table(name), check_exact=False, rtol=1e-9)
+    assert {"gradient"} <= set(findings.table("spectral")["matrix"])
+    assert findings.table("precision")["lost_share"].notna().all()
+
+
+def test_slab_reduction_keys_must_not_collide_with_lazy(tmp_path) -> None:
+    from dataclasses import replace
+
+    from gradforensics.analysis import REGISTRY
+    from gradforensics.analysis.engine import _compute_pass
+    from gradforensics.testing.planted_units import planted_spectral_store
+
+    store = Store(planted_spectral_store(tmp_path / "s.zarr", n_records=8, d=32).path)
+    spectral = REGISTRY["spectral"]
+    clash = replace(spectral, lazy=lambda st: {**spectral.lazy(st), **dict.fromkeys(spectral.slab_reductions(st))})
+    with pytest.raises(SpecError, match="both lazy and slab_reductions"):
+        _compute_pass(store, [clash], EngineOptions(persist=False), None, False)
+
+
 def test_mixed_collections_keep_their_order() -> None:
     """dask 2026.8 regroups the results of a mixed Array/Delayed compute when it optimizes; _run must not."""
     import dask.array as da

@@ -1,8 +1,10 @@
 """The forensic pass: one ``dask.compute`` over the store, then every analysis.
 
 :func:`analyze` opens the store, reads the small ``batches/*`` arrays once,
-builds the Gram-matrix graph of every tensor (:mod:`gradforensics.analysis.gram`)
-and the extra lazy reductions of every selected analysis (``Analysis.lazy``),
+builds the Gram-matrix graph of every tensor (:mod:`gradforensics.analysis.gram`),
+with every selected analysis's gradient reductions (``Analysis.slab_reductions``)
+folded into the same slab reads, and the extra lazy reductions of every selected
+analysis (``Analysis.lazy``, never over gradients),
 and computes all of them in **one** ``dask.compute`` - so each byte of the
 store is read once and reads are shared.  With threads (the default) BLAS is
 pinned to one thread per dask worker thread (threadpoolctl); under a
@@ -34,9 +36,11 @@ from gradforensics.analysis.gram import (
     DEFAULT_SLAB_BYTES,
     DEFAULT_SPLIT_EVERY,
     PRECISIONS,
+    SlabReduction,
     flatten_grams,
-    gram_graphs,
+    gram_graph,
     save_grams,
+    slab_graph,
 )
 from gradforensics.errors import EmptyStoreError, SpecError
 from gradforensics.store.reader import Store
@@ -170,30 +174,60 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
 
 # ------------------------------------------------------------------ the pass
 def _compute_pass(store: Store, selected: list[Analysis], engine: EngineOptions, client: Client | None,
-                  progress: bool) -> tuple[dict[tuple[str, int | None], GramResult], dict[str, Any]]:
-    """Build every graph and compute them all in one go."""
+                  progress: bool, grams: bool = True) -> tuple[dict[tuple[str, int | None], GramResult],
+                                                             dict[str, Any]]:
+    """Build every graph and compute them all in one go.
+
+    Per tensor, one slab pass feeds its Gram matrices (when an analysis needs
+    them and *grams*) and every analysis's slab reductions of that tensor.
+    """
     keys: list[tuple[str, ...]] = []
     collections: list[Any] = []
-    if any("gram" in a.needs for a in selected):
-        for tensor, g in gram_graphs(store, slab_bytes=engine.slab_bytes, split_every=engine.split_every,
-                                     precision=engine.precision).items():
+    want_gram = grams and any("gram" in a.needs for a in selected)
+    reductions = _slab_reductions(store, selected)
+    opts: dict[str, Any] = {"slab_bytes": engine.slab_bytes, "split_every": engine.split_every, "precision": engine.precision}
+    for tensor in store.tensors if want_gram else sorted(reductions):
+        mine = reductions.get(tensor, [])
+        if not mine:
             keys.append(("gram", tensor))
-            collections.append(g)
+            collections.append(gram_graph(store, tensor, **opts))
+            continue
+        out: Any = slab_graph(store, tensor, [r for _, _, r in mine], gram=want_gram, **opts)
+        if want_gram:
+            keys.append(("gram", tensor))
+            collections.append(out[0])
+        for j, (aname, rkey, r) in enumerate(mine):
+            keys.append(("lazy", aname, rkey))
+            collections.append(out[1][j] if r.finish is None else r.finish(out[1][j]))
     for a in selected:
         if a.lazy is None:
             continue
         for name, coll in dict(a.lazy(store)).items():
+            if ("lazy", a.name, name) in keys:
+                raise SpecError(f"{a.name}: key {name!r} is returned by both lazy and slab_reductions.")
             keys.append(("lazy", a.name, name))
             collections.append(coll)
     values = _run(collections, client, progress, engine.num_workers) if collections else []
     gram_lists: dict[str, list[GramResult]] = {}
-    lazy: dict[str, dict[str, Any]] = {a.name: {} for a in selected if a.lazy is not None}
+    lazy: dict[str, dict[str, Any]] = {a.name: {} for a in selected
+                                       if a.lazy is not None or a.slab_reductions is not None}
     for key, val in zip(keys, values, strict=True):
         if key[0] == "gram":
             gram_lists[key[1]] = val
         else:
             lazy[key[1]][key[2]] = val
     return flatten_grams(gram_lists), lazy
+
+
+def _slab_reductions(store: Store, selected: list[Analysis]) -> dict[str, list[tuple[str, str, SlabReduction]]]:
+    """Every selected analysis's slab reductions, grouped by tensor: ``{tensor: [(analysis, key, reduction)]}``."""
+    out: dict[str, list[tuple[str, str, SlabReduction]]] = {}
+    for a in selected:
+        if a.slab_reductions is None:
+            continue
+        for key, r in dict(a.slab_reductions(store)).items():
+            out.setdefault(r.tensor, []).append((a.name, key, r))
+    return out
 
 
 def _run(collections: list[Any], client: Client | None, progress: bool, num_workers: int | None) -> list[Any]:

@@ -27,6 +27,11 @@ feature axis, as dask's own reductions are (``mean_chunk`` / ``mean_combine``
 When the record axis of a slab is split (huge records), the chunk step works on
 pairs of record blocks ``(a, b)``, ``a <= b``.
 
+Analyses fold their own per-slab gradient reductions into the same read
+(:class:`SlabReduction`, :func:`slab_graph`): the task that reads a slab also
+runs each reduction's ``chunk`` on it, and the partials ride the same combine
+tree, so every gradient byte is read once per pass.
+
 Where the store keeps only a sketch of a tensor (``sketch/<tensor>``, no
 ``grads/<tensor>``), K is computed the same way from the sketch; its inner
 products are then unbiased estimates (``GramResult.from_sketch``).
@@ -35,7 +40,8 @@ products are then unbiased estimates (``GramResult.from_sketch``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,7 +64,84 @@ DEFAULT_SLAB_BYTES = 128 * MiB
 DEFAULT_SPLIT_EVERY = 8
 PRECISIONS = ("float32", "float64")
 
-Partial = dict[tuple[Any, ...], np.ndarray]
+Partial = dict[tuple[Any, ...], Any]
+
+
+# ------------------------------------------------------------ slab reductions
+@dataclass(frozen=True)
+class SlabReduction:
+    """A per-slab reduction of one stored gradient, folded into the Gram pass's read.
+
+    The engine reads each slab of ``grads/<tensor>`` once; in the same task that
+    takes the slab's Gram product it calls ``chunk(x, sel)`` of every reduction of
+    that tensor, where ``x`` is the slab as read (float32, shape ``(n, ...)``: the
+    records of the slab by the features of the slab, head axis included for a
+    head-split array) and ``sel`` the slab's place in the array (a tuple of slices,
+    record axis first).  Partial results meet in the Gram combine tree
+    (``combine(list_of_partials)``), and ``aggregate(partial)`` finishes them in
+    one task.  ``finish``, if given, receives the aggregated value as a
+    :class:`dask.delayed.Delayed` and returns the dask collection whose value
+    lands in ``ctx.lazy[analysis][key]`` (e.g. one SVD task per window mean, or
+    tasks that also read weight snapshots); by default the aggregate itself.
+
+    ``chunk`` is called once per slab, or once per record block when the record
+    axis is split (huge records; ``sel[0]`` then covers part of the records).
+    :func:`feature_blocks`, :func:`merge_feature_blocks` and
+    :func:`assemble_feature_blocks` cover the usual case of a per-feature result.
+    """
+
+    tensor: str
+    chunk: Callable[[np.ndarray, tuple[slice, ...]], Any]
+    combine: Callable[[list[Any]], Any]
+    aggregate: Callable[[Any], Any] | None = None
+    finish: Callable[[Any], Any] | None = None
+
+
+def feature_blocks(sel: tuple[slice, ...], value: np.ndarray) -> dict[tuple[tuple[int, int], ...], np.ndarray]:
+    """A per-feature partial: *value* (``(lead, *slab features)``) keyed by the slab's feature slices."""
+    return {tuple((int(s.start), int(s.stop)) for s in sel[1:]): value}
+
+
+def merge_feature_blocks(parts: Sequence[Mapping[Any, np.ndarray]],
+                         op: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add) -> dict[Any, np.ndarray]:
+    """Combine per-feature partials: disjoint blocks are kept, blocks met twice (record-split slabs) meet by *op*."""
+    out: dict[Any, np.ndarray] = {}
+    for part in parts:
+        for key, val in part.items():
+            out[key] = op(out[key], val) if key in out else val
+    return out
+
+
+def assemble_feature_blocks(part: Mapping[Any, np.ndarray], lead: int, shape: tuple[int, ...],
+                            dtype: Any) -> np.ndarray:
+    """The ``(lead, *shape)`` array the per-feature blocks of *part* tile (*shape*: the array without its record axis)."""
+    out = np.zeros((lead, *shape), dtype=dtype)
+    for key, val in part.items():
+        out[(slice(None), *(slice(a, b) for a, b in key))] = val
+    return out
+
+
+def _reduce_chunk(x: np.ndarray, sel: tuple[slice, ...], reductions: Sequence[SlabReduction]) -> Partial:
+    return {("r", j): r.chunk(x, sel) for j, r in enumerate(reductions)}
+
+
+def _combine_all(parts: Sequence[Partial], reductions: Sequence[SlabReduction]) -> Partial:
+    """Combine step with reductions: Gram keys add, each reduction's partials go through its ``combine``."""
+    out = combine_partials([{k: v for k, v in p.items() if k[0] != "r"} for p in parts])
+    for j, r in enumerate(reductions):
+        vals = [p[("r", j)] for p in parts if ("r", j) in p]
+        if vals:
+            out[("r", j)] = r.combine(vals)
+    return out
+
+
+def _aggregate_all(part: Partial, reductions: Sequence[SlabReduction], gram: bool,
+                   *args: Any) -> tuple[list[GramResult] | None, list[Any]]:
+    """Aggregate step with reductions: ``(Gram results or None, [aggregate of each reduction])``."""
+    grams = aggregate_partial({k: v for k, v in part.items() if k[0] != "r"}, *args) if gram else None
+    values = [part[("r", j)] if r.aggregate is None else r.aggregate(part[("r", j)])
+              for j, r in enumerate(reductions)]
+    return grams, values
 
 
 # --------------------------------------------------------------------- kernel
@@ -223,12 +306,13 @@ def gram_of_handle(handle: ArrayHandle, chunks: tuple[tuple[int, ...], ...], ten
     """
     return _gram_graph(handle.shape, chunks, tensor, kwargs.pop("heads", False), kwargs.pop("from_sketch", False),
                        kwargs.pop("split_every", DEFAULT_SPLIT_EVERY), kwargs.pop("precision", "float32"),
-                       handle=handle)
+                       handle=handle, reductions=tuple(kwargs.pop("reductions", ())), gram=kwargs.pop("gram", True))
 
 
 def _gram_graph(shape: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], tensor: str, heads: bool,
                 from_sketch: bool, split_every: int, precision: str, dep: Any = None,
-                handle: ArrayHandle | None = None) -> Delayed:
+                handle: ArrayHandle | None = None, reductions: tuple[SlabReduction, ...] = (),
+                gram: bool = True) -> Delayed:
     from dask.base import tokenize
     from dask.delayed import Delayed
     from dask.highlevelgraph import HighLevelGraph
@@ -240,15 +324,20 @@ def _gram_graph(shape: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], ten
     if heads and len(shape) < 2:
         raise SpecError(f"{tensor}: a head-split array needs a head axis; got shape {shape}.")
     source = dep.name if dep is not None else handle
-    name = f"gram-{tokenize(source, chunks, tensor, heads, from_sketch, split_every, precision)}"
+    if not gram and not reductions:
+        raise SpecError(f"{tensor}: a slab pass needs the Gram matrix or at least one slab reduction.")
+    name = f"gram-{tokenize(source, chunks, tensor, heads, from_sketch, split_every, precision, gram, reductions)}"
     layer, parts = _chunk_layer(name, chunks, heads, precision, xname=None if dep is None else dep.name,
-                                handle=handle)
-    top = _tree(layer, name, parts, split_every)
+                                handle=handle, reductions=reductions, gram=gram)
+    top = _tree(layer, name, parts, split_every, reductions)
     n_heads = int(shape[1]) if heads else None
     n_features = int(np.prod(shape[1:], dtype=np.int64))
     final = (name, "agg")
-    layer[final] = (aggregate_partial, top, tensor, tuple(int(c) for c in chunks[0]), n_heads, n_features,
-                    from_sketch)
+    args = (tensor, tuple(int(c) for c in chunks[0]), n_heads, n_features, from_sketch)
+    if reductions or not gram:
+        layer[final] = (_aggregate_all, top, reductions, gram, *args)
+    else:
+        layer[final] = (aggregate_partial, top, *args)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[] if dep is None else [dep])
     return Delayed(final, graph, layer=name)
 
@@ -257,13 +346,19 @@ def _read(handle: ArrayHandle, sel: tuple[slice, ...]) -> np.ndarray:
     return handle[sel]
 
 
-def _read_chunk(handle: ArrayHandle, sel: tuple[slice, ...], head0: int, split: bool, precision: str) -> Partial:
-    """Read one slab of all records and reduce it at once (read and chunk step fused)."""
-    return chunk_partial(handle[sel], None, 0, 0, head0, split, precision)
+def _read_chunk(handle: ArrayHandle, sel: tuple[slice, ...], head0: int, split: bool, precision: str,
+                reductions: Sequence[SlabReduction] = (), gram: bool = True) -> Partial:
+    """Read one slab of all records and reduce it at once (read, Gram chunk step and slab reductions fused)."""
+    x = handle[sel]
+    out = chunk_partial(x, None, 0, 0, head0, split, precision) if gram else {}
+    if reductions:
+        out.update(_reduce_chunk(x, sel, reductions))
+    return out
 
 
 def _chunk_layer(name: str, chunks: tuple[tuple[int, ...], ...], heads: bool, precision: str,
-                 xname: str | None, handle: ArrayHandle | None) -> tuple[dict[Any, Any], list[Any]]:
+                 xname: str | None, handle: ArrayHandle | None, reductions: tuple[SlabReduction, ...] = (),
+                 gram: bool = True) -> tuple[dict[Any, Any], list[Any]]:
     starts = [np.concatenate([[0], np.cumsum(c)]).astype(int) for c in chunks]
 
     def sel(idx: tuple[int, ...]) -> tuple[slice, ...]:
@@ -276,7 +371,7 @@ def _chunk_layer(name: str, chunks: tuple[tuple[int, ...], ...], heads: bool, pr
         head0 = int(starts[1][col[0]]) if heads else 0
         if handle is not None and n_rec_blocks == 1:
             key = (name, "chunk", len(parts))
-            layer[key] = (_read_chunk, handle, sel((0, *col)), head0, heads, precision)
+            layer[key] = (_read_chunk, handle, sel((0, *col)), head0, heads, precision, reductions, gram)
             parts.append(key)
             continue
         refs = []
@@ -286,7 +381,12 @@ def _chunk_layer(name: str, chunks: tuple[tuple[int, ...], ...], heads: bool, pr
             else:
                 refs.append((name, "read", a, *col))
                 layer[refs[-1]] = (_read, handle, sel((a, *col)))
-        for a in range(n_rec_blocks):
+        if reductions:      # each record block once
+            for a in range(n_rec_blocks):
+                key = (name, "chunk", len(parts))
+                layer[key] = (_reduce_chunk, refs[a], sel((a, *col)), reductions)
+                parts.append(key)
+        for a in range(n_rec_blocks if gram else 0):
             for b in range(a, n_rec_blocks):
                 key = (name, "chunk", len(parts))
                 layer[key] = (chunk_partial, refs[a], None if a == b else refs[b], a, b, head0, heads, precision)
@@ -294,14 +394,16 @@ def _chunk_layer(name: str, chunks: tuple[tuple[int, ...], ...], heads: bool, pr
     return layer, parts
 
 
-def _tree(layer: dict[Any, Any], name: str, parts: list[Any], split_every: int) -> Any:
+def _tree(layer: dict[Any, Any], name: str, parts: list[Any], split_every: int,
+          reductions: tuple[SlabReduction, ...] = ()) -> Any:
     """Add combine tasks of fan-in *split_every* until one key remains; return it."""
     level = 0
     while len(parts) > 1:
         nxt = []
         for i in range(0, len(parts), split_every):
             key = (name, "combine", level, i // split_every)
-            layer[key] = (combine_partials, list(parts[i:i + split_every]))
+            group = list(parts[i:i + split_every])
+            layer[key] = (_combine_all, group, reductions) if reductions else (combine_partials, group)
             nxt.append(key)
         parts = nxt
         level += 1
@@ -333,6 +435,27 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
     chunks = store.lazy(info.name, slab_bytes).chunks       # all records x whole on-disk feature chunks
     return gram_of_handle(store._handle(info), chunks, tensor, heads=info.heads is not None,
                           from_sketch=from_sketch, split_every=split_every, precision=precision)
+
+
+def slab_graph(store: Store, tensor: str, reductions: Sequence[SlabReduction], *, gram: bool = True,
+               slab_bytes: int = DEFAULT_SLAB_BYTES, split_every: int = DEFAULT_SPLIT_EVERY,
+               precision: str = "float32") -> Delayed:
+    """One read of ``grads/<tensor>`` feeding its Gram matrices and the given slab reductions.
+
+    Computes to ``(list[GramResult] | None, [aggregate of each reduction])``; the
+    Gram part is None with ``gram=False``.  Each slab is read once, in the task
+    that also runs every reduction's ``chunk`` on it.
+    """
+    bad = [r.tensor for r in reductions if r.tensor != tensor]
+    if bad or (reductions and tensor not in store.grads):
+        raise SpecError(f"{store.path}: slab reductions of grads/{tensor} must name that stored gradient; "
+                        f"got {sorted(set(bad)) or [tensor]}.")
+    if not reductions:
+        raise SpecError(f"{store.path}: slab_graph of {tensor} needs at least one slab reduction.")
+    info = store.grads[tensor]
+    chunks = store.lazy(info.name, slab_bytes).chunks
+    return gram_of_handle(store._handle(info), chunks, tensor, heads=info.heads is not None, from_sketch=False,
+                          split_every=split_every, precision=precision, reductions=tuple(reductions), gram=gram)
 
 
 def gram_graphs(store: Store, tensors: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Delayed]:

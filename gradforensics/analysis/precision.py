@@ -61,7 +61,6 @@ FORMATS: dict[str, tuple[int, int, float]] = {
 MAX_PAIRS = 32                      # snapshot pairs analysed per tensor (evenly spaced)
 EXP_MIN, EXP_MAX = -160, 160        # base-2 exponent histogram range (frexp convention)
 ULP_EDGES = np.arange(-30.0, 20.5, 0.5)   # bins of log2(|Δ| / ULP_bf16(w))
-SLAB_BYTES = 64 << 20               # dask chunk of a gradient read: all records x whole feature chunks
 _BLOCK = 1 << 20                    # elements per block inside a pair task (bounds memory)
 
 
@@ -137,12 +136,17 @@ def exponent_hist(g: np.ndarray) -> np.ndarray:
 
     Returns ``EXP_MAX - EXP_MIN + 3`` counts: one per exponent, then zeros, then non-finite.
     """
-    g = np.asarray(g, dtype=np.float32).ravel()
-    fin = np.isfinite(g)
-    nz = fin & (g != 0)
-    _, e = np.frexp(g[nz])
-    counts = np.bincount(np.clip(e, EXP_MIN, EXP_MAX) - EXP_MIN, minlength=EXP_MAX - EXP_MIN + 1)
-    return np.concatenate([counts, [int((fin & ~nz).sum()), int((~fin).sum())]]).astype(np.int64)
+    g = np.ascontiguousarray(g, dtype=np.float32).ravel()
+    u = g.view(np.uint32)
+    biased = np.bincount((u >> 23) & 0xFF, minlength=256)     # IEEE binary32 biased exponents
+    counts = np.zeros(EXP_MAX - EXP_MIN + 1, dtype=np.int64)
+    counts[np.arange(1, 255) - 126 - EXP_MIN] = biased[1:255]  # normal: |g| = 1.m 2^(b-127), frexp e = b - 126
+    zeros = int(np.count_nonzero((u & 0x7FFFFFFF) == 0))
+    if biased[0] > zeros:                                      # subnormals (rare): frexp on those alone
+        sub = g[((u >> 23) & 0xFF == 0) & ((u & 0x7FFFFFFF) != 0)]
+        counts += np.bincount(np.clip(np.frexp(sub)[1], EXP_MIN, EXP_MAX) - EXP_MIN,
+                              minlength=EXP_MAX - EXP_MIN + 1)
+    return np.concatenate([counts, [zeros, int(biased[255])]]).astype(np.int64)
 
 
 def fp16_gradient_shares(hist: np.ndarray, loss_scale: float = 1.0) -> dict[str, float]:
@@ -212,30 +216,85 @@ def _pairs(n_snapshots: int) -> list[int]:
     return [int(i) for i in t]
 
 
-def lazy(store: Store) -> dict[str, Any]:
-    """Per tensor: snapshot-pair update counts and the gradients' exponent histogram."""
-    import dask
-
-    out: dict[str, Any] = {}
+def _pair_specs(store: Store) -> list[tuple[int, int, int, float]]:
+    """``(t, r0, r1, steps)`` of every snapshot pair analysed."""
     rec = store.weight_records()
     step = store.read("batches/step").astype(np.float64) if store.n_records else np.zeros(0)
-    for tensor in sorted(store.weights):
-        x = store.grad(tensor, slab_bytes=SLAB_BYTES) if tensor in store.grads else None
-        tasks = []
-        for t in _pairs(len(rec)):
-            r0, r1 = int(rec[t]), int(rec[t + 1])
-            steps = float(step[r1] - step[r0]) if r1 < step.size and r0 < step.size else float(r1 - r0)
-            gnz, spec = None, None
-            if x is not None and r1 > r0:
-                gnz = (x[r0:r1] != 0).any(axis=0)
-                spec = head_spec_from_attrs(store.grads[tensor].attrs)
-            w = store.weight(tensor)
-            tasks.append(dask.delayed(_pair_task)(w[t], w[t + 1], gnz, max(steps, 1.0), spec, (r0, r1)))
-        if tasks:
-            out[f"pairs|{tensor}"] = dask.delayed(list)(tasks)
-    for tensor in sorted(store.grads):
-        blocks = store.grad(tensor, slab_bytes=SLAB_BYTES).to_delayed().ravel()
-        out[f"grad_exp|{tensor}"] = dask.delayed(sum)([dask.delayed(exponent_hist)(b) for b in blocks])
+    out = []
+    for t in _pairs(len(rec)):
+        r0, r1 = int(rec[t]), int(rec[t + 1])
+        steps = float(step[r1] - step[r0]) if r1 < step.size and r0 < step.size else float(r1 - r0)
+        out.append((t, r0, r1, max(steps, 1.0)))
+    return out
+
+
+def _pair_tasks(store: Store, tensor: str, pairs: list[tuple[int, int, int, float]], gnz: Any = None) -> Any:
+    """One task per snapshot pair; *gnz* (a Delayed list of masks, one per pair with ``r1 > r0``) or None."""
+    import dask
+
+    w = store.weight(tensor)
+    spec = None if gnz is None else head_spec_from_attrs(store.grads[tensor].attrs)
+    tasks, i = [], 0
+    for t, r0, r1, steps in pairs:
+        g = None
+        if gnz is not None and r1 > r0:
+            g, i = gnz[i], i + 1
+        tasks.append(dask.delayed(_pair_task)(w[t], w[t + 1], g, steps, None if g is None else spec, (r0, r1)))
+    return dask.delayed(list)(tasks)
+
+
+def lazy(store: Store) -> dict[str, Any]:
+    """Snapshot-pair update counts of tensors with weights but no stored gradient (the rest: :func:`slab_reductions`)."""
+    pairs = _pair_specs(store)
+    if not pairs:
+        return {}
+    return {f"pairs|{t}": _pair_tasks(store, t, pairs) for t in sorted(store.weights) if t not in store.grads}
+
+
+def nonzero_masks(x: np.ndarray, sel: tuple[slice, ...], spans: list[tuple[int, int]]) -> dict[Any, np.ndarray]:
+    """Chunk step: per record span ``[r0, r1)``, where some gradient of the slab's records in it is non-zero."""
+    from gradforensics.analysis.gram import feature_blocks
+
+    a = int(sel[0].start)
+    out = np.zeros((len(spans), *x.shape[1:]), dtype=bool)
+    for j, (r0, r1) in enumerate(spans):
+        lo, hi = max(r0 - a, 0), min(r1 - a, x.shape[0])
+        if hi > lo:
+            out[j] = (x[lo:hi] != 0).any(axis=0)
+    return feature_blocks(sel, out)
+
+
+def _masks(part: dict[Any, np.ndarray], n: int, shape: tuple[int, ...]) -> list[np.ndarray]:
+    from gradforensics.analysis.gram import assemble_feature_blocks
+
+    return list(assemble_feature_blocks(part, n, shape, bool))
+
+
+def _hist_chunk(x: np.ndarray, sel: tuple[slice, ...]) -> np.ndarray:
+    """Chunk step: :func:`exponent_hist` of a slab, in blocks of ``_BLOCK`` elements (bounds its temporaries)."""
+    flat = np.asarray(x).reshape(-1)
+    return np.sum([exponent_hist(flat[a:a + _BLOCK]) for a in range(0, max(flat.size, 1), _BLOCK)], axis=0)
+
+
+def slab_reductions(store: Store) -> dict[str, Any]:
+    """Per stored gradient, inside the engine's one read of each slab: the exponent histogram and,
+    for tensors with weight snapshots, the non-zero masks between snapshots that the pair counts need."""
+    from functools import partial
+
+    from gradforensics.analysis.gram import SlabReduction, merge_feature_blocks
+
+    out: dict[str, Any] = {}
+    pairs = _pair_specs(store)
+    spans = [(r0, r1) for _, r0, r1, _ in pairs if r1 > r0]
+    for tensor, info in sorted(store.grads.items()):
+        if tensor in store.weights and pairs:
+            shape = tuple(info.shape[1:])
+            out[f"pairs|{tensor}"] = SlabReduction(
+                tensor=tensor, chunk=partial(nonzero_masks, spans=spans),
+                combine=partial(merge_feature_blocks, op=np.logical_or),
+                aggregate=partial(_masks, n=len(spans), shape=shape),
+                finish=partial(_pair_tasks, store, tensor, pairs))
+        out[f"grad_exp|{tensor}"] = SlabReduction(tensor=tensor, chunk=_hist_chunk, combine=sum)
     return out
 
 
@@ -363,4 +422,4 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 
 
 ANALYSIS = Analysis(name=NAME, needs=("weights", "grads"), compute=compute, flags=flags, plot=plot, lazy=lazy,
-                    title="Precision floor: updates the number format rounds away")
+                    slab_reductions=slab_reductions, title="Precision floor: updates the number format rounds away")

@@ -70,7 +70,6 @@ MIN_TAIL = 10              # alpha with a shorter tail is not flagged
 MIN_EVALS = 20             # no fit below this many eigenvalues
 MAX_SNAPSHOTS = 16
 WINDOWS = 8
-SLAB_BYTES = 64 << 20    # dask chunk of a gradient read: all records x whole on-disk feature chunks
 
 
 @dataclass(frozen=True)
@@ -249,9 +248,8 @@ def _is_matrix(attrs: dict[str, Any], shape: tuple[int, ...]) -> bool:
 
 
 def lazy(store: Store) -> dict[str, Any]:
-    """Per 2-D tensor: spectra of chosen weight snapshots and of window-mean gradients."""
+    """Per 2-D tensor: spectra of chosen weight snapshots (window-mean gradients: :func:`slab_reductions`)."""
     import dask
-    import dask.array as da
 
     out: dict[str, Any] = {}
     wrec = store.weight_records()
@@ -265,17 +263,62 @@ def lazy(store: Store) -> dict[str, Any]:
         out[f"weight_records|{tensor}"] = dask.delayed(np.asarray)([int(wrec[t]) for t in idx])
     edges = window_edges(store.n_records)
     for tensor, info in sorted(store.grads.items()):
+        if _is_matrix(info.attrs, info.shape):
+            out[f"gradient_records|{tensor}"] = dask.delayed(np.asarray)([int(b) - 1 for b in edges[1:]])
+    return out
+
+
+def window_sums(x: np.ndarray, sel: tuple[slice, ...], edges: np.ndarray) -> dict[Any, np.ndarray]:
+    """Chunk step of the window means: ``Wᵀ X_b`` for one slab, non-finite values as 0, in float64.
+
+    ``W[i, w] = 1`` when record *i* lies in window *w*; *sel* places the slab (its
+    records may be a part of all records when the record axis is split).
+    """
+    from gradforensics.analysis.gram import feature_blocks
+
+    r0 = int(sel[0].start)
+    if not np.isfinite(x).all():
+        x = np.where(np.isfinite(x), x, 0.0)
+    out = np.zeros((len(edges) - 1, *x.shape[1:]), dtype=np.float64)
+    for w, (a, b) in enumerate(itertools.pairwise(edges)):
+        lo, hi = max(int(a) - r0, 0), min(int(b) - r0, x.shape[0])
+        if hi > lo:
+            out[w] = x[lo:hi].sum(axis=0, dtype=np.float64)
+    return feature_blocks(sel, out)
+
+
+def _window_means(part: dict[Any, np.ndarray], edges: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    from gradforensics.analysis.gram import assemble_feature_blocks
+
+    sums = assemble_feature_blocks(part, len(edges) - 1, shape, np.float64)
+    counts = np.maximum(np.diff(edges), 1).astype(np.float64)
+    return sums / counts.reshape(-1, *([1] * len(shape)))
+
+
+def _window_spectra(means: Any, n_windows: int, spec: Any) -> Any:
+    """One SVD task per window mean (``finish`` of the slab reduction)."""
+    import dask
+
+    return dask.delayed(list)([dask.delayed(block_spectra)(means[w], spec, spec is not None)
+                               for w in range(n_windows)])
+
+
+def slab_reductions(store: Store) -> dict[str, Any]:
+    """Per 2-D stored gradient: the window-mean gradients, summed in the engine's one read of each slab."""
+    from functools import partial
+
+    from gradforensics.analysis.gram import SlabReduction, merge_feature_blocks
+
+    edges = window_edges(store.n_records)
+    out: dict[str, Any] = {}
+    for tensor, info in sorted(store.grads.items()):
         if not _is_matrix(info.attrs, info.shape):
             continue
         spec = head_spec_from_attrs(info.attrs)
-        x = store.grad(tensor, slab_bytes=SLAB_BYTES)
-        tasks = []
-        for a, b in itertools.pairwise(edges):
-            xs = x[int(a):int(b)]
-            mean = da.where(da.isfinite(xs), xs, 0.0).sum(axis=0) / max(int(b - a), 1)
-            tasks.append(dask.delayed(block_spectra)(mean, spec, spec is not None))
-        out[f"gradient|{tensor}"] = dask.delayed(list)(tasks)
-        out[f"gradient_records|{tensor}"] = dask.delayed(np.asarray)([int(b) - 1 for b in edges[1:]])
+        out[f"gradient|{tensor}"] = SlabReduction(
+            tensor=tensor, chunk=partial(window_sums, edges=edges), combine=merge_feature_blocks,
+            aggregate=partial(_window_means, edges=edges, shape=tuple(info.shape[1:])),
+            finish=partial(_window_spectra, n_windows=len(edges) - 1, spec=spec))
     return out
 
 
@@ -527,4 +570,4 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 
 
 ANALYSIS = Analysis(name=NAME, needs=("weights", "grads"), compute=compute, flags=flags, plot=plot, lazy=lazy,
-                    title="Spectra: stable rank, norm growth and power-law alpha of weights and gradients")
+                    slab_reductions=slab_reductions, title="Spectra: stable rank, norm growth and power-law alpha of weights and gradients")

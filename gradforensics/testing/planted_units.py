@@ -186,17 +186,14 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
 # ---------------------------------------------------------------------- running
 def run_analysis(path: str | os.PathLike[str], name: str, options: dict[str, Any] | None = None) -> tuple[Any, list]:
     """Run analysis *name* on the store at *path* as the engine does; returns ``(result, flags)``."""
-    import dask
-
     from gradforensics.analysis import REGISTRY, Context
+    from gradforensics.analysis.engine import EngineOptions, _compute_pass
     from gradforensics.store.reader import Store
 
     a = REGISTRY[name]
     store = Store(path)
-    graphs = a.lazy(store) if a.lazy is not None else {}
-    keys = list(graphs)
-    values = dask.compute(*[graphs[k] for k in keys], scheduler="threads") if keys else ()
+    _, lazy = _compute_pass(store, [a], EngineOptions(persist=False), None, False, grams=False)
     ctx = Context(store=store, meta=store.meta, batches=store.batches(), grams={},
-                  lazy={name: dict(zip(keys, values))}, options={name: dict(options or {})})
+                  lazy={name: lazy.get(name, {})}, options={name: dict(options or {})})
     result = a.compute(ctx)
     return result, a.flags(result, ctx)
