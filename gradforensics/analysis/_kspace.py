@@ -148,23 +148,23 @@ def cosines(K: np.ndarray, A: np.ndarray, B: np.ndarray | None = None) -> np.nda
     num = inner(K, A, B)
     na = np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", A, K, A), 0.0))
     nb = na if B is A else np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", B, K, B), 0.0))
-    return _safe_div(num, np.outer(na, nb))
+    return safe_div(num, np.outer(na, nb))
 
 
 def record_cosines(K: np.ndarray, a: np.ndarray) -> np.ndarray:
     """Cosine of each record ``g_i`` with the vector ``Xᵀa``."""
     num = K @ a
     den = np.sqrt(np.maximum(np.diag(K), 0.0) * max(float(a @ K @ a), 0.0))
-    return _safe_div(num, den)
+    return safe_div(num, den)
 
 
 def consecutive_cosines(K: np.ndarray) -> np.ndarray:
     """``cos(g_i, g_{i+1})`` for consecutive rows of K (length N-1)."""
     d = np.sqrt(np.maximum(np.diag(K), 0.0))
-    return _safe_div(np.diag(K, 1), d[:-1] * d[1:])
+    return safe_div(np.diag(K, 1), d[:-1] * d[1:])
 
 
-def _safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+def safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     num = np.asarray(num, dtype=np.float64)
     den = np.broadcast_to(np.asarray(den, dtype=np.float64), num.shape)
     out = np.full(num.shape, np.nan)

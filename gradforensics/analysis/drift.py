@@ -120,7 +120,7 @@ def opening_cosines(K: np.ndarray, open_rows: np.ndarray) -> np.ndarray:
     if open_rows.size > 1:
         sub = K[np.ix_(open_rows, open_rows)]
         S, T, d = sub.sum(axis=1), sub.sum(), np.diag(sub)
-        cos[open_rows] = ks._safe_div(S - d, np.sqrt(np.maximum(d * (T - 2 * S + d), 0.0)))
+        cos[open_rows] = ks.safe_div(S - d, np.sqrt(np.maximum(d * (T - 2 * S + d), 0.0)))
     return cos
 
 
