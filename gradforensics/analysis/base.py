@@ -253,8 +253,9 @@ def pack_series(series: Mapping[str, Any]) -> np.ndarray:
     import io
 
     buf = io.BytesIO()
-    np.savez(buf, **{f"s{i}": np.asarray(v) for i, v in enumerate(series.values())},
-             __keys__=np.asarray(list(series.keys()), dtype=str))
+    arrays: dict[str, Any] = {f"s{i}": np.asarray(v) for i, v in enumerate(series.values())}
+    arrays["__keys__"] = np.asarray(list(series.keys()), dtype=str)
+    np.savez(buf, **arrays)
     return np.frombuffer(buf.getvalue(), dtype=np.uint8)
 
 

@@ -60,7 +60,7 @@ class ZarrBackend:
         self.path = str(path)
         if mode == "r" and not (Path(self.path) / "zarr.json").is_file():
             raise NotAStoreError(f"{self.path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
-        self._root = zarr.open_group(self.path, mode=mode, zarr_format=3, use_consolidated=False)
+        self._root: Any = zarr.open_group(self.path, mode=mode, zarr_format=3, use_consolidated=False)  # type: ignore[arg-type]
         self.writable = mode != "r"
         self._open: dict[str, Any] = {}   # arrays opened here keep their write config
 

@@ -126,7 +126,7 @@ class StoreContract:
         with Recorder(p, sources=["zh", "en", "code"]) as rec:
             rec.record(mixture={"zh": 1, "en": 3}, grads={"w": np.ones(4, np.float32)})
             rec.record(source="code", grads={"w": np.ones(4, np.float32)})
-        np.testing.assert_allclose(Store(p).batches()["mixture"], [[0.25, 0.75, 0], [0, 0, 1]])
+        np.testing.assert_allclose(Store(p).batches()["mixture"], np.array([[0.25, 0.75, 0], [0, 0, 1]]))
 
     def test_exception_inside_with_leaves_readable_store(self, tmp_path: Path) -> None:
         p = self.path(tmp_path)
