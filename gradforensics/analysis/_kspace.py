@@ -399,7 +399,8 @@ class SeriesPack:
         shape = tuple(max(a.shape[d] for a in arrs) for d in range(ndim))
         out = np.full((len(arrs), *shape), np.nan)
         for i, a in enumerate(arrs):
-            idx: tuple[Any, ...] = (i, *[slice(0, int(n)) for n in a.shape])
+            dims: tuple[int, ...] = tuple(a.shape)
+            idx: tuple[Any, ...] = (i, *map(slice, dims))
             out[idx] = a
         return {what: out, f"{what}_units": encode_json(self.units)}
 
