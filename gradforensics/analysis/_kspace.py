@@ -27,10 +27,11 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
+from gradforensics.analysis.base import parse_options as base_parse_options
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -445,18 +446,8 @@ def decode_names(raw: np.ndarray | None, n: int) -> list[str]:
 
 # ---------------------------------------------------------------- options
 def parse_options(cls: type[T], raw: Any, name: str) -> T:
-    """Build the options dataclass *cls* of analysis *name* from a dict (validated once)."""
-    if raw is None:
-        return cls()
-    if isinstance(raw, cls):
-        return raw
-    if not isinstance(raw, Mapping):
-        raise SpecError(f"options for {name} must be a dict; got {type(raw).__name__}.")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise SpecError(f"options for {name}: unknown key(s) {unknown}; known: {sorted(fields)}.")
-    return cls(**raw)
+    """Build the options dataclass *cls* of analysis *name* (see :func:`base.parse_options`)."""
+    return cast(T, base_parse_options(cls, raw, name))
 
 
 def check_int(name: str, key: str, value: Any, lo: int, allow_none: bool = False) -> None:

@@ -34,6 +34,44 @@ FlagKind = Literal[
 FLAG_KINDS: tuple[str, ...] = get_args(FlagKind)
 
 
+def parse_options(cls: type[Any], raw: Any, name: str) -> Any:
+    """Build the frozen options dataclass *cls* of analysis *name*, validated once.
+
+    *raw* is ``None`` (defaults), an instance of *cls*, or a mapping of field values;
+    anything else, or an unknown key, is a :class:`~gradforensics.errors.SpecError`
+    naming the analysis, the bad keys and the known ones.  Value checks live in the
+    dataclass's ``__post_init__``.
+    """
+    import dataclasses
+
+    from gradforensics.errors import SpecError
+
+    if raw is None:
+        return cls()
+    if isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"{name}: bad options {raw!r}: must be a dict; got {type(raw).__name__}.")
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise SpecError(f"{name}: bad options {dict(raw)!r}: unknown key(s) {unknown}; known: {known}.")
+    return cls(**raw)
+
+
+class Options:
+    """Mixin for an analysis's frozen options dataclass: ``Options.parse(value)``.
+
+    Set ``analysis_name``; :func:`parse_options` does the validation.
+    """
+
+    analysis_name = ""
+
+    @classmethod
+    def parse(cls, value: Any) -> Any:
+        return parse_options(cls, value, cls.analysis_name)
+
+
 @dataclass(frozen=True)
 class Flag:
     """One finding about one tensor (or head, module, series), as in ``flags.json``.
@@ -272,5 +310,16 @@ def flag_to_json(flag: Flag) -> str:
     return json.dumps(flag.to_dict())
 
 
-__all__ = ["FLAG_KINDS", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "FlagKind", "GramResult",
-           "asdict"]
+__all__ = [
+    "FLAG_KINDS",
+    "Analysis",
+    "AnalysisResult",
+    "Context",
+    "Findings",
+    "Flag",
+    "FlagKind",
+    "GramResult",
+    "Options",
+    "asdict",
+    "parse_options",
+]

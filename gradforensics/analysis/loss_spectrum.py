@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.base import Analysis, AnalysisResult, Flag, Options
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ MIN_POINTS = 32
 
 
 @dataclass(frozen=True)
-class SpectrumOptions:
+class SpectrumOptions(Options):
     """Options of :func:`line_spectrum`, validated once.
 
     Parameters
@@ -88,6 +88,8 @@ class SpectrumOptions:
         For a store: sample by ``"step"`` (``batches/step``; the record order in
         replay mode) or by ``"time"`` (``batches/time``; frequencies in Hz).
     """
+
+    analysis_name = "loss_spectrum"
 
     detrend: str = "savgol"
     nperseg: int | None = None
@@ -112,17 +114,6 @@ class SpectrumOptions:
             raise SpecError(f"loss_spectrum: clip_mad must be >= 0 and max_peaks >= 1; got {self.clip_mad}, "
                             f"{self.max_peaks}.")
 
-    @classmethod
-    def parse(cls, value: Any) -> SpectrumOptions:
-        """Options from ``None``, a mapping of field values, or an instance."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(**dict(value))
-        except TypeError as exc:
-            raise SpecError(f"loss_spectrum: bad options {value!r} ({exc}).") from exc
 
 
 # ------------------------------------------------------------------ detrending

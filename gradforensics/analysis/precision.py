@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.base import Analysis, AnalysisResult, Flag, Options
 from gradforensics.analysis.spectral import head_spec_from_attrs
 from gradforensics.errors import SpecError
 
@@ -65,7 +65,7 @@ _BLOCK = 1 << 20                    # elements per block inside a pair task (bou
 
 
 @dataclass(frozen=True)
-class PrecisionOptions:
+class PrecisionOptions(Options):
     """Options of the precision analysis.
 
     Parameters
@@ -80,6 +80,8 @@ class PrecisionOptions:
         Flags below this severity are not emitted.
     """
 
+    analysis_name = "precision"
+
     loss_scale: float | None = None
     format: str = "bf16"
     min_severity: float = 0.1
@@ -90,16 +92,6 @@ class PrecisionOptions:
         if self.loss_scale is not None and not (np.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise SpecError(f"precision: loss_scale must be a positive number; got {self.loss_scale!r}.")
 
-    @classmethod
-    def parse(cls, value: Any) -> PrecisionOptions:
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(**dict(value))
-        except TypeError as exc:
-            raise SpecError(f"precision: bad options {value!r} ({exc}).") from exc
 
 
 # ------------------------------------------------------------------ number formats

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.base import Analysis, AnalysisResult, Flag, Options
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ MAX_GMM_UNITS = 4096       # units subsampled (seeded) for the mixture fit
 
 
 @dataclass(frozen=True)
-class SaturationOptions:
+class SaturationOptions(Options):
     """Options of the saturation flags.
 
     Parameters
@@ -84,6 +84,8 @@ class SaturationOptions:
         Flags below this severity are not emitted.
     """
 
+    analysis_name = "saturation"
+
     min_camp: float = 0.1
     min_gap: float = 0.5
     min_bic_gain: float = 10.0
@@ -96,16 +98,6 @@ class SaturationOptions:
         if not 0.0 < self.trend_p < 0.5:
             raise SpecError(f"saturation: trend_p must be in (0, 0.5); got {self.trend_p!r}.")
 
-    @classmethod
-    def parse(cls, value: Any) -> SaturationOptions:
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(**dict(value))
-        except TypeError as exc:
-            raise SpecError(f"saturation: bad options {value!r} ({exc}).") from exc
 
 
 # ---------------------------------------------------------------------- lazy pass

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.base import Analysis, AnalysisResult, Flag, Options
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ WINDOWS = 8
 
 
 @dataclass(frozen=True)
-class SpectralOptions:
+class SpectralOptions(Options):
     """Options of the spectral analysis's flags.
 
     Parameters
@@ -91,6 +91,8 @@ class SpectralOptions:
         Flags below this severity are not emitted.
     """
 
+    analysis_name = "spectral"
+
     alpha_range: tuple[float, float] = (2.0, 6.0)
     growth_half: float = 3.0
     top_k: int = 5
@@ -104,16 +106,6 @@ class SpectralOptions:
             raise SpecError(f"spectral: growth_half must be > 1 and top_k >= 1; got {self.growth_half!r}, "
                             f"{self.top_k!r}.")
 
-    @classmethod
-    def parse(cls, value: Any) -> SpectralOptions:
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(**dict(value))
-        except TypeError as exc:
-            raise SpecError(f"spectral: bad options {value!r} ({exc}).") from exc
 
 
 # ---------------------------------------------------------------------- spectra
