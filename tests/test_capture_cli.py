@@ -164,7 +164,7 @@ def test_tiny_llama_capture_analyze_report(tmp_path, llama_dir, files, capsys):
     want, want_loss = replay_oracle(model, batches, losses.causal_lm, order)
     np.testing.assert_allclose(b["loss"], want_loss, rtol=1e-5)
     hf = model(input_ids=batches["en"][0]["input_ids"], labels=batches["en"][0]["input_ids"]).loss
-    assert float(hf) == pytest.approx(want_loss[0], rel=1e-5)       # causal_lm == HF's own loss (no padding)
+    assert float(hf.detach()) == pytest.approx(want_loss[0], rel=1e-5)       # causal_lm == HF's own loss (no padding)
     q, k = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"
     assert store.grads[q].heads == H and store.grads[k].heads == KV     # GQA from the config
     qg = np.stack([w[q].reshape(H, HIDDEN // H, HIDDEN) for w in want])
