@@ -465,7 +465,7 @@ def test_contrastive_loss_matches_numpy_infonce():
     ids = torch.randint(1, 50, (3, 6), generator=torch.Generator().manual_seed(0))
     am = torch.ones_like(ids)
     am[2, 5] = 0
-    got = float(losses.contrastive(emb, {"input_ids": ids, "attention_mask": am}))
+    got = float(losses.contrastive(emb, {"input_ids": ids, "attention_mask": am}).detach())
     e = emb(ids).detach().numpy()
     u = np.stack([e[0, :3].mean(0), e[1, :3].mean(0), e[2, :3].mean(0)])
     v = np.stack([e[0, 3:].mean(0), e[1, 3:].mean(0), e[2, 3:5].mean(0)])
