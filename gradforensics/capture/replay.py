@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from gradforensics._format import fmt_bytes
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -79,12 +80,6 @@ def interleave(batches_by_source: Mapping[str, Iterable[Any]],
             yield s, batch
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class Progress:
@@ -126,14 +121,14 @@ def size_estimate(bytes_per_record: int, n_records: int, path: str | os.PathLike
 
 def _announce(est: dict[str, float], path: str, file: IO[str] | None, check_space: bool = True) -> None:
     line = (f"gradforensics replay -> {path}: {int(est['n_records'])} records x "
-            f"~{_fmt_bytes(est['bytes_per_record'])} = ~{_fmt_bytes(est['total_bytes'])}; "
-            f"{_fmt_bytes(est['free_bytes'])} free on that disk.")
+            f"~{fmt_bytes(est['bytes_per_record'])} = ~{fmt_bytes(est['total_bytes'])}; "
+            f"{fmt_bytes(est['free_bytes'])} free on that disk.")
     if file is not None:
         print(line, file=file, flush=True)
     if check_space and est["total_bytes"] > est["free_bytes"]:
         raise SpecError(
-            f"replay: {path} would need ~{_fmt_bytes(est['total_bytes'])} but only "
-            f"{_fmt_bytes(est['free_bytes'])} is free; lower n_per_source, record fewer tensors= or use sketch=."
+            f"replay: {path} would need ~{fmt_bytes(est['total_bytes'])} but only "
+            f"{fmt_bytes(est['free_bytes'])} is free; lower n_per_source, record fewer tensors= or use sketch=."
         )
 
 

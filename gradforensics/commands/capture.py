@@ -164,16 +164,17 @@ def _plan(args: argparse.Namespace, model: nn.Module, heads: Any, dtype: str | N
 
 
 def _refuse_or_announce(per_record: dict[str, int], n_records: int, out: Path, force: bool, quiet: bool) -> None:
-    from gradforensics.capture.replay import _fmt_bytes, size_estimate
+    from gradforensics._format import fmt_bytes
+    from gradforensics.capture.replay import size_estimate
 
     est = size_estimate(per_record["total"], n_records, out)
-    parts = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in per_record.items() if k != "total" and v)
-    line = (f"estimate: {n_records} records x {_fmt_bytes(est['bytes_per_record'])} ({parts}) = "
-            f"{_fmt_bytes(est['total_bytes'])}; {_fmt_bytes(est['free_bytes'])} free on the disk of {out}.")
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in per_record.items() if k != "total" and v)
+    line = (f"estimate: {n_records} records x {fmt_bytes(est['bytes_per_record'])} ({parts}) = "
+            f"{fmt_bytes(est['total_bytes'])}; {fmt_bytes(est['free_bytes'])} free on the disk of {out}.")
     if not quiet:
         print(line, file=sys.stderr, flush=True)
     if est["total_bytes"] > est["free_bytes"] and not force:
-        raise SpecError(f"{out} needs ~{_fmt_bytes(est['total_bytes'])} but only {_fmt_bytes(est['free_bytes'])} "
+        raise SpecError(f"{out} needs ~{fmt_bytes(est['total_bytes'])} but only {fmt_bytes(est['free_bytes'])} "
                         "is free; record fewer --tensors, use --sketch K or --dtype bf16, lower "
                         "--batches-per-source, or pass --force.")
 

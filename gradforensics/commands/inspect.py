@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from gradforensics._format import fmt_bytes
 from gradforensics.store.reader import Store
 
 
@@ -13,12 +14,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"
 
 
 def summarize(store: Store) -> dict:
@@ -61,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             heads = f" heads={e['heads']}" + (f" role={e['role']}" if e["role"] else "") if e["heads"] else ""
             extra = f" k={e['k']} {e['method']}" if "k" in e else ""
             print(f"  {name:<{width}}  {tuple(e['shape'])} {e['dtype']}{heads}{extra}  "
-                  f"{_fmt_bytes(e['bytes_on_disk'])} on disk, {e['compression_ratio']:.2f}x")
+                  f"{fmt_bytes(e['bytes_on_disk'])} on disk, {e['compression_ratio']:.2f}x")
     if s["activations"]:
         print(f"activations ({len(s['activations'])}): " + ", ".join(s["activations"]))
     if s["analysis"]:

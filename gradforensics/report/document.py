@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gradforensics._format import fmt_bytes
 from gradforensics.report import advice, figures, summary, tables
 from gradforensics.report.severity import band
 
@@ -99,18 +100,12 @@ def _versions(findings: Findings) -> dict[str, str]:
 _SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions"}
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _extra(key: str, value: Any) -> tuple[str, str]:
     """A header field the report has no special place for, readably."""
     if key == "bytes" and isinstance(value, (int, float)):
-        return "Gradient bytes", _fmt_bytes(float(value))
+        return "Gradient bytes", fmt_bytes(float(value))
     if key == "seconds" and isinstance(value, (int, float)):
         return "Analysis time", f"{value:.1f} s"
     return key.replace("_", " ").capitalize(), _fmt_model(value)
