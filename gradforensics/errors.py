@@ -47,3 +47,19 @@ class SpecError(GradforensicsError, ValueError):
 
 class StoreClosedError(GradforensicsError, RuntimeError):
     """The store or recorder was used after it was closed."""
+
+
+class StoreExistsError(GradforensicsError, FileExistsError):
+    """A new store was asked for at a path that already holds something."""
+
+
+class StoreLockedError(GradforensicsError, BlockingIOError):
+    """Another writer holds the store's lock."""
+
+
+class CorruptStoreError(GradforensicsError, ValueError):
+    """The store's metadata is damaged or inconsistent (shapes, attributes, links)."""
+
+
+class UnsafeNameError(GradforensicsError, ValueError):
+    """A name (tensor, module, source, analysis) that cannot safely become a store key or a file name."""
