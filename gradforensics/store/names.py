@@ -17,7 +17,7 @@ import unicodedata
 from gradforensics.errors import UnsafeNameError
 
 MAX_NAME_BYTES = 255
-_RESERVED = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata", "c"})
+_RESERVED = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 #: Names of analyses (``tables/<name>.csv``, ``--only``): lower-case identifiers.
 _ANALYSIS_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 
