@@ -31,6 +31,7 @@ from gradforensics.capture.heads import HeadSpec, match_heads
 from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError
 from gradforensics.store.layout import LayoutPolicy
+from gradforensics.store.names import check_name
 from gradforensics.store.schema import encode_bf16, new_meta
 from gradforensics.store.writer import Row, StoreWriter
 
@@ -52,8 +53,13 @@ def _is_bf16(a: np.ndarray) -> bool:
     return a.dtype.name == "bfloat16"
 
 
-def encode(a: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
-    """Array -> (on-disk array, encoding).  Lossless unless *dtype* narrows it."""
+def encode(a: np.ndarray, dtype: str | None, name: str = "") -> tuple[np.ndarray, str]:
+    """Array -> (on-disk array, encoding).  Lossless unless *dtype* narrows it.
+
+    A finite value that a narrowing *dtype* cannot hold (above 65504 in float16)
+    raises :class:`StoreMismatchError` naming *name*: stored as inf it would read
+    back as a training NaN/Inf, which it was not.
+    """
     if _is_bf16(a):
         bits = a.view(np.uint16)
         if dtype in (None, "bfloat16"):
@@ -61,8 +67,18 @@ def encode(a: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
         a = (bits.astype(np.uint32) << 16).view(np.float32)
     target = dtype or ("float16" if a.dtype == np.float16 else "float32")
     if target == "bfloat16":
-        return encode_bf16(a), "bfloat16-as-uint16"
-    return np.ascontiguousarray(a, dtype=target), target
+        out, encoding = encode_bf16(a), "bfloat16-as-uint16"
+        overflow = ((out & np.uint16(0x7FFF)) == np.uint16(0x7F80))   # +-inf bit patterns
+    else:
+        out, encoding = np.ascontiguousarray(a, dtype=target), target
+        overflow = np.isinf(out) if out.dtype.itemsize < a.dtype.itemsize else None
+    if overflow is not None and overflow.any() and np.isfinite(a[overflow]).any():
+        big = float(np.max(np.abs(a[overflow & np.isfinite(a)])))
+        raise StoreMismatchError(
+            f"record(): {name or 'an array'} holds {big:.4g}, beyond the range of {target} (its chosen store "
+            "dtype); it would be stored as inf. Record it as float32 or bfloat16 (dtype=...)."
+        )
+    return out, encoding
 
 
 class Recorder:
@@ -94,6 +110,10 @@ class Recorder:
         Records in flight to the writer thread before ``record()`` blocks.
     background
         ``False`` writes on the caller's thread (debugging).
+    overwrite
+        Replace an existing gradforensics store at *path*.  Without it an existing
+        path is refused (:class:`~gradforensics.errors.StoreExistsError`); even with
+        it, anything that is not a gradforensics store is never deleted.
     records_per_chunk, layout, compression
         On-disk layout (see :mod:`gradforensics.store.layout`); the defaults
         were chosen by measurement (``docs/store-layout.md``).
@@ -119,7 +139,7 @@ class Recorder:
         act_bounds: Mapping[str, tuple[float, float]] | None = None,
         queue_size: int = 4,
         background: bool = True,
-        overwrite: bool = True,
+        overwrite: bool = False,
         records_per_chunk: int | None = None,
         framework: str = "numpy",
         model_info: Mapping[str, Any] | None = None,
@@ -220,7 +240,8 @@ class Recorder:
             grads={k: self._take(f"grads[{k!r}]", k, v, copy=copy) for k, v in (grads or {}).items()},
             acts={k: self._take(f"activations[{k!r}]", "act:" + k, v, per_record_shape=False, copy=copy)
                   for k, v in (activations or {}).items()},
-            weights={k: np.array(v, copy=True) if copy else np.asarray(v) for k, v in (weights or {}).items()},
+            weights={check_name(k, "record(): weights key"): np.array(v, copy=True) if copy else np.asarray(v)
+                     for k, v in (weights or {}).items()},
         )
 
     def flush(self) -> None:
@@ -260,6 +281,8 @@ class Recorder:
 
     def _take(self, label: str, key: str, value: Any, per_record_shape: bool = True,
               copy: bool = True) -> np.ndarray:
+        if key not in self._shapes:   # a name is checked once, when it first arrives
+            check_name(key.removeprefix("act:"), f"record(): {label.split('[')[0]} key")
         a = np.array(value, copy=True) if copy else np.asarray(value)
         if a.dtype.kind not in "fV" and not _is_bf16(a):
             raise StoreMismatchError(f"record(): {label} has dtype {a.dtype}; expected a floating-point array.")
@@ -327,7 +350,7 @@ class Recorder:
 
     def _grad_rows(self, name: str, g: np.ndarray) -> dict[str, Row]:
         spec = self._spec(name, g.shape)
-        data, encoding = encode(g, self.dtype)
+        data, encoding = encode(g, self.dtype, f"grads[{name!r}]")
         attrs: dict[str, Any] = {"encoding": encoding, "source_dtype": g.dtype.name, "shape": list(g.shape)}
         if spec is not None:
             attrs.update(spec.attrs())

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gradforensics.errors import CorruptChunkError, NotAStoreError
+from gradforensics.errors import CorruptChunkError, CorruptStoreError, NotAStoreError
+from gradforensics.store.inventory import Inventory, from_h5_attr, hdf5_inventory, refuse_links, zarr_inventory
 from gradforensics.store.schema import decode_bf16
 
 ZARR_SUFFIXES = (".zarr",)
@@ -37,16 +39,20 @@ def backend_kind(path: str | os.PathLike[str]) -> str:
     )
 
 
-def _zarr_codecs(compression: str) -> dict[str, Any]:
+def _zarr_codecs(compression: str, checksum: bool) -> dict[str, Any]:
+    """Bytes-to-bytes codecs of a new array: the compressor, then the chunk's CRC-32C."""
     import zarr.codecs as zc
 
-    if compression == "none":
-        return {"compressors": None}
+    codecs: list[Any] = []
     if compression == "zstd":
-        return {"compressors": zc.BloscCodec(cname="zstd", clevel=1, shuffle="shuffle")}
-    if compression == "bitshuffle":
-        return {"compressors": zc.BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle")}
-    raise ValueError(compression)
+        codecs.append(zc.BloscCodec(cname="zstd", clevel=1, shuffle="shuffle"))
+    elif compression == "bitshuffle":
+        codecs.append(zc.BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle"))
+    elif compression != "none":
+        raise ValueError(compression)
+    if checksum:
+        codecs.append(zc.Crc32cCodec())
+    return {"compressors": codecs or None}
 
 
 class ZarrBackend:
@@ -55,14 +61,31 @@ class ZarrBackend:
     kind = "zarr"
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:
-        import zarr
-
         self.path = str(path)
+        self.mode = mode
         if mode == "r" and not (Path(self.path) / "zarr.json").is_file():
             raise NotAStoreError(f"{self.path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
-        self._root: Any = zarr.open_group(self.path, mode=mode, zarr_format=3, use_consolidated=False)  # type: ignore[arg-type]
         self.writable = mode != "r"
         self._open: dict[str, Any] = {}   # arrays opened here keep their write config
+        if mode == "a":
+            refuse_links(self.path)
+        if self.writable:
+            self._root  # noqa: B018  (a writer creates or opens the group now)
+
+    @cached_property
+    def _root(self) -> Any:
+        """The zarr group, opened on first use (a reader lists the store by :meth:`inventory` first)."""
+        import zarr
+
+        try:
+            return zarr.open_group(self.path, mode=self.mode, zarr_format=3, use_consolidated=False)  # type: ignore[arg-type]
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptStoreError(f"{self.path}: zarr cannot open the root group ({type(exc).__name__}: {exc}); "
+                                    "the store's metadata is damaged.") from exc
+
+    def inventory(self) -> Inventory:
+        """Root attributes and every array, from the store's own files, without trusting them."""
+        return zarr_inventory(self.path)
 
     def _array(self, name: str) -> Any:
         arr = self._open.get(name)
@@ -85,11 +108,11 @@ class ZarrBackend:
 
     # arrays ---------------------------------------------------------------
     def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
-               attrs: dict[str, Any], compression: str = "none") -> None:
+               attrs: dict[str, Any], compression: str = "none", checksum: bool = True) -> None:
         self._open[name] = self._root.create_array(
             name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
             attributes=attrs, config={"write_empty_chunks": True}, overwrite=True,
-            **_zarr_codecs(compression),
+            **_zarr_codecs(compression, checksum),
         )
 
     def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
@@ -118,21 +141,6 @@ class ZarrBackend:
             return False
         return True
 
-    def nbytes_stored(self, name: str) -> int:
-        return int(_du(Path(self.path) / name))
-
-    def missing_chunks(self, name: str, n_rows: int) -> list[tuple[int, ...]]:
-        """Chunk indices within the first *n_rows* rows that have no file on disk."""
-        shape, _, chunks = self.info(name)
-        shape = (min(n_rows, shape[0]), *shape[1:])
-        grid = [range(-(-s // c)) for s, c in zip(shape, chunks, strict=True)]
-        base = Path(self.path) / name / "c"
-        missing = []
-        for idx in np.ndindex(*[len(g) for g in grid]):
-            if not base.joinpath(*map(str, idx)).is_file():
-                missing.append(tuple(int(i) for i in idx))
-        return missing
-
     def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
         return np.asarray(self._root[name][sel])
 
@@ -145,15 +153,6 @@ def _walk_zarr(group: Any) -> list[str]:
     for gname, sub in group.groups():
         out += [f"{gname}/{a}" for a in _walk_zarr(sub)]
     return out
-
-
-def _du(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            if f != "zarr.json":
-                total += os.path.getsize(os.path.join(root, f))
-    return total
 
 
 def _h5_filter(compression: str) -> dict[str, Any]:
@@ -184,22 +183,24 @@ class HDF5Backend:
         self.writable = mode != "r"
 
     def root_attrs(self) -> dict[str, Any]:
-        return {k: _from_h5_attr(v) for k, v in self._f.attrs.items()}
+        return {k: from_h5_attr(v) for k, v in self._f.attrs.items()}
 
     def set_root_attr(self, key: str, value: dict[str, Any]) -> None:
         self._f.attrs[key] = json.dumps(value)
         self._f.flush()
 
     def attrs(self, name: str) -> dict[str, Any]:
-        return {k: _from_h5_attr(v) for k, v in self._f[name].attrs.items()}
+        return {k: from_h5_attr(v) for k, v in self._f[name].attrs.items()}
 
     def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
-               attrs: dict[str, Any], compression: str = "none") -> None:
+               attrs: dict[str, Any], compression: str = "none", checksum: bool = True) -> None:
         if name in self._f:
             del self._f[name]
+        # Fletcher-32 adds 4 bytes to every chunk: its size never changes on a rewrite, so
+        # rewritten chunks stay in place (what the crash test needs; see writer.py).
         ds = self._f.create_dataset(
             name, shape=shape, maxshape=(None, *shape[1:]), dtype=dtype, chunks=chunks,
-            fillvalue=0, **_h5_filter(compression),
+            fillvalue=0, fletcher32=checksum, **_h5_filter(compression),
         )
         for k, v in attrs.items():
             ds.attrs[k] = json.dumps(v)
@@ -230,22 +231,9 @@ class HDF5Backend:
     def has(self, name: str) -> bool:
         return name in self._f
 
-    def nbytes_stored(self, name: str) -> int:
-        return int(self._f[name].id.get_storage_size())
-
-    def missing_chunks(self, name: str, n_rows: int) -> list[tuple[int, ...]]:
-        ds = self._f[name]
-        shape, _, chunks = self.info(name)
-        shape = (min(n_rows, shape[0]), *shape[1:])
-        grid = [-(-s // c) for s, c in zip(shape, chunks, strict=True)]
-        expected = int(np.prod(grid))
-        if expected == 0 or ds.id.get_num_chunks() >= expected:
-            return []
-        present = set()
-        for i in range(ds.id.get_num_chunks()):
-            off = ds.id.get_chunk_info(i).chunk_offset
-            present.add(tuple(o // c for o, c in zip(off, chunks, strict=True)))
-        return [tuple(int(i) for i in idx) for idx in np.ndindex(*grid) if tuple(idx) not in present]
+    def inventory(self) -> Inventory:
+        """Root attributes and every dataset; links and external data refused."""
+        return hdf5_inventory(self.path, self._f)
 
     def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
         return np.asarray(self._f[name][sel])
@@ -255,17 +243,6 @@ class HDF5Backend:
 
     def close(self) -> None:
         self._f.close()
-
-
-def _from_h5_attr(v: Any) -> Any:
-    if isinstance(v, bytes):
-        v = v.decode()
-    if isinstance(v, str):
-        try:
-            return json.loads(v)
-        except json.JSONDecodeError:
-            return v
-    return v
 
 
 def open_backend(path: str | os.PathLike[str], mode: str = "r") -> ZarrBackend | HDF5Backend:

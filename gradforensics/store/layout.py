@@ -15,6 +15,8 @@ The rules (measured in ``benchmarks/store_layout.py``, written up in
 * Small arrays (metadata, sketches, activation statistics) take several
   flushes per chunk, up to ``small_chunk_bytes``; rewriting such a chunk costs
   at most that much per flush.
+* Every chunk carries a checksum (``checksums``): a damaged chunk fails to
+  decode, naming its array and records, instead of reading back as gradients.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class LayoutPolicy:
     buffer_bytes: int = 256 * MiB
     small_chunk_bytes: int = 1 * MiB
     max_records_per_chunk: int = 64
+    #: CRC-32C (Zarr) / Fletcher-32 (HDF5) on every chunk: damage is an error, never data.
+    checksums: bool = True
 
 
 def _pow2_floor(x: float) -> int:

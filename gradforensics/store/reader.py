@@ -1,6 +1,7 @@
 """Open a store for reading: validate once, then hand out lazy dask arrays.
 
-``Store(path)`` checks, at open: the path is a store, its schema version is
+``Store(path)`` checks, at open (without trusting the store: see ``inventory.py`` and
+``validate.py``): the path is a store, its schema version is
 known, the schema's arrays are present with the committed length, and every
 chunk of the committed records exists on disk (a deleted chunk would otherwise
 read back silently as zeros).  After that, readers trust the parsed metadata.
@@ -12,7 +13,6 @@ import json
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,13 +21,11 @@ from gradforensics.errors import CorruptChunkError, MissingArrayError, NotAStore
 from gradforensics.store.backends import ArrayHandle, backend_kind, open_backend
 from gradforensics.store.layout import MiB
 from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
+from gradforensics.store.validate import check_arrays, rows_of
 from gradforensics.store.writer import WEIGHT_RECORD
 
 if TYPE_CHECKING:
     import dask.array as da
-
-REQUIRED_BATCHES = ("step", "loss", "mixture", "n_samples")
-
 
 @dataclass(frozen=True)
 class ArrayInfo:
@@ -63,26 +61,33 @@ class ArrayInfo:
 
 
 class Store:
-    """A gradforensics store (Zarr v3 directory or HDF5 file), opened read-only."""
+    """A gradforensics store (Zarr v3 directory or HDF5 file), opened read-only.
+
+    Opening lists the store without trusting it (:mod:`gradforensics.store.inventory`),
+    parses the root attributes strictly (:func:`~gradforensics.store.schema.parse_root_attrs`)
+    and checks every array against the schema (:mod:`gradforensics.store.validate`),
+    before anything is allocated.  With ``check_chunks=False`` the chunks of the
+    bulk arrays (gradients, sketches, weights) are not checked: ``report`` reads
+    only the small arrays and the ``analysis/`` results.
+    """
 
     def __init__(self, path: str | os.PathLike[str], *, check_chunks: bool = True) -> None:
         self.path = str(path)
         self.kind = backend_kind(self.path)
-        if not Path(self.path).exists():
+        if not os.path.lexists(self.path):
             raise NotAStoreError(f"{self.path}: no such file or directory; expected a gradforensics store.")
         b = open_backend(self.path, "r")
         try:
-            self.meta: StoreMeta = parse_root_attrs(self.path, b.root_attrs().get(ROOT_ATTR))
-            names = b.names()
-            self.arrays: dict[str, ArrayInfo] = {}
-            for name in names:
-                shape, dtype, chunks = b.info(name)
-                n = self._rows_of(name)
-                self.arrays[name] = ArrayInfo(name, (min(shape[0], n), *shape[1:]), chunks, dtype,
-                                              b.attrs(name), b.nbytes_stored(name))
-            self._validate(b, check_chunks)
+            inv = b.inventory()
         finally:
             b.close()
+        self.meta: StoreMeta = parse_root_attrs(self.path, inv.root_attrs.get(ROOT_ATTR))
+        check_arrays(self.path, self.meta, inv.arrays, check_chunks)
+        self.arrays: dict[str, ArrayInfo] = {}
+        for name, a in sorted(inv.arrays.items()):
+            n = rows_of(name, self.meta)
+            shape = a.shape if n is None else (n, *a.shape[1:])
+            self.arrays[name] = ArrayInfo(name, shape, a.chunks, a.dtype, a.attrs, a.nbytes_stored)
 
     # ---------------------------------------------------------------- basics
     @property
@@ -96,13 +101,6 @@ class Store:
     @property
     def mode(self) -> str:
         return self.meta.mode
-
-    def _rows_of(self, name: str) -> int:
-        if name.startswith("weights/"):
-            return self.meta.n_weights
-        if name.startswith("analysis/"):
-            return 1 << 62
-        return self.meta.n_records
 
     def _group(self, prefix: str) -> dict[str, ArrayInfo]:
         return {i.key: i for n, i in self.arrays.items() if n.startswith(prefix + "/")}
@@ -128,30 +126,6 @@ class Store:
     def tensors(self) -> list[str]:
         """Every tensor with gradient information (whole or sketched), sorted."""
         return sorted(set(self.grads) | set(self.sketches))
-
-    # ------------------------------------------------------------ validation
-    def _validate(self, b: Any, check_chunks: bool) -> None:
-        for f in REQUIRED_BATCHES:
-            name = f"batches/{f}"
-            if name not in self.arrays:
-                raise MissingArrayError(f"{self.path}: required array {name} is missing; the store is incomplete.")
-        for name, info in self.arrays.items():
-            want = self._rows_of(name)
-            if name.startswith("analysis/"):
-                continue
-            if info.shape[0] < want:
-                raise CorruptChunkError(
-                    f"{self.path}: {name} holds {info.shape[0]} rows; the store commits {want}."
-                )
-            if check_chunks and want:
-                missing = b.missing_chunks(name, want)
-                if missing:
-                    c0 = missing[0]
-                    r0 = c0[0] * info.chunks[0]
-                    raise CorruptChunkError(
-                        f"{self.path}: {name}: chunk {'.'.join(map(str, c0))} is missing on disk "
-                        f"(records {r0}-{min(r0 + info.chunks[0], want) - 1} affected; {len(missing)} chunk(s) missing)."
-                    )
 
     # ---------------------------------------------------------------- reads
     def read(self, name: str) -> np.ndarray:

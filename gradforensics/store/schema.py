@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from gradforensics.errors import NotAStoreError, SchemaVersionError, SpecError
+from gradforensics.errors import CorruptStoreError, NotAStoreError, SchemaVersionError, SpecError
+from gradforensics.store.names import check_name, name_problem
 
 SCHEMA_VERSION = 1
 ROOT_ATTR = "gradforensics"
@@ -81,7 +82,7 @@ def new_meta(
     extra: dict[str, Any] | None = None,
 ) -> StoreMeta:
     """Validate the user's choices and build the metadata of a new store."""
-    srcs = tuple(str(s) for s in sources)
+    srcs = tuple(check_name(s, "source") for s in sources)
     if not srcs:
         raise SpecError("sources must name at least one data source, e.g. sources=['en']; got none.")
     if len(set(srcs)) != len(srcs):
@@ -96,35 +97,72 @@ def new_meta(
     )
 
 
-def parse_root_attrs(path: str, attrs: dict[str, Any] | None) -> StoreMeta:
-    """Parse and validate the ``gradforensics`` root attribute of the store at *path*."""
+def parse_root_attrs(path: str, attrs: Any) -> StoreMeta:
+    """Parse and validate the ``gradforensics`` root attribute of the store at *path*.
+
+    Every field is typed strictly (``n_records`` is a non-negative integer, not
+    ``"12"``, ``3.7`` or ``true``); a malformed field is one
+    :class:`~gradforensics.errors.CorruptStoreError` naming it.
+    """
     if not attrs:
         raise NotAStoreError(
             f"{path}: not a gradforensics store (no '{ROOT_ATTR}' root attribute); "
             "expected a store written by gf.Recorder."
         )
+    if not isinstance(attrs, dict):
+        raise CorruptStoreError(f"{path}: root attribute '{ROOT_ATTR}' is a {type(attrs).__name__}, not an object; "
+                                "the store's metadata is damaged.")
     schema = attrs.get("schema")
-    if schema != SCHEMA_VERSION:
+    if type(schema) is not int or schema != SCHEMA_VERSION:
         raise SchemaVersionError(
-            f"{path} has schema {schema}; this gradforensics reads schema {SCHEMA_VERSION}. "
+            f"{path} has schema {schema!r}; this gradforensics reads schema {SCHEMA_VERSION}. "
             "Upgrade gradforensics, or re-capture."
         )
-    try:
-        return StoreMeta(
-            sources=tuple(attrs["sources"]),
-            mode=str(attrs.get("mode", "training")),
-            n_records=int(attrs.get("n_records", 0)),
-            n_weights=int(attrs.get("n_weights", 0)),
-            framework=str(attrs.get("framework", "")),
-            model=dict(attrs.get("model", {})),
-            created=str(attrs.get("created", "")),
-            records_per_chunk=int(attrs.get("records_per_chunk", 1)),
-            extra=dict(attrs.get("extra", {})),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise NotAStoreError(
-            f"{path}: root attribute '{ROOT_ATTR}' is malformed ({exc!r}); expected schema-1 fields."
-        ) from exc
+    get = _FieldReader(path, attrs)
+    sources = get("sources", list, required=True)
+    problems = [p for p in (name_problem(s) for s in sources) if p]
+    if not sources or problems or len(set(sources)) != len(sources):
+        raise get.error("sources", "a non-empty list of distinct, valid source names")
+    mode = get("mode", str, "training")
+    if mode not in MODES:
+        raise get.error("mode", f"one of {MODES}")
+    return StoreMeta(
+        sources=tuple(sources), mode=mode,
+        n_records=get.count("n_records", 0), n_weights=get.count("n_weights", 0),
+        framework=get("framework", str, ""), model=get("model", dict, {}), created=get("created", str, ""),
+        records_per_chunk=max(get.count("records_per_chunk", 1), 1), extra=get("extra", dict, {}),
+    )
+
+
+class _FieldReader:
+    """Typed access to the root attribute's fields, with one error message shape."""
+
+    def __init__(self, path: str, attrs: dict[str, Any]) -> None:
+        self.path, self.attrs = path, attrs
+
+    def error(self, key: str, want: str) -> CorruptStoreError:
+        value = repr(self.attrs.get(key))
+        value = value if len(value) <= 80 else value[:77] + "..."
+        return CorruptStoreError(f"{self.path}: root attribute '{ROOT_ATTR}' field {key!r} is {value}; "
+                                 f"expected {want}. The store's metadata is damaged.")
+
+    def __call__(self, key: str, kind: type, default: Any = None, required: bool = False) -> Any:
+        if key not in self.attrs:
+            if required:
+                raise self.error(key, f"a {kind.__name__} (the field is required)")
+            return default
+        value: Any = self.attrs[key]
+        if type(value) is not kind:
+            raise self.error(key, f"a {kind.__name__}")
+        if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            raise self.error(key, "a list of strings")
+        return value
+
+    def count(self, key: str, default: int) -> int:
+        value = self.attrs.get(key, default)
+        if type(value) is not int or value < 0:
+            raise self.error(key, "a non-negative integer")
+        return value
 
 
 def grad_path(tensor: str) -> str:

@@ -10,12 +10,15 @@ Protocol, per flush of ``R`` buffered records:
 A process killed at any point leaves a store whose committed count names only
 complete records; arrays may be longer than that and readers ignore the tail.
 There is exactly one writer per store (zarr 3 and h5py both lose data under
-concurrent writers to one array); for data-parallel capture write one store
-per rank.
+concurrent writers to one array): the writer holds the store's lock
+(:mod:`gradforensics.store.lock`) from open to close.  An existing path is
+replaced only with ``overwrite=True`` and only when it is a gradforensics
+store; anything else there is never deleted.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass, field, replace
@@ -24,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from gradforensics.errors import StoreClosedError, StoreMismatchError
+from gradforensics.errors import StoreClosedError, StoreExistsError, StoreMismatchError
 from gradforensics.store.backends import backend_kind, open_backend
 from gradforensics.store.layout import LayoutPolicy, chunk_shape, records_per_chunk
+from gradforensics.store.lock import StoreLock
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta
 
 WEIGHT_RECORD = "weights/_record"
@@ -50,15 +54,16 @@ class StoreWriter:
                  records_per_chunk: int | None = None) -> None:
         self.path = str(path)
         self.kind = backend_kind(self.path)
-        p = Path(self.path)
-        if p.exists():
-            if not overwrite:
-                raise FileExistsError(f"{self.path} already exists; pass overwrite=True to replace it.")
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        self._lock = StoreLock(self.path).acquire()
+        try:
+            _clear_path(Path(self.path), overwrite)
+            self._backend = open_backend(self.path, "w")
+        except BaseException:
+            self._lock.release()
+            raise
         self.meta = meta
         self.policy = policy or LayoutPolicy()
         self._fixed_r = records_per_chunk
-        self._backend = open_backend(self.path, "w")
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
         self._buffer: list[dict[str, Row]] = []
         self._weights: list[tuple[int, dict[str, Row]]] = []
@@ -109,7 +114,10 @@ class StoreWriter:
             self.flush()
         finally:
             self._closed = True
-            self._backend.close()
+            try:
+                self._backend.close()
+            finally:
+                self._lock.release()
 
     # ------------------------------------------------------------- internals
     def _plan(self, rows: dict[str, Row]) -> None:
@@ -129,7 +137,8 @@ class StoreWriter:
         # (seen in tests/test_crash.py); uncompressed chunks are rewritten in place.
         small = chunks[0] > r and row.compression == "none"
         compression = "zstd" if small and self.kind == "zarr" else row.compression
-        self._backend.create(name, (0, *data.shape), data.dtype.str, chunks, row.attrs, compression)
+        self._backend.create(name, (0, *data.shape), data.dtype.str, chunks, row.attrs, compression,
+                             self.policy.checksums)
         self._layout[name] = (tuple(data.shape), data.dtype)
 
     def _check(self, rows: dict[str, Row]) -> None:
@@ -155,7 +164,7 @@ class StoreWriter:
                 if not self._backend.has(name):
                     chunks = chunk_shape(row.data.shape, row.data.dtype.itemsize, 1, self.policy)
                     self._backend.create(name, (0, *row.data.shape), row.data.dtype.str, chunks,
-                                         row.attrs, row.compression)
+                                         row.attrs, row.compression, self.policy.checksums)
                 shape, _, _ = self._backend.info(name)
                 if tuple(shape[1:]) != row.data.shape:
                     raise StoreMismatchError(
@@ -164,7 +173,7 @@ class StoreWriter:
                 self._backend.truncate(name, nw)
                 self._backend.write_rows(name, nw, row.data[None])
             if not self._backend.has(WEIGHT_RECORD):
-                self._backend.create(WEIGHT_RECORD, (0,), "<i8", (1024,), {}, "none")
+                self._backend.create(WEIGHT_RECORD, (0,), "<i8", (1024,), {}, "none", self.policy.checksums)
             self._backend.write_rows(WEIGHT_RECORD, nw, np.array([rec_index], dtype=np.int64))
             nw += 1
         self._weights.clear()
@@ -172,3 +181,60 @@ class StoreWriter:
 
     def _commit(self) -> None:
         self._backend.set_root_attr(ROOT_ATTR, self.meta.committed(self._n, self._nw).to_attrs())
+        self._lock.heartbeat()
+
+
+def _clear_path(p: Path, overwrite: bool) -> None:
+    """Make room for a new store at *p*: refuse, or delete an old gradforensics store there."""
+    if not (p.exists() or p.is_symlink()):
+        return
+    if not overwrite:
+        raise StoreExistsError(f"{p} already exists; pass overwrite=True to replace a gradforensics store, "
+                               "or choose another path.")
+    problem = _not_a_store(p)
+    if problem:
+        raise StoreExistsError(f"{p} {problem}; refusing to delete it, even with overwrite=True. "
+                               "Choose another path, or remove it yourself.")
+    if p.is_dir():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
+
+
+def _not_a_store(p: Path) -> str | None:
+    """Why *p* is not a gradforensics store that may be deleted, or None when it is one."""
+    if p.is_symlink():
+        return "is a symbolic link"
+    if backend_kind(p) == "hdf5":
+        return _not_an_hdf5_store(p)
+    if not p.is_dir():
+        return "is not a directory"
+    try:
+        root = json.loads((p / "zarr.json").read_text())
+        if not isinstance(root.get("attributes", {}).get("gradforensics"), dict):
+            return "is a Zarr group but not a gradforensics store"
+    except (OSError, ValueError, AttributeError):
+        return "is not a Zarr group (no readable zarr.json)"
+    for top, dirs, files in os.walk(p):
+        rel = Path(top).relative_to(p).parts
+        for entry in [*dirs, *files]:
+            if (Path(top) / entry).is_symlink():
+                return f"holds a symbolic link ({Path(*rel, entry)})"
+        for f in files:
+            if f != "zarr.json" and "c" not in rel:
+                return f"holds {Path(*rel, f)}, which no gradforensics store holds"
+    return None
+
+
+def _not_an_hdf5_store(p: Path) -> str | None:
+    import h5py
+
+    if not p.is_file():
+        return "is not a file"
+    try:
+        with h5py.File(p, "r") as f:
+            if "gradforensics" not in f.attrs:
+                return "is an HDF5 file but not a gradforensics store"
+    except OSError:
+        return "is not an HDF5 file"
+    return None

@@ -1,0 +1,313 @@
+"""What a store holds on disk, read without trusting it: one walk, no allocation.
+
+A store arrives from someone else, so its listing is taken here by gradforensics
+itself, before zarr or h5py are asked to read anything: every Zarr ``zarr.json``
+is parsed with size limits and type checks, every chunk file is counted and
+sized, and anything that could point outside the store (a symbolic link; an
+HDF5 external link, external storage or virtual dataset) is refused.  The result
+is a list of :class:`StoredArray`, which :mod:`gradforensics.store.reader`
+checks against the schema.  Chunk presence is computed from the files that exist,
+never by walking a chunk grid whose size the metadata claims (an inflated
+``shape`` would otherwise hang the open or allocate gigabytes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradforensics.errors import CorruptStoreError, NotAStoreError
+
+#: A ``zarr.json`` larger than this is not metadata gradforensics wrote.
+MAX_METADATA_BYTES = 16 << 20
+#: A decoded chunk larger than this is not a chunk gradforensics wrote (policy chunks are ~8 MiB).
+MAX_CHUNK_BYTES = 1 << 30
+#: Beyond this many chunks in a grid, a missing chunk is counted, not located.
+MAX_GRID_WALK = 1_000_000
+DTYPES = frozenset({"float32", "float16", "float64", "uint16", "uint8", "int32", "int64"})
+
+
+@dataclass
+class StoredArray:
+    """One array as found on disk (shape and chunks as the metadata claims them)."""
+
+    name: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: str
+    attrs: dict[str, Any]
+    nbytes_stored: int = 0
+    #: chunk index -> size in bytes of its file (Zarr), or the set of allocated chunks (HDF5)
+    chunk_files: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: exact size every chunk file must have (uncompressed Zarr), else None
+    chunk_file_bytes: int | None = None
+    #: every chunk of the grid is known to be there (HDF5 counted them)
+    all_present: bool = False
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return math.prod(self.chunks) * np.dtype(self.dtype).itemsize
+
+    def grid(self, n_rows: int) -> tuple[int, ...]:
+        shape = (min(n_rows, self.shape[0]), *self.shape[1:])
+        return tuple(-(-s // c) for s, c in zip(shape, self.chunks, strict=True))
+
+    def missing_chunks(self, n_rows: int) -> tuple[int, tuple[int, ...] | None]:
+        """(how many chunks of the first *n_rows* rows have no data, the first of them if located)."""
+        if self.all_present:
+            return 0, None
+        grid = self.grid(n_rows)
+        expected = math.prod(grid)
+        present = sum(1 for idx in self.chunk_files if all(i < g for i, g in zip(idx, grid, strict=False)))
+        if present >= expected:
+            return 0, None
+        if expected > MAX_GRID_WALK:
+            return expected - present, None
+        first = next(idx for idx in np.ndindex(*grid) if tuple(idx) not in self.chunk_files)
+        return expected - present, tuple(int(i) for i in first)
+
+    def bad_chunk_file(self, n_rows: int) -> tuple[tuple[int, ...], int] | None:
+        """A chunk file of the first *n_rows* rows whose size is not what its codecs write."""
+        if self.chunk_file_bytes is None:
+            return None
+        grid = self.grid(n_rows)
+        for idx, size in self.chunk_files.items():
+            if size != self.chunk_file_bytes and all(i < g for i, g in zip(idx, grid, strict=False)):
+                return idx, size
+        return None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """A store's root attributes and arrays, as listed by gradforensics itself."""
+
+    root_attrs: dict[str, Any]
+    arrays: dict[str, StoredArray]
+
+
+def _corrupt(path: str, where: str, what: str) -> CorruptStoreError:
+    return CorruptStoreError(f"{path}: {where}: {what}; the store's metadata is damaged.")
+
+
+# ------------------------------------------------------------------ Zarr v3
+def zarr_inventory(path: str) -> Inventory:
+    """Every array of the Zarr v3 store at *path*, from its own ``zarr.json`` files."""
+    root = Path(path)
+    if root.is_symlink() and not root.is_dir():
+        raise NotAStoreError(f"{path}: a symbolic link to nothing; expected a gradforensics store.")
+    if not (root / "zarr.json").is_file():
+        raise NotAStoreError(f"{path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
+    arrays: list[StoredArray] = []
+    root_attrs: dict[str, Any] = {}
+    for top, dirs, files in os.walk(root):
+        here = Path(top)
+        rel = here.relative_to(root).as_posix()
+        rel = "" if rel == "." else rel
+        for entry in sorted([*dirs, *files]):
+            if (here / entry).is_symlink():
+                raise CorruptStoreError(
+                    f"{path}: {'/'.join(filter(None, (rel, entry)))} is a symbolic link; a store is data and may not "
+                    "point outside itself. Copy the store with the link resolved (cp -rL) if you trust it."
+                )
+        if "zarr.json" not in files:
+            if rel:
+                raise _corrupt(path, f"{rel}/", "the directory has no zarr.json (its metadata was deleted)")
+            continue
+        meta = _read_json(path, rel, here / "zarr.json")
+        node = meta.get("node_type")
+        if node == "group":
+            if not rel:
+                root_attrs = meta.get("attributes") or {}
+            continue
+        if node != "array":
+            raise _corrupt(path, rel or "/", f"node_type {node!r} is neither 'group' nor 'array'")
+        if not rel:
+            raise NotAStoreError(f"{path}: a Zarr array, not a group; expected a gradforensics store.")
+        arr = _zarr_array(path, rel, meta)
+        _scan_chunks(path, arr, here / "c")
+        arrays.append(arr)
+        dirs.clear()            # an array's directory holds only its chunk tree
+    return Inventory(root_attrs, {a.name: a for a in arrays})
+
+
+def refuse_links(path: str) -> None:
+    """:class:`CorruptStoreError` if anything inside the Zarr store at *path* is a symbolic link.
+
+    Called before gradforensics writes into an existing store (``analysis/``): zarr
+    replaces an array by deleting its directory, which through a link would delete
+    and write files outside the store.
+    """
+    for top, dirs, files in os.walk(path):
+        for entry in [*dirs, *files]:
+            p = Path(top) / entry
+            if p.is_symlink():
+                raise CorruptStoreError(f"{path}: {p.relative_to(path).as_posix()} is a symbolic link; "
+                                        "gradforensics never writes through a link inside a store.")
+
+
+def _read_json(path: str, rel: str, file: Path) -> dict[str, Any]:
+    where = f"{rel}/zarr.json" if rel else "zarr.json"
+    size = file.stat().st_size
+    if size > MAX_METADATA_BYTES:
+        raise _corrupt(path, where, f"{size} bytes, more than any metadata gradforensics writes")
+    try:
+        doc = json.loads(file.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _corrupt(path, where, f"not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise _corrupt(path, where, f"a JSON {type(doc).__name__}, not an object")
+    if doc.get("zarr_format") != 3:
+        raise _corrupt(path, where, f"zarr_format {doc.get('zarr_format')!r}; gradforensics reads Zarr v3")
+    attrs = doc.get("attributes", {})
+    if not isinstance(attrs, dict):
+        raise _corrupt(path, where, "'attributes' is not an object")
+    return doc
+
+
+def _int_list(x: Any, minimum: int) -> tuple[int, ...] | None:
+    if not isinstance(x, list) or not all(type(v) is int and v >= minimum for v in x):
+        return None
+    return tuple(x)
+
+
+def _zarr_array(path: str, rel: str, meta: dict[str, Any]) -> StoredArray:
+    where = f"{rel}/zarr.json"
+    shape = _int_list(meta.get("shape"), 0)
+    if shape is None or not shape:
+        raise _corrupt(path, where, f"shape {meta.get('shape')!r} is not a list of non-negative integers")
+    grid = meta.get("chunk_grid")
+    conf = grid.get("configuration") if isinstance(grid, dict) else None
+    chunks = _int_list(conf.get("chunk_shape") if isinstance(conf, dict) else None, 1)
+    if not isinstance(grid, dict) or grid.get("name") != "regular" or chunks is None or len(chunks) != len(shape):
+        raise _corrupt(path, where, f"chunk_grid {grid!r} is not a regular grid of {len(shape)} positive sizes")
+    dtype = meta.get("data_type")
+    if dtype not in DTYPES:
+        raise _corrupt(path, where, f"data_type {dtype!r} is not one gradforensics writes ({sorted(DTYPES)})")
+    enc = meta.get("chunk_key_encoding")
+    if enc != {"name": "default", "configuration": {"separator": "/"}}:
+        raise _corrupt(path, where, f"chunk_key_encoding {enc!r} is not the default '/' one gradforensics writes")
+    arr = StoredArray(rel, shape, chunks, str(dtype), dict(meta.get("attributes") or {}))
+    if arr.chunk_nbytes > MAX_CHUNK_BYTES:
+        raise _corrupt(path, where, f"chunks of {arr.chunk_nbytes} bytes, beyond {MAX_CHUNK_BYTES} "
+                                    "(gradforensics writes chunks of a few MiB)")
+    arr.chunk_file_bytes = _exact_chunk_bytes(path, where, meta.get("codecs"), arr.chunk_nbytes)
+    return arr
+
+
+def _exact_chunk_bytes(path: str, where: str, codecs: Any, nbytes: int) -> int | None:
+    """The exact chunk file size the codec chain writes, when it is fixed (no compressor)."""
+    if not isinstance(codecs, list) or not codecs or not all(isinstance(c, dict) for c in codecs):
+        raise _corrupt(path, where, f"codecs {codecs!r} is not a list of codec objects")
+    names = [c.get("name") for c in codecs]
+    if names[0] != "bytes":
+        raise _corrupt(path, where, f"codecs {names!r} do not start with 'bytes' as gradforensics writes them")
+    if names == ["bytes"]:
+        return nbytes
+    if names == ["bytes", "crc32c"]:
+        return nbytes + 4
+    return None
+
+
+def _scan_chunks(path: str, arr: StoredArray, cdir: Path) -> None:
+    """Chunk files under an array's ``c/``: their indices and sizes (symbolic links refused)."""
+    total = 0
+    ndim = len(arr.shape)
+    for top, dirs, files in os.walk(cdir):
+        here = Path(top)
+        for entry in [*dirs, *files]:
+            if (here / entry).is_symlink():
+                rel = (here / entry).relative_to(Path(path)).as_posix()
+                raise CorruptStoreError(f"{path}: {rel} is a symbolic link; a store is data and may not point "
+                                        "outside itself.")
+        parts = here.relative_to(cdir).parts
+        for f in files:
+            idx = _chunk_index((*parts, f), ndim)
+            size = (here / f).stat().st_size
+            total += size
+            if idx is not None:
+                arr.chunk_files[idx] = size
+    arr.nbytes_stored = total
+
+
+def _chunk_index(parts: tuple[str, ...], ndim: int) -> tuple[int, ...] | None:
+    if len(parts) != ndim or not all(p.isascii() and p.isdigit() for p in parts):
+        return None
+    return tuple(int(p) for p in parts)
+
+
+# --------------------------------------------------------------------- HDF5
+def hdf5_inventory(path: str, f: Any) -> Inventory:
+    """Every dataset of the open HDF5 file *f*; links and external data are refused."""
+    import h5py
+
+    out: list[StoredArray] = []
+
+    def visit(name: str) -> None:
+        link = f.get(name, getlink=True)
+        if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)):
+            raise CorruptStoreError(f"{path}: {name} is a {type(link).__name__}; a store is data and may not "
+                                    "point elsewhere.")
+        obj = f.get(name)
+        if isinstance(obj, h5py.Dataset):
+            out.append(_hdf5_array(path, name, obj))
+
+    try:
+        f.visit_links(visit)
+        root_attrs = {k: from_h5_attr(v) for k, v in f.attrs.items()}
+    except CorruptStoreError:
+        raise
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise CorruptStoreError(f"{path}: the HDF5 file cannot be listed ({type(exc).__name__}: {exc}); "
+                                "the file is damaged.") from exc
+    return Inventory(root_attrs, {a.name: a for a in out})
+
+
+def _hdf5_array(path: str, name: str, ds: Any) -> StoredArray:
+    if ds.is_virtual or ds.external:
+        raise CorruptStoreError(f"{path}: {name} keeps its data outside the file (virtual or external storage); "
+                                "a store is data and may not point elsewhere.")
+    dtype = ds.dtype.name
+    if dtype not in DTYPES or not ds.shape:
+        raise _corrupt(path, name, f"dtype {ds.dtype} / shape {ds.shape} is not one gradforensics writes")
+    chunks = tuple(int(c) for c in (ds.chunks or ds.shape))
+    shape = tuple(int(s) for s in ds.shape)
+    arr = StoredArray(name, shape, tuple(max(c, 1) for c in chunks), dtype,
+                      {k: from_h5_attr(v) for k, v in ds.attrs.items()}, int(ds.id.get_storage_size()))
+    if arr.chunk_nbytes > MAX_CHUNK_BYTES:
+        raise _corrupt(path, name, f"chunks of {arr.chunk_nbytes} bytes, beyond {MAX_CHUNK_BYTES}")
+    if ds.chunks is None:       # contiguous: all of it is there
+        arr.all_present = True
+    else:
+        _hdf5_chunks(ds, arr)
+    return arr
+
+
+def _hdf5_chunks(ds: Any, arr: StoredArray) -> None:
+    n = ds.id.get_num_chunks()
+    if n >= math.prod(arr.grid(arr.shape[0])):     # all allocated: no need to list them
+        arr.all_present = True
+        return
+    for i in range(n):
+        info = ds.id.get_chunk_info(i)
+        arr.chunk_files[tuple(o // c for o, c in zip(info.chunk_offset, arr.chunks, strict=True))] = int(info.size)
+
+
+def from_h5_attr(v: Any) -> Any:
+    if isinstance(v, bytes):
+        v = v.decode("utf-8", "replace")
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            return v
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v
