@@ -53,7 +53,7 @@ def build(path: Path, gb: float, records: int, tensors: int, seed: int = 0) -> N
     rng = np.random.default_rng(seed)
     names = [f"layers.{i}.mlp.weight" for i in range(tensors)]
     base = {n: rng.standard_normal((side, side), dtype=np.float32) for n in names}
-    with gf.Recorder(path, sources=["a", "b"], mode="training", queue_size=2) as rec:
+    with gf.Recorder(path, sources=["a", "b"], mode="training", queue_size=2, overwrite=True) as rec:
         for i in range(records):
             noise = rng.standard_normal((side, side), dtype=np.float32)
             rec.record(step=i, loss=2.0, source="ab"[i % 2], n_samples=32,

@@ -52,9 +52,9 @@ def run_block(model: Any, opt: Any, mode: str, args: argparse.Namespace, path: P
 
     rec = None
     if mode == "full":
-        rec = gf.Recorder(path, model=model, sources=["a", "b"], heads="auto")
+        rec = gf.Recorder(path, model=model, sources=["a", "b"], heads="auto", overwrite=True)
     elif mode == "sketch":
-        rec = gf.Recorder(path, model=model, sources=["a", "b"], heads="auto", sketch=args.k)
+        rec = gf.Recorder(path, model=model, sources=["a", "b"], heads="auto", sketch=args.k, overwrite=True)
     gen = torch.Generator().manual_seed(1)
     times = []
     t_block, cpu_block = time.perf_counter(), time.process_time()

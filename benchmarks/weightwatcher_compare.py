@@ -60,7 +60,7 @@ def ours(weights: dict[str, np.ndarray], workdir: Path) -> tuple[pd.DataFrame, f
     from gradforensics.testing.planted_units import run_analysis
 
     path = workdir / "minilm.zarr"
-    with gf.Recorder(path, sources=["reference"], mode="replay", background=False) as rec:
+    with gf.Recorder(path, sources=["reference"], mode="replay", background=False, overwrite=True) as rec:
         rec.record(step=0, source="reference", weights=weights)
     import dask.array  # noqa: F401  - imports outside the timing, as for WeightWatcher
     import scipy.linalg  # noqa: F401

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> Path:
                      tensors=["*.self_attn.*_proj.weight", "*.mlp.*.weight"],   # default: every 2-D weight
                      heads="auto",                  # q/k/v/o per head, GQA from the config
                      activations=["*.mlp.act_fn"],  # per-unit statistics of these modules' outputs
-                     weights_every=4) as rec:
+                     weights_every=4, overwrite=True) as rec:   # replaces only a gradforensics store
         for step, (micro_batches, source) in enumerate(loader(args.steps, micro)):
             tokens = 0
             for ids in micro_batches:               # gradient accumulation: .grad sums them

@@ -210,7 +210,7 @@ def capture(checkpoint: Path, store: Path, cfg: DemoConfig, log: IO[str] | None 
     sources = make_sources(cfg)
     streams = {s: batches(src, cfg, [cfg.seed, 3, i]) for i, (s, src) in enumerate(sources.items())}
     replay(model, streams, lm_loss, store, n_per_source=cfg.n_per_source, step=cfg.steps,
-           heads="auto", activations=["*.mlp.act_fn"], progress=log is not None, file=log)
+           heads="auto", activations=["*.mlp.act_fn"], progress=log is not None, file=log, overwrite=True)
     return store
 
 

@@ -291,11 +291,37 @@ class ArrayHandle:
             return np.asarray(f[self.name][sel])
 
     def _describe(self, sel: Any, exc: Exception) -> str:
-        rows = sel[0] if isinstance(sel, tuple) and sel else sel
-        if isinstance(rows, slice):
-            r0, r1 = rows.start or 0, (rows.stop or self.shape[0]) - 1
-            first = r0 // self.chunks[0]
-            where = f"chunk {first} (records {r0}-{r1})"
+        """The failed read, narrowed to the first on-disk chunk that fails on its own."""
+        bad = self._first_bad_chunk(sel)
+        if bad is not None:
+            idx, exc = bad
+            r0 = idx[0] * self.chunks[0]
+            where = f"chunk {'.'.join(map(str, idx))} (records {r0}-{min(r0 + self.chunks[0], self.shape[0]) - 1})"
         else:
             where = f"selection {sel!r}"
-        return f"{self.path}: {self.name}: {where} could not be read or decoded ({type(exc).__name__}: {exc})."
+        return (f"{self.path}: {self.name}: {where} could not be read or decoded ({type(exc).__name__}: {exc}); "
+                "the store is damaged there (a checksum or decode failure is never a gradient).")
+
+    def _first_bad_chunk(self, sel: Any, limit: int = 4096) -> tuple[tuple[int, ...], Exception] | None:
+        """Read the on-disk chunks under *sel* one at a time (only after a failure) to name the bad one."""
+        sel = sel if isinstance(sel, tuple) else (sel,)
+        ranges = []
+        for ax, (n, c) in enumerate(zip(self.shape, self.chunks, strict=True)):
+            s = sel[ax] if ax < len(sel) else slice(None)
+            if isinstance(s, (int, np.integer)):
+                s = slice(int(s), int(s) + 1)
+            if not isinstance(s, slice):
+                return None
+            start, stop, _ = s.indices(n)
+            ranges.append(range(start // c, -(-stop // c)))
+        for k, idx in enumerate(np.ndindex(*[len(r) for r in ranges])):
+            if k >= limit:
+                return None
+            chunk = tuple(r[i] for r, i in zip(ranges, idx, strict=True))
+            box = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(chunk, self.chunks, self.shape,
+                                                                              strict=True))
+            try:
+                self._read(box)
+            except (OSError, RuntimeError, ValueError) as exc:
+                return chunk, exc
+        return None
