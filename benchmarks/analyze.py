@@ -22,6 +22,7 @@ optimistic one; compare phases within one run.
 
     python benchmarks/analyze.py                  # 4 GB, 128 records
     python benchmarks/analyze.py --gb 0.5 --records 64 --backend h5
+    python benchmarks/analyze.py --gb 1 --phases raw,read,pass --compare-checksums   # cost of chunk checksums
 """
 
 from __future__ import annotations
@@ -44,16 +45,18 @@ import numpy as np  # noqa: E402  (after the BLAS thread limits)
 HERE = Path(__file__).resolve().parent
 
 
-def build(path: Path, gb: float, records: int, tensors: int, seed: int = 0) -> None:
+def build(path: Path, gb: float, records: int, tensors: int, seed: int = 0, checksums: bool = True) -> None:
     """A store of about *gb* GB: *records* records of *tensors* float32 (side, side) tensors."""
     import gradforensics as gf
+    from gradforensics.store.layout import LayoutPolicy
 
     per_tensor = gb * 1e9 / records / tensors / 4
     side = int(np.sqrt(per_tensor)) // 64 * 64
     rng = np.random.default_rng(seed)
     names = [f"layers.{i}.mlp.weight" for i in range(tensors)]
     base = {n: rng.standard_normal((side, side), dtype=np.float32) for n in names}
-    with gf.Recorder(path, sources=["a", "b"], mode="training", queue_size=2, overwrite=True) as rec:
+    with gf.Recorder(path, sources=["a", "b"], mode="training", queue_size=2, overwrite=True,
+                     layout=LayoutPolicy(checksums=checksums)) as rec:
         for i in range(records):
             noise = rng.standard_normal((side, side), dtype=np.float32)
             rec.record(step=i, loss=2.0, source="ab"[i % 2], n_samples=32,
@@ -210,6 +213,8 @@ def main() -> None:
     p.add_argument("--rebuild", action="store_true")
     p.add_argument("--delete", action="store_true", help="remove the store afterwards")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--compare-checksums", action="store_true",
+                   help="also build the same store without chunk checksums and run every phase on both, interleaved")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -217,22 +222,31 @@ def main() -> None:
         args.phase = args.child
         child(args)
         return
-    store = Path(args.dir) / f"bench-{args.gb:g}gb-{args.records}r-{args.tensors}t.{args.backend}"
-    if args.rebuild or not store.exists():
-        if store.exists():
-            shutil.rmtree(store) if store.is_dir() else store.unlink()
-        store.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        build(store, args.gb, args.records, args.tensors)
-        print(f"built {store} in {time.perf_counter() - t0:.1f} s")
+    stem = f"bench-{args.gb:g}gb-{args.records}r-{args.tensors}t"
+    variants = {"": True, "-nocrc": False} if args.compare_checksums else {"": True}
+    stores = {tag: Path(args.dir) / f"{stem}{tag}.{args.backend}" for tag in variants}
+    for tag, store in stores.items():
+        if args.rebuild or not store.exists():
+            if store.exists():
+                shutil.rmtree(store) if store.is_dir() else store.unlink()
+            store.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            build(store, args.gb, args.records, args.tensors, checksums=variants[tag])
+            print(f"built {store} in {time.perf_counter() - t0:.1f} s")
+    store = stores[""]
     results: dict[str, list[dict]] = {}
     for phase in args.phases.split(","):
-        r = run_phase(phase, store, args.slab_mb)
-        results.setdefault(phase, []).append(r)
-        gbs = r["bytes"] / 1e9 / r["seconds"]
-        print(f"{phase:>5}: {r['seconds']:7.2f} s  {gbs:6.2f} GB/s  cpu {r['cpu_seconds']:7.2f} s  "
-              f"peak RSS {r['peak_rss_mb']:7.0f} MB  ({r['bytes'] / 1e9:.2f} GB)", flush=True)
+        for tag, path in stores.items():
+            r = run_phase(phase, path, args.slab_mb)
+            results.setdefault(phase + tag, []).append(r)
+            gbs = r["bytes"] / 1e9 / r["seconds"]
+            print(f"{phase + tag:>11}: {r['seconds']:7.2f} s  {gbs:6.2f} GB/s  cpu {r['cpu_seconds']:7.2f} s  "
+                  f"peak RSS {r['peak_rss_mb']:7.0f} MB  ({r['bytes'] / 1e9:.2f} GB)", flush=True)
     best = {k: min(v, key=lambda r: r["seconds"]) for k, v in results.items()}
+    for phase in args.phases.split(","):
+        if f"{phase}-nocrc" in best:
+            cost = best[phase]["seconds"] / best[f"{phase}-nocrc"]["seconds"]
+            print(f"{phase}: checksummed / unchecksummed time {cost:.2f}x")
     summary = {"store": str(store), "gb": best[next(iter(best))]["bytes"] / 1e9, "records": args.records,
                "cpus": os.cpu_count(), "phases": best}
     if "read" in best:
@@ -244,7 +258,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     if args.delete:
-        shutil.rmtree(store) if store.is_dir() else store.unlink()
+        for path in stores.values():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from gradforensics._text import terminal
 from gradforensics.errors import GradforensicsError
 
 #: verb -> (module under gradforensics.commands, one-line help)
@@ -45,11 +46,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except GradforensicsError as exc:
-        print(f"gradforensics {args.verb}: error: {exc}", file=sys.stderr)
+        print(terminal(f"gradforensics {args.verb}: error: {exc}"), file=sys.stderr)   # one line, whatever it names
+        _quiet_abandoned_reads()
         return 2
     except KeyboardInterrupt:
         print(f"gradforensics {args.verb}: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_abandoned_reads() -> None:
+    """After an error, keep stderr to its one line.
+
+    A chunk that fails its checksum aborts zarr's concurrent read of its
+    neighbours; asyncio then reports each abandoned read ("Task was destroyed but
+    it is pending!") when the interpreter exits.  They are the same error, told
+    already.
+    """
+    import logging
+
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 if __name__ == "__main__":  # pragma: no cover

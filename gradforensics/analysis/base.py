@@ -107,10 +107,17 @@ class Flag:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Flag:
-        return cls(kind=d["kind"], tensor=d["tensor"], head=d.get("head"), sources=tuple(d.get("sources", ())),
-                   severity=float(d["severity"]), records=(int(d["records"][0]), int(d["records"][1])),
-                   evidence=dict(d.get("evidence", {})), summary=str(d.get("summary", "")))
+    def from_dict(cls, d: Mapping[str, Any], where: str = "flag") -> Flag:
+        """Inverse of :meth:`to_dict`, every field checked (:func:`gradforensics.analysis.stored.parse_flag`).
+
+        Raises
+        ------
+        CorruptStoreError
+            A field is missing, unknown, mistyped or out of range; the message starts with *where*.
+        """
+        from gradforensics.analysis.stored import parse_flag
+
+        return parse_flag(d, where)
 
 
 def _plain(v: Any) -> Any:
@@ -269,16 +276,21 @@ class Findings:
 
     @classmethod
     def from_store(cls, store: Store) -> Findings:
-        import pandas as pd
+        """The findings ``analyze`` stored in *store*'s ``analysis/`` group, parsed strictly.
 
-        doc = store.read_document("findings")
-        results: dict[str, AnalysisResult] = {}
-        for name in doc["analyses"]:
-            t = store.read_document(f"tables/{name}")
-            table = pd.DataFrame(t["data"], columns=t["columns"])
-            results[name] = AnalysisResult(table=table, series=unpack_series(store.read(f"analysis/series/{name}")))
-        return cls(store=doc["store"], n_records=doc["n_records"], mode=doc["mode"], sources=tuple(doc["sources"]),
-                   header=doc["header"], results=results, flags=[Flag.from_dict(f) for f in doc["flags"]])
+        The store may come from someone else: every document is checked
+        (:func:`gradforensics.analysis.stored.read_findings`) before it is trusted.
+
+        Raises
+        ------
+        CorruptStoreError
+            A stored document is malformed (named, with what is wrong).
+        MissingArrayError
+            A table or series the findings name is absent.
+        """
+        from gradforensics.analysis.stored import read_findings
+
+        return cls(**read_findings(store))
 
 
 def pack_series(series: Mapping[str, Any]) -> np.ndarray:
@@ -297,13 +309,14 @@ def pack_series(series: Mapping[str, Any]) -> np.ndarray:
     return np.frombuffer(buf.getvalue(), dtype=np.uint8)
 
 
-def unpack_series(raw: np.ndarray) -> dict[str, np.ndarray]:
-    """Inverse of :func:`pack_series`."""
-    import io
+def unpack_series(raw: np.ndarray, where: str = "series") -> dict[str, np.ndarray]:
+    """Inverse of :func:`pack_series`; a malformed image is a :class:`~gradforensics.errors.CorruptStoreError`.
 
-    with np.load(io.BytesIO(np.asarray(raw, dtype=np.uint8).tobytes()), allow_pickle=False) as z:
-        keys = [str(k) for k in z["__keys__"]]
-        return {k: z[f"s{i}"] for i, k in enumerate(keys)}
+    See :func:`gradforensics.analysis.stored.parse_series` for what is checked.
+    """
+    from gradforensics.analysis.stored import parse_series
+
+    return parse_series(raw, where)
 
 
 def flag_to_json(flag: Flag) -> str:

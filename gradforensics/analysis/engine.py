@@ -316,12 +316,20 @@ def _versions() -> dict[str, str]:
 
 
 def _persist(store: Store, findings: Findings, grams: dict[tuple[str, int | None], GramResult]) -> None:
-    """Save findings and Gram matrices under ``analysis/``; a read-only store only warns."""
+    """Save findings and Gram matrices under ``analysis/``, holding the store's writer lock.
+
+    A store that is read-only, or that a live writer still holds, only warns: the
+    findings are returned and reported either way.
+    """
+    from gradforensics.errors import StoreLockedError
+    from gradforensics.store.lock import StoreLock
+
     try:
-        if grams:
-            save_grams(store, grams)
-        store.write_analysis(*findings.to_documents())
-    except PermissionError as exc:
+        with StoreLock(store.path):
+            if grams:
+                save_grams(store, grams)
+            store.write_analysis(*findings.to_documents())
+    except (PermissionError, StoreLockedError) as exc:
         warnings.warn(f"{store.path}: analysis results not saved in the store ({exc}); "
                       "`gradforensics report` will need a re-analysis.", stacklevel=3)
 

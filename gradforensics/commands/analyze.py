@@ -14,12 +14,10 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from gradforensics._text import terminal
 from gradforensics.errors import SpecError
-
-if TYPE_CHECKING:
-    from gradforensics.analysis.base import Findings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,39 +68,16 @@ def _client(args: argparse.Namespace) -> Iterator[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from gradforensics.analysis.engine import analyze
+    from gradforensics.report import report
 
     options = {"engine": {"slab_bytes": int(args.slab_mb * (1 << 20))}} if args.slab_mb else None
     with _client(args) as client:
         findings = analyze(args.store, client=client, only=args.only, options=options, progress=not args.quiet)
-    _write_report(findings, args.out, args.store)
+    report(findings, args.out, store=args.store)
     n_top = sum(f.severity > 0.5 for f in findings.flags)
-    print(f"{findings.store}: {len(findings.flags)} findings ({n_top} above 0.5); report in {args.out}",
+    print(terminal(f"{findings.store}: {len(findings.flags)} findings ({n_top} above 0.5); report in {args.out}"),
           file=sys.stderr)
     if args.fail_on is not None and any(f.severity >= args.fail_on - 1e-12 for f in findings.flags):
         return 1
     return 0
 
-
-def _write_report(findings: Findings, out: str, store: str) -> None:
-    try:
-        from gradforensics.report import report
-    except ImportError:   # the report package is not there yet: flags.json + tables only
-        _fallback_report(findings, out)
-        return
-    report(findings, out, store=store)
-
-
-def _fallback_report(findings: Findings, out: str) -> None:
-    """flags.json and tables/<name>.csv, for a build without :mod:`gradforensics.report`.
-
-    Kept so ``analyze`` still leaves the contract files if the report package
-    fails to import; the report package writes the full report.
-    """
-    import json
-    from pathlib import Path
-
-    d = Path(out)
-    (d / "tables").mkdir(parents=True, exist_ok=True)
-    (d / "flags.json").write_text(json.dumps(findings.flags_json(), indent=2))
-    for name, res in findings.results.items():
-        res.table.to_csv(d / "tables" / f"{name}.csv", index=False)

@@ -1,4 +1,9 @@
-"""``gradforensics inspect STORE``: what the store holds."""
+"""``gradforensics inspect STORE``: what the store holds.
+
+Names in a store are someone else's strings: every line is printed through
+:func:`gradforensics._text.terminal`, so a name holding an escape sequence is
+shown (``\\x1b[31m``) instead of acting on the reader's terminal.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,13 @@ import argparse
 import json
 
 from gradforensics._format import fmt_bytes
+from gradforensics._text import terminal
 from gradforensics.store.reader import Store
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", help="a *.zarr directory or *.h5 file written by gradforensics")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-
-
 
 
 def summarize(store: Store) -> dict:
@@ -40,25 +44,33 @@ def summarize(store: Store) -> dict:
 def run(args: argparse.Namespace) -> int:
     s = summarize(Store(args.store))
     if args.json:
-        print(json.dumps(s, indent=2))
+        print(json.dumps(s, indent=2))        # JSON escapes control characters itself
         return 0
-    print(f"{s['path']}  ({s['backend']}, schema {s['schema']}, mode {s['mode']}, framework {s['framework']})")
+    for line in _lines(s):
+        print(terminal(line))                 # names come from the store: escape sequences are shown, not sent
+    return 0
+
+
+def _lines(s: dict) -> list[str]:
+    """The human-readable summary, one string per line (not yet made safe for a terminal)."""
+    out = [f"{s['path']}  ({s['backend']}, schema {s['schema']}, mode {s['mode']}, framework {s['framework']})"]
     if s["model"]:
-        print("model:   " + ", ".join(f"{k}={v}" for k, v in s["model"].items()))
-    print(f"records: {s['records']}  (chunks of {s['records_per_chunk']}), weight snapshots: {s['weight_snapshots']}")
-    print("sources: " + ", ".join(f"{k} {v:.0%}" for k, v in s["sources"].items()))
+        out.append("model:   " + ", ".join(f"{k}={v}" for k, v in s["model"].items()))
+    out.append(f"records: {s['records']}  (chunks of {s['records_per_chunk']}), "
+               f"weight snapshots: {s['weight_snapshots']}")
+    out.append("sources: " + ", ".join(f"{k} {v:.0%}" for k, v in s["sources"].items()))
     for title, group in (("tensors", s["tensors"]), ("sketches", s["sketches"])):
         if not group:
             continue
-        print(f"{title} ({len(group)}):")
-        width = max(len(k) for k in group)
+        out.append(f"{title} ({len(group)}):")
+        width = max(len(terminal(k)) for k in group)
         for name, e in group.items():
             heads = f" heads={e['heads']}" + (f" role={e['role']}" if e["role"] else "") if e["heads"] else ""
             extra = f" k={e['k']} {e['method']}" if "k" in e else ""
-            print(f"  {name:<{width}}  {tuple(e['shape'])} {e['dtype']}{heads}{extra}  "
-                  f"{fmt_bytes(e['bytes_on_disk'])} on disk, {e['compression_ratio']:.2f}x")
+            out.append(f"  {terminal(name):<{width}}  {tuple(e['shape'])} {e['dtype']}{heads}{extra}  "
+                       f"{fmt_bytes(e['bytes_on_disk'])} on disk, {e['compression_ratio']:.2f}x")
     if s["activations"]:
-        print(f"activations ({len(s['activations'])}): " + ", ".join(s["activations"]))
+        out.append(f"activations ({len(s['activations'])}): " + ", ".join(s["activations"]))
     if s["analysis"]:
-        print("analysis results: " + ", ".join(s["analysis"]))
-    return 0
+        out.append("analysis results: " + ", ".join(s["analysis"]))
+    return out

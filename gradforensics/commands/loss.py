@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradforensics._text import terminal
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ def findings_of(groups: list[SeriesGroup], meta: dict[str, Any], options: Any) -
 
 def run(args: argparse.Namespace) -> int:
     from gradforensics.analysis.loss_spectrum import SpectrumOptions
+    from gradforensics.report import report
 
     options = SpectrumOptions(detrend=args.detrend, nperseg=args.nperseg, alpha=args.alpha,
                               correction=args.correction, axis=args.axis)
@@ -101,32 +102,13 @@ def run(args: argparse.Namespace) -> int:
         for g in groups:
             notes = g.combined.quality.notes()
             if notes:
-                print(f"{g.name}: " + "; ".join(notes), file=sys.stderr)
+                print(terminal(f"{g.name}: " + "; ".join(notes)), file=sys.stderr)
     findings = findings_of(groups, meta, options)
-    _write_report(findings, args.out, meta["store"] if meta["input"] == "store" else None)
+    report(findings, args.out, store=meta["store"] if meta["input"] == "store" else None)
     n_top = sum(f.severity > 0.5 for f in findings.flags)
-    print(f"{findings.store}: {len(groups)} series, {len(findings.flags)} findings ({n_top} above 0.5); "
-          f"report in {args.out}", file=sys.stderr)
+    print(terminal(f"{findings.store}: {len(groups)} series, {len(findings.flags)} findings ({n_top} above 0.5); "
+                   f"report in {args.out}"), file=sys.stderr)
     if args.fail_on is not None and any(f.severity >= args.fail_on - 1e-12 for f in findings.flags):
         return 1
     return 0
 
-
-def _write_report(findings: Findings, out: str, store: str | None) -> None:
-    try:
-        from gradforensics.report import report
-    except ImportError:  # no report package in this build: the contract files only
-        _fallback_report(findings, out)
-        return
-    report(findings, out, store=store)
-
-
-def _fallback_report(findings: Findings, out: str) -> None:
-    """``flags.json`` and ``tables/<name>.csv`` without :mod:`gradforensics.report`."""
-    import json
-
-    d = Path(out)
-    (d / "tables").mkdir(parents=True, exist_ok=True)
-    (d / "flags.json").write_text(json.dumps(findings.flags_json(), indent=2))
-    for name, res in findings.results.items():
-        res.table.to_csv(d / "tables" / f"{name}.csv", index=False)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from gradforensics._text import terminal
 from gradforensics.errors import MissingArrayError
 from gradforensics.report.severity import add_fail_on_argument, exit_code
 
@@ -40,19 +41,23 @@ def load_findings(path: str) -> tuple[Findings, Store]:
 
 
 def print_top(findings: Findings, paths: dict[str, Path], n: int = 5, file: IO[str] | None = None) -> None:
-    """Where the report is, and the most severe findings, one line each."""
+    """Where the report is, and the most severe findings, one line each (control characters escaped)."""
     from gradforensics.report.summary import group
 
     out = file or sys.stdout
-    print(f"report: {paths['html']}", file=out)
-    print(f"        {paths['markdown']}, {paths['flags']}", file=out)
+
+    def say(line: str) -> None:               # names come from the store: no escape sequence reaches the terminal
+        print(terminal(line), file=out)
+
+    say(f"report: {paths['html']}")
+    say(f"        {paths['markdown']}, {paths['flags']}")
     groups = group(findings.flags)
     if not groups:
-        print("no findings.", file=out)
+        say("no findings.")
     for g in groups[:n]:
-        print(f"  {g.severity:.2f} {g.kind:<13} {g.sentence(findings.n_records)}", file=out)
+        say(f"  {g.severity:.2f} {g.kind:<13} {g.sentence(findings.n_records)}")
     if len(groups) > n:
-        print(f"  ... and {len(groups) - n} more finding(s) in the report.", file=out)
+        say(f"  ... and {len(groups) - n} more finding(s) in the report.")
 
 
 def run(args: argparse.Namespace) -> int:

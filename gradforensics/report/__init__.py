@@ -47,29 +47,47 @@ def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | s
     dict
         Written paths: ``"html"``, ``"markdown"``, ``"flags"``, ``"tables/<name>"``
         and ``"figures/<stem>"``.
+
+    Raises
+    ------
+    UnsafeNameError
+        An analysis name is not a lower-case identifier (checked before anything
+        is written), or a path would leave *out_dir*, e.g. through a symbolic link
+        (:func:`gradforensics.report.paths.under`).
+
+    Notes
+    -----
+    Names in *findings* may come from someone else's store: every file name is
+    built from checked names and stays under *out_dir*; ``report.md`` escapes
+    names for Markdown (:mod:`gradforensics._text`), ``report.html`` for HTML,
+    and CSV cells that a spreadsheet would evaluate are neutralised.
     """
     from gradforensics.report import document, flagsjson, html, markdown, tables
+    from gradforensics.report.paths import under
+    from gradforensics.store.names import check_analysis_name
 
+    for name in findings.results:          # names become tables/<name>.csv: refuse before writing anything
+        check_analysis_name(name, "report")
     if isinstance(store, (str, os.PathLike)):
         from gradforensics.store.reader import Store as _Store
 
         store = _Store(store, check_chunks=False)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, Path] = {"flags": flagsjson.write(findings, out / "flags.json")}
+    paths: dict[str, Path] = {"flags": flagsjson.write(findings, under(out, "flags.json"))}
     paths.update(tables.write_csvs(findings, out))
     doc = document.build(findings, store)
-    figdir = out / "figures"
+    figdir = under(out, "figures")
     figdir.mkdir(exist_ok=True)
     for old in [*figdir.glob("finding-*.png"), figdir / "overview.png"]:   # stale figures of an earlier render
         old.unlink(missing_ok=True)
     for pic in doc.pictures:
-        p = figdir / f"{pic.stem}.png"
+        p = under(out, "figures", f"{pic.stem}.png")
         p.write_bytes(pic.png)
         paths[f"figures/{pic.stem}"] = p
-    paths["html"] = out / "report.html"
+    paths["html"] = under(out, "report.html")
     paths["html"].write_text(html.render(doc), encoding="utf-8")
-    paths["markdown"] = out / "report.md"
+    paths["markdown"] = under(out, "report.md")
     paths["markdown"].write_text(markdown.render(doc, "figures"), encoding="utf-8")
     return paths
 

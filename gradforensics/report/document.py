@@ -74,7 +74,7 @@ def _fmt_model(model: Any) -> str:
 
 def _shares(findings: Findings, store: Store | None) -> dict[str, float] | None:
     src = findings.header.get("sources")
-    if isinstance(src, dict):
+    if isinstance(src, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in src.values()):
         return {str(k): float(v) for k, v in src.items()}
     if store is not None and store.n_records and store.has("batches/mixture"):
         mix = store.read("batches/mixture")
@@ -98,8 +98,6 @@ def _versions(findings: Findings) -> dict[str, str]:
 
 
 _SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions"}
-
-
 
 
 def _extra(key: str, value: Any) -> tuple[str, str]:
@@ -141,7 +139,19 @@ def _picture(fig: Any, stem: str, alt: str, note: str | None = None) -> Picture:
 
 
 def build(findings: Findings, store: Store | None = None) -> Document:
-    """Everything the renderers need, figures included."""
+    """Everything the renderers need, figures included.
+
+    Figures are drawn with matplotlib's mathtext off: a name from a store that
+    holds ``$`` is drawn as written, never parsed (a malformed ``$...$`` would
+    otherwise fail the whole report).
+    """
+    import matplotlib as mpl
+
+    with mpl.rc_context({"text.parse_math": False}):
+        return _build(findings, store)
+
+
+def _build(findings: Findings, store: Store | None) -> Document:
     groups = summary.group(findings.flags)
     shown, n_more = summary.sentences(findings, groups)
     ov = _picture(figures.overview(findings), "overview",

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradforensics._text import terminal, visible
 from gradforensics.report import names
 
 if TYPE_CHECKING:
@@ -31,6 +32,12 @@ if TYPE_CHECKING:
 
 DPI = 110
 OTHER = "other"
+#: The overview draws every layer between the first and the last up to this span, only the present ones beyond.
+MAX_LAYER_SPAN = 1024
+#: More heads than this (a damaged or hostile store) fold into one column per layer.
+MAX_HEAD_COLUMNS = 256
+#: Column separators are drawn up to this many layer columns.
+MAX_SEPARATORS = 200
 
 
 class PlotBugWarning(RuntimeWarning):
@@ -73,7 +80,16 @@ def _table_rows(table: Any) -> list[tuple[str, int | None]]:
     import pandas as pd
 
     heads = pd.to_numeric(table["head"], errors="coerce") if "head" in table.columns else [None] * len(table)
-    return [(str(t), None if h is None or pd.isna(h) else int(h)) for t, h in zip(table["tensor"], heads)]
+    return [(str(t), _head(h)) for t, h in zip(table["tensor"], heads)]
+
+
+def _head(h: Any) -> int | None:
+    """A table's head cell as a head index; None for a whole tensor or anything that is not one."""
+    import pandas as pd
+
+    if h is None or pd.isna(h) or not math.isfinite(h) or h < 0 or h != int(h):
+        return None
+    return int(h)
 
 
 def overview_data(findings: Findings) -> Overview:
@@ -89,12 +105,16 @@ def overview_data(findings: Findings) -> Overview:
     all_names = [t for r in rows_of_table.values() for t, _ in r] + [f.tensor for f in findings.flags]
     all_heads = [h for r in rows_of_table.values() for _, h in r] + [f.head for f in findings.flags]
     idx = [names.layer_of(t) for t in all_names]
-    known = [i for i in idx if i is not None]
-    layers: list[int | str] = list(range(min(known), max(known) + 1)) if known else []
+    known = sorted({i for i in idx if i is not None})
+    layers: list[int | str] = list(known)
+    if known and known[-1] - known[0] < MAX_LAYER_SPAN:
+        layers = list(range(known[0], known[-1] + 1))
     if any(i is None for i in idx):
         layers.append(OTHER)
     hs = [h for h in all_heads if h is not None]
     n_heads = max(hs) + 1 if hs else 1
+    if n_heads > MAX_HEAD_COLUMNS:          # no model has this many heads: one column per layer instead
+        n_heads = 1
     col = {lay: j for j, lay in enumerate(layers)}
     m = np.full((len(rows), max(len(layers), 1) * n_heads), np.nan)
 
@@ -136,7 +156,7 @@ def overview(findings: Findings) -> Figure:
     step = max(1, math.ceil(n_cols / 32))
     ax.set_xticks([j * h + (h - 1) / 2 for j in range(0, n_cols, step)],
                   [str(x) for x in ov.layers[::step]] if ov.layers else [])
-    for j in range(1, n_cols):
+    for j in range(1, n_cols if n_cols <= MAX_SEPARATORS else 0):
         ax.axvline(j * h - 0.5, color="white", lw=1.5 if h > 1 else 0.6)
     for r in range(1, len(ov.rows)):
         ax.axhline(r - 0.5, color="white", lw=0.6)
@@ -198,11 +218,11 @@ def evidence(findings: Findings, finding: Finding) -> tuple[Figure, str | None]:
             if not _drew_something(fig):
                 note = f"The evidence figure is empty: gradforensics.analysis.{name} plot() drew nothing. This is a bug."
     if note is not None:
-        warnings.warn(f"report: {flag.kind} on {flag.tensor}: {note}", PlotBugWarning, stacklevel=2)
+        warnings.warn(terminal(f"report: {flag.kind} on {flag.tensor}: {note}"), PlotBugWarning, stacklevel=2)
         fig.clear()
         fig.set_size_inches(7.2, 1.1)
         _note(fig.add_subplot(), note)
     elif not ax.get_title():
         head = "" if flag.head is None else f", head {flag.head}"
-        ax.set_title(f"{finding.title}: {flag.tensor}{head}", fontsize=10)
+        ax.set_title(visible(f"{finding.title}: {flag.tensor}{head}"), fontsize=10)
     return fig, note

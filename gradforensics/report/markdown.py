@@ -1,7 +1,10 @@
 """``report.md``: the same report in Markdown, to paste into a ticket.
 
 Figures are PNG files in ``figures/`` beside it, linked relatively.  Tables
-are capped (the CSVs in ``tables/`` hold everything).
+are capped (the CSVs in ``tables/`` hold everything).  Every string that may
+come from a store goes through :func:`gradforensics._text.md_text` (prose,
+table cells) or :func:`~gradforensics._text.md_code` (a name as code): a name
+renders as itself, never as a link, HTML, a new table cell or a new line.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from gradforensics._text import md_code, md_text
 from gradforensics.report.severity import band
 
 if TYPE_CHECKING:
@@ -18,23 +22,27 @@ MAX_LAYER_ROWS = 200
 MAX_FLAG_ROWS = 20
 
 
-def _esc(v: Any) -> str:
+def _num(v: Any) -> str:
+    """A table cell from a number (or an empty cell); strings are escaped as text."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return ""
     if isinstance(v, float):
-        v = f"{v:.4g}"
-    return str(v).replace("|", "\\|").replace("\n", " ")
+        return f"{v:.4g}"
+    if isinstance(v, int):
+        return str(v)
+    return md_text(v)
 
 
-def _table(columns: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(_esc(c) for c in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_esc(v) for v in r) + " |" for r in rows]
+def _table(columns: list[str], rows: list[list[str]]) -> str:
+    """A GFM table; *rows* hold cells already written as Markdown (:func:`_num`, ``md_text``, ``md_code``)."""
+    lines = ["| " + " | ".join(md_text(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
 
 def _img(pic: Picture, figdir: str) -> str:
-    out = f"![{pic.alt}]({figdir}/{pic.stem}.png)"
-    return f"> **Note:** {pic.note}\n\n{out}" if pic.note else out
+    out = f"![{md_text(pic.alt)}]({figdir}/{pic.stem}.png)"
+    return f"> **Note:** {md_text(pic.note)}\n\n{out}" if pic.note else out
 
 
 def _sev(s: float) -> str:
@@ -47,36 +55,37 @@ def _recs(r: tuple[int, int]) -> str:
 
 def _section(s: Section, figdir: str) -> str:
     g = s.finding
-    out = [f"### {g.index + 1}. {g.title} — severity {_sev(g.severity)}", "", s.sentence, ""]
+    out = [f"### {g.index + 1}. {md_text(g.title)} — severity {_sev(g.severity)}", "", md_text(s.sentence), ""]
     if s.picture is not None:
         out += [_img(s.picture, figdir), ""]
-    rows = [[f"`{f.tensor}`", f.head, f"{f.severity:.2f}", _recs(f.records), ", ".join(f.sources),
-             f.summary] for f in g.flags[:MAX_FLAG_ROWS]]
+    rows = [[md_code(f.tensor, table=True), _num(f.head), f"{f.severity:.2f}", _recs(f.records),
+             md_text(", ".join(f.sources)), md_text(f.summary)] for f in g.flags[:MAX_FLAG_ROWS]]
     out += [_table(["tensor", "head", "severity", "records", "sources", "what the analysis says"], rows), ""]
     if len(g.flags) > MAX_FLAG_ROWS:
         out += [f"… and {len(g.flags) - MAX_FLAG_ROWS} more flags in `flags.json`.", ""]
-    out += ["**What to try next**", ""] + [f"- {a}" for a in s.advice] + [""]
+    out += ["**What to try next**", ""] + [f"- {md_text(a)}" for a in s.advice] + [""]
     if s.references:
-        out += ["References: " + "; ".join(s.references) + ".", ""]
+        out += ["References: " + "; ".join(md_text(r) for r in s.references) + ".", ""]
     return "\n".join(out)
 
 
-def _layer_rows(doc: Document) -> list[list[Any]]:
+def _layer_rows(doc: Document) -> list[list[str]]:
     analyses = doc.layer_columns[3:-2]
     rows = []
     for r in doc.layer_rows[:MAX_LAYER_ROWS]:
         vals = [("" if r[a] is None else "—" if r[a] == 0 else f"{r[a]:.2f}") for a in [*analyses, "max"]]
-        rows.append([r["layer"], f"`{r['tensor']}`", r["head"], *vals, r["flags"]])
+        rows.append([_num(r["layer"]), md_code(r["tensor"], table=True), _num(r["head"]), *vals, md_text(r["flags"])])
     return rows
 
 
 def render(doc: Document, figdir: str = "figures") -> str:
     """The whole ``report.md`` as a string; figures are expected in *figdir* beside it."""
-    out = [f"# {doc.title}", "", _table(["", ""], [[f"**{k}**", v] for k, v in doc.header]), ""]
+    out = [f"# {md_text(doc.title)}", "",
+           _table(["", ""], [[f"**{md_text(k)}**", md_text(v)] for k, v in doc.header]), ""]
     if doc.problems:
-        out += [f"> Report problem: {p}\n>" for p in doc.problems] + [""]
-    out += ["## Summary", "", doc.headline, ""]
-    out += [f"{i + 1}. {_sev(g.severity)} {g.kind} — {text}" for i, (g, text) in enumerate(doc.sentences)]
+        out += [f"> Report problem: {md_text(p)}\n>" for p in doc.problems] + [""]
+    out += ["## Summary", "", md_text(doc.headline), ""]
+    out += [f"{i + 1}. {_sev(g.severity)} {md_text(g.kind)} — {md_text(text)}" for i, (g, text) in enumerate(doc.sentences)]
     if doc.n_more:
         out += ["", f"… and {doc.n_more} more finding(s) below."]
     out += ["", "## At a glance", "", _img(doc.overview, figdir), "", "## Findings", ""]
@@ -86,5 +95,6 @@ def render(doc: Document, figdir: str = "figures") -> str:
     out += [_table(doc.layer_columns, _layer_rows(doc)), ""]
     if len(doc.layer_rows) > MAX_LAYER_ROWS:
         out += [f"First {MAX_LAYER_ROWS} of {len(doc.layer_rows)} rows; see report.html or `tables/`.", ""]
-    out += ["## Analysis tables", ""] + [f"- `tables/{n}.csv` ({len(t)} rows)" for n, t in doc.analysis_tables.items()]
+    out += ["## Analysis tables", ""] + [f"- {md_code(f'tables/{n}.csv')} ({len(t)} rows)"
+                                         for n, t in doc.analysis_tables.items()]
     return "\n".join(out) + "\n"

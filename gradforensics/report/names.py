@@ -14,7 +14,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-_LAYER = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?[^.\d][^.]*)\.(?P<idx>\d+)\.(?P<rest>.+)$")
+#: A layer index has at most 6 digits: a longer run of digits (a damaged or hostile name) is not a layer.
+_LAYER = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?[^.\d][^.]*)\.(?P<idx>\d{1,6})\.(?P<rest>.+)$")
 _GENERIC = {"act_fn", "act", "activation", "activation_fn", "weight", "bias", "fn"}
 
 

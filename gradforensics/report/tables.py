@@ -13,8 +13,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradforensics._text import csv_cell
 from gradforensics.report import names
 from gradforensics.report.figures import _table_rows, analysis_name
+from gradforensics.report.paths import under
+from gradforensics.store.names import check_analysis_name
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -34,15 +37,37 @@ def contract_order(table: pd.DataFrame) -> pd.DataFrame:
     return t
 
 
+def csv_safe(table: pd.DataFrame) -> pd.DataFrame:
+    """*table* with every text cell and column name a spreadsheet would evaluate neutralised.
+
+    Only string cells change (:func:`gradforensics._text.csv_cell`): numeric
+    columns - a negative cosine - stay numbers.
+    """
+    from pandas.api.types import is_object_dtype, is_string_dtype
+
+    t = table.copy()
+    for i in range(t.shape[1]):
+        col = t.iloc[:, i]
+        if is_object_dtype(col.dtype) or is_string_dtype(col.dtype):
+            t.isetitem(i, col.map(csv_cell, na_action="ignore"))
+    t.columns = [csv_cell(c) for c in t.columns]
+    return t
+
+
+def write_csv(table: pd.DataFrame, path: Path) -> Path:
+    """The one way gradforensics writes a CSV: contract column order, formula-safe cells, empty NA."""
+    csv_safe(contract_order(table)).to_csv(path, index=False, na_rep="")
+    return path
+
+
 def write_csvs(findings: Findings, out_dir: Path) -> dict[str, Path]:
-    """``out_dir/tables/<name>.csv`` for every analysis result."""
-    d = out_dir / "tables"
+    """``out_dir/tables/<name>.csv`` for every analysis result (names checked, paths kept under *out_dir*)."""
+    d = under(out_dir, "tables")
     d.mkdir(parents=True, exist_ok=True)
     out: dict[str, Path] = {}
     for name, res in findings.results.items():
-        p = d / f"{name}.csv"
-        contract_order(res.table).to_csv(p, index=False, na_rep="")
-        out[f"tables/{name}"] = p
+        check_analysis_name(name, "report: tables")
+        out[f"tables/{name}"] = write_csv(res.table, under(out_dir, "tables", f"{name}.csv"))
     return out
 
 
