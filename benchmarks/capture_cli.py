@@ -117,8 +117,8 @@ def run_cli(ckpt: Path, files: dict[str, Path], out: Path, args: argparse.Namesp
 
 def plain(ckpt: Path, files: dict[str, Path], args: argparse.Namespace) -> dict[str, float]:
     """The same batches through forward + backward, nothing recorded."""
-    from gradforensics.capture import data
-    from gradforensics.capture.checkpoint import load_checkpoint
+    from gradforensics.replay import data
+    from gradforensics.replay.checkpoint import load_checkpoint
 
     c = load_checkpoint(ckpt)
     srcs = data.parse_sources([f"{k}={v}" for k, v in files.items()])

@@ -24,7 +24,7 @@ import torch
 
 import gradforensics as gf
 from gradforensics import demo
-from gradforensics.capture import replay
+from gradforensics.replay import replay
 
 
 def tiny_checkpoint(path: Path, steps: int) -> Path:

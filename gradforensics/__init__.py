@@ -16,7 +16,7 @@ __all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "open_sto
 
 def __getattr__(name: str) -> Any:
     if name == "Recorder":
-        from gradforensics.capture.recorder import Recorder
+        from gradforensics.capture import Recorder
 
         return Recorder
     if name == "open_store":

@@ -15,7 +15,7 @@
 
 2. **Save** the problem checkpoint with ``save_pretrained`` (``DIR/checkpoint``).
 3. **Replay** the reloaded checkpoint per source through the capture path
-   (:func:`gradforensics.capture.replay`, per-head split, MLP activation
+   (:func:`gradforensics.replay.replay`, per-head split, MLP activation
    statistics) into ``DIR/dump.zarr``.
 4. **Analyze** (:func:`gradforensics.analyze`) and **report** into ``DIR``.
 
@@ -203,7 +203,7 @@ def capture(checkpoint: Path, store: Path, cfg: DemoConfig, log: IO[str] | None 
     """Reload the checkpoint and replay ``n_per_source`` fresh batches per source into *store*."""
     from transformers import LlamaForCausalLM
 
-    from gradforensics.capture import replay
+    from gradforensics.replay import replay
 
     model = LlamaForCausalLM.from_pretrained(checkpoint, attn_implementation="eager")
     model.eval()                                     # no dropout: the checkpoint as it is

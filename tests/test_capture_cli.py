@@ -25,9 +25,9 @@ pytest.importorskip("tokenizers")
 
 import gradforensics as gf  # noqa: E402
 from gradforensics import cli  # noqa: E402
-from gradforensics.capture import data, losses  # noqa: E402
-from gradforensics.capture.checkpoint import OfflineError, load_checkpoint, offline  # noqa: E402
 from gradforensics.commands.capture import record_bytes  # noqa: E402
+from gradforensics.replay import data, losses  # noqa: E402
+from gradforensics.replay.checkpoint import OfflineError, load_checkpoint, offline  # noqa: E402
 from gradforensics.report import report  # noqa: E402
 from gradforensics.store.reader import open_store  # noqa: E402
 
@@ -198,7 +198,7 @@ def test_sketch_full_and_bf16_on_disk(tmp_path, llama_dir, files, capsys):
     assert store.sketches["model.layers.1.self_attn.k_proj.weight"].shape == (6, KV, 16)
     model = transformers.LlamaForCausalLM.from_pretrained(llama_dir, local_files_only=True)
     shapes = {n: (tuple(p.shape), 2) for n, p in model.named_parameters() if "self_attn" in n}
-    from gradforensics.capture.heads import HeadSpec
+    from gradforensics.store.heads import HeadSpec
     specs = {n: HeadSpec(H if ("q_proj" in n or "o_proj" in n) else KV) for n in shapes}
     est = record_bytes(shapes, specs, sketch=16, full=["*.layers.0.self_attn.q_proj.weight"], n_sources=2)
     assert est["total"] == per_record_bytes(store)
@@ -279,7 +279,7 @@ def test_real_minilm_contrastive_with_per_head_split(tmp_path, minilm, files, ca
     attn = "encoder.layer.0.attention"
     rc, err = capture(minilm, "--data", f"en={en}", "--data", f"zh={files['zh']}", "--out", out,
                       "--batches-per-source", "2", "--batch-size", "4", "--seq-len", "24",
-                      "--loss", "gradforensics.capture.losses:contrastive",
+                      "--loss", "gradforensics.replay.losses:contrastive",
                       "--tensors", f"{attn}.self.*.weight", f"{attn}.output.dense.weight", capsys=capsys)
     assert rc == 0, err
     store = open_store(out)

@@ -9,9 +9,10 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.capture.actstats import act_stats, make_range
-from gradforensics.capture.heads import HeadSpec, parse_head_spec
+from gradforensics.capture.heads import parse_head_spec
 from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import SpecError, StoreClosedError
+from gradforensics.store.heads import HeadSpec
 from gradforensics.store.reader import Store
 
 
@@ -50,6 +51,25 @@ def test_fused_interleaved_neox_layout() -> None:
     # k of head 1: rows of head 1 start at 1*3*d, k part at +d
     np.testing.assert_array_equal(blocks[h + 1], w[3 * d + d: 3 * d + 2 * d])
     np.testing.assert_array_equal(spec.merge(blocks), w)
+
+
+HEAD_LAYOUTS = [HeadSpec(4), HeadSpec(2, axis=1, role="o"), HeadSpec(2, axis=1, role="qkv", fused=3),
+                HeadSpec(2, axis=0, role="qkv", fused=3, interleaved=True), HeadSpec(3, axis=-1, role="k")]
+
+
+@pytest.mark.parametrize("spec", HEAD_LAYOUTS, ids=repr)
+@pytest.mark.parametrize("suffix", [".zarr", ".h5"])
+def test_head_attrs_round_trip_through_a_store(tmp_path: Path, spec: HeadSpec, suffix: str) -> None:
+    assert HeadSpec.from_attrs(spec.attrs()) == spec
+    shape = (6, 12) if spec.axis in (1, -1) else (12, 6)
+    g = np.arange(72, dtype=np.float32).reshape(shape)
+    with gf.Recorder(tmp_path / f"h{suffix}", sources=["a"], heads={"t": spec}, background=False) as rec:
+        rec.record(source="a", grads={"t": g, "plain": g})
+    store = gf.open_store(tmp_path / f"h{suffix}")
+    stored = HeadSpec.from_attrs(store.grads["t"].attrs)
+    assert stored == spec
+    np.testing.assert_array_equal(stored.merge(store.grad("t")[0].compute()), g)
+    assert HeadSpec.from_attrs(store.grads["plain"].attrs) is None
 
 
 def test_head_spec_errors() -> None:

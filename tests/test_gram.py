@@ -18,9 +18,9 @@ from gradforensics.analysis.gram import (
     load_grams,
     save_grams,
 )
-from gradforensics.capture.heads import HeadSpec
 from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import MissingArrayError, SpecError
+from gradforensics.store.heads import HeadSpec
 from gradforensics.store.reader import Store
 from gradforensics.testing.planted import write_store
 

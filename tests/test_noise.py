@@ -12,7 +12,7 @@ import pytest
 import gradforensics as gf
 from gradforensics.analysis.base import AnalysisResult, Context, GramResult
 from gradforensics.analysis.noise import flags, noise_estimate, noise_table, severity
-from gradforensics.capture.heads import HeadSpec
+from gradforensics.store.heads import HeadSpec
 from gradforensics.store.schema import new_meta
 from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted import TENSORS, noise_store

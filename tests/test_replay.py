@@ -11,9 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gradforensics as gf  # noqa: E402
-from gradforensics.capture import replay  # noqa: E402
-from gradforensics.capture.replay import batch_size, interleave  # noqa: E402
 from gradforensics.errors import SpecError  # noqa: E402
+from gradforensics.replay import replay  # noqa: E402
+from gradforensics.replay.run import batch_size, interleave  # noqa: E402
 
 nn = torch.nn
 

@@ -283,7 +283,7 @@ def test_healthy_findings_render_without_findings(tmp_path, monkeypatch):
 
 def _store_with_findings(path: Path, f) -> Path:
     """A tiny real store, with *f* persisted as its analysis results (as analyze leaves it)."""
-    from gradforensics.capture.recorder import Recorder
+    from gradforensics.capture import Recorder
     from gradforensics.store.reader import Store
 
     rng = np.random.default_rng(0)
@@ -328,7 +328,7 @@ def test_report_command_fail_on(tmp_path, monkeypatch, stored, fail_on, rc):
 
 
 def test_report_command_errors(tmp_path, capsys):
-    from gradforensics.capture.recorder import Recorder
+    from gradforensics.capture import Recorder
 
     with Recorder(tmp_path / "bare.zarr", sources=["a"], background=False) as rec:
         rec.record(step=0, source="a", grads={"w": np.ones((2, 2), np.float32)})

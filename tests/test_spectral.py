@@ -7,8 +7,8 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.analysis import spectral as S
-from gradforensics.capture.heads import HeadSpec
 from gradforensics.errors import SpecError
+from gradforensics.store.heads import HeadSpec
 from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted_units import planted_spectral_store, powerlaw_matrix, run_analysis
 

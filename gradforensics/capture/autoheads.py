@@ -39,8 +39,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.capture.heads import HeadSpec, parse_head_spec
+from gradforensics.capture.heads import parse_head_spec
 from gradforensics.errors import SpecError
+from gradforensics.store.heads import HeadSpec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -74,7 +75,8 @@ def _int_attr(objs: Iterable[Any], names: Iterable[str]) -> int | None:
     return None
 
 
-def _text_config(model: nn.Module) -> Any:
+def text_config(model: nn.Module) -> Any:
+    """``model.config``, or its text part for a multimodal config (``get_text_config()``); ``None`` without one."""
     cfg = getattr(model, "config", None)
     get_text = getattr(cfg, "get_text_config", None)
     if callable(get_text):
@@ -87,7 +89,7 @@ def _text_config(model: nn.Module) -> Any:
 
 def counts_for(attn: nn.Module, model: nn.Module) -> Counts:
     """Head counts of attention module *attn*: its own attributes first, then the config."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     objs = (attn, getattr(attn, "config", None), cfg)
     heads = _int_attr(objs, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
     kv = _int_attr(objs, ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head"))
@@ -130,7 +132,7 @@ def _need(value: int | None, what: str, name: str) -> int:
 
 
 def _model_type(model: nn.Module) -> str:
-    return str(getattr(_text_config(model), "model_type", "") or "")
+    return str(getattr(text_config(model), "model_type", "") or "")
 
 
 def _rule(name: str, leaf: str, param: str, owner: nn.Module, attn: nn.Module, model: nn.Module,
@@ -252,7 +254,7 @@ def resolve_heads(model: nn.Module, shapes: Mapping[str, tuple[int, ...]],
 
 def _check_head_dim(model: nn.Module, name: str, shape: tuple[int, ...], spec: HeadSpec) -> None:
     """Cross-check a head count against the config's head size, where both are known."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     d = getattr(cfg, "head_dim", None)
     if not isinstance(d, int) or d <= 0:
         return

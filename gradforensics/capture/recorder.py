@@ -1,4 +1,4 @@
-"""The framework-agnostic :class:`Recorder`: arrays in, schema-v1 store out.
+"""The framework-agnostic :class:`ArrayRecorder`: arrays in, schema-v1 store out.
 
 ``record()`` validates and copies what it is given on the caller's thread (so
 the caller may zero its gradients right after), then hands the record to one
@@ -7,9 +7,9 @@ memory stays bounded, because a full queue blocks ``record()`` (backpressure)
 rather than buffering without limit.  The writer thread encodes (bfloat16 bit
 patterns, head split, sketch, activation statistics) and writes.
 
-``Recorder(path, model=torch_module, ...)`` returns the PyTorch recorder
-(:mod:`gradforensics.capture.torch`), which reads ``.grad`` and hooks modules
-and then goes through the same path.
+The PyTorch recorder (:class:`~gradforensics.capture.torch.TorchRecorder`)
+subclasses it: it reads ``.grad`` and hooks modules, then goes through the same
+path.  ``gf.Recorder`` (:func:`gradforensics.capture.Recorder`) picks one of the two.
 """
 
 from __future__ import annotations
@@ -20,33 +20,49 @@ import os
 import queue
 import threading
 import time as _time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
 
 import numpy as np
 
 from gradforensics.capture.actstats import ActRange, act_stats, make_range
-from gradforensics.capture.heads import HeadSpec, match_heads
+from gradforensics.capture.heads import match_heads
 from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError
+from gradforensics.store.heads import HeadSpec
 from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.names import check_name
-from gradforensics.store.schema import encode_bf16, new_meta
+from gradforensics.store.schema import (
+    act_path,
+    batch_path,
+    decode_bf16,
+    encode_bf16,
+    grad_path,
+    new_meta,
+    sketch_path,
+    weight_path,
+)
 from gradforensics.store.writer import Row, StoreWriter
 
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
-class _Pending:
-    """One record on its way to the writer thread (arrays already copied)."""
+class PendingRecord:
+    """One validated record on its way to the writer thread.
+
+    ``settle``, when set, runs on the writer thread before the record is
+    encoded: it finishes what the caller's thread left in flight (the PyTorch
+    recorder waits there for its device-to-host copies, makes them final in
+    ``grads`` and hands its buffers back).  Without it the arrays are final.
+    """
 
     meta: dict[str, np.ndarray]
     grads: dict[str, np.ndarray]
     acts: dict[str, np.ndarray]
     weights: dict[str, np.ndarray]
-    act_stats: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    settle: Callable[[], None] | None = None
 
 
 def _is_bf16(a: np.ndarray) -> bool:
@@ -64,7 +80,7 @@ def encode(a: np.ndarray, dtype: str | None, name: str = "") -> tuple[np.ndarray
         bits = a.view(np.uint16)
         if dtype in (None, "bfloat16"):
             return bits, "bfloat16-as-uint16"
-        a = (bits.astype(np.uint32) << 16).view(np.float32)
+        a = decode_bf16(bits)
     target = dtype or ("float16" if a.dtype == np.float16 else "float32")
     if target == "bfloat16":
         out, encoding = encode_bf16(a), "bfloat16-as-uint16"
@@ -81,8 +97,10 @@ def encode(a: np.ndarray, dtype: str | None, name: str = "") -> tuple[np.ndarray
     return out, encoding
 
 
-class Recorder:
-    """Record per-batch gradients, activation statistics and weights into a store.
+class ArrayRecorder:
+    """Record per-batch gradients, activation statistics and weights (arrays) into a store.
+
+    ``gf.Recorder(path, sources=...)`` without ``model=`` returns one.
 
     Parameters
     ----------
@@ -117,14 +135,16 @@ class Recorder:
     records_per_chunk, layout, compression
         On-disk layout (see :mod:`gradforensics.store.layout`); the defaults
         were chosen by measurement (``docs/store-layout.md``).
+    framework, model_info
+        The store's ``framework`` and ``model`` root attributes.
+
+    Notes
+    -----
+    A subclass that gathers its arrays itself (the PyTorch recorder) builds a
+    record with :meth:`_make_pending`, may attach a ``settle`` callable to it
+    (:class:`PendingRecord`), and hands it over with :meth:`_submit`; the
+    writer-side encoding is not meant to be overridden.
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Recorder:
-        if cls is Recorder and kwargs.get("model") is not None:
-            from gradforensics.capture.torch import TorchRecorder
-
-            return super().__new__(TorchRecorder)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -166,7 +186,7 @@ class Recorder:
         self._error: BaseException | None = None
         self._closed = False
         self.bytes_per_record: int | None = None
-        self._queue: queue.Queue[_Pending | None] | None = None
+        self._queue: queue.Queue[PendingRecord | None] | None = None
         self._thread: threading.Thread | None = None
         if background:
             self._queue = queue.Queue(maxsize=max(1, queue_size))
@@ -174,7 +194,7 @@ class Recorder:
             self._thread.start()
 
     # ------------------------------------------------------------------ API
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -220,7 +240,7 @@ class Recorder:
         activations: Mapping[str, Any] | None,
         weights: Mapping[str, Any] | None,
         copy: bool = True,
-    ) -> _Pending:
+    ) -> PendingRecord:
         """Validate one record; ``copy=False`` when the caller hands over fresh arrays."""
         self._raise_if_failed()
         if self._closed:
@@ -235,7 +255,7 @@ class Recorder:
             "lr": np.float32(lr),
             "time": np.float64(_time.time() if time is None else time),
         }
-        return _Pending(
+        return PendingRecord(
             meta=meta,
             grads={k: self._take(f"grads[{k!r}]", k, v, copy=copy) for k, v in (grads or {}).items()},
             acts={k: self._take(f"activations[{k!r}]", "act:" + k, v, per_record_shape=False, copy=copy)
@@ -243,6 +263,12 @@ class Recorder:
             weights={check_name(k, "record(): weights key"): np.array(v, copy=True) if copy else np.asarray(v)
                      for k, v in (weights or {}).items()},
         )
+
+    def drain(self) -> None:
+        """Wait until the writer thread has taken every record so far (no forced disk flush)."""
+        if self._queue is not None:
+            self._queue.join()
+        self._raise_if_failed()
 
     def flush(self) -> None:
         """Wait until every record so far is written and committed."""
@@ -298,7 +324,7 @@ class Recorder:
             )
         return a
 
-    def _submit(self, pending: _Pending) -> None:
+    def _submit(self, pending: PendingRecord) -> None:
         self._n_submitted += 1
         if self._queue is None:
             self._write(pending)
@@ -325,17 +351,17 @@ class Recorder:
             finally:
                 self._queue.task_done()
 
-    def _write(self, p: _Pending) -> None:
+    def _write(self, p: PendingRecord) -> None:
+        if p.settle is not None:
+            p.settle()
         rows: dict[str, Row] = {}
         for name, value in p.meta.items():
-            rows[f"batches/{name}"] = Row(np.asarray(value))
+            rows[batch_path(name)] = Row(np.asarray(value))
         for name, g in p.grads.items():
             rows.update(self._grad_rows(name, g))
         for module, a in p.acts.items():
             rows.update(self._act_rows(module, a))
-        for module, stats in p.act_stats.items():
-            rows.update({f"acts/{module}/{k}": Row(v, self._act_attrs(module, k)) for k, v in stats.items()})
-        weights = {f"weights/{k}": Row(*self._weight_row(k, w)) for k, w in p.weights.items()}
+        weights = {weight_path(k): Row(*self._weight_row(k, w)) for k, w in p.weights.items()}
         if self.bytes_per_record is None:
             self.bytes_per_record = sum(r.data.nbytes for r in rows.values())
         self._writer.append(rows, weights or None)
@@ -357,11 +383,11 @@ class Recorder:
         out: dict[str, Row] = {}
         if any(fnmatch.fnmatchcase(name, pat) for pat in self.full):
             blocks = spec.split(data) if spec is not None else data
-            out[f"grads/{name}"] = Row(blocks, attrs, head_split=spec is not None, compression=self.compression)
+            out[grad_path(name)] = Row(blocks, attrs, head_split=spec is not None, compression=self.compression)
         if self.sketcher is not None:
             g32 = g if g.dtype == np.float32 else _to_f32(g)
             sk = self.sketcher.project_heads(spec.split(g32)) if spec is not None else self.sketcher.project(g32)
-            out[f"sketch/{name}"] = Row(sk, {**attrs, **self.sketcher.attrs(), "encoding": "float32"})
+            out[sketch_path(name)] = Row(sk, {**attrs, **self.sketcher.attrs(), "encoding": "float32"})
         return out
 
     def _act_rows(self, module: str, a: np.ndarray) -> dict[str, Row]:
@@ -369,10 +395,8 @@ class Recorder:
         if rng is None:
             bounds = next((b for glob, b in self.act_bounds.items() if fnmatch.fnmatchcase(module, glob)), None)
             rng = self._ranges[module] = make_range(_to_f32(a), bounds)
-        return {f"acts/{module}/{k}": Row(v, self._act_attrs(module, k)) for k, v in act_stats(_to_f32(a), rng).items()}
-
-    def _act_attrs(self, module: str, stat: str) -> dict[str, Any]:
-        return self._ranges[module].attrs() if stat == "hist" and module in self._ranges else {}
+        return {act_path(module, k): Row(v, rng.attrs() if k == "hist" else {})
+                for k, v in act_stats(_to_f32(a), rng).items()}
 
     def _weight_row(self, name: str, w: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         data, encoding = encode(w, None if _is_bf16(w) or w.dtype == np.float16 else "float32")
@@ -381,7 +405,7 @@ class Recorder:
 
 def _to_f32(a: np.ndarray) -> np.ndarray:
     if _is_bf16(a):
-        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return decode_bf16(a.view(np.uint16))
     return np.asarray(a, dtype=np.float32)
 
 

@@ -4,16 +4,18 @@
 ``record()`` is called - so under gradient accumulation it stores the sum over
 the micro-batches, exactly what the optimizer will see - keeps the outputs of
 hooked modules since the previous record, and hands everything to the
-framework-agnostic :class:`~gradforensics.capture.recorder.Recorder`, whose
-background thread splits heads, sketches, computes activation statistics and
-writes.
+framework-agnostic :class:`~gradforensics.capture.recorder.ArrayRecorder`
+(its base class), whose background thread splits heads, sketches, computes
+activation statistics and writes.
 
 On CUDA the gradients are copied into pinned host buffers with
 ``non_blocking=True`` on the current stream and a CUDA event is recorded after
 the copies; ``record()`` returns without waiting, and the writer thread waits
 on that event (``event.synchronize()``, never ``torch.cuda.synchronize()``)
-before it reads the buffers.  Two buffer sets are reused in turn, so a third
-``record()`` waits only if the writer has not yet taken the first one.
+before it reads the buffers (the record carries that wait as its ``settle``,
+:class:`~gradforensics.capture.recorder.PendingRecord`).  Two buffer sets are
+reused in turn, so a third ``record()`` waits only if the writer has not yet
+taken the first one.
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ import queue
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradforensics.capture.actstats import BOUNDED
 from gradforensics.capture.autoheads import resolve_heads
-from gradforensics.capture.recorder import Recorder, _Pending
+from gradforensics.capture.recorder import ArrayRecorder
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -44,16 +45,14 @@ CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_
 N_BUFFER_SETS = 2
 
 
-@dataclass
-class _DevicePending(_Pending):
-    """A record whose gradients are still being copied off the device."""
+def select_parameters(model: nn.Module, tensors: Sequence[str] | None) -> dict[str, torch.nn.Parameter]:
+    """The parameters named by the globs *tensors* (default: every trainable 2-D weight), in model order.
 
-    events: list[Any] = field(default_factory=list)
-    release: Callable[[], None] | None = None
-    on_device: tuple[str, ...] = ()
-
-
-def _select(model: nn.Module, tensors: Sequence[str] | None) -> dict[str, torch.nn.Parameter]:
+    Raises
+    ------
+    SpecError
+        A glob that matches no parameter.
+    """
     params = dict(model.named_parameters())
     if tensors is None:
         return {n: p for n, p in params.items() if p.ndim == 2 and p.requires_grad}
@@ -69,7 +68,8 @@ def _select(model: nn.Module, tensors: Sequence[str] | None) -> dict[str, torch.
     return {n: out[n] for n in params if n in out}   # model order
 
 
-def _modules(model: nn.Module, globs: Sequence[str] | None) -> dict[str, nn.Module]:
+def select_modules(model: nn.Module, globs: Sequence[str] | None) -> dict[str, nn.Module]:
+    """The modules named by the globs *globs* (for activation hooks); a glob that matches none is a SpecError."""
     if not globs:
         return {}
     if isinstance(globs, str):
@@ -160,7 +160,7 @@ class _ActHook:
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).numpy()
 
 
-class TorchRecorder(Recorder):
+class TorchRecorder(ArrayRecorder):
     """Record a PyTorch model's gradients, activations and weights into a store.
 
     Parameters
@@ -185,7 +185,7 @@ class TorchRecorder(Recorder):
         Snapshot the recorded weights every ``k`` records (record 0 included);
         ``None``: never.
     **kwargs
-        Everything :class:`~gradforensics.capture.recorder.Recorder` takes
+        Everything :class:`~gradforensics.capture.recorder.ArrayRecorder` takes
         (``sources``, ``sketch``, ``full``, ``dtype``, ``mode``, ...).
 
     Notes
@@ -205,12 +205,12 @@ class TorchRecorder(Recorder):
             if key in kwargs:
                 raise SpecError(f"{key}= is set by the PyTorch recorder from the model; do not pass it.")
         self.model = model
-        self.params = _select(model, tensors)
+        self.params = select_parameters(model, tensors)
         if not self.params:
             raise SpecError(f"tensors: {type(model).__name__} has no trainable 2-D weight to record; "
                             "pass tensors=[globs].")
         specs = resolve_heads(model, {n: tuple(p.shape) for n, p in self.params.items()}, heads)
-        self._act_modules = _modules(model, activations)
+        self._act_modules = select_modules(model, activations)
         bounds = {n: BOUNDED[type(m).__name__.lower()] for n, m in self._act_modules.items()
                   if type(m).__name__.lower() in BOUNDED}
         bounds.update(act_bounds or {})
@@ -227,9 +227,6 @@ class TorchRecorder(Recorder):
         self._pool_lock = threading.Lock()
 
     # ------------------------------------------------------------------ API
-    def __enter__(self) -> TorchRecorder:
-        return self
-
     def record(self, *, step: int | None = None, loss: Any = math.nan, source: str | None = None,
                mixture: Mapping[str, float] | None = None, n_samples: int = 1, lr: float = math.nan,
                rank: int | None = None, time: float | None = None, grads: Mapping[str, Any] | None = None,
@@ -253,7 +250,7 @@ class TorchRecorder(Recorder):
                 release()
             raise
         if events or release is not None:
-            pending = _DevicePending(**vars(pending), events=events, release=release, on_device=on_device)
+            pending.settle = _device_copies_done(pending.grads, events, release, on_device)
         self._submit(pending)
 
     def close(self) -> None:
@@ -267,14 +264,9 @@ class TorchRecorder(Recorder):
             h.remove()
         self._hooks.clear()
 
-    def drain(self) -> None:
-        """Wait until the writer thread has taken every record so far (no forced disk flush)."""
-        if self._queue is not None:
-            self._queue.join()
-        self._raise_if_failed()
-
     @property
     def n_hooks(self) -> int:
+        """Forward hooks in place (0 after :meth:`close`)."""
         return len(self._hooks)
 
     # ------------------------------------------------------ caller-side work
@@ -337,17 +329,25 @@ class TorchRecorder(Recorder):
             return {}
         return {n: to_numpy(p.detach().to("cpu", copy=True)) for n, p in self.params.items()}
 
-    # ------------------------------------------------------ writer-side work
-    def _write(self, p: _Pending) -> None:
-        if isinstance(p, _DevicePending):
-            try:
-                for event in p.events:
-                    event.synchronize()       # waits for this record's copies only
-                p.grads = {n: np.array(g, copy=True) if n in p.on_device else g for n, g in p.grads.items()}
-            finally:
-                if p.release is not None:
-                    p.release()
-        super()._write(p)
+
+def _device_copies_done(grads: dict[str, np.ndarray], events: list[Any], release: Callable[[], None] | None,
+                        on_device: tuple[str, ...]) -> Callable[[], None]:
+    """The ``settle`` of a record whose gradients are being copied into reused host buffers.
+
+    On the writer thread: wait for this record's copies only, copy the buffers
+    out (in place in *grads*), then hand the buffer set back with *release*.
+    """
+    def settle() -> None:
+        try:
+            for event in events:
+                event.synchronize()       # this record's copies only, never torch.cuda.synchronize()
+            for n in on_device:
+                grads[n] = np.array(grads[n], copy=True)
+        finally:
+            if release is not None:
+                release()
+
+    return settle
 
 
 def _copy_async(grads: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor]) -> list[Any]:

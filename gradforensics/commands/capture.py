@@ -1,10 +1,10 @@
 """``gradforensics capture CHECKPOINT --data NAME=FILE ... --out STORE``: dump a problem checkpoint.
 
-Loads the checkpoint offline (:mod:`gradforensics.capture.checkpoint`), packs
-each source's text into seeded batches (:mod:`gradforensics.capture.data`),
+Loads the checkpoint offline (:mod:`gradforensics.replay.checkpoint`), packs
+each source's text into seeded batches (:mod:`gradforensics.replay.data`),
 prints a size estimate and refuses when the disk cannot hold it (unless
 ``--force``), then replays the batches through the model
-(:func:`gradforensics.capture.replay.replay`, ``mode="replay"``) with a
+(:func:`gradforensics.replay.replay`, ``mode="replay"``) with a
 progress bar.  ``Ctrl-C`` stops it and leaves a valid store with the records
 written so far (exit 130).  See ``docs/capture-your-checkpoint.md``.
 """
@@ -23,7 +23,7 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
     from torch import nn
 
-    from gradforensics.capture.heads import HeadSpec
+    from gradforensics.store.heads import HeadSpec
 
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16",
                "float16": "float16", "fp32": "float32", "f32": "float32", "float32": "float32"}
@@ -146,9 +146,9 @@ def record_bytes(shapes: Mapping[str, tuple[tuple[int, ...], int]], specs: Mappi
 def _plan(args: argparse.Namespace, model: nn.Module, heads: Any, dtype: str | None) -> dict[str, int]:
     """Check the globs against the model (one-line errors) and estimate a record's bytes."""
     from gradforensics.capture.autoheads import resolve_heads
-    from gradforensics.capture.torch import _modules, _select
+    from gradforensics.capture.torch import select_modules, select_parameters
 
-    params = _select(model, args.tensors)
+    params = select_parameters(model, args.tensors)
     if not params:
         raise SpecError(f"tensors: {type(model).__name__} has no trainable 2-D weight to record; pass --tensors.")
     specs = resolve_heads(model, {n: tuple(p.shape) for n, p in params.items()}, heads)
@@ -156,7 +156,7 @@ def _plan(args: argparse.Namespace, model: nn.Module, heads: Any, dtype: str | N
         if not any(fnmatch.fnmatchcase(n, glob) for n in params):
             raise SpecError(f"--full: glob {glob!r} matches none of the recorded tensors "
                             f"(e.g. {', '.join(list(params)[:3])}).")
-    modules = _modules(model, args.activations)
+    modules = select_modules(model, args.activations)
     shapes = {n: (tuple(p.shape), ITEMSIZE[dtype] if dtype else p.element_size()) for n, p in params.items()}
     units = [_units(m, model, n) for n, m in modules.items()]
     return record_bytes(shapes, specs, sketch=args.sketch, full=args.full, n_sources=len(args.data),
@@ -165,7 +165,7 @@ def _plan(args: argparse.Namespace, model: nn.Module, heads: Any, dtype: str | N
 
 def _refuse_or_announce(per_record: dict[str, int], n_records: int, out: Path, force: bool, quiet: bool) -> None:
     from gradforensics._format import fmt_bytes
-    from gradforensics.capture.replay import size_estimate
+    from gradforensics.replay.run import size_estimate
 
     est = size_estimate(per_record["total"], n_records, out)
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in per_record.items() if k != "total" and v)
@@ -181,7 +181,7 @@ def _refuse_or_announce(per_record: dict[str, int], n_records: int, out: Path, f
 
 # ------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> int:
-    from gradforensics.capture import data
+    from gradforensics.replay import data
 
     sources = data.parse_sources(args.data)
     for src in sources:
@@ -205,9 +205,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _capture(args: argparse.Namespace, sources: list[Any], heads: Any, dtype: str | None, out: Path) -> int:
-    from gradforensics.capture import data
-    from gradforensics.capture.checkpoint import load_checkpoint, max_positions, offline
-    from gradforensics.capture.replay import replay
+    from gradforensics.replay import data, replay
+    from gradforensics.replay.checkpoint import load_checkpoint, max_positions, offline
 
     with offline():     # HF_HUB_OFFLINE=1 before transformers is first imported
         from transformers.utils import logging as hf_logging

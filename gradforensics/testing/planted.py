@@ -88,7 +88,7 @@ def write_store(
     recorder_kwargs
         Passed to :class:`gradforensics.Recorder` (``sketch=``, ``dtype=``, ``full=``, ...).
     """
-    from gradforensics.capture.recorder import Recorder
+    from gradforensics.capture import Recorder
 
     rng = np.random.default_rng(seed)
     pick = source_of or (lambda i: sources[i % len(sources)])

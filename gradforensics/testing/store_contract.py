@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradforensics.capture.recorder import Recorder
+from gradforensics.capture import Recorder
 from gradforensics.errors import (
     CorruptChunkError,
     MissingArrayError,

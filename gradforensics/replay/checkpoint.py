@@ -35,7 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradforensics.capture.autoheads import text_config
 from gradforensics.errors import GradforensicsError, SpecError
+from gradforensics.replay import losses
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +69,7 @@ class OfflineError(GradforensicsError, ConnectionError):
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint, ready for :func:`gradforensics.capture.replay.replay`."""
+    """A loaded checkpoint, ready for :func:`gradforensics.replay.replay`."""
 
     model: nn.Module
     tokenizer: Any
@@ -163,9 +165,7 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 def max_positions(model: nn.Module) -> tuple[int | None, str]:
     """The longest sequence the model takes, and where that number comes from."""
-    cfg = getattr(model, "config", None)
-    get_text = getattr(cfg, "get_text_config", None)
-    cfg = get_text() if callable(get_text) else cfg
+    cfg = text_config(model)
     for obj, where in ((cfg, "config"), (model, type(model).__name__)):
         for key in POSITION_KEYS:
             v = getattr(obj, key, None)
@@ -184,10 +184,6 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 # ------------------------------------------------------------------ Hugging Face
-def is_hf_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file()
-
-
 def _check_hf_dir(path: Path) -> None:
     if not path.exists():
         raise NotACheckpointError(f"{path}: no such file or directory.")
@@ -221,7 +217,7 @@ def _objective(config: Any, loss: str, path: Path) -> str:
         return "masked-lm"
     raise CheckpointError(f"{path}: {arch} has no language-model head (config architectures "
                           f"{getattr(config, 'architectures', None)}); pass --loss module:function, e.g. "
-                          "--loss gradforensics.capture.losses:contrastive for a sentence encoder.")
+                          "--loss gradforensics.replay.losses:contrastive for a sentence encoder.")
 
 
 def _model_class(objective: str, config: Any) -> Any:
@@ -340,8 +336,6 @@ def _load_raw(path: Path, factory: str, dtype: torch.dtype) -> nn.Module:
 
 # ------------------------------------------------------------------ entry point
 def _loss_fn(objective: str, custom: LossFn | None, model: nn.Module, tokenizer: Any, seed: int) -> LossFn:
-    from gradforensics.capture import losses
-
     if custom is not None:
         return custom
     if objective == "causal-lm":

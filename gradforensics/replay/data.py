@@ -19,7 +19,7 @@ Batches are drawn without replacement from a permutation seeded by
 ``(seed, crc32(source name))`` - the same batches whatever the order or the
 number of the other sources; if a source has fewer rows than the capture
 needs, further permutations follow (rows repeat, with a warning).  The
-interleaving across sources is :func:`gradforensics.capture.replay.interleave`.
+interleaving across sources is :func:`gradforensics.replay.run.interleave`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Objectives for ``gradforensics capture``: ``loss(model, batch) -> scalar tensor``.
 
 A batch is ``{"input_ids": (B, T) int64, "attention_mask": (B, T) int64}``, as
-:mod:`gradforensics.capture.data` packs it (padding, where there is any, has
+:mod:`gradforensics.replay.data` packs it (padding, where there is any, has
 ``attention_mask == 0``).  ``--loss module:function`` takes any function of that
 signature; the three here are:
 
@@ -11,7 +11,7 @@ signature; the three here are:
   10 % a random token, 10 % unchanged);
 * :func:`contrastive` - an in-batch-negatives contrastive loss for
   sentence-embedding encoders without an LM head (``--loss
-  gradforensics.capture.losses:contrastive``).
+  gradforensics.replay.losses:contrastive``).
 
 All three compute the cross-entropy from the model's output themselves, so a
 raw PyTorch model that returns logits (a tensor) works like a Hugging Face one.

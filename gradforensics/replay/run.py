@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from gradforensics._format import fmt_bytes
+from gradforensics.capture.torch import TorchRecorder
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -78,8 +79,6 @@ def interleave(batches_by_source: Mapping[str, Iterable[Any]],
             if done[s] >= quota[s]:
                 live.remove(s)
             yield s, batch
-
-
 
 
 class Progress:
@@ -176,7 +175,6 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
         Bad options, or the estimated size exceeds the free disk space (raised
         after the first record, which is what the estimate is measured on).
     """
-    from gradforensics.capture.torch import TorchRecorder
     from gradforensics.store.reader import open_store
 
     for key in ("sources", "mode", "model"):
