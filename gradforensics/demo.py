@@ -36,7 +36,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine.model import Findings
 
 SOURCES = ("zh", "en", "code")
 PLANTED_PAIR = ("zh", "en")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.signal import coherence, lfilter
 
-from gradforensics.analysis import coherence as co
+from gradforensics.analysis.kinds import coherence as co
 from gradforensics.analysis.series import Series, group
 from gradforensics.testing.contracts import AnalysisContract
 
@@ -149,9 +149,9 @@ def test_persisted_findings_replot_from_an_hdf5_store(tmp_path) -> None:
     """Figure arrays (pair keys with '~', no empty arrays) survive the store round trip."""
     from matplotlib.figure import Figure
 
-    from gradforensics.analysis.base import Findings
     from gradforensics.analysis.engine import analyze
-    from gradforensics.analysis.loss_spectrum import plot_detrended
+    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.kinds.loss_spectrum import plot_detrended
     from gradforensics.store.reader import Store
 
     path = tmp_path / "ranks.h5"

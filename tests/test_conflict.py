@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradforensics.analysis import conflict as cf
-from gradforensics.analysis._kspace import head_of, unit_series
+from gradforensics.analysis.engine.kspace import head_of, unit_series
+from gradforensics.analysis.kinds import conflict as cf
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
 
@@ -162,7 +162,7 @@ def test_findings_persisted_in_the_store_still_plot(tmp_path) -> None:
     from matplotlib.figure import Figure
 
     import gradforensics as gf
-    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine.model import Findings
     from gradforensics.store.reader import Store
 
     store = P.planted_conflict(seed=1, n_layers=3).write(tmp_path / "c.h5")

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis.base import Findings
 from gradforensics.analysis.engine import EngineOptions, analyze, select_analyses
-from gradforensics.analysis.gram import load_grams
+from gradforensics.analysis.engine.gram import load_grams
+from gradforensics.analysis.engine.model import Findings
 from gradforensics.cli import main
 from gradforensics.errors import EmptyStoreError, GradforensicsError, SpecError
 from gradforensics.store.backends import ArrayHandle
@@ -118,7 +118,7 @@ def test_slab_reduction_keys_must_not_collide_with_lazy(tmp_path) -> None:
     from dataclasses import replace
 
     from gradforensics.analysis import REGISTRY
-    from gradforensics.analysis.engine import _compute_pass
+    from gradforensics.analysis.engine.run import _compute_pass
     from gradforensics.testing.planted_units import planted_spectral_store
 
     store = Store(planted_spectral_store(tmp_path / "s.zarr", n_records=8, d=32).path)
@@ -132,7 +132,7 @@ def test_mixed_collections_keep_their_order() -> None:
     """dask 2026.8 regroups the results of a mixed Array/Delayed compute when it optimizes; _run must not."""
     import dask.array as da
 
-    from gradforensics.analysis.engine import _run
+    from gradforensics.analysis.engine.run import _run
 
     x = da.ones((10, 4), chunks=5)
     d1 = dask.delayed(lambda: "D1")()

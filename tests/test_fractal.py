@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradforensics.analysis import fractal as fr
+from gradforensics.analysis.kinds import fractal as fr
 from gradforensics.analysis.series import group
 from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted import write_store

@@ -8,7 +8,7 @@ import dask.array as da
 import numpy as np
 import pytest
 
-from gradforensics.analysis.gram import (
+from gradforensics.analysis.engine.gram import (
     aggregate_partial,
     chunk_partial,
     combine_partials,

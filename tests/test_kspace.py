@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradforensics.analysis import _kspace as ks
-from gradforensics.analysis.base import Flag
+from gradforensics.analysis.engine import kspace as ks
+from gradforensics.analysis.engine.model import Flag
 from gradforensics.errors import SpecError
 from gradforensics.testing import planted_directions as P
 
@@ -202,7 +202,7 @@ def test_names_roundtrip_and_options() -> None:
     raw = ks.encode_names(["zh", "en", "代码"])
     assert raw.dtype == np.uint8 and ks.decode_names(raw, 3) == ["zh", "en", "代码"]
     assert ks.decode_names(None, 2) == ["0", "1"]
-    from gradforensics.analysis.conflict import ConflictOptions
+    from gradforensics.analysis.kinds.conflict import ConflictOptions
 
     with pytest.raises(SpecError, match="unknown key"):
         ks.parse_options(ConflictOptions, {"perms": 5}, "conflict")

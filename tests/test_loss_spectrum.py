@@ -9,7 +9,7 @@ import pytest
 from scipy.signal import lfilter, welch
 from scipy.stats import chi2
 
-from gradforensics.analysis import loss_spectrum as ls
+from gradforensics.analysis.kinds import loss_spectrum as ls
 from gradforensics.analysis.series import group
 from gradforensics.errors import SpecError
 from gradforensics.testing.contracts import AnalysisContract

@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis.base import AnalysisResult, Context, GramResult
-from gradforensics.analysis.noise import flags, noise_estimate, noise_table, severity
+from gradforensics.analysis.engine.model import AnalysisResult, Context, GramResult
+from gradforensics.analysis.kinds.noise import flags, noise_estimate, noise_table, severity
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.schema import new_meta
 from gradforensics.testing.contracts import AnalysisContract

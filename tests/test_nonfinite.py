@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis.nonfinite import severity
+from gradforensics.analysis.kinds.nonfinite import severity
 from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted import healthy_store, nonfinite_store, write_store
 
@@ -108,7 +108,7 @@ def test_severity_scale() -> None:
 def test_plot_shows_counts(tmp_path) -> None:
     from matplotlib.figure import Figure
 
-    from gradforensics.analysis.nonfinite import plot
+    from gradforensics.analysis.kinds.nonfinite import plot
 
     store = nonfinite_store(tmp_path / "s.zarr", 0, n_records=24)
     f = run(store.path)

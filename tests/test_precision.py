@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradforensics.analysis import precision as P
+from gradforensics.analysis.kinds import precision as P
 from gradforensics.errors import SpecError
 from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted_units import planted_precision_store, run_analysis

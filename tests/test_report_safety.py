@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 
 from gradforensics._text import csv_cell, md_code, md_text, terminal
-from gradforensics.analysis.base import Analysis, AnalysisResult, Findings, Flag
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Findings, Flag
 from gradforensics.cli import main
 from gradforensics.errors import CorruptStoreError, UnsafeNameError
 from gradforensics.report import report

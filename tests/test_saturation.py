@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis import saturation as S
+from gradforensics.analysis.kinds import saturation as S
 from gradforensics.errors import SpecError
 from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted_units import planted_saturation_store, run_analysis

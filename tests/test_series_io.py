@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from gradforensics.analysis import series as se
-from gradforensics.analysis.base import GramResult
+from gradforensics.analysis.engine.model import GramResult
 from gradforensics.cli import main
 from gradforensics.errors import GradforensicsError
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis import spectral as S
+from gradforensics.analysis.kinds import spectral as S
 from gradforensics.errors import SpecError
 from gradforensics.store.heads import HeadSpec
 from gradforensics.testing.contracts import AnalysisContract

@@ -2,14 +2,14 @@
 
 To add an analysis: write ``gradforensics/analysis/<name>.py`` exposing
 ``ANALYSIS = Analysis(name=..., needs=..., compute=..., flags=..., plot=...)``
-(see :mod:`gradforensics.analysis.base`) and add its module to ``_MODULES``.
+(see :mod:`gradforensics.analysis.engine.model`) and add its module to ``_MODULES``.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Context, Findings, Flag, GramResult
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Findings, Flag, GramResult
 
 # Order = order of sections in the report.
 _MODULES: tuple[str, ...] = (
@@ -30,7 +30,7 @@ _MODULES: tuple[str, ...] = (
 def _load() -> dict[str, Analysis]:
     out: dict[str, Analysis] = {}
     for mod in _MODULES:
-        a = importlib.import_module(f"gradforensics.analysis.{mod}").ANALYSIS
+        a = importlib.import_module(f"gradforensics.analysis.kinds.{mod}").ANALYSIS
         out[a.name] = a
     return out
 

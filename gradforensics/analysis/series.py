@@ -1,7 +1,7 @@
 """Per-step series for the loss-curve analyses: from a store or from a training log.
 
-The loss-curve analyses (:mod:`~gradforensics.analysis.loss_spectrum`,
-:mod:`~gradforensics.analysis.fractal`, :mod:`~gradforensics.analysis.coherence`)
+The loss-curve analyses (:mod:`~gradforensics.analysis.kinds.loss_spectrum`,
+:mod:`~gradforensics.analysis.kinds.fractal`, :mod:`~gradforensics.analysis.kinds.coherence`)
 need uniformly sampled, finite 1-D series.  This module turns what a store or
 an experiment tracker holds into exactly that, and says what it had to repair:
 
@@ -32,7 +32,7 @@ from gradforensics.errors import GradforensicsError, SpecError
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.analysis.base import Context, GramResult
+    from gradforensics.analysis.engine.model import Context, GramResult
 
 #: Columns never treated as value series when ``columns`` is not given.
 META_COLUMNS = frozenset({
@@ -290,7 +290,7 @@ def _grad_norms(grams: Mapping[tuple[str, int | None], GramResult]) -> dict[str,
 
 
 def from_context(ctx: Context, axis: str = "step") -> list[SeriesGroup]:
-    """:func:`from_batches` on an engine :class:`~gradforensics.analysis.base.Context`.
+    """:func:`from_batches` on an engine :class:`~gradforensics.analysis.engine.model.Context`.
 
     Gradient norms are included when the pass computed Gram matrices (any
     selected analysis needs ``"gram"``).

@@ -20,14 +20,14 @@ from gradforensics._text import terminal
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine.model import Findings
     from gradforensics.analysis.series import SeriesGroup
 
 STORE_SUFFIXES = (".zarr", ".h5", ".hdf5")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gradforensics.analysis.loss_spectrum import CORRECTIONS, DETRENDERS
+    from gradforensics.analysis.kinds.loss_spectrum import CORRECTIONS, DETRENDERS
     from gradforensics.report.severity import add_fail_on_argument
 
     p.add_argument("inputs", nargs="+", metavar="FILE_OR_STORE",
@@ -76,8 +76,8 @@ def load(args: argparse.Namespace) -> tuple[list[SeriesGroup], dict[str, Any]]:
 
 def findings_of(groups: list[SeriesGroup], meta: dict[str, Any], options: Any) -> Findings:
     """Run the three loss-curve analyses on *groups* (no engine) and gather :class:`Findings`."""
-    from gradforensics.analysis import coherence, fractal, loss_spectrum
-    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.kinds import coherence, fractal, loss_spectrum
 
     spec = loss_spectrum.analyze_series(groups, options)
     results = {"loss_spectrum": spec, "fractal": fractal.analyze_series(groups, options)}
@@ -92,7 +92,7 @@ def findings_of(groups: list[SeriesGroup], meta: dict[str, Any], options: Any) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradforensics.analysis.loss_spectrum import SpectrumOptions
+    from gradforensics.analysis.kinds.loss_spectrum import SpectrumOptions
     from gradforensics.report import report
 
     options = SpectrumOptions(detrend=args.detrend, nperseg=args.nperseg, alpha=args.alpha,

@@ -17,7 +17,7 @@ from gradforensics.errors import MissingArrayError
 from gradforensics.report.severity import add_fail_on_argument, exit_code
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine.model import Findings
     from gradforensics.store.reader import Store
 
 
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_findings(path: str) -> tuple[Findings, Store]:
     """The stored findings of the store at *path*, without reading (or checking) gradient chunks."""
-    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine.model import Findings
     from gradforensics.store.reader import Store
 
     store = Store(path, check_chunks=False)

@@ -1,6 +1,6 @@
 """The report a training team reads: ``report.html``, ``report.md``, ``flags.json``, ``tables/``.
 
-``report(findings, out_dir)`` renders :class:`~gradforensics.analysis.base.Findings`
+``report(findings, out_dir)`` renders :class:`~gradforensics.analysis.engine.model.Findings`
 (from ``gf.analyze`` or ``Findings.from_store``); it never reads gradients.
 
 * ``report.html`` - one self-contained file: header, summary in sentences, the
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from gradforensics.report.severity import SEVERITY_NAMES, exit_code, parse_severity
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine.model import Findings
     from gradforensics.store.reader import Store
 
 __all__ = ["SEVERITY_NAMES", "exit_code", "parse_severity", "report"]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from gradforensics.report.names import join_and
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.base import Flag
+    from gradforensics.analysis.engine.model import Flag
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from gradforensics.report import advice, figures, summary, tables
 from gradforensics.report.severity import band
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine.model import Findings
     from gradforensics.store.reader import Store
 
 #: Findings that get an evidence figure (the most severe ones).

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from gradforensics.analysis.base import Findings, Flag
+    from gradforensics.analysis.engine.model import Findings, Flag
     from gradforensics.report.summary import Finding
 
 DPI = 110

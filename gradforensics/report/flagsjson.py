@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.analysis.base import FLAG_KINDS
+from gradforensics.analysis.engine.model import FLAG_KINDS
 from gradforensics.errors import GradforensicsError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.base import Findings
+    from gradforensics.analysis.engine.model import Findings
 
 FLAG_SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.base import Findings, Flag
+    from gradforensics.analysis.engine.model import Findings, Flag
 
 SEVERITY_NAMES: dict[str, float] = {"low": 0.25, "medium": 0.5, "high": 0.75}
 

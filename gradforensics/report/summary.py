@@ -18,7 +18,7 @@ from gradforensics.report import advice, names
 from gradforensics.report.severity import band
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.base import Findings, Flag
+    from gradforensics.analysis.engine.model import Findings, Flag
 
 #: How evidence keys read in a sentence.
 LABELS: dict[str, str] = {

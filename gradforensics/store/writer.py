@@ -132,11 +132,14 @@ class StoreWriter:
         chunks = chunk_shape(data.shape, data.dtype.itemsize, r, self.policy, row.head_split)
         # A small array's chunk spans many flushes and is mostly padding until filled: in Zarr,
         # compress it (cheap at this size) so the padding costs no disk; Zarr rewrites a chunk
-        # file atomically.  Not in HDF5: a compressed chunk that is rewritten moves, and a writer
-        # killed before the next flush leaves the on-disk index pointing at reused space
-        # (seen in tests/test_crash.py); uncompressed chunks are rewritten in place.
+        # file atomically.  Not in HDF5: a filtered chunk (compressed, or checksummed) that is
+        # rewritten can move, and a writer killed before the next flush leaves the on-disk index
+        # pointing at reused space (seen in tests/test_crash.py).  So in HDF5 a chunk holds one
+        # flush of records and is written once, like the large arrays' chunks.
         small = chunks[0] > r and row.compression == "none"
         compression = "zstd" if small and self.kind == "zarr" else row.compression
+        if self.kind == "hdf5" and (small or row.compression != "none" or self.policy.checksums):
+            chunks = (r, *chunks[1:])
         self._backend.create(name, (0, *data.shape), data.dtype.str, chunks, row.attrs, compression,
                              self.policy.checksums)
         self._layout[name] = (tuple(data.shape), data.dtype)
@@ -172,8 +175,9 @@ class StoreWriter:
                     )
                 self._backend.truncate(name, nw)
                 self._backend.write_rows(name, nw, row.data[None])
-            if not self._backend.has(WEIGHT_RECORD):
-                self._backend.create(WEIGHT_RECORD, (0,), "<i8", (1024,), {}, "none", self.policy.checksums)
+            if not self._backend.has(WEIGHT_RECORD):   # HDF5: one snapshot a chunk, never rewritten (see _create)
+                chunk = (1,) if self.kind == "hdf5" else (1024,)
+                self._backend.create(WEIGHT_RECORD, (0,), "<i8", chunk, {}, "none", self.policy.checksums)
             self._backend.write_rows(WEIGHT_RECORD, nw, np.array([rec_index], dtype=np.int64))
             nw += 1
         self._weights.clear()

@@ -106,7 +106,7 @@ def planted_precision_store(path: str | os.PathLike[str], *, swamped: bool = Tru
     step), so swamped updates vanish from the snapshots: ``lost_share`` sees them.
     """
     import gradforensics as gf
-    from gradforensics.analysis.precision import round_to
+    from gradforensics.analysis.kinds.precision import round_to
 
     rng = np.random.default_rng(seed)
     shapes = {"layers.0.attn.q_proj.weight": (32, 32), "layers.0.mlp.up.weight": (64, 32),
@@ -187,7 +187,7 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
 def run_analysis(path: str | os.PathLike[str], name: str, options: dict[str, Any] | None = None) -> tuple[Any, list]:
     """Run analysis *name* on the store at *path* as the engine does; returns ``(result, flags)``."""
     from gradforensics.analysis import REGISTRY, Context
-    from gradforensics.analysis.engine import EngineOptions, _compute_pass
+    from gradforensics.analysis.engine.run import EngineOptions, _compute_pass
     from gradforensics.store.reader import Store
 
     a = REGISTRY[name]

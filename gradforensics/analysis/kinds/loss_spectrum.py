@@ -48,14 +48,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag, Options
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag, Options
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.base import Context
+    from gradforensics.analysis.engine.model import Context
     from gradforensics.analysis.series import Series, SeriesGroup
 
 NAME = "loss_spectrum"

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag
-from gradforensics.analysis.loss_spectrum import MIN_POINTS, SpectrumOptions, detrend
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.kinds.loss_spectrum import MIN_POINTS, SpectrumOptions, detrend
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.base import Context
+    from gradforensics.analysis.engine.model import Context
     from gradforensics.analysis.series import Series, SeriesGroup
 
 NAME = "fractal"
@@ -188,7 +188,7 @@ def box_counting(y: np.ndarray, min_width: int = 4, max_width: int | None = None
 # ------------------------------------------------------------- series -> table
 def analyze_series(groups: Sequence[SeriesGroup], options: Any = None) -> AnalysisResult:
     """``fractal`` table (one row per series) of every group's all-ranks series,
-    detrended as :func:`~gradforensics.analysis.loss_spectrum.detrend` does for
+    detrended as :func:`~gradforensics.analysis.kinds.loss_spectrum.detrend` does for
     the spectrum (and winsorised the same way)."""
     import pandas as pd
 
@@ -202,13 +202,13 @@ def fractal_window(n: int, opt: SpectrumOptions) -> int:
     """Savitzky–Golay window for the fractal analysis: the spectrum's ``2·nperseg + 1``
     or N/2, whichever is wider.  The detrender flattens a random walk at scales
     above ~W/16 (Higuchi) and ~W/8 (box counting), so the fits stop there."""
-    from gradforensics.analysis.loss_spectrum import default_nperseg
+    from gradforensics.analysis.kinds.loss_spectrum import default_nperseg
 
     return int(max(2 * (opt.nperseg or default_nperseg(n)) + 1, n // 2) | 1)
 
 
 def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    from gradforensics.analysis.loss_spectrum import winsorize
+    from gradforensics.analysis.kinds.loss_spectrum import winsorize
 
     row: dict[str, Any] = {"tensor": s.tensor, "head": None, "series": s.name, "n_points": s.n,
                            "detrend": "savgol", "note": ""}
@@ -250,7 +250,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 
 
 def _compute(ctx: Context) -> AnalysisResult:
-    from gradforensics.analysis.loss_spectrum import context_options
+    from gradforensics.analysis.kinds.loss_spectrum import context_options
     from gradforensics.analysis.series import from_context
 
     opt = context_options(ctx, NAME)

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
-from gradforensics.analysis.base import parse_options as base_parse_options
+from gradforensics.analysis.engine.model import parse_options as base_parse_options
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.base import Context, Flag
+    from gradforensics.analysis.engine.model import Context, Flag
 
 T = TypeVar("T")
 

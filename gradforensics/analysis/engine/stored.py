@@ -1,6 +1,6 @@
 """Parse the analysis results a store holds, strictly: ``analysis/findings``, ``tables/<name>``, ``series/<name>``.
 
-``gradforensics analyze`` persists its :class:`~gradforensics.analysis.base.Findings`
+``gradforensics analyze`` persists its :class:`~gradforensics.analysis.engine.model.Findings`
 in the store so ``gradforensics report`` can re-render them.  A store may come
 from someone else, so these documents are checked once, here, at the boundary
 (design, "Store safety"): analysis names must be lower-case identifiers (they
@@ -29,7 +29,7 @@ from gradforensics.store.names import check_analysis_name
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.analysis.base import Flag
+    from gradforensics.analysis.engine.model import Flag
     from gradforensics.store.reader import Store
 
 __all__ = ["FLAG_FIELDS", "parse_flag", "parse_series", "parse_table", "read_findings"]
@@ -81,7 +81,7 @@ def _str_list(value: Any, where: str, key: str) -> list[str]:
 
 # ------------------------------------------------------------------ flags
 def parse_flag(d: Any, where: str = "flag") -> Flag:
-    """A :class:`~gradforensics.analysis.base.Flag` from its ``to_dict`` form, every field checked.
+    """A :class:`~gradforensics.analysis.engine.model.Flag` from its ``to_dict`` form, every field checked.
 
     Raises
     ------
@@ -89,7 +89,7 @@ def parse_flag(d: Any, where: str = "flag") -> Flag:
         A field is missing, unknown, of the wrong type or out of range; the
         message starts with *where*.
     """
-    from gradforensics.analysis.base import FLAG_KINDS, Flag
+    from gradforensics.analysis.engine.model import FLAG_KINDS, Flag
 
     if not isinstance(d, Mapping):
         raise _bad(where, f"a flag must be an object; got {type(d).__name__}")
@@ -238,7 +238,7 @@ def _findings_doc(doc: Any, where: str) -> dict[str, Any]:
 
 
 def read_findings(store: Store) -> dict[str, Any]:
-    """The keyword arguments of :class:`~gradforensics.analysis.base.Findings` stored in *store*.
+    """The keyword arguments of :class:`~gradforensics.analysis.engine.model.Findings` stored in *store*.
 
     Raises
     ------
@@ -247,7 +247,7 @@ def read_findings(store: Store) -> dict[str, Any]:
     MissingArrayError
         A table or series the findings name is absent.
     """
-    from gradforensics.analysis.base import AnalysisResult
+    from gradforensics.analysis.engine.model import AnalysisResult
 
     where = f"{store.path}: analysis/findings"
     doc = _findings_doc(_document(store, "findings"), where)

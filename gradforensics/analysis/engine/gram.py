@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import GramResult
+from gradforensics.analysis.engine.model import GramResult
 from gradforensics.errors import MissingArrayError, SpecError
 from gradforensics.store.layout import MiB
 

@@ -1,7 +1,7 @@
 """The forensic pass: one ``dask.compute`` over the store, then every analysis.
 
 :func:`analyze` opens the store, reads the small ``batches/*`` arrays once,
-builds the Gram-matrix graph of every tensor (:mod:`gradforensics.analysis.gram`),
+builds the Gram-matrix graph of every tensor (:mod:`gradforensics.analysis.engine.gram`),
 with every selected analysis's gradient reductions (``Analysis.slab_reductions``)
 folded into the same slab reads, and the extra lazy reductions of every selected
 analysis (``Analysis.lazy``, never over gradients),
@@ -11,9 +11,9 @@ pinned to one thread per dask worker thread (threadpoolctl); under a
 ``dask.distributed`` client it is pinned on every worker.  Memory stays
 bounded by slab size x workers, not by store size.
 
-Then it builds the :class:`~gradforensics.analysis.base.Context`, calls each
+Then it builds the :class:`~gradforensics.analysis.engine.model.Context`, calls each
 analysis's ``compute`` and ``flags`` in registry order, gathers
-:class:`~gradforensics.analysis.base.Findings` and persists them, with the Gram
+:class:`~gradforensics.analysis.engine.model.Findings` and persists them, with the Gram
 matrices, under the store's ``analysis/`` group, so ``gradforensics report``
 never re-reads gradients.
 """
@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, Context, Findings, GramResult
-from gradforensics.analysis.gram import (
+from gradforensics.analysis.engine.gram import (
     DEFAULT_SLAB_BYTES,
     DEFAULT_SPLIT_EVERY,
     PRECISIONS,
@@ -42,6 +41,7 @@ from gradforensics.analysis.gram import (
     save_grams,
     slab_graph,
 )
+from gradforensics.analysis.engine.model import Analysis, Context, Findings, GramResult
 from gradforensics.errors import EmptyStoreError, SpecError
 from gradforensics.store.reader import Store
 

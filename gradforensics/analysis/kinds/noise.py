@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Context, Flag, GramResult
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Flag, GramResult
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:

@@ -53,13 +53,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag, Options
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag, Options
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.base import Context
+    from gradforensics.analysis.engine.model import Context
     from gradforensics.store.reader import Store
 
 NAME = "spectral"
@@ -266,7 +266,7 @@ def window_sums(x: np.ndarray, sel: tuple[slice, ...], edges: np.ndarray) -> dic
     ``W[i, w] = 1`` when record *i* lies in window *w*; *sel* places the slab (its
     records may be a part of all records when the record axis is split).
     """
-    from gradforensics.analysis.gram import feature_blocks
+    from gradforensics.analysis.engine.gram import feature_blocks
 
     r0 = int(sel[0].start)
     if not np.isfinite(x).all():
@@ -280,7 +280,7 @@ def window_sums(x: np.ndarray, sel: tuple[slice, ...], edges: np.ndarray) -> dic
 
 
 def _window_means(part: dict[Any, np.ndarray], edges: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    from gradforensics.analysis.gram import assemble_feature_blocks
+    from gradforensics.analysis.engine.gram import assemble_feature_blocks
 
     sums = assemble_feature_blocks(part, len(edges) - 1, shape, np.float64)
     counts = np.maximum(np.diff(edges), 1).astype(np.float64)
@@ -299,7 +299,7 @@ def slab_reductions(store: Store) -> dict[str, Any]:
     """Per 2-D stored gradient: the window-mean gradients, summed in the engine's one read of each slab."""
     from functools import partial
 
-    from gradforensics.analysis.gram import SlabReduction, merge_feature_blocks
+    from gradforensics.analysis.engine.gram import SlabReduction, merge_feature_blocks
 
     edges = window_edges(store.n_records)
     out: dict[str, Any] = {}

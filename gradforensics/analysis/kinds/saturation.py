@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag, Options
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag, Options
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.base import Context
+    from gradforensics.analysis.engine.model import Context
     from gradforensics.store.reader import Store
 
 NAME = "saturation"

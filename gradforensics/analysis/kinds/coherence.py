@@ -4,7 +4,7 @@ With data parallelism every rank logs its own loss.  An oscillation the ranks
 share (coherence ≈ 1 at its frequency, phase ≈ 0) comes from the model or the
 optimizer they share; one confined to a rank (coherence ≈ 0) comes from that
 rank's data or hardware.  For each pair of ranks this analysis detrends both
-series the way :mod:`~gradforensics.analysis.loss_spectrum` does, estimates the
+series the way :mod:`~gradforensics.analysis.kinds.loss_spectrum` does, estimates the
 magnitude-squared coherence ``C(f) = |S_ab|² / (S_aa S_bb)`` with Welch averages
 (``scipy.signal.coherence``), tests it against independence and reports the
 phase of the cross-spectrum at coherent peaks and the lag it implies (``lag =
@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag
-from gradforensics.analysis.loss_spectrum import (
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.kinds.loss_spectrum import (
     MIN_POINTS,
     SpectrumOptions,
     adjust_pvalues,
@@ -55,7 +55,7 @@ from gradforensics.analysis.loss_spectrum import (
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.base import Context
+    from gradforensics.analysis.engine.model import Context
     from gradforensics.analysis.series import Series, SeriesGroup
 
 NAME = "coherence"
@@ -212,7 +212,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 
 
 def _compute(ctx: Context) -> AnalysisResult:
-    from gradforensics.analysis.loss_spectrum import context_options
+    from gradforensics.analysis.kinds.loss_spectrum import context_options
     from gradforensics.analysis.series import from_context
 
     opt = context_options(ctx, NAME)

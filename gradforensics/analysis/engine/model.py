@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.gram import SlabReduction
+    from gradforensics.analysis.engine.gram import SlabReduction
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
 
@@ -108,14 +108,14 @@ class Flag:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "flag") -> Flag:
-        """Inverse of :meth:`to_dict`, every field checked (:func:`gradforensics.analysis.stored.parse_flag`).
+        """Inverse of :meth:`to_dict`, every field checked (:func:`gradforensics.analysis.engine.stored.parse_flag`).
 
         Raises
         ------
         CorruptStoreError
             A field is missing, unknown, mistyped or out of range; the message starts with *where*.
         """
-        from gradforensics.analysis.stored import parse_flag
+        from gradforensics.analysis.engine.stored import parse_flag
 
         return parse_flag(d, where)
 
@@ -221,7 +221,7 @@ class Analysis:
         ``grads/*``: gradient reductions go in ``slab_reductions``.
     slab_reductions
         Optional ``slab_reductions(store) -> {key: SlabReduction}``
-        (:class:`gradforensics.analysis.gram.SlabReduction`): per-slab reductions of
+        (:class:`gradforensics.analysis.engine.gram.SlabReduction`): per-slab reductions of
         stored gradients that the engine runs inside the Gram pass's read of each
         slab, so every gradient byte is still read once; each result arrives as
         ``ctx.lazy[name][key]`` next to those of ``lazy``.
@@ -279,7 +279,7 @@ class Findings:
         """The findings ``analyze`` stored in *store*'s ``analysis/`` group, parsed strictly.
 
         The store may come from someone else: every document is checked
-        (:func:`gradforensics.analysis.stored.read_findings`) before it is trusted.
+        (:func:`gradforensics.analysis.engine.stored.read_findings`) before it is trusted.
 
         Raises
         ------
@@ -288,7 +288,7 @@ class Findings:
         MissingArrayError
             A table or series the findings name is absent.
         """
-        from gradforensics.analysis.stored import read_findings
+        from gradforensics.analysis.engine.stored import read_findings
 
         return cls(**read_findings(store))
 
@@ -312,9 +312,9 @@ def pack_series(series: Mapping[str, Any]) -> np.ndarray:
 def unpack_series(raw: np.ndarray, where: str = "series") -> dict[str, np.ndarray]:
     """Inverse of :func:`pack_series`; a malformed image is a :class:`~gradforensics.errors.CorruptStoreError`.
 
-    See :func:`gradforensics.analysis.stored.parse_series` for what is checked.
+    See :func:`gradforensics.analysis.engine.stored.parse_series` for what is checked.
     """
-    from gradforensics.analysis.stored import parse_series
+    from gradforensics.analysis.engine.stored import parse_series
 
     return parse_series(raw, where)
 

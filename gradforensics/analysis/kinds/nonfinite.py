@@ -3,7 +3,7 @@
 A NaN or Inf in one batch gradient is enough to corrupt the weights at the next
 optimizer step (unless a loss scaler skips the step), so any non-finite value is
 a finding with severity >= 0.5 - never an error.  The counts come for free from
-the Gram pass (:mod:`gradforensics.analysis.gram` counts non-finite elements per
+the Gram pass (:mod:`gradforensics.analysis.engine.gram` counts non-finite elements per
 record while it zeroes them); records holding any are excluded from every
 direction statistic, so they cannot turn another table into NaN.
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Context, Flag, GramResult
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Flag, GramResult
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis import _kspace as ks
-from gradforensics.analysis.base import Analysis, AnalysisResult, Context, Flag
+from gradforensics.analysis.engine import kspace as ks
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Flag
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -42,14 +42,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.base import Analysis, AnalysisResult, Flag, Options
-from gradforensics.analysis.spectral import head_spec_from_attrs
+from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag, Options
+from gradforensics.analysis.kinds.spectral import head_spec_from_attrs
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.base import Context
+    from gradforensics.analysis.engine.model import Context
     from gradforensics.store.reader import Store
 
 NAME = "precision"
@@ -245,7 +245,7 @@ def lazy(store: Store) -> dict[str, Any]:
 
 def nonzero_masks(x: np.ndarray, sel: tuple[slice, ...], spans: list[tuple[int, int]]) -> dict[Any, np.ndarray]:
     """Chunk step: per record span ``[r0, r1)``, where some gradient of the slab's records in it is non-zero."""
-    from gradforensics.analysis.gram import feature_blocks
+    from gradforensics.analysis.engine.gram import feature_blocks
 
     a = int(sel[0].start)
     out = np.zeros((len(spans), *x.shape[1:]), dtype=bool)
@@ -257,7 +257,7 @@ def nonzero_masks(x: np.ndarray, sel: tuple[slice, ...], spans: list[tuple[int, 
 
 
 def _masks(part: dict[Any, np.ndarray], n: int, shape: tuple[int, ...]) -> list[np.ndarray]:
-    from gradforensics.analysis.gram import assemble_feature_blocks
+    from gradforensics.analysis.engine.gram import assemble_feature_blocks
 
     return list(assemble_feature_blocks(part, n, shape, bool))
 
@@ -273,7 +273,7 @@ def slab_reductions(store: Store) -> dict[str, Any]:
     for tensors with weight snapshots, the non-zero masks between snapshots that the pair counts need."""
     from functools import partial
 
-    from gradforensics.analysis.gram import SlabReduction, merge_feature_blocks
+    from gradforensics.analysis.engine.gram import SlabReduction, merge_feature_blocks
 
     out: dict[str, Any] = {}
     pairs = _pair_specs(store)

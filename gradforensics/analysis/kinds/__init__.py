@@ -1,0 +1,1 @@
+"""The analyses, one module each; each exposes ``ANALYSIS`` (see :mod:`gradforensics.analysis`)."""
