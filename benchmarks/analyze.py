@@ -89,7 +89,7 @@ def phase_read(path: Path) -> dict:
     store = Store(path)
     n = 0
     for info in store.grads.values():
-        h = store._handle(info)
+        h = store.handle(info)
         grid = [range(0, s, c) for s, c in zip(info.shape, info.chunks)]
         for starts in itertools.product(*grid):
             sel = tuple(slice(s, min(s + c, dim)) for s, c, dim in zip(starts, info.chunks, info.shape))

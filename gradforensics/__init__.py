@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from gradforensics._version import __version__
 from gradforensics.errors import GradforensicsError
 
-__version__ = "0.1.0"
 __all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "open_store", "report"]
 
 

@@ -150,14 +150,14 @@ def test_persisted_findings_replot_from_an_hdf5_store(tmp_path) -> None:
     from matplotlib.figure import Figure
 
     from gradforensics.analysis.engine import analyze
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.engine.results import read_findings
     from gradforensics.analysis.kinds.loss_spectrum import plot_detrended
     from gradforensics.store.reader import Store
 
     path = tmp_path / "ranks.h5"
     multi_rank_store(path)
     analyze(str(path), only=["loss_spectrum", "coherence"], progress=False)
-    back = Findings.from_store(Store(str(path), check_chunks=False))
+    back = read_findings(Store(str(path), check_chunks=False))
     fig = Figure()
     a1, a2 = fig.add_subplot(211), fig.add_subplot(212)
     co.plot_coherence(back.results["coherence"], "batches/loss", a1)

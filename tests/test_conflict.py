@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradforensics.analysis.engine.kspace import head_of, unit_series
+from gradforensics.analysis.engine.units import head_of, unit_series
 from gradforensics.analysis.kinds import conflict as cf
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
@@ -162,12 +162,12 @@ def test_findings_persisted_in_the_store_still_plot(tmp_path) -> None:
     from matplotlib.figure import Figure
 
     import gradforensics as gf
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.engine.results import read_findings
     from gradforensics.store.reader import Store
 
     store = P.planted_conflict(seed=1, n_layers=3).write(tmp_path / "c.h5")
     gf.analyze(store.path, only="conflict", progress=False)
-    back = Findings.from_store(Store(store.path))
+    back = read_findings(Store(store.path))
     flag = next(f for f in back.flags if f.kind == "conflict" and f.head == 1)
     ax = Figure().add_subplot()
     cf.plot(back.results["conflict"], flag, ax)

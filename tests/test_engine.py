@@ -12,8 +12,8 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.analysis.engine import EngineOptions, analyze, select_analyses
-from gradforensics.analysis.engine.gram import load_grams
 from gradforensics.analysis.engine.model import Findings
+from gradforensics.analysis.engine.results import load_grams, read_findings
 from gradforensics.cli import main
 from gradforensics.errors import EmptyStoreError, GradforensicsError, SpecError
 from gradforensics.store.backends import ArrayHandle
@@ -118,14 +118,14 @@ def test_slab_reduction_keys_must_not_collide_with_lazy(tmp_path) -> None:
     from dataclasses import replace
 
     from gradforensics.analysis import REGISTRY
-    from gradforensics.analysis.engine.run import _compute_pass
+    from gradforensics.analysis.engine.run import compute_pass
     from gradforensics.testing.planted_units import planted_spectral_store
 
     store = Store(planted_spectral_store(tmp_path / "s.zarr", n_records=8, d=32).path)
     spectral = REGISTRY["spectral"]
     clash = replace(spectral, lazy=lambda st: {**spectral.lazy(st), **dict.fromkeys(spectral.slab_reductions(st))})
     with pytest.raises(SpecError, match="both lazy and slab_reductions"):
-        _compute_pass(store, [clash], EngineOptions(persist=False), None, False)
+        compute_pass(store, [clash], EngineOptions(persist=False), None, False)
 
 
 def test_mixed_collections_keep_their_order() -> None:
@@ -175,7 +175,7 @@ def test_findings_and_grams_persist(stores, suffix) -> None:
     path = stores[suffix].path
     findings = analyze(path, only=ONLY, progress=False)
     store = Store(path, check_chunks=False)
-    again = Findings.from_store(store)
+    again = read_findings(store)
     assert again.flags_json() == json.loads(json.dumps(findings.flags_json()))
     for name in ONLY:
         pd.testing.assert_frame_equal(again.table(name), findings.table(name), check_dtype=False)

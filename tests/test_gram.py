@@ -15,9 +15,8 @@ from gradforensics.analysis.engine.gram import (
     gram_graph,
     gram_of_array,
     gram_of_handle,
-    load_grams,
-    save_grams,
 )
+from gradforensics.analysis.engine.results import load_grams, save_grams
 from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import MissingArrayError, SpecError
 from gradforensics.store.heads import HeadSpec
@@ -162,7 +161,7 @@ def test_handle_reads_fused_and_record_split(tmp_path, suffix) -> None:
     info = store.grads["attn.q"]
     q = np.stack([recs[i]["attn.q"] for i in range(20)])
     for chunks in (((20,), (1,) * 4, (2, 2), (8,)), ((6, 6, 8), (2, 2), (4,), (8,))):
-        (res,) = dask.compute(gram_of_handle(store._handle(info), chunks, "attn.q", heads=True, split_every=2))
+        (res,) = dask.compute(gram_of_handle(store.handle(info), chunks, "attn.q", heads=True, split_every=2))
         np.testing.assert_allclose(res[0].gram, oracle(q)[0], rtol=1e-5, atol=1e-4)
         blocks = np.stack([HeadSpec(4).split(q[i]) for i in range(20)])
         np.testing.assert_allclose(res[3].gram, oracle(blocks[:, 2])[0], rtol=1e-5, atol=1e-4)

@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 
 from gradforensics.analysis.engine import kspace as ks
+from gradforensics.analysis.engine.flagging import dedupe_heads, involved_heads, significance
 from gradforensics.analysis.engine.model import Flag
+from gradforensics.analysis.engine.units import SeriesPack, decode_names, encode_names, unit_series, units
 from gradforensics.errors import SpecError
+from gradforensics.store.names import layer_of
 from gradforensics.testing import planted_directions as P
 
 
@@ -130,7 +133,7 @@ def test_units_exclude_nonfinite_and_sum_heads() -> None:
     p = P.with_nonfinite(P.healthy_directions(seed=0, n=40, n_layers=1), P.q_name(0), [3, 7])
     ctx = p.context()
     del ctx.grams[(P.q_name(0), None)]                     # the whole-tensor K is rebuilt from the heads
-    us = {(u.tensor, u.head): u for u in ks.units(ctx)}
+    us = {(u.tensor, u.head): u for u in units(ctx)}
     whole = us[(P.q_name(0), None)]
     X = p.unit_matrix(P.q_name(0), None)
     keep = np.setdiff1d(np.arange(40), [3, 7])
@@ -145,7 +148,7 @@ def test_units_exclude_nonfinite_and_sum_heads() -> None:
 def test_units_follow_step_order() -> None:
     p = P.healthy_directions(seed=0, n=20, n_layers=1)
     p.step = np.r_[np.arange(10, 20), np.arange(10)]
-    u = ks.units(p.context())[0]
+    u = units(p.context())[0]
     assert list(u.records[:3]) == [10, 11, 12]
 
 
@@ -155,16 +158,16 @@ def test_units_follow_step_order() -> None:
     ("lm_head.weight", None), ("model.embed_tokens.weight", None),
 ])
 def test_layer_of(name: str, layer: int | None) -> None:
-    assert ks.layer_of(name) == layer
+    assert layer_of(name) == layer
 
 
 def test_significance_map() -> None:
-    assert ks.significance(1e-3, 1) == pytest.approx(0.5)
-    assert ks.significance(1e-4, 1) == pytest.approx(1.0)
-    assert ks.significance(1e-4, 10) == pytest.approx(0.5)     # Bonferroni over the store
-    assert ks.significance(0.01, 1) == 0.0
-    assert ks.significance(float("nan"), 1) == 0.0
-    assert ks.significance(0.0, 5) == 1.0
+    assert significance(1e-3, 1) == pytest.approx(0.5)
+    assert significance(1e-4, 1) == pytest.approx(1.0)
+    assert significance(1e-4, 10) == pytest.approx(0.5)     # Bonferroni over the store
+    assert significance(0.01, 1) == 0.0
+    assert significance(float("nan"), 1) == 0.0
+    assert significance(0.0, 5) == 1.0
 
 
 def _flag(head: int | None, src: tuple[str, ...] = ()) -> Flag:
@@ -172,19 +175,19 @@ def _flag(head: int | None, src: tuple[str, ...] = ()) -> Flag:
 
 
 def test_dedupe_heads() -> None:
-    some = ks.dedupe_heads([_flag(None), _flag(1), _flag(2)], {"t": 4})
+    some = dedupe_heads([_flag(None), _flag(1), _flag(2)], {"t": 4})
     assert sorted(f.head for f in some) == [1, 2]                     # localised: heads only
     assert "whole tensor: severity 0.90" in some[0].summary
-    everyone = ks.dedupe_heads([_flag(None), *[_flag(h) for h in range(4)]], {"t": 4})
+    everyone = dedupe_heads([_flag(None), *[_flag(h) for h in range(4)]], {"t": 4})
     assert [f.head for f in everyone] == [None]                       # tensor-wide: the whole tensor
     # heads 0 and 3 show it only nominally (not flagged): still tensor-wide
-    nominal = ks.dedupe_heads([_flag(None), _flag(1), _flag(2)], {"t": 4}, {("t", ()): {0, 3}}, by_sources=False)
+    nominal = dedupe_heads([_flag(None), _flag(1), _flag(2)], {"t": 4}, {("t", ()): {0, 3}}, by_sources=False)
     assert [f.head for f in nominal] == [None]
-    alone = ks.dedupe_heads([_flag(None)], {"t": 4})
+    alone = dedupe_heads([_flag(None)], {"t": 4})
     assert [f.head for f in alone] == [None]
-    heads_only = ks.dedupe_heads([_flag(1)], {"t": 4})
+    heads_only = dedupe_heads([_flag(1)], {"t": 4})
     assert [f.head for f in heads_only] == [1] and "whole tensor" not in heads_only[0].summary
-    pairs = ks.dedupe_heads([_flag(None, ("a", "b")), _flag(1, ("a", "c"))], {"t": 4})
+    pairs = dedupe_heads([_flag(None, ("a", "b")), _flag(1, ("a", "c"))], {"t": 4})
     assert len(pairs) == 2                                            # different pairs, different stories
 
 
@@ -193,21 +196,21 @@ def test_involved_heads_from_table() -> None:
 
     t = pd.DataFrame({"tensor": ["t"] * 5, "head": pd.array([None, 0, 1, 2, 3], dtype="Int64"),
                       "source_a": ["a"] * 5, "source_b": ["b"] * 5})
-    got = ks.involved_heads(t, [True, True, False, True, False], by_sources=True)
+    got = involved_heads(t, [True, True, False, True, False], by_sources=True)
     assert got == {("t", ("a", "b")): {0, 2}}
-    assert ks.involved_heads(t, [True] * 5) == {("t", ()): {0, 1, 2, 3}}
+    assert involved_heads(t, [True] * 5) == {("t", ()): {0, 1, 2, 3}}
 
 
 def test_names_roundtrip_and_options() -> None:
-    raw = ks.encode_names(["zh", "en", "代码"])
-    assert raw.dtype == np.uint8 and ks.decode_names(raw, 3) == ["zh", "en", "代码"]
-    assert ks.decode_names(None, 2) == ["0", "1"]
+    raw = encode_names(["zh", "en", "代码"])
+    assert raw.dtype == np.uint8 and decode_names(raw, 3) == ["zh", "en", "代码"]
+    assert decode_names(None, 2) == ["0", "1"]
     from gradforensics.analysis.kinds.conflict import ConflictOptions
 
     with pytest.raises(SpecError, match="unknown key"):
-        ks.parse_options(ConflictOptions, {"perms": 5}, "conflict")
+        ConflictOptions.parse({"perms": 5}, "conflict")
     with pytest.raises(SpecError, match="'permutations' option of conflict must be an int >= 19; got 5"):
-        ks.parse_options(ConflictOptions, {"permutations": 5}, "conflict")
+        ConflictOptions.parse({"permutations": 5}, "conflict")
 
 
 def test_top_components_lanczos_path_matches_dense(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,15 +226,15 @@ def test_top_components_lanczos_path_matches_dense(monkeypatch: pytest.MonkeyPat
 
 
 def test_series_pack_roundtrip_with_padding() -> None:
-    pack = ks.SeriesPack()
+    pack = SeriesPack()
     pack.add("t", None, np.arange(3.0))
     pack.add("t", 2, np.arange(5.0))
     pack.add("u", None, np.ones((2, 2)))
     ser = pack.to_series("x")
     assert set(ser) == {"x", "x_units"} and ser["x"].shape == (3, 5, 2)
-    np.testing.assert_array_equal(ks.unit_series(ser, "x", "t", 2)[:, 0], np.arange(5.0))
-    got = ks.unit_series(ser, "x", "t", None)[:, 0]
+    np.testing.assert_array_equal(unit_series(ser, "x", "t", 2)[:, 0], np.arange(5.0))
+    got = unit_series(ser, "x", "t", None)[:, 0]
     np.testing.assert_array_equal(got[:3], np.arange(3.0))
     assert np.isnan(got[3:]).all()
-    assert ks.unit_series(ser, "x", "t", 7) is None and ks.unit_series(ser, "y", "t", 2) is None
-    assert ks.SeriesPack().to_series("x") == {}
+    assert unit_series(ser, "x", "t", 7) is None and unit_series(ser, "y", "t", 2) is None
+    assert SeriesPack().to_series("x") == {}

@@ -283,15 +283,15 @@ def test_healthy_findings_render_without_findings(tmp_path, monkeypatch):
 
 def _store_with_findings(path: Path, f) -> Path:
     """A tiny real store, with *f* persisted as its analysis results (as analyze leaves it)."""
+    from gradforensics.analysis.engine.results import save_results
     from gradforensics.capture import Recorder
-    from gradforensics.store.reader import Store
 
     rng = np.random.default_rng(0)
     with Recorder(path, sources=["zh", "en", "code"], mode="replay", background=False) as rec:
         for i in range(96):
             rec.record(step=0, loss=1.0, source=("zh", "en", "code")[i % 3],
                        grads={data.tensor(0, "q_proj"): rng.standard_normal((8, 8)).astype(np.float32)})
-    Store(path).write_analysis(*f.to_documents())
+    save_results(path, f)
     return path
 
 

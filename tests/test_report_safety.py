@@ -23,11 +23,13 @@ import pytest
 
 from gradforensics._text import csv_cell, md_code, md_text, terminal
 from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Findings, Flag
+from gradforensics.analysis.engine.results import parse_flag, read_findings
 from gradforensics.cli import main
 from gradforensics.errors import CorruptStoreError, UnsafeNameError
 from gradforensics.report import report
 from gradforensics.report.paths import under
 from gradforensics.report.summary import group
+from gradforensics.store.results import read_document, write_results
 
 LINK = "a`[x](javascript:alert(1))`b"
 NEWLINE = "line1\nline2"
@@ -105,9 +107,9 @@ def test_stored_analysis_name_cannot_write_outside_out(tmp_path, capsys):
     work.mkdir(parents=True)
     store = _analysed_store(work)
     st = Store(store, check_chunks=False)
-    doc = st.read_document("findings")
+    doc = read_document(st, "findings")
     doc["analyses"] = ["nonfinite", "../../../escape/x"]
-    st.write_analysis({}, {"findings": doc})
+    write_results(st.path, documents={"findings": doc})
     before = _files(tmp_path)
     capsys.readouterr()
     assert main(["report", str(store), "--out", str(work / "out")]) == 2
@@ -325,16 +327,16 @@ def analysed(tmp_path_factory):
 
     store = _analysed_store(tmp_path_factory.mktemp("analysed"))
     st = Store(store, check_chunks=False)
-    doc = st.read_document("findings")
+    doc = read_document(st, "findings")
     doc["flags"] = [GOOD_FLAG]
-    st.write_analysis({}, {"findings": doc})
+    write_results(st.path, documents={"findings": doc})
     return store
 
 
 def test_well_formed_stored_findings_still_render(analysed, tmp_path):
     from gradforensics.store.reader import Store
 
-    f = Findings.from_store(Store(analysed, check_chunks=False))
+    f = read_findings(Store(analysed, check_chunks=False))
     assert [fl.to_dict() for fl in f.flags] == [GOOD_FLAG] and list(f.results) == ["nonfinite"]
     assert main(["report", str(analysed), "--out", str(tmp_path / "r")]) == 0
 
@@ -348,14 +350,14 @@ def test_malformed_stored_documents_are_one_line_errors(analysed, tmp_path, caps
     st = Store(store, check_chunks=False)
     damage, message = DAMAGE[case]
     if callable(damage):
-        doc = st.read_document("findings")
+        doc = read_document(st, "findings")
         doc = damage(doc) or doc
-        st.write_analysis({}, {"findings": doc})
+        write_results(st.path, documents={"findings": doc})
     else:
         raw = {k: np.frombuffer(v, np.uint8) for k, v in damage.items() if isinstance(v, bytes)}
-        st.write_analysis(raw, {k: v for k, v in damage.items() if not isinstance(v, bytes)})
+        write_results(st.path, arrays=raw, documents={k: v for k, v in damage.items() if not isinstance(v, bytes)})
     with pytest.raises(CorruptStoreError, match=re.escape(message)):
-        Findings.from_store(Store(store, check_chunks=False))
+        read_findings(Store(store, check_chunks=False))
     capsys.readouterr()
     assert main(["report", str(store), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
@@ -364,10 +366,10 @@ def test_malformed_stored_documents_are_one_line_errors(analysed, tmp_path, caps
 
 
 def test_flag_from_dict_round_trips_and_refuses_bad_fields():
-    flag = Flag.from_dict(GOOD_FLAG)
+    flag = parse_flag(GOOD_FLAG)
     assert flag.to_dict() == GOOD_FLAG
     with pytest.raises(CorruptStoreError, match=r"^here: severity must be"):
-        Flag.from_dict({**GOOD_FLAG, "severity": float("inf")}, "here")
+        parse_flag({**GOOD_FLAG, "severity": float("inf")}, "here")
 
 
 # ------------------------------------------------------------------ 6. report.html stays inert

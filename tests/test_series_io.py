@@ -217,3 +217,52 @@ def test_loss_command_on_a_store_and_ranks_in_a_log(tmp_path) -> None:
     assert main(["loss", str(log), "--rank-col", "rank", "--out", str(tmp_path / "r2"), "--quiet"]) == 0
     coh = pd.read_csv(tmp_path / "r2" / "tables" / "coherence.csv")
     assert len(coh) >= 1 and coh["period_steps"].between(24.5, 25.5).any() and coh["significant"].any()
+
+
+def test_loss_command_runs_every_registered_series_analysis(tmp_path) -> None:
+    """``loss`` goes through the registry: an analysis registered here with a ``series``
+    hook runs with its own options, and its flags reach flags.json and the report."""
+    from gradforensics.analysis import registered
+    from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag, NoOptions
+
+    seen = {}
+
+    def span(groups, opt):
+        seen["options"] = opt
+        rows = [{"tensor": g.combined.tensor, "head": None, "series": g.name, "span": float(np.ptp(g.combined.y))}
+                for g in groups]
+        return AnalysisResult(pd.DataFrame(rows, columns=["tensor", "head", "series", "span"]))
+
+    def flags(result, ctx):
+        seen["ctx"] = ctx
+        return [Flag(kind="toy_span", tensor=r.tensor, head=None, sources=(), severity=0.9, records=(0, 0),
+                     evidence={"span": r.span}, summary=f"{r.series} spans {r.span:.3g}.")
+                for r in result.table.itertuples(index=False)]
+
+    toy = Analysis(name="toy_span", needs=(), compute=lambda ctx: span(se.from_context(ctx), NoOptions()),
+                   flags=flags, plot=lambda result, flag, ax: ax.plot([0, 1]), series=span,
+                   kinds={"toy_span": Advice(title="Toy span", phrase="the series spans a range")})
+    log = tmp_path / "run.csv"
+    pd.DataFrame({"step": np.arange(500), "loss": periodic_loss(500)}).to_csv(log, index=False)
+    with registered(toy):
+        assert main(["loss", str(log), "--out", str(tmp_path / "r"), "--alpha", "0.02", "--quiet"]) == 0
+    assert seen["options"] == NoOptions() and seen["ctx"].store is None and seen["ctx"].meta.mode == "training"
+    assert seen["ctx"].options["loss_spectrum"].alpha == 0.02          # each analysis's own options, parsed
+    kinds = {f["kind"] for f in json.loads((tmp_path / "r" / "flags.json").read_text())["flags"]}
+    assert kinds == {"toy_span", "loss_spectrum"}
+    assert pd.read_csv(tmp_path / "r" / "tables" / "toy_span.csv")["series"].tolist() == ["loss"]
+    assert "Toy span" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_loss_command_on_a_replay_store_flags_no_period(tmp_path) -> None:
+    """As in ``analyze``: a replay store's record order is the capture schedule, not time."""
+    from gradforensics.testing.planted import write_store
+
+    n = 400
+    y = periodic_loss(n, period=10)
+    write_store(tmp_path / "s.zarr", lambda i, s, r: {"w": r.standard_normal((2, 2)).astype(np.float32)}, n,
+                loss_fn=lambda i, s, r: float(y[i]), mode="replay")
+    assert main(["loss", str(tmp_path / "s.zarr"), "--out", str(tmp_path / "r"), "--quiet"]) == 0
+    assert json.loads((tmp_path / "r" / "flags.json").read_text())["flags"] == []
+    spec = pd.read_csv(tmp_path / "r" / "tables" / "loss_spectrum.csv")
+    assert (spec["significant"] & spec["period_steps"].between(9.8, 10.2)).any()

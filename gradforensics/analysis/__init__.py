@@ -1,40 +1,47 @@
 """The forensic analyses.  One module per analysis, one line per analysis here.
 
-To add an analysis: write ``gradforensics/analysis/<name>.py`` exposing
-``ANALYSIS = Analysis(name=..., needs=..., compute=..., flags=..., plot=...)``
-(see :mod:`gradforensics.analysis.engine.model`) and add its module to ``_MODULES``.
+A built-in analysis is one module in :mod:`gradforensics.analysis.kinds` ending in
+``ANALYSIS = Analysis(...)`` (name, needs, compute, flags, plot, the flag kinds it
+emits with their advice, its options class: see
+:class:`~gradforensics.analysis.engine.model.Analysis`) and its line below.  An
+analysis defined elsewhere (a plugin, a test) is added with :func:`register`
+(:func:`unregister`, or ``with registered(analysis): ...``); the engine, the
+``flags.json`` schema and the report read everything from :data:`REGISTRY`.
+Maths two analyses share lives below them (:mod:`gradforensics.analysis.signal`,
+:mod:`gradforensics.analysis.series`, :mod:`gradforensics.analysis.engine`); an
+analysis never imports another.
 """
 
 from __future__ import annotations
 
-import importlib
-
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Findings, Flag, GramResult
-
-# Order = order of sections in the report.
-_MODULES: tuple[str, ...] = (
-    "drift",
-    "oscillation",
-    "conflict",
-    "noise",
-    "nonfinite",
-    "saturation",
-    "spectral",
-    "precision",
-    "loss_spectrum",
-    "fractal",
-    "coherence",
+from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Findings, Flag, GramResult
+from gradforensics.analysis.engine.registry import REGISTRY, register, registered, unregister
+from gradforensics.analysis.kinds import (
+    coherence,
+    conflict,
+    drift,
+    fractal,
+    loss_spectrum,
+    noise,
+    nonfinite,
+    oscillation,
+    precision,
+    saturation,
+    spectral,
 )
 
+# One line per built-in analysis; the order is the order of the report's sections.
+register(drift.ANALYSIS)
+register(oscillation.ANALYSIS)
+register(conflict.ANALYSIS)
+register(noise.ANALYSIS)
+register(nonfinite.ANALYSIS)
+register(saturation.ANALYSIS)
+register(spectral.ANALYSIS)
+register(precision.ANALYSIS)
+register(loss_spectrum.ANALYSIS)
+register(fractal.ANALYSIS)
+register(coherence.ANALYSIS)
 
-def _load() -> dict[str, Analysis]:
-    out: dict[str, Analysis] = {}
-    for mod in _MODULES:
-        a = importlib.import_module(f"gradforensics.analysis.kinds.{mod}").ANALYSIS
-        out[a.name] = a
-    return out
-
-
-REGISTRY: dict[str, Analysis] = _load()
-
-__all__ = ["REGISTRY", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult"]
+__all__ = ["REGISTRY", "Advice", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult",
+           "register", "registered", "unregister"]

@@ -86,7 +86,8 @@ def encode(a: np.ndarray, dtype: str | None, name: str = "") -> tuple[np.ndarray
         out, encoding = encode_bf16(a), "bfloat16-as-uint16"
         overflow = ((out & np.uint16(0x7FFF)) == np.uint16(0x7F80))   # +-inf bit patterns
     else:
-        out, encoding = np.ascontiguousarray(a, dtype=target), target
+        with np.errstate(over="ignore"):      # overflow is checked just below, and named
+            out, encoding = np.ascontiguousarray(a, dtype=target), target
         overflow = np.isinf(out) if out.dtype.itemsize < a.dtype.itemsize else None
     if overflow is not None and overflow.any() and np.isfinite(a[overflow]).any():
         big = float(np.max(np.abs(a[overflow & np.isfinite(a)])))

@@ -1,12 +1,14 @@
 """``gradforensics loss FILE_OR_STORE [FILE ...] --out DIR``: loss-curve forensics.
 
-Runs the loss-curve analyses (``loss_spectrum``, ``fractal``, ``coherence``) on
-a store's ``batches/loss`` or on training logs (CSV / TSV / JSON Lines with a
-step column and value columns) and writes what ``analyze`` writes: the report,
-``flags.json`` and ``tables/<name>.csv``.  Several files are several ranks of
-the same run; so are the groups of a ``--rank-col``.  Repairs made to a log
-(dropped NaN, averaged duplicate steps, interpolated gaps) are printed, one
-line per series.
+Runs every registered analysis with a ``series`` hook (the loss-curve analyses
+``loss_spectrum``, ``fractal``, ``coherence``) through the registry
+(:func:`gradforensics.analysis.engine.analyze_series`), with their own options and
+flags, on a store's ``batches/loss`` or on training logs (CSV / TSV / JSON Lines
+with a step column and value columns), and writes what ``analyze`` writes: the
+report, ``flags.json`` and ``tables/<name>.csv``.  Several files are several ranks
+of the same run; so are the groups of a ``--rank-col``.  Repairs made to a log
+(dropped NaN, averaged duplicate steps, interpolated gaps) are printed, one line
+per series.
 """
 
 from __future__ import annotations
@@ -14,20 +16,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gradforensics._text import terminal
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Findings
+    import numpy as np
+
+    from gradforensics.analysis.engine.model import Findings, Options
     from gradforensics.analysis.series import SeriesGroup
+    from gradforensics.store.reader import Store
+    from gradforensics.store.schema import StoreMeta
 
 STORE_SUFFIXES = (".zarr", ".h5", ".hdf5")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gradforensics.analysis.kinds.loss_spectrum import CORRECTIONS, DETRENDERS
+    from gradforensics.analysis.signal import CORRECTIONS, DETRENDERS
     from gradforensics.report.severity import add_fail_on_argument
 
     p.add_argument("inputs", nargs="+", metavar="FILE_OR_STORE",
@@ -52,9 +59,28 @@ def _is_store(path: str) -> bool:
     return os.path.isdir(path) or path.lower().rstrip("/").endswith(STORE_SUFFIXES)
 
 
-def load(args: argparse.Namespace) -> tuple[list[SeriesGroup], dict[str, Any]]:
-    """The series of the inputs and the findings' header fields."""
+@dataclass(frozen=True)
+class LossInput:
+    """The series ``loss`` analyses and where they came from.
+
+    ``label`` is the findings' ``store`` field (the store's path, or the log files);
+    ``meta`` the store's metadata, or for logs one made up for them (``training``
+    mode, no sources, ``n_records`` the rows of the longest series); ``store`` and
+    ``batches`` are set for a store only.
+    """
+
+    groups: list[SeriesGroup]
+    label: str
+    meta: StoreMeta
+    kind: str
+    store: Store | None = None
+    batches: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def load(args: argparse.Namespace) -> LossInput:
+    """The series of the inputs: a store's ``batches/*``, or one or more logs."""
     from gradforensics.analysis import series
+    from gradforensics.store.schema import StoreMeta
 
     stores = [p for p in args.inputs if _is_store(p)]
     if stores and len(args.inputs) > 1:
@@ -63,52 +89,58 @@ def load(args: argparse.Namespace) -> tuple[list[SeriesGroup], dict[str, Any]]:
         from gradforensics.store.reader import Store
 
         st = Store(stores[0], check_chunks=False)
-        groups = series.from_batches(st.batches(), None, mode=st.mode, axis=args.axis)
-        return groups, {"store": st.path, "n_records": st.n_records, "mode": st.mode, "sources": st.sources,
-                        "input": "store"}
+        batches = st.batches()
+        groups = series.from_batches(batches, None, mode=st.mode, axis=args.axis)
+        return LossInput(groups, st.path, st.meta, "store", st, batches)
     spec = series.LogSpec(step_col=args.step_col, time_col=args.time_col, rank_col=args.rank_col,
                           columns=tuple(c.strip() for c in (args.columns or "").split(",") if c.strip()))
     groups = series.read_logs(args.inputs, spec)
     n_rows = max((g.combined.quality.n_rows for g in groups), default=0)
-    return groups, {"store": ", ".join(args.inputs), "n_records": n_rows, "mode": "training", "sources": (),
-                    "input": "log"}
+    return LossInput(groups, ", ".join(args.inputs), StoreMeta(sources=(), mode="training", n_records=n_rows), "log")
 
 
-def findings_of(groups: list[SeriesGroup], meta: dict[str, Any], options: Any) -> Findings:
-    """Run the three loss-curve analyses on *groups* (no engine) and gather :class:`Findings`."""
-    from gradforensics.analysis.engine.model import Findings
-    from gradforensics.analysis.kinds import coherence, fractal, loss_spectrum
+def series_options(args: argparse.Namespace) -> dict[str, Options]:
+    """The options of every registered analysis with a ``series`` hook, parsed once by its
+    options class from the CLI's spectrum flags (those fields it has; the rest its defaults)."""
+    from gradforensics.analysis import REGISTRY
 
-    spec = loss_spectrum.analyze_series(groups, options)
-    results = {"loss_spectrum": spec, "fractal": fractal.analyze_series(groups, options)}
-    if any(g.ranks for g in groups):
-        results["coherence"] = coherence.analyze_series(groups, options)
-    flags = loss_spectrum.flags_from_table(spec.table, options)
-    header = {"input": meta["input"], "series": [g.name for g in groups],
-              "repairs": {g.name: "; ".join(g.combined.quality.notes()) for g in groups
+    raw = {"detrend": args.detrend, "nperseg": args.nperseg, "alpha": args.alpha, "correction": args.correction,
+           "axis": args.axis}
+    out: dict[str, Options] = {}
+    for a in REGISTRY.values():
+        if a.series is not None:
+            known = a.options.field_names()
+            out[a.name] = a.options.parse({k: v for k, v in raw.items() if k in known}, a.name)
+    return out
+
+
+def findings_of(inp: LossInput, options: dict[str, Options]) -> Findings:
+    """Run the registered series analyses on *inp* (no gradients read) and gather :class:`Findings`."""
+    from gradforensics.analysis.engine import Findings, analyze_series
+
+    results, flags = analyze_series(inp.groups, inp.meta, options, store=inp.store, batches=inp.batches)
+    header = {"input": inp.kind, "series": [g.name for g in inp.groups],
+              "repairs": {g.name: "; ".join(g.combined.quality.notes()) for g in inp.groups
                           if g.combined.quality.notes()}}
-    return Findings(store=meta["store"], n_records=int(meta["n_records"]), mode=meta["mode"],
-                    sources=tuple(meta["sources"]), header=header, results=results, flags=flags)
+    return Findings(store=inp.label, n_records=int(inp.meta.n_records), mode=inp.meta.mode,
+                    sources=tuple(inp.meta.sources), header=header, results=results, flags=flags)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradforensics.analysis.kinds.loss_spectrum import SpectrumOptions
     from gradforensics.report import report
 
-    options = SpectrumOptions(detrend=args.detrend, nperseg=args.nperseg, alpha=args.alpha,
-                              correction=args.correction, axis=args.axis)
-    groups, meta = load(args)
+    options = series_options(args)
+    inp = load(args)
     if not args.quiet:
-        for g in groups:
+        for g in inp.groups:
             notes = g.combined.quality.notes()
             if notes:
                 print(terminal(f"{g.name}: " + "; ".join(notes)), file=sys.stderr)
-    findings = findings_of(groups, meta, options)
-    report(findings, args.out, store=meta["store"] if meta["input"] == "store" else None)
+    findings = findings_of(inp, options)
+    report(findings, args.out, store=inp.label if inp.kind == "store" else None)
     n_top = sum(f.severity > 0.5 for f in findings.flags)
-    print(terminal(f"{findings.store}: {len(groups)} series, {len(findings.flags)} findings ({n_top} above 0.5); "
+    print(terminal(f"{findings.store}: {len(inp.groups)} series, {len(findings.flags)} findings ({n_top} above 0.5); "
                    f"report in {args.out}"), file=sys.stderr)
     if args.fail_on is not None and any(f.severity >= args.fail_on - 1e-12 for f in findings.flags):
         return 1
     return 0
-

@@ -29,15 +29,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_findings(path: str) -> tuple[Findings, Store]:
     """The stored findings of the store at *path*, without reading (or checking) gradient chunks."""
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.engine.results import read_findings
     from gradforensics.store.reader import Store
+    from gradforensics.store.results import has_result
 
     store = Store(path, check_chunks=False)
-    if not store.has("analysis/findings"):
+    if not has_result(store, "findings"):
         raise MissingArrayError(
             f"{path} holds no analysis results; run `gradforensics analyze {path} --out DIR` first."
         )
-    return Findings.from_store(store), store
+    return read_findings(store), store
 
 
 def print_top(findings: Findings, paths: dict[str, Path], n: int = 5, file: IO[str] | None = None) -> None:

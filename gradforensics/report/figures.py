@@ -16,7 +16,7 @@ import math
 import textwrap
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -58,10 +58,16 @@ def to_png(fig: Figure) -> bytes:
 
 
 def analysis_name(flag: Flag, findings: Findings) -> str:
-    """Which analysis produced *flag*: ``evidence["analysis"]`` if given, else its kind."""
+    """Which analysis produced *flag*: ``evidence["analysis"]`` if given, else the
+    registered analysis that emits its kind, else the kind itself."""
+    from gradforensics.analysis.engine.registry import emitter_of
+
     name = flag.evidence.get("analysis")
     if isinstance(name, str) and name in findings.results:
         return name
+    emitter = emitter_of(flag.kind)
+    if emitter is not None and emitter.name in findings.results:
+        return emitter.name
     return flag.kind
 
 
@@ -74,24 +80,6 @@ class Overview:
     matrix: np.ndarray                  # (rows, len(layers) * heads); NaN = not analysed
 
 
-def _table_rows(table: Any) -> list[tuple[str, int | None]]:
-    if table is None or "tensor" not in getattr(table, "columns", ()):
-        return []
-    import pandas as pd
-
-    heads = pd.to_numeric(table["head"], errors="coerce") if "head" in table.columns else [None] * len(table)
-    return [(str(t), _head(h)) for t, h in zip(table["tensor"], heads)]
-
-
-def _head(h: Any) -> int | None:
-    """A table's head cell as a head index; None for a whole tensor or anything that is not one."""
-    import pandas as pd
-
-    if h is None or pd.isna(h) or not math.isfinite(h) or h < 0 or h != int(h):
-        return None
-    return int(h)
-
-
 def overview_data(findings: Findings) -> Overview:
     """The matrix behind :func:`overview` (tested directly)."""
     from gradforensics.analysis import REGISTRY
@@ -101,7 +89,7 @@ def overview_data(findings: Findings) -> Overview:
         n = analysis_name(f, findings)
         if n not in rows:
             rows.append(n)
-    rows_of_table = {n: _table_rows(findings.table(n)) for n in rows}
+    rows_of_table = {n: names.table_units(findings.table(n)) for n in rows}
     all_names = [t for r in rows_of_table.values() for t, _ in r] + [f.tensor for f in findings.flags]
     all_heads = [h for r in rows_of_table.values() for _, h in r] + [f.head for f in findings.flags]
     idx = [names.layer_of(t) for t in all_names]

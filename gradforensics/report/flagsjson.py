@@ -1,16 +1,20 @@
 """``flags.json``: the machine-readable findings, and the JSON Schema they follow.
 
 The document is exactly ``Findings.flags_json()`` (design contract).
-:data:`FLAGS_SCHEMA` is a JSON Schema (draft 2020-12) of it; :func:`validate`
-checks a document against the schema with a small built-in validator (no extra
-dependency; it implements the keywords the schema uses, and the test suite
-cross-checks it with the ``jsonschema`` package) plus what a schema cannot say:
-flags sorted by severity, descending, and record ranges inside the store.
-``python -m gradforensics.report.flagsjson`` prints the schema.
+:func:`flags_schema` (also :data:`FLAGS_SCHEMA`) is a JSON Schema (draft 2020-12)
+of it; its ``kind`` enum is every kind a registered analysis emits
+(:func:`gradforensics.analysis.engine.registry.flag_kinds`), read when asked, so
+an analysis added with :func:`~gradforensics.analysis.register` is valid too.
+:func:`validate` checks a document against the schema with a small built-in
+validator (no extra dependency; it implements the keywords the schema uses, and
+the test suite cross-checks it with the ``jsonschema`` package) plus what a
+schema cannot say: flags sorted by severity, descending, and record ranges
+inside the store.  ``python -m gradforensics.report.flagsjson`` prints the schema.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -18,18 +22,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.analysis.engine.model import FLAG_KINDS
+from gradforensics.analysis.engine.registry import flag_kinds
 from gradforensics.errors import GradforensicsError
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings
 
-FLAG_SCHEMA: dict[str, Any] = {
+#: One flag; :func:`flag_schema` adds the ``kind`` enum of the registered analyses.
+_FLAG_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "required": ["kind", "tensor", "head", "sources", "severity", "records", "evidence", "summary"],
     "properties": {
-        "kind": {"enum": list(FLAG_KINDS), "description": "what kind of trouble"},
         "tensor": {"type": "string", "minLength": 1,
                    "description": "parameter name, activation module or series (batches/loss)"},
         "head": {"type": ["integer", "null"], "minimum": 0, "description": "attention head; null = whole tensor"},
@@ -43,7 +47,8 @@ FLAG_SCHEMA: dict[str, Any] = {
     },
 }
 
-FLAGS_SCHEMA: dict[str, Any] = {
+#: The document; :func:`flags_schema` adds the flag schema.
+_FLAGS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "$id": "gradforensics/flags.schema.json",
     "title": "gradforensics flags.json, schema 1",
@@ -55,9 +60,33 @@ FLAGS_SCHEMA: dict[str, Any] = {
         "store": {"type": "string"},
         "n_records": {"type": "integer", "minimum": 0, "description": "every record, non-finite ones included"},
         "mode": {"enum": ["training", "replay"]},
-        "flags": {"type": "array", "items": FLAG_SCHEMA, "description": "sorted by severity, descending"},
+        "flags": {"type": "array", "description": "sorted by severity, descending"},
     },
 }
+
+
+def flag_schema() -> dict[str, Any]:
+    """The JSON Schema of one flag; ``kind`` is among the registered analyses' kinds (a fresh copy)."""
+    schema = copy.deepcopy(_FLAG_SCHEMA)
+    schema["properties"] = {"kind": {"enum": list(flag_kinds()), "description": "what kind of trouble"},
+                            **schema["properties"]}
+    return schema
+
+
+def flags_schema() -> dict[str, Any]:
+    """The JSON Schema of a ``flags.json`` document, for the analyses registered now (a fresh copy)."""
+    schema = copy.deepcopy(_FLAGS_SCHEMA)
+    schema["properties"]["flags"]["items"] = flag_schema()
+    return schema
+
+
+def __getattr__(name: str) -> Any:
+    """``FLAG_SCHEMA`` and ``FLAGS_SCHEMA``: the schemas for the analyses registered when read."""
+    if name == "FLAGS_SCHEMA":
+        return flags_schema()
+    if name == "FLAG_SCHEMA":
+        return flag_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class FlagsSchemaError(GradforensicsError, ValueError):
@@ -118,7 +147,7 @@ def _errors(doc: Any, schema: dict[str, Any], where: str) -> Iterator[str]:
 
 def errors(doc: Any) -> list[str]:
     """Every way *doc* departs from the flags.json contract (empty list = valid)."""
-    out = list(_errors(doc, FLAGS_SCHEMA, "flags.json"))
+    out = list(_errors(doc, flags_schema(), "flags.json"))
     if out:
         return out
     sev = [f["severity"] for f in doc["flags"]]
@@ -150,4 +179,4 @@ def write(findings: Findings, path: str | os.PathLike[str]) -> Path:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    print(json.dumps(FLAGS_SCHEMA, indent=2))
+    print(json.dumps(flags_schema(), indent=2))

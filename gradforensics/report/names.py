@@ -3,19 +3,25 @@
 ``model.layers.5.self_attn.q_proj.weight`` is layer 5 of ``model.layers``,
 module ``q_proj``.  A group of flags on layers 5 and 6, ``q_proj`` and
 ``k_proj``, heads 2 and 5 reads ``model.layers.5–6 q_proj/k_proj, heads 2 and 5``.
-The first integer path component is taken as the layer index, which covers
-LLaMA/Qwen (``model.layers.N``), GPT-2 (``transformer.h.N``), BERT/NeoX
-(``encoder.layer.N``, ``gpt_neox.layers.N``) and most ``blocks.N`` models.
+The first integer path component is taken as the layer index
+(:func:`gradforensics.store.names.split_layer`, the rule the analyses' ``layer``
+column uses too), which covers LLaMA/Qwen (``model.layers.N``), GPT-2
+(``transformer.h.N``), BERT/NeoX (``encoder.layer.N``, ``gpt_neox.layers.N``), T5
+(``encoder.block.N``), CLIP (``resblocks.N``) and ``blocks.N`` models.
 """
 
 from __future__ import annotations
 
-import re
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-#: A layer index has at most 6 digits: a longer run of digits (a damaged or hostile name) is not a layer.
-_LAYER = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?[^.\d][^.]*)\.(?P<idx>\d{1,6})\.(?P<rest>.+)$")
+from gradforensics.store.names import layer_of, split_layer
+
+__all__ = ["Loc", "head_cell", "heads_phrase", "int_ranges", "join_and", "layer_of", "location", "module_rank", "parse",
+           "short_module", "table_units"]
+
 _GENERIC = {"act_fn", "act", "activation", "activation_fn", "weight", "bias", "fn"}
 
 
@@ -31,10 +37,13 @@ class Loc:
 
 def parse(name: str) -> Loc:
     """Split a tensor / module / series name into prefix, layer index and short module."""
-    m = _LAYER.match(name)
-    if m is None:
+    parts = split_layer(name)
+    if parts is None:
         return Loc(name, None, None, short_module(name))
-    return Loc(name, m["prefix"], int(m["idx"]), short_module(m["rest"]))
+    prefix, layer, rest = parts
+    if not rest:                  # the block itself (``model.layers.3``): a layer, but named whole
+        return Loc(name, None, layer, short_module(name))
+    return Loc(name, prefix, layer, short_module(rest))
 
 
 def short_module(rest: str) -> str:
@@ -56,8 +65,23 @@ def module_rank(module: str) -> tuple[int, str]:
     return (_ORDER.index(module), "") if module in _ORDER else (len(_ORDER), module)
 
 
-def layer_of(name: str) -> int | None:
-    return parse(name).layer
+def head_cell(h: Any) -> int | None:
+    """A stored table's ``head`` cell as a head index; None for a whole tensor or anything that is not one."""
+    import pandas as pd
+
+    if h is None or pd.isna(h) or not math.isfinite(h) or h < 0 or h != int(h):
+        return None
+    return int(h)
+
+
+def table_units(table: Any) -> list[tuple[str, int | None]]:
+    """The ``(tensor, head)`` of every row of an analysis table (none without a ``tensor`` column)."""
+    if table is None or "tensor" not in getattr(table, "columns", ()):
+        return []
+    import pandas as pd
+
+    heads = pd.to_numeric(table["head"], errors="coerce") if "head" in table.columns else [None] * len(table)
+    return [(str(t), head_cell(h)) for t, h in zip(table["tensor"], heads)]
 
 
 def int_ranges(values: Iterable[int]) -> list[str]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradforensics._text import csv_cell
 from gradforensics.report import names
-from gradforensics.report.figures import _table_rows, analysis_name
+from gradforensics.report.figures import analysis_name
 from gradforensics.report.paths import under
 from gradforensics.store.names import check_analysis_name
 
@@ -89,7 +89,7 @@ def layer_table(findings: Findings) -> tuple[list[str], list[dict[str, Any]]]:
         return rows[key]
 
     for a in analyses:
-        for t, h in _table_rows(findings.table(a)):
+        for t, h in names.table_units(findings.table(a)):
             r = row(t, h)
             if r[a] is None:
                 r[a] = 0.0

@@ -246,19 +246,19 @@ def hdf5_inventory(path: str, f: Any) -> Inventory:
     """Every dataset of the open HDF5 file *f*; links and external data are refused."""
     import h5py
 
+    names: list[str] = []
+    f_visit = names.append       # raise nothing inside h5py's callback: it garbles exceptions (SystemError)
     out: list[StoredArray] = []
-
-    def visit(name: str) -> None:
-        link = f.get(name, getlink=True)
-        if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)):
-            raise CorruptStoreError(f"{path}: {name} is a {type(link).__name__}; a store is data and may not "
-                                    "point elsewhere.")
-        obj = f.get(name)
-        if isinstance(obj, h5py.Dataset):
-            out.append(_hdf5_array(path, name, obj))
-
     try:
-        f.visit_links(visit)
+        f.visit_links(f_visit)
+        for name in names:
+            link = f.get(name, getlink=True)
+            if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)):
+                raise CorruptStoreError(f"{path}: {name} is a {type(link).__name__}; a store is data and may not "
+                                        "point elsewhere.")
+            obj = f.get(name)
+            if isinstance(obj, h5py.Dataset):
+                out.append(_hdf5_array(path, name, obj))
         root_attrs = {k: from_h5_attr(v) for k, v in f.attrs.items()}
     except CorruptStoreError:
         raise

@@ -58,6 +58,39 @@ def check_name(name: object, what: str) -> str:
     return name  # type: ignore[return-value]
 
 
+#: ``prefix.N.rest``: the first path component that is a whole number (at most 6 digits:
+#: a longer run is a damaged or hostile name, not a layer), after a component that is not one.
+_LAYER = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?[^.\d][^.]*)\.(?P<idx>\d{1,6})(?:\.(?P<rest>.+))?$")
+
+
+def split_layer(name: str) -> tuple[str, int, str] | None:
+    """``(prefix, layer, rest)`` of a parameter or module name in a layer stack, or None.
+
+    The layer index is the first path component that is a whole number, which
+    covers the stacks of the common model families: LLaMA/Qwen/Mistral
+    (``model.layers.N``), GPT-2 (``transformer.h.N``), GPT-NeoX (``gpt_neox.layers.N``),
+    BERT (``encoder.layer.N``), T5 (``encoder.block.N`` / ``decoder.block.N``), BART
+    (``decoder.layers.N``), CLIP (``transformer.resblocks.N``) and ViT/timm
+    (``blocks.N``).  ``rest`` is what follows (empty when the name ends there).
+
+    >>> split_layer("model.layers.5.self_attn.q_proj.weight")
+    ('model.layers', 5, 'self_attn.q_proj.weight')
+    >>> split_layer("lm_head.weight") is None
+    True
+    """
+    m = _LAYER.match(name)
+    return None if m is None else (m["prefix"], int(m["idx"]), m["rest"] or "")
+
+
+def layer_of(name: str) -> int | None:
+    """Layer index of a parameter or module name (``model.layers.5.mlp.up_proj.weight`` -> 5); None outside a stack.
+
+    The one rule (:func:`split_layer`) for the analyses' ``layer`` column and the report's layer axis.
+    """
+    parts = split_layer(name)
+    return None if parts is None else parts[1]
+
+
 def check_analysis_name(name: object, where: str) -> str:
     """*name* when it is a valid analysis name (``tables/<name>.csv``); else :class:`UnsafeNameError`."""
     if not isinstance(name, str) or not _ANALYSIS_NAME.match(name):

@@ -9,7 +9,6 @@ read back silently as zeros).  After that, readers trust the parsed metadata.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -69,6 +68,10 @@ class Store:
     before anything is allocated.  With ``check_chunks=False`` the chunks of the
     bulk arrays (gradients, sketches, weights) are not checked: ``report`` reads
     only the small arrays and the ``analysis/`` results.
+
+    Nothing here writes: ``analyze`` saves its results through
+    :mod:`gradforensics.store.results`, after which the store is opened again to
+    see them.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, check_chunks: bool = True) -> None:
@@ -145,7 +148,8 @@ class Store:
         """Every ``batches/*`` array (committed records only)."""
         return {f: self.read(f"batches/{f}") for f in BATCH_FIELDS if f"batches/{f}" in self.arrays}
 
-    def _handle(self, info: ArrayInfo) -> ArrayHandle:
+    def handle(self, info: ArrayInfo) -> ArrayHandle:
+        """A picklable reader of the stored array *info* (opens the store inside each task)."""
         return ArrayHandle(self.kind, self.path, info.name, info.shape, info.encoding, info.chunks)
 
     def lazy(self, name: str, slab_bytes: int | None = None) -> da.Array:
@@ -161,7 +165,7 @@ class Store:
         chunks: tuple[Any, ...] = info.chunks
         if slab_bytes is not None:
             chunks = _slab_chunks(info, slab_bytes)
-        return da.from_array(self._handle(info), chunks=chunks, asarray=True, fancy=False,
+        return da.from_array(self.handle(info), chunks=chunks, asarray=True, fancy=False,
                              lock=False, name=f"gf-{_token(self.path, name, info.shape, chunks)}")
 
     def grad(self, tensor: str, head: int | None = None, slab_bytes: int | None = None) -> da.Array:
@@ -187,38 +191,8 @@ class Store:
     def act_attrs(self, module: str) -> dict[str, Any]:
         return self.arrays[f"acts/{module}/hist"].attrs
 
-    # --------------------------------------------------- analysis persistence
-    def write_analysis(self, arrays: dict[str, np.ndarray], documents: dict[str, Any]) -> None:
-        """Write analysis results under ``analysis/`` (arrays, and JSON documents)."""
-        b = open_backend(self.path, "a")
-        try:
-            for key, arr in arrays.items():
-                chunks = tuple(max(int(c), 1) for c in arr.shape) or (1,)
-                b.create(f"analysis/{key}", arr.shape, arr.dtype.str, chunks, {}, "none")
-                if arr.size:
-                    b.write_rows(f"analysis/{key}", 0, arr)
-            for key, doc in documents.items():
-                raw = np.frombuffer(json.dumps(doc, default=_json_default).encode(), dtype=np.uint8)
-                b.create(f"analysis/{key}", (raw.size,), "|u1", (max(raw.size, 1),), {"format": "json"}, "none")
-                b.write_rows(f"analysis/{key}", 0, raw)
-        finally:
-            b.close()
-        self.__init__(self.path, check_chunks=False)  # type: ignore[misc]
-
-    def read_document(self, key: str) -> Any:
-        raw = self.read(f"analysis/{key}")
-        return json.loads(raw.tobytes().decode())
-
     def has(self, name: str) -> bool:
         return name in self.arrays
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(type(o))
 
 
 def _slab_chunks(info: ArrayInfo, slab_bytes: int) -> tuple[Any, ...]:

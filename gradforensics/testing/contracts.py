@@ -82,6 +82,7 @@ class AnalysisContract:
         a = REGISTRY[self.analysis_name]
         assert a.name == self.analysis_name
         assert callable(a.compute) and callable(a.flags) and callable(a.plot)
+        assert all(advice.title and advice.phrase for advice in a.kinds.values())
 
     def test_severity_in_unit_interval_and_sorted(self, planted: tuple[Any, Any]) -> None:
         flags = planted[1].flags
@@ -124,7 +125,7 @@ class AnalysisContract:
         from gradforensics.analysis import REGISTRY
 
         findings = planted[1]
-        flags = [f for f in findings.flags if f.kind == self.analysis_name] or findings.flags
+        flags = [f for f in findings.flags if f.kind in REGISTRY[self.analysis_name].kinds] or findings.flags
         if not flags:
             pytest.skip("no flag on the planted store to plot")
         fig = Figure()

@@ -65,6 +65,7 @@ class Planted:
     def context(self, options: dict[str, Any] | None = None) -> Any:
         """The analysis context, Gram matrices computed directly in NumPy."""
         from gradforensics.analysis.engine.model import Context, GramResult
+        from gradforensics.analysis.engine.registry import REGISTRY
         from gradforensics.store.schema import StoreMeta
 
         grams = {}
@@ -78,7 +79,7 @@ class Planted:
         batches = {"step": self.steps(), "loss": np.full(self.n, np.nan, np.float32),
                    "mixture": self.mixture.astype(np.float32), "n_samples": np.full(self.n, 32, np.int32)}
         return Context(store=None, meta=meta, batches=batches, grams=grams,  # type: ignore[arg-type]
-                       options=dict(options or {}))
+                       options={k: REGISTRY[k].options.parse(v, k) for k, v in (options or {}).items()})
 
     def steps(self) -> np.ndarray:
         return np.arange(self.n, dtype=np.int64) if self.step is None else self.step

@@ -187,13 +187,13 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
 def run_analysis(path: str | os.PathLike[str], name: str, options: dict[str, Any] | None = None) -> tuple[Any, list]:
     """Run analysis *name* on the store at *path* as the engine does; returns ``(result, flags)``."""
     from gradforensics.analysis import REGISTRY, Context
-    from gradforensics.analysis.engine.run import EngineOptions, _compute_pass
+    from gradforensics.analysis.engine.run import EngineOptions, compute_pass
     from gradforensics.store.reader import Store
 
     a = REGISTRY[name]
     store = Store(path)
-    _, lazy = _compute_pass(store, [a], EngineOptions(persist=False), None, False, grams=False)
+    _, computed = compute_pass(store, [a], EngineOptions(persist=False), None, False, grams=False)
     ctx = Context(store=store, meta=store.meta, batches=store.batches(), grams={},
-                  lazy={name: lazy.get(name, {})}, options={name: dict(options or {})})
+                  computed={name: computed.get(name, {})}, options={name: a.options.parse(options, name)})
     result = a.compute(ctx)
     return result, a.flags(result, ctx)

@@ -43,11 +43,11 @@ def _records(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
 
 
 def _grow(b: Any, name: str, n: int) -> None:
-    """Resize an array to *n* rows without writing them (a writer killed mid-flush)."""
-    if b.kind == "zarr":
-        b._array(name).resize((n, *b.info(name)[0][1:]))
-    else:
-        b._f[name].resize(n, axis=0)
+    """Resize an array to *n* rows without writing them (a writer killed mid-flush).
+
+    ``truncate`` sets the record axis to *n*: here it grows the array.
+    """
+    b.truncate(name, n)
 
 
 class StoreContract:

@@ -81,7 +81,7 @@ class SlabReduction:
     (``combine(list_of_partials)``), and ``aggregate(partial)`` finishes them in
     one task.  ``finish``, if given, receives the aggregated value as a
     :class:`dask.delayed.Delayed` and returns the dask collection whose value
-    lands in ``ctx.lazy[analysis][key]`` (e.g. one SVD task per window mean, or
+    lands in ``ctx.computed[analysis][key]`` (e.g. one SVD task per window mean, or
     tasks that also read weight snapshots); by default the aggregate itself.
 
     ``chunk`` is called once per slab, or once per record block when the record
@@ -433,7 +433,7 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
         raise MissingArrayError(f"{store.path}: no grads/{tensor} or sketch/{tensor} in the store; "
                                 f"tensors are {store.tensors[:5]}{'...' if len(store.tensors) > 5 else ''}.")
     chunks = store.lazy(info.name, slab_bytes).chunks       # all records x whole on-disk feature chunks
-    return gram_of_handle(store._handle(info), chunks, tensor, heads=info.heads is not None,
+    return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None,
                           from_sketch=from_sketch, split_every=split_every, precision=precision)
 
 
@@ -454,7 +454,7 @@ def slab_graph(store: Store, tensor: str, reductions: Sequence[SlabReduction], *
         raise SpecError(f"{store.path}: slab_graph of {tensor} needs at least one slab reduction.")
     info = store.grads[tensor]
     chunks = store.lazy(info.name, slab_bytes).chunks
-    return gram_of_handle(store._handle(info), chunks, tensor, heads=info.heads is not None, from_sketch=False,
+    return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None, from_sketch=False,
                           split_every=split_every, precision=precision, reductions=tuple(reductions), gram=gram)
 
 
@@ -466,62 +466,3 @@ def gram_graphs(store: Store, tensors: Sequence[str] | None = None, **kwargs: An
 def flatten_grams(results: dict[str, list[GramResult]]) -> dict[tuple[str, int | None], GramResult]:
     """``{tensor: [whole, head0, ...]}`` -> ``{(tensor, head): GramResult}`` (the ``Context.grams`` shape)."""
     return {(g.tensor, g.head): g for res in results.values() for g in res}
-
-
-# ----------------------------------------------------------- persistence
-GRAM_INDEX = "gram_index"
-GRAM_ARRAY = "analysis/gram/k"
-NONFINITE_ARRAY = "analysis/gram/nonfinite"
-
-
-def _ordered(grams: dict[tuple[str, int | None], GramResult]) -> list[GramResult]:
-    return [grams[k] for k in sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
-
-
-def save_grams(store: Store, grams: dict[tuple[str, int | None], GramResult]) -> None:
-    """Save every Gram matrix in the store: ``analysis/gram/k`` (M, N, N) float64, one
-    chunk per matrix, ``analysis/gram/nonfinite`` (M, N) and the ``gram_index`` document.
-
-    Two arrays in all (not two per tensor and head), so a model with thousands of
-    heads does not create thousands of arrays.  Call before ``Store.write_analysis``
-    (which re-reads the store's listing).
-    """
-    import json
-
-    from gradforensics.store.backends import open_backend
-
-    entries = _ordered(grams)
-    n = store.n_records
-    index = [{"i": i, "tensor": g.tensor, "head": g.head, "n_features": g.n_features, "from_sketch": g.from_sketch}
-             for i, g in enumerate(entries)]
-    b = open_backend(store.path, "a")
-    try:
-        b.create(GRAM_ARRAY, (len(entries), n, n), "<f8", (1, max(n, 1), max(n, 1)), {}, "none")
-        b.create(NONFINITE_ARRAY, (len(entries), n), "<i8", (max(len(entries), 1), max(n, 1)), {}, "none")
-        for start in range(0, len(entries), 64):
-            part = entries[start:start + 64]
-            b.write_rows(GRAM_ARRAY, start, np.stack([g.gram for g in part]))
-        if entries:
-            b.write_rows(NONFINITE_ARRAY, 0, np.stack([g.nonfinite for g in entries]))
-        raw = np.frombuffer(json.dumps(index).encode(), dtype=np.uint8)
-        b.create(f"analysis/{GRAM_INDEX}", (raw.size,), "|u1", (max(raw.size, 1),), {"format": "json"}, "none")
-        b.write_rows(f"analysis/{GRAM_INDEX}", 0, raw)
-    finally:
-        b.close()
-
-
-def load_grams(store: Store) -> dict[tuple[str, int | None], GramResult]:
-    """The Gram matrices a previous ``analyze`` saved in *store* (no gradient is read)."""
-    if not store.has(f"analysis/{GRAM_INDEX}"):
-        raise MissingArrayError(f"{store.path}: no Gram matrices saved; run `gradforensics analyze` first.")
-    index = store.read_document(GRAM_INDEX)
-    if not index:
-        return {}
-    k = store.read(GRAM_ARRAY)
-    nf = store.read(NONFINITE_ARRAY)
-    out: dict[tuple[str, int | None], GramResult] = {}
-    for e in index:
-        head = None if e["head"] is None else int(e["head"])
-        out[(e["tensor"], head)] = GramResult(e["tensor"], head, k[e["i"]], nf[e["i"]], int(e["n_features"]),
-                                              bool(e["from_sketch"]))
-    return out

@@ -1,21 +1,24 @@
-"""The types every analysis shares: :class:`Flag`, :class:`Context`,
-:class:`AnalysisResult`, :class:`Analysis` and :class:`Findings`.
+"""The types every analysis shares: :class:`Analysis` (with its :class:`Need`,
+:class:`Options` and per-kind :class:`Advice`), :class:`Flag`, :class:`Context`,
+:class:`AnalysisResult` and :class:`Findings`.
 
 An analysis is one module exposing ``ANALYSIS = Analysis(...)`` (see
-``gradforensics/analysis/__init__.py`` for the registry).  The engine builds one
-:class:`Context` per pass (batch metadata, the Gram matrix of every tensor and
-head, and the results of each analysis's own lazy graphs, all computed in one
-``dask.compute``), calls ``compute(ctx)`` and ``flags(result, ctx)`` of each
-analysis, and gathers everything in :class:`Findings`, which the report reads.
+``gradforensics/analysis/__init__.py`` for the registry).  The engine parses each
+selected analysis's options once, builds one :class:`Context` per pass (batch
+metadata, the Gram matrix of every tensor and head, and the values of each
+analysis's own graphs, all computed in one ``dask.compute``), calls
+``compute(ctx)`` and ``flags(result, ctx)`` of each analysis, and gathers
+everything in :class:`Findings`, which the report reads.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from enum import StrEnum
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -24,52 +27,133 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from gradforensics.analysis.engine.gram import SlabReduction
+    from gradforensics.analysis.series import SeriesGroup
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
 
-FlagKind = Literal[
-    "drift", "oscillation", "saturation", "spectral", "conflict", "noise",
-    "precision", "loss_spectrum", "nonfinite",
-]
-FLAG_KINDS: tuple[str, ...] = get_args(FlagKind)
-
-
-def parse_options(cls: type[Any], raw: Any, name: str) -> Any:
-    """Build the frozen options dataclass *cls* of analysis *name*, validated once.
-
-    *raw* is ``None`` (defaults), an instance of *cls*, or a mapping of field values;
-    anything else, or an unknown key, is a :class:`~gradforensics.errors.SpecError`
-    naming the analysis, the bad keys and the known ones.  Value checks live in the
-    dataclass's ``__post_init__``.
-    """
-    import dataclasses
-
-    from gradforensics.errors import SpecError
-
-    if raw is None:
-        return cls()
-    if isinstance(raw, cls):
-        return raw
-    if not isinstance(raw, Mapping):
-        raise SpecError(f"{name}: bad options {raw!r}: must be a dict; got {type(raw).__name__}.")
-    known = sorted(f.name for f in dataclasses.fields(cls))
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise SpecError(f"{name}: bad options {dict(raw)!r}: unknown key(s) {unknown}; known: {known}.")
-    return cls(**raw)
+OptionsT = TypeVar("OptionsT", bound="Options")
 
 
 class Options:
-    """Mixin for an analysis's frozen options dataclass: ``Options.parse(value)``.
+    """Base of an analysis's options: a small frozen dataclass, parsed once by :meth:`parse`.
 
-    Set ``analysis_name``; :func:`parse_options` does the validation.
+    Subclass it as ``@dataclass(frozen=True) class DriftOptions(Options)``; value
+    checks go in the dataclass's ``__post_init__`` (raise
+    :class:`~gradforensics.errors.SpecError`).  The engine parses each selected
+    analysis's ``options[name]`` once, before reading the store, and hands the
+    parsed object to the analysis in ``ctx.options[name]``
+    (:meth:`Context.options_for`).
     """
 
-    analysis_name = ""
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The option names this class accepts (its dataclass fields), sorted."""
+        import dataclasses
+
+        return tuple(sorted(f.name for f in dataclasses.fields(cls)))  # type: ignore[arg-type]
 
     @classmethod
-    def parse(cls, value: Any) -> Any:
-        return parse_options(cls, value, cls.analysis_name)
+    def parse(cls: type[OptionsT], raw: Any = None, name: str | None = None) -> OptionsT:
+        """*raw* as an instance of this options class, validated once.
+
+        Parameters
+        ----------
+        raw
+            ``None`` (the defaults), an instance of *cls* (returned as is), or a
+            mapping of field values.
+        name
+            The analysis the options are for (messages name it; default: the class name).
+
+        Raises
+        ------
+        SpecError
+            *raw* is not a mapping, names an unknown key (the message lists the
+            known ones), or a value fails the class's checks.
+        """
+        from gradforensics.errors import SpecError
+
+        who = name or cls.__name__
+        if raw is None:
+            return cls()
+        if isinstance(raw, cls):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise SpecError(f"{who}: bad options {raw!r}: must be a dict or a {cls.__name__}; "
+                            f"got {type(raw).__name__}.")
+        known = list(cls.field_names())
+        unknown = sorted(str(k) for k in raw if k not in known)
+        if unknown:
+            raise SpecError(f"{who}: bad options {dict(raw)!r}: unknown key(s) {unknown}; "
+                            f"{who} options must be among {known}.")
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class NoOptions(Options):
+    """The options of an analysis that takes none: ``options={name: {}}`` only."""
+
+
+class Need(StrEnum):
+    """What an analysis needs the engine to do for it before ``compute(ctx)``.
+
+    Every analysis gets ``batches/*`` (loss, step, mixture, ...): the engine reads
+    them once for every pass, so they are not a need.
+
+    * ``GRAM`` - the Gram pass: ``ctx.grams[(tensor, head)]`` (one streaming read of
+      every gradient; skipped when no selected analysis needs it);
+    * ``GRADS`` - reductions of stored gradients run inside that same read of each
+      slab: the engine calls the analysis's ``slab_reductions(store)``;
+    * ``ACTS``, ``WEIGHTS`` - reductions of ``acts/*`` or ``weights/*`` snapshots:
+      the engine calls the analysis's ``lazy(store)`` and computes its graphs in
+      the pass's single ``dask.compute``.
+
+    :class:`Analysis` checks the hooks against the needs: ``slab_reductions``
+    if and only if ``GRADS``, ``lazy`` if and only if ``ACTS`` or ``WEIGHTS``.
+    """
+
+    GRAM = "gram"
+    GRADS = "grads"
+    ACTS = "acts"
+    WEIGHTS = "weights"
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What a kind of flag means and what to try next: what the report says about it.
+
+    Parameters
+    ----------
+    title
+        Section title of a finding of this kind (``"Direction drift"``).
+    phrase
+        Verb phrase of the summary sentence; ``{sources}`` is replaced by the
+        implicated sources (``"{sources} gradients point opposite ways"``).
+    evidence_keys
+        Evidence keys the summary quotes (as a range over a finding's flags),
+        most telling first.
+    remedies
+        What to try next, most likely first: the standard remedies for this
+        failure with their literature, not a diagnosis.
+    references
+        Short citations of the remedies (full entries in the emitting module).
+    time_axis
+        The statistic reads the record axis as time: in a ``replay`` store the
+        report prefixes the remedies with that caveat.
+    """
+
+    title: str
+    phrase: str
+    evidence_keys: tuple[str, ...] = ()
+    remedies: tuple[str, ...] = ()
+    references: tuple[str, ...] = ()
+    time_axis: bool = False
+
+    def remedies_for(self, flags: Sequence[Flag]) -> list[str]:
+        """The remedies for a group of *flags* of this kind, most specific first.
+
+        Override in a subclass to reorder them by what the flags show.
+        """
+        return list(self.remedies)
 
 
 @dataclass(frozen=True)
@@ -91,8 +175,8 @@ class Flag:
     summary: str
 
     def __post_init__(self) -> None:
-        if self.kind not in FLAG_KINDS:
-            raise ValueError(f"Flag kind must be one of {FLAG_KINDS}; got {self.kind!r}.")
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"Flag kind must be a non-empty string; got {self.kind!r}.")
         if not (0.0 <= self.severity <= 1.0) or math.isnan(self.severity):
             raise ValueError(f"Flag severity must be in [0, 1]; got {self.severity!r} ({self.kind}, {self.tensor}).")
 
@@ -105,19 +189,6 @@ class Flag:
             "evidence": {k: _plain(v) for k, v in self.evidence.items()},
             "summary": self.summary,
         }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "flag") -> Flag:
-        """Inverse of :meth:`to_dict`, every field checked (:func:`gradforensics.analysis.engine.stored.parse_flag`).
-
-        Raises
-        ------
-        CorruptStoreError
-            A field is missing, unknown, mistyped or out of range; the message starts with *where*.
-        """
-        from gradforensics.analysis.engine.stored import parse_flag
-
-        return parse_flag(d, where)
 
 
 def _plain(v: Any) -> Any:
@@ -158,14 +229,58 @@ class GramResult:
 
 @dataclass
 class Context:
-    """Everything an analysis's ``compute`` may use; built once per pass."""
+    """Everything an analysis's ``compute`` and ``flags`` may use; built once per pass.
 
-    store: Store
+    ``grams`` holds the Gram matrices (when a selected analysis needs
+    :attr:`Need.GRAM`); ``computed[name]`` the values of analysis *name*'s
+    ``lazy`` graphs and ``slab_reductions`` (by their keys); ``options[name]`` its
+    parsed options (read them with :meth:`options_for`).
+
+    The series pass (:func:`~gradforensics.analysis.engine.run.analyze_series`,
+    behind ``gradforensics loss``) builds one for the ``flags`` of the analyses
+    with a ``series`` hook: ``meta`` and ``options`` as above, no Gram matrices,
+    and ``store`` None (``batches`` empty) when the series come from a log.
+    """
+
+    store: Store | None
     meta: StoreMeta
     batches: dict[str, np.ndarray]
     grams: dict[tuple[str, int | None], GramResult]
-    lazy: dict[str, Any] = field(default_factory=dict)
+    computed: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+
+    def options_for(self, name: str, cls: type[OptionsT]) -> OptionsT:
+        """The options of analysis *name*: what the engine parsed, or *cls*'s defaults.
+
+        Raises
+        ------
+        TypeError
+            ``options[name]`` is not a parsed *cls* (whoever built the context
+            must parse it: ``cls.parse(raw, name)``).
+        """
+        value = self.options.get(name)
+        if value is None:
+            return cls()
+        if not isinstance(value, cls):
+            raise TypeError(f"Context.options[{name!r}] must be a parsed {cls.__name__} ({cls.__name__}.parse(raw, "
+                            f"{name!r})); got {type(value).__name__}.")
+        return value
+
+    def require_store(self) -> Store:
+        """The store of this pass.
+
+        Raises
+        ------
+        SpecError
+            There is none: the series pass on a training log (an analysis whose
+            ``flags`` reads the store cannot run on a log).
+        """
+        if self.store is None:
+            from gradforensics.errors import SpecError
+
+            raise SpecError("this analysis reads the store, and it runs on series from a log (no store); "
+                            "run it with `gradforensics analyze STORE`.")
+        return self.store
 
     @property
     def n_records(self) -> int:
@@ -200,46 +315,120 @@ class AnalysisResult:
 
 @dataclass(frozen=True)
 class Analysis:
-    """One registered analysis.
+    """One analysis: everything the engine and the report need to know about it.
+
+    An analysis is one module ending in ``ANALYSIS = Analysis(...)``; its line in
+    ``gradforensics/analysis/__init__.py`` (or :func:`gradforensics.analysis.register`
+    for one defined elsewhere) registers it.  Everything is checked here, once.
 
     Parameters
     ----------
     name
-        Table name (``DIR/tables/<name>.csv``) and ``--only`` key.
+        Table name (``DIR/tables/<name>.csv``), ``--only`` key and ``options`` key:
+        a lower-case identifier.
     needs
-        What it reads: ``"gram"``, ``"batches"``, ``"acts"``, ``"weights"``, ``"loss"``.
+        What the engine does for it before ``compute``: :class:`Need` values (or
+        their strings, ``"gram"``, ``"grads"``, ``"acts"``, ``"weights"``).
     compute
         ``compute(ctx) -> AnalysisResult``; pure over the context.
     flags
-        ``flags(result, ctx) -> list[Flag]``.
+        ``flags(result, ctx) -> list[Flag]``; every flag of one of ``kinds``.
     plot
         ``plot(result, flag, ax)`` draws the evidence of *flag* on the given Axes.
+    kinds
+        The flag kinds it emits, each with its :class:`Advice` (what the report
+        says about a flag of that kind); empty for an analysis that only reports
+        a table.  A kind is emitted by one registered analysis.
+    options
+        Its options class (a frozen dataclass subclassing :class:`Options`); the
+        engine parses ``options[name]`` with it once and hands the result in
+        ``ctx.options[name]``.
     lazy
-        Optional ``lazy(store) -> dict[str, dask collection]`` of extra reductions
-        the engine computes in the same single ``dask.compute`` as the Gram
-        matrices; the results arrive as ``ctx.lazy[name]``.  It must not read
-        ``grads/*``: gradient reductions go in ``slab_reductions``.
+        ``lazy(store) -> {key: dask collection}``, required with :attr:`Need.ACTS`
+        or :attr:`Need.WEIGHTS` (and only then): reductions of ``acts/*``,
+        ``weights/*`` (never ``grads/*``) that the engine computes in the pass's
+        single ``dask.compute``; the values arrive as ``ctx.computed[name][key]``.
     slab_reductions
-        Optional ``slab_reductions(store) -> {key: SlabReduction}``
-        (:class:`gradforensics.analysis.engine.gram.SlabReduction`): per-slab reductions of
-        stored gradients that the engine runs inside the Gram pass's read of each
-        slab, so every gradient byte is still read once; each result arrives as
-        ``ctx.lazy[name][key]`` next to those of ``lazy``.
+        ``slab_reductions(store) -> {key: SlabReduction}``
+        (:class:`gradforensics.analysis.engine.gram.SlabReduction`), required with
+        :attr:`Need.GRADS` (and only then): per-slab reductions of stored gradients
+        that the engine runs inside the Gram pass's read of each slab, so every
+        gradient byte is still read once; each value arrives as
+        ``ctx.computed[name][key]`` next to those of ``lazy``.
+    series
+        ``series(groups, options) -> AnalysisResult | None``, optional: the
+        analysis run on per-step series (:class:`~gradforensics.analysis.series.SeriesGroup`,
+        from a store's ``batches/*`` or a training log) with its parsed options
+        (an instance of ``options``); None when the series give it nothing to
+        do (no table).  ``gradforensics loss`` runs every registered analysis
+        that has one, then its ``flags`` (see :class:`Context`).
+
+    Raises
+    ------
+    SpecError
+        A field has the wrong type or value (the message names the analysis,
+        the field, what is allowed and what was given).
     """
 
     name: str
-    needs: tuple[str, ...]
+    needs: tuple[Need, ...]
     compute: Callable[[Context], AnalysisResult]
     flags: Callable[[AnalysisResult, Context], list[Flag]]
     plot: Callable[[AnalysisResult, Flag, Axes], None]
+    kinds: Mapping[str, Advice] = field(default_factory=dict)
+    options: type[Options] = NoOptions
     lazy: Callable[[Store], dict[str, Any]] | None = None
-    title: str = ""
     slab_reductions: Callable[[Store], Mapping[str, SlabReduction]] | None = None
+    series: Callable[[Sequence[SeriesGroup], Any], AnalysisResult | None] | None = None
+
+    def __post_init__(self) -> None:
+        import dataclasses
+
+        from gradforensics.errors import SpecError
+        from gradforensics.store.names import check_analysis_name
+
+        check_analysis_name(self.name, "Analysis")
+        who = f"Analysis {self.name!r}"
+        allowed = [n.value for n in Need]
+        raw = (self.needs,) if isinstance(self.needs, str) else tuple(self.needs)
+        bad = [n for n in raw if n not in allowed]
+        if bad:
+            raise SpecError(f"The 'needs' of {who} must be among {allowed}; got {bad!r}.")
+        object.__setattr__(self, "needs", tuple(dict.fromkeys(Need(n) for n in raw)))
+        for hook in ("compute", "flags", "plot"):
+            if not callable(getattr(self, hook)):
+                raise SpecError(f"The '{hook}' of {who} must be callable; got {getattr(self, hook)!r}.")
+        if not (isinstance(self.options, type) and issubclass(self.options, Options)
+                and dataclasses.is_dataclass(self.options)):
+            raise SpecError(f"The 'options' of {who} must be a dataclass subclassing Options; got {self.options!r}.")
+        if not isinstance(self.kinds, Mapping) or not all(
+                isinstance(k, str) and k.isidentifier() and k == k.lower() and isinstance(v, Advice)
+                for k, v in self.kinds.items()):
+            raise SpecError(f"The 'kinds' of {who} must map lower-case identifiers to Advice; got {self.kinds!r}.")
+        object.__setattr__(self, "kinds", MappingProxyType(dict(self.kinds)))
+        self._check_hook("slab_reductions", Need.GRADS in self.needs, "'grads'")
+        self._check_hook("lazy", bool({Need.ACTS, Need.WEIGHTS} & set(self.needs)), "'acts' or 'weights'")
+        if self.series is not None and not callable(self.series):
+            raise SpecError(f"The 'series' of {who} must be callable or None; got {self.series!r}.")
+
+    def _check_hook(self, hook: str, needed: bool, needs: str) -> None:
+        from gradforensics.errors import SpecError
+
+        fn = getattr(self, hook)
+        if fn is not None and not callable(fn):
+            raise SpecError(f"The '{hook}' of Analysis {self.name!r} must be callable or None; got {fn!r}.")
+        if needed != (fn is not None):
+            raise SpecError(f"Analysis {self.name!r} needs {[str(n) for n in self.needs]}: a '{hook}' hook goes "
+                            f"with needs {needs} and only then; got {hook}={fn!r}.")
 
 
 @dataclass
 class Findings:
-    """Everything a forensic pass found; what the report renders."""
+    """Everything a forensic pass found; what the report renders.
+
+    ``analyze`` saves it in the store, and ``gradforensics report`` reads it back
+    (:mod:`gradforensics.analysis.engine.results`: ``save_results``, ``read_findings``).
+    """
 
     store: str
     n_records: int
@@ -261,78 +450,17 @@ class Findings:
         r = self.results.get(name)
         return None if r is None else r.table
 
-    # persistence in the store's analysis/ group ---------------------------
-    def to_documents(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        arrays: dict[str, np.ndarray] = {}
-        docs: dict[str, Any] = {
-            "findings": {"store": self.store, "n_records": self.n_records, "mode": self.mode,
-                         "sources": list(self.sources), "header": self.header,
-                         "flags": [f.to_dict() for f in self.flags], "analyses": sorted(self.results)},
-        }
-        for name, res in self.results.items():
-            docs[f"tables/{name}"] = json.loads(res.table.to_json(orient="split", index=False))
-            arrays[f"series/{name}"] = pack_series(res.series)
-        return arrays, docs
-
-    @classmethod
-    def from_store(cls, store: Store) -> Findings:
-        """The findings ``analyze`` stored in *store*'s ``analysis/`` group, parsed strictly.
-
-        The store may come from someone else: every document is checked
-        (:func:`gradforensics.analysis.engine.stored.read_findings`) before it is trusted.
-
-        Raises
-        ------
-        CorruptStoreError
-            A stored document is malformed (named, with what is wrong).
-        MissingArrayError
-            A table or series the findings name is absent.
-        """
-        from gradforensics.analysis.engine.stored import read_findings
-
-        return cls(**read_findings(store))
-
-
-def pack_series(series: Mapping[str, Any]) -> np.ndarray:
-    """All series of one analysis as one uint8 array (an ``.npz`` image, no pickle).
-
-    One stored array per analysis instead of one per series: a store with
-    hundreds of tensors would otherwise get thousands of tiny arrays, and their
-    metadata dominated the time of writing the results.
-    """
-    import io
-
-    buf = io.BytesIO()
-    arrays: dict[str, Any] = {f"s{i}": np.asarray(v) for i, v in enumerate(series.values())}
-    arrays["__keys__"] = np.asarray(list(series.keys()), dtype=str)
-    np.savez(buf, **arrays)
-    return np.frombuffer(buf.getvalue(), dtype=np.uint8)
-
-
-def unpack_series(raw: np.ndarray, where: str = "series") -> dict[str, np.ndarray]:
-    """Inverse of :func:`pack_series`; a malformed image is a :class:`~gradforensics.errors.CorruptStoreError`.
-
-    See :func:`gradforensics.analysis.engine.stored.parse_series` for what is checked.
-    """
-    from gradforensics.analysis.engine.stored import parse_series
-
-    return parse_series(raw, where)
-
-
-def flag_to_json(flag: Flag) -> str:
-    return json.dumps(flag.to_dict())
-
 
 __all__ = [
-    "FLAG_KINDS",
+    "Advice",
     "Analysis",
     "AnalysisResult",
     "Context",
     "Findings",
     "Flag",
-    "FlagKind",
     "GramResult",
+    "Need",
+    "NoOptions",
     "Options",
     "asdict",
-    "parse_options",
 ]

@@ -1,11 +1,14 @@
 """The forensic pass: one ``dask.compute`` over the store, then every analysis.
 
 :func:`analyze` opens the store, reads the small ``batches/*`` arrays once,
-builds the Gram-matrix graph of every tensor (:mod:`gradforensics.analysis.engine.gram`),
-with every selected analysis's gradient reductions (``Analysis.slab_reductions``)
-folded into the same slab reads, and the extra lazy reductions of every selected
-analysis (``Analysis.lazy``, never over gradients),
-and computes all of them in **one** ``dask.compute`` - so each byte of the
+parses every selected analysis's options once, builds the Gram-matrix graph of
+every tensor (:mod:`gradforensics.analysis.engine.gram`) when an analysis needs
+:attr:`~gradforensics.analysis.engine.model.Need.GRAM`, with the gradient
+reductions of every analysis that needs ``GRADS`` (``Analysis.slab_reductions``)
+folded into the same slab reads, and the reductions of ``acts/*`` and
+``weights/*`` of every analysis that needs ``ACTS`` or ``WEIGHTS``
+(``Analysis.lazy``, never over gradients), and computes all of them in **one**
+``dask.compute`` - so each byte of the
 store is read once and reads are shared.  With threads (the default) BLAS is
 pinned to one thread per dask worker thread (threadpoolctl); under a
 ``dask.distributed`` client it is pinned on every worker.  Memory stays
@@ -16,6 +19,10 @@ analysis's ``compute`` and ``flags`` in registry order, gathers
 :class:`~gradforensics.analysis.engine.model.Findings` and persists them, with the Gram
 matrices, under the store's ``analysis/`` group, so ``gradforensics report``
 never re-reads gradients.
+
+:func:`analyze_series` is the other entry, behind ``gradforensics loss``: every
+registered analysis with a ``series`` hook, on per-step series from a store's
+``batches/*`` or a training log, no gradients read.
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,21 +45,34 @@ from gradforensics.analysis.engine.gram import (
     SlabReduction,
     flatten_grams,
     gram_graph,
-    save_grams,
     slab_graph,
 )
-from gradforensics.analysis.engine.model import Analysis, Context, Findings, GramResult
+from gradforensics.analysis.engine.model import (
+    Analysis,
+    AnalysisResult,
+    Context,
+    Findings,
+    Flag,
+    GramResult,
+    Need,
+    Options,
+)
+from gradforensics.analysis.engine.registry import REGISTRY
+from gradforensics.analysis.engine.results import save_results
 from gradforensics.errors import EmptyStoreError, SpecError
 from gradforensics.store.reader import Store
 
 if TYPE_CHECKING:
     from distributed import Client
 
+    from gradforensics.analysis.series import SeriesGroup
+    from gradforensics.store.schema import StoreMeta
+
 ENGINE_KEY = "engine"
 
 
 @dataclass(frozen=True)
-class EngineOptions:
+class EngineOptions(Options):
     """Options of the pass itself (``options={"engine": {...}}``).
 
     Attributes
@@ -89,8 +109,6 @@ class EngineOptions:
 
 def select_analyses(only: str | Iterable[str] | None) -> list[Analysis]:
     """The analyses to run, in registry order; *only* restricts them (names or ``"a,b"``)."""
-    from gradforensics.analysis import REGISTRY
-
     if only is None:
         return list(REGISTRY.values())
     names = [s.strip() for s in only.split(",")] if isinstance(only, str) else [str(s).strip() for s in only]
@@ -101,20 +119,28 @@ def select_analyses(only: str | Iterable[str] | None) -> list[Analysis]:
     return [a for name, a in REGISTRY.items() if name in names]
 
 
-def parse_options(options: Mapping[str, Any] | None, selected: list[Analysis]) -> tuple[EngineOptions, dict[str, Any]]:
-    """Split ``options`` into :class:`EngineOptions` and per-analysis option dicts."""
-    from gradforensics.analysis import REGISTRY
+def split_options(options: Mapping[str, Any] | None,
+                  selected: list[Analysis]) -> tuple[EngineOptions, dict[str, Options]]:
+    """Split ``options`` into :class:`EngineOptions` and every selected analysis's parsed options.
 
+    Each analysis's ``options[name]`` is parsed once, here, by its options class
+    (:meth:`Options.parse`), before the store is read; those of analyses not
+    selected are checked too.  Returns ``(engine, {name: options})`` with an entry
+    for every selected analysis (its defaults where none were given).
+
+    Raises
+    ------
+    SpecError
+        A key that is neither ``"engine"`` nor a registered analysis, an unknown
+        engine option, or bad options of an analysis.
+    """
     options = dict(options or {})
-    engine_raw = dict(options.pop(ENGINE_KEY, {}) or {})
+    engine = EngineOptions.parse(options.pop(ENGINE_KEY, None), ENGINE_KEY)
     unknown = [k for k in options if k not in REGISTRY]
     if unknown:
         raise SpecError(f"options keys must be 'engine' or analyses among {sorted(REGISTRY)}; got {unknown!r}.")
-    allowed = {f.name for f in fields(EngineOptions)}
-    bad = sorted(set(engine_raw) - allowed)
-    if bad:
-        raise SpecError(f"engine options must be among {sorted(allowed)}; got {bad!r}.")
-    return EngineOptions(**engine_raw), {k: dict(v or {}) for k, v in options.items()}
+    parsed = {k: REGISTRY[k].options.parse(v, k) for k, v in options.items()}
+    return engine, {a.name: parsed[a.name] if a.name in parsed else a.options() for a in selected}
 
 
 def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
@@ -134,7 +160,8 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
         Names of the analyses to run (default: all, in registry order).
     options
         ``{"engine": {...}}`` (see :class:`EngineOptions`) and ``{name: {...}}``
-        per analysis, handed to it as ``ctx.options[name]``.
+        per analysis, parsed once by its options class before the store is read
+        and handed to it as ``ctx.options[name]``.
     progress
         Show a progress bar (on stderr for threads; ``distributed.progress`` under a client).
 
@@ -155,15 +182,16 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
     if store.n_records == 0:
         raise EmptyStoreError(f"{store.path}: the store holds no complete record; nothing to analyze.")
     selected = select_analyses(only)
-    engine, per_analysis = parse_options(options, selected)
+    engine, per_analysis = split_options(options, selected)
     batches = store.batches()
-    grams, lazy = _compute_pass(store, selected, engine, client, progress)
-    ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, lazy=lazy, options=per_analysis)
+    grams, computed = compute_pass(store, selected, engine, client, progress)
+    ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, computed=computed,
+                  options=per_analysis)
     results, flags = {}, []
     for a in selected:
         res = a.compute(ctx)
         results[a.name] = res
-        flags.extend(a.flags(res, ctx))
+        flags.extend(_checked_flags(a, a.flags(res, ctx)))
     header = _header(store, batches, client, engine, time.perf_counter() - t0)
     findings = Findings(store=store.path, n_records=store.n_records, mode=store.mode, sources=store.sources,
                         header=header, results=results, flags=flags)
@@ -172,18 +200,86 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
     return findings
 
 
+def _checked_flags(a: Analysis, flags: list[Flag]) -> list[Flag]:
+    """*flags* of analysis *a*, each of a kind it declares (else a ``ValueError``: a bug in *a*)."""
+    for f in flags:
+        if f.kind not in a.kinds:
+            raise ValueError(f"analysis {a.name!r} returned a flag of kind {f.kind!r}; it declares kinds "
+                             f"{sorted(a.kinds)} (Analysis(kinds=...)).")
+    return flags
+
+
+def analyze_series(groups: Sequence[SeriesGroup], meta: StoreMeta, options: Mapping[str, Any] | None = None, *,
+                   store: Store | None = None,
+                   batches: Mapping[str, np.ndarray] | None = None) -> tuple[dict[str, AnalysisResult], list[Flag]]:
+    """Run every registered analysis that has a ``series`` hook on *groups*; its tables and flags.
+
+    In registry order, each such analysis gets its own ``options[name]``, parsed
+    once by its options class, then ``series(groups, options)``; a ``None``
+    result (nothing to do on these series) gives no table and no flags.  Its
+    ``flags(result, ctx)`` get a :class:`Context` holding *meta*, *store*,
+    *batches* and the parsed options (no Gram matrices).
+
+    Parameters
+    ----------
+    groups
+        The series (:mod:`gradforensics.analysis.series`: ``from_batches``, ``read_logs``).
+    meta
+        The store's metadata, or for a log one made up for it (its ``mode`` decides
+        what is flagged: no time-axis flags in ``replay``).
+    options
+        ``{name: {...}}`` per analysis (as for :func:`analyze`; no ``"engine"``).
+    store, batches
+        The store the series were read from and its ``batches/*``, when they were.
+
+    Returns
+    -------
+    results, flags
+        ``{name: AnalysisResult}`` and every flag, each of a kind its analysis declares.
+
+    Raises
+    ------
+    SpecError
+        An unknown analysis or option.
+    """
+    selected = [a for a in REGISTRY.values() if a.series is not None]
+    _, per_analysis = split_options(options, selected)
+    ctx = Context(store=store, meta=meta, batches=dict(batches or {}), grams={}, options=per_analysis)
+    results: dict[str, AnalysisResult] = {}
+    flags: list[Flag] = []
+    for a in selected:
+        res = a.series(groups, per_analysis[a.name]) if a.series is not None else None
+        if res is not None:
+            results[a.name] = res
+            flags.extend(_checked_flags(a, a.flags(res, ctx)))
+    return results, flags
+
+
 # ------------------------------------------------------------------ the pass
-def _compute_pass(store: Store, selected: list[Analysis], engine: EngineOptions, client: Client | None,
-                  progress: bool, grams: bool = True) -> tuple[dict[tuple[str, int | None], GramResult],
-                                                             dict[str, Any]]:
-    """Build every graph and compute them all in one go.
+def compute_pass(store: Store, selected: list[Analysis], engine: EngineOptions, client: Client | None,
+                 progress: bool, grams: bool = True) -> tuple[dict[tuple[str, int | None], GramResult],
+                                                            dict[str, Any]]:
+    """Build every graph of *selected* over *store* and compute them all in one ``dask.compute``.
 
     Per tensor, one slab pass feeds its Gram matrices (when an analysis needs
     them and *grams*) and every analysis's slab reductions of that tensor.
+    :func:`analyze` calls it once; tests and :mod:`gradforensics.testing` call it
+    to run one analysis's reductions alone (``grams=False``).
+
+    Returns
+    -------
+    grams, computed
+        ``{(tensor, head): GramResult}`` and ``{analysis: {key: value}}`` of every
+        ``lazy`` / ``slab_reductions`` result (what ``Context.grams`` and ``Context.computed`` hold).
+
+    Raises
+    ------
+    SpecError
+        An analysis returns the same key from ``lazy`` and ``slab_reductions``.
     """
     keys: list[tuple[str, ...]] = []
     collections: list[Any] = []
-    want_gram = grams and any("gram" in a.needs for a in selected)
+    want_gram = grams and any(Need.GRAM in a.needs for a in selected)
     reductions = _slab_reductions(store, selected)
     opts: dict[str, Any] = {"slab_bytes": engine.slab_bytes, "split_every": engine.split_every, "precision": engine.precision}
     for tensor in store.tensors if want_gram else sorted(reductions):
@@ -309,7 +405,7 @@ def _versions() -> dict[str, str]:
     import h5py
     import zarr
 
-    from gradforensics import __version__
+    from gradforensics._version import __version__
 
     return {"gradforensics": __version__, "python": sys.version.split()[0], "numpy": np.__version__,
             "dask": dask.__version__, "zarr": zarr.__version__, "h5py": h5py.__version__}
@@ -322,16 +418,12 @@ def _persist(store: Store, findings: Findings, grams: dict[tuple[str, int | None
     findings are returned and reported either way.
     """
     from gradforensics.errors import StoreLockedError
-    from gradforensics.store.lock import StoreLock
 
     try:
-        with StoreLock(store.path):
-            if grams:
-                save_grams(store, grams)
-            store.write_analysis(*findings.to_documents())
+        save_results(store.path, findings, grams, n_records=store.n_records)
     except (PermissionError, StoreLockedError) as exc:
         warnings.warn(f"{store.path}: analysis results not saved in the store ({exc}); "
                       "`gradforensics report` will need a re-analysis.", stacklevel=3)
 
 
-__all__ = ["EngineOptions", "analyze", "parse_options", "select_analyses"]
+__all__ = ["EngineOptions", "analyze", "analyze_series", "compute_pass", "select_analyses", "split_options"]

@@ -4,7 +4,7 @@ With data parallelism every rank logs its own loss.  An oscillation the ranks
 share (coherence ≈ 1 at its frequency, phase ≈ 0) comes from the model or the
 optimizer they share; one confined to a rank (coherence ≈ 0) comes from that
 rank's data or hardware.  For each pair of ranks this analysis detrends both
-series the way :mod:`~gradforensics.analysis.kinds.loss_spectrum` does, estimates the
+series the way the spectrum does (:mod:`gradforensics.analysis.signal`), estimates the
 magnitude-squared coherence ``C(f) = |S_ab|² / (S_aa S_bb)`` with Welch averages
 (``scipy.signal.coherence``), tests it against independence and reports the
 phase of the cross-spectrum at coherent peaks and the lag it implies (``lag =
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag
-from gradforensics.analysis.kinds.loss_spectrum import (
+from gradforensics.analysis.signal import (
     MIN_POINTS,
     SpectrumOptions,
     adjust_pvalues,
@@ -143,12 +143,12 @@ def rank_pairs(n: int) -> list[tuple[int, int]]:
 
 
 # ------------------------------------------------------------- series -> table
-def analyze_series(groups: Sequence[SeriesGroup], options: Any = None) -> AnalysisResult:
+def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None) -> AnalysisResult:
     """``coherence`` table: for every group with several ranks, a row per coherent
     peak of each rank pair (or the strongest candidate, ``significant`` False)."""
     import pandas as pd
 
-    opt = SpectrumOptions.parse(options)
+    opt = options or SpectrumOptions()
     rows: list[dict[str, Any]] = []
     arrays: dict[str, np.ndarray] = {}
     for g in groups:
@@ -212,16 +212,20 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 
 
 def _compute(ctx: Context) -> AnalysisResult:
-    from gradforensics.analysis.kinds.loss_spectrum import context_options
     from gradforensics.analysis.series import from_context
 
-    opt = context_options(ctx, NAME)
+    opt = ctx.options_for(NAME, SpectrumOptions)
     return analyze_series(from_context(ctx, opt.axis), opt)
+
+
+def _series(groups: Sequence[SeriesGroup], opt: SpectrumOptions) -> AnalysisResult | None:
+    """:func:`analyze_series`, or None (no table) when no series has several ranks."""
+    return analyze_series(groups, opt) if any(g.ranks for g in groups) else None
 
 
 def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     return []
 
 
-ANALYSIS = Analysis(name=NAME, needs=("batches",), compute=_compute, flags=_flags, plot=plot,
-                    title="Coherence of the loss curve across ranks")
+ANALYSIS = Analysis(name=NAME, needs=(), compute=_compute, flags=_flags, plot=plot, options=SpectrumOptions,
+                    series=_series)

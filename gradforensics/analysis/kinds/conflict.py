@@ -1,7 +1,7 @@
 """Data-source conflict: do two sources' mean gradients point opposite ways?
 
 For each tensor and head, from its Gram matrix ``K`` and ``batches/mixture`` only
-(see :mod:`._kspace`):
+(see :mod:`~gradforensics.analysis.engine.kspace`):
 
 * the **per-source mean gradients** ``M = C X`` with ``C = (AᵀA)⁻¹Aᵀ``, the least
   squares fit of ``X ≈ A M`` (``A``: the records' mixture rows; for pure batches
@@ -41,8 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradforensics.analysis.engine import flagging as fl
 from gradforensics.analysis.engine import kspace as ks
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Flag
+from gradforensics.analysis.engine import units as un
+from gradforensics.analysis.engine.checks import check_int
+from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, Need, Options
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -55,7 +58,7 @@ EFFECT_FULL = 0.3      # -cosine at which the effect score saturates
 
 
 @dataclass(frozen=True)
-class ConflictOptions:
+class ConflictOptions(Options):
     """``permutations`` (B), ``seed``, and ``block``: records per permutation block in training mode
     (default ``max(4, ceil(N/16))``; replay permutes over all records)."""
 
@@ -64,9 +67,9 @@ class ConflictOptions:
     block: int | None = None
 
     def __post_init__(self) -> None:
-        ks.check_int("conflict", "permutations", self.permutations, 19)
-        ks.check_int("conflict", "seed", self.seed, 0)
-        ks.check_int("conflict", "block", self.block, 2, allow_none=True)
+        check_int("conflict", "permutations", self.permutations, 19)
+        check_int("conflict", "seed", self.seed, 0)
+        check_int("conflict", "block", self.block, 2, allow_none=True)
 
 
 # ---------------------------------------------------------------- statistics
@@ -185,7 +188,7 @@ def severity_p(p: float, z: float, B: int, z_cross: float = math.nan) -> float:
 
 def effect(cos_db: float, cos: float) -> float:
     c = cos_db if np.isfinite(cos_db) else cos
-    return ks.ramp(-c, EFFECT_FULL)
+    return fl.ramp(-c, EFFECT_FULL)
 
 
 # ------------------------------------------------------------------ analysis
@@ -193,12 +196,12 @@ def compute(ctx: Context) -> AnalysisResult:
     """The conflict table (a row per unit and source pair) and the cosine matrices."""
     import pandas as pd
 
-    opts = ks.parse_options(ConflictOptions, ctx.options.get("conflict"), "conflict")
+    opts = ctx.options_for("conflict", ConflictOptions)
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     training = ctx.meta.mode == "training"
     rows = []
-    pack = ks.SeriesPack()
-    for u in ks.units(ctx):
+    pack = un.SeriesPack()
+    for u in un.units(ctx):
         seed = unit_seed(opts.seed, u.tensor, u.head)
         pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training, seed)
         for r in pairs:
@@ -214,12 +217,12 @@ def compute(ctx: Context) -> AnalysisResult:
     table["layer"] = table["layer"].astype("Int64")
     n_tests = int(table["p_value"].notna().sum())
     table["severity"] = [
-        ks.significance(severity_p(p, z, opts.permutations, zx), n_tests) * effect(cdb, c)
+        fl.significance(severity_p(p, z, opts.permutations, zx), n_tests) * effect(cdb, c)
         for p, z, zx, cdb, c in zip(table["p_value"], table["z"], table["z_cross"], table["cosine_debiased"],
                                     table["cosine"])
     ]
     series = {**pack.to_series("cosine_matrix"), **_depth_profiles(table),
-              "source_names": ks.encode_names(ctx.sources)}
+              "source_names": un.encode_names(ctx.sources)}
     return AnalysisResult(table=table, series=series)
 
 
@@ -238,13 +241,13 @@ def _depth_profiles(table: Any) -> dict[str, np.ndarray]:
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     """One flag per conflicting source pair and unit (heads localise it), with its depth band."""
     t = result.table
-    floor = 1.0 / (ks.parse_options(ConflictOptions, ctx.options.get("conflict"), "conflict").permutations + 1)
+    floor = 1.0 / (ctx.options_for("conflict", ConflictOptions).permutations + 1)
     out = []
     last = ctx.n_records - 1
     for r in t.itertuples(index=False):
-        if not r.severity >= ks.REPORT_FLOOR:
+        if not r.severity >= fl.REPORT_FLOOR:
             continue
-        head = ks.head_of(r.head)
+        head = un.head_of(r.head)
         hot = _hot_units(t[(t.source_a == r.source_a) & (t.source_b == r.source_b) & (t.severity > 0.5)])
         band = _band(hot["layer"])
         heads = sorted({int(h) for h in hot.loc[(hot.tensor == r.tensor) & hot["head"].notna(), "head"]})
@@ -254,8 +257,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
                         severity=float(r.severity), records=(0, last), evidence=ev,
                         summary=_summary(r, head, band, heads, len(hot), floor)))
     cos_eff = t["cosine_debiased"].where(t["cosine_debiased"].notna(), t["cosine"])
-    involved = ks.involved_heads(t, (cos_eff < 0) & (t["p_value"] < 0.05), by_sources=True)
-    return ks.dedupe_heads(out, ks.heads_per_tensor(t), involved, by_sources=True)
+    involved = fl.involved_heads(t, (cos_eff < 0) & (t["p_value"] < 0.05), by_sources=True)
+    return fl.dedupe_heads(out, un.heads_per_tensor(t), involved, by_sources=True)
 
 
 def _hot_units(hot: Any) -> Any:
@@ -273,7 +276,7 @@ def _summary(r: Any, head: int | None, band: list[int] | None, heads: list[int],
     where = r.tensor if head is None else f"{r.tensor} head {head}"
     way = "point opposite ways" if r.cosine < 0 else "pull against each other once batch noise is removed"
     s = (f"{where}: '{r.source_a}' and '{r.source_b}' gradients {way} (cos {r.cosine:.2f}, "
-         f"noise-corrected {r.cosine_debiased:.2f}, {ks.fmt_p(r.p_value, floor)})")
+         f"noise-corrected {r.cosine_debiased:.2f}, {fl.fmt_p(r.p_value, floor)})")
     if band is not None:
         s += f"; across the model this pair conflicts in {n_hot} unit(s), layers {band[0]}-{band[1]}"
     if heads:
@@ -283,10 +286,10 @@ def _summary(r: Any, head: int | None, band: list[int] | None, heads: list[int],
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     """Cosine matrix of the per-source mean gradients of the flagged unit."""
-    M = ks.unit_series(result.series, "cosine_matrix", flag.tensor, flag.head)
+    M = un.unit_series(result.series, "cosine_matrix", flag.tensor, flag.head)
     if M is not None:
         keep = np.flatnonzero(np.isfinite(np.diag(M)))
-        names = ks.decode_names(result.series.get("source_names"), M.shape[0])
+        names = un.decode_names(result.series.get("source_names"), M.shape[0])
         sub = M[np.ix_(keep, keep)]
         ax.imshow(sub, vmin=-1, vmax=1, cmap="RdBu")
         ax.set_xticks(range(keep.size), [names[i] for i in keep], rotation=45, fontsize=8)
@@ -301,5 +304,27 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
                  fontsize=9)
 
 
-ANALYSIS = Analysis(name="conflict", needs=("gram", "batches"), compute=compute, flags=flags, plot=plot,
-                    title="Data-source conflict")
+#: What a ``conflict`` flag means and what to try next (the report's advice).
+#:
+#: References
+#: ----------
+#: .. [Yu2020] T. Yu et al., "Gradient Surgery for Multi-Task Learning" (PCGrad), NeurIPS 2020.
+#: .. [Xie2023] S. M. Xie et al., "DoReMi: Optimizing Data Mixtures Speeds Up Language Model Pretraining",
+#:    NeurIPS 2023.
+ADVICE = Advice(
+    title="Data-source conflict",
+    phrase="{sources} gradients point opposite ways",
+    evidence_keys=("cosine", "p_value"),
+    remedies=(
+        "Re-weight the mixture: lower the share of one of the conflicting sources, or learn the weights "
+        "with a small proxy model (DoReMi).",
+        "Check the data itself: the same context with different continuations across sources (label noise, "
+        "a templating bug, a translation artefact) is the usual cause of a persistent negative cosine.",
+        "If both sources must stay, project out the conflicting component per layer (gradient surgery, "
+        "PCGrad) on the layers named here only, or give the sources a distinguishing tag token."),
+    references=("Yu et al. 2020, Gradient Surgery for Multi-Task Learning (PCGrad)",
+                "Xie et al. 2023, DoReMi: Optimizing Data Mixtures Speeds Up LM Pretraining"),
+)
+
+ANALYSIS = Analysis(name="conflict", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
+                    kinds={"conflict": ADVICE}, options=ConflictOptions)

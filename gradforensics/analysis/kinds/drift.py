@@ -1,6 +1,6 @@
 """Direction drift: has the mean gradient of a tensor (or head) turned away from where it started?
 
-For each tensor and head, from its Gram matrix ``K`` only (see :mod:`._kspace`):
+For each tensor and head, from its Gram matrix ``K`` only (see :mod:`~gradforensics.analysis.engine.kspace`):
 
 * ``m_0``, the mean gradient of the *opening window* (the first ``w`` records in
   step order, ``w = max(4, ceil(N/16))`` by default);
@@ -36,8 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradforensics.analysis.engine import flagging as fl
 from gradforensics.analysis.engine import kspace as ks
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Flag
+from gradforensics.analysis.engine import units as un
+from gradforensics.analysis.engine.checks import check_int
+from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, Need, Options
+from gradforensics.analysis.engine.stats import rank_trend
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -52,13 +56,13 @@ ALIGN_MIN, ALIGN_MARGIN = 0.3, 0.15
 
 
 @dataclass(frozen=True)
-class DriftOptions:
+class DriftOptions(Options):
     """``window``: records per window (default ``max(4, ceil(N/16))``)."""
 
     window: int | None = None
 
     def __post_init__(self) -> None:
-        ks.check_int("drift", "window", self.window, 2, allow_none=True)
+        check_int("drift", "window", self.window, 2, allow_none=True)
 
 
 # ---------------------------------------------------------------- statistics
@@ -97,17 +101,6 @@ def hinge_changepoint(y: np.ndarray) -> tuple[int | None, float]:
     return int(t[j]), float(slope[j])
 
 
-def _spearman_fall(y: np.ndarray) -> tuple[float, float]:
-    """(ρ, one-sided p) of a fall of *y* over its position; NaN below 4 values."""
-    from scipy.stats import spearmanr
-
-    ok = np.isfinite(y)
-    if ok.sum() < 4 or np.ptp(y[ok]) == 0:
-        return math.nan, math.nan
-    r = spearmanr(np.flatnonzero(ok), y[ok], alternative="less")
-    return float(r.statistic), float(r.pvalue)
-
-
 def opening_cosines(K: np.ndarray, open_rows: np.ndarray) -> np.ndarray:
     """Per-record cosine to the opening mean; leave-one-out for the opening records.
 
@@ -144,7 +137,7 @@ def drift_unit(K: np.ndarray, mixture: np.ndarray, window: int | None) -> UnitDr
     rec = opening_cosines(K, open_rows)
     wcos = ks.cosines(K, W, W[:1])[:, 0]
     wcos[0] = np.nan
-    rho, p = _spearman_fall(rec[open_rows.size:])
+    rho, p = rank_trend(rec[open_rows.size:], min_n=4, alternative="less", skip_nonfinite=True)
     k = max(1, (W.shape[0] - 1) // 3)
     late = np.concatenate(rows_of[-k:])
     c_early, c_late = float(np.nanmean(wcos[1:1 + k])), float(np.nanmean(wcos[-k:]))
@@ -152,7 +145,7 @@ def drift_unit(K: np.ndarray, mixture: np.ndarray, window: int | None) -> UnitDr
     rotation = 1.0 - c_db if np.isfinite(c_db) else (1.0 - c_late / c_early if c_early > 0.1 else math.nan)
     since, _ = hinge_changepoint(rec)
     row.update(cos_early=c_early, cos_late=c_late, cos_late_debiased=c_db, rotation=rotation, rho=rho,
-               p_value=p, rho_windows=_spearman_fall(wcos[1:])[0], since_pos=since)
+               p_value=p, rho_windows=rank_trend(wcos[1:], min_n=4, alternative="less", skip_nonfinite=True)[0], since_pos=since)
     row.update(_alignment(K, mixture, ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)))
     centres = np.array([r.mean() for r in rows_of])
     return UnitDrift(row, rec, np.c_[centres, wcos])
@@ -176,12 +169,12 @@ def compute(ctx: Context) -> AnalysisResult:
     """The drift table and per-record series of every tensor and head."""
     import pandas as pd
 
-    opts = ks.parse_options(DriftOptions, ctx.options.get("drift"), "drift")
+    opts = ctx.options_for("drift", DriftOptions)
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)))
     rows = []
-    rec_pack, win_pack = ks.SeriesPack(), ks.SeriesPack()
-    for u in ks.units(ctx):
+    rec_pack, win_pack = un.SeriesPack(), un.SeriesPack()
+    for u in un.units(ctx):
         res = drift_unit(u.gram, mix[u.records], opts.window)
         r = res.row
         pos = r.pop("since_pos", None)
@@ -204,7 +197,7 @@ def compute(ctx: Context) -> AnalysisResult:
         table[col] = table[col].astype("Int64")
     n_tests = int(table["p_value"].notna().sum()) if len(table) else 0
     table["severity"] = [
-        0.0 if ctx.meta.mode == "replay" else ks.significance(p, n_tests) * ks.ramp(rot, EFFECT_FULL)
+        0.0 if ctx.meta.mode == "replay" else fl.significance(p, n_tests) * fl.ramp(rot, EFFECT_FULL)
         for p, rot in zip(table["p_value"], table["rotation"])
     ]
     return AnalysisResult(table=table, series={**rec_pack.to_series("record_cosine"),
@@ -218,16 +211,16 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     out = []
     last = ctx.n_records - 1
     for r in result.table.itertuples(index=False):
-        if r.severity < ks.REPORT_FLOOR:
+        if r.severity < fl.REPORT_FLOOR:
             continue
-        head = ks.head_of(r.head)
+        head = un.head_of(r.head)
         since = int(r.since_record) if _ok(r.since_record) else 0
         src = (r.aligned_source,) if isinstance(r.aligned_source, str) else ()
         out.append(Flag(kind="drift", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
                         records=(since, last), evidence=_evidence(r), summary=_summary(r, head)))
     t = result.table
-    involved = ks.involved_heads(t, (t["rotation"] > 0.1) & (t["p_value"] < 0.05))
-    return ks.dedupe_heads(out, ks.heads_per_tensor(t), involved, by_sources=False)
+    involved = fl.involved_heads(t, (t["rotation"] > 0.1) & (t["p_value"] < 0.05))
+    return fl.dedupe_heads(out, un.heads_per_tensor(t), involved, by_sources=False)
 
 
 def _ok(x: Any) -> bool:
@@ -244,7 +237,7 @@ def _summary(r: Any, head: int | None) -> str:
     since = f"since record {int(r.since_record)} (step {int(r.since_step)})" if _ok(r.since_record) else ""
     s = (f"{where}: the mean gradient has turned away from its opening direction {since}: "
          f"window-mean cosine to the opening mean fell from {r.cos_early:.2f} to {r.cos_late:.2f} "
-         f"(rotation {r.rotation:.2f}, Spearman rho {r.rho:.2f}, {ks.fmt_p(r.p_value)})")
+         f"(rotation {r.rotation:.2f}, Spearman rho {r.rho:.2f}, {fl.fmt_p(r.p_value)})")
     if isinstance(r.aligned_source, str):
         s += f"; the new direction aligns with source '{r.aligned_source}' (cos {r.aligned_cosine:.2f})"
     return s + "."
@@ -252,8 +245,8 @@ def _summary(r: Any, head: int | None) -> str:
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     """Per-record and window-mean cosine to the opening mean, with the change point."""
-    rec = ks.unit_series(result.series, "record_cosine", flag.tensor, flag.head)
-    win = ks.unit_series(result.series, "window_cosine", flag.tensor, flag.head)
+    rec = un.unit_series(result.series, "record_cosine", flag.tensor, flag.head)
+    win = un.unit_series(result.series, "window_cosine", flag.tensor, flag.head)
     if rec is not None:
         x = np.flatnonzero(np.isfinite(rec))
         ax.plot(x, rec[x], ".", ms=3, alpha=0.5, color="0.5", label="record")
@@ -269,5 +262,23 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     ax.legend(fontsize=7, loc="best")
 
 
-ANALYSIS = Analysis(name="drift", needs=("gram", "batches"), compute=compute, flags=flags, plot=plot,
-                    title="Direction drift")
+#: What a ``drift`` flag means and what to try next (the report's advice).
+#:
+#: References
+#: ----------
+#: .. [Gur-Ari2018] G. Gur-Ari et al., "Gradient Descent Happens in a Tiny Subspace", 2018.
+ADVICE = Advice(
+    title="Direction drift",
+    phrase="the gradient direction drifts away from where it started",
+    evidence_keys=("cosine", "rho", "p_value"),
+    remedies=(
+        "Look for a change in the data stream at the records named (mixture schedule, a new shard, "
+        "a tokenizer or packing change) before blaming the optimizer.",
+        "If the data is stationary, drift of the dominant direction with a rising loss points at the LR "
+        "schedule: try a lower peak LR or a longer decay."),
+    references=("Gur-Ari et al. 2018, Gradient Descent Happens in a Tiny Subspace",),
+    time_axis=True,
+)
+
+ANALYSIS = Analysis(name="drift", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
+                    kinds={"drift": ADVICE}, options=DriftOptions)

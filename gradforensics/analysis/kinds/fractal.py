@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag
-from gradforensics.analysis.kinds.loss_spectrum import MIN_POINTS, SpectrumOptions, detrend
+from gradforensics.analysis.signal import MIN_POINTS, SpectrumOptions, default_nperseg, detrend, winsorize
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -186,13 +186,13 @@ def box_counting(y: np.ndarray, min_width: int = 4, max_width: int | None = None
 
 
 # ------------------------------------------------------------- series -> table
-def analyze_series(groups: Sequence[SeriesGroup], options: Any = None) -> AnalysisResult:
+def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None) -> AnalysisResult:
     """``fractal`` table (one row per series) of every group's all-ranks series,
-    detrended as :func:`~gradforensics.analysis.kinds.loss_spectrum.detrend` does for
+    detrended as :func:`~gradforensics.analysis.signal.detrend` does for
     the spectrum (and winsorised the same way)."""
     import pandas as pd
 
-    opt = SpectrumOptions.parse(options)
+    opt = options or SpectrumOptions()
     arrays: dict[str, np.ndarray] = {}
     rows = [_row(g.combined, opt, arrays) for g in groups]
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
@@ -202,14 +202,10 @@ def fractal_window(n: int, opt: SpectrumOptions) -> int:
     """Savitzky–Golay window for the fractal analysis: the spectrum's ``2·nperseg + 1``
     or N/2, whichever is wider.  The detrender flattens a random walk at scales
     above ~W/16 (Higuchi) and ~W/8 (box counting), so the fits stop there."""
-    from gradforensics.analysis.kinds.loss_spectrum import default_nperseg
-
     return int(max(2 * (opt.nperseg or default_nperseg(n)) + 1, n // 2) | 1)
 
 
 def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    from gradforensics.analysis.kinds.loss_spectrum import winsorize
-
     row: dict[str, Any] = {"tensor": s.tensor, "head": None, "series": s.name, "n_points": s.n,
                            "detrend": "savgol", "note": ""}
     if s.n < MIN_POINTS or not np.ptp(s.y) > 0:
@@ -250,10 +246,9 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 
 
 def _compute(ctx: Context) -> AnalysisResult:
-    from gradforensics.analysis.kinds.loss_spectrum import context_options
     from gradforensics.analysis.series import from_context
 
-    opt = context_options(ctx, NAME)
+    opt = ctx.options_for(NAME, SpectrumOptions)
     return analyze_series(from_context(ctx, opt.axis), opt)
 
 
@@ -261,5 +256,5 @@ def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     return []
 
 
-ANALYSIS = Analysis(name=NAME, needs=("batches",), compute=_compute, flags=_flags, plot=plot,
-                    title="Fractal dimension of the detrended loss curve")
+ANALYSIS = Analysis(name=NAME, needs=(), compute=_compute, flags=_flags, plot=plot, options=SpectrumOptions,
+                    series=analyze_series)

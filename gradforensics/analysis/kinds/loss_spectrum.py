@@ -2,29 +2,21 @@
 
 A training loss decays, and the noise around that decay is *red*: batch-to-batch
 losses are correlated through the slowly moving weights.  A peak in the raw
-periodogram of a loss curve therefore means little.  This analysis
+periodogram of a loss curve therefore means little.  This analysis detrends
+each series with a filter of known power gain, estimates its Welch spectrum,
+fits an AR(1) background to the residual through that gain, tests every
+frequency with the χ² confidence of Torrence & Compo (1998, eq. 18), corrects
+for testing many frequencies (Benjamini–Hochberg by default) and reports the
+peaks that survive, with harmonics grouped under their fundamental; each step is
+described in :mod:`gradforensics.analysis.signal.spectrum`.
 
-1. removes the trend with a Savitzky–Golay high-pass (default) or a first
-   difference, both linear filters with a known power gain ``G(f)``;
-2. estimates the spectrum of the residual with Welch's method (Hann window, 50 %
-   overlap);
-3. fits an AR(1) red-noise background *to the residual*: the AR(1) coefficient is
-   the one whose spectrum, passed through ``G(f)``, reproduces the residual's
-   lag-1 autocorrelation; its scale reproduces the residual's variance; the
-   background is the exact expected Welch estimate of that model.  When peaks
-   are significant, the background is refitted once with their least-squares
-   sinusoids removed (a strong oscillation would otherwise inflate both the
-   lag-1 autocorrelation and the variance) and the test repeated;
-4. tests every frequency with the χ² confidence of Torrence & Compo (1998),
-   ``P/B ~ χ²_ν / ν`` (their eq. 18), with ν the equivalent degrees of freedom of
-   the Welch average (Percival & Walden 1993, eq. 292b);
-5. corrects for testing many frequencies (Benjamini–Hochberg by default,
-   Bonferroni on request) and reports the local maxima that survive, with
-   harmonics grouped under their fundamental.
-
-The maths are pure functions over 1-D arrays (:func:`line_spectrum`); the
+The maths are pure functions over 1-D arrays in :mod:`gradforensics.analysis.signal`
+(:func:`~gradforensics.analysis.signal.line_spectrum`); this module turns their
+result into the ``loss_spectrum`` table (its peaks in the series' units), flags
+(a family correction over the gradient norms, a severity) and figures.  The
 :data:`ANALYSIS` entry runs them on a store's series (``batches/loss`` and the
-per-tensor gradient norms), and ``gradforensics loss`` on external logs.
+per-tensor gradient norms) and, through its ``series`` hook, on the series of
+``gradforensics loss``.
 
 References
 ----------
@@ -43,13 +35,12 @@ Benjamini, Y. & Hochberg, Y. (1995). Controlling the false discovery rate.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag, Options
-from gradforensics.errors import SpecError
+from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag
+from gradforensics.analysis.signal import MIN_POINTS, LineSpectrum, SpectrumOptions, line_spectrum
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -59,541 +50,6 @@ if TYPE_CHECKING:
     from gradforensics.analysis.series import Series, SeriesGroup
 
 NAME = "loss_spectrum"
-DETRENDERS = ("savgol", "diff")
-CORRECTIONS = ("bh", "bonferroni")
-MIN_POINTS = 32
-
-
-@dataclass(frozen=True)
-class SpectrumOptions(Options):
-    """Options of :func:`line_spectrum`, validated once.
-
-    Parameters
-    ----------
-    detrend
-        ``"savgol"``: subtract a Savitzky–Golay smooth (cubic, window
-        ``2 * nperseg + 1``); ``"diff"``: first difference.
-    nperseg
-        Welch segment length; default the largest power of two ≤ N/8 (at least 16).
-    alpha
-        Significance level after the multiple-testing correction.
-    correction
-        ``"bh"`` (Benjamini–Hochberg) or ``"bonferroni"`` over the tested frequencies.
-    clip_mad
-        Winsorise the residual at ``median ± clip_mad · 1.4826 · MAD`` so a single
-        loss spike does not masquerade as broadband power (0 disables).
-    max_peaks
-        Peaks reported per series (significant ones first).
-    axis
-        For a store: sample by ``"step"`` (``batches/step``; the record order in
-        replay mode) or by ``"time"`` (``batches/time``; frequencies in Hz).
-    """
-
-    analysis_name = "loss_spectrum"
-
-    detrend: str = "savgol"
-    nperseg: int | None = None
-    alpha: float = 0.01
-    correction: str = "bh"
-    clip_mad: float = 6.0
-    max_peaks: int = 5
-    axis: str = "step"
-
-    def __post_init__(self) -> None:
-        if self.axis not in ("step", "time"):
-            raise SpecError(f"loss_spectrum: axis must be 'step' or 'time'; got {self.axis!r}.")
-        if self.detrend not in DETRENDERS:
-            raise SpecError(f"loss_spectrum: detrend must be one of {DETRENDERS}; got {self.detrend!r}.")
-        if self.correction not in CORRECTIONS:
-            raise SpecError(f"loss_spectrum: correction must be one of {CORRECTIONS}; got {self.correction!r}.")
-        if not 0.0 < self.alpha < 0.5:
-            raise SpecError(f"loss_spectrum: alpha must be in (0, 0.5); got {self.alpha!r}.")
-        if self.nperseg is not None and self.nperseg < 16:
-            raise SpecError(f"loss_spectrum: nperseg must be >= 16; got {self.nperseg!r}.")
-        if self.clip_mad < 0 or self.max_peaks < 1:
-            raise SpecError(f"loss_spectrum: clip_mad must be >= 0 and max_peaks >= 1; got {self.clip_mad}, "
-                            f"{self.max_peaks}.")
-
-
-
-# ------------------------------------------------------------------ detrending
-@dataclass(frozen=True)
-class Detrended:
-    """The residual of a linear detrending filter and its power gain.
-
-    ``residual[i]`` sits at sample ``i + offset`` of the input (``offset`` is 1 for
-    a first difference).  :meth:`gain` is ``|1 - H(f)|²`` for a smoother ``H``
-    (or ``|1 - e^{-2πif}|²`` for the difference), f in cycles per sample.
-    """
-
-    residual: np.ndarray
-    trend: np.ndarray
-    method: str
-    window: int
-    offset: int
-    coeffs: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
-    shifts: tuple[tuple[int, float], ...] = ()
-
-    def gain_grid(self, m: int) -> np.ndarray:
-        """:meth:`gain` at ``f = j/m, j = 0..m/2`` (by FFT of the smoother's kernel)."""
-        if self.method == "diff":
-            return self.gain(np.arange(m // 2 + 1) / m)
-        half = (self.coeffs.size - 1) // 2
-        h = np.zeros(m)
-        h[: half + 1] = self.coeffs[half:]
-        h[m - half:] = self.coeffs[:half]
-        return (1.0 - np.fft.rfft(h).real) ** 2
-
-    def gain(self, f: np.ndarray) -> np.ndarray:
-        f = np.asarray(f, dtype=float)
-        if self.method == "diff":
-            return 2.0 - 2.0 * np.cos(2 * np.pi * f)
-        half = (self.coeffs.size - 1) // 2
-        if half * f.size > 1 << 22:  # long kernels: the FFT grid, 64 points per 1/w, interpolated
-            m = 1 << int(np.ceil(np.log2(max(128 * half, 1 << 16))))
-            return np.interp(np.abs(f) % 1.0, np.arange(m // 2 + 1) / m, self.gain_grid(m))
-        k = np.arange(1, half + 1)
-        h = self.coeffs[half] + 2.0 * np.cos(2 * np.pi * np.multiply.outer(f, k)) @ self.coeffs[half + 1:]
-        return (1.0 - h) ** 2
-
-
-def default_nperseg(n: int) -> int:
-    """Largest power of two ≤ n/8, at least 16 (and at most n)."""
-    return int(min(n, max(16, 2 ** int(np.floor(np.log2(max(n / 8, 1)))))))
-
-
-def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) -> Detrended:
-    """Remove the slow trend of *y* with a linear filter of known gain.
-
-    Parameters
-    ----------
-    y
-        Uniformly sampled, finite values.
-    method
-        ``"savgol"``: ``y - savgol_filter(y, window, 3)`` (edges by polynomial fit);
-        ``"diff"``: ``y[1:] - y[:-1]``.
-    window
-        Savitzky–Golay window (odd; default ``2 * default_nperseg(len(y)) + 1``,
-        capped at the largest odd number ≤ len(y)).
-    """
-    from scipy.signal import savgol_coeffs, savgol_filter
-
-    y = np.asarray(y, dtype=float)
-    if method == "diff":
-        return Detrended(np.diff(y), y[:-1], "diff", 0, 1)
-    if method != "savgol":
-        raise SpecError(f"detrend: method must be one of {DETRENDERS}; got {method!r}.")
-    n = y.size
-    w = 2 * default_nperseg(n) + 1 if window is None else int(window)
-    w = min(w | 1, n if n % 2 else n - 1)
-    if w < 5:
-        raise SpecError(f"detrend: need at least 5 points for a Savitzky–Golay window; got {n}.")
-    base = log_time_fit(y)
-    z, shifts = remove_level_shifts(y - base, max(8, w // 8))
-    coeffs = savgol_coeffs(w, 3)
-    smooth = savgol_filter(z, w, 3, mode="interp") if w <= 1025 else _savgol_fft(z, coeffs)
-    return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, coeffs, tuple(shifts))
-
-
-def _savgol_fft(z: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
-    """``savgol_filter(z, w, 3, mode="interp")`` for long windows: the interior by FFT
-    convolution (O(N log N) instead of O(N·w)), each edge by the cubic fitted to its
-    first/last w samples, as SciPy's ``interp`` mode does."""
-    from scipy.signal import fftconvolve
-
-    w = coeffs.size
-    half = w // 2
-    out = fftconvolve(z, coeffs[::-1], mode="same")
-    t = np.arange(w, dtype=float)
-    for sl, idx in ((slice(0, w), slice(0, half)), (slice(z.size - w, z.size), slice(w - half, w))):
-        poly = np.polynomial.polynomial.Polynomial.fit(t, z[sl], 3)
-        seg = out[sl]
-        seg[idx] = poly(t[idx])
-        out[sl] = seg
-    return out
-
-
-def log_time_fit(y: np.ndarray, degree: int = 3) -> np.ndarray:
-    """Least-squares polynomial of *degree* in ``u = log(i + s)`` (i = sample index).
-
-    A training loss falls fastest at the start; in log-time that fall is gentle,
-    so a cubic in ``u`` follows a power-law or exponential decay that a
-    fixed-window smoother cannot.  The offset ``s`` is the best of
-    ``{0.1, 0.3, 1, 3, 10} % of N`` by residual sum of squares.
-    """
-    n = y.size
-    i = np.arange(n, dtype=float)
-    best, best_rss = np.full(n, y.mean()), np.inf
-    for frac in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1):
-        u = np.log(i + max(frac * n, 1.0))
-        basis = np.vander((u - u.mean()) / u.std(), degree + 1)
-        coef, *_ = np.linalg.lstsq(basis, y, rcond=None)
-        fit = basis @ coef
-        rss = float(((y - fit) ** 2).sum())
-        if rss < best_rss:
-            best, best_rss = fit, rss
-    return best
-
-
-def remove_level_shifts(z: np.ndarray, k: int, threshold: float = 8.0,
-                        max_shifts: int = 5) -> tuple[np.ndarray, list[tuple[int, float]]]:
-    """Remove abrupt level shifts (a learning-rate drop, a resumed run) from *z*.
-
-    ``D_t = mean(z[t:t+k]) − mean(z[t−k:t])``; while ``max |D − median D|`` exceeds
-    *threshold* robust standard deviations (1.4826 · MAD) of D, subtract a step
-    of size ``D_t`` at its argmax.  Returns the corrected copy and the
-    ``(index, size)`` of each shift removed.
-    """
-    z = np.array(z, dtype=float)
-    n = z.size
-    shifts: list[tuple[int, float]] = []
-    if n < 4 * k:
-        return z, shifts
-    t = np.arange(k, n - k + 1)
-    for _ in range(max_shifts):
-        c = np.concatenate([[0.0], np.cumsum(z)])
-        d = (c[t + k] - 2 * c[t] + c[t - k]) / k
-        dev = np.abs(d - np.median(d))
-        scale = 1.4826 * float(np.median(dev))
-        j = int(np.argmax(dev))
-        if not scale > 0 or dev[j] < threshold * scale:
-            break
-        z[t[j]:] -= d[j]
-        shifts.append((int(t[j]), float(d[j])))
-    return z, shifts
-
-
-def winsorize(r: np.ndarray, clip_mad: float) -> tuple[np.ndarray, int]:
-    """Clip *r* at ``median ± clip_mad · 1.4826 · MAD``; returns (clipped, count).
-
-    Skipped when the MAD scale is under a quarter of the standard deviation (a
-    two-valued or square-wave residual, where the MAD says nothing about outliers).
-    """
-    if clip_mad <= 0 or r.size == 0:
-        return r, 0
-    med = float(np.median(r))
-    scale = 1.4826 * float(np.median(np.abs(r - med)))
-    if not scale > 0.25 * float(np.std(r)):
-        return r, 0
-    lo, hi = med - clip_mad * scale, med + clip_mad * scale
-    n = int(np.count_nonzero((r < lo) | (r > hi)))
-    return np.clip(r, lo, hi), n
-
-
-# ------------------------------------------------------ AR(1) through the filter
-def filtered_ar1_acov(alpha: float, gain: np.ndarray, n_lags: int) -> np.ndarray:
-    """Autocovariance, lags ``0..n_lags-1``, of unit-innovation AR(1) noise passed
-    through a filter of power gain *gain*.
-
-    ``γ(τ) = ∫ G(f) / (1 + α² − 2α cos 2πf) · e^{2πifτ} df`` over one period, with
-    *gain* sampled at ``f = j/M, j = 0..M/2`` (see :meth:`Detrended.gain_grid`).
-    """
-    m = 2 * (gain.size - 1)
-    f = np.arange(gain.size) / m
-    spec = gain / (1.0 + alpha * alpha - 2.0 * alpha * np.cos(2 * np.pi * f))
-    return np.fft.irfft(spec, n=m)[:n_lags]
-
-
-def lag1(r: np.ndarray) -> float:
-    """Sample lag-1 autocorrelation (biased estimator, Box & Jenkins)."""
-    d = r - r.mean()
-    den = float(d @ d)
-    return float(d[1:] @ d[:-1]) / den if den > 0 else 0.0
-
-
-def fit_ar1(r: np.ndarray, gain: np.ndarray) -> tuple[float, float]:
-    """AR(1) coefficient and innovation variance of the noise behind residual *r*.
-
-    α solves ``ρ_model(1; α) = ρ̂(1)`` where ρ_model is the lag-1 autocorrelation
-    of AR(1) noise seen through the detrending filter (for a first difference this
-    is ``−(1 − α)/2``; with no filter it is α itself, Torrence & Compo eq. 16's
-    input); σ² then matches the residual's variance.
-    """
-    from scipy.optimize import brentq
-
-    rho = lag1(r)
-
-    def model(a: float) -> float:
-        g = filtered_ar1_acov(a, gain, 2)
-        return float(g[1] / g[0])
-
-    lo, hi = -0.95, 0.995
-    m_lo, m_hi = model(lo), model(hi)
-    if rho <= m_lo:
-        a = lo
-    elif rho >= m_hi:
-        a = hi
-    else:
-        a = float(brentq(lambda x: model(x) - rho, lo, hi, xtol=1e-6))
-    g0 = filtered_ar1_acov(a, gain, 1)[0]
-    return a, float(np.var(r)) / float(g0)
-
-
-# ------------------------------------------------------------------- Welch + dof
-def hann(n: int) -> np.ndarray:
-    from scipy.signal import get_window
-
-    return get_window("hann", n)
-
-
-def welch_dof(nperseg: int, n_segments: int) -> float:
-    """Equivalent degrees of freedom of a 50 %-overlap Hann Welch average.
-
-    Percival & Walden (1993), eq. 292b:
-    ``ν = 2 N_B / (1 + 2 Σ_{m=1}^{N_B−1} (1 − m/N_B) |Σ_t h_t h_{t+mS}|²)`` with
-    ``Σ h² = 1`` and shift ``S = nperseg // 2``.
-    """
-    h = hann(nperseg)
-    h = h / np.sqrt(h @ h)
-    shift = nperseg // 2
-    total = 0.0
-    for m in range(1, n_segments):
-        lag = m * shift
-        if lag >= nperseg:
-            break
-        total += (1 - m / n_segments) * float(h[:-lag] @ h[lag:]) ** 2
-    return 2.0 * n_segments / (1.0 + 2.0 * total)
-
-
-def expected_welch(acov: np.ndarray, nperseg: int) -> np.ndarray:
-    """Expected one-sided Welch density (fs = 1) of a process with autocovariance *acov*.
-
-    ``E[P̂(f_k)] = (c_k / Σw²) Σ_{|τ|<L} γ(τ) c_w(τ) e^{−2πi k τ / L}``, with
-    ``c_w(τ) = Σ_t w_t w_{t+τ}`` the window's autocorrelation and ``c_k = 2`` except
-    at 0 and Nyquist (SciPy's ``scaling="density"``).
-    """
-    w = hann(nperseg)
-    cw = np.correlate(w, w, mode="full")[nperseg - 1:]
-    s = acov[:nperseg] * cw
-    a = np.zeros(2 * nperseg)
-    a[:nperseg] = s
-    a[nperseg + 1:] = s[1:][::-1]
-    spec = np.fft.rfft(a).real[::2] / float(w @ w)
-    spec[1:] *= 2.0
-    if nperseg % 2 == 0:
-        spec[-1] /= 2.0
-    return spec
-
-
-def adjust_pvalues(p: np.ndarray, method: str = "bh") -> np.ndarray:
-    """Multiple-testing adjusted p-values (Benjamini–Hochberg step-up or Bonferroni)."""
-    p = np.asarray(p, dtype=float)
-    m = p.size
-    if m == 0:
-        return p.copy()
-    if method == "bonferroni":
-        return np.minimum(1.0, p * m)
-    order = np.argsort(p)
-    ranked = p[order] * m / np.arange(1, m + 1)
-    ranked = np.minimum.accumulate(ranked[::-1])[::-1]
-    out = np.empty(m)
-    out[order] = np.minimum(1.0, ranked)
-    return out
-
-
-# ------------------------------------------------------------------------ peaks
-@dataclass(frozen=True)
-class Peak:
-    """One local maximum of ``P/B`` in the tested band (frequencies in cycles/sample)."""
-
-    bin: int
-    frequency: float          # refined on the full-length tapered periodogram
-    power: float              # Welch density at the peak bin
-    background: float
-    p_value: float
-    p_adjusted: float
-    significant: bool
-    excess: float             # variance above background in the peak's main lobe (±2 bins)
-    amplitude: float          # sinusoid amplitude implied by ``excess``, undone for the detrender's gain
-    harmonic_of: int | None = None   # index (in the peak list) of the fundamental
-    harmonic_number: int = 1
-
-    @property
-    def ratio(self) -> float:
-        return self.power / self.background if self.background > 0 else float("inf")
-
-
-def refine_frequency(r: np.ndarray, f0: float, half_width: float) -> float:
-    """Frequency of the maximum of the Hann-tapered, zero-padded periodogram of *r*
-    within ``f0 ± half_width`` (parabolic interpolation of log power)."""
-    n = r.size
-    nfft = 1 << int(np.ceil(np.log2(8 * n)))
-    spec = np.abs(np.fft.rfft((r - r.mean()) * hann(n), nfft)) ** 2
-    f = np.arange(spec.size) / nfft
-    sel = np.flatnonzero((f >= max(f0 - half_width, 0.5 * f0)) & (f <= f0 + half_width))
-    if sel.size == 0:
-        return f0
-    k = int(sel[np.argmax(spec[sel])])
-    if 0 < k < spec.size - 1 and np.all(spec[k - 1:k + 2] > 0):
-        a, b, c = np.log(spec[k - 1:k + 2])
-        den = a - 2 * b + c
-        delta = 0.5 * (a - c) / den if den < 0 else 0.0
-        return float((k + np.clip(delta, -0.5, 0.5)) / nfft)
-    return float(f[k])
-
-
-def group_harmonics(freqs: list[float], tol: float, max_number: int = 16) -> list[tuple[int | None, int]]:
-    """For peaks at *freqs* (any order): ``(index of fundamental or None, harmonic number)``.
-
-    Peak j is harmonic ``n`` (2 ≤ n ≤ *max_number*) of the lowest-frequency
-    peak i with ``|f_j − n f_i| ≤ tol`` (half a Welch bin: both frequencies are
-    refined well below that).
-    """
-    order = sorted(range(len(freqs)), key=lambda i: freqs[i])
-    out: list[tuple[int | None, int]] = [(None, 1)] * len(freqs)
-    fundamentals: list[int] = []
-    for j in order:
-        for i in fundamentals:
-            n = int(np.rint(freqs[j] / freqs[i]))
-            if 2 <= n <= max_number and abs(freqs[j] - n * freqs[i]) <= tol:
-                out[j] = (i, n)
-                break
-        else:
-            fundamentals.append(j)
-    return out
-
-
-# --------------------------------------------------------------------- result
-@dataclass
-class LineSpectrum:
-    """Everything :func:`line_spectrum` measured on one series (fs = 1 sample⁻¹).
-
-    ``freq`` etc. cover the Welch bins; ``tested`` marks the band where the
-    detrender passes at least half the power (and f > 0); ``threshold`` is the
-    power a bin needs to be significant after a Bonferroni correction (the
-    conservative bound of the BH line), ``threshold_nominal`` the per-bin
-    ``1 − alpha`` χ² line.
-    """
-
-    freq: np.ndarray
-    power: np.ndarray
-    background: np.ndarray
-    p_value: np.ndarray
-    p_adjusted: np.ndarray
-    tested: np.ndarray
-    threshold: np.ndarray
-    threshold_nominal: np.ndarray
-    dof: float
-    nperseg: int
-    n_segments: int
-    ar1: float
-    sigma2: float
-    detrended: Detrended
-    n_clipped: int
-    peaks: list[Peak]
-    n_significant: int
-    options: SpectrumOptions
-
-    @property
-    def significant(self) -> list[Peak]:
-        return [p for p in self.peaks if p.significant]
-
-
-def _chi2_line(bg: np.ndarray, dof: np.ndarray, level: float) -> np.ndarray:
-    from scipy.stats import chi2
-
-    return bg * chi2.isf(level, dof) / dof
-
-
-def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> LineSpectrum:
-    """Detrend *y*, estimate its Welch spectrum and test it against AR(1) red noise.
-
-    Parameters
-    ----------
-    y
-        Uniformly sampled, finite values (at least :data:`MIN_POINTS`).
-    options
-        See :class:`SpectrumOptions`.
-
-    Returns
-    -------
-    LineSpectrum
-        Frequencies in cycles per sample; divide by the sample spacing for
-        physical units.
-
-    Notes
-    -----
-    Each bin's statistic ``P/B`` is χ²_ν/ν under the null (Torrence & Compo
-    1998, eq. 18; ν from :func:`welch_dof`, halved at Nyquist).  The p-values are
-    adjusted over the tested bins, so ``alpha`` bounds the chance of *any* false
-    peak in a pure red-noise series (BH controls the family-wise rate under the
-    global null).
-    """
-    from scipy.signal import find_peaks, welch
-    from scipy.stats import chi2
-
-    opt = options or SpectrumOptions()
-    y = np.asarray(y, dtype=float)
-    if y.size < MIN_POINTS or not np.all(np.isfinite(y)):
-        raise SpecError(f"line_spectrum: need at least {MIN_POINTS} finite values; got {y.size} "
-                        f"({int(np.count_nonzero(~np.isfinite(y)))} non-finite).")
-    nper = min(opt.nperseg or default_nperseg(y.size), y.size)
-    det = detrend(y, opt.detrend, None if opt.detrend == "diff" else 2 * nper + 1)
-    r, n_clipped = winsorize(det.residual, opt.clip_mad)
-    nper = min(nper, r.size)
-    freq, power = welch(r, fs=1.0, window="hann", nperseg=nper, noverlap=nper // 2, detrend=False)
-    n_seg = 1 + (r.size - nper) // (nper - nper // 2)
-    dof = np.full(freq.size, welch_dof(nper, n_seg))
-    if nper % 2 == 0:
-        dof[-1] /= 2.0
-    grid = det.gain_grid(max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
-    tested = (freq > 0) & ((det.method == "diff") | (det.gain(freq) >= 0.5))
-    fit = r
-    for _ in range(2):   # second pass: background refitted with the significant sinusoids removed
-        a, s2 = fit_ar1(fit, grid)
-        bg = s2 * expected_welch(filtered_ar1_acov(a, grid, nper), nper)
-        ok = tested & (bg > 0)
-        p = np.ones(freq.size)
-        p[ok] = chi2.sf(dof[ok] * power[ok] / bg[ok], dof[ok])
-        p_adj = np.ones(freq.size)
-        p_adj[ok] = adjust_pvalues(p[ok], opt.correction)
-        peaks, n_sig = _peaks(r, freq, power, bg, p, p_adj, ok, det, nper, opt, find_peaks)
-        sig = [q.frequency for q in peaks if q.significant]
-        if not sig or fit is not r:
-            break
-        fit = r - sinusoid_fit(r, sig)
-    m = max(int(ok.sum()), 1)
-    return LineSpectrum(freq, power, bg, p, p_adj, ok, _chi2_line(bg, dof, opt.alpha / m),
-                        _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), nper,
-                        n_seg, a, s2, det, n_clipped, peaks, n_sig, opt)
-
-
-def sinusoid_fit(r: np.ndarray, freqs: Sequence[float]) -> np.ndarray:
-    """Least-squares sum of sinusoids at *freqs* (cycles/sample) fitted to *r*."""
-    t = np.arange(r.size)
-    cols = [np.ones(r.size)]
-    for f in freqs:
-        cols += [np.cos(2 * np.pi * f * t), np.sin(2 * np.pi * f * t)]
-    basis = np.column_stack(cols)
-    coef, *_ = np.linalg.lstsq(basis, r, rcond=None)
-    return basis[:, 1:] @ coef[1:]
-
-
-def _peaks(r, freq, power, bg, p, p_adj, tested, det, nper, opt, find_peaks) -> tuple[list[Peak], int]:
-    """Local maxima of P/B in the band: the significant ones by excess variance
-    (largest oscillation first), else the most significant candidate; and how
-    many were significant in all."""
-    ratio = np.where(tested, power / np.where(bg > 0, bg, np.inf), 0.0)
-    idx, _ = find_peaks(np.concatenate([[-1.0], ratio, [-1.0]]))
-    idx = [int(i) - 1 for i in idx if tested[int(i) - 1]]
-    df = 1.0 / nper
-
-    def excess(k: int) -> float:
-        lobe = slice(max(k - 2, 0), k + 3)
-        return float(np.clip(power[lobe] - bg[lobe], 0, None).sum() * df)
-
-    sig = sorted((k for k in idx if p_adj[k] < opt.alpha), key=lambda k: -excess(k))
-    chosen = (sig or sorted(idx, key=lambda k: (p_adj[k], p[k]))[:1])[: opt.max_peaks]
-    out: list[Peak] = []
-    for k in chosen:
-        f = refine_frequency(r, float(freq[k]), df)
-        g = float(det.gain(np.array([f]))[0])
-        amp = float(np.sqrt(2.0 * excess(k) / g)) if g > 0 else float("nan")
-        out.append(Peak(k, f, float(power[k]), float(bg[k]), float(p[k]), float(p_adj[k]),
-                        bool(p_adj[k] < opt.alpha), excess(k), amp))
-    groups = group_harmonics([q.frequency for q in out], 0.5 * df)
-    return [Peak(**{**q.__dict__, "harmonic_of": g[0], "harmonic_number": g[1]}) if q.significant else q
-            for q, g in zip(out, groups)], len(sig)
 
 
 # ------------------------------------------------------------- series -> table
@@ -605,7 +61,7 @@ COLUMNS = ("tensor", "head", "series", "period_steps", "power", "p_value", "p_ad
 FREQ_UNITS = {"step": "1/step", "s": "Hz", "record": "1/record"}
 
 
-def analyze_series(groups: Sequence[SeriesGroup], options: Any = None) -> AnalysisResult:
+def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None) -> AnalysisResult:
     """The ``loss_spectrum`` table and figure series of every group's all-ranks series.
 
     One row per reported peak (significant ones; else the strongest candidate,
@@ -613,7 +69,7 @@ def analyze_series(groups: Sequence[SeriesGroup], options: Any = None) -> Analys
     """
     import pandas as pd
 
-    opt = SpectrumOptions.parse(options)
+    opt = options or SpectrumOptions()
     rows: list[dict[str, Any]] = []
     arrays: dict[str, np.ndarray] = {}
     for g in groups:
@@ -697,14 +153,14 @@ def family(series_name: str) -> str:
     return "grad_norm" if series_name.startswith("grad_norm/") else "series"
 
 
-def flags_from_table(table: pd.DataFrame, options: Any = None) -> list[Flag]:
+def flags_from_table(table: pd.DataFrame, options: SpectrumOptions | None = None) -> list[Flag]:
     """One ``loss_spectrum`` flag per significant fundamental.
 
     A flag also needs ``p_adjusted · n_family < alpha``: Bonferroni over the series
     of its family (every gradient norm is tested, so without it a healthy model
     with hundreds of tensors would raise a few flags by chance).
     """
-    opt = SpectrumOptions.parse(options)
+    opt = options or SpectrumOptions()
     if table.empty:
         return []
     analysed = table[table["ar1"].notna()] if "ar1" in table else table.iloc[:0]
@@ -792,15 +248,11 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     plot_spectrum(result, str(flag.evidence.get("series", flag.tensor)), ax)
 
 
-def context_options(ctx: Context, name: str = NAME) -> SpectrumOptions:
-    """Options of a loss-curve analysis: ``ctx.options[name]``, else ``ctx.options["loss_spectrum"]``."""
-    return SpectrumOptions.parse(ctx.options.get(name) or ctx.options.get(NAME))
-
-
 def _compute(ctx: Context) -> AnalysisResult:
     from gradforensics.analysis.series import from_context
 
-    return analyze_series(from_context(ctx, context_options(ctx).axis), context_options(ctx))
+    opt = ctx.options_for(NAME, SpectrumOptions)
+    return analyze_series(from_context(ctx, opt.axis), opt)
 
 
 def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
@@ -814,8 +266,26 @@ def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     """
     if ctx.meta.mode == "replay":
         return []
-    return flags_from_table(result.table, context_options(ctx))
+    return flags_from_table(result.table, ctx.options_for(NAME, SpectrumOptions))
 
 
-ANALYSIS = Analysis(name=NAME, needs=("batches",), compute=_compute, flags=_flags, plot=plot,
-                    title="Loss-curve spectrum against red noise")
+#: What a ``loss_spectrum`` flag means and what to try next (the report's advice).
+#:
+#: References
+#: ----------
+#: .. [Welch1967] P. D. Welch, "The use of fast Fourier transform for the estimation of power spectra", 1967.
+ADVICE = Advice(
+    title="Periodic loss / gradient norm",
+    phrase="the per-record series (loss or gradient norm) is periodic",
+    evidence_keys=("period_steps", "power", "p_value"),
+    remedies=(
+        "A peak at a fixed period in steps is usually data order: shards, epochs or a sorted-by-length "
+        "loader repeating; shuffle across shards and check the period against the shard size.",
+        "A peak at the LR schedule's period (restarts, cyclic LR) is the schedule; align or remove it.",
+        "A peak at the gradient-accumulation or logging interval is an artefact of how the loss was measured."),
+    references=("Welch 1967, spectral estimation; peaks tested against an AR(1) red-noise background",),
+    time_axis=True,
+)
+
+ANALYSIS = Analysis(name=NAME, needs=(), compute=_compute, flags=_flags, plot=plot,
+                    kinds={"loss_spectrum": ADVICE}, options=SpectrumOptions, series=analyze_series)

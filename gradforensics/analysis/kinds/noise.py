@@ -37,12 +37,22 @@ Training", arXiv:1812.06162.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Flag, GramResult
+from gradforensics.analysis.engine.model import (
+    Advice,
+    Analysis,
+    AnalysisResult,
+    Context,
+    Flag,
+    GramResult,
+    Need,
+    Options,
+)
+from gradforensics.analysis.engine.units import head_of
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -55,7 +65,7 @@ COLUMNS = ("tensor", "head", "source", "n", "batch_size", "g2", "trace_sigma", "
 
 
 @dataclass(frozen=True)
-class NoiseOptions:
+class NoiseOptions(Options):
     """Options of the noise analysis (``options={"noise": {...}}``).
 
     Attributes
@@ -75,14 +85,6 @@ class NoiseOptions:
             raise SpecError(f"noise option min_records must be >= 3; got {self.min_records}.")
         if not self.outlier_ratio > 1:
             raise SpecError(f"noise option outlier_ratio must be > 1; got {self.outlier_ratio}.")
-
-    @classmethod
-    def parse(cls, raw: dict[str, Any] | None) -> NoiseOptions:
-        allowed = {f.name for f in fields(cls)}
-        bad = sorted(set(raw or {}) - allowed)
-        if bad:
-            raise SpecError(f"noise options must be among {sorted(allowed)}; got {bad!r}.")
-        return cls(**(raw or {}))
 
 
 # -------------------------------------------------------------- estimates
@@ -173,7 +175,6 @@ def noise_table(grams: dict[tuple[str, int | None], GramResult], n_samples: np.n
 
 
 def compute(ctx: Context) -> AnalysisResult:
-    NoiseOptions.parse(ctx.options.get("noise"))
     table = noise_table(ctx.grams, ctx.batches["n_samples"], ctx.source_of_record(), ctx.sources)
     return AnalysisResult(table=table)
 
@@ -196,13 +197,13 @@ def severity(snr: float, hi: float, ref: float | None, ratio: float) -> float:
 
 
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
-    opts = NoiseOptions.parse(ctx.options.get("noise"))
+    opts = ctx.options_for("noise", NoiseOptions)
     t = result.table
     if t.empty:
         return []
     recs = t.to_dict("records")
     for r in recs:
-        r["head"] = _head(r["head"])
+        r["head"] = head_of(r["head"])
     every = [r for r in recs if r["source"] == ""]
     whole = [float(r["snr"]) for r in every if r["head"] is None and math.isfinite(r["snr"])]
     ref = float(np.median(whole)) if len(whole) >= 3 else None
@@ -224,12 +225,6 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         if sev > 0:
             out.append(_flag(row, row["head"], sev, ref, noisy, span))
     return out
-
-
-def _head(value: Any) -> int | None:
-    import pandas as pd
-
-    return None if pd.isna(value) else int(value)
 
 
 def _noisy_sources(rows: list[dict[str, Any]], opts: NoiseOptions) -> list[tuple[str, float]]:
@@ -294,5 +289,22 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     ax.legend(loc="best", fontsize=7)
 
 
-ANALYSIS = Analysis(name="noise", needs=("gram", "batches"), compute=compute, flags=flags, plot=plot,
-                    title="Gradient noise scale")
+#: What a ``noise`` flag means and what to try next (the report's advice).
+#:
+#: References
+#: ----------
+#: .. [McCandlish2018] S. McCandlish et al., "An Empirical Model of Large-Batch Training", 2018.
+ADVICE = Advice(
+    title="Gradient noise",
+    phrase="gradient noise swamps the signal",
+    evidence_keys=("snr", "b_simple", "batch"),
+    remedies=(
+        "Raise the batch size toward B_simple = tr(Σ)/|G|² (the critical batch size estimate); "
+        "below it, steps are noise-dominated.",
+        "Or lower the LR in proportion (the noise temperature is LR/B); gradient accumulation gets the batch "
+        "without memory."),
+    references=("McCandlish et al. 2018, An Empirical Model of Large-Batch Training",),
+)
+
+ANALYSIS = Analysis(name="noise", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
+                    kinds={"noise": ADVICE}, options=NoiseOptions)

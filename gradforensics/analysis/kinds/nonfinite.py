@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Flag, GramResult
+from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, GramResult, Need
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -138,5 +138,25 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     ax.set_xlim(-0.5, max(counts.size, 1) - 0.5)
 
 
-ANALYSIS = Analysis(name="nonfinite", needs=("gram", "batches"), compute=compute, flags=flags, plot=plot,
-                    title="Non-finite gradients")
+#: What a ``nonfinite`` flag means and what to try next (the report's advice).
+#:
+#: References
+#: ----------
+#: .. [Micikevicius2018] P. Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+#: .. [Chowdhery2022] A. Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways", 2022 (skipping
+#:    batches).
+ADVICE = Advice(
+    title="Non-finite gradients",
+    phrase="holds non-finite values (NaN/Inf)",
+    evidence_keys=("nonfinite", "n_records", "first_record"),
+    remedies=(
+        "Find the source: the first record and source named here; re-run that batch in fp32 with anomaly "
+        "detection to locate the op.",
+        "Use dynamic loss scaling in fp16; skip (do not apply) a step whose gradient is non-finite, and "
+        "restart from before a loss spike with the offending batches skipped."),
+    references=("Micikevicius et al. 2018, Mixed Precision Training (loss scaling)",
+                "Chowdhery et al. 2022, PaLM (restart and skip batches around spikes)"),
+)
+
+ANALYSIS = Analysis(name="nonfinite", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
+                    kinds={"nonfinite": ADVICE})

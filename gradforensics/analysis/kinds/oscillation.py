@@ -1,6 +1,6 @@
 """Oscillation between opposing directions: does a tensor's gradient flip back and forth?
 
-For each tensor and head, from its Gram matrix ``K`` only (see :mod:`._kspace`):
+For each tensor and head, from its Gram matrix ``K`` only (see :mod:`~gradforensics.analysis.engine.kspace`):
 
 * **consecutive-record cosines** ``cos(g_i, g_{i+1})`` (negative on a period-2 flip);
 * the **principal directions** of the records: eigenpairs ``(λ_k, u_k)`` of the
@@ -48,8 +48,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradforensics.analysis.engine import flagging as fl
 from gradforensics.analysis.engine import kspace as ks
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Context, Flag
+from gradforensics.analysis.engine import units as un
+from gradforensics.analysis.engine.checks import check_int
+from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, Need, Options
+from gradforensics.analysis.engine.stats import bimodality_coefficient
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -63,15 +67,15 @@ POLE_SHARE = 0.6          # a source "sits at a pole" when it holds this share o
 
 
 @dataclass(frozen=True)
-class OscillationOptions:
+class OscillationOptions(Options):
     """``components``: principal directions examined; ``min_cycles``: fewest cycles for a period."""
 
     components: int = 3
     min_cycles: int = 3
 
     def __post_init__(self) -> None:
-        ks.check_int("oscillation", "components", self.components, 1)
-        ks.check_int("oscillation", "min_cycles", self.min_cycles, 2)
+        check_int("oscillation", "components", self.components, 1)
+        check_int("oscillation", "min_cycles", self.min_cycles, 2)
 
 
 # ---------------------------------------------------------------- statistics
@@ -102,23 +106,6 @@ def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None =
     tail = beta.sf(share, dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0)
     best = int(np.argmin(tail))
     return n / float(j[best]), float(min(1.0, tail[best] * j.size))
-
-
-def bimodality_coefficient(x: np.ndarray) -> float:
-    """Sample bimodality coefficient from the bias-corrected skewness G1 and excess kurtosis G2.
-
-    ``G1 = g1 √(n(n-1)) / (n-2)``, ``G2 = ((n+1) g2 + 6)(n-1) / ((n-2)(n-3))``
-    (Joanes & Gill 1998), ``BC = (G1² + 1) / (G2 + 3(n-1)²/((n-2)(n-3)))``.
-    """
-    n = x.size
-    if n < 4 or np.ptp(x) == 0:
-        return math.nan
-    d = x - x.mean()
-    m2, m3, m4 = (d**2).mean(), (d**3).mean(), (d**4).mean()
-    g1, g2 = m3 / m2**1.5, m4 / m2**2 - 3.0
-    G1 = g1 * math.sqrt(n * (n - 1)) / (n - 2)
-    G2 = ((n + 1) * g2 + 6.0) * (n - 1) / ((n - 2) * (n - 3))
-    return float((G1**2 + 1.0) / (G2 + 3.0 * (n - 1) ** 2 / ((n - 2) * (n - 3))))
 
 
 def two_means_split(x: np.ndarray) -> np.ndarray:
@@ -211,8 +198,8 @@ def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: Osc
 
 
 def severity(p: float, n_tests: int, reversal: float, bc: float) -> float:
-    bimod = ks.ramp(bc - 1.0 / 3.0, 5.0 / 9.0 - 1.0 / 3.0)
-    return ks.significance(p, n_tests) * ks.ramp(reversal, 0.5) * (0.6 + 0.4 * bimod)
+    bimod = fl.ramp(bc - 1.0 / 3.0, 5.0 / 9.0 - 1.0 / 3.0)
+    return fl.significance(p, n_tests) * fl.ramp(reversal, 0.5) * (0.6 + 0.4 * bimod)
 
 
 # ------------------------------------------------------------------ analysis
@@ -220,13 +207,13 @@ def compute(ctx: Context) -> AnalysisResult:
     """The oscillation table, projection and consecutive-cosine series of every tensor and head."""
     import pandas as pd
 
-    opts = ks.parse_options(OscillationOptions, ctx.options.get("oscillation"), "oscillation")
+    opts = ctx.options_for("oscillation", OscillationOptions)
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)), dtype=np.float64)
     replay = ctx.meta.mode == "replay"
     rows = []
-    proj_pack, cc_pack = ks.SeriesPack(), ks.SeriesPack()
-    for u in ks.units(ctx):
+    proj_pack, cc_pack = un.SeriesPack(), un.SeriesPack()
+    for u in un.units(ctx):
         row, comp = oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources)
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
@@ -255,16 +242,16 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     out = []
     last = ctx.n_records - 1
     for r in result.table.itertuples(index=False):
-        if not r.severity >= ks.REPORT_FLOOR:
+        if not r.severity >= fl.REPORT_FLOOR:
             continue
-        head = ks.head_of(r.head)
+        head = un.head_of(r.head)
         poles = [s for s in (r.sources_pos, r.sources_neg) if isinstance(s, str) and s]
         src = tuple(dict.fromkeys(x for s in poles for x in s.split(";")))
         out.append(Flag(kind="oscillation", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
                         records=(0, last), evidence=_evidence(r), summary=_summary(r, head, ctx.meta.mode)))
     t = result.table
-    involved = ks.involved_heads(t, (t["reversal"] > 0) & (t["p_value"] < 0.05))
-    return ks.dedupe_heads(out, ks.heads_per_tensor(t), involved, by_sources=False)
+    involved = fl.involved_heads(t, (t["reversal"] > 0) & (t["p_value"] < 0.05))
+    return fl.dedupe_heads(out, un.heads_per_tensor(t), involved, by_sources=False)
 
 
 def _evidence(r: Any) -> dict[str, Any]:
@@ -280,7 +267,7 @@ def _summary(r: Any, head: int | None, mode: str) -> str:
     s = (f"{where}: gradient flips between opposite directions every {r.period_records:.1f} records{steps} "
          f"along principal direction {int(r.component)} ({100 * r.explained:.0f}% of the record variance; "
          f"poles at {r.pole_pos:+.3g} and {r.pole_neg:+.3g}, consecutive-record cosine {r.consec_cos:.2f}, "
-         f"{ks.fmt_p(r.p_value)})")
+         f"{fl.fmt_p(r.p_value)})")
     pos, neg = r.sources_pos or "mixed", r.sources_neg or "mixed"
     if r.sources_pos or r.sources_neg:
         s += f"; sources at the poles: + {pos}, - {neg}"
@@ -291,7 +278,7 @@ def _summary(r: Any, head: int | None, mode: str) -> str:
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     """The records' projection on the oscillating direction, record by record."""
-    proj = ks.unit_series(result.series, "projection", flag.tensor, flag.head)
+    proj = un.unit_series(result.series, "projection", flag.tensor, flag.head)
     if proj is not None:
         x = np.flatnonzero(np.isfinite(proj))
         y = proj[x]
@@ -307,5 +294,30 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
                  fontsize=9)
 
 
-ANALYSIS = Analysis(name="oscillation", needs=("gram", "batches"), compute=compute, flags=flags, plot=plot,
-                    title="Oscillation between opposing directions")
+#: What an ``oscillation`` flag means and what to try next (the report's advice).
+#:
+#: References
+#: ----------
+#: .. [Cohen2021] J. Cohen et al., "Gradient Descent on Neural Networks Typically Occurs at the Edge of
+#:    Stability", ICLR 2021.
+#: .. [Goyal2017] P. Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017 (warmup).
+#: .. [Wortsman2023] M. Wortsman et al., "Small-scale proxies for large-scale Transformer training
+#:    instabilities", 2023.
+ADVICE = Advice(
+    title="Oscillation",
+    phrase="updates flip between two opposing directions",
+    evidence_keys=("cosine", "period", "bimodality"),
+    remedies=(
+        "Lower the LR (or its peak), or lengthen warmup: sign-flipping updates along the top direction are "
+        "the edge-of-stability signature of a step too large for the local curvature.",
+        "With Adam: raise beta2 (e.g. 0.95 -> 0.98/0.99) or epsilon so the second-moment estimate "
+        "stops chasing spikes; clip gradients.",
+        "If the poles are data sources, the oscillation is a mixture conflict: see the conflict remedies."),
+    references=("Cohen et al. 2021, Gradient Descent ... at the Edge of Stability",
+                "Goyal et al. 2017, Accurate, Large Minibatch SGD (warmup)",
+                "Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities"),
+    time_axis=True,
+)
+
+ANALYSIS = Analysis(name="oscillation", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
+                    kinds={"oscillation": ADVICE}, options=OscillationOptions)

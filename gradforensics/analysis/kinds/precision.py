@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag, Options
-from gradforensics.analysis.kinds.spectral import head_spec_from_attrs
+from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag, Need, Options
 from gradforensics.errors import SpecError
+from gradforensics.store.heads import HeadSpec
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -79,8 +79,6 @@ class PrecisionOptions(Options):
     min_severity
         Flags below this severity are not emitted.
     """
-
-    analysis_name = "precision"
 
     loss_scale: float | None = None
     format: str = "bf16"
@@ -225,7 +223,7 @@ def _pair_tasks(store: Store, tensor: str, pairs: list[tuple[int, int, int, floa
     import dask
 
     w = store.weight(tensor)
-    spec = None if gnz is None else head_spec_from_attrs(store.grads[tensor].attrs)
+    spec = None if gnz is None else HeadSpec.from_attrs(store.grads[tensor].attrs)
     tasks, i = [], 0
     for t, r0, r1, steps in pairs:
         g = None
@@ -332,9 +330,9 @@ def _median_ulps(pairs: list[dict[str, Any]] | None) -> float:
 def compute(ctx: Context) -> AnalysisResult:
     import pandas as pd
 
-    opt = PrecisionOptions.parse(ctx.options.get(NAME))
+    opt = ctx.options_for(NAME, PrecisionOptions)
     scale = opt.loss_scale or float(ctx.meta.extra.get("loss_scale", 1.0) or 1.0)
-    lz = ctx.lazy.get(NAME, {})
+    lz = ctx.computed.get(NAME, {})
     tensors = sorted({k.split("|", 1)[1] for k in lz})
     rows, series = [], {}
     for t in tensors:
@@ -354,7 +352,7 @@ def compute(ctx: Context) -> AnalysisResult:
 # -------------------------------------------------------------------------- flags
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     """A flag per tensor whose updates are swamped (severity = swamped share), or lost."""
-    opt = PrecisionOptions.parse(ctx.options.get(NAME))
+    opt = ctx.options_for(NAME, PrecisionOptions)
     out = []
     for row in result.table.to_dict("records"):
         sw = _num(row[f"swamped_{opt.format}"])
@@ -413,5 +411,24 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     ax.legend(fontsize=8)
 
 
-ANALYSIS = Analysis(name=NAME, needs=("weights", "grads"), compute=compute, flags=flags, plot=plot, lazy=lazy,
-                    slab_reductions=slab_reductions, title="Precision floor: updates the number format rounds away")
+#: What a ``precision`` flag means and what to try next (the report's advice).
+#:
+#: References
+#: ----------
+#: .. [Micikevicius2018] P. Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+#: .. [Zamirai2020] P. Zamirai et al., "Revisiting BFloat16 Training", 2020.
+ADVICE = Advice(
+    title="Precision floor",
+    phrase="updates fall below the weights' precision floor",
+    evidence_keys=("swamped", "frac_swamped", "underflow", "overflow"),
+    remedies=(
+        "Keep fp32 master weights (mixed precision) so small updates accumulate instead of rounding away.",
+        "Or use stochastic rounding / Kahan-compensated summation for bf16 weight updates.",
+        "For fp16 gradient underflow/overflow: dynamic loss scaling."),
+    references=("Micikevicius et al. 2018, Mixed Precision Training",
+                "Zamirai et al. 2020, Revisiting BFloat16 Training"),
+)
+
+ANALYSIS = Analysis(name=NAME, needs=(Need.GRADS, Need.WEIGHTS), compute=compute, flags=flags, plot=plot,
+                    kinds={"precision": ADVICE}, options=PrecisionOptions, lazy=lazy,
+                    slab_reductions=slab_reductions)

@@ -49,7 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag, Options
+from gradforensics.analysis.engine.kspace import window_edges
+from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag, Need, Options
+from gradforensics.analysis.engine.stats import bimodality_coefficient, rank_trend
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -84,8 +86,6 @@ class SaturationOptions(Options):
         Flags below this severity are not emitted.
     """
 
-    analysis_name = "saturation"
-
     min_camp: float = 0.1
     min_gap: float = 0.5
     min_bic_gain: float = 10.0
@@ -101,17 +101,12 @@ class SaturationOptions(Options):
 
 
 # ---------------------------------------------------------------------- lazy pass
-def window_edges(n: int, windows: int = WINDOWS) -> np.ndarray:
-    """Record boundaries of ``min(windows, n)`` contiguous, near-equal windows."""
-    return np.linspace(0, n, min(windows, n) + 1).round().astype(int) if n else np.zeros(1, int)
-
-
 def lazy(store: Store) -> dict[str, Any]:
     """Per module: per-record dead / saturated shares and per-window unit means of the shares."""
     import dask.array as da
 
     out: dict[str, Any] = {}
-    edges = window_edges(store.n_records)
+    edges = window_edges(store.n_records, WINDOWS)
     for m in store.act_modules:
         low, high = store.lazy(f"acts/{m}/frac_low"), store.lazy(f"acts/{m}/frac_high")
         out[f"dead|{m}"] = (low >= POLE).mean(axis=1)
@@ -122,19 +117,6 @@ def lazy(store: Store) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- bimodality maths
-def bimodality_coefficient(x: np.ndarray) -> float:
-    """Sarle's bimodality coefficient with the small-sample skewness and excess kurtosis."""
-    from scipy.stats import kurtosis, skew
-
-    x = np.asarray(x, dtype=np.float64)
-    n = x.size
-    if n < 4 or np.ptp(x) == 0:
-        return float("nan")
-    g = skew(x, bias=False)
-    k = kurtosis(x, bias=False)
-    return float((g * g + 1.0) / (k + 3.0 * (n - 1) ** 2 / ((n - 2) * (n - 3))))
-
-
 @dataclass(frozen=True)
 class Camps:
     """Two-camp description of a unit population (low camp first)."""
@@ -194,15 +176,6 @@ def onset_record(p: np.ndarray, base: float, rise: float, noise: float = 0.0) ->
 
 
 # ------------------------------------------------------------------------ compute
-def _spearman(y: np.ndarray) -> tuple[float, float]:
-    from scipy.stats import spearmanr
-
-    if y.size < 8 or np.ptp(y) == 0:
-        return float("nan"), float("nan")
-    r = spearmanr(np.arange(y.size), y)
-    return float(r.statistic), float(r.pvalue)
-
-
 def _activation(attrs: dict[str, Any]) -> str:
     b = attrs.get("bounds")
     return f"bounded [{b[0]:g}, {b[1]:g}]" if b else f"unbounded (scale {float(attrs.get('scale', np.nan)):.3g})"
@@ -216,7 +189,7 @@ def module_result(module: str, dead: np.ndarray, sat: np.ndarray, low_w: np.ndar
     camps = [two_camps(p, opt.min_camp, opt.min_bic_gain, opt.min_gap) for p in pol]
     first, last = slice(int(edges[0]), int(edges[1])), slice(int(edges[-2]), int(edges[-1]))
     base, end = float(np.mean(polar[first])), float(np.mean(polar[last]))
-    rho, p = _spearman(polar) if training else (float("nan"), float("nan"))
+    rho, p = rank_trend(polar, min_n=8) if training else (float("nan"), float("nan"))
     rise = end - base
     rising = training and p < opt.trend_p and rise > 0
     onset = onset_record(polar, base, rise, float(np.std(polar[first]))) if rising else None
@@ -272,9 +245,9 @@ COLUMNS = ["tensor", "head", "source", "activation", "units", "records", "dead_s
 def compute(ctx: Context) -> AnalysisResult:
     import pandas as pd
 
-    opt = SaturationOptions.parse(ctx.options.get(NAME))
-    lz = ctx.lazy.get(NAME, {})
-    edges = window_edges(ctx.n_records)
+    opt = ctx.options_for(NAME, SaturationOptions)
+    lz = ctx.computed.get(NAME, {})
+    edges = window_edges(ctx.n_records, WINDOWS)
     training = ctx.meta.mode == "training"
     pure = ctx.source_of_record()
     rows: list[dict[str, Any]] = []
@@ -282,7 +255,7 @@ def compute(ctx: Context) -> AnalysisResult:
     for m in sorted(k.split("|", 1)[1] for k in lz if k.startswith("dead|")):
         row, s = module_result(m, lz[f"dead|{m}"], lz[f"saturated|{m}"], lz[f"low_w|{m}"], lz[f"high_w|{m}"],
                                edges, training, opt)
-        row["activation"] = _activation(ctx.store.act_attrs(m))
+        row["activation"] = _activation(ctx.require_store().act_attrs(m))
         rows.append(row)
         series.update(s)
         since = row["onset_record"] or 0
@@ -310,7 +283,7 @@ def _finite(x: Any) -> bool:
 
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     """One flag per module whose units polarise; sources whose batches push it hardest are named."""
-    opt = SaturationOptions.parse(ctx.options.get(NAME))
+    opt = ctx.options_for(NAME, SaturationOptions)
     table = result.table.to_dict("records")
     out = []
     for row in (r for r in table if not r["source"]):
@@ -364,5 +337,28 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
                  + (f" since record {flag.records[0]}" if flag.records[0] > 0 else ""), fontsize=9)
 
 
-ANALYSIS = Analysis(name=NAME, needs=("acts", "batches"), compute=compute, flags=flags, plot=plot, lazy=lazy,
-                    title="Activation saturation: units polarising to dead or saturated")
+#: What a ``saturation`` flag means and what to try next (the report's advice).
+#:
+#: References
+#: ----------
+#: .. [Glorot2010] X. Glorot and Y. Bengio, "Understanding the difficulty of training deep feedforward
+#:    neural networks", AISTATS 2010.
+#: .. [Lu2019] L. Lu et al., "Dying ReLU and Initialization: Theory and Numerical Examples", 2019.
+#: .. [Ioffe2015] S. Ioffe and C. Szegedy, "Batch Normalization", ICML 2015; J. L. Ba et al., "Layer
+#:    Normalization", 2016.
+ADVICE = Advice(
+    title="Activation saturation",
+    phrase="units are dead or pinned at the top of their range",
+    evidence_keys=("dead", "saturated", "bimodality", "frac_dead"),
+    remedies=(
+        "Check the initialisation scale of the layer feeding these units (Glorot/He; smaller for deep "
+        "stacks) and the LR: a large early step kills ReLU-family units for good.",
+        "Add or move a normalisation before the activation (LayerNorm/RMSNorm), or switch to a smooth "
+        "activation (GELU/SiLU) if units die."),
+    references=("Glorot & Bengio 2010, Understanding the difficulty of training deep feedforward networks",
+                "Lu et al. 2019, Dying ReLU and Initialization",
+                "Ba et al. 2016, Layer Normalization"),
+)
+
+ANALYSIS = Analysis(name=NAME, needs=(Need.ACTS,), compute=compute, flags=flags, plot=plot, lazy=lazy,
+                    kinds={"saturation": ADVICE}, options=SaturationOptions)

@@ -53,10 +53,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag, Options
+from gradforensics.analysis.engine.kspace import window_edges
+from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag, Need, Options
+from gradforensics.analysis.engine.stats import rank_trend
+from gradforensics.analysis.engine.units import head_of
 from gradforensics.errors import SpecError
+from gradforensics.store.heads import HeadSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from matplotlib.axes import Axes
 
     from gradforensics.analysis.engine.model import Context
@@ -90,8 +96,6 @@ class SpectralOptions(Options):
     min_severity
         Flags below this severity are not emitted.
     """
-
-    analysis_name = "spectral"
 
     alpha_range: tuple[float, float] = (2.0, 6.0)
     growth_half: float = 3.0
@@ -193,16 +197,6 @@ def powerlaw_fit(evals: np.ndarray, thresh: float = EVALS_THRESH) -> PowerLawFit
     return PowerLawFit(float(alphas[best]), float(x[best]), float(ds[best]), int(n_all - best))
 
 
-def head_spec_from_attrs(attrs: dict[str, Any]) -> Any:
-    """The :class:`~gradforensics.capture.heads.HeadSpec` a head-split array was stored with, or None."""
-    if not attrs.get("heads"):
-        return None
-    from gradforensics.capture.heads import HeadSpec
-
-    return HeadSpec(int(attrs.get("heads_per_part", attrs["heads"])), int(attrs.get("split_axis", 0)),
-                    attrs.get("role") or None, int(attrs.get("fused", 1)), bool(attrs.get("interleaved", False)))
-
-
 def block_spectra(m: np.ndarray, spec: Any, split: bool) -> dict[int | None, Spectrum]:
     """Spectra of a matrix (key None) and of its per-head blocks (keys 0..H-1).
 
@@ -228,11 +222,6 @@ def _snapshots(m: int) -> list[int]:
     return [int(i) for i in np.unique(np.linspace(0, m - 1, MAX_SNAPSHOTS).round().astype(int))]
 
 
-def window_edges(n: int, windows: int = WINDOWS) -> np.ndarray:
-    """Record boundaries of ``min(windows, n)`` contiguous, near-equal windows."""
-    return np.linspace(0, n, min(windows, n) + 1).round().astype(int) if n else np.zeros(1, int)
-
-
 def _is_matrix(attrs: dict[str, Any], shape: tuple[int, ...]) -> bool:
     """Whether a stored gradient is of a 2-D tensor (its per-record shape, before any head split)."""
     orig = attrs.get("shape")
@@ -248,12 +237,12 @@ def lazy(store: Store) -> dict[str, Any]:
     for tensor, info in sorted(store.weights.items()):
         if len(info.shape) != 3:
             continue
-        spec = head_spec_from_attrs(store.grads[tensor].attrs) if tensor in store.grads else None
+        spec = HeadSpec.from_attrs(store.grads[tensor].attrs) if tensor in store.grads else None
         w = store.weight(tensor)
         idx = _snapshots(info.shape[0])
         out[f"weight|{tensor}"] = dask.delayed(list)([dask.delayed(block_spectra)(w[t], spec, False) for t in idx])
         out[f"weight_records|{tensor}"] = dask.delayed(np.asarray)([int(wrec[t]) for t in idx])
-    edges = window_edges(store.n_records)
+    edges = window_edges(store.n_records, WINDOWS)
     for tensor, info in sorted(store.grads.items()):
         if _is_matrix(info.attrs, info.shape):
             out[f"gradient_records|{tensor}"] = dask.delayed(np.asarray)([int(b) - 1 for b in edges[1:]])
@@ -301,12 +290,12 @@ def slab_reductions(store: Store) -> dict[str, Any]:
 
     from gradforensics.analysis.engine.gram import SlabReduction, merge_feature_blocks
 
-    edges = window_edges(store.n_records)
+    edges = window_edges(store.n_records, WINDOWS)
     out: dict[str, Any] = {}
     for tensor, info in sorted(store.grads.items()):
         if not _is_matrix(info.attrs, info.shape):
             continue
-        spec = head_spec_from_attrs(info.attrs)
+        spec = HeadSpec.from_attrs(info.attrs)
         out[f"gradient|{tensor}"] = SlabReduction(
             tensor=tensor, chunk=partial(window_sums, edges=edges), combine=merge_feature_blocks,
             aggregate=partial(_window_means, edges=edges, shape=tuple(info.shape[1:])),
@@ -350,16 +339,6 @@ def partner_of(tensor: str) -> str | None:
     return None
 
 
-def _spearman(y: np.ndarray) -> tuple[float, float]:
-    from scipy.stats import spearmanr
-
-    y = np.asarray(y, dtype=float)
-    if y.size < 3 or not np.all(np.isfinite(y)) or np.ptp(y) == 0:
-        return float("nan"), float("nan")
-    r = spearmanr(np.arange(y.size), y)
-    return float(r.statistic), float(r.pvalue)
-
-
 def matrix_row(tensor: str, head: int | None, matrix: str, spectra: list[Spectrum], records: np.ndarray,
                role: str, top_k: int) -> dict[str, Any]:
     """One table row: the last point's spectrum, growth and stable rank against the first."""
@@ -367,7 +346,7 @@ def matrix_row(tensor: str, head: int | None, matrix: str, spectra: list[Spectru
     rel = EVALS_THRESH if matrix == "weight" else EVALS_THRESH * (last.sv[0] ** 2 if last.sv.size else 1.0)
     fit = powerlaw_fit(last.sv ** 2, rel)
     srs = np.array([stable_rank(s) for s in spectra])
-    rho, p = _spearman(srs)
+    rho, p = rank_trend(srs, min_n=3)
     half = srs[: max(1, srs.size // 2)]
     ref = float(np.median(half))
     steady = srs.size >= 4 and bool(np.all(srs[-2:] < np.min(half)))
@@ -393,8 +372,8 @@ COLUMNS = ["tensor", "head", "matrix", "role", "exact", "n_points", "record_firs
 def compute(ctx: Context) -> AnalysisResult:
     import pandas as pd
 
-    opt = SpectralOptions.parse(ctx.options.get(NAME))
-    lz = ctx.lazy.get(NAME, {})
+    opt = ctx.options_for(NAME, SpectralOptions)
+    lz = ctx.computed.get(NAME, {})
     rows: list[dict[str, Any]] = []
     series: dict[str, np.ndarray] = {}
     for key in sorted(k for k in lz if "_records|" not in k):
@@ -403,7 +382,8 @@ def compute(ctx: Context) -> AnalysisResult:
         if not points:
             continue
         records = np.asarray(lz[f"{matrix}_records|{tensor}"])
-        attrs = ctx.store.grads[tensor].attrs if tensor in ctx.store.grads else {}
+        grads = ctx.require_store().grads
+        attrs = grads[tensor].attrs if tensor in grads else {}
         labels = attrs.get("head_labels") or []
         series[f"records/{matrix}/{tensor}"] = records
         for head in points[0]:
@@ -459,13 +439,12 @@ def _rows(table: Any, matrix: str) -> list[dict[str, Any]]:
 
 
 def _head(r: dict[str, Any]) -> int | None:
-    h = r["head"]
-    return None if h is None or (isinstance(h, float) and np.isnan(h)) else int(h)
+    return head_of(r["head"])
 
 
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     """Norm growth in q/k projections, gradient rank collapse, alpha outside the healthy range."""
-    opt = SpectralOptions.parse(ctx.options.get(NAME))
+    opt = ctx.options_for(NAME, SpectralOptions)
     table = result.table
     out: list[Flag] = []
     weights = _rows(table, "weight")
@@ -561,5 +540,51 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     ax.title.set_fontsize(9)
 
 
-ANALYSIS = Analysis(name=NAME, needs=("weights", "grads"), compute=compute, flags=flags, plot=plot, lazy=lazy,
-                    slab_reductions=slab_reductions, title="Spectra: stable rank, norm growth and power-law alpha of weights and gradients")
+@dataclass(frozen=True)
+class SpectralAdvice(Advice):
+    """Spectral remedies: QK-norm first only for a finding on query/key projections."""
+
+    def remedies_for(self, flags: Sequence[Flag]) -> list[str]:
+        items = list(self.remedies)
+        if flags and not any(_on_query_or_key(f) for f in flags):
+            items = items[1:] + items[:1]           # QK-norm is not the first thing to try on an MLP
+        return items
+
+
+def _on_query_or_key(flag: Flag) -> bool:
+    """Whether *flag* is on a query or key projection (its evidence's role, else its module name)."""
+    parts = flag.tensor.split(".")
+    if len(parts) > 1 and parts[-1] in ("weight", "bias"):
+        parts = parts[:-1]
+    return flag.evidence.get("role") in ("q", "k") or parts[-1] in ("q_proj", "k_proj", "query", "key", "wq", "wk")
+
+
+#: What a ``spectral`` flag means and what to try next (the report's advice).
+#:
+#: References
+#: ----------
+#: .. [Dehghani2023] M. Dehghani et al., "Scaling Vision Transformers to 22 Billion Parameters", ICML 2023
+#:    (QK-norm).
+#: .. [Wortsman2023] M. Wortsman et al., "Small-scale proxies for large-scale Transformer training
+#:    instabilities", 2023.
+#: .. [Chowdhery2022] A. Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways", 2022 (z-loss).
+#: .. [Martin2021] C. H. Martin and M. W. Mahoney, "Implicit Self-Regularization in Deep Neural Networks",
+#:    JMLR 2021.
+ADVICE = SpectralAdvice(
+    title="Spectral growth / rank collapse",
+    phrase="the spectrum concentrates in a few directions",
+    evidence_keys=("stable_rank", "alpha", "growth", "top_share"),
+    remedies=(
+        "For attention q/k weights: normalise queries and keys (QK-norm) or add the auxiliary z-loss; "
+        "growing q/k spectra precede attention-logit blow-up.",
+        "Otherwise: more weight decay on the named tensors, a lower peak LR, or a smaller LR for them.",
+        "A heavy-tailed ESD (alpha < 2) is over-fit/over-trained; alpha > 6 is under-trained (WeightWatcher)."),
+    references=("Dehghani et al. 2023, Scaling Vision Transformers to 22B Parameters (QK-norm)",
+                "Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities",
+                "Chowdhery et al. 2022, PaLM (z-loss)",
+                "Martin & Mahoney 2021, Implicit Self-Regularization in Deep Neural Networks"),
+)
+
+ANALYSIS = Analysis(name=NAME, needs=(Need.GRADS, Need.WEIGHTS), compute=compute, flags=flags, plot=plot,
+                    kinds={"spectral": ADVICE}, options=SpectralOptions, lazy=lazy,
+                    slab_reductions=slab_reductions)

@@ -1,38 +1,52 @@
-"""Parse the analysis results a store holds, strictly: ``analysis/findings``, ``tables/<name>``, ``series/<name>``.
+"""Analysis results in a store: :class:`Findings` and Gram matrices to documents and back.
 
-``gradforensics analyze`` persists its :class:`~gradforensics.analysis.engine.model.Findings`
-in the store so ``gradforensics report`` can re-render them.  A store may come
-from someone else, so these documents are checked once, here, at the boundary
-(design, "Store safety"): analysis names must be lower-case identifiers (they
-become ``tables/<name>.csv``), every flag field has its type and range, tables
-are rectangular with string column names and scalar cells, and the series blobs
-are plain, uncompressed ``.npz`` images whose arrays hold the bytes their
-headers declare.  Anything else is a :class:`~gradforensics.errors.CorruptStoreError`
+``gradforensics analyze`` saves its :class:`~gradforensics.analysis.engine.model.Findings`
+and Gram matrices in the store's ``analysis/`` group (raw layout:
+:mod:`gradforensics.store.results`) so ``gradforensics report`` can re-render
+them without reading a gradient:
+
+* ``findings`` - store, records, mode, sources, header, flags and the analyses run;
+* ``tables/<name>`` - each analysis's table, ``{"columns": [...], "data": [[...], ...]}``;
+* ``series/<name>`` - each analysis's series, packed into one ``.npz`` image
+  (:func:`pack_series`);
+* the Gram matrices of every tensor and head, with the ``gram_index`` document.
+
+A store may come from someone else, so what is read back is checked once, here,
+at the boundary (design, "Store safety"): analysis names must be lower-case
+identifiers (they become ``tables/<name>.csv``), every flag field has its type and
+range, tables are rectangular with string column names and scalar cells, and the
+series blobs are plain, uncompressed ``.npz`` images whose arrays hold the bytes
+their headers declare.  Anything else is a :class:`~gradforensics.errors.CorruptStoreError`
 naming the store, the document and what is wrong - never a ``KeyError`` or
-``TypeError`` traceback.  Names are not otherwise restricted here: they are
-data, and every output escapes them (:mod:`gradforensics._text`).
+``TypeError`` traceback.  Names are not otherwise restricted here: they are data,
+and every output escapes them (:mod:`gradforensics._text`).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import math
+import os
 import zipfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradforensics.analysis.engine.model import AnalysisResult, Findings, Flag, GramResult
+from gradforensics.analysis.engine.registry import flag_kinds
 from gradforensics.errors import CorruptStoreError, UnsafeNameError
 from gradforensics.store.names import check_analysis_name
+from gradforensics.store.results import GramArrays, read_document, read_grams, read_result, write_results
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.analysis.engine.model import Flag
     from gradforensics.store.reader import Store
 
-__all__ = ["FLAG_FIELDS", "parse_flag", "parse_series", "parse_table", "read_findings"]
+__all__ = ["FLAG_FIELDS", "findings_documents", "load_grams", "pack_series", "parse_flag", "parse_series",
+           "parse_table", "read_findings", "save_grams", "save_results"]
 
 #: Fields of a flag (the flags.json contract); every one is required.
 FLAG_FIELDS = ("kind", "tensor", "head", "sources", "severity", "records", "evidence", "summary")
@@ -83,22 +97,23 @@ def _str_list(value: Any, where: str, key: str) -> list[str]:
 def parse_flag(d: Any, where: str = "flag") -> Flag:
     """A :class:`~gradforensics.analysis.engine.model.Flag` from its ``to_dict`` form, every field checked.
 
+    The inverse of :meth:`Flag.to_dict <gradforensics.analysis.engine.model.Flag.to_dict>`.
+
     Raises
     ------
     CorruptStoreError
         A field is missing, unknown, of the wrong type or out of range; the
         message starts with *where*.
     """
-    from gradforensics.analysis.engine.model import FLAG_KINDS, Flag
-
     if not isinstance(d, Mapping):
         raise _bad(where, f"a flag must be an object; got {type(d).__name__}")
     missing = [k for k in FLAG_FIELDS if k not in d]
     unknown = sorted(str(k) for k in d if k not in FLAG_FIELDS)
     if missing or unknown:
         raise _bad(where, f"missing field(s) {missing}, unknown field(s) {_show(unknown)}; a flag has {list(FLAG_FIELDS)}")
-    if d["kind"] not in FLAG_KINDS:
-        raise _bad(where, f"kind must be one of {', '.join(FLAG_KINDS)}; got {_show(d['kind'])}")
+    kinds = flag_kinds()
+    if d["kind"] not in kinds:
+        raise _bad(where, f"kind must be one of {', '.join(kinds)}; got {_show(d['kind'])}")
     if not isinstance(d["tensor"], str) or not d["tensor"]:
         raise _bad(where, f"tensor must be a non-empty string; got {_show(d['tensor'])}")
     head = d["head"]
@@ -125,15 +140,6 @@ def parse_flag(d: Any, where: str = "flag") -> Flag:
 
 
 # ------------------------------------------------------------------ documents
-def _document(store: Store, key: str) -> Any:
-    try:
-        return store.read_document(key)
-    except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, absurd nesting
-        raise _bad(f"{store.path}: analysis/{key}", f"is not a JSON document ({type(exc).__name__}: "
-                   f"{_show(str(exc), 120)}); the stored analysis results are damaged, "
-                   "run `gradforensics analyze` again") from exc
-
-
 def parse_table(doc: Any, where: str) -> pd.DataFrame:
     """An analysis table from its stored ``{"columns": [...], "data": [[...], ...]}`` form."""
     import pandas as pd
@@ -158,8 +164,23 @@ def parse_table(doc: Any, where: str) -> pd.DataFrame:
     return pd.DataFrame(data, columns=columns)
 
 
+def pack_series(series: Mapping[str, Any]) -> np.ndarray:
+    """All series of one analysis as one uint8 array (an ``.npz`` image, no pickle).
+
+    One stored array per analysis instead of one per series: a store with
+    hundreds of tensors would otherwise get thousands of tiny arrays, and their
+    metadata dominated the time of writing the results.  :func:`parse_series`
+    reads it back.
+    """
+    buf = io.BytesIO()
+    arrays: dict[str, Any] = {f"s{i}": np.asarray(v) for i, v in enumerate(series.values())}
+    arrays["__keys__"] = np.asarray(list(series.keys()), dtype=str)
+    np.savez(buf, **arrays)
+    return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+
 def parse_series(raw: Any, where: str = "series") -> dict[str, np.ndarray]:
-    """The series of one analysis from its stored ``.npz`` image (see ``pack_series``).
+    """The series of one analysis from its stored ``.npz`` image (see :func:`pack_series`).
 
     The image must be what ``pack_series`` writes: a zip of uncompressed ``.npy``
     members (no pickle), ``__keys__`` a 1-D string array and ``s0``...``s{n-1}``
@@ -237,8 +258,8 @@ def _findings_doc(doc: Any, where: str) -> dict[str, Any]:
     return doc
 
 
-def read_findings(store: Store) -> dict[str, Any]:
-    """The keyword arguments of :class:`~gradforensics.analysis.engine.model.Findings` stored in *store*.
+def read_findings(store: Store) -> Findings:
+    """The :class:`~gradforensics.analysis.engine.model.Findings` that ``analyze`` saved in *store*, checked.
 
     Raises
     ------
@@ -247,10 +268,8 @@ def read_findings(store: Store) -> dict[str, Any]:
     MissingArrayError
         A table or series the findings name is absent.
     """
-    from gradforensics.analysis.engine.model import AnalysisResult
-
     where = f"{store.path}: analysis/findings"
-    doc = _findings_doc(_document(store, "findings"), where)
+    doc = _findings_doc(read_document(store, "findings"), where)
     n = doc["n_records"]
     flags = []
     for i, d in enumerate(doc["flags"]):
@@ -260,10 +279,90 @@ def read_findings(store: Store) -> dict[str, Any]:
         flags.append(flag)
     results = {}
     for name in doc["analyses"]:
-        table = parse_table(_document(store, f"tables/{name}"), f"{store.path}: analysis/tables/{name}")
-        series = parse_series(store.read(f"analysis/series/{name}"), f"{store.path}: analysis/series/{name}")
+        table = parse_table(read_document(store, f"tables/{name}"), f"{store.path}: analysis/tables/{name}")
+        series = parse_series(read_result(store, f"series/{name}"), f"{store.path}: analysis/series/{name}")
         results[name] = AnalysisResult(table=table, series=series)
-    return {"store": doc["store"], "n_records": n, "mode": doc["mode"],
-            "sources": tuple(_str_list(doc["sources"], where, "sources")), "header": doc["header"],
-            "results": results, "flags": flags}
+    return Findings(store=doc["store"], n_records=n, mode=doc["mode"],
+                    sources=tuple(_str_list(doc["sources"], where, "sources")), header=doc["header"],
+                    results=results, flags=flags)
 
+
+def findings_documents(findings: Findings) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``(arrays, documents)`` that hold *findings* under ``analysis/`` (what :func:`read_findings` reads)."""
+    arrays: dict[str, np.ndarray] = {}
+    docs: dict[str, Any] = {
+        "findings": {"store": findings.store, "n_records": findings.n_records, "mode": findings.mode,
+                     "sources": list(findings.sources), "header": findings.header,
+                     "flags": [f.to_dict() for f in findings.flags], "analyses": sorted(findings.results)},
+    }
+    for name, res in findings.results.items():
+        docs[f"tables/{name}"] = json.loads(res.table.to_json(orient="split", index=False))
+        arrays[f"series/{name}"] = pack_series(res.series)
+    return arrays, docs
+
+
+# ------------------------------------------------------------------ grams
+def _ordered(grams: Mapping[tuple[str, int | None], GramResult]) -> list[GramResult]:
+    return [grams[k] for k in sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
+
+
+def gram_arrays(grams: Mapping[tuple[str, int | None], GramResult], n_records: int) -> GramArrays:
+    """The Gram matrices of a pass, in the order and with the index entries they are saved with."""
+    entries = _ordered(grams)
+    index = [{"i": i, "tensor": g.tensor, "head": g.head, "n_features": g.n_features, "from_sketch": g.from_sketch}
+             for i, g in enumerate(entries)]
+    return GramArrays(n_records=int(n_records), index=index, k=[g.gram for g in entries],
+                      nonfinite=[g.nonfinite for g in entries])
+
+
+def save_results(path: str | os.PathLike[str], findings: Findings | None = None,
+                 grams: Mapping[tuple[str, int | None], GramResult] | None = None, *, n_records: int = 0) -> None:
+    """Save *findings* and/or the Gram matrices *grams* (over *n_records* records) in the store at *path*.
+
+    One write under the store's writer lock (:func:`gradforensics.store.results.write_results`);
+    a :class:`~gradforensics.store.reader.Store` opened before does not see them.
+    """
+    arrays, docs = findings_documents(findings) if findings is not None else ({}, {})
+    write_results(path, arrays=arrays, documents=docs,
+                  grams=gram_arrays(grams, n_records) if grams else None)
+
+
+def save_grams(store: Store, grams: Mapping[tuple[str, int | None], GramResult]) -> None:
+    """Save the Gram matrices *grams* of *store*'s records in it (what :func:`load_grams` reads)."""
+    write_results(store.path, grams=gram_arrays(grams, store.n_records))
+
+
+def _gram_entry(e: Any, m: int, where: str) -> tuple[int, str, int | None, int, bool]:
+    if not (isinstance(e, dict) and {"i", "tensor", "head", "n_features", "from_sketch"} <= set(e)):
+        raise _bad(where, f"an entry must be an object with i, tensor, head, n_features, from_sketch; got {_show(e)}")
+    i, tensor, head, nf, sk = e["i"], e["tensor"], e["head"], e["n_features"], e["from_sketch"]
+    if not (_is_int(i) and 0 <= i < m and isinstance(tensor, str) and (head is None or (_is_int(head) and head >= 0))
+            and _is_int(nf) and nf >= 0 and isinstance(sk, bool)):
+        raise _bad(where, f"bad entry {_show(e)} for {m} saved matrices")
+    return i, tensor, head, nf, sk
+
+
+def load_grams(store: Store) -> dict[tuple[str, int | None], GramResult]:
+    """The Gram matrices a previous ``analyze`` saved in *store* (no gradient is read).
+
+    Raises
+    ------
+    MissingArrayError
+        None were saved.
+    CorruptStoreError
+        The index does not describe the saved matrices.
+    """
+    index, k, nf = read_grams(store)
+    where = f"{store.path}: analysis/gram_index"
+    if not index:
+        return {}
+    if not isinstance(index, list) or k is None or nf is None:
+        raise _bad(where, f"must be a list of entries; got {type(index).__name__}")
+    m = int(k.shape[0])
+    if k.ndim != 3 or k.shape[1] != k.shape[2] or nf.shape != k.shape[:2]:
+        raise _bad(where, f"saved matrices of shapes {k.shape} and {nf.shape} are not M Gram matrices and counts")
+    out: dict[tuple[str, int | None], GramResult] = {}
+    for e in index:
+        i, tensor, head, n_features, from_sketch = _gram_entry(e, m, where)
+        out[(tensor, head)] = GramResult(tensor, head, k[i], nf[i], n_features, from_sketch)
+    return out

@@ -1,0 +1,201 @@
+"""The units of the direction analyses (drift, oscillation, conflict), and their series.
+
+A :class:`Unit` is one tensor, or one head of it, ready for the K-space statistics of
+:mod:`gradforensics.analysis.engine.kspace`: its Gram matrix restricted to the
+records usable for direction statistics (non-finite records excluded), rows in time
+order.  :func:`units` lists every unit of a pass.
+
+The per-unit series an analysis saves for its figures are packed per kind into one
+array (:class:`SeriesPack`, read back with :func:`unit_series`), so a store with
+thousands of heads gets a handful of arrays; names and small objects travel with
+them as JSON in uint8 arrays (:func:`encode_json`, :func:`encode_names`).
+:func:`head_of` and :func:`heads_per_tensor` read the ``head`` column of the
+analyses' own tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.store.names import layer_of
+
+if TYPE_CHECKING:
+    from gradforensics.analysis.engine.model import Context
+
+__all__ = ["SeriesPack", "Unit", "decode_json", "decode_names", "encode_json", "encode_names", "head_of",
+           "heads_per_tensor", "time_order", "unit_series", "units"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One tensor (or one head of it), ready for K-space statistics.
+
+    ``gram`` is K restricted to the usable (finite) records, rows in time order
+    (by ``batches/step``, ties by record index); ``records`` are the store
+    indices of those rows.  ``n_heads`` is set on the whole-tensor unit of a
+    head-split tensor.
+    """
+
+    tensor: str
+    head: int | None
+    gram: np.ndarray
+    records: np.ndarray
+    n_excluded: int
+    from_sketch: bool = False
+    n_heads: int | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.records.size)
+
+    @property
+    def layer(self) -> int | None:
+        return layer_of(self.tensor)
+
+    def where(self) -> str:
+        """``tensor`` or ``tensor head h`` for sentences."""
+        return self.tensor if self.head is None else f"{self.tensor} head {self.head}"
+
+
+def time_order(batches: Mapping[str, np.ndarray], n: int) -> np.ndarray:
+    """Record indices sorted by optimizer step (stable: ties keep record order)."""
+    step = batches.get("step")
+    if step is None or len(step) != n:
+        return np.arange(n)
+    return np.argsort(np.asarray(step), kind="stable")
+
+
+def units(ctx: Context) -> list[Unit]:
+    """Every (tensor, head) of ``ctx.grams`` as a :class:`Unit`, sorted.
+
+    A head-split tensor whose whole-tensor Gram matrix the engine did not
+    provide gets one as the sum of its heads' (``K = Σ_h K_h``, exact: the
+    heads partition the features).
+    """
+    grams = dict(ctx.grams)
+    by_tensor: dict[str, list[int]] = {}
+    for tensor, head in grams:
+        if head is not None:
+            by_tensor.setdefault(tensor, []).append(int(head))
+    n = ctx.n_records
+    order = time_order(ctx.batches, n)
+    out: list[Unit] = []
+    for tensor in sorted({t for t, _ in grams}):
+        heads = sorted(by_tensor.get(tensor, []))
+        whole = grams.get((tensor, None))
+        for head in [None, *heads]:
+            g = whole if head is None else grams[(tensor, head)]
+            if g is None:
+                g = _sum_heads([grams[(tensor, h)] for h in heads])
+            out.append(_unit(tensor, head, g, order, len(heads) if head is None and heads else None))
+    return out
+
+
+def _sum_heads(parts: list[Any]) -> Any:
+    first = parts[0]
+    gram = np.sum([np.asarray(p.gram, dtype=np.float64) for p in parts], axis=0)
+    nonfinite = np.sum([np.asarray(p.nonfinite) for p in parts], axis=0)
+    return dataclasses.replace(first, head=None, gram=gram, nonfinite=nonfinite,
+                               n_features=sum(int(p.n_features) for p in parts))
+
+
+def _unit(tensor: str, head: int | None, g: Any, order: np.ndarray, n_heads: int | None) -> Unit:
+    finite = np.asarray(g.nonfinite) == 0
+    K = np.asarray(g.gram, dtype=np.float64)
+    keep = order[finite[order] & np.isfinite(np.diag(K))[order]]
+    return Unit(tensor=tensor, head=head, gram=K[np.ix_(keep, keep)], records=keep.astype(np.int64),
+                n_excluded=int(order.size - keep.size), from_sketch=bool(getattr(g, "from_sketch", False)),
+                n_heads=n_heads)
+
+
+# ------------------------------------------------------------ series
+class SeriesPack:
+    """Per-unit series of one kind packed into one array, so a store with thousands of
+    heads gets a handful of arrays, not thousands.
+
+    ``add(tensor, head, arr)`` per unit; ``to_series(what)`` returns
+    ``{what: (U, *max_shape) float64, NaN-padded, what + "_units": JSON of [[tensor, head], ...]}``;
+    :func:`unit_series` reads one unit back.
+    """
+
+    def __init__(self) -> None:
+        self.units: list[list[Any]] = []
+        self.arrays: list[np.ndarray] = []
+
+    def add(self, tensor: str, head: int | None, arr: np.ndarray) -> None:
+        self.units.append([tensor, None if head is None else int(head)])
+        self.arrays.append(np.asarray(arr, dtype=np.float64))
+
+    def to_series(self, what: str) -> dict[str, np.ndarray]:
+        if not self.arrays:
+            return {}
+        ndim = max(a.ndim for a in self.arrays)
+        arrs = [a.reshape(a.shape + (1,) * (ndim - a.ndim)) for a in self.arrays]
+        shape = tuple(max(a.shape[d] for a in arrs) for d in range(ndim))
+        out = np.full((len(arrs), *shape), np.nan)
+        for i, a in enumerate(arrs):
+            dims: tuple[int, ...] = tuple(a.shape)
+            idx: tuple[Any, ...] = (i, *map(slice, dims))
+            out[idx] = a
+        return {what: out, f"{what}_units": encode_json(self.units)}
+
+
+def unit_series(series: Mapping[str, np.ndarray], what: str, tensor: str, head: int | None) -> np.ndarray | None:
+    """The series *what* of one unit from a :class:`SeriesPack` (None if absent)."""
+    arr, raw = series.get(what), series.get(f"{what}_units")
+    if arr is None or raw is None:
+        return None
+    for i, (t, h) in enumerate(decode_json(raw)):
+        if t == tensor and h == (None if head is None else int(head)):
+            return np.asarray(arr)[i]
+    return None
+
+
+def encode_json(obj: Any) -> np.ndarray:
+    """A JSON-able object as a uint8 array, so it travels with the numeric series."""
+    return np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
+
+
+def decode_json(raw: np.ndarray) -> Any:
+    """Inverse of :func:`encode_json`."""
+    return json.loads(np.asarray(raw, dtype=np.uint8).tobytes().decode())
+
+
+def encode_names(names: Iterable[str]) -> np.ndarray:
+    """Source names as a uint8 array (JSON)."""
+    return encode_json(list(names))
+
+
+def decode_names(raw: np.ndarray | None, n: int) -> list[str]:
+    """Inverse of :func:`encode_names`; ``["0", "1", ...]`` when absent or of the wrong length."""
+    if raw is not None:
+        names = decode_json(raw)
+        if len(names) == n:
+            return [str(x) for x in names]
+    return [str(i) for i in range(n)]
+
+
+# ------------------------------------------------------------ tables
+def head_of(value: Any) -> int | None:
+    """A table's ``head`` cell as ``int`` or ``None`` (pandas may hold NaN or a float)."""
+    import pandas as pd
+
+    if value is None or bool(pd.isna(value)):
+        return None
+    return int(value)
+
+
+def heads_per_tensor(table: Any) -> dict[str, int]:
+    """Number of distinct heads of each head-split tensor in an analysis table."""
+    seen: dict[str, set[int]] = {}
+    for tensor, head in zip(table["tensor"], table["head"]):
+        h = head_of(head)
+        if h is not None:
+            seen.setdefault(tensor, set()).add(h)
+    return {t: len(h) for t, h in seen.items()}

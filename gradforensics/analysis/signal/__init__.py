@@ -1,0 +1,73 @@
+"""Signal maths on 1-D series, shared by the loss-curve analyses.
+
+Pure NumPy / SciPy functions over uniformly sampled arrays: no store, no
+:class:`~gradforensics.analysis.engine.model.Context`, no flags, no plots.  The
+analyses in :mod:`gradforensics.analysis.kinds` (``loss_spectrum``, ``fractal``,
+``coherence``) import them from here, never from each other.
+
+* :mod:`~gradforensics.analysis.signal.detrending` - trend removal by linear
+  filters of known power gain (:func:`detrend`, :class:`Detrended`), level
+  shifts, winsorising;
+* :mod:`~gradforensics.analysis.signal.background` - AR(1) red noise seen through
+  the detrender, and its expected Welch estimate and degrees of freedom;
+* :mod:`~gradforensics.analysis.signal.spectrum` - :func:`line_spectrum`: the
+  Welch periodogram tested against that background, multiple-testing
+  corrections, refined and harmonic-grouped peaks; :class:`SpectrumOptions`,
+  the options the three loss-curve analyses share.
+"""
+
+from gradforensics.analysis.signal.background import (
+    expected_welch,
+    filtered_ar1_acov,
+    fit_ar1,
+    hann,
+    lag1,
+    welch_dof,
+)
+from gradforensics.analysis.signal.detrending import (
+    DETRENDERS,
+    Detrended,
+    default_nperseg,
+    detrend,
+    log_time_fit,
+    remove_level_shifts,
+    winsorize,
+)
+from gradforensics.analysis.signal.spectrum import (
+    CORRECTIONS,
+    MIN_POINTS,
+    LineSpectrum,
+    Peak,
+    SpectrumOptions,
+    adjust_pvalues,
+    group_harmonics,
+    line_spectrum,
+    refine_frequency,
+    sinusoid_fit,
+)
+
+__all__ = [
+    "CORRECTIONS",
+    "DETRENDERS",
+    "MIN_POINTS",
+    "Detrended",
+    "LineSpectrum",
+    "Peak",
+    "SpectrumOptions",
+    "adjust_pvalues",
+    "default_nperseg",
+    "detrend",
+    "expected_welch",
+    "filtered_ar1_acov",
+    "fit_ar1",
+    "group_harmonics",
+    "hann",
+    "lag1",
+    "line_spectrum",
+    "log_time_fit",
+    "refine_frequency",
+    "remove_level_shifts",
+    "sinusoid_fit",
+    "welch_dof",
+    "winsorize",
+]

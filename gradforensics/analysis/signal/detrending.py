@@ -1,0 +1,191 @@
+"""Detrending a loss curve with linear filters of known power gain.
+
+A training loss falls fast, then slowly; abrupt level shifts (a learning-rate
+drop, a resumed run) and single spikes ride on it.  :func:`detrend` removes
+the trend in three steps, each a function here: a cubic in log-time
+(:func:`log_time_fit`), the level shifts (:func:`remove_level_shifts`) and a
+Savitzky–Golay high-pass whose power gain ``G(f)`` is known exactly
+(:class:`Detrended`), so the red-noise background can be passed through the
+same filter (:mod:`~gradforensics.analysis.signal.background`).
+:func:`winsorize` clips what is left so one spike does not become broadband
+power.
+
+References
+----------
+Savitzky, A. & Golay, M. J. E. (1964). Anal. Chem. 36, 1627–1639; Schafer, R. W.
+    (2011). What is a Savitzky–Golay filter? IEEE Signal Process. Mag. 28, 111–117.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradforensics.errors import SpecError
+
+DETRENDERS = ("savgol", "diff")
+
+
+@dataclass(frozen=True)
+class Detrended:
+    """The residual of a linear detrending filter and its power gain.
+
+    ``residual[i]`` sits at sample ``i + offset`` of the input (``offset`` is 1 for
+    a first difference).  :meth:`gain` is ``|1 - H(f)|²`` for a smoother ``H``
+    (or ``|1 - e^{-2πif}|²`` for the difference), f in cycles per sample.
+    """
+
+    residual: np.ndarray
+    trend: np.ndarray
+    method: str
+    window: int
+    offset: int
+    coeffs: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+    shifts: tuple[tuple[int, float], ...] = ()
+
+    def gain_grid(self, m: int) -> np.ndarray:
+        """:meth:`gain` at ``f = j/m, j = 0..m/2`` (by FFT of the smoother's kernel)."""
+        if self.method == "diff":
+            return self.gain(np.arange(m // 2 + 1) / m)
+        half = (self.coeffs.size - 1) // 2
+        h = np.zeros(m)
+        h[: half + 1] = self.coeffs[half:]
+        h[m - half:] = self.coeffs[:half]
+        return (1.0 - np.fft.rfft(h).real) ** 2
+
+    def gain(self, f: np.ndarray) -> np.ndarray:
+        f = np.asarray(f, dtype=float)
+        if self.method == "diff":
+            return 2.0 - 2.0 * np.cos(2 * np.pi * f)
+        half = (self.coeffs.size - 1) // 2
+        if half * f.size > 1 << 22:  # long kernels: the FFT grid, 64 points per 1/w, interpolated
+            m = 1 << int(np.ceil(np.log2(max(128 * half, 1 << 16))))
+            return np.interp(np.abs(f) % 1.0, np.arange(m // 2 + 1) / m, self.gain_grid(m))
+        k = np.arange(1, half + 1)
+        h = self.coeffs[half] + 2.0 * np.cos(2 * np.pi * np.multiply.outer(f, k)) @ self.coeffs[half + 1:]
+        return (1.0 - h) ** 2
+
+
+def default_nperseg(n: int) -> int:
+    """Largest power of two ≤ n/8, at least 16 (and at most n)."""
+    return int(min(n, max(16, 2 ** int(np.floor(np.log2(max(n / 8, 1)))))))
+
+
+def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) -> Detrended:
+    """Remove the slow trend of *y* with a linear filter of known gain.
+
+    Parameters
+    ----------
+    y
+        Uniformly sampled, finite values.
+    method
+        ``"savgol"``: ``y - savgol_filter(y, window, 3)`` (edges by polynomial fit);
+        ``"diff"``: ``y[1:] - y[:-1]``.
+    window
+        Savitzky–Golay window (odd; default ``2 * default_nperseg(len(y)) + 1``,
+        capped at the largest odd number ≤ len(y)).
+    """
+    from scipy.signal import savgol_coeffs, savgol_filter
+
+    y = np.asarray(y, dtype=float)
+    if method == "diff":
+        return Detrended(np.diff(y), y[:-1], "diff", 0, 1)
+    if method != "savgol":
+        raise SpecError(f"detrend: method must be one of {DETRENDERS}; got {method!r}.")
+    n = y.size
+    w = 2 * default_nperseg(n) + 1 if window is None else int(window)
+    w = min(w | 1, n if n % 2 else n - 1)
+    if w < 5:
+        raise SpecError(f"detrend: need at least 5 points for a Savitzky–Golay window; got {n}.")
+    base = log_time_fit(y)
+    z, shifts = remove_level_shifts(y - base, max(8, w // 8))
+    coeffs = savgol_coeffs(w, 3)
+    smooth = savgol_filter(z, w, 3, mode="interp") if w <= 1025 else _savgol_fft(z, coeffs)
+    return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, coeffs, tuple(shifts))
+
+
+def _savgol_fft(z: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
+    """``savgol_filter(z, w, 3, mode="interp")`` for long windows: the interior by FFT
+    convolution (O(N log N) instead of O(N·w)), each edge by the cubic fitted to its
+    first/last w samples, as SciPy's ``interp`` mode does."""
+    from scipy.signal import fftconvolve
+
+    w = coeffs.size
+    half = w // 2
+    out = fftconvolve(z, coeffs[::-1], mode="same")
+    t = np.arange(w, dtype=float)
+    for sl, idx in ((slice(0, w), slice(0, half)), (slice(z.size - w, z.size), slice(w - half, w))):
+        poly = np.polynomial.polynomial.Polynomial.fit(t, z[sl], 3)
+        seg = out[sl]
+        seg[idx] = poly(t[idx])
+        out[sl] = seg
+    return out
+
+
+def log_time_fit(y: np.ndarray, degree: int = 3) -> np.ndarray:
+    """Least-squares polynomial of *degree* in ``u = log(i + s)`` (i = sample index).
+
+    A training loss falls fastest at the start; in log-time that fall is gentle,
+    so a cubic in ``u`` follows a power-law or exponential decay that a
+    fixed-window smoother cannot.  The offset ``s`` is the best of
+    ``{0.1, 0.3, 1, 3, 10} % of N`` by residual sum of squares.
+    """
+    n = y.size
+    i = np.arange(n, dtype=float)
+    best, best_rss = np.full(n, y.mean()), np.inf
+    for frac in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1):
+        u = np.log(i + max(frac * n, 1.0))
+        basis = np.vander((u - u.mean()) / u.std(), degree + 1)
+        coef, *_ = np.linalg.lstsq(basis, y, rcond=None)
+        fit = basis @ coef
+        rss = float(((y - fit) ** 2).sum())
+        if rss < best_rss:
+            best, best_rss = fit, rss
+    return best
+
+
+def remove_level_shifts(z: np.ndarray, k: int, threshold: float = 8.0,
+                        max_shifts: int = 5) -> tuple[np.ndarray, list[tuple[int, float]]]:
+    """Remove abrupt level shifts (a learning-rate drop, a resumed run) from *z*.
+
+    ``D_t = mean(z[t:t+k]) − mean(z[t−k:t])``; while ``max |D − median D|`` exceeds
+    *threshold* robust standard deviations (1.4826 · MAD) of D, subtract a step
+    of size ``D_t`` at its argmax.  Returns the corrected copy and the
+    ``(index, size)`` of each shift removed.
+    """
+    z = np.array(z, dtype=float)
+    n = z.size
+    shifts: list[tuple[int, float]] = []
+    if n < 4 * k:
+        return z, shifts
+    t = np.arange(k, n - k + 1)
+    for _ in range(max_shifts):
+        c = np.concatenate([[0.0], np.cumsum(z)])
+        d = (c[t + k] - 2 * c[t] + c[t - k]) / k
+        dev = np.abs(d - np.median(d))
+        scale = 1.4826 * float(np.median(dev))
+        j = int(np.argmax(dev))
+        if not scale > 0 or dev[j] < threshold * scale:
+            break
+        z[t[j]:] -= d[j]
+        shifts.append((int(t[j]), float(d[j])))
+    return z, shifts
+
+
+def winsorize(r: np.ndarray, clip_mad: float) -> tuple[np.ndarray, int]:
+    """Clip *r* at ``median ± clip_mad · 1.4826 · MAD``; returns (clipped, count).
+
+    Skipped when the MAD scale is under a quarter of the standard deviation (a
+    two-valued or square-wave residual, where the MAD says nothing about outliers).
+    """
+    if clip_mad <= 0 or r.size == 0:
+        return r, 0
+    med = float(np.median(r))
+    scale = 1.4826 * float(np.median(np.abs(r - med)))
+    if not scale > 0.25 * float(np.std(r)):
+        return r, 0
+    lo, hi = med - clip_mad * scale, med + clip_mad * scale
+    n = int(np.count_nonzero((r < lo) | (r > hi)))
+    return np.clip(r, lo, hi), n
+

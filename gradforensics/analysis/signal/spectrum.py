@@ -1,0 +1,322 @@
+"""The line spectrum of a loss curve: a detrended Welch periodogram tested against AR(1) red noise.
+
+:func:`line_spectrum` runs the whole test on one uniformly sampled series:
+
+1. removes the trend with a Savitzky–Golay high-pass (default) or a first
+   difference, both linear filters with a known power gain ``G(f)``
+   (:mod:`~gradforensics.analysis.signal.detrending`);
+2. estimates the spectrum of the residual with Welch's method (Hann window, 50 %
+   overlap);
+3. fits an AR(1) red-noise background *to the residual*: the AR(1) coefficient is
+   the one whose spectrum, passed through ``G(f)``, reproduces the residual's
+   lag-1 autocorrelation; its scale reproduces the residual's variance; the
+   background is the exact expected Welch estimate of that model
+   (:mod:`~gradforensics.analysis.signal.background`).  When peaks are
+   significant, the background is refitted once with their least-squares
+   sinusoids removed (a strong oscillation would otherwise inflate both the
+   lag-1 autocorrelation and the variance) and the test repeated;
+4. tests every frequency with the χ² confidence of Torrence & Compo (1998),
+   ``P/B ~ χ²_ν / ν`` (their eq. 18), with ν the equivalent degrees of freedom of
+   the Welch average (Percival & Walden 1993, eq. 292b);
+5. corrects for testing many frequencies (Benjamini–Hochberg by default,
+   Bonferroni on request, :func:`adjust_pvalues`) and reports the local maxima
+   that survive, with harmonics grouped under their fundamental.
+
+References
+----------
+Torrence, C. & Compo, G. P. (1998). A practical guide to wavelet analysis.
+    Bull. Amer. Meteor. Soc. 79, 61–78 (eqs. 16–18).
+Percival, D. B. & Walden, A. T. (1993). Spectral Analysis for Physical
+    Applications. Cambridge University Press (eq. 292b).
+Benjamini, Y. & Hochberg, Y. (1995). Controlling the false discovery rate.
+    J. R. Stat. Soc. B 57, 289–300.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradforensics.analysis.engine.model import Options
+from gradforensics.analysis.signal.background import expected_welch, filtered_ar1_acov, fit_ar1, hann, welch_dof
+from gradforensics.analysis.signal.detrending import DETRENDERS, Detrended, default_nperseg, detrend, winsorize
+from gradforensics.errors import SpecError
+
+CORRECTIONS = ("bh", "bonferroni")
+MIN_POINTS = 32
+
+
+@dataclass(frozen=True)
+class SpectrumOptions(Options):
+    """Options of :func:`line_spectrum`, validated once.
+
+    The options of each loss-curve analysis: ``loss_spectrum``, ``fractal`` and
+    ``coherence`` (each parses its own ``options[name]``), and of ``gradforensics loss``.
+
+    Parameters
+    ----------
+    detrend
+        ``"savgol"``: subtract a Savitzky–Golay smooth (cubic, window
+        ``2 * nperseg + 1``); ``"diff"``: first difference.
+    nperseg
+        Welch segment length; default the largest power of two ≤ N/8 (at least 16).
+    alpha
+        Significance level after the multiple-testing correction.
+    correction
+        ``"bh"`` (Benjamini–Hochberg) or ``"bonferroni"`` over the tested frequencies.
+    clip_mad
+        Winsorise the residual at ``median ± clip_mad · 1.4826 · MAD`` so a single
+        loss spike does not masquerade as broadband power (0 disables).
+    max_peaks
+        Peaks reported per series (significant ones first).
+    axis
+        For a store: sample by ``"step"`` (``batches/step``; the record order in
+        replay mode) or by ``"time"`` (``batches/time``; frequencies in Hz).
+    """
+
+    detrend: str = "savgol"
+    nperseg: int | None = None
+    alpha: float = 0.01
+    correction: str = "bh"
+    clip_mad: float = 6.0
+    max_peaks: int = 5
+    axis: str = "step"
+
+    def __post_init__(self) -> None:
+        if self.axis not in ("step", "time"):
+            raise SpecError(f"SpectrumOptions: axis must be 'step' or 'time'; got {self.axis!r}.")
+        if self.detrend not in DETRENDERS:
+            raise SpecError(f"SpectrumOptions: detrend must be one of {DETRENDERS}; got {self.detrend!r}.")
+        if self.correction not in CORRECTIONS:
+            raise SpecError(f"SpectrumOptions: correction must be one of {CORRECTIONS}; got {self.correction!r}.")
+        if not 0.0 < self.alpha < 0.5:
+            raise SpecError(f"SpectrumOptions: alpha must be in (0, 0.5); got {self.alpha!r}.")
+        if self.nperseg is not None and self.nperseg < 16:
+            raise SpecError(f"SpectrumOptions: nperseg must be >= 16; got {self.nperseg!r}.")
+        if self.clip_mad < 0 or self.max_peaks < 1:
+            raise SpecError(f"SpectrumOptions: clip_mad must be >= 0 and max_peaks >= 1; got {self.clip_mad}, "
+                            f"{self.max_peaks}.")
+
+
+def adjust_pvalues(p: np.ndarray, method: str = "bh") -> np.ndarray:
+    """Multiple-testing adjusted p-values (Benjamini–Hochberg step-up or Bonferroni)."""
+    p = np.asarray(p, dtype=float)
+    m = p.size
+    if m == 0:
+        return p.copy()
+    if method == "bonferroni":
+        return np.minimum(1.0, p * m)
+    order = np.argsort(p)
+    ranked = p[order] * m / np.arange(1, m + 1)
+    ranked = np.minimum.accumulate(ranked[::-1])[::-1]
+    out = np.empty(m)
+    out[order] = np.minimum(1.0, ranked)
+    return out
+
+
+# ------------------------------------------------------------------------ peaks
+@dataclass(frozen=True)
+class Peak:
+    """One local maximum of ``P/B`` in the tested band (frequencies in cycles/sample)."""
+
+    bin: int
+    frequency: float          # refined on the full-length tapered periodogram
+    power: float              # Welch density at the peak bin
+    background: float
+    p_value: float
+    p_adjusted: float
+    significant: bool
+    excess: float             # variance above background in the peak's main lobe (±2 bins)
+    amplitude: float          # sinusoid amplitude implied by ``excess``, undone for the detrender's gain
+    harmonic_of: int | None = None   # index (in the peak list) of the fundamental
+    harmonic_number: int = 1
+
+    @property
+    def ratio(self) -> float:
+        return self.power / self.background if self.background > 0 else float("inf")
+
+
+def refine_frequency(r: np.ndarray, f0: float, half_width: float) -> float:
+    """Frequency of the maximum of the Hann-tapered, zero-padded periodogram of *r*
+    within ``f0 ± half_width`` (parabolic interpolation of log power)."""
+    n = r.size
+    nfft = 1 << int(np.ceil(np.log2(8 * n)))
+    spec = np.abs(np.fft.rfft((r - r.mean()) * hann(n), nfft)) ** 2
+    f = np.arange(spec.size) / nfft
+    sel = np.flatnonzero((f >= max(f0 - half_width, 0.5 * f0)) & (f <= f0 + half_width))
+    if sel.size == 0:
+        return f0
+    k = int(sel[np.argmax(spec[sel])])
+    if 0 < k < spec.size - 1 and np.all(spec[k - 1:k + 2] > 0):
+        a, b, c = np.log(spec[k - 1:k + 2])
+        den = a - 2 * b + c
+        delta = 0.5 * (a - c) / den if den < 0 else 0.0
+        return float((k + np.clip(delta, -0.5, 0.5)) / nfft)
+    return float(f[k])
+
+
+def group_harmonics(freqs: list[float], tol: float, max_number: int = 16) -> list[tuple[int | None, int]]:
+    """For peaks at *freqs* (any order): ``(index of fundamental or None, harmonic number)``.
+
+    Peak j is harmonic ``n`` (2 ≤ n ≤ *max_number*) of the lowest-frequency
+    peak i with ``|f_j − n f_i| ≤ tol`` (half a Welch bin: both frequencies are
+    refined well below that).
+    """
+    order = sorted(range(len(freqs)), key=lambda i: freqs[i])
+    out: list[tuple[int | None, int]] = [(None, 1)] * len(freqs)
+    fundamentals: list[int] = []
+    for j in order:
+        for i in fundamentals:
+            n = int(np.rint(freqs[j] / freqs[i]))
+            if 2 <= n <= max_number and abs(freqs[j] - n * freqs[i]) <= tol:
+                out[j] = (i, n)
+                break
+        else:
+            fundamentals.append(j)
+    return out
+
+
+# --------------------------------------------------------------------- result
+@dataclass
+class LineSpectrum:
+    """Everything :func:`line_spectrum` measured on one series (fs = 1 sample⁻¹).
+
+    ``freq`` etc. cover the Welch bins; ``tested`` marks the band where the
+    detrender passes at least half the power (and f > 0); ``threshold`` is the
+    power a bin needs to be significant after a Bonferroni correction (the
+    conservative bound of the BH line), ``threshold_nominal`` the per-bin
+    ``1 − alpha`` χ² line.
+    """
+
+    freq: np.ndarray
+    power: np.ndarray
+    background: np.ndarray
+    p_value: np.ndarray
+    p_adjusted: np.ndarray
+    tested: np.ndarray
+    threshold: np.ndarray
+    threshold_nominal: np.ndarray
+    dof: float
+    nperseg: int
+    n_segments: int
+    ar1: float
+    sigma2: float
+    detrended: Detrended
+    n_clipped: int
+    peaks: list[Peak]
+    n_significant: int
+    options: SpectrumOptions
+
+    @property
+    def significant(self) -> list[Peak]:
+        return [p for p in self.peaks if p.significant]
+
+
+def _chi2_line(bg: np.ndarray, dof: np.ndarray, level: float) -> np.ndarray:
+    from scipy.stats import chi2
+
+    return bg * chi2.isf(level, dof) / dof
+
+
+def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> LineSpectrum:
+    """Detrend *y*, estimate its Welch spectrum and test it against AR(1) red noise.
+
+    Parameters
+    ----------
+    y
+        Uniformly sampled, finite values (at least :data:`MIN_POINTS`).
+    options
+        See :class:`SpectrumOptions`.
+
+    Returns
+    -------
+    LineSpectrum
+        Frequencies in cycles per sample; divide by the sample spacing for
+        physical units.
+
+    Notes
+    -----
+    Each bin's statistic ``P/B`` is χ²_ν/ν under the null (Torrence & Compo
+    1998, eq. 18; ν from :func:`welch_dof`, halved at Nyquist).  The p-values are
+    adjusted over the tested bins, so ``alpha`` bounds the chance of *any* false
+    peak in a pure red-noise series (BH controls the family-wise rate under the
+    global null).
+    """
+    from scipy.signal import find_peaks, welch
+    from scipy.stats import chi2
+
+    opt = options or SpectrumOptions()
+    y = np.asarray(y, dtype=float)
+    if y.size < MIN_POINTS or not np.all(np.isfinite(y)):
+        raise SpecError(f"line_spectrum: need at least {MIN_POINTS} finite values; got {y.size} "
+                        f"({int(np.count_nonzero(~np.isfinite(y)))} non-finite).")
+    nper = min(opt.nperseg or default_nperseg(y.size), y.size)
+    det = detrend(y, opt.detrend, None if opt.detrend == "diff" else 2 * nper + 1)
+    r, n_clipped = winsorize(det.residual, opt.clip_mad)
+    nper = min(nper, r.size)
+    freq, power = welch(r, fs=1.0, window="hann", nperseg=nper, noverlap=nper // 2, detrend=False)
+    n_seg = 1 + (r.size - nper) // (nper - nper // 2)
+    dof = np.full(freq.size, welch_dof(nper, n_seg))
+    if nper % 2 == 0:
+        dof[-1] /= 2.0
+    grid = det.gain_grid(max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
+    tested = (freq > 0) & ((det.method == "diff") | (det.gain(freq) >= 0.5))
+    fit = r
+    for _ in range(2):   # second pass: background refitted with the significant sinusoids removed
+        a, s2 = fit_ar1(fit, grid)
+        bg = s2 * expected_welch(filtered_ar1_acov(a, grid, nper), nper)
+        ok = tested & (bg > 0)
+        p = np.ones(freq.size)
+        p[ok] = chi2.sf(dof[ok] * power[ok] / bg[ok], dof[ok])
+        p_adj = np.ones(freq.size)
+        p_adj[ok] = adjust_pvalues(p[ok], opt.correction)
+        peaks, n_sig = _peaks(r, freq, power, bg, p, p_adj, ok, det, nper, opt, find_peaks)
+        sig = [q.frequency for q in peaks if q.significant]
+        if not sig or fit is not r:
+            break
+        fit = r - sinusoid_fit(r, sig)
+    m = max(int(ok.sum()), 1)
+    return LineSpectrum(freq, power, bg, p, p_adj, ok, _chi2_line(bg, dof, opt.alpha / m),
+                        _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), nper,
+                        n_seg, a, s2, det, n_clipped, peaks, n_sig, opt)
+
+
+def sinusoid_fit(r: np.ndarray, freqs: Sequence[float]) -> np.ndarray:
+    """Least-squares sum of sinusoids at *freqs* (cycles/sample) fitted to *r*."""
+    t = np.arange(r.size)
+    cols = [np.ones(r.size)]
+    for f in freqs:
+        cols += [np.cos(2 * np.pi * f * t), np.sin(2 * np.pi * f * t)]
+    basis = np.column_stack(cols)
+    coef, *_ = np.linalg.lstsq(basis, r, rcond=None)
+    return basis[:, 1:] @ coef[1:]
+
+
+def _peaks(r, freq, power, bg, p, p_adj, tested, det, nper, opt, find_peaks) -> tuple[list[Peak], int]:
+    """Local maxima of P/B in the band: the significant ones by excess variance
+    (largest oscillation first), else the most significant candidate; and how
+    many were significant in all."""
+    ratio = np.where(tested, power / np.where(bg > 0, bg, np.inf), 0.0)
+    idx, _ = find_peaks(np.concatenate([[-1.0], ratio, [-1.0]]))
+    idx = [int(i) - 1 for i in idx if tested[int(i) - 1]]
+    df = 1.0 / nper
+
+    def excess(k: int) -> float:
+        lobe = slice(max(k - 2, 0), k + 3)
+        return float(np.clip(power[lobe] - bg[lobe], 0, None).sum() * df)
+
+    sig = sorted((k for k in idx if p_adj[k] < opt.alpha), key=lambda k: -excess(k))
+    chosen = (sig or sorted(idx, key=lambda k: (p_adj[k], p[k]))[:1])[: opt.max_peaks]
+    out: list[Peak] = []
+    for k in chosen:
+        f = refine_frequency(r, float(freq[k]), df)
+        g = float(det.gain(np.array([f]))[0])
+        amp = float(np.sqrt(2.0 * excess(k) / g)) if g > 0 else float("nan")
+        out.append(Peak(k, f, float(power[k]), float(bg[k]), float(p[k]), float(p_adj[k]),
+                        bool(p_adj[k] < opt.alpha), excess(k), amp))
+    groups = group_harmonics([q.frequency for q in out], 0.5 * df)
+    return [Peak(**{**q.__dict__, "harmonic_of": g[0], "harmonic_number": g[1]}) if q.significant else q
+            for q, g in zip(out, groups)], len(sig)
+

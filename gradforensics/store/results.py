@@ -1,0 +1,197 @@
+"""The ``analysis/`` group of a store: where ``gradforensics analyze`` keeps its results.
+
+``analyze`` saves what it found in the store it read, so ``gradforensics report``
+re-renders without touching a gradient.  This module owns the raw layout of that
+group, for writing and reading back; what the documents *mean* (findings, tables,
+series, the Gram index) is the analysis side's
+(:mod:`gradforensics.analysis.engine.results`).
+
+=============================  ==================================  ================================
+path                           dtype, shape (chunks)               what
+=============================  ==================================  ================================
+``analysis/<key>`` (document)  uint8 ``(bytes,)``, attr             a JSON document, UTF-8
+                               ``format: "json"``                  (``findings``, ``tables/<name>``,
+                                                                   ``gram_index``)
+``analysis/<key>`` (array)     as given, one chunk                 a plain array (``series/<name>``)
+``analysis/gram/k``            float64 ``(M, N, N)``,              M Gram matrices over the N
+                               chunks ``(1, N, N)``                records, one chunk each
+``analysis/gram/nonfinite``    int64 ``(M, N)``, one chunk         non-finite count per record
+=============================  ==================================  ================================
+
+The Gram matrices are two arrays in all (not two per tensor and head), so a model
+with thousands of heads does not create thousands of arrays.
+
+Writing (:func:`write_results`) holds the store's writer lock
+(:class:`~gradforensics.store.lock.StoreLock`) and opens the store in mode
+``"a"``, which refuses a store holding symbolic links
+(:func:`~gradforensics.store.inventory.refuse_links`): nothing is written through
+a link.  A :class:`~gradforensics.store.reader.Store` opened before a write does
+not see what was written; open it again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.errors import CorruptStoreError, MissingArrayError
+
+if TYPE_CHECKING:
+    from gradforensics.store.backends import HDF5Backend, ZarrBackend
+    from gradforensics.store.reader import Store
+
+__all__ = ["GRAM_ARRAY", "GRAM_INDEX", "GROUP", "NONFINITE_ARRAY", "GramArrays", "has_result", "read_document",
+           "read_grams", "read_result", "write_results"]
+
+#: The group every analysis result lives in.
+GROUP = "analysis"
+#: Key of the JSON document that says which tensor and head each Gram matrix is.
+GRAM_INDEX = "gram_index"
+GRAM_ARRAY = f"{GROUP}/gram/k"
+NONFINITE_ARRAY = f"{GROUP}/gram/nonfinite"
+#: Gram matrices written per call (bounds the memory of one stacked write).
+GRAM_BATCH = 64
+
+
+@dataclass(frozen=True)
+class GramArrays:
+    """Gram matrices to save: one JSON-able index entry, matrix and count vector each.
+
+    ``k[i]`` is (N, N) and ``nonfinite[i]`` is (N,) for the store's N records;
+    ``index[i]`` describes them (the analysis side decides its fields).
+    """
+
+    n_records: int
+    index: list[Any] = field(default_factory=list)
+    k: Sequence[np.ndarray] = ()
+    nonfinite: Sequence[np.ndarray] = ()
+
+
+def _key(key: str) -> str:
+    return f"{GROUP}/{key}"
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o))
+
+
+# ---------------------------------------------------------------------- write
+def write_results(path: str | os.PathLike[str], *, arrays: Mapping[str, np.ndarray] | None = None,
+                  documents: Mapping[str, Any] | None = None, grams: GramArrays | None = None) -> None:
+    """Write analysis results into the store at *path*, under its writer lock.
+
+    Parameters
+    ----------
+    arrays
+        ``{key: array}`` saved as ``analysis/<key>``, one chunk each.
+    documents
+        ``{key: JSON-able object}`` saved as ``analysis/<key>`` (numpy scalars and
+        arrays become numbers and lists).
+    grams
+        Gram matrices saved as ``analysis/gram/k``, ``analysis/gram/nonfinite``
+        and the ``gram_index`` document; written first.
+
+    Raises
+    ------
+    StoreLockedError
+        Another writer holds the store.
+    PermissionError
+        The store is read-only.
+    CorruptStoreError
+        The store holds a symbolic link (nothing is written through one).
+    """
+    from gradforensics.store.backends import open_backend
+    from gradforensics.store.lock import StoreLock
+
+    with StoreLock(str(path)):
+        b = open_backend(path, "a")
+        try:
+            if grams is not None:
+                _write_grams(b, grams)
+            for key, arr in (arrays or {}).items():
+                _write_array(b, key, np.asarray(arr))
+            for key, doc in (documents or {}).items():
+                _write_document(b, key, doc)
+        finally:
+            b.close()
+
+
+def _write_array(b: ZarrBackend | HDF5Backend, key: str, arr: np.ndarray) -> None:
+    chunks = tuple(max(int(c), 1) for c in arr.shape) or (1,)
+    b.create(_key(key), arr.shape, arr.dtype.str, chunks, {}, "none")
+    if arr.size:
+        b.write_rows(_key(key), 0, arr)
+
+
+def _write_document(b: ZarrBackend | HDF5Backend, key: str, doc: Any) -> None:
+    raw = np.frombuffer(json.dumps(doc, default=_json_default).encode(), dtype=np.uint8)
+    b.create(_key(key), (raw.size,), "|u1", (max(raw.size, 1),), {"format": "json"}, "none")
+    b.write_rows(_key(key), 0, raw)
+
+
+def _write_grams(b: ZarrBackend | HDF5Backend, grams: GramArrays) -> None:
+    m, n = len(grams.k), int(grams.n_records)
+    b.create(GRAM_ARRAY, (m, n, n), "<f8", (1, max(n, 1), max(n, 1)), {}, "none")
+    b.create(NONFINITE_ARRAY, (m, n), "<i8", (max(m, 1), max(n, 1)), {}, "none")
+    for start in range(0, m, GRAM_BATCH):
+        b.write_rows(GRAM_ARRAY, start, np.stack(grams.k[start:start + GRAM_BATCH]))
+    if m:
+        b.write_rows(NONFINITE_ARRAY, 0, np.stack(grams.nonfinite))
+    _write_document(b, GRAM_INDEX, grams.index)
+
+
+# ----------------------------------------------------------------------- read
+def has_result(store: Store, key: str) -> bool:
+    """Whether *store* (as opened) holds ``analysis/<key>``."""
+    return store.has(_key(key))
+
+
+def read_result(store: Store, key: str) -> np.ndarray:
+    """The array ``analysis/<key>``, whole (:class:`MissingArrayError` if absent)."""
+    return store.read(_key(key))
+
+
+def read_document(store: Store, key: str) -> Any:
+    """The JSON document ``analysis/<key>``, decoded (not otherwise checked).
+
+    Raises
+    ------
+    MissingArrayError
+        The store holds no such document.
+    CorruptStoreError
+        Its bytes are not UTF-8 JSON (or nest absurdly deep): the results are damaged.
+    """
+    raw = read_result(store, key)
+    try:
+        return json.loads(raw.tobytes().decode())
+    except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, absurd nesting
+        text = repr(str(exc))
+        text = text if len(text) <= 120 else text[:120] + "..."
+        raise CorruptStoreError(f"{store.path}: {_key(key)}: is not a JSON document ({type(exc).__name__}: "
+                                f"{text}); the stored analysis results are damaged, run `gradforensics "
+                                "analyze` again.") from exc
+
+
+def read_grams(store: Store) -> tuple[Any, np.ndarray | None, np.ndarray | None]:
+    """``(index, k, nonfinite)`` as saved by :func:`write_results` (arrays None when the index is empty).
+
+    Raises
+    ------
+    MissingArrayError
+        No Gram matrices were saved in *store*.
+    """
+    if not has_result(store, GRAM_INDEX):
+        raise MissingArrayError(f"{store.path}: no Gram matrices saved; run `gradforensics analyze` first.")
+    index = read_document(store, GRAM_INDEX)
+    if not index:
+        return index, None, None
+    return index, store.read(GRAM_ARRAY), store.read(NONFINITE_ARRAY)

@@ -1,0 +1,244 @@
+"""The package's architecture, checked from its source (design, "Architecture").
+
+The import graph of ``gradforensics`` is built with :mod:`ast` from every
+``gradforensics/**/*.py`` (nothing is imported), and three rules are checked:
+
+* no import cycle between modules, at module level and, stricter, counting the
+  imports inside functions too (imports under ``if TYPE_CHECKING:`` never run and
+  are left out of both);
+* no module imports a private name (leading underscore) of another module;
+* the layers import in one direction: capture/replay -> store -> analysis -> report.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "gradforensics"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, as seen in module ``source``."""
+
+    source: str          # importing module
+    target: str          # imported module (``from pkg import mod`` resolves to ``pkg.mod``)
+    names: tuple[str, ...]  # names taken by ``from target import ...`` (empty for ``import target``)
+    line: int
+    in_function: bool
+    type_checking: bool
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES: dict[str, Path] = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    is_pkg = MODULES[module].name == "__init__.py"
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def imports_of(module: str) -> list[Import]:
+    """Every import of *module* into ``gradforensics`` or a third-party top-level package."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    out: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool, type_checking: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, True, type_checking)
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                for sub in child.body:
+                    visit(ast.Module(body=[sub], type_ignores=[]), in_function, True)
+                for sub in child.orelse:
+                    visit(ast.Module(body=[sub], type_ignores=[]), in_function, type_checking)
+            elif isinstance(child, ast.Import):
+                for alias in child.names:
+                    out.append(Import(module, alias.name, (), child.lineno, in_function, type_checking))
+            elif isinstance(child, ast.ImportFrom):
+                base = _absolute(module, child)
+                for alias in child.names:
+                    sub = f"{base}.{alias.name}"
+                    if sub in MODULES:        # from pkg import mod: the module itself
+                        out.append(Import(module, sub, (), child.lineno, in_function, type_checking))
+                    else:
+                        out.append(Import(module, base, (alias.name,), child.lineno, in_function, type_checking))
+            else:
+                visit(child, in_function, type_checking)
+
+    visit(tree, False, False)
+    return out
+
+
+ALL_IMPORTS: list[Import] = [imp for m in MODULES for imp in imports_of(m)]
+
+
+def _internal(target: str) -> bool:
+    return target == PACKAGE or target.startswith(PACKAGE + ".")
+
+
+def import_graph(*, functions: bool) -> dict[str, set[str]]:
+    """``{module: {gradforensics modules it imports when run}}`` (TYPE_CHECKING imports left out)."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for imp in ALL_IMPORTS:
+        if imp.type_checking or (imp.in_function and not functions) or not _internal(imp.target):
+            continue
+        if imp.target in MODULES and imp.target != imp.source:
+            graph[imp.source].add(imp.target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of *graph* as ``[a, b, ..., a]``, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}          # 1 on the stack, 2 done
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        stack: list[tuple[str, list[str]]] = [(start, sorted(graph[start]))]
+        path = [start]
+        state[start] = 1
+        while stack:
+            node, todo = stack[-1]
+            if not todo:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+                continue
+            nxt = todo.pop(0)
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, sorted(graph[nxt])))
+    return None
+
+
+# ----------------------------------------------------------------------- cycles
+def test_graph_sees_the_package():
+    graph = import_graph(functions=False)
+    assert "gradforensics.analysis.engine.run" in graph
+    assert "gradforensics.analysis.engine.model" in graph["gradforensics.analysis.engine.run"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_at_module_level():
+    cycle = find_cycle(import_graph(functions=False))
+    assert cycle is None, "module-level import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    cycle = find_cycle(import_graph(functions=True))
+    assert cycle is None, "import cycle (counting imports inside functions): " + " -> ".join(cycle or [])
+
+
+# ---------------------------------------------------------------- private names
+def _private_attribute_uses(module: str) -> list[str]:
+    """``alias._name`` where *alias* is a gradforensics module imported into *module*."""
+    tree = ast.parse(MODULES[module].read_text())
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if _internal(a.name):
+                    aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, node)
+            for a in node.names:
+                if f"{base}.{a.name}" in MODULES:
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+    out = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")
+                and aliases[node.value.id] != module):
+            out.append(f"{module}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    return out
+
+
+def test_no_private_name_imported_across_modules():
+    bad = [f"{imp.source}:{imp.line} imports {name} from {imp.target}"
+           for imp in ALL_IMPORTS if _internal(imp.target) and imp.target != imp.source
+           for name in imp.names if name.startswith("_") and not name.startswith("__")]
+    bad += [f"{imp.source}:{imp.line} imports private module {imp.target}"
+            for imp in ALL_IMPORTS if _internal(imp.target) and imp.names == ()
+            and any(p.startswith("_") and not p.startswith("__") for p in imp.target.split(".")[1:])
+            and not imp.target.startswith(imp.source.rsplit(".", 1)[0] + "._")]
+    bad += [use for m in MODULES for use in _private_attribute_uses(m)]
+    assert not bad, "private names used across modules (make them public or move them):\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------- layers
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _violations(layers: tuple[str, ...], allowed: object) -> list[str]:
+    """Imports from a module of *layers* that ``allowed(imp)`` refuses."""
+    return [f"{imp.source}:{imp.line} imports {imp.target}" for imp in ALL_IMPORTS
+            if _layer(imp.source) in layers and not allowed(imp)]  # type: ignore[operator]
+
+
+def _top(target: str) -> str:
+    return target.split(".")[0]
+
+
+def _under(target: str, *layers: str) -> bool:
+    return any(target == f"{PACKAGE}.{layer}" or target.startswith(f"{PACKAGE}.{layer}.") for layer in layers)
+
+
+def test_analyses_import_no_other_analysis():
+    """A ``kinds`` module imports the engine and shared maths, never another analysis; the
+    engine, the signal maths and the series import no analysis at all."""
+    kinds = f"{PACKAGE}.analysis.kinds"
+    below = (f"{PACKAGE}.analysis.engine", f"{PACKAGE}.analysis.signal", f"{PACKAGE}.analysis.series")
+    bad = [f"{imp.source}:{imp.line} imports {imp.target}" for imp in ALL_IMPORTS
+           if imp.target.startswith(kinds + ".") and imp.target != imp.source
+           and (imp.source.startswith(kinds + ".") or imp.source.startswith(below))]
+    assert not bad, "an analysis imported from kinds/ (move the shared part to analysis/signal or the engine):\n" + \
+        "\n".join(bad)
+
+
+@pytest.mark.parametrize(("layers", "rule", "allowed"), [
+    (("capture", "replay"), "capture and replay never import analysis or report (they write stores, analysis reads them)",
+     lambda imp: not _under(imp.target, "analysis", "report")),
+    (("analysis",), "analysis never imports torch, capture or replay (it reads stores, framework-free)",
+     lambda imp: _top(imp.target) != "torch" and not _under(imp.target, "capture", "replay")),
+    (("store",), "store imports nothing from capture, replay, analysis, report, commands or testing "
+                 "(the format is the bottom layer)",
+     lambda imp: not _under(imp.target, "capture", "replay", "analysis", "report", "commands", "testing", "cli",
+                            "demo")),
+    (("report",), "report imports from analysis only the engine's types (analysis.engine.model) and the registry "
+                  "(gradforensics.analysis, analysis.engine.registry)",
+     lambda imp: not _under(imp.target, "analysis") or imp.target in (
+         f"{PACKAGE}.analysis", f"{PACKAGE}.analysis.engine.model", f"{PACKAGE}.analysis.engine.registry")),
+    (("report", "analysis", "store"), "report, analysis and store never import torch, capture, replay or the CLI",
+     lambda imp: _top(imp.target) != "torch" and not _under(imp.target, "capture", "replay", "commands", "cli",
+                                                            "demo")),
+])
+def test_layering(layers, rule, allowed):
+    bad = _violations(layers, allowed)
+    assert not bad, f"layering rule broken: {rule}:\n" + "\n".join(bad)
