@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,7 @@ from gradforensics.errors import GradforensicsError, SpecError
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.analysis.engine.model import Context, GramResult
+    from gradforensics.analysis.engine.model import AnalysisResult, Context, GramResult
 
 #: Columns never treated as value series when ``columns`` is not given.
 META_COLUMNS = frozenset({
@@ -296,6 +296,22 @@ def from_context(ctx: Context, axis: str = "step") -> list[SeriesGroup]:
     selected analysis needs ``"gram"``).
     """
     return from_batches(ctx.batches, ctx.grams, mode=str(ctx.meta.mode), axis=axis)
+
+
+def series_compute(name: str, analyze: Callable[[Sequence[SeriesGroup], Any], AnalysisResult]
+                   ) -> Callable[[Context], AnalysisResult]:
+    """The ``compute`` of a series analysis: its options, the store's series, then *analyze*.
+
+    The loss-curve analyses differ only in *analyze*; each declares
+    ``compute=series_compute(NAME, analyze_series)``.
+    """
+    from gradforensics.analysis.signal.spectrum import SpectrumOptions
+
+    def compute(ctx: Context) -> AnalysisResult:
+        opt = ctx.options_for(name, SpectrumOptions)
+        return analyze(from_context(ctx, opt.axis), opt)
+
+    return compute
 
 
 # -------------------------------------------------------------------------- logs

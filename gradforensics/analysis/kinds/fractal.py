@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.series import series_compute
 from gradforensics.analysis.signal import MIN_POINTS, SpectrumOptions, default_nperseg, detrend, winsorize
 
 if TYPE_CHECKING:
@@ -245,16 +246,9 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     plot_scaling(result, str(flag.evidence.get("series", flag.tensor)), ax)
 
 
-def _compute(ctx: Context) -> AnalysisResult:
-    from gradforensics.analysis.series import from_context
-
-    opt = ctx.options_for(NAME, SpectrumOptions)
-    return analyze_series(from_context(ctx, opt.axis), opt)
-
-
 def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     return []
 
 
-ANALYSIS = Analysis(name=NAME, needs=(), compute=_compute, flags=_flags, plot=plot, options=SpectrumOptions,
+ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series), flags=_flags, plot=plot, options=SpectrumOptions,
                     series=analyze_series)

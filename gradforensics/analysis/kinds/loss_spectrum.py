@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag
+from gradforensics.analysis.series import series_compute
 from gradforensics.analysis.signal import MIN_POINTS, LineSpectrum, SpectrumOptions, line_spectrum
 
 if TYPE_CHECKING:
@@ -248,13 +249,6 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     plot_spectrum(result, str(flag.evidence.get("series", flag.tensor)), ax)
 
 
-def _compute(ctx: Context) -> AnalysisResult:
-    from gradforensics.analysis.series import from_context
-
-    opt = ctx.options_for(NAME, SpectrumOptions)
-    return analyze_series(from_context(ctx, opt.axis), opt)
-
-
 def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     """Flags for a store's series; none in replay mode.
 
@@ -287,5 +281,5 @@ ADVICE = Advice(
     time_axis=True,
 )
 
-ANALYSIS = Analysis(name=NAME, needs=(), compute=_compute, flags=_flags, plot=plot,
+ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series), flags=_flags, plot=plot,
                     kinds={"loss_spectrum": ADVICE}, options=SpectrumOptions, series=analyze_series)
