@@ -187,17 +187,29 @@ def _zarr_array(path: str, rel: str, meta: dict[str, Any]) -> StoredArray:
     if not isinstance(grid, dict) or grid.get("name") != "regular" or chunks is None or len(chunks) != len(shape):
         raise _corrupt(path, where, f"chunk_grid {grid!r} is not a regular grid of {len(shape)} positive sizes")
     dtype = meta.get("data_type")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _corrupt(path, where, f"data_type {dtype!r} is not one gradforensics writes ({sorted(DTYPES)})")
     enc = meta.get("chunk_key_encoding")
     if enc != {"name": "default", "configuration": {"separator": "/"}}:
         raise _corrupt(path, where, f"chunk_key_encoding {enc!r} is not the default '/' one gradforensics writes")
+    _zarr_parse(path, where, meta)
     arr = StoredArray(rel, shape, chunks, str(dtype), dict(meta.get("attributes") or {}))
     if arr.chunk_nbytes > MAX_CHUNK_BYTES:
         raise _corrupt(path, where, f"chunks of {arr.chunk_nbytes} bytes, beyond {MAX_CHUNK_BYTES} "
                                     "(gradforensics writes chunks of a few MiB)")
     arr.chunk_file_bytes = _exact_chunk_bytes(path, where, meta.get("codecs"), arr.chunk_nbytes)
     return arr
+
+
+def _zarr_parse(path: str, where: str, meta: dict[str, Any]) -> None:
+    """Let zarr parse the array metadata now, so its complaints (codec configuration,
+    fill value, ...) are one line naming the file, not a traceback at the first read."""
+    from zarr.core.metadata.v3 import ArrayV3Metadata
+
+    try:
+        ArrayV3Metadata.from_dict(dict(meta))
+    except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
+        raise _corrupt(path, where, f"zarr cannot parse it ({type(exc).__name__}: {exc})") from exc
 
 
 def _exact_chunk_bytes(path: str, where: str, codecs: Any, nbytes: int) -> int | None:

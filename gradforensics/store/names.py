@@ -23,8 +23,9 @@ _ANALYSIS_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 
 
 def has_control(text: str) -> bool:
-    """True when *text* holds a control or format character (C0/C1, DEL, bidi overrides...)."""
-    return any(unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") for ch in text)
+    """True when *text* holds a control or format character (C0/C1, DEL, bidi overrides...)
+    or a lone surrogate (not encodable as UTF-8)."""
+    return any(unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp") for ch in text)
 
 
 def name_problem(name: object, *, allow_slash: bool = False) -> str | None:

@@ -108,18 +108,19 @@ def _batches(path: str, name: str, arr: StoredArray, meta: StoreMeta) -> None:
 def _gradient(path: str, name: str, arr: StoredArray, sketch: bool, per_record: bool) -> None:
     a = arr.attrs
     enc = a.get("encoding", "float32")
-    if enc not in _ENCODING_DTYPE or _ENCODING_DTYPE[enc] != arr.dtype:
+    if not isinstance(enc, str) or enc not in _ENCODING_DTYPE or _ENCODING_DTYPE[enc] != arr.dtype:
         raise _bad(path, name, f"encoding {enc!r} with dtype {arr.dtype}",
                    "one of " + ", ".join(f"{e} as {d}" for e, d in _ENCODING_DTYPE.items()))
     row = arr.shape[1:]
     heads = a.get("heads")
-    if heads not in (None, 0, ""):
+    if heads is not None:     # the writer sets it only on a head-split array
         if not _is_int(heads, 1) or len(row) < 2 or row[0] != heads:
             raise _bad(path, name, f"heads={heads!r} with rows of shape {row}", "heads = the length of the head axis")
         _head_attrs(path, name, a, heads)
     if sketch:
         k, seed, method = a.get("k"), a.get("seed", 0), a.get("method", "countsketch")
-        if not _is_int(k, 1) or not row or row[-1] != k or not _is_int(seed, None) or method not in _SKETCH_METHODS:
+        if (not _is_int(k, 1) or not row or row[-1] != k or not _is_int(seed, None)
+                or not isinstance(method, str) or method not in _SKETCH_METHODS):
             raise _bad(path, name, f"k={k!r}, seed={seed!r}, method={method!r} for rows {row}",
                        f"integer k equal to the last axis, an integer seed, a method in {_SKETCH_METHODS}")
     elif per_record and "shape" in a:
