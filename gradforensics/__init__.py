@@ -11,7 +11,7 @@ from typing import Any
 from gradforensics._version import __version__
 from gradforensics.errors import GradforensicsError
 
-__all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "open_store", "report"]
+__all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "compare", "open_store", "report"]
 
 
 def __getattr__(name: str) -> Any:
@@ -27,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from gradforensics.analysis.engine import analyze
 
         return analyze
+    if name == "compare":
+        from gradforensics.compare_runs import compare
+
+        return compare
     if name == "report":
         from gradforensics.report import report
 

@@ -23,6 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "train a tiny transformer with planted trouble on CPU, capture, analyze, report"),
     "analyze": ("analyze", "run the forensic pass over a store (Dask) and write the report"),
     "loss": ("loss", "loss-curve forensics of a store or training logs: spectrum vs red noise, fractal dimension"),
+    "compare": ("compare", "compare two runs of one model finding by finding: resolved, new, persisting, worse"),
     "capture": ("capture", "dump a problem checkpoint (HF directory or raw PyTorch) replaying batches per data source"),
 }
 

@@ -63,3 +63,11 @@ class CorruptStoreError(GradforensicsError, ValueError):
 
 class UnsafeNameError(GradforensicsError, ValueError):
     """A name (tensor, module, source, analysis) that cannot safely become a store key or a file name."""
+
+
+class ModelMismatchError(GradforensicsError, ValueError):
+    """Two stores that must hold one model (``compare``) differ in a tensor's name or shape."""
+
+
+class MissingExtraError(GradforensicsError, ImportError):
+    """An optional dependency a command needs is not installed; the message names the extra that brings it."""

@@ -1,0 +1,56 @@
+"""``gradforensics compare BEFORE AFTER --out DIR``: what a fix resolved, left or broke.
+
+Both stores must hold one model; each is analysed first if ``analyze`` has not
+run on it.  Exit 0 whatever is found; with ``--fail-on SEVERITY``, 1 when a
+``new`` or ``worse`` finding reaches it after the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import IO, TYPE_CHECKING
+
+from gradforensics._text import terminal
+
+if TYPE_CHECKING:
+    from gradforensics.report.comparison import Comparison
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gradforensics.report.severity import add_fail_on_argument
+
+    p.add_argument("before", help="store captured before the fix (*.zarr or *.h5)")
+    p.add_argument("after", help="store of the same model captured after the fix")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for report.html, report.md, compare.json, tables/compare.csv, figures/")
+    p.add_argument("--quiet", action="store_true", help="no progress bar for a store analysed on the fly")
+    add_fail_on_argument(p)
+
+
+def print_summary(c: Comparison, n: int = 10, file: IO[str] | None = None) -> None:
+    """Counts per status, where the report is, and the changed rows, one line each (names escaped)."""
+    out = file or sys.stdout
+
+    def say(line: str) -> None:
+        print(terminal(line), file=out)
+
+    say(", ".join(f"{v} {k}" for k, v in c.counts().items()) + f"; report: {c.paths['html']}")
+    changed = [r for r in c.rows if r.changed]
+    for r in changed[:n]:
+        head = "" if r.head is None else f" head {r.head}"
+        srcs = f" [{', '.join(r.sources)}]" if r.sources else ""
+        b, a = (f"{v:.2f}" if v is not None else "-" for v in (r.severity_before, r.severity_after))
+        say(f"  {r.status:<10} {r.kind:<13} {r.tensor}{head}{srcs}: {b} -> {a}")
+    if len(changed) > n:
+        say(f"  ... and {len(changed) - n} more in {c.paths['csv']}.")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradforensics.compare_runs import compare
+
+    c = compare(args.before, args.after, args.out, progress=not args.quiet)
+    print_summary(c)
+    if args.fail_on is not None and c.reaching(args.fail_on):
+        return 1
+    return 0

@@ -1,0 +1,123 @@
+"""``gf.compare(before, after, out_dir)``: did the fix work?  Two stores of one model, finding by finding.
+
+For the team that applied a fix (re-weighted a source, lowered the LR) and
+captured again (design, "Comparing runs"): each store's stored findings are
+read, or - for a store ``analyze`` has not run on - computed on the fly by the
+engine and saved in it as ``analyze`` does; then every finding gets a status
+(:mod:`gradforensics.report.comparison`) and the outputs are written
+(:mod:`gradforensics.report.compare_render`).
+
+Two stores of different models are refused before any gradient is read: the
+tensor names and shapes must match (:func:`check_same_model`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from gradforensics.errors import ModelMismatchError
+
+if TYPE_CHECKING:
+    from dask.distributed import Client
+
+    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.report.comparison import Comparison
+    from gradforensics.store.reader import Store
+
+__all__ = ["check_same_model", "compare", "findings_of", "tensor_shapes"]
+
+
+def tensor_shapes(store: Store) -> dict[str, tuple[int, ...] | None]:
+    """Each gradient tensor of *store* and its shape (None where only a sketch without its shape is kept)."""
+    out: dict[str, tuple[int, ...] | None] = {}
+    for t in store.tensors:
+        info = store.grads.get(t) or store.sketches[t]
+        shape = info.attrs.get("shape")
+        if isinstance(shape, list) and all(isinstance(s, int) for s in shape):
+            out[t] = tuple(shape)
+        else:
+            out[t] = info.shape[1:] if t in store.grads and "heads" not in info.attrs else None
+    return out
+
+
+def check_same_model(before: Store, after: Store) -> None:
+    """Refuse two stores whose tensors differ, naming the first tensor (in sorted order) that does.
+
+    Raises
+    ------
+    ModelMismatchError
+        A tensor is in one store only, or has another shape in the other.
+    """
+    a, b = tensor_shapes(before), tensor_shapes(after)
+    for t in sorted(set(a) | set(b)):
+        if t not in b:
+            what = f"is in {before.path} but not in {after.path}"
+        elif t not in a:
+            what = f"is in {after.path} but not in {before.path}"
+        elif a[t] is not None and b[t] is not None and a[t] != b[t]:
+            what = f"has shape {a[t]} in {before.path} but {b[t]} in {after.path}"
+        else:
+            continue
+        raise ModelMismatchError(f"{before.path} and {after.path} hold different models: tensor {t!r} {what}; "
+                                 "compare needs two captures of one model (the same tensor names and shapes).")
+
+
+def findings_of(store: Store, client: Client | None = None, progress: bool = True) -> Findings:
+    """The findings stored in *store*, or - if ``analyze`` has not run on it - a pass now (results saved)."""
+    from gradforensics.analysis.engine import analyze
+    from gradforensics.analysis.engine.results import read_findings
+    from gradforensics.store.results import has_result
+
+    if has_result(store, "findings"):
+        return read_findings(store)
+    return analyze(store.path, client=client, progress=progress)
+
+
+def compare(before: str | os.PathLike[str], after: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+            client: Client | None = None, progress: bool = True) -> Comparison:
+    """Compare two runs of one model and write the comparison into *out_dir*.
+
+    Parameters
+    ----------
+    before, after
+        Stores (``*.zarr`` / ``*.h5``) captured before and after a fix.  A store
+        that holds no analysis results is analysed first, and the results are
+        saved in it as ``gf.analyze`` does.
+    out_dir
+        Directory for ``report.html``, ``report.md``, ``compare.json``,
+        ``tables/compare.csv`` and ``figures/compare-NN-<kind>.png``.
+    client
+        A ``dask.distributed.Client`` for the on-the-fly passes (default: threads).
+    progress
+        Show the progress bar of an on-the-fly pass.
+
+    Returns
+    -------
+    Comparison
+        The rows (kind, tensor, head, sources, severities, status) and the
+        written paths (``.paths``: ``"html"``, ``"markdown"``, ``"json"``,
+        ``"csv"``, ``"figures/<stem>"``).
+
+    Raises
+    ------
+    ModelMismatchError
+        The stores hold different models (checked before anything is read or written).
+    NotAStoreError, CorruptStoreError, EmptyStoreError
+        As for ``gf.analyze``.
+
+    Notes
+    -----
+    The status rule (0.5 = a finding; worse = +0.2) is in
+    :mod:`gradforensics.report.comparison`.
+    """
+    from gradforensics.report.compare_render import write
+    from gradforensics.report.comparison import compare_findings
+    from gradforensics.store.reader import Store
+
+    stores = Store(before, check_chunks=False), Store(after, check_chunks=False)
+    check_same_model(*stores)
+    found = [findings_of(s, client, progress) for s in stores]
+    comparison = compare_findings(found[0], found[1], (os.fspath(before), os.fspath(after)))
+    write(comparison, out_dir)
+    return comparison
