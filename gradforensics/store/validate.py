@@ -113,6 +113,9 @@ def _gradient(path: str, name: str, arr: StoredArray, sketch: bool, per_record: 
                    "one of " + ", ".join(f"{e} as {d}" for e, d in _ENCODING_DTYPE.items()))
     row = arr.shape[1:]
     heads = a.get("heads")
+    stray = sorted(k for k in ("split_axis", "fused", "heads_per_part", "head_labels") if k in a)
+    if heads is None and stray:
+        raise _bad(path, name, f"head attributes {stray} without 'heads'", "'heads' with them, or neither")
     if heads is not None:     # the writer sets it only on a head-split array
         if not _is_int(heads, 1) or len(row) < 2 or row[0] != heads:
             raise _bad(path, name, f"heads={heads!r} with rows of shape {row}", "heads = the length of the head axis")
@@ -125,9 +128,12 @@ def _gradient(path: str, name: str, arr: StoredArray, sketch: bool, per_record: 
                        f"integer k equal to the last axis, an integer seed, a method in {_SKETCH_METHODS}")
     elif per_record and "shape" in a:
         orig = a["shape"]
-        if not isinstance(orig, list) or not all(_is_int(s, 0) for s in orig) or math.prod(orig) != math.prod(row):
+        whole = heads is None        # a row of a tensor that is not split is the tensor itself
+        if (not isinstance(orig, list) or not all(_is_int(s, 0) for s in orig)
+                or (tuple(orig) != row if whole else math.prod(orig) != math.prod(row))):
             raise _bad(path, name, f"attribute shape={orig!r} for rows of shape {row}",
-                       "the tensor's shape, with as many elements as a row")
+                       "the tensor's shape" + (" (the row shape: no heads attribute)" if whole else
+                                               ", with as many elements as a row"))
 
 
 def _head_attrs(path: str, name: str, a: dict[str, Any], heads: int) -> None:
