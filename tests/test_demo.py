@@ -108,9 +108,17 @@ def test_demo_end_to_end_names_the_planted_pair_and_spares_code(tmp_path, capsys
     assert set(top["sources"]) == {"zh", "en"} and top["severity"] >= 0.75
     assert doc["flags"][0]["kind"] == "conflict"                            # the planted trouble leads the report
     assert not [f for f in conflicts if "code" in f["sources"]], "the consistent source was flagged"
+    # nothing at or above 0.5 that is not planted: no per-tensor noise flood on the converged model
+    loud = [(f["kind"], f["tensor"], tuple(f["sources"])) for f in doc["flags"] if f["severity"] >= 0.5]
+    assert loud and all(k == "conflict" and set(s) == {"zh", "en"} for k, _, s in loud), loud
+    noise = [f for f in doc["flags"] if f["kind"] == "noise"]
+    assert [f["tensor"] for f in noise] in ([], ["whole model"]) and all(not f["sources"] for f in noise)
+    assert all(f["evidence"]["snr"] is None or f["evidence"]["snr"] > 0 for f in noise)
 
     html = (out / "report.html").read_text()
     summary = html[html.index('id="summary-list"'):html.index("</ol>")]
     first = re.findall(r"<li>(.*?)</li>", summary)[0]
     assert "zh and en gradients point opposite ways" in first and "model.layers." in first
     assert not re.search(r"conflict</a> — [^<]*code", summary)
+    verdict = re.search(r'<p class="verdict" id="verdict">(.*?)</p>', html).group(1)
+    assert verdict.startswith("What is wrong: data-source conflict") and "zh and en" in verdict

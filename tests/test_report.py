@@ -252,6 +252,28 @@ def test_html_has_header_summary_sections_advice_and_sortable_table(rendered):
     assert 'class="sortable"' in html and "gfSort" in html
 
 
+def test_report_leads_with_the_verdict_then_the_map_then_findings_metadata_last(rendered):
+    _, _, out = rendered
+    html = (out / "report.html").read_text()
+    order = [html.index(m) for m in ('id="verdict"', 'id="at-a-glance"', 'id="summary-list"', '<section class="finding"',
+                                     'id="layer-table"', 'id="header"')]
+    assert order == sorted(order), order
+    verdict = re.search(r'<p class="verdict" id="verdict">(.*?)</p>', html).group(1)
+    assert verdict.startswith("What is wrong: ") and "zh and en" in verdict and "Try first: " in verdict
+    assert "model.layers.5–6" in verdict
+    md = (out / "report.md").read_text()
+    first = md.split("\n\n")[1]                       # the paragraph after the title
+    assert first.startswith("What is wrong: ") and "Try first: " in first
+    order = [md.index(m) for m in (first[:40], "## At a glance", "## Findings", "### 1.", "## Layer by layer",
+                                   "## The run")]
+    assert order == sorted(order), order
+
+
+def test_verdict_of_a_healthy_run_says_nothing_needs_action():
+    v = summary.verdict(data.findings(healthy=True))
+    assert v.startswith("Nothing here needs action: no flag reaches 0.5")
+
+
 def test_a_raising_plot_gives_a_note_not_a_blank_panel(rendered):
     _, _, out = rendered
     html = (out / "report.html").read_text()

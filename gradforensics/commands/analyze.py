@@ -42,10 +42,10 @@ def _client(args: argparse.Namespace) -> Iterator[Any]:
     if args.scheduler is None and args.workers is None:
         yield None
         return
-    try:
-        from distributed import Client, LocalCluster
-    except ImportError as exc:
-        raise SpecError("--scheduler/--workers need dask.distributed; install gradforensics[distributed].") from exc
+    from gradforensics._extras import require_extra
+
+    require_extra("distributed", "--workers" if args.workers is not None else "--scheduler")
+    from distributed import Client, LocalCluster
     if args.workers is not None:
         if args.workers < 1:
             raise SpecError(f"--workers must be >= 1; got {args.workers}.")

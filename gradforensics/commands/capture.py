@@ -181,6 +181,10 @@ def _refuse_or_announce(per_record: dict[str, int], n_records: int, out: Path, f
 
 # ------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> int:
+    from gradforensics._extras import require_extra
+
+    require_extra("torch", "gradforensics capture")
+    require_extra("transformers", "gradforensics capture")
     from gradforensics.replay import data
 
     sources = data.parse_sources(args.data)

@@ -12,6 +12,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradforensics._extras import require_extra
+
+    require_extra("torch", "the demo")
+    require_extra("transformers", "the demo")
     from gradforensics import demo
     from gradforensics.commands.report import print_top
 

@@ -31,7 +31,7 @@ class Picture:
 
 @dataclass
 class Section:
-    finding: summary.Finding
+    finding: summary.FlagGroup
     sentence: str
     picture: Picture | None
     advice: list[str]
@@ -43,7 +43,8 @@ class Document:
     title: str
     header: list[tuple[str, str]]
     headline: str
-    sentences: list[tuple[summary.Finding, str]]
+    verdict: str
+    sentences: list[tuple[summary.FlagGroup, str]]
     n_more: int
     overview: Picture
     sections: list[Section]
@@ -173,6 +174,7 @@ def _build(findings: Findings, store: Store | None) -> Document:
         title=f"gradforensics report — {findings.store}",
         header=header_items(findings, store),
         headline=summary.headline(findings),
+        verdict=summary.verdict(findings, groups),
         sentences=[(g, g.sentence(findings.n_records)) for g in shown],
         n_more=n_more,
         overview=ov,

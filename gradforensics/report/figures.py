@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from gradforensics.analysis.engine.model import Findings, Flag
-    from gradforensics.report.summary import Finding
+    from gradforensics.report.summary import FlagGroup
 
 DPI = 110
 OTHER = "other"
@@ -182,7 +182,7 @@ def _drew_something(fig: Figure) -> bool:
     return any(a.has_data() or a.images or a.texts or a.tables for a in fig.axes)
 
 
-def evidence(findings: Findings, finding: Finding) -> tuple[Figure, str | None]:
+def evidence(findings: Findings, finding: FlagGroup) -> tuple[Figure, str | None]:
     """The evidence figure of *finding* (its most severe flag) and a note if the plot failed."""
     from gradforensics.analysis import REGISTRY
 

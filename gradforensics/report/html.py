@@ -38,6 +38,7 @@ font-variant-numeric:tabular-nums}
 .sev.low{background:#fddbc7;color:#000}.sev.info{background:#e8eaed;color:#333}
 td.high{background:#f4c7c3}td.medium{background:#fbe0cf}td.low{background:#fdf1e8}
 ol.summary li{margin:.35em 0}.headline{font-size:1.08em;font-weight:500}
+.verdict{font-size:1.12em;line-height:1.55;background:#f4f6fb;border-left:5px solid #1d4e89;padding:.6em 1em;margin:.4em 0 1em}
 figure{margin:.6em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
 figcaption{font-size:13px;color:#555}
 .note{background:#fdecea;border-left:4px solid #b2182b;padding:.4em .8em;margin:.5em 0}
@@ -176,22 +177,25 @@ def render(doc: Document) -> str:
 <style>{CSS}</style></head>
 <body><main>
 <h1>{escape(doc.title)}</h1>
-<table class="hdr" id="header">{hdr}</table>
+<p class="verdict" id="verdict">{escape(doc.verdict)}</p>
 {problems}
-<h2 id="summary">Summary</h2>
+<h2 id="at-a-glance">At a glance</h2>
+{_img(doc.overview)}
+<h2 id="summary">Findings</h2>
 <p class="headline">{escape(doc.headline)}</p>
 <ol class="summary" id="summary-list">{summ}</ol>
 {more}
-<h2 id="at-a-glance">At a glance</h2>
-{_img(doc.overview)}
-<h2 id="findings">Findings</h2>
+<div id="findings">
 {sections}
+</div>
 <h2 id="layers">Layer by layer</h2>
 <p>Highest flag severity per tensor (and head) and analysis; “—” analysed, no flag; empty: not analysed.
 Click a column header to sort.</p>
 {_layer_table(doc)}
 <h2 id="tables">Analysis tables</h2>
 {details}
+<h2 id="run">The run</h2>
+<table class="hdr" id="header">{hdr}</table>
 <script>{JS}</script>
 </main></body></html>
 """

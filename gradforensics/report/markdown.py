@@ -80,15 +80,14 @@ def _layer_rows(doc: Document) -> list[list[str]]:
 
 def render(doc: Document, figdir: str = "figures") -> str:
     """The whole ``report.md`` as a string; figures are expected in *figdir* beside it."""
-    out = [f"# {md_text(doc.title)}", "",
-           _table(["", ""], [[f"**{md_text(k)}**", md_text(v)] for k, v in doc.header]), ""]
+    out = [f"# {md_text(doc.title)}", "", md_text(doc.verdict), ""]
     if doc.problems:
         out += [f"> Report problem: {md_text(p)}\n>" for p in doc.problems] + [""]
-    out += ["## Summary", "", md_text(doc.headline), ""]
+    out += ["## At a glance", "", _img(doc.overview, figdir), "", "## Findings", "", md_text(doc.headline), ""]
     out += [f"{i + 1}. {_sev(g.severity)} {md_text(g.kind)} — {md_text(text)}" for i, (g, text) in enumerate(doc.sentences)]
     if doc.n_more:
         out += ["", f"… and {doc.n_more} more finding(s) below."]
-    out += ["", "## At a glance", "", _img(doc.overview, figdir), "", "## Findings", ""]
+    out += [""]
     out += [_section(s, figdir) for s in doc.sections] or ["No findings.", ""]
     out += ["## Layer by layer", "",
             "Highest flag severity per tensor (and head) and analysis; — analysed, no flag; empty: not analysed.", ""]
@@ -97,4 +96,5 @@ def render(doc: Document, figdir: str = "figures") -> str:
         out += [f"First {MAX_LAYER_ROWS} of {len(doc.layer_rows)} rows; see report.html or `tables/`.", ""]
     out += ["## Analysis tables", ""] + [f"- {md_code(f'tables/{n}.csv')} ({len(t)} rows)"
                                          for n, t in doc.analysis_tables.items()]
+    out += ["", "## The run", "", _table(["", ""], [[f"**{md_text(k)}**", md_text(v)] for k, v in doc.header])]
     return "\n".join(out) + "\n"

@@ -1,7 +1,7 @@
 """The summary in sentences: flags grouped into findings, most severe first.
 
 Flags of one kind, with the same implicated sources and in the same severity
-band, form one :class:`Finding`; its sentence names the merged location
+band, form one :class:`FlagGroup`; its sentence names the merged location
 (``model.layers.5–6 q_proj/k_proj, heads 2 and 5``), what is wrong, the
 evidence range, the records and the sources.  Each analysis's own one-line
 ``summary`` stays on its flag and is shown in the finding's section.
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 #: How evidence keys read in a sentence.
 LABELS: dict[str, str] = {
     "cosine": "cos", "p_value": "p", "snr": "SNR", "b_simple": "B_simple", "stable_rank": "stable rank",
+    "snr_upper": "SNR ≤", "batch_size": "batch",
     "alpha": "α", "period_steps": "period", "power": "power", "growth": "growth", "top_share": "top share",
     "rho": "ρ", "nonfinite": "non-finite values", "frac_swamped": "swamped", "swamped": "swamped",
 }
@@ -32,7 +33,7 @@ MAX_SENTENCES = 12
 
 
 @dataclass
-class Finding:
+class FlagGroup:
     """Flags of one kind, same sources, same severity band: one sentence, one section."""
 
     kind: str
@@ -90,13 +91,13 @@ class Finding:
         return text + "."
 
 
-def group(flags: Sequence[Flag]) -> list[Finding]:
+def group(flags: Sequence[Flag]) -> list[FlagGroup]:
     """Flags -> findings, most severe first (ties: kind, then location)."""
     buckets: dict[tuple[str, tuple[str, ...], str], list[Flag]] = {}
     for f in flags:
         key = (f.kind, tuple(f.sources), band(f.severity))
         buckets.setdefault(key, []).append(f)
-    out = [Finding(kind, srcs, sorted(fl, key=lambda f: -f.severity)) for (kind, srcs, _), fl in buckets.items()]
+    out = [FlagGroup(kind, srcs, sorted(fl, key=lambda f: -f.severity)) for (kind, srcs, _), fl in buckets.items()]
     out.sort(key=lambda g: (-g.severity, g.kind, g.tensors[0]))
     for i, g in enumerate(out):
         g.index = i
@@ -173,7 +174,52 @@ def headline(findings: Findings) -> str:
             f"is {worst.kind} on {names.location([(worst.tensor, worst.head)])} (severity {worst.severity:.2f}).")
 
 
-def sentences(findings: Findings, groups: list[Finding] | None = None) -> tuple[list[Finding], int]:
+def verdict(findings: Findings, groups: list[FlagGroup] | None = None) -> str:
+    """The report's opening paragraph: what is wrong, where, which sources, what to try first.
+
+    Built from the most severe finding group and, when they are of other kinds, up to
+    two more groups at or above 0.5; a run with none says so and counts the watch list.
+    """
+    groups = group(findings.flags) if groups is None else groups
+    act = [g for g in groups if g.severity >= 0.5]
+    if not act:
+        watch = (f" {len(findings.flags)} minor flag(s) below 0.5 are a watch list: "
+                 f"{join_kinds(groups)}." if groups else "")
+        return (f"Nothing here needs action: no flag reaches 0.5 (the level a healthy run stays under) in "
+                f"{findings.n_records} records.{watch}")
+    top = act[0]
+    text = f"What is wrong: {_finding_clause(top, findings.n_records)}"
+    others = [g for g in act[1:] if g.kind != top.kind]
+    others = list({g.kind: g for g in reversed(others)}.values())[::-1][:2]
+    if others:
+        text += " Also: " + "; ".join(_finding_clause(g, findings.n_records).rstrip(".") for g in others) + "."
+    tips = advice.advice_for(top.kind, top.flags, findings.mode, len(findings.sources))
+    first = next((t for t in tips if not t.startswith("Caveat")), tips[0] if tips else "")
+    if first:
+        text += f" Try first: {first}"
+        text += "" if first.endswith(".") else "."
+    rest = len(act) - 1 - len(others)
+    if rest > 0:
+        text += f" {rest} more finding(s) at or above 0.5 are listed below."
+    return text
+
+
+def _finding_clause(g: FlagGroup, n_records: int | None) -> str:
+    """``<title> in <where>: <what> (<evidence>)[, sources a and b].``"""
+    what = advice.phrase(g.kind, g.sources)
+    ev = g.evidence()
+    text = f"{g.title.lower()} in {g.location()}: {what}" + (f" ({ev})" if ev else "")
+    if g.sources and "{sources}" not in advice.info(g.kind).phrase:
+        text += f"; sources {names.join_and(list(g.sources))}"
+    return text + f" (severity {g.severity:.2f})."
+
+
+def join_kinds(groups: Sequence[FlagGroup]) -> str:
+    kinds = list(dict.fromkeys(g.kind for g in groups))
+    return names.join_and(kinds)
+
+
+def sentences(findings: Findings, groups: list[FlagGroup] | None = None) -> tuple[list[FlagGroup], int]:
     """The findings to write as sentences (at most :data:`MAX_SENTENCES`), and how many were left out."""
     groups = group(findings.flags) if groups is None else groups
     return groups[:MAX_SENTENCES], max(0, len(groups) - MAX_SENTENCES)

@@ -161,7 +161,11 @@ def parse_table(doc: Any, where: str) -> pd.DataFrame:
         h = None if head is None else row[head]
         if h is not None and not (_is_number(h) and math.isfinite(h) and h >= 0 and h == int(h)):
             raise _bad(where, f"row {i}: head must be null or a non-negative integer; got {_show(h)}")
-    return pd.DataFrame(data, columns=columns)
+    table = pd.DataFrame(data, columns=columns)
+    for c in table.columns[table.isna().all().to_numpy()]:
+        if table[c].dtype.kind == "O":
+            table[c] = table[c].astype(float)       # a column of NaN only (stored as nulls) reads back as NaN, not None
+    return table
 
 
 def pack_series(series: Mapping[str, Any]) -> np.ndarray:

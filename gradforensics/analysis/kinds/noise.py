@@ -1,37 +1,34 @@
-"""Gradient noise scale ``B_simple = tr(Σ)/|G|²`` and per-batch SNR (McCandlish et al. 2018).
+"""Gradient noise: the critical batch size of the run, and tensors or heads that stand out.
 
-Record *i* is the mean gradient of a batch of ``B_i`` samples:
-``g_i = G + ε_i`` with ``Cov(ε_i) = Σ / B_i``, so (McCandlish et al. 2018, eq. A.1)
+The statistics are McCandlish et al. (2018)'s gradient noise scale
+``B_simple = tr(Σ)/|G|²`` (eq. 2.8) and the per-batch ``SNR = |G|²/(tr(Σ)/B) =
+B/B_simple``, estimated from each Gram matrix without bias, with delete-one jackknife
+bounds (:mod:`gradforensics.analysis.engine.noisescale`).  In a replay whose batches
+are each of one source, ``tr(Σ)`` is estimated *within* sources (around each source's
+own mean) and ``|G|²`` is the mean gradient of a batch of the training mixture, so
+the spread between the sources' means is not counted as noise.
 
-    E|g_i|² = |G|² + tr(Σ)/B_i,          E<g_i, g_j> = |G|²  (i ≠ j).
+Noise is a property of the run before it is one of a tensor: a converged checkpoint
+has a small mean gradient, so a low SNR everywhere is the normal state there.  So:
 
-With ``w_i = B_i`` the unbiased estimates from the Gram matrix ``K`` are
-
-    |G|²^ = (Σ_{i≠j} w_i w_j K_ij) / (Σ_{i≠j} w_i w_j),
-    tr(Σ)^ = (1/n) Σ_i B_i (K_ii - |G|²^).
-
-For equal ``B`` they are exactly the paper's two-batch-size estimators with
-``B_small = B`` and ``B_big = N B`` (eq. A.2-A.3: ``|G|² = (B_big|g_big|² -
-B_small|g_small|²)/(B_big - B_small)``), since ``|ḡ|² = ΣK/N²``.  Then
-
-    B_simple = tr(Σ)/|G|²      (eq. 2.8, the critical-batch estimate),
-    SNR = |G|² / (tr(Σ)/B) = B / B_simple   (per-batch signal-to-noise).
-
-Uncertainty: a delete-one jackknife in K-space (O(n²)); ``snr_lo``/``snr_hi``
-are the two-sided 90% bounds, so ``snr_hi`` is a one-sided 95% upper bound.
-
-When to worry: at SNR ≲ 1 a batch gradient is mostly noise and the updates of
-that tensor are close to a random walk.  A whole model at SNR < 1 is a small
-batch for this point of training (severity ≤ 0.45); a layer or head whose SNR
-is confidently below 1 *and* several times below the rest of the model, or a
-source several times noisier than the others in a layer, is a finding
-(severity > 0.5).  In ``training`` mode ``G`` moves between records, which
-biases ``|G|²`` down and ``B_simple`` up; compare layers with each other.
+* **the run** gets one finding, on the tensor ``whole model``: the model's ``B_simple``
+  (``|G|²`` and ``tr(Σ)`` summed over its tensors) against the batch actually used,
+  per source too; it never reaches 0.5 (a small batch for this point of training is a
+  setting, not a sick layer);
+* **a tensor (or head)** is flagged only as an *outlier of the same model*: the robust
+  z-score (median/MAD, Iglewicz & Hoaglin 1993) of the log of its SNR's upper 90%
+  bound against the log SNRs of the model's tensors (heads: of its heads) is at most
+  ``-outlier_z``, that bound is below 1 and ``outlier_ratio`` times below the median;
+* **a source** is named on a flag only when it is *measurably noisier* there: the log
+  ratio of its ``tr(Σ)`` to the other sources' median is an outlier (z ≥ ``outlier_z``)
+  among the model's tensors, and its jackknife lower bound is still ``outlier_ratio``
+  times the ratio the model usually has.
 
 References
 ----------
 McCandlish, Kaplan, Amodei et al. (2018), "An Empirical Model of Large-Batch
-Training", arXiv:1812.06162.
+Training", arXiv:1812.06162.  Iglewicz & Hoaglin (1993), "How to Detect and Handle
+Outliers" (the modified z-score, 3.5).
 """
 
 from __future__ import annotations
@@ -52,6 +49,17 @@ from gradforensics.analysis.engine.model import (
     Need,
     Options,
 )
+from gradforensics.analysis.engine.noisescale import (
+    BELOW_RESOLUTION,
+    FIELDS,
+    Z90,
+    Parts,
+    mixture_parts,
+    noise_estimate,
+    noise_parts,
+    robust_z,
+    summarize,
+)
 from gradforensics.analysis.engine.units import head_of
 from gradforensics.errors import SpecError
 
@@ -59,9 +67,11 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
-Z90 = 1.6448536269514722
-COLUMNS = ("tensor", "head", "source", "n", "batch_size", "g2", "trace_sigma", "b_simple", "snr", "snr_se",
-           "snr_lo", "snr_hi", "b_simple_lo", "b_simple_hi", "from_sketch")
+__all__ = ["COLUMNS", "MODEL", "NoiseOptions", "flags", "noise_estimate", "noise_rows", "noise_table", "severity"]
+
+#: The ``tensor`` of the run-level rows and finding.
+MODEL = "whole model"
+COLUMNS = ("tensor", "head", "source", *FIELDS, "from_sketch")
 
 
 @dataclass(frozen=True)
@@ -73,127 +83,204 @@ class NoiseOptions(Options):
     min_records
         Records a row needs before it may be flagged.
     outlier_ratio
-        How many times below the model's (or the other sources') SNR a row's
-        upper bound must be to count as standing out.
+        How many times below the model's median SNR a tensor's upper bound must be (and
+        how many times a source's noise ratio must exceed the model's usual one).
+    outlier_z
+        Robust z-score (median/MAD) a tensor, head or source must reach.
     """
 
     min_records: int = 8
     outlier_ratio: float = 4.0
+    outlier_z: float = 3.5
 
     def __post_init__(self) -> None:
         if self.min_records < 3:
             raise SpecError(f"noise option min_records must be >= 3; got {self.min_records}.")
         if not self.outlier_ratio > 1:
             raise SpecError(f"noise option outlier_ratio must be > 1; got {self.outlier_ratio}.")
+        if not self.outlier_z > 0:
+            raise SpecError(f"noise option outlier_z must be > 0; got {self.outlier_z}.")
 
 
-# -------------------------------------------------------------- estimates
-def noise_estimate(gram: np.ndarray, n_samples: np.ndarray) -> dict[str, float]:
-    """|G|², tr(Σ), B_simple and per-batch SNR from a Gram matrix (see the module docstring).
+# ------------------------------------------------------------------ table
+@dataclass(frozen=True)
+class Design:
+    """What the rows are estimated from: batch sizes, pure-source index, mixture shares, within or pooled."""
 
-    Parameters
-    ----------
-    gram
-        (n, n) Gram matrix of the n usable records.
-    n_samples
-        (n,) batch size of each record (unequal sizes are handled).
+    n_samples: np.ndarray
+    source_index: np.ndarray
+    sources: tuple[str, ...]
+    shares: np.ndarray
+    within: bool
 
-    Returns
-    -------
-    dict
-        ``n, batch_size, g2, trace_sigma, b_simple, snr, snr_se, snr_lo, snr_hi,
-        b_simple_lo, b_simple_hi``.  NaN where undefined (n < 2; no
-        jackknife below n = 3); ``b_simple`` is inf where ``|G|²^ <= 0``.
-    """
-    k = np.asarray(gram, dtype=np.float64)
+
+def design(n_samples: np.ndarray, mixture: np.ndarray | None, source_index: np.ndarray, sources: tuple[str, ...],
+           mode: str = "replay") -> Design:
+    """Within-source estimates in a replay whose batches are all pure, with >= 2 sources of >= 2 records."""
     b = np.asarray(n_samples, dtype=np.float64)
-    n = b.size
-    out = dict.fromkeys(COLUMNS[3:-1], math.nan)
-    out["n"] = n
-    if n < 2:
-        return out
-    d = np.diag(k)
-    v = k @ b
-    w1, w2, bd = b.sum(), (b * b).sum(), (b * d).sum()
-    g2 = (b @ v - (b * b * d).sum()) / (w1 * w1 - w2)
-    tr = (bd - g2 * w1) / n
-    bref = float(b.mean())
-    snr = _ratio(g2 * bref, tr)
-    out.update(batch_size=bref, g2=float(g2), trace_sigma=float(tr), snr=snr, b_simple=_b_simple(bref, snr))
-    if n >= 3:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            g2_m = (b @ v - (b * b * d).sum() - 2 * b * (v - b * d)) / ((w1 - b) ** 2 - (w2 - b * b))
-            tr_m = (bd - b * d - g2_m * (w1 - b)) / (n - 1)
-            snr_m = g2_m * bref / tr_m
-        if np.all(np.isfinite(snr_m)):
-            se = float(np.sqrt((n - 1) / n * ((snr_m - snr_m.mean()) ** 2).sum()))
-            lo, hi = snr - Z90 * se, snr + Z90 * se
-            out.update(snr_se=se, snr_lo=lo, snr_hi=hi, b_simple_lo=_b_simple(bref, hi),
-                       b_simple_hi=_b_simple(bref, lo))
+    idx = np.asarray(source_index)
+    if mixture is not None and len(sources):
+        shares = (np.asarray(mixture, dtype=np.float64) * b[:, None]).sum(axis=0)
+    else:
+        shares = np.array([np.sum(b[idx == s]) for s in range(len(sources))])
+    counts = np.array([np.sum((idx == s) & (b > 0)) for s in range(len(sources))])
+    present = counts > 0
+    within = bool(mode == "replay" and np.all(idx[b > 0] >= 0) and present.sum() >= 2 and counts[present].min() >= 2)
+    return Design(b, idx, tuple(sources), shares, within)
+
+
+def _estimate(gram: np.ndarray, mask: np.ndarray, d: Design, source: int | None) -> tuple[Parts, str]:
+    rows = np.flatnonzero(mask if source is None else mask & (d.source_index == source))
+    k, b = gram[np.ix_(rows, rows)], d.n_samples[rows]
+    if source is None and d.within:
+        present = np.unique(d.source_index[rows])
+        if present.size >= 2 and min(np.sum(d.source_index[rows] == s) for s in present) >= 2:
+            remap = np.searchsorted(present, d.source_index[rows])
+            return mixture_parts(k, b, remap, d.shares[present]), "within sources"
+    return noise_parts(k, b), "pooled"
+
+
+def _row(tensor: str, head: int | None, label: str, parts: Parts, estimator: str, b: np.ndarray,
+         from_sketch: bool) -> dict[str, Any]:
+    est = summarize(parts, float(b.mean()) if b.size else math.nan, int(b.size), estimator)
+    return {"tensor": tensor, "head": head, "source": label, **est, "from_sketch": from_sketch}
+
+
+def noise_rows(g: GramResult, d: Design, mask: np.ndarray | None = None) -> tuple[list[dict[str, Any]], dict]:
+    """Rows of one tensor (or head): all sources, then each source with >= 2 pure records; and their parts."""
+    usable = g.finite & (d.n_samples > 0) if mask is None else mask
+    rows, parts = [], {}
+    for s in [None, *range(len(d.sources))]:
+        sel = usable if s is None else usable & (d.source_index == s)
+        if s is not None and sel.sum() < 2:
+            continue
+        p, how = _estimate(g.gram, usable, d, s)
+        label = "" if s is None else d.sources[s]
+        parts[label] = p
+        rows.append(_row(g.tensor, g.head, label, p, how, d.n_samples[sel], g.from_sketch))
+    return rows, parts
+
+
+def model_rows(grams: dict[tuple[str, int | None], GramResult], d: Design) -> list[dict[str, Any]]:
+    """The ``whole model`` rows: |G|² and tr(Σ) summed over the whole tensors, on records usable in all."""
+    whole = [g for (_, h), g in grams.items() if h is None]
+    if not whole:
+        return []
+    mask = np.logical_and.reduce([g.finite for g in whole]) & (d.n_samples > 0)
+    total: dict[str, Parts] = {}
+    for g in whole:
+        for label, p in noise_rows(g, d, mask)[1].items():
+            total[label] = p if label not in total else total[label] + p
+    out = []
+    for label, p in total.items():
+        sel = mask if label == "" else mask & (d.source_index == d.sources.index(label))
+        how = "within sources" if label == "" and d.within else "pooled"
+        out.append(_row(MODEL, None, label, p, how, d.n_samples[sel], any(g.from_sketch for g in whole)))
     return out
 
 
-def _ratio(num: float, den: float) -> float:
-    if den > 0:
-        return float(num / den)
-    return math.inf if num > 0 else math.nan
-
-
-def _b_simple(batch: float, snr: float) -> float:
-    """B_simple = B / SNR; inf where the signal estimate is not positive."""
-    if math.isnan(snr):
-        return math.nan
-    return batch / snr if snr > 0 else math.inf
-
-
-def noise_rows(g: GramResult, n_samples: np.ndarray, source_index: np.ndarray,
-               sources: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Table rows of one tensor (or head): all sources, then each source with >= 2 pure records."""
-    usable = g.finite & (n_samples > 0)
-    rows = []
-    for s, label in [(-2, ""), *enumerate(sources)]:
-        mask = usable if s == -2 else usable & (source_index == s)
-        if s != -2 and mask.sum() < 2:
-            continue
-        idx = np.flatnonzero(mask)
-        est = noise_estimate(g.gram[np.ix_(idx, idx)], n_samples[idx])
-        rows.append({"tensor": g.tensor, "head": g.head, "source": label, **est, "from_sketch": g.from_sketch})
-    return rows
-
-
 def noise_table(grams: dict[tuple[str, int | None], GramResult], n_samples: np.ndarray, source_index: np.ndarray,
-                sources: tuple[str, ...]) -> pd.DataFrame:
-    """The ``noise.csv`` table: a row per tensor, head and source (``source`` empty = all)."""
+                sources: tuple[str, ...], mixture: np.ndarray | None = None, mode: str = "training") -> pd.DataFrame:
+    """The ``noise.csv`` table: the ``whole model`` rows, then a row per tensor, head and source (``source`` empty = all)."""
     import pandas as pd
 
-    rows = []
+    d = design(np.asarray(n_samples), mixture, source_index, sources, mode)
+    rows = model_rows(grams, d)
     for key in sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
-        rows += noise_rows(grams[key], np.asarray(n_samples), source_index, sources)
+        rows += noise_rows(grams[key], d)[0]
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     table["head"] = table["head"].astype("Int64")
     return table
 
 
 def compute(ctx: Context) -> AnalysisResult:
-    table = noise_table(ctx.grams, ctx.batches["n_samples"], ctx.source_of_record(), ctx.sources)
+    table = noise_table(ctx.grams, ctx.batches["n_samples"], ctx.source_of_record(), ctx.sources,
+                        ctx.batches.get("mixture"), ctx.meta.mode)
     return AnalysisResult(table=table)
 
 
 # ------------------------------------------------------------------ flags
-def severity(snr: float, hi: float, ref: float | None, ratio: float) -> float:
-    """Severity of a row with SNR *snr* and upper bound *hi*, against reference SNR *ref*.
+def severity(snr: float, hi: float, ref: float | None, ratio: float, z: float = -math.inf, z_min: float = 3.5) -> float:
+    """Severity of a tensor (head) with SNR upper bound *hi*, z-score *z* of log *hi*, against the model median *ref*.
 
-    0 when the SNR is not below 1; 0.15 when only the point estimate is; 0.30-0.45
-    when confidently below 1 (higher the lower ``hi``); 0.55-0.90 when also
-    ``hi * ratio < ref`` (standing out by ``ratio`` to ``25 * ratio``).
+    0 unless ``hi < 1``, ``z <= -z_min`` and ``hi * ratio < ref``; then 0.55-0.90, growing
+    with how far past both thresholds it lies (full at ``z = -(z_min + 6.5)`` and
+    ``ref / (hi ratio) = 25``).  (*snr* is unused beyond being finite or NaN: a tensor
+    below resolution is judged by its upper bound.)
     """
-    if not (math.isfinite(snr) and math.isfinite(hi)) or (snr >= 1 and hi >= 1):
+    if not math.isfinite(hi) or hi >= 1 or ref is None or not ref > 0 or not hi * ratio < ref or not z <= -z_min:
         return 0.0
-    hi_c = max(hi, 1e-4)
-    sev = 0.15 if hi >= 1 else 0.30 + 0.15 * float(np.clip(math.log10(1 / hi_c) / 2, 0, 1))
-    if ref is not None and ref > 0 and hi < 1 and hi_c * ratio < ref:
-        sev = max(sev, 0.55 + 0.35 * float(np.clip(math.log10(ref / (hi_c * ratio)) / math.log10(25), 0, 1)))
-    return sev
+    hi_c = max(hi, 1e-6)
+    strength = min((-z - z_min) / 6.5, math.log10(ref / (hi_c * ratio)) / math.log10(25))
+    return 0.55 + 0.35 * float(np.clip(strength, 0, 1))
+
+
+def run_severity(snr: float, hi: float) -> float:
+    """The run-level finding: 0.15 when only the point estimate is below 1, 0.30-0.45 when confidently (never 0.5)."""
+    if math.isfinite(snr) and snr >= 1:
+        return 0.0
+    if not math.isfinite(hi) or hi >= 1:
+        return 0.15 if (math.isfinite(snr) or math.isfinite(hi)) else 0.0
+    return 0.30 + 0.15 * float(np.clip(math.log10(1 / max(hi, 1e-4)) / 2, 0, 1))
+
+
+def _upper(r: dict[str, Any]) -> float:
+    """The SNR's upper 90% bound (the point estimate where there is no jackknife)."""
+    hi = float(r["snr_hi"])
+    return hi if math.isfinite(hi) else float(r["snr"])
+
+
+def _level(r: dict[str, Any]) -> float:
+    """Log SNR for the model's reference distribution; a row below resolution counts at its upper bound."""
+    v = float(r["snr"]) if r["snr_note"] != BELOW_RESOLUTION else float(r["snr_upper"])
+    return math.log(v) if v > 0 else math.nan
+
+
+def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions) -> dict[int, float]:
+    """id(row) -> severity for the rows whose SNR stands out below the rest of *rows*."""
+    levels = np.array([_level(r) for r in rows])
+    ok = np.isfinite(levels)
+    if ok.sum() < 3:
+        return {}
+    ref = math.exp(float(np.median(levels[ok])))
+    out = {}
+    for r in rows:
+        hi = _upper(r)
+        if r["n"] < opts.min_records or not math.isfinite(hi):
+            continue
+        z = robust_z(levels, math.log(max(hi, 1e-12)))
+        sev = severity(float(r["snr"]), hi, ref, opts.outlier_ratio, float(z), opts.outlier_z)
+        if sev > 0:
+            out[id(r)] = sev
+    return out
+
+
+def _noisier_sources(by_tensor: dict[str, list[dict[str, Any]]], opts: NoiseOptions) -> dict[str, list[tuple[str, float]]]:
+    """tensor -> [(source, severity)] where a source's tr(Σ) stands out against the others' more than usual."""
+    q: dict[str, dict[str, tuple[float, float]]] = {}   # source -> tensor -> (log ratio, log ratio of lower bound)
+    for tensor, rows in by_tensor.items():
+        tr = {r["source"]: (float(r["trace_sigma"]), float(r["trace_sigma_se"])) for r in rows
+              if r["n"] >= opts.min_records and float(r["trace_sigma"]) > 0}
+        for s, (t, se) in tr.items():
+            others = [v for o, (v, _) in tr.items() if o != s]
+            if not others:
+                continue
+            med = float(np.median(others))
+            lo = t - Z90 * se if math.isfinite(se) else math.nan
+            q.setdefault(s, {})[tensor] = (math.log(t / med), math.log(lo / med) if lo > 0 else -math.inf)
+    out: dict[str, list[tuple[str, float]]] = {}
+    for s, per in q.items():
+        vals = np.array([v for v, _ in per.values()])
+        if vals.size < 3:
+            continue
+        usual = float(np.median(vals))
+        for tensor, (v, v_lo) in per.items():
+            z = float(robust_z(vals, v))
+            excess = v_lo - usual - math.log(opts.outlier_ratio)
+            if z >= opts.outlier_z and excess >= 0:
+                strength = min((z - opts.outlier_z) / 6.5, excess / math.log(25))
+                out.setdefault(tensor, []).append((s, 0.55 + 0.35 * float(np.clip(strength, 0, 1))))
+    return {t: sorted(v, key=lambda x: -x[1]) for t, v in out.items()}
 
 
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
@@ -204,84 +291,154 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     recs = t.to_dict("records")
     for r in recs:
         r["head"] = head_of(r["head"])
-    every = [r for r in recs if r["source"] == ""]
-    whole = [float(r["snr"]) for r in every if r["head"] is None and math.isfinite(r["snr"])]
-    ref = float(np.median(whole)) if len(whole) >= 3 else None
-    by_source: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
-    for r in recs:
-        if r["source"] != "" and r["n"] >= opts.min_records:
-            by_source.setdefault((r["tensor"], r["head"]), []).append(r)
     usable = np.flatnonzero(ctx.batches["n_samples"] > 0)
     span = (int(usable[0]), int(usable[-1])) if usable.size else (0, 0)
-    out = []
+    every = [r for r in recs if r["source"] == "" and r["tensor"] != MODEL]
+    tensors = [r for r in every if r["head"] is None]
+    heads = [r for r in every if r["head"] is not None]
+    by_tensor: dict[str, list[dict[str, Any]]] = {}
+    for r in recs:
+        if r["source"] != "" and r["head"] is None and r["tensor"] != MODEL:
+            by_tensor.setdefault(r["tensor"], []).append(r)
+    noisy = _noisier_sources(by_tensor, opts)
+    sev = {**_outliers(tensors, opts), **_outliers(heads, opts)}
+    ref = {None: _median_snr(tensors), "head": _median_snr(heads)}
+    out = [run_flag(recs, span, opts)] if any(r["tensor"] == MODEL for r in recs) else []
     for row in every:
-        if row["n"] < opts.min_records:
-            continue
-        sev = severity(row["snr"], row["snr_hi"], ref, opts.outlier_ratio)
-        if row["head"] is not None and sev <= 0.5:
-            sev = 0.0   # a head is flagged only when it stands out
-        noisy = _noisy_sources(by_source.get((row["tensor"], row["head"]), []), opts)
-        sev = max([sev] + [s for _, s in noisy])
-        if sev > 0:
-            out.append(_flag(row, row["head"], sev, ref, noisy, span))
+        srcs = noisy.get(row["tensor"], []) if row["head"] is None else []
+        s = max([sev.get(id(row), 0.0)] + [v for _, v in srcs])
+        if s > 0:
+            out.append(_flag(row, s, ref[None if row["head"] is None else "head"], srcs, span))
+    return [f for f in out if f is not None]
+
+
+def _median_snr(rows: list[dict[str, Any]]) -> float | None:
+    levels = np.array([_level(r) for r in rows])
+    levels = levels[np.isfinite(levels)]
+    return math.exp(float(np.median(levels))) if levels.size >= 3 else None
+
+
+def _fmt_snr(r: dict[str, Any]) -> str:
+    if r["snr_note"] == BELOW_RESOLUTION:
+        up = float(r["snr_upper"])
+        return "below resolution" + (f" (≤ {up:.3g})" if math.isfinite(up) else "")
+    return f"{float(r['snr']):.3g}"
+
+
+def _fmt_b(r: dict[str, Any]) -> str:
+    if r["snr_note"] == BELOW_RESOLUTION:
+        lo = float(r["b_simple_lo"])
+        return f"≥ {lo:,.0f}" if math.isfinite(lo) else "unbounded"
+    return f"{float(r['b_simple']):,.0f}"
+
+
+def run_flag(recs: list[dict[str, Any]], span: tuple[int, int], opts: NoiseOptions) -> Flag | None:
+    """The run-level finding: the model's B_simple against the batch used, per source; ``None`` when SNR >= 1."""
+    model = [r for r in recs if r["tensor"] == MODEL]
+    row = next(r for r in model if r["source"] == "")
+    sev = run_severity(float(row["snr"]), _upper(row))
+    if sev == 0 or row["n"] < opts.min_records:
+        return None
+    per = [r for r in model if r["source"] != ""]
+    noisier = _noisier_overall(per, opts)
+    how = (" (noise within sources; the SNR of a batch of the training mixture)"
+           if row["estimator"] == "within sources" else "")
+    text = (f"whole model: per-batch gradient SNR {_fmt_snr(row)}{how}, critical batch B_simple {_fmt_b(row)} samples "
+            f"vs {float(row['batch_size']):.3g} per batch")
+    if per:
+        text += "; per source: " + ", ".join(f"{r['source']} B_simple {_fmt_b(r)}" for r in per)
+    if noisier:
+        text += f"; source {', '.join(noisier)} is much noisier than the others"
+    text += (". Steps are noise-dominated at this point of training (normal near convergence): a larger batch "
+             "(or a lower LR) buys a proportionally cleaner step.")
+    return Flag(kind="noise", tensor=MODEL, head=None, sources=tuple(noisier), severity=sev, records=span,
+                evidence=_evidence(row, None) | {"per_source_b_simple": {r["source"]: _num(r["b_simple"]) for r in per}},
+                summary=text)
+
+
+def _noisier_overall(per: list[dict[str, Any]], opts: NoiseOptions) -> list[str]:
+    """Sources whose model-level tr(Σ) lower bound is ``outlier_ratio`` times the other sources' median."""
+    out = []
+    for r in per:
+        others = [float(o["trace_sigma"]) for o in per if o is not r and float(o["trace_sigma"]) > 0]
+        lo = float(r["trace_sigma"]) - Z90 * float(r["trace_sigma_se"])
+        if others and lo > opts.outlier_ratio * float(np.median(others)):
+            out.append(str(r["source"]))
     return out
 
 
-def _noisy_sources(rows: list[dict[str, Any]], opts: NoiseOptions) -> list[tuple[str, float]]:
-    """Sources whose SNR in this tensor (head) stands out below the other sources'."""
-    out = []
-    for r in rows:
-        others = [float(o["snr"]) for o in rows if o is not r and math.isfinite(o["snr"])]
-        if not others:
-            continue
-        sev = severity(r["snr"], r["snr_hi"], float(np.median(others)), opts.outlier_ratio)
-        if sev > 0.5:
-            out.append((str(r["source"]), sev))
-    return sorted(out, key=lambda s: -s[1])
+def _num(v: Any) -> float | None:
+    v = float(v)
+    return v if math.isfinite(v) else None
 
 
-def _flag(row: Any, head: int | None, sev: float, ref: float | None, noisy: list[tuple[str, float]],
+def _evidence(row: dict[str, Any], ref: float | None) -> dict[str, Any]:
+    return {"snr": float(row["snr"]), "snr_lo": float(row["snr_lo"]), "snr_hi": float(row["snr_hi"]),
+            "snr_upper": float(row["snr_upper"]), "snr_note": str(row["snr_note"]),
+            "b_simple": float(row["b_simple"]), "batch_size": float(row["batch_size"]), "g2": float(row["g2"]),
+            "trace_sigma": float(row["trace_sigma"]), "n": int(row["n"]), "estimator": str(row["estimator"]),
+            "model_median_snr": ref, "from_sketch": bool(row["from_sketch"])}
+
+
+def _flag(row: dict[str, Any], sev: float, ref: float | None, noisy: list[tuple[str, float]],
           span: tuple[int, int]) -> Flag:
+    head = row["head"]
     where = row["tensor"] + ("" if head is None else f" head {head}")
-    snr, lo, hi = float(row["snr"]), float(row["snr_lo"]), float(row["snr_hi"])
-    text = f"{where}: per-batch gradient SNR {snr:.3g} (90% CI {lo:.3g} to {hi:.3g})"
-    if ref is not None and ref > 0 and hi < ref:
-        text += f", {ref / max(hi, 1e-12):.3g}x below the model's median {ref:.3g}"
+    hi = _upper(row)
+    text = f"{where}: per-batch gradient SNR {_fmt_snr(row)} (upper 90% bound {hi:.3g})"
+    if ref is not None and hi < ref:
+        text += f", {ref / max(hi, 1e-12):.3g}x below the model's median {ref:.3g}" + (
+            " over heads" if head is not None else "")
     if noisy:
-        text += f"; source {', '.join(s for s, _ in noisy)} is much noisier than the others here"
-    text += (f"; updates are mostly noise. Critical batch B_simple ~ {row['b_simple']:.3g} samples vs "
-             f"{row['batch_size']:.3g} per batch: raise the batch size or lower this tensor's learning rate.")
-    evidence = {"snr": snr, "snr_lo": lo, "snr_hi": hi, "b_simple": float(row["b_simple"]),
-                "batch_size": float(row["batch_size"]), "g2": float(row["g2"]),
-                "trace_sigma": float(row["trace_sigma"]), "n": int(row["n"]),
-                "model_median_snr": ref, "from_sketch": bool(row["from_sketch"]),
-                "source_severity": {s: round(v, 4) for s, v in noisy}}
+        text += f"; source {', '.join(s for s, _ in noisy)} is measurably noisier here than elsewhere in the model"
+    text += (f". Critical batch B_simple {_fmt_b(row)} samples vs {float(row['batch_size']):.3g} per batch: this "
+             "tensor's updates are mostly noise while the rest of the model learns; lower its learning rate, or look "
+             "at what feeds it.")
+    evidence = _evidence(row, ref) | {"source_severity": {s: round(v, 4) for s, v in noisy}}
     return Flag(kind="noise", tensor=row["tensor"], head=head, sources=tuple(s for s, _ in noisy),
                 severity=float(min(1.0, sev)), records=span, evidence=evidence, summary=text)
 
 
 # ------------------------------------------------------------------- plot
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
-    """SNR per tensor (or per head of the flagged tensor) with 90% bounds; the flagged one in red."""
+    """SNR per tensor (or per head of the model) with 90% bounds; the flagged one in red.
+
+    A row below resolution is drawn as an open marker at its upper bound; the run-level
+    finding draws every tensor with the whole model's SNR as a line.
+    """
     t = result.table
-    every = t[t["source"] == ""]
+    if "snr_note" not in t:       # results a store kept from before the below-resolution columns
+        t = t.assign(snr_note="", snr_upper=t["snr"])
+    every = t[(t["source"] == "") & (t["tensor"] != MODEL)]
     if flag.head is None:
         rows = every[every["head"].isna()]
         labels = list(rows["tensor"])
         hit = [lab == flag.tensor for lab in labels]
     else:
-        rows = every[(every["tensor"] == flag.tensor) & every["head"].notna()]
-        labels = [f"h{int(h)}" for h in rows["head"]]
-        hit = [int(h) == flag.head for h in rows["head"]]
-    floor = 1e-3
-    snr = np.maximum(rows["snr"].astype(float).fillna(floor).to_numpy(), floor)
+        rows = every[every["head"].notna()]
+        labels = [f"{tn.rsplit('.', 2)[-2] if tn.count('.') >= 2 else tn} h{int(h)}"
+                  for tn, h in zip(rows["tensor"], rows["head"])]
+        hit = [tn == flag.tensor and int(h) == flag.head for tn, h in zip(rows["tensor"], rows["head"])]
+    floor = 1e-4
+    below = (rows["snr_note"] == BELOW_RESOLUTION).to_numpy()
+    snr = rows["snr"].astype(float).to_numpy()
+    snr = np.maximum(np.where(below, rows["snr_upper"].astype(float).to_numpy(), snr), floor)
+    snr = np.nan_to_num(snr, nan=floor)
     lo = np.maximum(rows["snr_lo"].astype(float).fillna(floor).to_numpy(), floor)
     hi = np.maximum(rows["snr_hi"].astype(float).fillna(floor).to_numpy(), floor)
     x = np.arange(len(rows))
-    colors = ["tab:red" if h else "tab:blue" for h in hit]
+    colors = np.array(["tab:red" if h else "tab:blue" for h in hit])
     ax.errorbar(x, snr, yerr=[np.maximum(snr - lo, 0), np.maximum(hi - snr, 0)], fmt="none", ecolor="0.5")
-    ax.scatter(x, snr, c=colors, zorder=3)
+    ax.scatter(x[~below], snr[~below], c=list(colors[~below]), zorder=3)
+    if below.any():
+        ax.scatter(x[below], snr[below], facecolors="none", edgecolors=list(colors[below]), zorder=3,
+                   label="below resolution (upper bound)")
     ax.axhline(1.0, color="tab:orange", linestyle="--", label="SNR = 1 (random walk)")
+    if flag.tensor == MODEL:
+        ev = flag.evidence
+        level = ev.get("snr") if ev.get("snr_note") != BELOW_RESOLUTION else ev.get("snr_upper")
+        if isinstance(level, (int, float)) and math.isfinite(level) and level > 0:
+            ax.axhline(level, color="tab:red", label="whole model" + (" (upper bound)" if level != ev.get("snr") else ""))
     ax.set_yscale("log")
     ax.set_xticks(x, labels, rotation=90, fontsize=6)
     ax.set_ylabel("per-batch SNR = |G|²/(tr Σ/B)")
@@ -297,10 +454,12 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 ADVICE = Advice(
     title="Gradient noise",
     phrase="gradient noise swamps the signal",
-    evidence_keys=("snr", "b_simple", "batch"),
+    evidence_keys=("snr", "b_simple", "snr_upper", "batch_size"),
     remedies=(
-        "Raise the batch size toward B_simple = tr(Σ)/|G|² (the critical batch size estimate); "
-        "below it, steps are noise-dominated.",
+        "Whole model below SNR 1: the batch is below the critical batch size B_simple = tr(Σ)/|G|² for this point "
+        "of training (normal near convergence); raise it toward B_simple if steps are wasted on noise.",
+        "One tensor or head far below the rest: lower that tensor's learning rate or look at what feeds it "
+        "(its inputs' scale, a dead or saturated unit upstream); a named source: check that source's data.",
         "Or lower the LR in proportion (the noise temperature is LR/B); gradient accumulation gets the batch "
         "without memory."),
     references=("McCandlish et al. 2018, An Empirical Model of Large-Batch Training",),
