@@ -14,6 +14,13 @@ measures, per tensor:
   subnormal spacing ``2^-24``).  This is the exact rounding rule, not only
   ``|Δ| < ULP/2``: at a power of two the spacing below ``w`` is half the spacing
   above it, and ties go to even.
+* ``swamped_fp8_e4m3`` / ``swamped_fp8_e5m2``: the same for FP8 (OCP/NVIDIA FP8
+  formats: E4M3 with 4 significant bits, normal range ``[2^-6, 448]``, subnormal
+  spacing ``2^-9``; E5M2 with 3 bits, ``[2^-14, 57344]``, spacing ``2^-16``), after
+  a per-tensor *power-of-two amax scale*: the snapshot ``W_t`` and its update are
+  multiplied by ``s = 2^floor(log2(max_f / amax|W_t|))`` (the largest power of two
+  that keeps ``amax`` finite), as FP8 recipes scale every tensor before the cast.
+  A power of two scales exactly, so in the normal range only the mantissa bits decide.
 * ``lost_share``: among elements whose gradient was non-zero on a record between
   the two snapshots, the share whose stored weight did not change at all - updates
   *already* being lost, when the snapshots themselves are low precision.
@@ -24,6 +31,12 @@ measures, per tensor:
   largest finite value is 65504).  They come from an exact histogram of base-2
   exponents, so they are exact for power-of-two scales (what dynamic loss scaling
   uses) and within one binade otherwise.
+* ``grad_underflow_fp8_e4m3`` / ``grad_subnormal_fp8_e4m3`` (and ``_e5m2``): the
+  share of non-zero gradient values below the smallest FP8 subnormal, or in the
+  subnormal range, after the power-of-two amax scale of the tensor's gradients
+  (amax over all the stored records: delayed scaling with a history that spans the
+  capture).  That scale cannot overflow, so there is no FP8 overflow column.  Exact:
+  a power-of-two scale moves the thresholds onto powers of two.
 
 Snapshots are assumed taken at ``record()`` time, before that record's optimizer
 step: the gradients of records ``r_t .. r_{t+1}-1`` drive ``W_t → W_{t+1}``.
@@ -31,6 +44,7 @@ step: the gradients of records ``r_t .. r_{t+1}-1`` drive ``W_t → W_{t+1}``.
 References
 ----------
 Micikevicius, P. et al. (2018). Mixed precision training. ICLR.
+Micikevicius, P. et al. (2022). FP8 formats for deep learning. arXiv:2209.05433.
 Kalamkar, D. et al. (2019). A study of BFLOAT16 for deep learning training. arXiv:1905.12322.
 IEEE 754-2008, §4.3.1 (round to nearest, ties to even).
 """
@@ -57,7 +71,12 @@ NAME = "precision"
 FORMATS: dict[str, tuple[int, int, float]] = {
     "bf16": (7, -126, float(np.finfo(np.float32).max) * (1 - 2.0 ** -8)),
     "fp16": (10, -14, 65504.0),
+    "fp8_e4m3": (3, -6, 448.0),
+    "fp8_e5m2": (2, -14, 57344.0),
 }
+FLAG_FORMATS = ("bf16", "fp16")     # formats option ``format`` may flag (FP8 is reported, never flagged)
+FP8 = ("fp8_e4m3", "fp8_e5m2")      # formats analysed after a per-tensor power-of-two amax scale
+COUNTS = ("n", "updated", "grad_nonzero", "lost", *(f"swamped_{f}" for f in FORMATS))
 MAX_PAIRS = 32                      # snapshot pairs analysed per tensor (evenly spaced)
 EXP_MIN, EXP_MAX = -160, 160        # base-2 exponent histogram range (frexp convention)
 ULP_EDGES = np.arange(-30.0, 20.5, 0.5)   # bins of log2(|Δ| / ULP_bf16(w))
@@ -85,8 +104,8 @@ class PrecisionOptions(Options):
     min_severity: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise SpecError(f"precision: format must be one of {tuple(FORMATS)}; got {self.format!r}.")
+        if self.format not in FLAG_FORMATS:
+            raise SpecError(f"precision: format must be one of {FLAG_FORMATS}; got {self.format!r}.")
         if self.loss_scale is not None and not (np.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise SpecError(f"precision: loss_scale must be a positive number; got {self.loss_scale!r}.")
 
@@ -108,10 +127,11 @@ def round_to(x: np.ndarray, fmt: str) -> np.ndarray:
 
 
 def ulp(x: np.ndarray, fmt: str) -> np.ndarray:
-    """Spacing of *fmt* at ``round_to(x)`` (upward spacing at a power of two)."""
+    """Spacing of *fmt* at ``round_to(x)`` (upward spacing at a power of two; the subnormal spacing at 0)."""
     p, emin, _ = FORMATS[fmt]
-    _, e = np.frexp(round_to(x, fmt))
-    return np.ldexp(1.0, np.maximum(e - 1, emin) - p)
+    r = round_to(x, fmt)
+    _, e = np.frexp(r)
+    return np.ldexp(1.0, np.where(r == 0, emin, np.maximum(e - 1, emin)) - p)
 
 
 def swamped(w: np.ndarray, delta: np.ndarray, fmt: str) -> np.ndarray:
@@ -119,6 +139,36 @@ def swamped(w: np.ndarray, delta: np.ndarray, fmt: str) -> np.ndarray:
     wf = round_to(w, fmt)
     d = np.asarray(delta, dtype=np.float64)
     return (d != 0) & (round_to(wf + d, fmt) == wf)
+
+
+def amax_scale(amax: float, fmt: str) -> float:
+    """The per-tensor scale of *fmt*: the largest power of two ``s`` with ``amax * s <= max_f`` (1 when amax is 0).
+
+    Power-of-two scaling is exact, so it moves values without rounding them; it is
+    within a factor 2 of the ``max_f / amax`` scale of FP8 recipes (Micikevicius et al. 2022).
+    """
+    if not (np.isfinite(amax) and amax > 0):
+        return 1.0
+    vmax = FORMATS[fmt][2]
+    _, e = np.frexp(vmax / amax)                   # vmax/amax = m 2^e, m in [0.5, 1)
+    s = float(np.ldexp(1.0, int(e) - 1))
+    while amax * s > vmax:                         # the division may round across a power of two
+        s /= 2
+    while amax * s * 2 <= vmax:
+        s *= 2
+    return s
+
+
+def _amax(x: np.ndarray) -> float:
+    """Largest finite ``|x|`` (0 when none), in blocks of ``_BLOCK`` elements."""
+    flat = np.asarray(x).reshape(-1)
+    best = 0.0
+    for a in range(0, flat.size, _BLOCK):
+        b = np.abs(flat[a:a + _BLOCK])
+        b = b[np.isfinite(b)]
+        if b.size:
+            best = max(best, float(b.max()))
+    return best
 
 
 def exponent_hist(g: np.ndarray) -> np.ndarray:
@@ -151,6 +201,26 @@ def fp16_gradient_shares(hist: np.ndarray, loss_scale: float = 1.0) -> dict[str,
             "grad_overflow_fp16": counts[e - 1 >= 16].sum() / n}
 
 
+def fp8_gradient_shares(hist: np.ndarray, amax: float | None) -> dict[str, float]:
+    """Underflow / subnormal shares of the non-zero gradients in each FP8 format after its amax scale.
+
+    With ``s`` a power of two, scaled ``|g| s`` lies in ``[2^(e-1), 2^e) s``: below the
+    smallest subnormal ``2^(emin-p)`` exactly when ``2^e s <= 2^(emin-p)``.
+    """
+    counts = hist[: EXP_MAX - EXP_MIN + 1].astype(np.float64)
+    n = counts.sum()
+    out: dict[str, float] = {}
+    for fmt in FP8:
+        p, emin, _ = FORMATS[fmt]
+        if n == 0 or amax is None:
+            out[f"grad_underflow_{fmt}"] = out[f"grad_subnormal_{fmt}"] = float("nan")
+            continue
+        e = np.arange(EXP_MIN, EXP_MAX + 1) + np.log2(amax_scale(amax, fmt))
+        out[f"grad_underflow_{fmt}"] = counts[e <= emin - p].sum() / n
+        out[f"grad_subnormal_{fmt}"] = counts[(e > emin - p) & (e <= emin)].sum() / n
+    return out
+
+
 def pair_counts(w0: np.ndarray, w1: np.ndarray, grad_nonzero: np.ndarray | None, steps: float) -> dict[str, Any]:
     """Update statistics of one snapshot pair (see the module docstring).
 
@@ -160,8 +230,9 @@ def pair_counts(w0: np.ndarray, w1: np.ndarray, grad_nonzero: np.ndarray | None,
     w0 = np.asarray(w0, dtype=np.float32).ravel()
     w1 = np.asarray(w1, dtype=np.float32).ravel()
     gnz = None if grad_nonzero is None else np.asarray(grad_nonzero, dtype=bool).ravel()
-    out: dict[str, Any] = {k: 0 for k in ("n", "updated", "swamped_bf16", "swamped_fp16", "grad_nonzero", "lost")}
+    out: dict[str, Any] = {k: 0 for k in COUNTS}
     hist = np.zeros(ULP_EDGES.size - 1, dtype=np.int64)
+    scale = {f: amax_scale(_amax(w0), f) for f in FP8}       # per-tensor scale of the snapshot W_t
     for a in range(0, w0.size, _BLOCK):
         s = slice(a, a + _BLOCK)
         x0, x1 = w0[s].astype(np.float64), w1[s].astype(np.float64)
@@ -172,6 +243,8 @@ def pair_counts(w0: np.ndarray, w1: np.ndarray, grad_nonzero: np.ndarray | None,
         out["updated"] += int((d != 0).sum())
         out["swamped_bf16"] += int(swamped(x0, step, "bf16").sum())
         out["swamped_fp16"] += int(swamped(x0, step, "fp16").sum())
+        for f in FP8:
+            out[f"swamped_{f}"] += int(swamped(x0 * scale[f], step * scale[f], f).sum())
         nz = d != 0
         with np.errstate(divide="ignore"):
             ratio = np.log2(np.abs(step[nz]) / ulp(x0[nz], "bf16"))
@@ -266,6 +339,11 @@ def _hist_chunk(x: np.ndarray, sel: tuple[slice, ...]) -> np.ndarray:
     return np.sum([exponent_hist(flat[a:a + _BLOCK]) for a in range(0, max(flat.size, 1), _BLOCK)], axis=0)
 
 
+def _amax_chunk(x: np.ndarray, sel: tuple[slice, ...]) -> float:
+    """Chunk step: the largest finite ``|g|`` of a slab (the FP8 gradient scale)."""
+    return _amax(x)
+
+
 def slab_reductions(store: Store) -> dict[str, Any]:
     """Per stored gradient, inside the engine's one read of each slab: the exponent histogram and,
     for tensors with weight snapshots, the non-zero masks between snapshots that the pair counts need."""
@@ -285,6 +363,7 @@ def slab_reductions(store: Store) -> dict[str, Any]:
                 aggregate=partial(_masks, n=len(spans), shape=shape),
                 finish=partial(_pair_tasks, store, tensor, pairs))
         out[f"grad_exp|{tensor}"] = SlabReduction(tensor=tensor, chunk=_hist_chunk, combine=sum)
+        out[f"grad_amax|{tensor}"] = SlabReduction(tensor=tensor, chunk=_amax_chunk, combine=max)
     return out
 
 
@@ -294,10 +373,9 @@ def _ratio(a: float, b: float) -> float:
 
 
 def tensor_row(tensor: str, pairs: list[dict[str, Any]] | None, grad_hist: np.ndarray | None,
-               loss_scale: float) -> dict[str, Any]:
-    """One table row from the pair counts and the gradient exponent histogram."""
-    tot = {k: sum(int(p[k]) for p in pairs or []) for k in
-           ("n", "updated", "swamped_bf16", "swamped_fp16", "grad_nonzero", "lost")}
+               loss_scale: float, grad_amax: float | None = None) -> dict[str, Any]:
+    """One table row from the pair counts, the gradient exponent histogram and the gradient amax."""
+    tot = {k: sum(int(p[k]) for p in pairs or []) for k in COUNTS}
     has_grad = any(p["has_grad"] for p in pairs or [])
     row: dict[str, Any] = {
         "tensor": tensor, "head": None, "n_pairs": len(pairs or []),
@@ -306,12 +384,14 @@ def tensor_row(tensor: str, pairs: list[dict[str, Any]] | None, grad_hist: np.nd
         "updated_share": _ratio(tot["updated"], tot["n"]),
         "swamped_bf16": _ratio(tot["swamped_bf16"], tot["updated"]),
         "swamped_fp16": _ratio(tot["swamped_fp16"], tot["updated"]),
+        **{f"swamped_{f}": _ratio(tot[f"swamped_{f}"], tot["updated"]) for f in FP8},
         "lost_share": _ratio(tot["lost"], tot["grad_nonzero"]) if has_grad else float("nan"),
         "median_update_ulps_bf16": _median_ulps(pairs),
         "loss_scale": loss_scale,
     }
     hist = grad_hist if grad_hist is not None else np.zeros(EXP_MAX - EXP_MIN + 3, np.int64)
     row.update(fp16_gradient_shares(hist, loss_scale))
+    row.update(fp8_gradient_shares(hist, grad_amax if grad_hist is not None else None))
     row["grad_zero_share"] = _ratio(hist[-2], hist[:-1].sum()) if grad_hist is not None else float("nan")
     return row
 
@@ -337,15 +417,18 @@ def compute(ctx: Context) -> AnalysisResult:
     rows, series = [], {}
     for t in tensors:
         pairs = lz.get(f"pairs|{t}")
-        rows.append(tensor_row(t, pairs, lz.get(f"grad_exp|{t}"), scale))
+        rows.append(tensor_row(t, pairs, lz.get(f"grad_exp|{t}"), scale, lz.get(f"grad_amax|{t}")))
         if pairs:
             series[f"ulp_hist/{t}"] = np.sum([p["ulp_hist"] for p in pairs], axis=0)
-            series[f"swamped_bf16/{t}"] = np.array([_ratio(p["swamped_bf16"], p["updated"]) for p in pairs])
+            for f in ("bf16", *FP8):
+                series[f"swamped_{f}/{t}"] = np.array([_ratio(p[f"swamped_{f}"], p["updated"]) for p in pairs])
             series[f"pair_records/{t}"] = np.array([p["records"] for p in pairs], dtype=np.int64)
     series["ulp_edges"] = ULP_EDGES
     cols = ["tensor", "head", "n_pairs", "record_first", "record_last", "updated_share", "swamped_bf16",
-            "swamped_fp16", "lost_share", "median_update_ulps_bf16", "grad_underflow_fp16", "grad_subnormal_fp16",
-            "grad_overflow_fp16", "grad_zero_share", "loss_scale"]
+            "swamped_fp16", "swamped_fp8_e4m3", "swamped_fp8_e5m2", "lost_share", "median_update_ulps_bf16",
+            "grad_underflow_fp16", "grad_subnormal_fp16", "grad_overflow_fp16", "grad_underflow_fp8_e4m3",
+            "grad_subnormal_fp8_e4m3", "grad_underflow_fp8_e5m2", "grad_subnormal_fp8_e5m2", "grad_zero_share",
+            "loss_scale"]
     return AnalysisResult(table=pd.DataFrame(rows, columns=cols), series=series)
 
 
