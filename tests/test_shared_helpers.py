@@ -105,3 +105,16 @@ def test_head_of(cell: object, head: int | None) -> None:
 ])
 def test_window_edges(n: int, windows: int, edges: list[int]) -> None:
     assert window_edges(n, windows).tolist() == edges
+
+
+def test_finite_mean_is_the_mean_of_finite_entries_and_quiet_when_none() -> None:
+    import warnings
+
+    from gradforensics.analysis.engine.stats import finite_mean
+
+    x = np.array([1.0, np.nan, 3.0, np.inf, -np.inf])
+    assert finite_mean(x) == 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # np.nanmean would warn "Mean of empty slice" here
+        assert np.isnan(finite_mean(np.full(4, np.nan)))
+        assert np.isnan(finite_mean([]))

@@ -67,3 +67,15 @@ def bimodality_coefficient(x: Any) -> float:
     G1 = g1 * math.sqrt(n * (n - 1)) / (n - 2)
     G2 = ((n + 1) * g2 + 6.0) * (n - 1) / ((n - 2) * (n - 3))
     return float((G1**2 + 1.0) / (G2 + 3.0 * (n - 1) ** 2 / ((n - 2) * (n - 3))))
+
+
+def finite_mean(x: Any) -> float:
+    """Mean of the finite entries of *x*; NaN (quietly) when there are none.
+
+    A tensor that got no gradient (all-zero records) has undefined cosines
+    everywhere; ``np.nanmean`` would warn "Mean of empty slice" on the user's
+    terminal for what the table already shows as NaN.
+    """
+    a = np.asarray(x, dtype=np.float64).ravel()
+    a = a[np.isfinite(a)]
+    return float(a.mean()) if a.size else math.nan

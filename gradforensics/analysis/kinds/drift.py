@@ -41,7 +41,7 @@ from gradforensics.analysis.engine import kspace as ks
 from gradforensics.analysis.engine import units as un
 from gradforensics.analysis.engine.checks import check_int
 from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, Need, Options
-from gradforensics.analysis.engine.stats import rank_trend
+from gradforensics.analysis.engine.stats import finite_mean, rank_trend
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -140,7 +140,7 @@ def drift_unit(K: np.ndarray, mixture: np.ndarray, window: int | None) -> UnitDr
     rho, p = rank_trend(rec[open_rows.size:], min_n=4, alternative="less", skip_nonfinite=True)
     k = max(1, (W.shape[0] - 1) // 3)
     late = np.concatenate(rows_of[-k:])
-    c_early, c_late = float(np.nanmean(wcos[1:1 + k])), float(np.nanmean(wcos[-k:]))
+    c_early, c_late = finite_mean(wcos[1:1 + k]), finite_mean(wcos[-k:])
     c_db = ks.debiased_cosine(K, late, open_rows)
     rotation = 1.0 - c_db if np.isfinite(c_db) else (1.0 - c_late / c_early if c_early > 0.1 else math.nan)
     since, _ = hinge_changepoint(rec)

@@ -53,7 +53,7 @@ from gradforensics.analysis.engine import kspace as ks
 from gradforensics.analysis.engine import units as un
 from gradforensics.analysis.engine.checks import check_int
 from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, Need, Options
-from gradforensics.analysis.engine.stats import bimodality_coefficient
+from gradforensics.analysis.engine.stats import bimodality_coefficient, finite_mean
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -172,7 +172,7 @@ def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: Osc
     """Oscillation statistics of one unit (K and mixture rows in time order)."""
     n = K.shape[0]
     row: dict[str, Any] = {"n_records": n,
-                           "consec_cos": float(np.nanmean(ks.consecutive_cosines(K))) if n > 1 else math.nan}
+                           "consec_cos": finite_mean(ks.consecutive_cosines(K)) if n > 1 else math.nan}
     if n < 8:
         return row, None
     fit = ks.fit_sources(mixture)
