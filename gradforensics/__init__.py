@@ -11,7 +11,7 @@ from typing import Any
 from gradforensics._version import __version__
 from gradforensics.errors import GradforensicsError
 
-__all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "compare", "open_store", "report"]
+__all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "compare", "open_store", "report", "whatif"]
 
 
 def __getattr__(name: str) -> Any:
@@ -35,4 +35,8 @@ def __getattr__(name: str) -> Any:
         from gradforensics.report import report
 
         return report
+    if name == "whatif":
+        from gradforensics.arms.run import whatif
+
+        return whatif
     raise AttributeError(f"module 'gradforensics' has no attribute {name!r}")

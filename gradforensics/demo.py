@@ -13,7 +13,11 @@
    * ``code``: a near-deterministic chain over a third range, consistent with
      itself and sharing no token with the others: the healthy control.
 
-2. **Save** the problem checkpoint with ``save_pretrained`` (``DIR/checkpoint``).
+2. **Save** the problem checkpoint with ``save_pretrained`` (``DIR/checkpoint``),
+   with a word-level tokenizer whose words are the token ids (``s3``, ``zh17``,
+   ``code5``, ...; :func:`make_tokenizer`), and each source's text in
+   ``DIR/data/<source>.txt`` (:func:`write_data`), so that ``capture``,
+   ``whatif`` and ``compare`` can be tried on the demo's own problem checkpoint.
 3. **Replay** the reloaded checkpoint per source through the capture path
    (:func:`gradforensics.replay.replay`, per-head split, MLP activation
    statistics) into ``DIR/dump.zarr``.
@@ -59,6 +63,8 @@ class DemoConfig:
     lr: float = 3e-3
     warmup: int = 30
     n_per_source: int = 16
+    positions: int = 128            # max_position_embeddings (RoPE: no weights; capture may use --seq-len <= this)
+    data_docs: int = 1024           # documents (lines) per source in DIR/data/<source>.txt
     pairs: int = 6                  # zh, en: shared pairs (s, perm(s)) that open every sequence
     p_first: float = 1.0            # zh/en chains: probability of a token's first successor
     p_first_code: float = 0.7       # code: its own chain, learnt to its entropy floor within the run
@@ -126,6 +132,43 @@ def batches(source: Source, cfg: DemoConfig, seed: Any) -> Any:
         yield torch.from_numpy(source.sample(rng, cfg.batch, cfg.seq_len))
 
 
+# ------------------------------------------------------- tokenizer and text
+def words(cfg: DemoConfig) -> list[str]:
+    """The word of every token id: ``<s>`` (BOS, id 0), ``s<i>`` (shared), ``<source><i>``, ``<unused<i>>``."""
+    out = ["<s>", *(f"s{i}" for i in range(cfg.shared))]
+    out += [f"{name}{i}" for name in SOURCES for i in range(cfg.own)]
+    return out + [f"<unused{i}>" for i in range(vocab_size(cfg) - len(out))]
+
+
+def make_tokenizer(cfg: DemoConfig) -> Any:
+    """A word-level ``PreTrainedTokenizerFast``: whitespace-separated words -> their ids, ``<s>`` prepended."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(words(cfg))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unused0>" if "<unused0>" in vocab else "<s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", model_max_length=max(cfg.positions,
+                                                                                               cfg.seq_len))
+
+
+def write_data(cfg: DemoConfig, out_dir: Path) -> dict[str, Path]:
+    """``out_dir/<source>.txt``: ``data_docs`` fresh sequences per source, one a line, BOS left out.
+
+    Packed by ``capture --seq-len <cfg.seq_len>`` (the tokenizer puts ``<s>`` back),
+    each line is one row, exactly a sequence the demo trains on.
+    """
+    vocab = np.array(words(cfg))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for i, (name, src) in enumerate(make_sources(cfg).items()):
+        rows = src.sample(np.random.default_rng([cfg.seed, 4, i]), cfg.data_docs, cfg.seq_len)[:, 1:]
+        paths[name] = out_dir / f"{name}.txt"
+        paths[name].write_text("".join(" ".join(vocab[r]) + "\n" for r in rows), encoding="utf-8")
+    return paths
+
+
 # ---------------------------------------------------------------- the model
 def make_model(cfg: DemoConfig) -> torch.nn.Module:
     import torch
@@ -135,7 +178,7 @@ def make_model(cfg: DemoConfig) -> torch.nn.Module:
     config = LlamaConfig(
         vocab_size=vocab_size(cfg), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.seq_len, tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,
+        max_position_embeddings=max(cfg.positions, cfg.seq_len), tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,
         pad_token_id=None,
     )
     model = LlamaForCausalLM(config)
@@ -239,7 +282,9 @@ def run(out_dir: str | os.PathLike[str], seed: int = 0, cfg: DemoConfig | None =
     t["train_s"] = time.perf_counter() - t0
     checkpoint = out / "checkpoint"
     model.save_pretrained(checkpoint)  # type: ignore[operator]
-    say(f"problem checkpoint -> {checkpoint}")
+    make_tokenizer(cfg).save_pretrained(checkpoint)
+    data = write_data(cfg, out / "data")
+    say(f"problem checkpoint -> {checkpoint} (with its tokenizer); its text -> {data[SOURCES[0]].parent}/")
     t1 = time.perf_counter()
     store = capture(checkpoint, out / "dump.zarr", cfg, log)
     t["capture_s"] = time.perf_counter() - t1

@@ -179,6 +179,10 @@ def _refuse_or_announce(per_record: dict[str, int], n_records: int, out: Path, f
                         "--batches-per-source, or pass --force.")
 
 
+#: The public name ``gradforensics whatif`` checks its options and estimates a record with.
+plan_record_bytes = _plan
+
+
 # ------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> int:
     from gradforensics._extras import require_extra

@@ -1,0 +1,288 @@
+"""The what-if report: ``report.html``, ``report.md``, ``whatif.json``, ``tables/``, ``figures/loss.png``.
+
+Sections: the arms (optimizer, options, mixture, whether the checkpoint's
+optimizer state was loaded, last losses); the loss curves overlaid; every
+finding at or above the action threshold (0.5) in any arm with its severity per
+arm and a verdict - kept by every arm (the data's, not the optimizer's),
+resolved by some arms (named), or new in some; each arm's top findings; and
+the arm-to-arm cosines per layer (:mod:`gradforensics.arms.cosines`).
+
+Names from the stores are data: escaped for HTML and Markdown
+(:mod:`gradforensics._text`), CSV cells neutralised, paths built with
+:func:`~gradforensics.report.paths.under`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from html import escape
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics._text import md_code, md_text, visible
+from gradforensics.report.comparison import ACT
+from gradforensics.report.figures import new_figure, to_png
+from gradforensics.report.html import CSS
+from gradforensics.report.paths import under
+from gradforensics.report.tables import csv_safe
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.arms.run import WhatIf
+
+__all__ = ["finding_matrix", "key_of", "loss_figure", "render_html", "render_markdown", "verdict", "write"]
+
+Key = tuple[str, str, "int | None", tuple[str, ...]]
+TOP = 5
+
+
+# ------------------------------------------------------------------ tables
+def key_of(f: Flag) -> Key:
+    """How a finding is matched across arms: kind, tensor, head, and - for conflict only - the source pair.
+
+    An oscillation's or a drift's sources (who sits at each pole) shift from arm
+    to arm with the trajectory; the finding is the tensor's.  A conflict *is* its pair.
+    """
+    return (f.kind, f.tensor, f.head, tuple(sorted(f.sources)) if f.kind == "conflict" else ())
+
+
+def _by_key(findings: Findings) -> dict[Key, Flag]:
+    out: dict[Key, Flag] = {}
+    for f in findings.flags:
+        key = key_of(f)
+        if key not in out or f.severity > out[key].severity:
+            out[key] = f
+    return out
+
+
+def verdict(sev: dict[str, float], base: str) -> str:
+    """One sentence: which arms keep / resolve a finding (severity >= 0.5 is a finding)."""
+    keep = [a for a, s in sev.items() if s >= ACT]
+    free = [a for a, s in sev.items() if s < ACT]
+    if not free:
+        return "every arm keeps it: the data's (or the checkpoint's), not the optimizer's"
+    if sev[base] >= ACT:
+        return f"resolved by {', '.join(free)}; kept by {', '.join(keep)}"
+    return f"new in {', '.join(keep)} (not in the baseline {base})"
+
+
+def finding_matrix(res: WhatIf) -> pd.DataFrame:
+    """A row per finding (:func:`key_of`) at or above 0.5 in any arm: ``kind, tensor, head, sources``,
+    a severity column per arm, ``verdict``; kept by every arm first, then resolved, then new."""
+    import pandas as pd
+
+    arms = [r.arm.name for r in res.runs]
+    keyed = {a: _by_key(res.findings[a]) for a in arms}
+    keys = {k for a in arms for k, f in keyed[a].items() if f.severity >= ACT}
+    rows = []
+    for k in keys:
+        sev = {a: round(float(keyed[a][k].severity), 4) if k in keyed[a] else 0.0 for a in arms}
+        srcs = sorted({s for a in arms if k in keyed[a] and keyed[a][k].severity >= ACT for s in keyed[a][k].sources})
+        rows.append([k[0], k[1], k[2], ",".join(srcs), *sev.values(), verdict(sev, res.baseline)])
+    t = pd.DataFrame(rows, columns=["kind", "tensor", "head", "sources", *arms, "verdict"])
+    t["head"] = t["head"].astype("Int64")
+    if len(t):
+        group = t["verdict"].str.split().str[0].map({"every": 0, "resolved": 1, "new": 2})
+        t = t.assign(_g=group, _m=-t[arms].max(axis=1)).sort_values(["_g", "_m", "kind", "tensor"])
+        t = t.drop(columns=["_g", "_m"]).reset_index(drop=True)
+    return t
+
+
+def loss_table(res: WhatIf) -> pd.DataFrame:
+    import pandas as pd
+
+    rows = [[r.arm.name, t, r.schedule[t][0], r.lrs[t], r.losses[t]] for r in res.runs for t in range(r.steps_done)]
+    return pd.DataFrame(rows, columns=["arm", "step", "source", "lr", "loss"])
+
+
+def _last(losses: list[float]) -> float:
+    tail = np.asarray(losses[-max(1, len(losses) // 4):], dtype=np.float64)
+    tail = tail[np.isfinite(tail)]
+    return float(tail.mean()) if tail.size else math.nan
+
+
+def arm_rows(res: WhatIf) -> list[dict[str, Any]]:
+    out = []
+    for r in res.runs:
+        out.append({"arm": r.arm.name, "optimizer": r.arm.optimizer, "options": dict(r.arm.options),
+                    "mixture": None if r.arm.mixture is None else dict(r.arm.mixture), "store": str(r.store),
+                    "steps": r.steps_done, "optimizer_state": r.state_note,
+                    "first_loss": r.losses[0] if r.losses else None, "last_quarter_loss": _last(r.losses),
+                    "n_findings": sum(f.severity >= ACT for f in res.findings[r.arm.name].flags)})
+    return out
+
+
+# ------------------------------------------------------------------ figure
+def loss_figure(res: WhatIf) -> bytes:
+    """Loss per step, one line per arm, on one Axes."""
+    fig = new_figure(8.0, 3.2)
+    ax = fig.add_subplot()
+    for r in res.runs:
+        ax.plot(np.arange(r.steps_done), r.losses, marker=".", ms=3, lw=1.2, label=r.arm.name)
+    ax.set_xlabel("step after the checkpoint")
+    ax.set_ylabel("loss")
+    ax.set_title("loss per step, every arm on the same batches")
+    ax.legend(fontsize=8)
+    return to_png(fig)
+
+
+# ------------------------------------------------------------------ text
+def _num(v: Any) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "—"
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _opts(a: dict[str, Any]) -> str:
+    text = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in a["options"].items())
+    if a["mixture"] is not None:
+        text += "; mixture " + ", ".join(f"{s}:{w:g}" for s, w in a["mixture"].items())
+    return text
+
+
+def _cos_rows(res: WhatIf) -> pd.DataFrame:
+    c = res.cosines
+    return c[(c["arm_a"] == res.baseline) | (c["arm_b"] == res.baseline)]
+
+
+def _headline(res: WhatIf, m: pd.DataFrame) -> str:
+    if not len(m):
+        return f"No arm has a finding at or above {ACT}."
+    every = int((m["verdict"].str.startswith("every")).sum())
+    resolved = int((m["verdict"].str.startswith("resolved")).sum())
+    new = int((m["verdict"].str.startswith("new")).sum())
+    return (f"{len(m)} finding(s) at or above {ACT} in some arm: {every} kept by every arm, {resolved} resolved "
+            f"by some arm, {new} new in some arm (baseline: {res.baseline}).")
+
+
+def render_markdown(res: WhatIf, m: pd.DataFrame) -> str:
+    arms = arm_rows(res)
+    names = [a["arm"] for a in arms]
+    out = ["# gradforensics what-if", "", md_text(_headline(res, m)), "", "## Arms", "",
+           "| arm | optimizer | options | optimizer state | steps | first loss | last-quarter loss | findings |",
+           "|" + "---|" * 8]
+    for a in arms:
+        out.append(f"| {md_text(a['arm'])} | {a['optimizer']} | {md_text(_opts(a))} | {md_text(a['optimizer_state'])} "
+                   f"| {a['steps']} | {_num(a['first_loss'])} | {_num(a['last_quarter_loss'])} | {a['n_findings']} |")
+    out += ["", "## Loss", "", "![loss per step](figures/loss.png)", "", "## Findings across arms", "",
+            "| kind | tensor | head | sources | " + " | ".join(md_text(n) for n in names) + " | verdict |",
+            "|" + "---|" * (5 + len(names))]
+    for _, row in m.iterrows():
+        sev = " | ".join(f"{row[n]:.2f}" for n in names)
+        out.append(f"| {md_text(row['kind'])} | {md_code(row['tensor'], table=True)} | {_head(row['head'])} | "
+                   f"{md_text(row['sources'])} | {sev} | {md_text(row['verdict'])} |")
+    out += ["", "## Top findings per arm", ""]
+    for n in names:
+        top = [f for f in res.findings[n].flags if f.severity >= ACT][:TOP]
+        out += [f"### {md_text(n)}", ""] + [f"- {f.severity:.2f} {md_text(f.kind)} on {md_code(f.tensor)}: "
+                                             f"{md_text(f.summary)}" for f in top]
+        out += ["- no finding at or above 0.5" if not top else "", ""]
+    out += ["## Arm-to-arm cosines per layer (with the baseline)", "",
+            "| arms | tensor | gradient (same batch) | update (same step) | net update |", "|---|---|---|---|---|"]
+    for r in _cos_rows(res).itertuples(index=False):
+        out.append(f"| {md_text(r.arm_a)} vs {md_text(r.arm_b)} | {md_code(r.tensor, table=True)} | "
+                   f"{_num(r.grad_cos)} | {_num(r.update_cos)} | {_num(r.net_update_cos)} |")
+    out += ["", "`tables/cosines.csv` has every pair; `compare/<arm>/report.md` the full comparison with the baseline."]
+    return "\n".join(out) + "\n"
+
+
+def _head(v: Any) -> str:
+    return "" if v is None or str(v) in ("<NA>", "nan") else str(int(v))
+
+
+def _cell(v: Any) -> str:
+    return escape(visible(_num(v) if not isinstance(v, str) else v))
+
+
+def render_html(res: WhatIf, m: pd.DataFrame, png: bytes) -> str:
+    arms = arm_rows(res)
+    names = [a["arm"] for a in arms]
+    arm_tr = "".join(f"<tr><td><b>{_cell(a['arm'])}</b></td><td>{_cell(a['optimizer'])}</td><td>{_cell(_opts(a))}</td>"
+                     f"<td>{_cell(a['optimizer_state'])}</td><td class=num>{a['steps']}</td>"
+                     f"<td class=num>{_cell(a['first_loss'])}</td><td class=num>{_cell(a['last_quarter_loss'])}</td>"
+                     f"<td class=num>{a['n_findings']}</td></tr>" for a in arms)
+    fin = []
+    for _, row in m.iterrows():
+        sev = "".join(f'<td class="num {"bad" if row[n] >= ACT else "ok"}">{row[n]:.2f}</td>' for n in names)
+        head = _head(row["head"])
+        fin.append(f"<tr><td>{_cell(row['kind'])}</td><td><code>{_cell(row['tensor'])}</code></td><td>{head}</td>"
+                   f"<td>{_cell(row['sources'])}</td>{sev}<td>{_cell(row['verdict'])}</td></tr>")
+    tops = []
+    for n in names:
+        top = [f for f in res.findings[n].flags if f.severity >= ACT][:TOP]
+        items = "".join(f"<li>{f.severity:.2f} {escape(f.kind)} on <code>{_cell(f.tensor)}</code>: "
+                        f"{_cell(f.summary)}</li>" for f in top) or "<li>no finding at or above 0.5</li>"
+        link = (f' — <a href="compare/{escape(n)}/report.html">compared with {escape(res.baseline)}</a>'
+                if n in res.comparisons and (res.out_dir / "compare" / n / "report.html").exists() else "")
+        tops.append(f"<h3>{_cell(n)}{link}</h3><ul>{items}</ul>")
+    cos = "".join(f"<tr><td>{_cell(r.arm_a)} vs {_cell(r.arm_b)}</td><td><code>{_cell(r.tensor)}</code></td>"
+                  f"<td class=num>{_cell(r.grad_cos)}</td><td class=num>{_cell(r.update_cos)}</td>"
+                  f"<td class=num>{_cell(r.net_update_cos)}</td></tr>" for r in _cos_rows(res).itertuples(index=False))
+    arm_th = "".join(f"<th>{_cell(n)}</th>" for n in names)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>gradforensics what-if</title>
+<style>{CSS}
+td.bad{{background:#fbe0cf}}td.ok{{background:#e6f4ea}}</style></head>
+<body><main>
+<h1>gradforensics what-if</h1>
+<p class="headline">{escape(_headline(res, m))}</p>
+<h2 id="arms">Arms</h2>
+<table id="arms-table"><thead><tr><th>arm</th><th>optimizer</th><th>options</th><th>optimizer state</th><th>steps</th>
+<th>first loss</th><th>last-quarter loss</th><th>findings</th></tr></thead><tbody>{arm_tr}</tbody></table>
+<h2 id="loss">Loss</h2>
+<figure><img alt="loss per step" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}"></figure>
+<h2 id="findings">Findings across arms</h2>
+<p><i>Severity per arm of every finding at or above {ACT} in some arm; green: no finding in that arm.</i></p>
+<table id="findings-table"><thead><tr><th>kind</th><th>tensor</th><th>head</th><th>sources</th>{arm_th}<th>verdict</th>
+</tr></thead><tbody>{"".join(fin) or '<tr><td colspan=9>no finding at or above 0.5 in any arm</td></tr>'}</tbody></table>
+<h2 id="per-arm">Top findings per arm</h2>
+{"".join(tops)}
+<h2 id="cosines">Arm-to-arm cosines per layer</h2>
+<p><i>gradient: mean cosine of the two arms' gradients on the same batch; update: of their weight updates at the
+same step; net update: of the whole displacement over the steps. tables/cosines.csv has every pair.</i></p>
+<table id="cosine-table"><thead><tr><th>arms</th><th>tensor</th><th>gradient (same batch)</th><th>update (same step)</th>
+<th>net update</th></tr></thead><tbody>{cos}</tbody></table>
+</main></body></html>
+"""
+
+
+# ------------------------------------------------------------------ write
+def _json(res: WhatIf, m: pd.DataFrame) -> dict[str, Any]:
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v.item() if isinstance(v, np.generic) else v
+
+    rows = [{k: clean(v) if str(v) != "<NA>" else None for k, v in r.items()} for r in m.to_dict("records")]
+    return {"schema": 1, "baseline": res.baseline, "rule": {"act": ACT},
+            "arms": [{k: clean(v) for k, v in a.items()} for a in arm_rows(res)],
+            "losses": {r.arm.name: [clean(x) for x in r.losses] for r in res.runs},
+            "findings": rows,
+            "cosines": [{k: clean(v) for k, v in r.items()} for r in res.cosines.to_dict("records")]}
+
+
+def write(res: WhatIf, out_dir: Path) -> dict[str, Path]:
+    """Write the report into *out_dir*; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for d in ("tables", "figures"):
+        under(out_dir, d).mkdir(exist_ok=True)
+    m = finding_matrix(res)
+    png = loss_figure(res)
+    paths = {"loss_png": under(out_dir, "figures", "loss.png"), "json": under(out_dir, "whatif.json"),
+             "findings_csv": under(out_dir, "tables", "findings.csv"),
+             "cosines_csv": under(out_dir, "tables", "cosines.csv"), "losses_csv": under(out_dir, "tables", "losses.csv"),
+             "markdown": under(out_dir, "report.md"), "html": under(out_dir, "report.html")}
+    paths["loss_png"].write_bytes(png)
+    paths["json"].write_text(json.dumps(_json(res, m), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    csv_safe(m).to_csv(paths["findings_csv"], index=False, na_rep="")
+    csv_safe(res.cosines).to_csv(paths["cosines_csv"], index=False, na_rep="")
+    csv_safe(loss_table(res)).to_csv(paths["losses_csv"], index=False, na_rep="")
+    paths["markdown"].write_text(render_markdown(res, m), encoding="utf-8")
+    paths["html"].write_text(render_html(res, m, png), encoding="utf-8")
+    return paths

@@ -1,0 +1,94 @@
+"""``gradforensics whatif CHECKPOINT --data NAME=FILE ... --arm NAME=OPT[:k=v,...] ... --steps K --out DIR``.
+
+Replays the problem checkpoint K steps once per arm on identical batches,
+records every step of every arm into ``DIR/<arm>.zarr`` (``mode="training"``),
+analyses them and writes one report across the arms
+(:func:`gradforensics.arms.run.whatif`; ``docs/whatif.md``).  Loading, the
+offline rules, the data options and the size estimate are ``capture``'s;
+``Ctrl-C`` stops it, leaves valid stores of the steps done, says what they hold
+and exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gradforensics.arms.spec import OPTIMIZERS
+from gradforensics.commands.capture import DTYPE_NAMES, parse_heads
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a Hugging Face model directory, or a state-dict file with --model-factory")
+    p.add_argument("--data", action="append", required=True, metavar="NAME=FILE",
+                   help="a data source: .txt (one document a line) or .jsonl; repeat for each source")
+    p.add_argument("--arm", action="append", required=True, metavar="NAME=OPT[:k=v,...]",
+                   help=f"an arm: optimizer ({', '.join(OPTIMIZERS)}) and options, e.g. lo=adamw:lr=3e-4,"
+                        "beta2=0.95,weight_decay=0.1,warmup=10,clip=1.0; repeat for each arm")
+    p.add_argument("--mixture", action="append", default=[], metavar="ARM=SRC:W,...",
+                   help="source weights of an arm, e.g. nozh=en:1,code:1 (default: every source, round-robin)")
+    p.add_argument("--steps", type=int, required=True, metavar="K", help="optimizer steps per arm")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory: <arm>.zarr per arm and the report")
+    p.add_argument("--baseline", metavar="ARM", help="the arm the others are compared with (default: the first)")
+    p.add_argument("--only", metavar="A,B", help="run only these analyses on each arm (comma-separated)")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip compare/<arm>/ (the gradforensics compare report of each arm against the baseline)")
+    p.add_argument("--optimizer-state", metavar="FILE",
+                   help="optimizer state to continue from (default: optimizer.pt next to the weights; 'none': fresh)")
+    g = p.add_argument_group("batches")
+    g.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per batch")
+    g.add_argument("--seq-len", type=int, default=512, metavar="T", help="tokens per sequence (packed)")
+    g.add_argument("--text-field", default="text", help="the document field of .jsonl lines (default text)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the batch draw, dropout and masked-LM masking")
+    r = p.add_argument_group("what to record")
+    r.add_argument("--tensors", nargs="+", metavar="GLOB", help="parameter globs (default: every 2-D weight)")
+    r.add_argument("--heads", nargs="+", default=["auto"], metavar="SPEC",
+                   help="auto (default), none, or GLOB=H entries (with auto among them to keep the rules)")
+    r.add_argument("--activations", nargs="+", metavar="GLOB", help="module globs: per-unit activation statistics")
+    r.add_argument("--sketch", type=int, default=1024, metavar="K",
+                   help="K-dim sketch per tensor (per head); default 1024; 0: whole tensors only")
+    r.add_argument("--full", nargs="+", metavar="GLOB", help="tensors whose whole gradient is stored too")
+    r.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="on-disk gradient format (default: as computed)")
+    m = p.add_argument_group("model")
+    m.add_argument("--loss", default="auto",
+                   help="auto (from the config), causal-lm, masked-lm, or module:function taking (model, batch)")
+    m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
+                   help="builds the nn.Module of a raw PyTorch checkpoint (loaded with weights_only=True)")
+    m.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the checkpoint directory)")
+    m.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    m.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    m.add_argument("--step", type=int, help="optimizer step of the checkpoint (default: trainer_state.json, else 0)")
+    p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
+    p.add_argument("--overwrite", action="store_true", help="replace existing <arm>.zarr stores in --out")
+    p.add_argument("--quiet", action="store_true", help="no estimate line, no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradforensics._extras import require_extra
+
+    require_extra("torch", "gradforensics whatif")
+    require_extra("transformers", "gradforensics whatif")
+    from gradforensics.arms.run import WhatIfInterrupted, whatif
+    from gradforensics.errors import SpecError
+
+    if args.sketch < 0:
+        raise SpecError(f"--sketch must be >= 0; got {args.sketch}.")
+    try:
+        res = whatif(args.checkpoint, args.data, args.arm, args.steps, args.out, mixtures=args.mixture,
+                     baseline=args.baseline, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                     text_field=args.text_field, tensors=args.tensors, heads=parse_heads(args.heads),
+                     activations=args.activations, sketch=args.sketch or None,
+                     full=args.full, dtype=DTYPE_NAMES[args.dtype] if args.dtype else None, loss=args.loss,
+                     model_factory=args.model_factory, tokenizer=args.tokenizer, device=args.device,
+                     model_dtype=args.model_dtype, step=args.step, optimizer_state=args.optimizer_state,
+                     overwrite=args.overwrite, force=args.force, compare_reports=not args.no_compare,
+                     only=args.only, progress=not args.quiet)
+    except WhatIfInterrupted as exc:
+        print(f"gradforensics whatif: {exc}", file=sys.stderr)
+        return 130
+    for r in res.runs:
+        n = sum(f.severity >= 0.5 for f in res.findings[r.arm.name].flags)
+        print(f"{r.arm.name}: {r.steps_done} steps, loss {r.losses[0]:.4g} -> {r.losses[-1]:.4g}, {n} finding(s); "
+              f"{r.state_note}; store {r.store}")
+    print(f"open {res.paths['html']} in a browser.")
+    return 0
