@@ -74,3 +74,18 @@ def test_screenshot_is_not_blank(tmp_path, html_report):
     img = imread(shot)
     assert img.shape[:2] == (2000, 1280)
     assert img[..., :3].std() > 0.05                             # text, figures and colour, not an empty page
+
+
+@pytest.mark.slow
+def test_records_map_decodes_in_the_browser(tmp_path):
+    import gradforensics as gf
+    from gradforensics.testing.planted_directions import planted_conflict
+
+    planted_conflict(2, n=36).write(tmp_path / "s.zarr")
+    findings = gf.analyze(tmp_path / "s.zarr", progress=False, only=["conflict"])
+    html = report(findings, tmp_path / "out", store=str(tmp_path / "s.zarr"))["html"]
+    dom = chromium(tmp_path, "--dump-dom", html.as_uri())
+    body = re.search(r"<body[^>]*>", dom).group(0)
+    n_img = len(re.findall(r"<img ", dom))
+    assert 'data-js-errors="0"' in body and f'data-figures="{n_img}/{n_img}"' in body, body
+    assert re.search(r'<div id="records-map"><figure><img id="fig-records-map-01-conflict"', dom)

@@ -33,6 +33,14 @@ LAYERED = [
     ("module.model.layers.7.mlp.up_proj.weight", 7),                     # DDP-wrapped
     ("model.layers.2.mlp.act_fn", 2),                                    # an activation module
     ("model.layers.4", 4),                                               # the block itself
+    ("gpt_neox.layers.3.attention.query_key_value.weight", 3),           # GPT-NeoX fused QKV
+    ("model.decoder.layers.5.self_attn.q_proj.weight", 5),               # OPT
+    ("transformer.h.2.self_attention.query_key_value.weight", 2),        # Falcon
+    ("model.layers.1.mlp.fc1.weight", 1),                                # Phi
+    ("model.layers.7.block_sparse_moe.experts.3.w1.weight", 7),          # Mixtral expert: layer 7, not expert 3
+    ("model.layers.0.block_sparse_moe.gate.weight", 0),                  # Mixtral router
+    ("transformer.blocks.9.ffn.experts.mlp.w1", 9),                      # DBRX-style fused experts
+    ("vit.encoder.layer.11.attention.attention.query.weight", 11),       # ViT (HF)
 ]
 UNLAYERED = [
     "lm_head.weight", "model.embed_tokens.weight", "model.norm.weight", "transformer.wte.weight",

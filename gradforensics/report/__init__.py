@@ -79,7 +79,7 @@ def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | s
     doc = document.build(findings, store)
     figdir = under(out, "figures")
     figdir.mkdir(exist_ok=True)
-    for old in [*figdir.glob("finding-*.png"), figdir / "overview.png"]:   # stale figures of an earlier render
+    for old in [*figdir.glob("finding-*.png"), *figdir.glob("records-map-*.png"), figdir / "overview.png"]:   # stale figures of an earlier render
         old.unlink(missing_ok=True)
     for pic in doc.pictures:
         p = under(out, "figures", f"{pic.stem}.png")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gradforensics._format import fmt_bytes
-from gradforensics.report import advice, figures, summary, tables
+from gradforensics.report import advice, figures, recordsmap, summary, tables
 from gradforensics.report.severity import band
 
 if TYPE_CHECKING:
@@ -36,6 +36,9 @@ class Section:
     picture: Picture | None
     advice: list[str]
     references: list[str]
+    records_map: Picture | None = None      # the records map, in the top direction finding's section
+    records_map_caption: str = ""
+    records_map_note: str | None = None     # why the map is not drawn, when it is not
 
 
 @dataclass
@@ -55,7 +58,10 @@ class Document:
 
     @property
     def pictures(self) -> list[Picture]:
-        return [self.overview] + [s.picture for s in self.sections if s.picture is not None]
+        out = [self.overview]
+        for s in self.sections:
+            out += [p for p in (s.picture, s.records_map) if p is not None]
+        return out
 
 
 def _fmt_model(model: Any) -> str:
@@ -169,6 +175,7 @@ def _build(findings: Findings, store: Store | None) -> Document:
                 problems.append(f"finding {g.index + 1} ({g.kind}, {g.top.tensor}): {note}")
         tips = advice.advice_for(g.kind, g.flags, findings.mode, len(findings.sources))
         sections.append(Section(g, g.sentence(findings.n_records), pic, tips, advice.references_for(g.kind)))
+    _add_records_map(findings, store, sections)
     cols, rows = tables.layer_table(findings)
     return Document(
         title=f"gradforensics report — {findings.store}",
@@ -184,6 +191,44 @@ def _build(findings: Findings, store: Store | None) -> Document:
         analysis_tables={n: tables.contract_order(r.table) for n, r in findings.results.items()},
         problems=problems,
     )
+
+
+def _open_for_map(findings: Findings, store: Store | None) -> Store | None:
+    """*store*, else the findings' own store when it is a local path that opens (only its saved K is read)."""
+    import os
+
+    if store is not None:
+        return store
+    from gradforensics.errors import GradforensicsError
+    from gradforensics.store.reader import Store as _Store
+
+    if not findings.store or not os.path.exists(findings.store):
+        return None
+    try:
+        return _Store(findings.store, check_chunks=False)
+    except (GradforensicsError, OSError, ValueError):
+        return None
+
+
+def _add_records_map(findings: Findings, store: Store | None, sections: list[Section]) -> None:
+    """Put the records map (or the line saying why there is none) into the top direction finding's section."""
+    flag = recordsmap.pick(findings)
+    if flag is None:
+        return
+    section = next((s for s in sections if flag in s.finding.flags), None)
+    if section is None:
+        return
+    try:
+        fig, why, m = recordsmap.build(findings, _open_for_map(findings, store))
+    except Exception as exc:  # the map is an extra: it must never sink the report
+        fig, why, m = None, f"the records map could not be drawn ({type(exc).__name__}: {exc})", None
+    if fig is None or m is None:
+        section.records_map_note = f"No records map: {why}." if why else None
+        return
+    stem = f"records-map-{section.finding.index + 1:02d}-{section.finding.kind}"
+    where = m.tensor + ("" if m.head is None else f" head {m.head}")
+    section.records_map = _picture(fig, stem, f"Records map of {where}, coloured by source and by step.")
+    section.records_map_caption = recordsmap.caption(m)
 
 
 def severity_label(s: float) -> str:

@@ -40,7 +40,7 @@ td.high{background:#f4c7c3}td.medium{background:#fbe0cf}td.low{background:#fdf1e
 ol.summary li{margin:.35em 0}.headline{font-size:1.08em;font-weight:500}
 .verdict{font-size:1.12em;line-height:1.55;background:#f4f6fb;border-left:5px solid #1d4e89;padding:.6em 1em;margin:.4em 0 1em}
 figure{margin:.6em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
-figcaption{font-size:13px;color:#555}
+figcaption,.caption{font-size:13px;color:#555}
 .note{background:#fdecea;border-left:4px solid #b2182b;padding:.4em .8em;margin:.5em 0}
 .advice{background:#eef6ee;border-left:4px solid #2e7d32;padding:.3em 1em;margin:.6em 0}
 .advice h4{margin:.4em 0}.refs{font-size:13px;color:#444}
@@ -138,6 +138,11 @@ def _section(doc: Document, s: Section) -> str:
              f"<p>{escape(s.sentence)}</p>"]
     if s.picture is not None:
         parts.append(_img(s.picture))
+    if s.records_map is not None:
+        parts.append(f'<div id="records-map">{_img(s.records_map)}'
+                     f"<p class=\"caption\">{escape(s.records_map_caption)}</p></div>")
+    elif s.records_map_note:
+        parts.append(f'<p class="caption" id="records-map-note">{escape(s.records_map_note)}</p>')
     rows = [[f.tensor, f.head, f"{f.severity:.2f}", _recs(f.records), ", ".join(f.sources),
              f.summary] for f in g.flags[:MAX_FLAG_ROWS]]
     more = len(g.flags) - MAX_FLAG_ROWS

@@ -58,6 +58,10 @@ def _section(s: Section, figdir: str) -> str:
     out = [f"### {g.index + 1}. {md_text(g.title)} — severity {_sev(g.severity)}", "", md_text(s.sentence), ""]
     if s.picture is not None:
         out += [_img(s.picture, figdir), ""]
+    if s.records_map is not None:
+        out += [_img(s.records_map, figdir), "", f"*{md_text(s.records_map_caption)}*", ""]
+    elif s.records_map_note:
+        out += [f"*{md_text(s.records_map_note)}*", ""]
     rows = [[md_code(f.tensor, table=True), _num(f.head), f"{f.severity:.2f}", _recs(f.records),
              md_text(", ".join(f.sources)), md_text(f.summary)] for f in g.flags[:MAX_FLAG_ROWS]]
     out += [_table(["tensor", "head", "severity", "records", "sources", "what the analysis says"], rows), ""]

@@ -205,13 +205,13 @@ def verdict(findings: Findings, groups: list[FlagGroup] | None = None) -> str:
 
 
 def _finding_clause(g: FlagGroup, n_records: int | None) -> str:
-    """``<title> in <where>: <what> (<evidence>)[, sources a and b].``"""
+    """``<title> in <where>: <what>[; sources a and b] (<evidence>; severity s).``"""
     what = advice.phrase(g.kind, g.sources)
     ev = g.evidence()
-    text = f"{g.title.lower()} in {g.location()}: {what}" + (f" ({ev})" if ev else "")
+    text = f"{g.title.lower()} in {g.location()}: {what}"
     if g.sources and "{sources}" not in advice.info(g.kind).phrase:
         text += f"; sources {names.join_and(list(g.sources))}"
-    return text + f" (severity {g.severity:.2f})."
+    return text + f" ({ev + '; ' if ev else ''}severity {g.severity:.2f})."
 
 
 def join_kinds(groups: Sequence[FlagGroup]) -> str:
