@@ -14,6 +14,13 @@ that slow drifts of a shared machine hit every mode alike:
 * ``full``:   the same + ``rec.record()`` of every 2-D weight, heads auto;
 * ``sketch``: the same + ``rec.record()`` with ``sketch=1024`` (sketches only).
 
+``--sketch-paths`` measures instead where a countsketch is computed: on the
+gradient's device (``sketch_on="device"``, the default: only ``k`` floats per head
+cross to the host) or on the host (``sketch_on="host"``: the whole gradient is
+copied, then sketched by the writer thread): records/s and bytes copied to the
+host per record, side by side, on CUDA when there is one (the same script runs
+unchanged on the CPU).
+
 Per mode we report the median step time and the *amortised* time (the block's
 wall time including the final flush and close, per step).  Then the store's
 write throughput (StoreWriter, Zarr and HDF5, no compression) is measured
@@ -94,6 +101,7 @@ def write_throughput(grads: dict[str, np.ndarray], n: int, root: Path, repeats: 
         for kind, suffix in (("zarr", ".zarr"), ("hdf5", ".h5")):
             for checks in (True, False):
                 key = f"{kind}_MBps" if checks else f"{kind}_nochecksum_MBps"
+                _remove(root / f"tp{suffix}")     # deleting the last run's store is not writing: untimed
                 t0 = time.perf_counter()
                 w = StoreWriter(root / f"tp{suffix}", new_meta(["a"], "training"), overwrite=True,
                                 policy=LayoutPolicy(checksums=checks))
@@ -114,6 +122,15 @@ def write_throughput(grads: dict[str, np.ndarray], n: int, root: Path, repeats: 
     return out
 
 
+def _remove(p: Path) -> None:
+    import shutil
+
+    if p.is_dir():
+        shutil.rmtree(p)
+    elif p.exists():
+        p.unlink()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
@@ -128,9 +145,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dir", default=None, help="where stores go (default: a temporary directory)")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--write-only", action="store_true", help="only the store write throughput (no training blocks)")
+    p.add_argument("--sketch-paths", action="store_true",
+                   help="only host vs device sketching: records/s and bytes to the host per record")
     args = p.parse_args(argv)
     if args.write_only:
         return write_only(args)
+    if args.sketch_paths:
+        return sketch_paths(args)
 
     import torch
 
@@ -200,6 +221,47 @@ def write_only(args: argparse.Namespace) -> dict[str, Any]:
     if args.json:
         Path(args.json).write_text(json.dumps({"write": tp}, indent=2))
     return {"write": tp}
+
+
+def sketch_paths(args: argparse.Namespace) -> dict[str, Any]:
+    """Sketch-only capture, sketched on the device vs on the host: records/s and bytes to the host a record."""
+    import torch
+
+    import gradforensics as gf
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build(args).to(device)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device) for _ in range(4)]
+    rates: dict[str, list[float]] = {"host": [], "device": []}
+    per_record: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for r in range(args.repeats + 1):          # the first cycle warms up (allocator, hashes) and is dropped
+            for where in rates:
+                rec = gf.Recorder(Path(tmp) / f"{where}{r}.zarr", model=model, sources=["a"], sketch=args.k,
+                                  sketch_on=where, overwrite=True)
+                t0 = time.perf_counter()
+                for i in range(args.steps):
+                    model(input_ids=ids[i % 4], labels=ids[i % 4]).loss.backward()
+                    rec.record(step=i, loss=0.0, source="a", n_samples=args.batch)
+                    model.zero_grad(set_to_none=True)
+                rec.close()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if r:
+                    rates[where].append(args.steps / (time.perf_counter() - t0))
+                per_record[where] = rec.host_bytes / args.steps
+    out = {"device": device, "records_per_s": {w: statistics.median(v) for w, v in rates.items()},
+           "host_bytes_per_record": per_record}
+    print(f"sketch k={args.k}, {device}, {args.steps} records x {args.repeats} interleaved repeats:")
+    for w in rates:
+        print(f"  sketched on the {w:6s}: {out['records_per_s'][w]:7.2f} records/s, "
+              f"{per_record[w] / 1e6:9.3f} MB to the host per record")
+    print(f"  device / host: {out['records_per_s']['device'] / out['records_per_s']['host']:.2f}x the records/s, "
+          f"{per_record['device'] / per_record['host']:.4f}x the bytes")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return out
 
 
 if __name__ == "__main__":

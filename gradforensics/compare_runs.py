@@ -14,7 +14,8 @@ tensor names and shapes must match (:func:`check_same_model`).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import ModelMismatchError
 
@@ -75,13 +76,14 @@ def findings_of(store: Store, client: Client | None = None, progress: bool = Tru
 
 
 def compare(before: str | os.PathLike[str], after: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-            client: Client | None = None, progress: bool = True) -> Comparison:
+            client: Client | None = None, progress: bool = True,
+            storage_options: Mapping[str, Any] | None = None) -> Comparison:
     """Compare two runs of one model and write the comparison into *out_dir*.
 
     Parameters
     ----------
     before, after
-        Stores (``*.zarr`` / ``*.h5``) captured before and after a fix.  A store
+        Stores (``*.zarr`` / ``*.h5``, or Zarr stores at fsspec URLs) captured before and after a fix.  A store
         that holds no analysis results is analysed first, and the results are
         saved in it as ``gf.analyze`` does.
     out_dir
@@ -91,6 +93,9 @@ def compare(before: str | os.PathLike[str], after: str | os.PathLike[str], out_d
         A ``dask.distributed.Client`` for the on-the-fly passes (default: threads).
     progress
         Show the progress bar of an on-the-fly pass.
+    storage_options
+        For stores at fsspec URLs (``s3://bucket/dump.zarr``): options of their file
+        system (default: the environment); on-the-fly results are written back there.
 
     Returns
     -------
@@ -115,7 +120,8 @@ def compare(before: str | os.PathLike[str], after: str | os.PathLike[str], out_d
     from gradforensics.report.comparison import compare_findings
     from gradforensics.store.reader import Store
 
-    stores = Store(before, check_chunks=False), Store(after, check_chunks=False)
+    stores = (Store(before, check_chunks=False, storage_options=storage_options),
+              Store(after, check_chunks=False, storage_options=storage_options))
     check_same_model(*stores)
     found = [findings_of(s, client, progress) for s in stores]
     comparison = compare_findings(found[0], found[1], (os.fspath(before), os.fspath(after)))

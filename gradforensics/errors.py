@@ -71,3 +71,7 @@ class ModelMismatchError(GradforensicsError, ValueError):
 
 class MissingExtraError(GradforensicsError, ImportError):
     """An optional dependency a command needs is not installed; the message names the extra that brings it."""
+
+
+class StorePermissionError(GradforensicsError, PermissionError):
+    """The storage service holding a store (``s3://``, ...) refused the credentials."""

@@ -26,6 +26,7 @@ from gradforensics.analysis.kinds import (
     nonfinite,
     oscillation,
     precision,
+    rankconsistency,
     saturation,
     spectral,
 )
@@ -42,6 +43,7 @@ register(precision.ANALYSIS)
 register(loss_spectrum.ANALYSIS)
 register(fractal.ANALYSIS)
 register(coherence.ANALYSIS)
+register(rankconsistency.ANALYSIS)
 
 __all__ = ["REGISTRY", "Advice", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult",
            "register", "registered", "unregister"]

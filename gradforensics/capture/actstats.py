@@ -101,3 +101,85 @@ def act_stats(a: np.ndarray, rng: ActRange) -> dict[str, np.ndarray]:
         "mean": mean.astype(np.float32),
         "std": np.sqrt(var).astype(np.float32),
     }
+
+
+# ------------------------------------------------------------------ on the device (torch)
+#: The per-unit partial sums of :func:`partial_stats`; added up over micro-batches, then :func:`finish`.
+PARTS = ("n", "low", "high", "s1", "s2", "hist")
+
+
+def make_range_torch(first: Any, bounds: tuple[float, float] | None = None) -> ActRange:
+    """:func:`make_range` of a torch tensor, on its device: only the scale (one float) crosses to the host.
+
+    The 99th percentile of ``|a|`` is NumPy's (linear interpolation between the
+    two order statistics around ``(n - 1) q``), from ``kthvalue`` on the device.
+    """
+    if bounds is not None:
+        return make_range(np.zeros(0, np.float32), bounds)
+    import torch
+
+    a = first.detach().reshape(-1).abs().to(torch.float64)
+    a = a[torch.isfinite(a)]
+    if not a.numel():
+        return make_range(np.zeros(0, np.float32))
+    h = (a.numel() - 1) * REFERENCE_QUANTILE / 100.0
+    lo = int(np.floor(h))
+    v_lo = float(torch.kthvalue(a, lo + 1).values)
+    v_hi = float(torch.kthvalue(a, min(lo + 2, a.numel())).values)
+    scale = v_lo + (h - lo) * (v_hi - v_lo)
+    return _range_of_scale(scale if scale > 0 else 1.0)
+
+
+def _range_of_scale(scale: float) -> ActRange:
+    inner = np.linspace(-2 * scale, 4 * scale, N_BINS - 1)
+    return ActRange(scale, LOW_FRACTION * scale, HIGH_FRACTION * scale, (-_BIG, *map(float, inner), _BIG), None)
+
+
+def with_scale(rng: ActRange, scale: float) -> ActRange:
+    """*rng* with another scale (every rank's thresholds from one agreed scale); bounded ranges are kept."""
+    return rng if rng.bounds is not None else _range_of_scale(scale)
+
+
+def partial_stats(a: Any, rng: ActRange) -> dict[str, Any]:
+    """Sums over one micro-batch's ``(tokens, units)`` outputs, on their device: see :data:`PARTS`."""
+    import torch
+
+    a = a.detach().reshape(-1, a.shape[-1]).to(torch.float32)
+    finite = torch.isfinite(a)
+    absval = a.abs()
+    low = (absval <= rng.low) & finite
+    if rng.bounds is not None:
+        lo, hi = rng.bounds
+        high = torch.zeros_like(finite)
+        if hi > 0:
+            high |= a >= HIGH_FRACTION * hi
+        if lo < 0:
+            high |= a <= HIGH_FRACTION * lo
+    else:
+        high = absval >= rng.high
+    high &= finite
+    z = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device)).to(torch.float64)
+    vals = a[~torch.isnan(a)].clamp(-_BIG, _BIG).to(torch.float64)
+    edges = torch.tensor(rng.edges, dtype=torch.float64, device=a.device)
+    idx = (torch.bucketize(vals, edges, right=True) - 1).clamp_(0, len(rng.edges) - 2)
+    return {"n": finite.sum(0), "low": low.sum(0), "high": high.sum(0), "s1": z.sum(0), "s2": (z * z).sum(0),
+            "hist": torch.bincount(idx, minlength=len(rng.edges) - 1)}
+
+
+def combine(parts: dict[str, Any] | None, more: dict[str, Any]) -> dict[str, Any]:
+    return more if parts is None else {k: parts[k] + more[k] for k in PARTS}
+
+
+def finish(parts: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The statistics of :func:`act_stats` from the summed parts (the small arrays cross to the host here)."""
+    host = {k: v.cpu().numpy() for k, v in parts.items()}
+    n = np.maximum(host["n"], 1)
+    mean = host["s1"] / n
+    var = np.maximum(host["s2"] / n - mean * mean, 0.0)
+    return {
+        "hist": host["hist"].astype(np.int64),
+        "frac_low": (host["low"] / n).astype(np.float32),
+        "frac_high": (host["high"] / n).astype(np.float32),
+        "mean": mean.astype(np.float32),
+        "std": np.sqrt(var).astype(np.float32),
+    }

@@ -21,7 +21,7 @@ import queue
 import threading
 import time as _time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 import numpy as np
@@ -33,6 +33,8 @@ from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.names import check_name
+from gradforensics.store.ranks import RankPlan, rank_writer
+from gradforensics.store.remote import register as register_storage_options
 from gradforensics.store.schema import (
     act_path,
     batch_path,
@@ -63,6 +65,12 @@ class PendingRecord:
     acts: dict[str, np.ndarray]
     weights: dict[str, np.ndarray]
     settle: Callable[[], None] | None = None
+    #: Sketches computed where the gradient lives (:class:`~gradforensics.capture.sketch.DeviceSketch`):
+    #: ``{tensor: (sketch (k,) or (H, k), the tensor's shape, its dtype name)}``; never sketched again.
+    sketches: dict[str, tuple[np.ndarray, tuple[int, ...], str]] = field(default_factory=dict)
+    #: Activation statistics reduced where the activations live: ``{module: {stat: array}}`` (its range
+    #: is in the recorder's ``_ranges``).
+    act_stats: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 def _is_bf16(a: np.ndarray) -> bool:
@@ -136,8 +144,16 @@ class ArrayRecorder:
     records_per_chunk, layout, compression
         On-disk layout (see :mod:`gradforensics.store.layout`); the defaults
         were chosen by measurement (``docs/store-layout.md``).
-    framework, model_info
-        The store's ``framework`` and ``model`` root attributes.
+    framework, model_info, extra
+        The store's ``framework``, ``model`` and ``extra`` root attributes
+        (``extra={"replicated": True}``: every rank records the same batches, the
+        input of the ``rankconsistency`` analysis).
+    ranks
+        This rank's :class:`~gradforensics.store.ranks.RankPlan` in a multi-rank
+        capture (the PyTorch recorder sets it under ``torch.distributed``).
+    storage_options
+        For *path* an fsspec URL (``s3://bucket/dump.zarr``): options of its file
+        system (credentials, ``endpoint_url``, ...); default: the environment.
 
     Notes
     -----
@@ -166,6 +182,9 @@ class ArrayRecorder:
         model_info: Mapping[str, Any] | None = None,
         compression: str = "none",
         layout: LayoutPolicy | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        ranks: RankPlan | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {DTYPES} or None; got {dtype!r}.")
@@ -177,9 +196,16 @@ class ArrayRecorder:
         self.dtype = dtype
         self.act_bounds = dict(act_bounds or {})
         self.compression = compression
-        meta = new_meta(self.sources, mode, framework, dict(model_info or {}))
-        self._writer = StoreWriter(self.path, meta, overwrite=overwrite, records_per_chunk=records_per_chunk,
-                                   policy=layout)
+        #: Tensors whose sketch arrives computed (:attr:`PendingRecord.sketches`).
+        self.device_sketched: frozenset[str] = frozenset()
+        meta = new_meta(self.sources, mode, framework, dict(model_info or {}), dict(extra or {}))
+        register_storage_options(self.path, storage_options)   # a Zarr store at an fsspec URL (s3://...)
+        self.ranks = ranks if ranks is not None and ranks.world > 1 else None
+        if self.ranks is not None:   # collective: rank 0 creates the store, the others join it
+            self._writer = rank_writer(self.path, meta, self.ranks, overwrite=overwrite, policy=layout)
+        else:
+            self._writer = StoreWriter(self.path, meta, overwrite=overwrite, records_per_chunk=records_per_chunk,
+                                       policy=layout)
         self._shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         self._head_specs: dict[str, HeadSpec | None] = {}
         self._ranges: dict[str, ActRange] = {}
@@ -360,8 +386,15 @@ class ArrayRecorder:
             rows[batch_path(name)] = Row(np.asarray(value))
         for name, g in p.grads.items():
             rows.update(self._grad_rows(name, g))
+        for name, (sk, shape, dtype) in p.sketches.items():
+            assert self.sketcher is not None
+            attrs = self._grad_attrs(name, shape, dtype)
+            rows[sketch_path(name)] = Row(sk, {**attrs, **self.sketcher.attrs(), "encoding": "float32"})
         for module, a in p.acts.items():
             rows.update(self._act_rows(module, a))
+        for module, stats in p.act_stats.items():
+            rng = self._ranges[module]
+            rows.update({act_path(module, k): Row(v, rng.attrs() if k == "hist" else {}) for k, v in stats.items()})
         weights = {weight_path(k): Row(*self._weight_row(k, w)) for k, w in p.weights.items()}
         if self.bytes_per_record is None:
             self.bytes_per_record = sum(r.data.nbytes for r in rows.values())
@@ -375,17 +408,20 @@ class ArrayRecorder:
             self._head_specs[name] = spec
         return self._head_specs[name]
 
+    def _grad_attrs(self, name: str, shape: tuple[int, ...], dtype: str) -> dict[str, Any]:
+        spec = self._spec(name, shape)
+        attrs: dict[str, Any] = {"source_dtype": dtype, "shape": list(shape)}
+        return {**attrs, **spec.attrs()} if spec is not None else attrs
+
     def _grad_rows(self, name: str, g: np.ndarray) -> dict[str, Row]:
         spec = self._spec(name, g.shape)
         data, encoding = encode(g, self.dtype, f"grads[{name!r}]")
-        attrs: dict[str, Any] = {"encoding": encoding, "source_dtype": g.dtype.name, "shape": list(g.shape)}
-        if spec is not None:
-            attrs.update(spec.attrs())
+        attrs: dict[str, Any] = {"encoding": encoding, **self._grad_attrs(name, g.shape, g.dtype.name)}
         out: dict[str, Row] = {}
         if any(fnmatch.fnmatchcase(name, pat) for pat in self.full):
             blocks = spec.split(data) if spec is not None else data
             out[grad_path(name)] = Row(blocks, attrs, head_split=spec is not None, compression=self.compression)
-        if self.sketcher is not None:
+        if self.sketcher is not None and name not in self.device_sketched:
             g32 = g if g.dtype == np.float32 else _to_f32(g)
             sk = self.sketcher.project_heads(spec.split(g32)) if spec is not None else self.sketcher.project(g32)
             out[sketch_path(name)] = Row(sk, {**attrs, **self.sketcher.attrs(), "encoding": "float32"})
@@ -394,10 +430,12 @@ class ArrayRecorder:
     def _act_rows(self, module: str, a: np.ndarray) -> dict[str, Row]:
         rng = self._ranges.get(module)
         if rng is None:
-            bounds = next((b for glob, b in self.act_bounds.items() if fnmatch.fnmatchcase(module, glob)), None)
-            rng = self._ranges[module] = make_range(_to_f32(a), bounds)
+            rng = self._ranges[module] = make_range(_to_f32(a), self._bounds_for(module))
         return {act_path(module, k): Row(v, rng.attrs() if k == "hist" else {})
                 for k, v in act_stats(_to_f32(a), rng).items()}
+
+    def _bounds_for(self, module: str) -> tuple[float, float] | None:
+        return next((b for glob, b in self.act_bounds.items() if fnmatch.fnmatchcase(module, glob)), None)
 
     def _weight_row(self, name: str, w: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         data, encoding = encode(w, None if _is_bf16(w) or w.dtype == np.float16 else "float32")

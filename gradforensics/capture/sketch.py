@@ -10,16 +10,26 @@ sign ``s(j)``; ``y = S g`` is O(d), unbiased for inner products
 (Charikar et al. 2002; Woodruff 2014).  ``gaussian``: ``y = P^T g / sqrt(k)``
 with ``P_ij ~ N(0, 1)`` drawn from ``default_rng([seed, block])``; exact JL but
 O(d k), for small tensors.
+
+:class:`DeviceSketch` computes the same countsketch with torch on the tensor's
+own device (CUDA where the model is, the CPU otherwise): the hash of each block
+is the NumPy one, moved to the device once, so only the ``k`` floats of a sketch
+cross to the host.  It matches :meth:`Sketcher.project` to float32 rounding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradforensics.errors import SpecError
+
+if TYPE_CHECKING:
+    import torch
+
+    from gradforensics.store.heads import HeadSpec
 
 BLOCK = 1 << 20
 METHODS = ("countsketch", "gaussian")
@@ -74,3 +84,62 @@ class Sketcher:
     def project_heads(self, blocks: np.ndarray) -> np.ndarray:
         """Sketch each head's block: ``(H, ...)`` -> ``(H, k)``."""
         return np.stack([self.project(b) for b in blocks])
+
+
+class DeviceSketch:
+    """Countsketches of torch tensors on their own device, equal to :class:`Sketcher`'s.
+
+    Accumulates in float64 (as NumPy's ``bincount`` does); per head through
+    :func:`split_torch`, the torch twin of :meth:`HeadSpec.split`.
+    """
+
+    def __init__(self, sketcher: Sketcher) -> None:
+        if sketcher.method != "countsketch":
+            raise SpecError("DeviceSketch: only the countsketch is computed on the device; the gaussian sketch "
+                            "runs on the host.")
+        self.sketcher = sketcher
+        self._hashes: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _hash(self, device: torch.device, block: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        key = (str(device), block, size)
+        hit = self._hashes.get(key)
+        if hit is None:
+            idx, sign = self.sketcher._hash(block, size)
+            hit = (torch.from_numpy(idx).to(device), torch.from_numpy(sign).to(device, torch.float64))
+            if sum(i.numel() for i, _ in self._hashes.values()) * 16 < self.sketcher.cache_limit_bytes:
+                self._hashes[key] = hit
+        return hit
+
+    def project(self, t: torch.Tensor) -> torch.Tensor:
+        """Sketch of the flattened tensor *t*: float64 ``(k,)`` on *t*'s device."""
+        import torch
+
+        flat = t.detach().reshape(-1)
+        out = torch.zeros(self.sketcher.k, dtype=torch.float64, device=t.device)
+        for b, start in enumerate(range(0, flat.numel(), BLOCK)):
+            part = flat[start:start + BLOCK]
+            idx, sign = self._hash(t.device, b, part.numel())
+            out.index_add_(0, idx, part.to(torch.float32).to(torch.float64) * sign)
+        return out
+
+    def project_heads(self, t: torch.Tensor, spec: HeadSpec | None) -> torch.Tensor:
+        """``(k,)`` for an unsplit tensor, ``(H, k)`` per head; float64 on *t*'s device."""
+        import torch
+
+        if spec is None:
+            return self.project(t)
+        return torch.stack([self.project(b) for b in split_torch(spec, t)])
+
+
+def split_torch(spec: HeadSpec, x: torch.Tensor) -> torch.Tensor:
+    """:meth:`HeadSpec.split` for a torch tensor: ``(H_total, ...)``, one block per head."""
+    ax = spec.axis % x.ndim
+    d = x.shape[ax] // spec.total
+    if spec.interleaved:
+        y = x.reshape((*x.shape[:ax], spec.heads, spec.fused, d, *x.shape[ax + 1:])).transpose(ax, ax + 1)
+    else:
+        y = x.reshape((*x.shape[:ax], spec.fused, spec.heads, d, *x.shape[ax + 1:]))
+    y = y.reshape((*x.shape[:ax], spec.total, d, *x.shape[ax + 1:]))
+    return y.movedim(ax, 0)

@@ -30,10 +30,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.capture.actstats import BOUNDED
+from gradforensics.capture import distributed
+from gradforensics.capture.actstats import (
+    BOUNDED,
+    ActRange,
+    combine,
+    finish,
+    make_range_torch,
+    partial_stats,
+    with_scale,
+)
 from gradforensics.capture.autoheads import resolve_heads
 from gradforensics.capture.recorder import ArrayRecorder
+from gradforensics.capture.sketch import DeviceSketch
 from gradforensics.errors import SpecError
+from gradforensics.store.names import check_name
 
 if TYPE_CHECKING:
     import torch
@@ -122,12 +133,20 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 class _ActHook:
-    """Forward hook keeping a module's outputs, as ``(tokens, units)`` float32 on the CPU."""
+    """Forward hook summarising a module's outputs on their own device.
+
+    Until the module's range is fixed (its first record) the outputs are kept,
+    ``(tokens, units)`` float32 on their device; after that every micro-batch is
+    reduced at once to per-unit partial sums (:func:`~gradforensics.capture.actstats.partial_stats`),
+    so nothing is kept and only the summed statistics cross to the host, at ``record()``.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.parts: list[tuple[torch.Tensor, Any]] = []
+        self.parts: list[torch.Tensor] = []
         self.units: int | None = None
+        self.rng: ActRange | None = None
+        self.sums: dict[str, Any] | None = None
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         import torch
@@ -138,26 +157,20 @@ class _ActHook:
                             "hook a module whose output is the activation (e.g. '*.mlp.act_fn').")
         a = out.detach().reshape(-1, out.shape[-1]) if out.ndim else out.detach().reshape(1, 1)
         self.units = int(a.shape[-1])
-        if a.is_cuda:
-            host = _host_buffer(a.shape, torch.float32)
-            host.copy_(a.float(), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(a.device))
-            self.parts.append((host, event))
+        if self.rng is None:
+            self.parts.append(a.to(torch.float32, copy=True))
         else:
-            self.parts.append((a.to(torch.float32, copy=True), None))
+            self.sums = combine(self.sums, partial_stats(a, self.rng))
 
-    def take(self) -> np.ndarray | None:
-        """Every output since the last call, stacked ``(tokens, units)``; ``None`` if none."""
+    def take(self) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
+        """The kept outputs (before the range is fixed) or the summed parts since the last call."""
         import torch
 
-        if not self.parts:
-            return None
-        for _, event in self.parts:
-            if event is not None:
-                event.synchronize()   # issued during the forward pass: long done by record()
-        parts, self.parts = [t for t, _ in self.parts], []
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).numpy()
+        parts, self.parts = self.parts, []
+        sums, self.sums = self.sums, None
+        if not parts:
+            return None, sums
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), sums
 
 
 class TorchRecorder(ArrayRecorder):
@@ -184,6 +197,10 @@ class TorchRecorder(ArrayRecorder):
     weights_every
         Snapshot the recorded weights every ``k`` records (record 0 included);
         ``None``: never.
+    sketch_on
+        ``"device"`` (default): a countsketch is computed where the gradient lives
+        (the GPU), so only ``k`` floats per head cross to the host; ``"host"``: the
+        gradient is copied to the host and sketched there by the writer thread.
     **kwargs
         Everything :class:`~gradforensics.capture.recorder.ArrayRecorder` takes
         (``sources``, ``sketch``, ``full``, ``dtype``, ``mode``, ...).
@@ -193,31 +210,57 @@ class TorchRecorder(ArrayRecorder):
     A recorded parameter whose ``.grad`` is ``None`` at ``record()`` is stored as
     zeros (with a warning once per parameter): every record carries the same
     tensors.  Hooks are removed by :meth:`close` (and on leaving ``with``).
+
+    Under ``torch.distributed`` with two or more ranks the recorder is collective
+    (every rank makes it on the same path and calls ``record()`` as often) and
+    every rank writes into the one store (:mod:`gradforensics.store.ranks`).  What
+    a record is depends on the model (:mod:`gradforensics.capture.distributed`):
+    under ``DistributedDataParallel`` the rank's local micro-batch gradient
+    (``batches/rank`` says which rank), under FSDP2 (``fully_shard``) the step's
+    reduced gradient.  See ``docs/capture-many-gpus.md``.
     """
 
     def __init__(self, path: Any, *, model: nn.Module, sources: Sequence[str],
                  tensors: Sequence[str] | None = None, heads: str | Mapping[str, Any] | None = "auto",
                  activations: Sequence[str] | None = None, weights_every: int | None = None,
-                 act_bounds: Mapping[str, tuple[float, float]] | None = None, **kwargs: Any) -> None:
+                 act_bounds: Mapping[str, tuple[float, float]] | None = None, sketch_on: str = "device",
+                 **kwargs: Any) -> None:
+        if sketch_on not in ("device", "host"):
+            raise SpecError(f"sketch_on must be 'device' or 'host'; got {sketch_on!r}.")
         if weights_every is not None and (not isinstance(weights_every, int) or weights_every < 1):
             raise SpecError(f"weights_every must be a positive int or None; got {weights_every!r}.")
         for key in ("framework", "model_info"):
             if key in kwargs:
                 raise SpecError(f"{key}= is set by the PyTorch recorder from the model; do not pass it.")
         self.model = model
-        self.params = select_parameters(model, tensors)
+        self.dist = distributed.context(model)
+        named = distributed.unwrap(model)     # DDP's parameter names without "module."
+        self.params = select_parameters(named, tensors)
         if not self.params:
-            raise SpecError(f"tensors: {type(model).__name__} has no trainable 2-D weight to record; "
+            raise SpecError(f"tensors: {type(named).__name__} has no trainable 2-D weight to record; "
                             "pass tensors=[globs].")
-        specs = resolve_heads(model, {n: tuple(p.shape) for n, p in self.params.items()}, heads)
-        self._act_modules = select_modules(model, activations)
+        specs = resolve_heads(named, {n: tuple(p.shape) for n, p in self.params.items()}, heads)
+        self._act_modules = select_modules(named, activations)
+        if self.dist is not None:
+            _check_distributed(self.dist, activations, weights_every, kwargs)
+            kwargs["ranks"] = self.dist.plan()
         bounds = {n: BOUNDED[type(m).__name__.lower()] for n, m in self._act_modules.items()
                   if type(m).__name__.lower() in BOUNDED}
         bounds.update(act_bounds or {})
         self.weights_every = weights_every
         super().__init__(path, sources=sources, heads=specs, act_bounds=bounds, framework="torch",
-                         model_info=model_info(model), **kwargs)
+                         model_info=model_info(named), **kwargs)
         self.head_specs = specs
+        self._local = distributed.LocalGrads(model, self.params) if self.dist and self.dist.kind == "ddp" else None
+        on_device = self.sketcher is not None and self.sketcher.method == "countsketch" and (
+            sketch_on == "device" or (self.dist is not None and self.dist.kind == "fsdp"))
+        self._device_sketch = DeviceSketch(self.sketcher) if on_device and self.sketcher else None
+        #: Bytes copied from the gradients' device to the host, all records so far (sketches included).
+        self.host_bytes = 0
+        if self._device_sketch is not None:
+            self.device_sketched = frozenset(self.params)
+        self._full_names = tuple(n for n in self.params if any(fnmatch.fnmatchcase(n, pat) for pat in self.full))
+        self._steps = 0
         self._hooks: list[Any] = []
         self._act_hooks = {n: _ActHook(n) for n in self._act_modules}
         for n, m in self._act_modules.items():
@@ -238,19 +281,57 @@ class TorchRecorder(ArrayRecorder):
         *grads*, *activations*, *weights*: extra NumPy arrays recorded alongside
         (names must differ from the model's).
         """
-        g, events, release, on_device = self._grads()
+        if self.dist is not None and self.dist.kind == "fsdp":
+            if grads or activations or weights:
+                raise SpecError("record(): extra grads=/activations=/weights= are not taken under FSDP.")
+            self._record_fsdp(step=step, loss=_scalar(loss), source=source, mixture=mixture,
+                              n_samples=int(n_samples), lr=float(lr), time=time)
+            return
+        g, events, release, on_device, sketches = self._grads()
         try:
             pending = self._make_pending(
                 step=step, loss=_scalar(loss), source=source, mixture=mixture, n_samples=int(n_samples),
                 lr=float(lr), rank=_rank() if rank is None else int(rank), time=time,
-                grads=_merge("grads", g, grads), activations=_merge("activations", self._activations(), activations),
+                grads=_merge("grads", g, grads), activations=activations,
                 weights=_merge("weights", self._weights(), weights), copy=False)
+            pending.act_stats = self._activations()
+            clash = sorted(set(pending.act_stats) & set(pending.acts))
+            if clash:
+                raise SpecError(f"record(): activations[{clash[0]!r}] is already recorded from the model; "
+                                "give extras other names.")
         except BaseException:
             if release is not None:
                 release()
             raise
         if events or release is not None:
             pending.settle = _device_copies_done(pending.grads, events, release, on_device)
+        pending.sketches = sketches
+        self._submit(pending)
+
+    def _record_fsdp(self, *, step: int | None, loss: float, source: str | None,
+                     mixture: Mapping[str, float] | None, n_samples: int, lr: float, time: float | None) -> None:
+        """Collective: the step's reduced gradient, written whole by rank ``t mod R`` (see :mod:`.distributed`)."""
+        assert self.dist is not None
+        t, self._steps = self._steps, self._steps + 1
+        grads: dict[str, Any] = {}     # DTensors
+        for n, p in self.params.items():
+            if p.grad is None:
+                raise SpecError(f"record(): {n} has no .grad on rank {self.dist.rank}; call it after backward().")
+            grads[n] = p.grad
+        sketches = distributed.fsdp_sketches(grads, self.head_specs, self._device_sketch) \
+            if self._device_sketch is not None else {}
+        owner = t % self.dist.world
+        whole = {n: distributed.gather_full(grads[n], owner) for n in self._full_names}   # collective
+        loss_all, n_all, mix = distributed.reduce_meta(loss, n_samples, self._mixture(source, mixture))
+        if owner != self.dist.rank:
+            return
+        pending = self._make_pending(
+            step=t if step is None else step, loss=loss_all, source=None,
+            mixture=dict(zip(self.sources, map(float, mix), strict=True)), n_samples=n_all, lr=lr,
+            rank=self.dist.rank, time=time,
+            grads={n: to_numpy(w.detach().cpu()) for n, w in whole.items() if w is not None},
+            activations=None, weights=None, copy=False)
+        pending.sketches = {n: (sk, tuple(grads[n].shape), _dtype_name(grads[n])) for n, sk in sketches.items()}
         self._submit(pending)
 
     def close(self) -> None:
@@ -259,10 +340,12 @@ class TorchRecorder(ArrayRecorder):
         super().close()
 
     def remove_hooks(self) -> None:
-        """Remove every forward hook this recorder registered (idempotent)."""
+        """Remove every forward hook (and DDP gradient hook) this recorder registered (idempotent)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._local is not None:
+            self._local.remove()
 
     @property
     def n_hooks(self) -> int:
@@ -273,7 +356,7 @@ class TorchRecorder(ArrayRecorder):
     def _grad_of(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         import torch
 
-        g = p.grad
+        g = p.grad if self._local is None else self._local.take(name, p)
         if g is None:
             if name not in self._warned:
                 self._warned.add(name)
@@ -282,19 +365,33 @@ class TorchRecorder(ArrayRecorder):
             return torch.zeros(p.shape, dtype=p.dtype, device=p.device)   # same path as a real .grad
         return g.detach()
 
-    def _grads(self) -> tuple[dict[str, np.ndarray], list[Any], Callable[[], None] | None, tuple[str, ...]]:
-        """Host copies of the gradients: fresh arrays (CPU), or pinned buffers being filled (CUDA)."""
+    def _grads(self) -> tuple[dict[str, np.ndarray], list[Any], Callable[[], None] | None, tuple[str, ...],
+                              dict[str, tuple[np.ndarray, tuple[int, ...], str]]]:
+        """Host copies of the gradients: fresh arrays (CPU), or pinned buffers being filled (CUDA).
+
+        With a countsketch, every sketch is computed here, on the gradient's device
+        (only ``k`` floats per head cross to the host), and only the ``full``
+        tensors are copied.
+        """
         grads = {n: self._grad_of(n, p) for n, p in self.params.items()}
+        sketches = {}
+        if self._device_sketch is not None:
+            for n, g in grads.items():
+                sk = self._device_sketch.project_heads(g, self.head_specs.get(n))
+                sketches[n] = (sk.to(torch_float32()).cpu().numpy(), tuple(g.shape), _dtype_name(g))
+            grads = {n: grads[n] for n in self._full_names}
+        self.host_bytes += sum(sk.nbytes for sk, _, _ in sketches.values()) + \
+            sum(g.numel() * g.element_size() for g in grads.values())
         on_device = {n: g for n, g in grads.items() if _is_device(g)}
         out = {n: to_numpy(g.clone()) for n, g in grads.items() if n not in on_device}
         if not on_device:
-            return out, [], None, ()
+            return out, [], None, (), sketches
         bufs = self._acquire(on_device)
         events = _copy_async(on_device, bufs)
         out.update({n: to_numpy(bufs[n]) for n in on_device})
         pool = self._pool
         assert pool is not None
-        return {n: out[n] for n in grads}, events, lambda: pool.put(bufs), tuple(on_device)
+        return {n: out[n] for n in grads}, events, lambda: pool.put(bufs), tuple(on_device), sketches
 
     def _acquire(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         def new_set() -> dict[str, torch.Tensor]:
@@ -313,15 +410,33 @@ class TorchRecorder(ArrayRecorder):
                 if self._queue is None or self._queue.unfinished_tasks == 0:
                     return new_set()   # the writer is idle: a set was dropped with a failed record
 
-    def _activations(self) -> dict[str, np.ndarray]:
+    def _activations(self) -> dict[str, dict[str, np.ndarray]]:
+        """Every hooked module's statistics since the last record, reduced on the device (see :class:`_ActHook`)."""
         out = {}
         for name, hook in self._act_hooks.items():
-            a = hook.take()
-            if a is None:
+            first, sums = hook.take()
+            if first is None and sums is None:
                 raise SpecError(f"activations: module {name} produced no output since the previous record; "
                                 "every hooked module must run in every recorded batch.")
-            out[name] = a
+            if first is not None:     # the module's first record: fix its range from it (all ranks alike)
+                check_name(name, "activations module")
+                hook.rng = self._ranges[name] = self._agreed_range(first, self._bounds_for(name))
+                sums = combine(sums, partial_stats(first, hook.rng))
+            assert sums is not None
+            out[name] = finish(sums)
         return out
+
+    def _agreed_range(self, first: torch.Tensor, bounds: tuple[float, float] | None) -> ActRange:
+        """The module's range; under a process group every rank takes the largest rank's scale."""
+        rng = make_range_torch(first, bounds)
+        if self.dist is None or rng.bounds is not None:
+            return rng
+        import torch
+        import torch.distributed as dist
+
+        scale = torch.tensor([rng.scale], dtype=torch.float64, device=first.device)
+        dist.all_reduce(scale, op=dist.ReduceOp.MAX)
+        return with_scale(rng, float(scale))
 
     def _weights(self) -> dict[str, np.ndarray]:
         k = self.weights_every
@@ -391,6 +506,29 @@ def _merge(what: str, ours: dict[str, np.ndarray], extra: Mapping[str, Any] | No
 def _scalar(x: Any) -> float:
     detach = getattr(x, "detach", None)
     return float(detach() if callable(detach) else x)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def torch_float32() -> torch.dtype:
+    import torch
+
+    return torch.float32
+
+
+def _check_distributed(ctx: distributed.Context, activations: Any, weights_every: int | None,
+                       kwargs: Mapping[str, Any]) -> None:
+    """Options a multi-rank recorder does not take (one line each)."""
+    if ctx.kind != "fsdp":
+        return
+    sketch = kwargs.get("sketch")
+    method = sketch.get("method", "countsketch") if isinstance(sketch, Mapping) else "countsketch"
+    for bad, why in ((activations, "activations="), (weights_every, "weights_every="),
+                     (method != "countsketch", "a gaussian sketch")):
+        if bad:
+            raise SpecError(f"FSDP capture does not take {why} yet; record them from a DDP or single-process run.")
 
 
 def _rank() -> int:

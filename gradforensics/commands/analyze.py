@@ -21,10 +21,13 @@ from gradforensics.errors import SpecError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gradforensics.commands import storage as storage_flags
     from gradforensics.report.severity import add_fail_on_argument
 
-    p.add_argument("store", help="a *.zarr directory or *.h5 file written by gradforensics")
+    p.add_argument("store", help="a *.zarr directory or *.h5 file written by gradforensics, or a Zarr store at an "
+                                 "fsspec URL (s3://bucket/dump.zarr)")
     p.add_argument("--out", required=True, help="directory for report.html, report.md, flags.json, tables/")
+    storage_flags.add_argument(p)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--scheduler", metavar="ADDRESS",
                        help="attach to a running dask scheduler: tcp://host:port or a scheduler file")
@@ -68,8 +71,10 @@ def _client(args: argparse.Namespace) -> Iterator[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from gradforensics.analysis.engine import analyze
+    from gradforensics.commands import storage as storage_flags
     from gradforensics.report import report
 
+    storage_flags.register(args, args.store)
     options = {"engine": {"slab_bytes": int(args.slab_mb * (1 << 20))}} if args.slab_mb else None
     with _client(args) as client:
         findings = analyze(args.store, client=client, only=args.only, options=options, progress=not args.quiet)

@@ -36,7 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a Hugging Face model directory, or a state-dict file with --model-factory")
     p.add_argument("--data", action="append", required=True, metavar="NAME=FILE",
                    help="a data source: .txt (one document a line) or .jsonl; repeat for each source")
-    p.add_argument("--out", required=True, help="the store to write: *.zarr or *.h5")
+    p.add_argument("--out", required=True, help="the store to write: *.zarr or *.h5, or a Zarr store at an fsspec "
+                                                "URL (s3://bucket/dump.zarr)")
+    from gradforensics.commands import storage as storage_flags
+
+    storage_flags.add_argument(p)
     g = p.add_argument_group("batches")
     g.add_argument("--batches-per-source", type=int, default=64, metavar="N")
     g.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per batch")
@@ -61,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     m.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     m.add_argument("--step", type=int, help="optimizer step of the checkpoint (default: trainer_state.json, else 0)")
+    p.add_argument("--check-ranks", action="store_true",
+                   help="under torchrun: replay the same batches on every rank (whole model each) to find a rank "
+                        "that computes a different gradient (the rankconsistency analysis)")
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
     p.add_argument("--quiet", action="store_true", help="no estimate line, no progress bar")
@@ -86,12 +93,29 @@ def parse_heads(specs: Sequence[str]) -> str | dict[str, Any] | None:
 
 
 def parse_out(out: str, overwrite: bool) -> Path:
+    """The store path of ``--out`` (a Zarr store at an fsspec URL stays a URL string)."""
+    from gradforensics.store import remote
+
     path = Path(out)
     if path.suffix.lower() not in (".zarr", ".h5", ".hdf5"):
         raise SpecError(f"--out {out}: expected a *.zarr directory or a *.h5 / *.hdf5 file.")
+    if remote.is_url(out):
+        from gradforensics.store.backends import backend_kind
+
+        backend_kind(out)                      # HDF5 at a URL: refused in one line
+        if _url_exists(out) and not overwrite:
+            raise SpecError(f"--out {out} already exists; pass --overwrite to replace it, or choose another URL.")
+        return out  # type: ignore[return-value]  # a URL is not a local Path; every use below takes both
     if path.exists() and not overwrite:
         raise SpecError(f"--out {out} already exists; pass --overwrite to replace it, or choose another path.")
     return path
+
+
+def _url_exists(url: str) -> bool:
+    from gradforensics.store import remote
+
+    fs, root = remote.filesystem(url)
+    return bool(remote.translated(url, lambda: fs.exists(f"{root}/zarr.json")))
 
 
 def check_seq_len(seq_len: int, max_pos: int | None, where: str) -> None:
@@ -166,14 +190,17 @@ def _plan(args: argparse.Namespace, model: nn.Module, heads: Any, dtype: str | N
 def _refuse_or_announce(per_record: dict[str, int], n_records: int, out: Path, force: bool, quiet: bool) -> None:
     from gradforensics._format import fmt_bytes
     from gradforensics.replay.run import size_estimate
+    from gradforensics.store.remote import is_url
 
     est = size_estimate(per_record["total"], n_records, out)
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in per_record.items() if k != "total" and v)
     line = (f"estimate: {n_records} records x {fmt_bytes(est['bytes_per_record'])} ({parts}) = "
             f"{fmt_bytes(est['total_bytes'])}; {fmt_bytes(est['free_bytes'])} free on the disk of {out}.")
+    if is_url(out):                   # object storage: no free-space figure to check against
+        line = line.rsplit(";", 1)[0] + f" to {out}."
     if not quiet:
         print(line, file=sys.stderr, flush=True)
-    if est["total_bytes"] > est["free_bytes"] and not force:
+    if est["total_bytes"] > est["free_bytes"] and not force and not is_url(out):
         raise SpecError(f"{out} needs ~{fmt_bytes(est['total_bytes'])} but only {fmt_bytes(est['free_bytes'])} "
                         "is free; record fewer --tensors, use --sketch K or --dtype bf16, lower "
                         "--batches-per-source, or pass --force.")
@@ -204,16 +231,50 @@ def run(args: argparse.Namespace) -> int:
                         "recorded tensor is whole already.")
     heads = parse_heads(args.heads)
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else None
+    launch = _launch(args)
+    from gradforensics.commands import storage as storage_flags
+
+    storage_flags.register(args, args.out)
     out = parse_out(args.out, args.overwrite)
+    if launch is not None:
+        _barrier()        # every rank has checked --out before rank 0 creates the store there
     try:
-        return _capture(args, sources, heads, dtype, out)
+        return _capture(args, sources, heads, dtype, out, launch)
     except KeyboardInterrupt:
         _interrupted(out)
         return 130
+    finally:
+        if launch is not None:
+            from gradforensics.replay import distributed
+
+            distributed.finish()
 
 
-def _capture(args: argparse.Namespace, sources: list[Any], heads: Any, dtype: str | None, out: Path) -> int:
-    from gradforensics.replay import data, replay
+def _launch(args: argparse.Namespace) -> Any:
+    """Under torchrun: join the process group; ``None`` in a single process."""
+    from gradforensics.replay import distributed
+
+    launch = distributed.from_env(args.device)
+    if launch is None:
+        if args.check_ranks:
+            raise SpecError("--check-ranks compares ranks: start the command with torchrun --nproc-per-node R.")
+        return None
+    distributed.init(launch)
+    args.device = launch.device
+    if launch.rank:
+        args.quiet = True             # one estimate line, one progress bar: rank 0's
+    return launch
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _capture(args: argparse.Namespace, sources: list[Any], heads: Any, dtype: str | None, out: Path,
+             launch: Any = None) -> int:
+    from gradforensics.replay import data, distributed, replay
     from gradforensics.replay.checkpoint import load_checkpoint, max_positions, offline
 
     with offline():     # HF_HUB_OFFLINE=1 before transformers is first imported
@@ -225,9 +286,18 @@ def _capture(args: argparse.Namespace, sources: list[Any], heads: Any, dtype: st
                                seed=args.seed)
     check_seq_len(args.seq_len, ckpt.max_positions, max_positions(ckpt.model)[1])
     per_record = _plan(args, ckpt.model, heads, dtype)
+    world = 1 if launch is None else launch.world
+    sharded = world > 1 and not args.check_ranks     # FSDP: a record is the reduced gradient of R micro-batches
     batches = data.load_batches(sources, ckpt.tokenizer, seq_len=args.seq_len, batch_size=args.batch_size,
-                                n_batches=args.batches_per_source, seed=args.seed, text_field=args.text_field)
-    n = args.batches_per_source * len(sources)
+                                n_batches=args.batches_per_source * (world if sharded else 1), seed=args.seed,
+                                text_field=args.text_field)
+    extra: dict[str, Any] = {}
+    if sharded:
+        batches = distributed.rank_batches(batches, launch.rank, world)
+        distributed.shard(ckpt.model, world, args.device)
+    elif world > 1:
+        extra["extra"] = {"replicated": True}          # every rank replays the same batches
+    n = args.batches_per_source * len(sources) * (world if args.check_ranks else 1)
     _refuse_or_announce(per_record, n, out, args.force, args.quiet)
     device = args.device
 
@@ -236,8 +306,10 @@ def _capture(args: argparse.Namespace, sources: list[Any], heads: Any, dtype: st
 
     store = replay(ckpt.model, batches, loss_fn, out, n_per_source=args.batches_per_source,
                    step=ckpt.step if args.step is None else args.step, progress=not args.quiet,
-                   check_space=not args.force, tensors=args.tensors, heads=heads, activations=args.activations,
-                   sketch=args.sketch, full=args.full, dtype=dtype, overwrite=True)
+                   check_space=not args.force and "://" not in str(out), tensors=args.tensors, heads=heads, activations=args.activations,
+                   sketch=args.sketch, full=args.full, dtype=dtype, overwrite=True, **extra)
+    if launch is not None and launch.rank:
+        return 0
     print(f"{out}: {store.n_records} records of {len(sources)} sources ({', '.join(s.name for s in sources)}), "
           f"loss {ckpt.loss_name}; next: gradforensics analyze {out} --out REPORT_DIR", file=sys.stderr)
     return 0
@@ -248,7 +320,7 @@ def _interrupted(out: Path) -> None:
     from gradforensics.store.reader import open_store
 
     try:
-        n = open_store(out).n_records if out.exists() else 0
+        n = open_store(out).n_records if (_url_exists(str(out)) if "://" in str(out) else out.exists()) else 0
     except GradforensicsError:
         n = 0
     where = f"{out} holds the {n} records written before it" if n else "no record was written"

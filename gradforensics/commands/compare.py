@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for report.html, report.md, compare.json, tables/compare.csv, figures/")
     p.add_argument("--quiet", action="store_true", help="no progress bar for a store analysed on the fly")
     add_fail_on_argument(p)
+    from gradforensics.commands import storage as storage_flags
+
+    storage_flags.add_argument(p)
 
 
 def print_summary(c: Comparison, n: int = 10, file: IO[str] | None = None) -> None:
@@ -47,8 +50,10 @@ def print_summary(c: Comparison, n: int = 10, file: IO[str] | None = None) -> No
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradforensics.commands import storage as storage_flags
     from gradforensics.compare_runs import compare
 
+    storage_flags.register(args, args.before, args.after)
     c = compare(args.before, args.after, args.out, progress=not args.quiet)
     print_summary(c)
     if args.fail_on is not None and c.reaching(args.fail_on):

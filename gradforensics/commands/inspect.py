@@ -16,8 +16,12 @@ from gradforensics.store.reader import Store
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("store", help="a *.zarr directory or *.h5 file written by gradforensics")
+    from gradforensics.commands import storage as storage_flags
+
+    p.add_argument("store", help="a *.zarr directory or *.h5 file written by gradforensics, or a Zarr store at an "
+                                 "fsspec URL (s3://bucket/dump.zarr)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    storage_flags.add_argument(p)
 
 
 def summarize(store: Store) -> dict:
@@ -42,6 +46,9 @@ def summarize(store: Store) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradforensics.commands import storage as storage_flags
+
+    storage_flags.register(args, args.store)
     s = summarize(Store(args.store))
     if args.json:
         print(json.dumps(s, indent=2))        # JSON escapes control characters itself

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", help="a *.zarr directory or *.h5 file that `gradforensics analyze` has run on")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for report.html, report.md, flags.json, tables/")
     add_fail_on_argument(p)
+    from gradforensics.commands import storage as storage_flags
+
+    storage_flags.add_argument(p)
 
 
 def load_findings(path: str) -> tuple[Findings, Store]:
@@ -62,8 +65,10 @@ def print_top(findings: Findings, paths: dict[str, Path], n: int = 5, file: IO[s
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradforensics.commands import storage as storage_flags
     from gradforensics.report import report
 
+    storage_flags.register(args, args.store)
     findings, store = load_findings(args.store)
     paths = report(findings, args.out, store=store)
     print_top(findings, paths)

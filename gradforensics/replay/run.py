@@ -200,4 +200,6 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
             bar.update(i + 1)
         model.zero_grad(set_to_none=True)
     bar.close()
+    if rec.ranks is not None:
+        rec.ranks.barrier()      # rank 0 has committed every rank's records: the store is complete
     return open_store(path)

@@ -11,15 +11,25 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gradforensics.errors import CorruptChunkError, CorruptStoreError, NotAStoreError
-from gradforensics.store.inventory import Inventory, from_h5_attr, hdf5_inventory, refuse_links, zarr_inventory
+from gradforensics.errors import CorruptChunkError, CorruptStoreError, GradforensicsError, NotAStoreError
+from gradforensics.store import remote
+from gradforensics.store.inventory import (
+    Inventory,
+    from_h5_attr,
+    hdf5_inventory,
+    refuse_links,
+    remote_zarr_inventory,
+    zarr_inventory,
+)
+from gradforensics.store.layout import dimension_names
 from gradforensics.store.schema import decode_bf16
 
 ZARR_SUFFIXES = (".zarr",)
@@ -27,11 +37,15 @@ HDF5_SUFFIXES = (".h5", ".hdf5")
 
 
 def backend_kind(path: str | os.PathLike[str]) -> str:
-    """``"zarr"`` or ``"hdf5"``, from the suffix of *path*."""
-    suffix = Path(path).suffix.lower()
+    """``"zarr"`` or ``"hdf5"``, from the suffix of *path* (an HDF5 file at a URL is refused)."""
+    suffix = Path(str(path).rstrip("/")).suffix.lower()
     if suffix in ZARR_SUFFIXES:
         return "zarr"
     if suffix in HDF5_SUFFIXES:
+        if remote.is_url(path):
+            raise NotAStoreError(f"{path}: HDF5 stores are local files only (h5py reads a remote file through "
+                                 "many small dependent requests and cannot write one); use a Zarr store "
+                                 "('*.zarr') on object storage.")
         return "hdf5"
     raise NotAStoreError(
         f"{path}: unknown store suffix {suffix!r}; expected a Zarr directory '*.zarr' "
@@ -56,18 +70,21 @@ def _zarr_codecs(compression: str, checksum: bool) -> dict[str, Any]:
 
 
 class ZarrBackend:
-    """Zarr v3 directory store."""
+    """Zarr v3 store: a local directory, or a prefix at an fsspec URL (:mod:`gradforensics.store.remote`)."""
 
     kind = "zarr"
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:
+    def __init__(self, path: str | os.PathLike[str], mode: str = "r",
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         self.path = str(path)
         self.mode = mode
-        if mode == "r" and not (Path(self.path) / "zarr.json").is_file():
+        self.url = remote.is_url(self.path)
+        self.storage_options = dict(storage_options or {})
+        if mode == "r" and not self.url and not (Path(self.path) / "zarr.json").is_file():
             raise NotAStoreError(f"{self.path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
         self.writable = mode != "r"
         self._open: dict[str, Any] = {}   # arrays opened here keep their write config
-        if mode == "a":
+        if mode == "a" and not self.url:   # object storage has no links; its names are checked by the inventory
             refuse_links(self.path)
         if self.writable:
             self._root  # noqa: B018  (a writer creates or opens the group now)
@@ -77,6 +94,10 @@ class ZarrBackend:
         """The zarr group, opened on first use (a reader lists the store by :meth:`inventory` first)."""
         import zarr
 
+        if self.url:
+            store = remote.zarr_store(self.path, self.mode == "r", self.storage_options)
+            return remote.translated(self.path, lambda: zarr.open_group(
+                store, mode=self.mode, zarr_format=3, use_consolidated=False))  # type: ignore[arg-type]
         try:
             return zarr.open_group(self.path, mode=self.mode, zarr_format=3, use_consolidated=False)  # type: ignore[arg-type]
         except (ValueError, TypeError, KeyError) as exc:
@@ -85,6 +106,8 @@ class ZarrBackend:
 
     def inventory(self) -> Inventory:
         """Root attributes and every array, from the store's own files, without trusting them."""
+        if self.url:
+            return remote_zarr_inventory(self.path, self.storage_options)
         return zarr_inventory(self.path)
 
     def _array(self, name: str) -> Any:
@@ -101,26 +124,32 @@ class ZarrBackend:
         return dict(self._root.attrs)
 
     def set_root_attr(self, key: str, value: dict[str, Any]) -> None:
-        self._root.attrs[key] = value
+        self._io(lambda: self._root.attrs.__setitem__(key, value))
 
     def attrs(self, name: str) -> dict[str, Any]:
         return dict(self._root[name].attrs)
 
+    def _io(self, fn: Any) -> Any:
+        """``fn()``; at a URL retried on transient network errors (every write here is idempotent)."""
+        return remote.translated(self.path, fn) if self.url else fn()
+
     # arrays ---------------------------------------------------------------
     def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
                attrs: dict[str, Any], compression: str = "none", checksum: bool = True) -> None:
-        self._open[name] = self._root.create_array(
+        self._open[name] = self._io(lambda: self._root.create_array(
             name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
-            attributes=attrs, config={"write_empty_chunks": True}, overwrite=True,
+            attributes=attrs, config={"write_empty_chunks": True},
+            overwrite=not (self.url and self.mode == "w"),   # a new store at a URL: skip listing each prefix
+            dimension_names=dimension_names(name, len(shape), attrs),
             **_zarr_codecs(compression, checksum),
-        )
+        ))
 
     def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
         arr = self._array(name)
         stop = start + data.shape[0]
         if arr.shape[0] < stop:
-            arr.resize((stop, *arr.shape[1:]))
-        arr[start:stop] = data
+            self._io(lambda: arr.resize((stop, *arr.shape[1:])))
+        self._io(lambda: arr.__setitem__(slice(start, stop), data))
 
     def truncate(self, name: str, n: int) -> None:
         arr = self._array(name)
@@ -142,7 +171,7 @@ class ZarrBackend:
         return True
 
     def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
-        return np.asarray(self._root[name][sel])
+        return np.asarray(self._io(lambda: self._root[name][sel]))
 
     def close(self) -> None:
         pass
@@ -245,9 +274,21 @@ class HDF5Backend:
         self._f.close()
 
 
-def open_backend(path: str | os.PathLike[str], mode: str = "r") -> ZarrBackend | HDF5Backend:
+def open_backend(path: str | os.PathLike[str], mode: str = "r",
+                 storage_options: Mapping[str, Any] | None = None) -> ZarrBackend | HDF5Backend:
     kind = backend_kind(path)
-    return ZarrBackend(path, mode) if kind == "zarr" else HDF5Backend(path, mode)
+    return ZarrBackend(path, mode, storage_options) if kind == "zarr" else HDF5Backend(path, mode)
+
+
+def read_url_array(url: str, name: str, sel: Any, storage_options: Mapping[str, Any] | None) -> np.ndarray:
+    """``sel`` of array *name* of the Zarr store at *url*: two requests (its metadata, its chunks), retried."""
+    import zarr
+
+    def read() -> np.ndarray:
+        store = remote.read_store(url, storage_options)
+        return np.asarray(zarr.open_array(store, path=name, mode="r")[sel])
+
+    return remote.translated(url, read)
 
 
 @dataclass(frozen=True)
@@ -256,7 +297,9 @@ class ArrayHandle:
 
     ``handle[sel]`` opens the store, reads *sel* (limited to the committed
     ``n_rows``), decodes bfloat16/float16 to float32 and closes again.  Carrying
-    only strings and numbers, it pickles to any dask worker.
+    only strings and numbers, it pickles to any dask worker.  A store at a URL is
+    opened by URL inside the task, with the *storage_options* the handle carries;
+    transient network errors are retried with backoff there.
     """
 
     kind: str
@@ -265,6 +308,7 @@ class ArrayHandle:
     shape: tuple[int, ...]
     encoding: str
     chunks: tuple[int, ...]
+    storage_options: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
     dtype = np.dtype(np.float32)
 
     @property
@@ -274,6 +318,8 @@ class ArrayHandle:
     def __getitem__(self, sel: Any) -> np.ndarray:
         try:
             raw = self._read(sel)
+        except GradforensicsError:
+            raise
         except (OSError, RuntimeError, ValueError) as exc:
             raise CorruptChunkError(self._describe(sel, exc)) from exc
         if self.encoding == "bfloat16-as-uint16":
@@ -284,6 +330,8 @@ class ArrayHandle:
         if self.kind == "zarr":
             import zarr
 
+            if remote.is_url(self.path):
+                return read_url_array(self.path, self.name, sel, self.storage_options)
             return np.asarray(zarr.open_array(os.path.join(self.path, self.name), mode="r")[sel])
         import h5py
 

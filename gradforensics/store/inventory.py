@@ -156,8 +156,12 @@ def _read_json(path: str, rel: str, file: Path) -> dict[str, Any]:
     size = file.stat().st_size
     if size > MAX_METADATA_BYTES:
         raise _corrupt(path, where, f"{size} bytes, more than any metadata gradforensics writes")
+    return _parse_json(path, where, file.read_bytes())
+
+
+def _parse_json(path: str, where: str, raw: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(file.read_bytes())
+        doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _corrupt(path, where, f"not valid JSON ({exc})") from exc
     if not isinstance(doc, dict):
@@ -245,6 +249,93 @@ def _scan_chunks(path: str, arr: StoredArray, cdir: Path) -> None:
             if idx is not None:
                 arr.chunk_files[idx] = size
     arr.nbytes_stored = total
+
+
+# ------------------------------------------------------- Zarr v3 at a URL
+def remote_zarr_inventory(url: str, storage_options: dict[str, Any] | None = None) -> Inventory:
+    """:func:`zarr_inventory` of a Zarr store at an fsspec URL, from one listing of its keys.
+
+    The same checks as on a local directory: every ``zarr.json`` is size-limited
+    and parsed strictly, chunk objects are counted and sized from the listing (never
+    from the grid the metadata claims), a prefix holding keys but no ``zarr.json``
+    is damage, and a key with an empty, ``.`` or ``..`` segment (which could name
+    something outside the store once mapped to a path) is refused.
+    """
+    from gradforensics.store import remote
+
+    fs, root = remote.filesystem(url, storage_options)
+    listing = remote.translated(url, lambda: fs.find(root, withdirs=False, detail=True))
+    files: dict[str, int] = {}
+    for full, info in listing.items():
+        full = str(full)
+        if not full.startswith(root + "/"):
+            continue
+        rel = full[len(root) + 1:]
+        if any(part in ("", ".", "..") for part in rel.split("/")):
+            raise CorruptStoreError(f"{url}: key {rel!r} has an empty, '.' or '..' segment; a store's names stay "
+                                    "inside the store.")
+        files[rel] = int(info.get("size") or 0)
+    if "zarr.json" not in files:
+        raise NotAStoreError(f"{url}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
+    metas = _remote_metadata(url, fs, root, files)
+    return _inventory_of_listing(url, files, metas)
+
+
+def _remote_metadata(url: str, fs: Any, root: str, files: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Every ``zarr.json`` outside an array's chunk tree, size-checked, fetched in one batch, parsed."""
+    from gradforensics.store import remote
+
+    keys = sorted(k for k in files if k == "zarr.json" or k.endswith("/zarr.json"))
+    keys = [k for k in keys if "/c/" not in f"/{k}"]
+    for k in keys:
+        if files[k] > MAX_METADATA_BYTES:
+            raise _corrupt(url, k, f"{files[k]} bytes, more than any metadata gradforensics writes")
+    raw = remote.translated(url, lambda: fs.cat([f"{root}/{k}" for k in keys], on_error="raise"))
+    return {k.rsplit("zarr.json", 1)[0].rstrip("/"): _parse_json(url, k, raw[f"{root}/{k}"]) for k in keys}
+
+
+def _inventory_of_listing(url: str, files: dict[str, int], metas: dict[str, dict[str, Any]]) -> Inventory:
+    """The inventory from a flat listing (relative key -> size) and the parsed metadata by node prefix."""
+    arrays: dict[str, StoredArray] = {}
+    for rel in sorted(metas):
+        if _owner(rel, arrays) is not None:
+            continue                     # an array's prefix holds only its chunk tree
+        meta = metas[rel]
+        node = meta.get("node_type")
+        if node == "group":
+            continue
+        if node != "array":
+            raise _corrupt(url, rel or "/", f"node_type {node!r} is neither 'group' nor 'array'")
+        if not rel:
+            raise NotAStoreError(f"{url}: a Zarr array, not a group; expected a gradforensics store.")
+        arrays[rel] = _zarr_array(url, rel, meta)
+    for key, size in files.items():      # every prefix above a key is a node, or inside an array
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            prefix = "/".join(parts[:i])
+            arr = arrays.get(prefix)
+            if arr is not None:
+                if parts[i] == "c" and len(parts) > i + 1:
+                    arr.nbytes_stored += size
+                    idx = _chunk_index(tuple(parts[i + 1:]), len(arr.shape))
+                    if idx is not None:
+                        arr.chunk_files[idx] = size
+                break
+            if prefix not in metas:
+                raise _corrupt(url, f"{prefix}/", "the prefix has no zarr.json (its metadata was deleted)")
+    root = metas[""]
+    root_attrs = (root.get("attributes") or {}) if root.get("node_type") == "group" else {}
+    return Inventory(root_attrs, arrays)
+
+
+def _owner(rel: str, arrays: dict[str, StoredArray]) -> str | None:
+    """The array whose prefix strictly contains *rel*, if any."""
+    parts = rel.split("/")
+    for i in range(1, len(parts)):
+        prefix = "/".join(parts[:i])
+        if prefix in arrays:
+            return prefix
+    return None
 
 
 def _chunk_index(parts: tuple[str, ...], ndim: int) -> tuple[int, ...] | None:

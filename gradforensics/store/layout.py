@@ -72,3 +72,32 @@ def chunk_shape(row_shape: tuple[int, ...], itemsize: int, r: int, policy: Layou
             n_chunks = -(-inner[ax] // rows)
             inner[ax] = -(-inner[ax] // n_chunks)  # balance the chunks: least padding at the edge
     return (r, *inner)
+
+
+# Axis names of the stored arrays (Zarr v3 ``dimension_names``; see docs/store-schema.md).
+#: groups whose arrays have one row per record (axis 0 is the shared ``record`` dimension)
+_PER_RECORD = ("batches", "grads", "sketch", "acts")
+
+
+def dimension_names(name: str, ndim: int, attrs: dict[str, object] | None = None) -> tuple[str, ...]:
+    """The names of the *ndim* axes of array *name* of a store, as xarray will see them.
+
+    ``record`` first (shared by every per-record array, so ``xarray.open_zarr(store,
+    group="grads")`` aligns them), ``snapshot`` first for ``weights/``; ``source``
+    on ``batches/mixture``; ``<key>.head`` on the head axis of a head-split array;
+    every other axis ``<key>.ax<i>`` - qualified by the array's key so that two
+    tensors of different shapes never give one dimension two sizes.
+    """
+    group, _, key = name.partition("/")
+    key = (key or name).replace("/", ".")
+    names: list[str] = []
+    if group in _PER_RECORD:
+        names.append("record")
+    elif group == "weights":
+        names.append("snapshot")
+    if name == "batches/mixture" and ndim == 2:
+        names.append("source")
+    if (attrs or {}).get("heads") and len(names) == 1 and ndim > 1:
+        names.append(f"{key}.head")
+    names += [f"{key}.ax{i}" for i in range(len(names), ndim)]
+    return tuple(names[:ndim])

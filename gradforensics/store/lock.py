@@ -12,6 +12,15 @@ touched at every commit) is older than its lease, is stale.
 Readers never take the lock.  The lock is a sidecar rather than a file inside the
 store so that creating it is atomic before the store exists, and so that a store
 copied elsewhere never carries a lock with it.
+
+For a store at a URL (``s3://bucket/dump.zarr``) the lock is the object
+``<store>.lock`` (:class:`RemoteLock`), created with a conditional write (S3
+``PUT`` with ``If-None-Match: *``; moto 5.2.5 honours it, measured in
+``tests/test_remote_stores.py``): of two writers starting at once, exactly one
+creates it.  Object storage has no ``flock`` and no pids of other hosts, so the
+lease decides: the holder rewrites the object's heartbeat while it writes, and
+a lock whose heartbeat is older than its lease (or whose holder ran on this
+host and is gone) is stale and taken over with a warning.
 """
 
 from __future__ import annotations
@@ -21,11 +30,14 @@ import json
 import os
 import socket
 import time
+import uuid
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gradforensics.errors import StoreLockedError
+from gradforensics.store import remote
 
 #: Seconds without a heartbeat after which a lock that cannot be checked by flock is stale.
 LEASE_SECONDS = 900.0
@@ -74,13 +86,18 @@ class Holder:
 class StoreLock:
     """The exclusive writer lock of one store; ``acquire()`` or :class:`StoreLockedError`."""
 
-    def __init__(self, store_path: str, lease_s: float = LEASE_SECONDS) -> None:
+    def __init__(self, store_path: str, lease_s: float = LEASE_SECONDS,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         self.store_path = store_path
-        self.path = lock_path(store_path)
         self.lease_s = lease_s
         self._fd: int | None = None
+        self._remote = RemoteLock(store_path, lease_s, storage_options) if remote.is_url(store_path) else None
+        self.path = self._remote.url if self._remote else lock_path(store_path)
 
     def acquire(self) -> StoreLock:
+        if self._remote is not None:
+            self._remote.acquire()
+            return self
         for _ in range(10):   # retried only when the file was replaced under us
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -145,10 +162,14 @@ class StoreLock:
 
     def heartbeat(self) -> None:
         """Touch the lock file (the lease clock for file systems without flock)."""
+        if self._remote is not None:
+            self._remote.heartbeat()
         if self._fd is not None:
             os.utime(self._fd)
 
     def release(self) -> None:
+        if self._remote is not None:
+            self._remote.release()
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
@@ -166,3 +187,105 @@ class StoreLock:
 
 
 _REPLACED = object()
+
+
+class RemoteLock:
+    """The writer lock of a store at a URL: the object ``<store>.lock``, held by lease.
+
+    The object holds the holder's JSON (host, pid, start, lease, a random token,
+    and ``heartbeat``, the holder's clock at its last heartbeat).  It is created
+    with a conditional write (``mode="create"``: S3 ``If-None-Match: *``), so only
+    one writer can create it; a file system without conditional writes falls back
+    to write-then-read-back of the token (a race window of one round trip).
+    """
+
+    def __init__(self, store_url: str, lease_s: float = LEASE_SECONDS,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self.store_url = remote.normalize(store_url)
+        self.url = self.store_url + ".lock"
+        self.lease_s = lease_s
+        self._fs, self._path = remote.filesystem(self.url, storage_options or remote.options_for(self.store_url))
+        self._token: str | None = None
+        self._started = 0.0
+        self._beat = 0.0
+
+    def _doc(self) -> bytes:
+        now = time.time()
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": self._started,
+                           "lease_s": self.lease_s, "heartbeat": now, "token": self._token,
+                           "store": self.store_url.rsplit("/", 1)[-1]}).encode()
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            raw = remote.translated(self.store_url, lambda: self._fs.cat_file(self._path))
+        except FileNotFoundError:
+            return None
+        try:
+            doc = json.loads(raw.decode())
+        except (ValueError, UnicodeDecodeError):
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def _create(self) -> bool:
+        """Create the lock object if absent; True when this call created it."""
+        data = self._doc()
+        if remote.scheme(self.url) == "file":       # a local file system has directories to make first
+            self._fs.makedirs(self._fs._parent(self._path), exist_ok=True)
+        try:
+            remote.translated(self.store_url, lambda: self._fs.pipe_file(self._path, data, mode="create"))
+            return True
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError):   # no conditional write here: write, then read back
+            if self._fs.exists(self._path):
+                return False
+            self._fs.pipe_file(self._path, data)
+            got = self._read()
+            return got is not None and got.get("token") == self._token
+
+    def acquire(self) -> RemoteLock:
+        self._token = uuid.uuid4().hex
+        self._started = time.time()
+        for _ in range(5):
+            if self._create():
+                self._beat = time.time()
+                return self
+            doc = self._read()
+            if doc is None:
+                continue                  # released between our create and read: try again
+            holder = Holder.parse(json.dumps(doc).encode())
+            if holder is not None and not self._stale(holder, doc):
+                raise StoreLockedError(
+                    f"{self.store_url} is being written by another process ({holder.describe()}; lock object "
+                    f"{self.url}); one writer per store: wait for it, or write to another URL.")
+            remote.translated(self.store_url, lambda: self._fs.rm_file(self._path))
+            who = holder.describe() if holder else "an unreadable holder"
+            warnings.warn(f"{self.store_url}: took over a stale writer lock ({who}); its records in flight were "
+                          "lost, committed records are kept.", stacklevel=5)
+        raise StoreLockedError(f"{self.store_url}: the lock object {self.url} keeps being replaced; another writer "
+                               "is starting here.")
+
+    def _stale(self, holder: Holder, doc: dict[str, Any]) -> bool:
+        beat = doc.get("heartbeat", holder.started)
+        age = time.time() - (float(beat) if isinstance(beat, (int, float)) else holder.started)
+        return not holder.alive_here() or age > holder.lease_s
+
+    def heartbeat(self) -> None:
+        """Rewrite the heartbeat (at most every tenth of the lease), if the lock is still ours."""
+        if self._token is None or time.time() - self._beat < self.lease_s / 10:
+            return
+        doc = self._read()
+        if not doc or doc.get("token") != self._token:
+            raise StoreLockedError(f"{self.store_url}: this writer's lock object {self.url} was taken over "
+                                   "(its lease ran out); stop writing: another writer owns the store now.")
+        data = self._doc()
+        remote.translated(self.store_url, lambda: self._fs.pipe_file(self._path, data))
+        self._beat = time.time()
+
+    def release(self) -> None:
+        if self._token is None:
+            return
+        token, self._token = self._token, None
+        doc = self._read()
+        if doc and doc.get("token") == token:
+            remote.translated(self.store_url, lambda: self._fs.rm_file(self._path))

@@ -10,14 +10,16 @@ read back silently as zeros).  After that, readers trust the parsed metadata.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.errors import CorruptChunkError, MissingArrayError, NotAStoreError
-from gradforensics.store.backends import ArrayHandle, backend_kind, open_backend
+from gradforensics.errors import CorruptChunkError, GradforensicsError, MissingArrayError, NotAStoreError
+from gradforensics.store import remote
+from gradforensics.store.backends import ArrayHandle, backend_kind, open_backend, read_url_array
 from gradforensics.store.layout import MiB
 from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
 from gradforensics.store.validate import check_arrays, rows_of
@@ -72,14 +74,25 @@ class Store:
     Nothing here writes: ``analyze`` saves its results through
     :mod:`gradforensics.store.results`, after which the store is opened again to
     see them.
+
+    *path* may be an fsspec URL of a Zarr store (``s3://bucket/dump.zarr``);
+    *storage_options* then go to its file system (and are remembered for that URL
+    in this process, so results written back to it use them too: see
+    :mod:`gradforensics.store.remote`).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, check_chunks: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, check_chunks: bool = True,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         self.path = str(path)
         self.kind = backend_kind(self.path)
-        if not os.path.lexists(self.path):
+        if remote.is_url(self.path):
+            remote.register(self.path, storage_options)
+            self.storage_options: dict[str, Any] | None = remote.options_for(self.path, storage_options)
+        elif not os.path.lexists(self.path):
             raise NotAStoreError(f"{self.path}: no such file or directory; expected a gradforensics store.")
-        b = open_backend(self.path, "r")
+        else:
+            self.storage_options = None
+        b = open_backend(self.path, "r", self.storage_options)
         try:
             inv = b.inventory()
         finally:
@@ -136,13 +149,25 @@ class Store:
         if name not in self.arrays:
             raise MissingArrayError(f"{self.path}: no array {name} in the store.")
         info = self.arrays[name]
-        b = open_backend(self.path, "r")
+        if remote.is_url(self.path):
+            return self._read_url(name, info)
+        b = open_backend(self.path, "r", self.storage_options)
         try:
             return b.read(name, slice(0, info.shape[0]))
+        except GradforensicsError:
+            raise
         except (OSError, RuntimeError, ValueError) as exc:
             raise CorruptChunkError(f"{self.path}: {name} could not be read ({type(exc).__name__}: {exc}).") from exc
         finally:
             b.close()
+
+    def _read_url(self, name: str, info: ArrayInfo) -> np.ndarray:
+        try:
+            return read_url_array(self.path, name, slice(0, info.shape[0]), self.storage_options)
+        except GradforensicsError:
+            raise
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise CorruptChunkError(f"{self.path}: {name} could not be read ({type(exc).__name__}: {exc}).") from exc
 
     def batches(self) -> dict[str, np.ndarray]:
         """Every ``batches/*`` array (committed records only)."""
@@ -150,7 +175,8 @@ class Store:
 
     def handle(self, info: ArrayInfo) -> ArrayHandle:
         """A picklable reader of the stored array *info* (opens the store inside each task)."""
-        return ArrayHandle(self.kind, self.path, info.name, info.shape, info.encoding, info.chunks)
+        return ArrayHandle(self.kind, self.path, info.name, info.shape, info.encoding, info.chunks,
+                           self.storage_options)
 
     def lazy(self, name: str, slab_bytes: int | None = None) -> da.Array:
         """Lazy float32 dask array of a stored array.
@@ -228,9 +254,9 @@ def _token(*parts: Any) -> str:
     return tokenize(*parts)
 
 
-def open_store(path: str | os.PathLike[str]) -> Store:
-    """Open the store at *path* for reading (validates it; see :class:`Store`)."""
-    return Store(path)
+def open_store(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Store:
+    """Open the store at *path* (a local path or an fsspec URL) for reading (validates it; see :class:`Store`)."""
+    return Store(path, storage_options=storage_options)
 
 
 MAX_SLAB = 128 * MiB

@@ -55,8 +55,11 @@ class StoreMeta:
     records_per_chunk: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
+    #: Multi-rank capture only: ``{"world_size": R, "completed": [ranks that closed], "records": [per rank]}``.
+    ranks: dict[str, Any] = field(default_factory=dict)
 
     def to_attrs(self) -> dict[str, Any]:
+        ranks = {"ranks": dict(self.ranks)} if self.ranks else {}
         return {
             "schema": self.schema,
             "created": self.created,
@@ -68,6 +71,7 @@ class StoreMeta:
             "n_weights": int(self.n_weights),
             "records_per_chunk": int(self.records_per_chunk),
             "extra": dict(self.extra),
+            **ranks,
         }
 
     def committed(self, n_records: int, n_weights: int) -> StoreMeta:
@@ -131,7 +135,22 @@ def parse_root_attrs(path: str, attrs: Any) -> StoreMeta:
         n_records=get.count("n_records", 0), n_weights=get.count("n_weights", 0),
         framework=get("framework", str, ""), model=get("model", dict, {}), created=get("created", str, ""),
         records_per_chunk=max(get.count("records_per_chunk", 1), 1), extra=get("extra", dict, {}),
+        ranks=_ranks(get),
     )
+
+
+def _ranks(get: _FieldReader) -> dict[str, Any]:
+    """The optional ``ranks`` field of a multi-rank store, checked: world size, completed ranks, counts."""
+    ranks = get("ranks", dict, {})
+    if not ranks:
+        return {}
+    world, done, recs = ranks.get("world_size"), ranks.get("completed"), ranks.get("records")
+    ok = (type(world) is int and world >= 1 and isinstance(done, list) and isinstance(recs, list)
+          and all(type(q) is int and 0 <= q < world for q in done) and len(recs) == world
+          and all(type(n) is int and n >= 0 for n in recs))
+    if not ok:
+        raise get.error("ranks", "{'world_size': R, 'completed': [ranks in 0..R-1], 'records': [R counts]}")
+    return dict(ranks)
 
 
 class _FieldReader:

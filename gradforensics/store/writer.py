@@ -31,6 +31,7 @@ from gradforensics.errors import StoreClosedError, StoreExistsError, StoreMismat
 from gradforensics.store.backends import backend_kind, open_backend
 from gradforensics.store.layout import LayoutPolicy, chunk_shape, records_per_chunk
 from gradforensics.store.lock import StoreLock
+from gradforensics.store.remote import clear_url, is_url
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta
 
 WEIGHT_RECORD = "weights/_record"
@@ -54,24 +55,30 @@ class StoreWriter:
                  records_per_chunk: int | None = None) -> None:
         self.path = str(path)
         self.kind = backend_kind(self.path)
-        self._lock = StoreLock(self.path).acquire()
-        try:
-            _clear_path(Path(self.path), overwrite)
-            self._backend = open_backend(self.path, "w")
-        except BaseException:
-            self._lock.release()
-            raise
+        self._lock, self._backend = self._open(overwrite)
         self.meta = meta
         self.policy = policy or LayoutPolicy()
         self._fixed_r = records_per_chunk
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
         self._buffer: list[dict[str, Row]] = []
+        self._blocks: dict[str, np.ndarray] = {}   # per array, the rows of one flush: filled in place, reused
+        self._rows = 0                              # rows the arrays are grown to (ahead of the records)
         self._weights: list[tuple[int, dict[str, Row]]] = []
         self._n = 0
         self._nw = 0
         self._r = 0
         self._closed = False
         self._commit()
+
+    def _open(self, overwrite: bool) -> tuple[Any, Any]:
+        """Take the writer lock, make room and create the store (a multi-rank writer overrides it)."""
+        lock = StoreLock(self.path).acquire()
+        try:
+            clear_url(self.path, overwrite) if is_url(self.path) else _clear_path(Path(self.path), overwrite)
+            return lock, open_backend(self.path, "w")
+        except BaseException:
+            lock.release()
+            raise
 
     # ------------------------------------------------------------------ API
     @property
@@ -88,6 +95,11 @@ class StoreWriter:
         self._check(rows)
         if weights:
             self._weights.append((self._n + len(self._buffer), weights))
+        if self._r > 1:     # copied once, into the flush's block; the record's arrays are released now
+            j = len(self._buffer)
+            for name, row in rows.items():
+                self._block(name)[j] = row.data
+            rows = {}
         self._buffer.append(rows)
         if len(self._buffer) >= self._r:
             self.flush()
@@ -96,9 +108,12 @@ class StoreWriter:
         """Write the buffered records and commit them."""
         if not self._buffer and not self._weights:
             return
+        m = len(self._buffer)
+        if m:
+            self._grow(self._n + m)
         for name in self._layout:
-            block = np.stack([rec[name].data for rec in self._buffer]) if self._buffer else None
-            if block is not None:
+            if m:     # one record: written from its own array, no copy; several: the filled block
+                block = self._blocks[name][:m] if self._r > 1 else self._buffer[0][name].data[None]
                 self._backend.write_rows(name, self._n, block)
         n_new = self._n + len(self._buffer)
         nw = self._write_weights()
@@ -112,6 +127,9 @@ class StoreWriter:
             return
         try:
             self.flush()
+            if self._rows > self._n:      # arrays grown ahead: back to the records written
+                for name in self._layout:
+                    self._backend.truncate(name, self._n)
         finally:
             self._closed = True
             try:
@@ -120,6 +138,26 @@ class StoreWriter:
                 self._lock.release()
 
     # ------------------------------------------------------------- internals
+    def _block(self, name: str) -> np.ndarray:
+        block = self._blocks.get(name)
+        if block is None:
+            shape, dtype = self._layout[name]
+            block = self._blocks[name] = np.empty((self._r, *shape), dtype=dtype)
+        return block
+
+    def _grow(self, stop: int) -> None:
+        """Grow every array to at least *stop* rows, doubling: one metadata write per array every few flushes.
+
+        Rows past the committed count are ignored by readers (see the module
+        docstring); :meth:`close` trims the arrays to the records written.
+        """
+        if stop <= self._rows:
+            return
+        target = max(stop, 2 * self._rows)
+        for name in self._layout:
+            self._backend.truncate(name, target)
+        self._rows = target
+
     def _plan(self, rows: dict[str, Row]) -> None:
         record_bytes = sum(r.data.nbytes for r in rows.values())
         self._r = self._fixed_r or records_per_chunk(record_bytes, self.policy)

@@ -1,0 +1,8 @@
+"""``python -m gradforensics`` (and ``torchrun --nproc-per-node R -m gradforensics capture ...``)."""
+
+import sys
+
+from gradforensics.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

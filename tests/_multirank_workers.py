@@ -1,0 +1,143 @@
+"""The ranks' side of tests/test_multirank.py: what each gloo process runs (imported by the spawned children).
+
+Kept apart from the test module so that a child imports torch and gradforensics
+only, not the fixtures' dependencies (transformers, tokenizers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import torch
+
+import gradforensics as gf
+
+K = 64
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", GRADFORENSICS_RANK_WAIT_S="60")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world)
+
+
+def tiny(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+HEADS = {"0.weight": 2}    # 2 heads of 3 rows: on 4 ranks FSDP's shard boundaries (rows 2, 4) cut both heads
+WORLD = 4
+
+
+def batch(rank: int, step: int, micro: int = 0) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(5, 8, generator=g), torch.randn(5, 3, generator=g)
+
+
+def loss_of(model: Any, b: tuple[Any, Any]) -> Any:
+    x, y = b
+    return ((model(x) - y) ** 2).mean()
+
+
+def worker(rank: int, world: int, port: int, out: str) -> None:
+    """Everything the 4-rank tests read: DDP, FSDP2, replicated replays, a loss series, then a kill -9."""
+    _init(rank, world, port)
+    ddp_part(rank, out)
+    fsdp_part(rank, world, out)
+    consistency_part(rank, out)
+    series_part(rank, out)
+    kill_part(rank, out)
+    torch.distributed.destroy_process_group()
+
+
+def ddp_part(rank: int, out: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = tiny()
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)    # the user's one slot stays theirs
+    oracle = tiny()
+    want = []
+    with gf.Recorder(f"{out}/ddp.zarr", model=ddp, sources=["a", "b"], heads=HEADS, sketch=K, full=["*"]) as rec:
+        for step in range(3):
+            micro = 2 if step == 1 else 1         # step 1 accumulates two micro-batches under no_sync()
+            oracle.zero_grad()
+            total = 0.0
+            for m in range(micro):
+                b = batch(rank, step, m)
+                if m < micro - 1:
+                    with ddp.no_sync():
+                        loss_of(ddp, b).backward()
+                else:
+                    loss_of(ddp, b).backward()
+                ol = loss_of(oracle, b)
+                ol.backward()
+                total += float(ol)
+            rec.record(step=step, loss=total, source="ab"[rank % 2], n_samples=5 * micro)
+            want.append({n: p.grad.numpy().copy() for n, p in oracle.named_parameters() if p.ndim == 2})
+            reduced = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.ndim == 2}
+            ddp.zero_grad()
+    np.savez(f"{out}/oracle{rank}.npz", **{f"{s}|{n}": g for s, w in enumerate(want) for n, g in w.items()})
+    np.savez(f"{out}/reduced{rank}.npz", **reduced)
+
+
+def fsdp_part(rank: int, world: int, out: str) -> None:
+    """FSDP2 on the same process group: each step's reduced gradient, written by rank ``step mod R``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    with gf.Recorder(f"{out}/fsdp.zarr", model=model, sources=["a", "b"], heads=HEADS, sketch=K, full=["*"],
+                     mode="replay") as rec:
+        for step in range(3):
+            loss = loss_of(model, batch(rank, step))
+            loss.backward()
+            rec.record(step=step, loss=loss, source="ab"[rank % 2], n_samples=5)
+            model.zero_grad()
+
+
+def consistency_part(rank: int, out: str) -> None:
+    model = tiny()
+    for name in ("same", "bad"):
+        hook = None
+        if name == "bad" and rank == 1:     # planted: rank 1's device gets one weight's gradient 1% wrong
+            hook = model[0].weight.register_hook(lambda g: g * 1.01)
+        with gf.Recorder(f"{out}/{name}.zarr", model=model, sources=["a"], heads=HEADS, sketch=K, mode="replay",
+                         extra={"replicated": True}) as rec:
+            for i in range(3):
+                model.zero_grad()
+                loss = loss_of(model, batch(0, i))      # the same batches on every rank
+                loss.backward()
+                rec.record(step=0, loss=loss, source="a", n_samples=5)
+        if hook is not None:
+            hook.remove()
+
+
+def series_part(rank: int, out: str) -> None:
+    model = tiny()
+    rng = np.random.default_rng(rank)
+    with gf.Recorder(f"{out}/series.zarr", model=model, sources=["a"], tensors=["2.weight"], sketch=8) as rec:
+        for t in range(64):    # a loss oscillation every rank shares (period 8) plus each rank's own noise
+            model.zero_grad()
+            loss_of(model, batch(rank, t)).backward()
+            rec.record(step=t, loss=1.0 + 0.5 * np.sin(2 * np.pi * t / 8) + 0.1 * rng.standard_normal(),
+                       source="a", n_samples=5)
+
+
+def kill_part(rank: int, out: str) -> None:
+    model = tiny()
+    with gf.Recorder(f"{out}/killed.zarr", model=model, sources=["a"], tensors=["0.weight"]) as rec:
+        for t in range(6):
+            model.zero_grad()
+            loss_of(model, batch(rank, t)).backward()
+            rec.record(step=t, loss=float(rank), source="a", n_samples=5)
+            if rank == 1 and t == 2:
+                rec.flush()
+                os.kill(os.getpid(), signal.SIGKILL)     # rank 1 dies with 3 records written

@@ -1,0 +1,133 @@
+"""A real S3-compatible HTTP server on loopback for the remote-store tests.
+
+:func:`moto_server` starts moto's server mode (``ThreadedMotoServer``, a werkzeug
+HTTP server speaking the S3 REST protocol) on a free port and points the
+standard environment at it (``AWS_ENDPOINT_URL``, fake keys), so s3fs, boto3 and
+any dask worker process started afterwards talk to it like to any S3 service.
+:class:`FaultyProxy` is a loopback HTTP proxy in front of it that answers a
+fixed share of requests with ``503 SlowDown`` instead of forwarding them - what
+a throttling object store does.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+BUCKET = "dumps"
+ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """A moto S3 server on a free loopback port with bucket :data:`BUCKET`; yields its endpoint URL.
+
+    The environment (``AWS_ENDPOINT_URL`` and keys) points at it while the context lasts.
+    """
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)    # one log line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in (*ENV, "AWS_ENDPOINT_URL")}
+    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
+    try:
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _forget_filesystems()
+
+
+def _forget_filesystems() -> None:
+    """Drop cached s3fs instances (they hold connections to a server that is gone)."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class FaultyProxy:
+    """Forward HTTP requests to *upstream*, answering every *every*-th one with 503 SlowDown."""
+
+    def __init__(self, upstream: str, every: int = 4) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.every = every
+        self.seen = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy._lock:
+                    proxy.seen += 1
+                    refuse = proxy.seen % proxy.every == 0
+                    proxy.refused += refuse
+                if refuse:
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(_SLOWDOWN)))
+                    self.end_headers()
+                    self.wfile.write(_SLOWDOWN)
+                    return
+                conn = http.client.HTTPConnection(host, int(port), timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                head = self.command == "HEAD"      # a HEAD answer keeps the object's length
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FaultyProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
