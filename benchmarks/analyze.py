@@ -16,13 +16,25 @@ own Python process so peak RSS is that phase's alone:
 * ``dist``:  the ``pass`` on a 2-process ``LocalCluster`` (cluster start-up
   excluded from ``pass_seconds``; ``worker_peak_rss_mb`` per worker).
 
-and prints wall seconds, GB/s, peak RSS and the ratios pass/read.  The page
+and prints wall seconds, GB/s, peak RSS (the child process's high-water mark)
+and the ratios Gram-pass / read-floor and full-pass / read-floor.  The page
 cache is warm (the store was just written or read), so the floor is the
 optimistic one; compare phases within one run.
+
+``--long N`` runs the phases on the planted long-history store instead
+(:func:`gradforensics.testing.planted_long.long_history_store`: N training-mode
+records, oscillations confined to stretches, a rotating mean, a mid-run source
+conflict, healthy tensors) and checks that ``full`` finds each planted truth over
+the right records.  ``--table`` runs read, pass and full (best of two each) on
+the 1 GB and 4 GB stores and the 100,000-record long-history store and prints one
+table: RSS flat in N and store size, and both ratios.
 
     python benchmarks/analyze.py                  # 4 GB, 128 records
     python benchmarks/analyze.py --gb 0.5 --records 64 --backend h5
     python benchmarks/analyze.py --gb 1 --phases raw,read,pass --compare-checksums   # cost of chunk checksums
+    python benchmarks/analyze.py --long 100000 --phases read,pass,full   # the long-history regime, truths checked
+    python benchmarks/analyze.py --table          # 1 GB, 4 GB and 100k records in one table
+    python benchmarks/analyze.py --gb 0.5 --url moto    # the pass from S3 on loopback vs local disk (_remote.py)
 """
 
 from __future__ import annotations
@@ -124,7 +136,31 @@ def phase_pass(path: Path, only: str | None, slab_mb: float | None) -> dict:
     if slab_mb:
         opts["engine"]["slab_bytes"] = int(slab_mb * (1 << 20))
     f = gf.analyze(path, only=only, options=opts, progress=False)
-    return {"bytes": _store_bytes(path), "flags": len(f.flags), "analyses": sorted(f.results)}
+    flags = [[fl.kind, fl.tensor, fl.severity, list(fl.records)] for fl in f.flags if fl.severity >= 0.5]
+    return {"bytes": _store_bytes(path), "flags": len(f.flags), "analyses": sorted(f.results),
+            "regime": f.header.get("regime"), "records": f.n_records, "flags_above_half": flags}
+
+
+def check_truths(flags: list, n: int) -> list[str]:
+    """What the full pass on the planted long-history store got right and wrong, one line each."""
+    from gradforensics.testing.planted_long import long_history_arrays
+
+    truth = long_history_arrays(n, 0)[2]
+    found = {(k, t): tuple(r) for k, t, _, r in flags}
+    lines, w = [], max(1, -(-n // 128)) * 4
+    for name, spec in truth["oscillation"].items():
+        lo, hi = spec["records"]
+        got = found.get(("oscillation", name))
+        ok = got is not None and abs(got[0] - lo) <= w and abs(got[1] - hi) <= w
+        lines.append(f"{'ok' if ok else 'MISSED'}: oscillation {name} period {spec['period']} in {lo}-{hi}: {got}")
+    got = found.get(("conflict", truth["conflict"]["tensor"]))
+    ok = got is not None and abs(got[0] - n // 2) <= n / 8
+    lines.append(f"{'ok' if ok else 'MISSED'}: conflict since {n // 2}: {got}")
+    ok = ("drift", truth["drift"]) in found and ("oscillation", truth["drift"]) not in found
+    lines.append(f"{'ok' if ok else 'WRONG'}: drift {truth['drift']} flagged as drift, not as oscillation")
+    healthy = [k for k in found if k[1] in truth["healthy"]]
+    lines.append(f"{'ok' if not healthy else 'WRONG'}: healthy tensors flagged: {healthy}")
+    return lines
 
 
 def _peak_rss_mb() -> float:
@@ -169,7 +205,7 @@ def child(args: argparse.Namespace) -> None:
 
     import gradforensics.analysis  # noqa: F401  (imports every registered analysis)
 
-    path = Path(args.store)
+    path = args.store if "://" in args.store else Path(args.store)    # a URL stays a string (--url)
     base_rss = _peak_rss_mb()
     cpu0 = os.times()
     t0 = time.perf_counter()
@@ -189,6 +225,66 @@ def child(args: argparse.Namespace) -> None:
     out["peak_rss_mb"] = _peak_rss_mb()
     out["rss_after_imports_mb"] = base_rss
     print(json.dumps(out))
+
+
+def build_long(path: Path, n: int) -> None:
+    from gradforensics.testing.planted_long import long_history_store
+
+    long_history_store(path, n=n)
+
+
+TABLE = (("1 GB", {"gb": 1.0}), ("4 GB", {"gb": 4.0}), ("100k records", {"long": 100_000}))
+
+
+def table(args: argparse.Namespace) -> None:
+    """Read floor, Gram pass and full pass (best of two each) of every configuration in :data:`TABLE`."""
+    rows = []
+    for label, cfg in TABLE:
+        store = _ensure(args, cfg.get("gb", args.gb), cfg.get("long"))
+        best: dict[str, dict] = {}
+        for phase in ("read", "pass", "full", "read", "pass", "full"):
+            r = run_phase(phase, store, args.slab_mb)
+            if phase not in best or r["seconds"] < best[phase]["seconds"]:
+                best[phase] = r
+            print(f"  {label:>13} {phase:>5}: {r['seconds']:7.2f} s  cpu {r['cpu_seconds']:7.2f} s  "
+                  f"peak RSS {r['peak_rss_mb']:6.0f} MB", flush=True)
+        if cfg.get("long"):
+            for line in check_truths(best["full"]["flags_above_half"], int(cfg["long"])):
+                print("   ", line)
+        rows.append((label, best))
+    print("\n(wall s / cpu s; the ratios are of wall time, then of CPU time)\n"
+          "| store | GB | records | regime | read | Gram pass | full pass | Gram pass / read | "
+          "full pass / read | peak RSS pass MB | peak RSS full MB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, b in rows:
+        regime = (b["full"].get("regime") or {}).get("name", "?")
+        r, p_, f = b["read"], b["pass"], b["full"]
+        print(f"| {label} | {r['bytes'] / 1e9:.3f} | {f.get('records', '')} | {regime} | "
+              f"{r['seconds']:.2f} / {r['cpu_seconds']:.2f} | {p_['seconds']:.2f} / {p_['cpu_seconds']:.2f} | "
+              f"{f['seconds']:.2f} / {f['cpu_seconds']:.2f} | "
+              f"{p_['seconds'] / r['seconds']:.2f}x / {p_['cpu_seconds'] / r['cpu_seconds']:.2f}x | "
+              f"{f['seconds'] / r['seconds']:.2f}x / {f['cpu_seconds'] / r['cpu_seconds']:.2f}x | "
+              f"{p_['peak_rss_mb']:.0f} | {f['peak_rss_mb']:.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(rows), indent=2))
+
+
+def _ensure(args: argparse.Namespace, gb: float, long: int | None) -> Path:
+    """The benchmark store of this configuration, built when absent (or with ``--rebuild``)."""
+    if long:
+        store = Path(args.dir) / f"bench-long-{long}r.zarr"
+    else:
+        store = Path(args.dir) / f"bench-{gb:g}gb-{args.records}r-{args.tensors}t.{args.backend}"
+    if args.rebuild or not store.exists():
+        if store.exists():
+            shutil.rmtree(store) if store.is_dir() else store.unlink()
+        store.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        if long:
+            build_long(store, long)
+        else:
+            build(store, gb, args.records, args.tensors)
+        print(f"built {store} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return store
 
 
 def run_phase(phase: str, store: Path, slab_mb: float | None) -> dict:
@@ -215,6 +311,12 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--compare-checksums", action="store_true",
                    help="also build the same store without chunk checksums and run every phase on both, interleaved")
+    p.add_argument("--url", default=None, metavar="URL",
+                   help="copy the store to URL (s3://bucket/x.zarr, or 'moto' for an S3 server on loopback) and "
+                        "compare the pass from there with the pass from local disk (see benchmarks/_remote.py)")
+    p.add_argument("--long", type=int, default=None, metavar="N",
+                   help="use the planted long-history store of N records (and check its truths)")
+    p.add_argument("--table", action="store_true", help="1 GB, 4 GB and 100k-record runs in one table")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -222,9 +324,14 @@ def main() -> None:
         args.phase = args.child
         child(args)
         return
+    if args.table:
+        table(args)
+        return
     stem = f"bench-{args.gb:g}gb-{args.records}r-{args.tensors}t"
     variants = {"": True, "-nocrc": False} if args.compare_checksums else {"": True}
     stores = {tag: Path(args.dir) / f"{stem}{tag}.{args.backend}" for tag in variants}
+    if args.long:
+        stores = {"": _ensure(args, args.gb, args.long)}
     for tag, store in stores.items():
         if args.rebuild or not store.exists():
             if store.exists():
@@ -234,6 +341,13 @@ def main() -> None:
             build(store, args.gb, args.records, args.tensors, checksums=variants[tag])
             print(f"built {store} in {time.perf_counter() - t0:.1f} s")
     store = stores[""]
+    if args.url:
+        import _remote
+
+        summary = _remote.compare(store, args.url, 2, run_phase)
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=2))
+        return
     results: dict[str, list[dict]] = {}
     for phase in args.phases.split(","):
         for tag, path in stores.items():
@@ -250,11 +364,14 @@ def main() -> None:
     summary = {"store": str(store), "gb": best[next(iter(best))]["bytes"] / 1e9, "records": args.records,
                "cpus": os.cpu_count(), "phases": best}
     if "read" in best:
-        for k in ("pass", "full"):
+        for k, label in (("pass", "Gram-pass / read-floor"), ("full", "full-pass / read-floor")):
             if k in best:
                 ratio = best[k]["seconds"] / best["read"]["seconds"]
                 summary[f"{k}_over_read"] = ratio
-                print(f"{k}/read time ratio: {ratio:.2f}x   peak RSS {best[k]['peak_rss_mb']:.0f} MB")
+                print(f"{label}: {ratio:.2f}x   peak RSS {best[k]['peak_rss_mb']:.0f} MB")
+    if args.long and "full" in best:
+        for line in check_truths(best["full"]["flags_above_half"], args.long):
+            print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     if args.delete:

@@ -32,7 +32,7 @@ from gradforensics.errors import GradforensicsError, SpecError
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.analysis.engine.model import AnalysisResult, Context, GramResult
+    from gradforensics.analysis.engine.model import AnalysisResult, Context
 
 #: Columns never treated as value series when ``columns`` is not given.
 META_COLUMNS = frozenset({
@@ -229,7 +229,7 @@ def _sorted_labels(labels: Iterable[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------ stores
-def from_batches(batches: Mapping[str, np.ndarray], grams: Mapping[tuple[str, int | None], GramResult] | None = None,
+def from_batches(batches: Mapping[str, np.ndarray], grams: Mapping[tuple[str, int | None], Any] | None = None,
                  *, mode: str = "training", axis: str = "step") -> list[SeriesGroup]:
     """Series of a store: ``batches/loss`` and, from *grams*, ``grad_norm/<tensor>``.
 
@@ -238,7 +238,8 @@ def from_batches(batches: Mapping[str, np.ndarray], grams: Mapping[tuple[str, in
     batches
         The store's ``batches/*`` arrays (``loss`` and ``step`` at least).
     grams
-        ``Context.grams``; the norm of record i is ``sqrt(K_ii)`` of the whole
+        ``Context.grams`` (or ``Context.long.grams``: lag 0 of the banded Gram
+        above N₀ records); the norm of record i is ``sqrt(K_ii)`` of the whole
         tensor (the sum over heads when only heads were computed); records with
         a non-finite gradient are missing values.
     mode
@@ -275,11 +276,13 @@ def _replay_axis(ranks: Any, n: int) -> np.ndarray:
     return x
 
 
-def _grad_norms(grams: Mapping[tuple[str, int | None], GramResult]) -> dict[str, np.ndarray]:
+def _grad_norms(grams: Mapping[tuple[str, int | None], Any]) -> dict[str, np.ndarray]:
     sq: dict[str, np.ndarray] = {}
     whole: set[str] = set()
     for (tensor, head), g in sorted(grams.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
-        d = np.diag(np.asarray(g.gram, dtype=float)).copy()
+        # K_ii: the Gram matrix's diagonal, or lag 0 of the banded Gram (long histories)
+        d = (np.asarray(g.band[0], dtype=float).copy() if hasattr(g, "band")
+             else np.diag(np.asarray(g.gram, dtype=float)).copy())
         d[~np.asarray(g.finite)] = np.nan
         if head is None:
             sq[tensor] = d
@@ -295,7 +298,8 @@ def from_context(ctx: Context, axis: str = "step") -> list[SeriesGroup]:
     Gradient norms are included when the pass computed Gram matrices (any
     selected analysis needs ``"gram"``).
     """
-    return from_batches(ctx.batches, ctx.grams, mode=str(ctx.meta.mode), axis=axis)
+    grams: Mapping[tuple[str, int | None], Any] = ctx.grams if ctx.long is None else ctx.long.grams
+    return from_batches(ctx.batches, grams, mode=str(ctx.meta.mode), axis=axis)
 
 
 def series_compute(name: str, analyze: Callable[[Sequence[SeriesGroup], Any], AnalysisResult]

@@ -121,7 +121,7 @@ def assemble_feature_blocks(part: Mapping[Any, np.ndarray], lead: int, shape: tu
     return out
 
 
-def _reduce_chunk(x: np.ndarray, sel: tuple[slice, ...], reductions: Sequence[SlabReduction]) -> Partial:
+def reduce_chunk(x: np.ndarray, sel: tuple[slice, ...], reductions: Sequence[SlabReduction]) -> Partial:
     return {("r", j): r.chunk(x, sel) for j, r in enumerate(reductions)}
 
 
@@ -184,7 +184,7 @@ def _slow_product(pa: np.ndarray, pb: np.ndarray | None) -> tuple[np.ndarray, np
     return _product(a, b), n_bad.astype(np.int64)
 
 
-def _head_blocks(block: np.ndarray, head0: int, split: bool) -> Iterable[tuple[int, np.ndarray]]:
+def head_blocks(block: np.ndarray, head0: int, split: bool) -> Iterable[tuple[int, np.ndarray]]:
     """``(head, (n, features))`` views of one dask block; head -1 for a tensor not split."""
     if not split:
         yield -1, block.reshape(block.shape[0], -1)
@@ -201,8 +201,8 @@ def chunk_partial(xa: np.ndarray, xb: np.ndarray | None, a: int, b: int, head0: 
     non-finite counts, so each record block is counted once per slab.
     """
     out: Partial = {}
-    heads_b = None if xb is None else dict(_head_blocks(xb, head0, split))
-    for h, xa2 in _head_blocks(xa, head0, split):
+    heads_b = None if xb is None else dict(head_blocks(xb, head0, split))
+    for h, xa2 in head_blocks(xa, head0, split):
         xb2 = None if heads_b is None else heads_b[h]
         prod, counts = _finite_product(np.asarray(xa2), None if xb2 is None else np.asarray(xb2), precision)
         out[("k", h, a, b)] = prod
@@ -329,7 +329,7 @@ def _gram_graph(shape: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], ten
     name = f"gram-{tokenize(source, chunks, tensor, heads, from_sketch, split_every, precision, gram, reductions)}"
     layer, parts = _chunk_layer(name, chunks, heads, precision, xname=None if dep is None else dep.name,
                                 handle=handle, reductions=reductions, gram=gram)
-    top = _tree(layer, name, parts, split_every, reductions)
+    top = reduction_tree(layer, name, parts, split_every, reductions)
     n_heads = int(shape[1]) if heads else None
     n_features = int(np.prod(shape[1:], dtype=np.int64))
     final = (name, "agg")
@@ -352,7 +352,7 @@ def _read_chunk(handle: ArrayHandle, sel: tuple[slice, ...], head0: int, split: 
     x = handle[sel]
     out = chunk_partial(x, None, 0, 0, head0, split, precision) if gram else {}
     if reductions:
-        out.update(_reduce_chunk(x, sel, reductions))
+        out.update(reduce_chunk(x, sel, reductions))
     return out
 
 
@@ -384,7 +384,7 @@ def _chunk_layer(name: str, chunks: tuple[tuple[int, ...], ...], heads: bool, pr
         if reductions:      # each record block once
             for a in range(n_rec_blocks):
                 key = (name, "chunk", len(parts))
-                layer[key] = (_reduce_chunk, refs[a], sel((a, *col)), reductions)
+                layer[key] = (reduce_chunk, refs[a], sel((a, *col)), reductions)
                 parts.append(key)
         for a in range(n_rec_blocks if gram else 0):
             for b in range(a, n_rec_blocks):
@@ -394,7 +394,7 @@ def _chunk_layer(name: str, chunks: tuple[tuple[int, ...], ...], heads: bool, pr
     return layer, parts
 
 
-def _tree(layer: dict[Any, Any], name: str, parts: list[Any], split_every: int,
+def reduction_tree(layer: dict[Any, Any], name: str, parts: list[Any], split_every: int,
           reductions: tuple[SlabReduction, ...] = ()) -> Any:
     """Add combine tasks of fan-in *split_every* until one key remains; return it."""
     level = 0

@@ -41,9 +41,10 @@ def cosines(K: np.ndarray, A: np.ndarray, B: np.ndarray | None = None) -> np.nda
     """Cosine matrix between the vectors ``Xᵀa_i`` and ``Xᵀb_j`` (NaN where a norm is 0)."""
     A = np.atleast_2d(A)
     B = A if B is None else np.atleast_2d(B)
-    num = inner(K, A, B)
-    na = np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", A, K, A), 0.0))
-    nb = na if B is A else np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", B, K, B), 0.0))
+    AK = A @ K
+    num = AK @ B.T
+    na = np.sqrt(np.maximum(np.einsum("ij,ij->i", AK, A), 0.0))      # diag(A K Aᵀ) without A K Aᵀ
+    nb = na if B is A else np.sqrt(np.maximum(np.einsum("ij,ij->i", B @ K, B), 0.0))
     return safe_div(num, np.outer(na, nb))
 
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from gradforensics.analysis.engine.gram import SlabReduction
+    from gradforensics.analysis.engine.longhistory import LongHistory
     from gradforensics.analysis.series import SeriesGroup
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
@@ -240,6 +241,10 @@ class Context:
     behind ``gradforensics loss``) builds one for the ``flags`` of the analyses
     with a ``series`` hook: ``meta`` and ``options`` as above, no Gram matrices,
     and ``store`` None (``batches`` empty) when the series come from a log.
+
+    Above ``N₀`` records (the long-history regime) ``grams`` is empty and ``long``
+    holds the banded Gram and the window-source sums of every tensor and head
+    (:class:`~gradforensics.analysis.engine.longhistory.LongHistory`).
     """
 
     store: Store | None
@@ -248,6 +253,7 @@ class Context:
     grams: dict[tuple[str, int | None], GramResult]
     computed: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    long: LongHistory | None = None
 
     def options_for(self, name: str, cls: type[OptionsT]) -> OptionsT:
         """The options of analysis *name*: what the engine parsed, or *cls*'s defaults.

@@ -320,15 +320,21 @@ def gram_arrays(grams: Mapping[tuple[str, int | None], GramResult], n_records: i
 
 
 def save_results(path: str | os.PathLike[str], findings: Findings | None = None,
-                 grams: Mapping[tuple[str, int | None], GramResult] | None = None, *, n_records: int = 0) -> None:
+                 grams: Mapping[tuple[str, int | None], GramResult] | None = None, *, n_records: int = 0,
+                 empty_grams: bool = False) -> None:
     """Save *findings* and/or the Gram matrices *grams* (over *n_records* records) in the store at *path*.
 
     One write under the store's writer lock (:func:`gradforensics.store.results.write_results`);
-    a :class:`~gradforensics.store.reader.Store` opened before does not see them.
+    a :class:`~gradforensics.store.reader.Store` opened before does not see them.  With
+    *empty_grams* (the long-history regime: no per-record K exists) an empty Gram index
+    replaces any saved before, so :func:`load_grams` returns ``{}``.
     """
     arrays, docs = findings_documents(findings) if findings is not None else ({}, {})
-    write_results(path, arrays=arrays, documents=docs,
-                  grams=gram_arrays(grams, n_records) if grams else None)
+    if empty_grams:
+        saved: GramArrays | None = GramArrays(n_records=0)
+    else:
+        saved = gram_arrays(grams, n_records) if grams else None
+    write_results(path, arrays=arrays, documents=docs, grams=saved)
 
 
 def save_grams(store: Store, grams: Mapping[tuple[str, int | None], GramResult]) -> None:
@@ -348,6 +354,9 @@ def _gram_entry(e: Any, m: int, where: str) -> tuple[int, str, int | None, int, 
 
 def load_grams(store: Store) -> dict[tuple[str, int | None], GramResult]:
     """The Gram matrices a previous ``analyze`` saved in *store* (no gradient is read).
+
+    ``{}`` after a pass in the long-history regime (above ``N₀`` records no
+    per-record K is formed; the findings header's ``regime`` says so).
 
     Raises
     ------

@@ -47,6 +47,7 @@ from gradforensics.analysis.engine.gram import (
     gram_graph,
     slab_graph,
 )
+from gradforensics.analysis.engine.longhistory import BAND, N_WINDOWS, LongHistory, design, long_graph, threshold
 from gradforensics.analysis.engine.model import (
     Analysis,
     AnalysisResult,
@@ -88,6 +89,16 @@ class EngineOptions(Options):
         Threads of the local scheduler (default: CPU count).  Ignored under a client.
     persist
         Save the findings and Gram matrices in the store's ``analysis/`` group.
+    long_history
+        ``N₀``: above this many records the pass never forms the N×N Gram matrix
+        and computes the banded Gram and window-source sums instead
+        (:mod:`~gradforensics.analysis.engine.longhistory`); 0 forces that regime.
+        Default (None): ``min(4096, √(512 MiB / (8 · units)))``, units = tensors + heads,
+        so the exact regime's Gram matrices fit 512 MiB.
+    band
+        Lags ``L`` of the banded Gram (long-history regime).
+    windows
+        Windows of the window-source sums (long-history regime): ``W = ceil(N / windows)``.
     """
 
     slab_bytes: int = DEFAULT_SLAB_BYTES
@@ -95,6 +106,9 @@ class EngineOptions(Options):
     precision: str = "float32"
     num_workers: int | None = None
     persist: bool = True
+    long_history: int | None = None
+    band: int = BAND
+    windows: int = N_WINDOWS
 
     def __post_init__(self) -> None:
         if int(self.slab_bytes) < 1 << 16:
@@ -105,6 +119,20 @@ class EngineOptions(Options):
             raise SpecError(f"engine option precision must be one of {PRECISIONS}; got {self.precision!r}.")
         if self.num_workers is not None and int(self.num_workers) < 1:
             raise SpecError(f"engine option num_workers must be >= 1; got {self.num_workers}.")
+        if self.long_history is not None and int(self.long_history) < 0:
+            raise SpecError(f"engine option long_history must be >= 0; got {self.long_history}.")
+        if not 1 <= int(self.band) <= 1024:
+            raise SpecError(f"engine option band must be in [1, 1024]; got {self.band}.")
+        if not 4 <= int(self.windows) <= 4096:
+            raise SpecError(f"engine option windows must be in [4, 4096]; got {self.windows}.")
+
+    def n0(self, n_units: int) -> int:
+        """``N₀`` of a store with *n_units* tensors and heads (:func:`~gradforensics.analysis.engine.longhistory.threshold`)."""
+        return threshold(n_units, self.long_history)
+
+    def long_regime(self, n_records: int, n_units: int = 1) -> bool:
+        """Whether a pass over *n_records* records of *n_units* tensors and heads runs in the long-history regime."""
+        return int(n_records) > self.n0(n_units)
 
 
 def select_analyses(only: str | Iterable[str] | None) -> list[Analysis]:
@@ -184,19 +212,19 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
     selected = select_analyses(only)
     engine, per_analysis = split_options(options, selected)
     batches = store.batches()
-    grams, computed = compute_pass(store, selected, engine, client, progress)
+    grams, computed, long = _compute(store, selected, engine, client, progress, batches=batches)
     ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, computed=computed,
-                  options=per_analysis)
+                  options=per_analysis, long=long)
     results, flags = {}, []
     for a in selected:
         res = a.compute(ctx)
         results[a.name] = res
         flags.extend(_checked_flags(a, a.flags(res, ctx)))
-    header = _header(store, batches, client, engine, time.perf_counter() - t0)
+    header = _header(store, batches, client, engine, time.perf_counter() - t0, long)
     findings = Findings(store=store.path, n_records=store.n_records, mode=store.mode, sources=store.sources,
                         header=header, results=results, flags=flags)
     if engine.persist:
-        _persist(store, findings, grams)
+        _persist(store, findings, grams, long is not None)
     return findings
 
 
@@ -277,13 +305,36 @@ def compute_pass(store: Store, selected: list[Analysis], engine: EngineOptions, 
     SpecError
         An analysis returns the same key from ``lazy`` and ``slab_reductions``.
     """
+    g, lazy, _ = _compute(store, selected, engine, client, progress, grams)
+    return g, lazy
+
+
+def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, client: Client | None,
+             progress: bool, grams: bool = True, batches: dict[str, np.ndarray] | None = None,
+             ) -> tuple[dict[tuple[str, int | None], GramResult], dict[str, Any], LongHistory | None]:
+    """:func:`compute_pass`, plus the long-history results above ``N₀`` records (then no Gram matrix)."""
     keys: list[tuple[str, ...]] = []
     collections: list[Any] = []
     want_gram = grams and any(Need.GRAM in a.needs for a in selected)
     reductions = _slab_reductions(store, selected)
     opts: dict[str, Any] = {"slab_bytes": engine.slab_bytes, "split_every": engine.split_every, "precision": engine.precision}
+    long_design = None
+    if want_gram and engine.long_regime(store.n_records, n_units(store)):
+        mix = (batches if batches is not None else store.batches())["mixture"]
+        long_design = design(mix, engine.band, engine.windows)
     for tensor in store.tensors if want_gram else sorted(reductions):
         mine = reductions.get(tensor, [])
+        if long_design is not None:
+            if mine and tensor not in store.grads:
+                raise SpecError(f"{store.path}: slab reductions of {tensor} need grads/{tensor}.")
+            out_l: Any = long_graph(store, tensor, long_design, tuple(r for _, _, r in mine),
+                                    slab_bytes=engine.slab_bytes, split_every=engine.split_every)
+            keys.append(("gram", tensor))
+            collections.append(out_l[0])
+            for j, (aname, rkey, r) in enumerate(mine):
+                keys.append(("lazy", aname, rkey))
+                collections.append(out_l[1][j] if r.finish is None else r.finish(out_l[1][j]))
+            continue
         if not mine:
             keys.append(("gram", tensor))
             collections.append(gram_graph(store, tensor, **opts))
@@ -304,7 +355,7 @@ def compute_pass(store: Store, selected: list[Analysis], engine: EngineOptions, 
             keys.append(("lazy", a.name, name))
             collections.append(coll)
     values = _run(collections, client, progress, engine.num_workers) if collections else []
-    gram_lists: dict[str, list[GramResult]] = {}
+    gram_lists: dict[str, list[Any]] = {}
     lazy: dict[str, dict[str, Any]] = {a.name: {} for a in selected
                                        if a.lazy is not None or a.slab_reductions is not None}
     for key, val in zip(keys, values, strict=True):
@@ -312,7 +363,19 @@ def compute_pass(store: Store, selected: list[Analysis], engine: EngineOptions, 
             gram_lists[key[1]] = val
         else:
             lazy[key[1]][key[2]] = val
-    return flatten_grams(gram_lists), lazy
+    if long_design is not None:
+        longs = {(g.tensor, g.head): g for res in gram_lists.values() for g in res}
+        return {}, lazy, LongHistory(long_design, longs, engine.n0(n_units(store)))
+    return flatten_grams(gram_lists), lazy, None
+
+
+def n_units(store: Store) -> int:
+    """Tensors and heads of *store* the Gram pass covers (one Gram matrix each in the exact regime)."""
+    total = 0
+    for t in store.tensors:
+        info = store.grads[t] if t in store.grads else store.sketches[t]
+        total += 1 + (int(info.shape[1]) if info.heads is not None else 0)
+    return total
 
 
 def _slab_reductions(store: Store, selected: list[Analysis]) -> dict[str, list[tuple[str, str, SlabReduction]]]:
@@ -385,7 +448,7 @@ def _pin_blas() -> None:
 
 # ------------------------------------------------------------- header, save
 def _header(store: Store, batches: dict[str, np.ndarray], client: Client | None, engine: EngineOptions,
-            seconds: float) -> dict[str, Any]:
+            seconds: float, long: LongHistory | None = None) -> dict[str, Any]:
     mix = batches["mixture"]
     shares = {s: round(float(mix[:, i].mean()), 6) for i, s in enumerate(store.sources)}
     return {
@@ -396,6 +459,7 @@ def _header(store: Store, batches: dict[str, np.ndarray], client: Client | None,
         "bytes": int(sum(i.nbytes for i in store.grads.values())),
         "scheduler": "distributed" if client is not None else "threads",
         "engine": {"slab_bytes": engine.slab_bytes, "split_every": engine.split_every, "precision": engine.precision},
+        "regime": long.header() if long is not None else {"name": "exact", "n0": engine.n0(n_units(store))},
         "seconds": round(seconds, 3), "versions": _versions(),
     }
 
@@ -411,8 +475,13 @@ def _versions() -> dict[str, str]:
             "dask": dask.__version__, "zarr": zarr.__version__, "h5py": h5py.__version__}
 
 
-def _persist(store: Store, findings: Findings, grams: dict[tuple[str, int | None], GramResult]) -> None:
+def _persist(store: Store, findings: Findings, grams: dict[tuple[str, int | None], GramResult],
+             long: bool = False) -> None:
     """Save findings and Gram matrices under ``analysis/``, holding the store's writer lock.
+
+    In the long-history regime no per-record Gram matrix exists: an empty Gram
+    index is saved (``load_grams`` then returns ``{}``) so none from an earlier
+    pass is left behind.
 
     A store that is read-only, or that a live writer still holds, only warns: the
     findings are returned and reported either way.
@@ -420,7 +489,7 @@ def _persist(store: Store, findings: Findings, grams: dict[tuple[str, int | None
     from gradforensics.errors import StoreLockedError
 
     try:
-        save_results(store.path, findings, grams, n_records=store.n_records)
+        save_results(store.path, findings, grams, n_records=store.n_records, empty_grams=long)
     except (PermissionError, StoreLockedError) as exc:
         warnings.warn(f"{store.path}: analysis results not saved in the store ({exc}); "
                       "`gradforensics report` will need a re-analysis.", stacklevel=3)

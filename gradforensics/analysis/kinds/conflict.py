@@ -52,8 +52,9 @@ if TYPE_CHECKING:
 
 COLUMNS = [
     "tensor", "head", "layer", "source_a", "source_b", "cosine", "p_value", "cosine_debiased", "z",
-    "n_a", "n_b", "n_records", "n_excluded", "z_cross", "severity",
+    "n_a", "n_b", "n_records", "n_excluded", "z_cross", "record_first", "record_last", "severity",
 ]
+SEGMENTS = 8           # long histories: stretches of the run a conflict is located in
 EFFECT_FULL = 0.3      # -cosine at which the effect score saturates
 
 
@@ -192,8 +193,51 @@ def effect(cos_db: float, cos: float) -> float:
 
 
 # ------------------------------------------------------------------ analysis
+def segment_span(K: np.ndarray, mixture: np.ndarray, segment: np.ndarray, a: int, b: int) -> tuple[int, int] | None:
+    """The contiguous segments around the most conflicted one where sources *a*, *b* point apart.
+
+    Per segment (rows of *K* labelled by *segment*), the noise-corrected cosine of the
+    two sources' least-squares means; the stretch is the run of segments with a
+    negative cosine around the most negative.  None when no segment has one.
+    """
+    labels = np.unique(segment)
+    cos = np.full(labels.size, np.nan)
+    for k, lab in enumerate(labels):
+        rows = np.flatnonzero(segment == lab)
+        sub = mixture[rows][:, [a, b]]
+        if (sub.sum(axis=0) > 0).all() and rows.size >= 4:
+            fit = ks.fit_sources(sub)
+            if fit.rank_ok and fit.index.size == 2:
+                G = ks.source_gram(K[np.ix_(rows, rows)], fit, debias=True)
+                cos[k] = ks.gram_to_cos(G)[0, 1]
+    if not (np.nan_to_num(cos, nan=1.0) < 0).any():
+        return None
+    best = int(np.nanargmin(cos))
+    neg = np.nan_to_num(cos, nan=1.0) < 0
+    lo = hi = best
+    while lo > 0 and neg[lo - 1]:
+        lo -= 1
+    while hi < labels.size - 1 and neg[hi + 1]:
+        hi += 1
+    return int(labels[lo]), int(labels[hi])
+
+
 def compute(ctx: Context) -> AnalysisResult:
-    """The conflict table (a row per unit and source pair) and the cosine matrices."""
+    """The conflict table (a row per unit and source pair) and the cosine matrices.
+
+    In the long-history regime the statistics run on the per-window, per-source
+    mean gradients, and each row's ``record_first``/``record_last`` is the stretch
+    of the run (of :data:`SEGMENTS`) where the pair points apart.
+    """
+    if ctx.long is None:
+        return _compute(ctx, None)
+    long = ctx.long
+    first, last = long.first_record(), long.last_record()
+    res = _compute(long.view(ctx), (first, last))
+    return res
+
+
+def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> AnalysisResult:
     import pandas as pd
 
     opts = ctx.options_for("conflict", ConflictOptions)
@@ -205,6 +249,13 @@ def compute(ctx: Context) -> AnalysisResult:
         seed = unit_seed(opts.seed, u.tensor, u.head)
         pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training, seed)
         for r in pairs:
+            r["record_first"], r["record_last"] = 0, ctx.n_records - 1
+            if spans is not None:           # long histories: rows are super-records, locate the stretch
+                first, last = spans[0][u.records], spans[1][u.records]
+                seg = np.minimum((first * SEGMENTS) // max(int(spans[1].max()) + 1, 1), SEGMENTS - 1)
+                where = segment_span(u.gram, mix[u.records], seg, r["a"], r["b"])
+                lo, hi = (0, SEGMENTS - 1) if where is None else where
+                r["record_first"], r["record_last"] = int(first[seg == lo].min()), int(last[seg == hi].max())
             r.update(tensor=u.tensor, head=u.head, layer=u.layer, source_a=ctx.sources[r.pop("a")],
                      source_b=ctx.sources[r.pop("b")], n_records=u.n, n_excluded=u.n_excluded)
             rows.append(r)
@@ -213,8 +264,8 @@ def compute(ctx: Context) -> AnalysisResult:
             full[np.ix_(idx, idx)] = cos
             pack.add(u.tensor, u.head, full)
     table = pd.DataFrame(rows, columns=COLUMNS)
-    table["head"] = table["head"].astype("Int64")
-    table["layer"] = table["layer"].astype("Int64")
+    for col in ("head", "layer", "record_first", "record_last"):
+        table[col] = table[col].astype("Int64")
     n_tests = int(table["p_value"].notna().sum())
     table["severity"] = [
         fl.significance(severity_p(p, z, opts.permutations, zx), n_tests) * effect(cdb, c)
@@ -248,13 +299,14 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         if not r.severity >= fl.REPORT_FLOOR:
             continue
         head = un.head_of(r.head)
+        span = (int(r.record_first), int(r.record_last)) if un.head_of(getattr(r, "record_first", None)) is not None else (0, last)
         hot = _hot_units(t[(t.source_a == r.source_a) & (t.source_b == r.source_b) & (t.severity > 0.5)])
         band = _band(hot["layer"])
         heads = sorted({int(h) for h in hot.loc[(hot.tensor == r.tensor) & hot["head"].notna(), "head"]})
         ev = {"cosine": r.cosine, "p_value": r.p_value, "cosine_debiased": r.cosine_debiased, "z": r.z,
               "depth_band": band, "heads": heads, "n_a": r.n_a, "n_b": r.n_b}
         out.append(Flag(kind="conflict", tensor=r.tensor, head=head, sources=(r.source_a, r.source_b),
-                        severity=float(r.severity), records=(0, last), evidence=ev,
+                        severity=float(r.severity), records=span, evidence=ev,
                         summary=_summary(r, head, band, heads, len(hot), floor)))
     cos_eff = t["cosine_debiased"].where(t["cosine_debiased"].notna(), t["cosine"])
     involved = fl.involved_heads(t, (cos_eff < 0) & (t["p_value"] < 0.05), by_sources=True)

@@ -166,7 +166,41 @@ def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray) -> dict[str, A
 
 # ------------------------------------------------------------------ analysis
 def compute(ctx: Context) -> AnalysisResult:
-    """The drift table and per-record series of every tensor and head."""
+    """The drift table and per-record series of every tensor and head.
+
+    In the long-history regime the same statistics run on the per-window,
+    per-source mean gradients (super-records); ``since_record`` is then the first
+    record of the window where the fall starts, and the series are per super-record.
+    """
+    if ctx.long is None:
+        return _compute(ctx)
+    res = _compute(ctx.long.view(ctx))
+    first = ctx.long.first_record()
+    step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)))
+    t = res.table
+    since = [None if un.head_of(v) is None else int(first[int(v)]) for v in t["since_record"]]
+    t["since_record"] = pd_int(since)
+    t["since_step"] = pd_int([None if v is None else int(step[v]) for v in since])
+    # the figure's x axis is records: window means at their windows' centres; no per-record series
+    last = ctx.long.last_record()
+    win = res.series.get("window_cosine")
+    if win is not None:
+        idx = win[..., 0]
+        ok = np.isfinite(idx)
+        j = np.where(ok, idx, 0).astype(int)
+        win[..., 0] = np.where(ok, (first[j] + last[j]) / 2.0, np.nan)
+    res.series.pop("record_cosine", None)
+    res.series.pop("record_cosine_units", None)
+    return res
+
+
+def pd_int(values: list[int | None]) -> Any:
+    import pandas as pd
+
+    return pd.array(values, dtype="Int64")
+
+
+def _compute(ctx: Context) -> AnalysisResult:
     import pandas as pd
 
     opts = ctx.options_for("drift", DriftOptions)

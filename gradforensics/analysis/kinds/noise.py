@@ -18,7 +18,13 @@ has a small mean gradient, so a low SNR everywhere is the normal state there.  S
 * **a tensor (or head)** is flagged only as an *outlier of the same model*: the robust
   z-score (median/MAD, Iglewicz & Hoaglin 1993) of the log of its SNR's upper 90%
   bound against the log SNRs of the model's tensors (heads: of its heads) is at most
-  ``-outlier_z``, that bound is below 1 and ``outlier_ratio`` times below the median;
+  ``-outlier_z``, that bound is below 1 and ``outlier_ratio`` times below the median,
+  *and* its noise is out of line: the jackknife lower bound of its ``tr(Σ)`` per
+  coordinate is ``outlier_ratio`` times its peers' median (a head's peers: the other
+  heads of its tensor; a tensor's: the model's tensors).  A low SNR from a vanishing
+  mean under ordinary noise is a *quiet* tensor (converged, or unused by this data:
+  layer-0 q/k of a model whose data needs no attention, a bias the loss barely
+  moves), the normal state near convergence, not a noise finding;
 * **a source** is named on a flag only when it is *measurably noisier* there: the log
   ratio of its ``tr(Σ)`` to the other sources' median is an outlier (z ≥ ``outlier_z``)
   among the model's tensors, and its jackknife lower bound is still ``outlier_ratio``
@@ -194,6 +200,8 @@ def noise_table(grams: dict[tuple[str, int | None], GramResult], n_samples: np.n
 
 
 def compute(ctx: Context) -> AnalysisResult:
+    if ctx.long is not None:        # long histories: the same estimators on the per-window, per-source means
+        ctx = ctx.long.view(ctx)
     table = noise_table(ctx.grams, ctx.batches["n_samples"], ctx.source_of_record(), ctx.sources,
                         ctx.batches.get("mixture"), ctx.meta.mode)
     return AnalysisResult(table=table)
@@ -236,22 +244,68 @@ def _level(r: dict[str, Any]) -> float:
     return math.log(v) if v > 0 else math.nan
 
 
-def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions) -> dict[int, float]:
-    """id(row) -> severity for the rows whose SNR stands out below the rest of *rows*."""
+def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions, ctx: Context | None = None) -> dict[int, float]:
+    """id(row) -> severity for the rows whose SNR stands out below the rest of *rows*, with noise out of line."""
     levels = np.array([_level(r) for r in rows])
     ok = np.isfinite(levels)
     if ok.sum() < 3:
         return {}
     ref = math.exp(float(np.median(levels[ok])))
+    excess = _noise_excess(rows, ctx)
     out = {}
     for r in rows:
         hi = _upper(r)
         if r["n"] < opts.min_records or not math.isfinite(hi):
             continue
+        if not excess.get(id(r), math.inf) >= math.log(opts.outlier_ratio):
+            continue                  # a quiet tensor (small mean, ordinary noise), not a noisy one
         z = robust_z(levels, math.log(max(hi, 1e-12)))
         sev = severity(float(r["snr"]), hi, ref, opts.outlier_ratio, float(z), opts.outlier_z)
         if sev > 0:
             out[id(r)] = sev
+    return out
+
+
+def _n_features(row: dict[str, Any], ctx: Context | None) -> float:
+    """Coordinates of a row's tensor (head): from its Gram result, else the stored array; NaN when unknown."""
+    if ctx is None:
+        return math.nan
+    g = ctx.grams.get((row["tensor"], row["head"])) if ctx.grams else None
+    if g is not None and g.n_features > 0:
+        return float(g.n_features)
+    info = ctx.store.grads.get(row["tensor"]) if ctx.store is not None else None
+    if info is None or len(info.shape) < 2:
+        return math.nan
+    size = float(np.prod(info.shape[1:], dtype=np.float64))
+    return size / info.heads if row["head"] is not None and info.heads else size
+
+
+def _noise_excess(rows: list[dict[str, Any]], ctx: Context | None) -> dict[int, float]:
+    """id(row) -> log of (lower 90% bound of its tr(Σ) per coordinate) / (its peers' median tr(Σ) per coordinate).
+
+    A head's peers are the other heads of its tensor (same shape, same role) when there are
+    at least two; otherwise, as for a whole tensor, every row of *rows*.  Rows whose size is
+    unknown are left out (no entry: judged by their SNR alone).
+    """
+    per: dict[int, tuple[float, float]] = {}
+    for r in rows:
+        d, t, se = _n_features(r, ctx), float(r["trace_sigma"]), float(r["trace_sigma_se"])
+        if not (d > 0 and t > 0):
+            continue
+        lo = t - Z90 * se if math.isfinite(se) else t
+        per[id(r)] = (math.log(t / d), math.log(lo / d) if lo > 0 else -math.inf)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["head"] is not None and id(r) in per:
+            groups.setdefault(r["tensor"], []).append(r)
+    model = [v for v, _ in per.values()]
+    out = {}
+    for r in rows:
+        if id(r) not in per:
+            continue
+        sib = [per[id(o)][0] for o in groups.get(r["tensor"], []) if o is not r] if r["head"] is not None else []
+        peers = sib if len(sib) >= 2 else model
+        out[id(r)] = per[id(r)][1] - float(np.median(peers))
     return out
 
 
@@ -301,7 +355,7 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         if r["source"] != "" and r["head"] is None and r["tensor"] != MODEL:
             by_tensor.setdefault(r["tensor"], []).append(r)
     noisy = _noisier_sources(by_tensor, opts)
-    sev = {**_outliers(tensors, opts), **_outliers(heads, opts)}
+    sev = {**_outliers(tensors, opts, ctx), **_outliers(heads, opts, ctx)}
     ref = {None: _median_snr(tensors), "head": _median_snr(heads)}
     out = [run_flag(recs, span, opts)] if any(r["tensor"] == MODEL for r in recs) else []
     for row in every:

@@ -77,8 +77,9 @@ def nonfinite_table(grams: dict[tuple[str, int | None], GramResult], mixture: np
 
 def compute(ctx: Context) -> AnalysisResult:
     b = ctx.batches
-    table = nonfinite_table(ctx.grams, b["mixture"], b["step"], ctx.sources)
-    series = {f"counts/{g.tensor}": g.nonfinite for (t, h), g in ctx.grams.items()
+    grams = ctx.long.record_grams() if ctx.long is not None else ctx.grams     # counts only above N0
+    table = nonfinite_table(grams, b["mixture"], b["step"], ctx.sources)
+    series = {f"counts/{g.tensor}": g.nonfinite for (t, h), g in grams.items()
               if h is None and g.nonfinite.any()}
     return AnalysisResult(table=table, series=series)
 

@@ -54,6 +54,7 @@ from gradforensics.analysis.engine import units as un
 from gradforensics.analysis.engine.checks import check_int
 from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, Need, Options
 from gradforensics.analysis.engine.stats import bimodality_coefficient, finite_mean
+from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 COLUMNS = [
     "tensor", "head", "layer", "n_records", "n_excluded", "consec_cos", "component", "explained",
     "period_records", "period_steps", "p_value", "bimodality_coefficient", "pole_pos", "pole_neg",
-    "reversal", "source_r2", "sources_pos", "sources_neg", "severity",
+    "reversal", "source_r2", "sources_pos", "sources_neg", "record_first", "record_last", "severity",
 ]
 POLE_SHARE = 0.6          # a source "sits at a pole" when it holds this share of the pole's records
 
@@ -87,13 +88,19 @@ def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None =
     squares, ``d`` = 2, 1 at Nyquist); p is the smallest tail probability times
     the number of frequencies tested (Bonferroni).  *dof_total* is the degrees of
     freedom of ``SS`` (``n - 1`` for centred records; ``n - S`` after removing S
-    source means).
+    source means).  A quadratic trend in time is removed first (two more degrees
+    of freedom): a slowly turning mean gradient scores as a smooth ramp whose
+    spectral leakage would otherwise reach ``min_cycles`` cycles (drift's business).
     """
     from scipy.stats import beta
 
     n = x.size
-    nu = n - 1 if dof_total is None else int(dof_total)
+    nu = (n - 1 if dof_total is None else int(dof_total)) - 2
+    t = np.linspace(-1.0, 1.0, n)
+    T = np.c_[t, t * t - (t * t).mean()]
     xc = x - x.mean()
+    if n >= 8:
+        xc = xc - T @ np.linalg.lstsq(T, xc, rcond=None)[0]
     ss = float(xc @ xc)
     j = np.arange(min_cycles, n // 2 + 1)
     if n < 8 or j.size == 0 or ss <= 0:
@@ -205,8 +212,8 @@ def severity(p: float, n_tests: int, reversal: float, bc: float) -> float:
 # ------------------------------------------------------------------ analysis
 def compute(ctx: Context) -> AnalysisResult:
     """The oscillation table, projection and consecutive-cosine series of every tensor and head."""
-    import pandas as pd
-
+    if ctx.long is not None:
+        return compute_long(ctx)
     opts = ctx.options_for("oscillation", OscillationOptions)
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)), dtype=np.float64)
@@ -217,7 +224,7 @@ def compute(ctx: Context) -> AnalysisResult:
         row, comp = oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources)
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
-                   period_steps=row.get("period_records", math.nan) * dstep if not replay else math.nan)
+                   record_first=0, record_last=ctx.n_records - 1, period_steps=row.get("period_records", math.nan) * dstep if not replay else math.nan)
         rows.append(row)
         if comp is not None:
             proj = np.full(ctx.n_records, np.nan)
@@ -227,9 +234,7 @@ def compute(ctx: Context) -> AnalysisResult:
             cc = np.full(ctx.n_records, np.nan)
             cc[u.records[1:]] = ks.consecutive_cosines(u.gram)
             cc_pack.add(u.tensor, u.head, cc)
-    table = pd.DataFrame(rows, columns=COLUMNS)
-    table["head"] = table["head"].astype("Int64")
-    table["layer"] = table["layer"].astype("Int64")
+    table = _frame(rows)
     n_tests = int(table["p_value"].notna().sum())
     table["severity"] = [severity(p, n_tests, r, bc) for p, r, bc in
                          zip(table["p_value"], table["reversal"], table["bimodality_coefficient"])]
@@ -237,18 +242,136 @@ def compute(ctx: Context) -> AnalysisResult:
                                                **cc_pack.to_series("consecutive_cosine")})
 
 
+def _frame(rows: list[dict[str, Any]]) -> Any:
+    import pandas as pd
+
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    for col in ("head", "layer", "record_first", "record_last"):
+        table[col] = table[col].astype("Int64")
+    return table
+
+
+# ------------------------------------------------------- long histories (band)
+def lag_design(band: int, periods: np.ndarray) -> np.ndarray:
+    """Rows ``h_P`` (one per period) of the least-squares weights of ``cos(2πl/P)`` over lags ``l = 1..band``.
+
+    The regression of the lagged products on ``[1, l, l², cos(2πl/P)]``: ``h_P · c`` is
+    the cosine coefficient of ``c(l)``, orthogonal to a constant, linear and quadratic
+    trend in the lag (a mean gradient, a drifting one and a changing norm).
+    """
+    lag = np.arange(1, band + 1, dtype=np.float64)
+    x = lag / band
+    out = np.zeros((periods.size, band))
+    for k, P in enumerate(periods):
+        X = np.c_[np.ones(band), x, x * x, np.cos(2 * np.pi * lag / P)]
+        out[k] = np.linalg.pinv(X)[3]
+    return out
+
+
+def oscillation_edges(n: int, band: int, edges: np.ndarray) -> np.ndarray:
+    """Windows of the band test: the pass's windows, merged to at least ``4 · band`` records each."""
+    size = max(int(edges[1] - edges[0]) if edges.size > 1 else n, 4 * band)
+    return np.unique(np.r_[np.arange(0, n, size), n]).astype(np.int64)
+
+
+def band_oscillation(g: Any, edges: np.ndarray, min_records: int = 16) -> dict[str, Any]:
+    """Windowed test for a periodic lag structure in the banded Gram of one unit.
+
+    For each window and period ``P`` (2 .. band), each record's lagged products
+    ``B[l, i] = <g_i, g_{i-l}>`` give ``z_i = Σ_l h_P(l) B[l, i]`` (:func:`lag_design`);
+    an oscillation ``a·cos(2πi/P)·v`` adds ``a²/2·cos(2πl/P)`` to ``E B[l, i]``, a
+    mean gradient, a drift or noise adds nothing to ``E z``.  The ``z_i`` of distinct
+    records are sums of distinct products, so ``t = mean z / (sd z / √n)`` is
+    Student's t with ``n - 1`` degrees of freedom under no oscillation (Bonferroni
+    over windows and periods).
+    """
+    from scipy.stats import t as student
+
+    band = g.band.shape[0] - 1
+    periods = np.arange(2, band + 1)
+    H = lag_design(band, periods)
+    nw = edges.size - 1
+    t = np.full((nw, periods.size), np.nan)
+    tail = np.full((nw, periods.size), np.nan)
+    amp = np.full((nw, periods.size), np.nan)
+    for w in range(nw):
+        B = g.band[:, edges[w]:edges[w + 1]]
+        ok = np.isfinite(B).all(axis=0)
+        if ok.sum() < min_records:
+            continue
+        B = B[:, ok]
+        Z = H @ B[1:]
+        mu, sd = Z.mean(axis=1), Z.std(axis=1, ddof=1)
+        e0 = float(B[0].mean())
+        t[w] = np.where(sd > 0, mu / np.where(sd > 0, sd, 1.0) * math.sqrt(B.shape[1]), 0.0)
+        tail[w] = student.sf(t[w], B.shape[1] - 1)
+        amp[w] = 2.0 * mu / e0 if e0 > 0 else np.nan
+    tested = int(np.isfinite(t).sum())
+    if not tested:
+        return {"p_value": math.nan}
+    w, k = (int(i) for i in np.unravel_index(int(np.nanargmin(tail)), t.shape))
+    p = float(min(1.0, tail[w, k] * tested))
+    # the stretch: contiguous windows around the best one where this period is significant
+    hot = np.nan_to_num(tail[:, k], nan=1.0) * tested < 0.01
+    lo = hi = int(w)
+    while lo > 0 and hot[lo - 1]:
+        lo -= 1
+    while hi < nw - 1 and hot[hi + 1]:
+        hi += 1
+    share = float(np.clip(np.nanmean(amp[lo:hi + 1, k]), 0.0, 1.0))
+    return {"p_value": p, "period_records": float(periods[k]), "explained": share,
+            "record_first": int(edges[lo]), "record_last": int(edges[hi + 1] - 1),
+            "window_t": t[:, k], "window_share": amp[:, k]}
+
+
+def compute_long(ctx: Context) -> AnalysisResult:
+    """Oscillation above ``N₀`` records: the windowed band test of every tensor and head."""
+    assert ctx.long is not None
+    step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)), dtype=np.float64)
+    edges = oscillation_edges(ctx.n_records, ctx.long.design.band, ctx.long.design.edges)
+    centre = (edges[:-1] + edges[1:] - 1) / 2.0
+    rows = []
+    cc_pack, win_pack = un.SeriesPack(), un.SeriesPack()
+    dstep = float(np.median(np.diff(step))) if step.size > 1 else math.nan
+    for (tensor, head), g in sorted(ctx.long.grams.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
+        cc = g.lag_cosines(1)
+        res = band_oscillation(g, edges)
+        n_ok = int(g.finite.sum())
+        row = {"tensor": tensor, "head": head, "layer": layer_of(tensor), "n_records": n_ok,
+               "n_excluded": ctx.n_records - n_ok, "consec_cos": finite_mean(cc),
+               **{k: v for k, v in res.items() if not k.startswith("window_")}}
+        row["period_steps"] = row.get("period_records", math.nan) * dstep
+        row["reversal"] = math.nan
+        rows.append(row)
+        cc_pack.add(tensor, head, cc)
+        if "window_t" in res:
+            win_pack.add(tensor, head, np.c_[centre, res["window_t"], res["window_share"]])
+    table = _frame(rows)
+    n_tests = int(table["p_value"].notna().sum())
+    replay = ctx.meta.mode == "replay"
+    table["severity"] = [0.0 if replay else fl.significance(p, n_tests) * fl.ramp(share, SHARE_FULL)
+                         for p, share in zip(table["p_value"], table["explained"])]
+    return AnalysisResult(table=table, series={**cc_pack.to_series("consecutive_cosine"),
+                                               **win_pack.to_series("window_oscillation")})
+
+
+SHARE_FULL = 0.2    # long histories: the oscillating share of the gradient energy at which the effect saturates
+
+
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
-    """One flag per oscillating tensor (or the heads that localise it)."""
+    """One flag per oscillating tensor (or the heads that localise it), over the records where it oscillates."""
     out = []
-    last = ctx.n_records - 1
     for r in result.table.itertuples(index=False):
         if not r.severity >= fl.REPORT_FLOOR:
             continue
         head = un.head_of(r.head)
         poles = [s for s in (r.sources_pos, r.sources_neg) if isinstance(s, str) and s]
         src = tuple(dict.fromkeys(x for s in poles for x in s.split(";")))
+        span = (int(r.record_first), int(r.record_last)) if un.head_of(getattr(r, "record_first", None)) is not None \
+            else (0, ctx.n_records - 1)
+        summary = _summary(r, head, ctx.meta.mode) if ctx.long is None else _summary_long(r, head)
         out.append(Flag(kind="oscillation", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
-                        records=(0, last), evidence=_evidence(r), summary=_summary(r, head, ctx.meta.mode)))
+                        records=span, evidence=_evidence(r), summary=summary))
     t = result.table
     involved = fl.involved_heads(t, (t["reversal"] > 0) & (t["p_value"] < 0.05))
     return fl.dedupe_heads(out, un.heads_per_tensor(t), involved, by_sources=False)
@@ -259,6 +382,14 @@ def _evidence(r: Any) -> dict[str, Any]:
             "pole_pos": r.pole_pos, "pole_neg": r.pole_neg, "reversal": r.reversal,
             "bimodality_coefficient": r.bimodality_coefficient, "consec_cos": r.consec_cos,
             "explained": r.explained, "source_r2": r.source_r2}
+
+
+def _summary_long(r: Any, head: int | None) -> str:
+    where = r.tensor if head is None else f"{r.tensor} head {head}"
+    steps = f" (~{r.period_steps:.0f} steps)" if np.isfinite(r.period_steps) else ""
+    return (f"{where}: gradient oscillates with a period of {r.period_records:.0f} records{steps} over records "
+            f"{int(r.record_first)}-{int(r.record_last)} ({100 * r.explained:.0f}% of the gradient energy; "
+            f"consecutive-record cosine {r.consec_cos:.2f}, {fl.fmt_p(r.p_value)}; banded Gram, long history).")
 
 
 def _summary(r: Any, head: int | None, mode: str) -> str:
@@ -279,6 +410,10 @@ def _summary(r: Any, head: int | None, mode: str) -> str:
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     """The records' projection on the oscillating direction, record by record."""
     proj = un.unit_series(result.series, "projection", flag.tensor, flag.head)
+    win = un.unit_series(result.series, "window_oscillation", flag.tensor, flag.head)
+    if proj is None and win is not None:
+        _plot_windows(win, flag, ax)
+        return
     if proj is not None:
         x = np.flatnonzero(np.isfinite(proj))
         y = proj[x]
@@ -292,6 +427,18 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     ptxt = f"period {period:.1f} records" if isinstance(period, (int, float)) and np.isfinite(period) else ""
     ax.set_title(f"oscillation: {where}\npoints alternate above and below 0: the update reverses ({ptxt})",
                  fontsize=9)
+
+
+def _plot_windows(win: np.ndarray, flag: Flag, ax: Axes) -> None:
+    """Long histories: the oscillating share of the gradient energy per window, the flagged stretch shaded."""
+    ok = np.isfinite(win[:, 0])
+    ax.plot(win[ok, 0], win[ok, 2], "o-", ms=3)
+    ax.axvspan(flag.records[0], flag.records[1], color="C3", alpha=0.15)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("record (window centre)")
+    ax.set_ylabel("oscillating share of gradient energy")
+    where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
+    ax.set_title(f"oscillation: {where}\nper window, at the flagged period (banded Gram)", fontsize=9)
 
 
 #: What an ``oscillation`` flag means and what to try next (the report's advice).

@@ -164,10 +164,13 @@ def _amax(x: np.ndarray) -> float:
     flat = np.asarray(x).reshape(-1)
     best = 0.0
     for a in range(0, flat.size, _BLOCK):
-        b = np.abs(flat[a:a + _BLOCK])
-        b = b[np.isfinite(b)]
-        if b.size:
-            best = max(best, float(b.max()))
+        b = flat[a:a + _BLOCK]
+        m = max(float(b.max()), -float(b.min())) if b.size else 0.0     # no |x| temporary
+        if not np.isfinite(m):                                         # a NaN or Inf in the block
+            c = np.abs(b)
+            c = c[np.isfinite(c)]
+            m = float(c.max()) if c.size else 0.0
+        best = max(best, m)
     return best
 
 
@@ -178,10 +181,10 @@ def exponent_hist(g: np.ndarray) -> np.ndarray:
     """
     g = np.ascontiguousarray(g, dtype=np.float32).ravel()
     u = g.view(np.uint32)
-    biased = np.bincount((u >> 23) & 0xFF, minlength=256)     # IEEE binary32 biased exponents
+    biased = np.bincount((u >> 23).astype(np.uint8), minlength=256)   # IEEE binary32 biased exponents (the cast drops the sign)
     counts = np.zeros(EXP_MAX - EXP_MIN + 1, dtype=np.int64)
     counts[np.arange(1, 255) - 126 - EXP_MIN] = biased[1:255]  # normal: |g| = 1.m 2^(b-127), frexp e = b - 126
-    zeros = int(np.count_nonzero((u & 0x7FFFFFFF) == 0))
+    zeros = int(np.count_nonzero(g == 0))                      # +0 and -0 (NaN is not 0)
     if biased[0] > zeros:                                      # subnormals (rare): frexp on those alone
         sub = g[((u >> 23) & 0xFF == 0) & ((u & 0x7FFFFFFF) != 0)]
         counts += np.bincount(np.clip(np.frexp(sub)[1], EXP_MIN, EXP_MAX) - EXP_MIN,
