@@ -14,8 +14,11 @@ For each tensor and head, from its Gram matrix ``K`` and ``batches/mixture`` onl
 * **significance** by permutation of the source labels: the mixture rows are
   shuffled among the records (within consecutive blocks in a ``training`` store,
   so a trend over time cannot pose as a source effect), ``B = 999`` seeded
-  permutations, one-sided (less aligned than chance), ``p = (1 + #{cos_π ≤
-  cos}) / (B + 1)`` (Phipson & Smyth 2010).  ``AᵀA`` is invariant under row
+  permutations, one-sided (less aligned than chance), ``p = (1 + #{t_π ≤
+  t}) / (B + 1)`` (Phipson & Smyth 2010) on the inner product ``t = <M_a, M_b>``
+  of the two sources' mean gradients (the cosine is the effect size, not the test
+  statistic: two nearly opposite sources give a relabelled cosine near -1 too, so
+  the cosine's permutation null has no power where the conflict is strongest).  ``AᵀA`` is invariant under row
   permutations, so a permutation costs one ``O(N² S)`` product with K.  Where no
   permutation reaches the observed cosine, the normal approximation of the
   permutation distribution extrapolates the p-value for the severity
@@ -113,11 +116,6 @@ def permuted_source_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np
     return out
 
 
-def _pair_cos(G: np.ndarray, a: int, b: int) -> np.ndarray:
-    den = np.sqrt(np.maximum(G[..., a, a], 0.0) * np.maximum(G[..., b, b], 0.0))
-    return np.where(den > 0, G[..., a, b] / np.where(den > 0, den, 1.0), np.nan)
-
-
 def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, training: bool,
                   seed: int | tuple[int, ...] | None = None
                   ) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
@@ -133,13 +131,20 @@ def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, tra
     block = (opts.block or ks.window_size(n)) if training else None
     null = permuted_source_grams(K, fit.A, Q, permutations(n, opts.permutations, opts.seed if seed is None else seed, block))
     rows = []
+    tie = 1e-12 * float(np.abs(np.diagonal(G)).max(initial=0.0))
     for i, j in combinations(range(fit.index.size), 2):
         c0 = float(cos[i, j])
-        perm = _pair_cos(null, i, j)
+        # the statistic is the inner product <M_a, M_b>, not the cosine: for two sources pointing
+        # nearly opposite ways almost every relabelling also gives a cosine near -1 (the relabelled
+        # groups' means are +-(k-m)/(k+m) of one direction), so the cosine's permutation null is
+        # bimodal and has no power exactly where the conflict is strongest; the inner product
+        # shrinks towards the shared mean under relabelling
+        ip0 = float(G[i, j])
+        perm = null[:, i, j]
         perm = perm[np.isfinite(perm)]
-        p = (1.0 + np.sum(perm <= c0 + 1e-12)) / (perm.size + 1.0) if np.isfinite(c0) else math.nan
+        p = (1.0 + np.sum(perm <= ip0 + tie)) / (perm.size + 1.0) if np.isfinite(c0) else math.nan
         sd = float(perm.std()) if perm.size > 1 else math.nan
-        z = (float(perm.mean()) - c0) / sd if sd and sd > 0 else math.nan
+        z = (float(perm.mean()) - ip0) / sd if sd and sd > 0 else math.nan
         # independent batches (replay): an asymptotic test that resolves beyond 1/(B+1)
         zx = math.nan if training else cross_inner_z(K, mixture, int(fit.index[i]), int(fit.index[j]))
         rows.append({"a": int(fit.index[i]), "b": int(fit.index[j]), "cosine": c0, "p_value": p,
@@ -173,8 +178,8 @@ def cross_inner_z(K: np.ndarray, mixture: np.ndarray, a: int, b: int) -> float:
 def severity_p(p: float, z: float, B: int, z_cross: float = math.nan) -> float:
     """The p-value a severity uses: the permutation p, extrapolated at its floor ``1/(B+1)``.
 
-    At the floor, the smaller of the normal tail of ``z`` (the observed cosine's distance
-    from the permutation null, in null standard deviations) and, in replay mode, of
+    At the floor, the smaller of the normal tail of ``z`` (the observed inner product's
+    distance from the permutation null, in null standard deviations) and, in replay mode, of
     ``z_cross`` (:func:`cross_inner_z`).  The normal extrapolation of the permutation
     null alone under-rates the strongest conflicts: when sources differ a lot, the
     permuted groups' cosines spread widely and ``z`` stays small (cos -0.92 scored 0.44).
