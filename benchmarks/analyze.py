@@ -34,6 +34,7 @@ table: RSS flat in N and store size, and both ratios.
     python benchmarks/analyze.py --gb 1 --phases raw,read,pass --compare-checksums   # cost of chunk checksums
     python benchmarks/analyze.py --long 100000 --phases read,pass,full   # the long-history regime, truths checked
     python benchmarks/analyze.py --table          # 1 GB, 4 GB and 100k records in one table
+    python benchmarks/analyze.py --table --configs "1 GB" --before /tmp/old   # against older code, side by side
     python benchmarks/analyze.py --gb 0.5 --url moto    # the pass from S3 on loopback vs local disk (_remote.py)
 """
 
@@ -195,15 +196,19 @@ def child(args: argparse.Namespace) -> None:
     """Run one phase in this process and print its JSON line.
 
     Libraries are imported before the clock starts (a cold ``import dask.array,
-    zarr, pandas`` costs seconds on a loaded machine and is not I/O).
+    zarr, pandas, distributed, scipy.signal`` costs seconds on a loaded machine,
+    once per process, and is neither I/O nor analysis).
     """
     import dask.array  # noqa: F401
+    import distributed  # noqa: F401  (dask's get_scheduler imports it on every compute when installed)
     import h5py  # noqa: F401
     import pandas  # noqa: F401
+    import scipy.signal  # (the loss-curve analyses)
+    import scipy.sparse.linalg  # (spectral's Lanczos)
     import scipy.stats  # noqa: F401
     import zarr  # noqa: F401
 
-    import gradforensics.analysis  # noqa: F401  (imports every registered analysis)
+    import gradforensics.analysis  # (imports every registered analysis)
 
     path = args.store if "://" in args.store else Path(args.store)    # a URL stays a string (--url)
     base_rss = _peak_rss_mb()
@@ -224,6 +229,7 @@ def child(args: argparse.Namespace) -> None:
     out["cpu_seconds"] = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     out["peak_rss_mb"] = _peak_rss_mb()
     out["rss_after_imports_mb"] = base_rss
+    out["code"] = str(Path(gradforensics.analysis.__file__).parent.parent)     # which gradforensics ran
     print(json.dumps(out))
 
 
@@ -237,17 +243,38 @@ TABLE = (("1 GB", {"gb": 1.0}), ("4 GB", {"gb": 4.0}), ("100k records", {"long":
 
 
 def table(args: argparse.Namespace) -> None:
-    """Read floor, Gram pass and full pass (best of two each) of every configuration in :data:`TABLE`."""
+    """Read floor, Gram pass and full pass of every configuration in :data:`TABLE`.
+
+    Each phase runs ``--reps`` times (2); the table shows the best wall time and, separately,
+    the least CPU time of the repeats (on a shared machine both are noisy upwards only).
+
+    With ``--before DIR`` (a tree holding an older ``gradforensics``, e.g. ``git archive HEAD
+    gradforensics | tar -x -C DIR``) the Gram and full passes of that code run interleaved with
+    this code's, same stores, same processes' set-up, and a before/after line follows each store.
+    """
     rows = []
-    for label, cfg in TABLE:
+    configs = [c for c in TABLE if not args.configs or c[0] in args.configs.split(",")]
+    for label, cfg in configs:
         store = _ensure(args, cfg.get("gb", args.gb), cfg.get("long"))
         best: dict[str, dict] = {}
-        for phase in ("read", "pass", "full", "read", "pass", "full"):
-            r = run_phase(phase, store, args.slab_mb)
+        phases = ["read", "pass", "full"] + (["pass@before", "full@before"] if args.before else [])
+        for phase in phases * args.reps:
+            name, _, tag = phase.partition("@")
+            r = run_phase(name, store, args.slab_mb, args.before if tag else args.after)
             if phase not in best or r["seconds"] < best[phase]["seconds"]:
-                best[phase] = r
-            print(f"  {label:>13} {phase:>5}: {r['seconds']:7.2f} s  cpu {r['cpu_seconds']:7.2f} s  "
+                best[phase] = {**r, "cpu_seconds": min(r["cpu_seconds"], best.get(phase, r)["cpu_seconds"])}
+            else:       # the best wall time and, separately, the least CPU time of the repeats
+                best[phase]["cpu_seconds"] = min(best[phase]["cpu_seconds"], r["cpu_seconds"])
+            print(f"  {label:>13} {phase:>11}: {r['seconds']:7.2f} s  cpu {r['cpu_seconds']:7.2f} s  "
                   f"peak RSS {r['peak_rss_mb']:6.0f} MB", flush=True)
+        if args.before:
+            for ph in ("pass", "full"):
+                b, a, rd = best[f"{ph}@before"], best[ph], best["read"]
+                print(f"    {ph} before -> after: wall {b['seconds']:.2f} -> {a['seconds']:.2f} s "
+                      f"({b['seconds'] / a['seconds']:.2f}x faster), cpu {b['cpu_seconds']:.2f} -> "
+                      f"{a['cpu_seconds']:.2f} s ({b['cpu_seconds'] / a['cpu_seconds']:.2f}x); over read (cpu): "
+                      f"{b['cpu_seconds'] / rd['cpu_seconds']:.2f}x -> {a['cpu_seconds'] / rd['cpu_seconds']:.2f}x",
+                      flush=True)
         if cfg.get("long"):
             for line in check_truths(best["full"]["flags_above_half"], int(cfg["long"])):
                 print("   ", line)
@@ -287,11 +314,15 @@ def _ensure(args: argparse.Namespace, gb: float, long: int | None) -> Path:
     return store
 
 
-def run_phase(phase: str, store: Path, slab_mb: float | None) -> dict:
+def run_phase(phase: str, store: Path, slab_mb: float | None, pythonpath: str | None = None) -> dict:
+    """One phase in a child process; *pythonpath* first on its path (``--before``: the older code)."""
     cmd = [sys.executable, __file__, "--child", phase, "--store", str(store)]
     if slab_mb:
         cmd += ["--slab-mb", str(slab_mb)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = None
+    if pythonpath:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)}
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if res.returncode:
         raise SystemExit(f"phase {phase} failed:\n{res.stderr}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -317,6 +348,14 @@ def main() -> None:
     p.add_argument("--long", type=int, default=None, metavar="N",
                    help="use the planted long-history store of N records (and check its truths)")
     p.add_argument("--table", action="store_true", help="1 GB, 4 GB and 100k-record runs in one table")
+    p.add_argument("--reps", type=int, default=2, help="--table: runs of each phase (best wall, least CPU)")
+    p.add_argument("--configs", default=None, metavar="LABELS",
+                   help="--table rows to run, comma-separated among '1 GB', '4 GB', '100k records' (default all)")
+    p.add_argument("--before", default=None, metavar="DIR",
+                   help="--table: also run the passes with DIR first on PYTHONPATH (older code), side by side")
+    p.add_argument("--after", default=None, metavar="DIR",
+                   help="--table with --before: DIR first on PYTHONPATH for the other runs (default: the installed "
+                        "code; a tree of HEAD plus one's own files keeps others' work in progress out)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

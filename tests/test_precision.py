@@ -83,6 +83,22 @@ def test_fp16_gradient_shares_at_power_of_two_loss_scales() -> None:
     assert s8["grad_overflow_fp16"] == pytest.approx(np.mean(scaled >= 2.0 ** 16))
 
 
+@pytest.mark.parametrize("n", [1, 2, 999, 4096])
+def test_exponent_hist_matches_frexp(n: int) -> None:
+    """Counts per frexp exponent, zeros (+0, -0) and non-finite, against np.frexp; odd and even lengths."""
+    rng = np.random.default_rng(n)
+    g = (rng.normal(size=n) * 2.0 ** rng.integers(-150, 120, size=n)).astype(np.float32)
+    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, -3e-39, 3.4e38], np.float32)
+    g[: min(n, special.size)] = special[: min(n, special.size)]
+    h = P.exponent_hist(g)
+    fin = g[np.isfinite(g) & (g != 0)]
+    ref = np.bincount(np.frexp(fin.astype(np.float64))[1] - P.EXP_MIN, minlength=P.EXP_MAX - P.EXP_MIN + 1)
+    np.testing.assert_array_equal(h[:-2], ref)
+    assert h[-2] == np.count_nonzero(g == 0) and h[-1] == np.count_nonzero(~np.isfinite(g))
+    b = rng.integers(0, 256, size=n, dtype=np.uint8)
+    np.testing.assert_array_equal(P._byte_counts(b), np.bincount(b, minlength=256))
+
+
 def test_planted_swamped_tensor_is_the_only_one_flagged(tmp_path) -> None:
     planted = planted_precision_store(tmp_path / "p.zarr")
     result, flags = run_analysis(planted.path, "precision")

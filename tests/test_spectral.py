@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -45,6 +47,62 @@ def test_randomized_path_matches_numpy_top_values() -> None:
     assert not s.exact and s.sv.size == 10
     np.testing.assert_allclose(s.sv, ref, rtol=1e-3)
     assert S.stable_rank(s) == pytest.approx(np.sum(m ** 2) / ref[0] ** 2, rel=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(200, 150), (90, 300), (65, 65)])
+def test_top_only_sigma_max_equals_the_whole_spectrum(shape: tuple[int, int]) -> None:
+    """Lanczos sigma_1 (every window mean but the last) against numpy's SVD: random, low rank + noise, zero."""
+    rng = np.random.default_rng(7)
+    low = rng.normal(size=(shape[0], 3)) @ rng.normal(size=(3, shape[1])) + 0.01 * rng.normal(size=shape)
+    for m in (rng.normal(size=shape), low, low.astype(np.float32)):
+        s = S.singular_values(m, top_only=True)
+        ref = np.linalg.svd(np.asarray(m, dtype=np.float64), compute_uv=False)
+        assert not s.exact and s.sv.size == 1
+        tol = 1e-5 if m.dtype == np.float32 else 1e-10
+        assert s.sv[0] == pytest.approx(ref[0], rel=tol)
+        assert s.fro2 == pytest.approx(np.sum(ref ** 2), rel=tol)
+        assert S.stable_rank(s) == pytest.approx(S.stable_rank(S.singular_values(m)), rel=tol)
+    z = S.singular_values(np.zeros(shape), top_only=True)
+    assert z.sv[0] == 0 and np.isnan(S.stable_rank(z))
+    small = S.singular_values(rng.normal(size=(30, 80)), top_only=True)      # at most TOP_MIN_DIM rows: whole
+    assert small.exact and small.sv.size == 30
+
+
+def test_window_series_give_every_windows_stable_rank(planted) -> None:
+    """sigma_1 and ||W||_F^2 of each window mean, as saved, against numpy on the window means."""
+    p, result, _ = planted
+    store = gf.open_store(p.path)
+    name = "layers.1.mlp.up.weight"
+    g = store.grad(name).compute().astype(np.float64)
+    edges = S.window_edges(store.n_records)
+    ref = [np.linalg.svd(g[a:b].mean(axis=0), compute_uv=False) for a, b in itertools.pairwise(edges)]
+    sv = np.asarray(result.series[f"sv/gradient/{name}/all"], dtype=np.float64)
+    fro2 = np.asarray(result.series[f"fro2/gradient/{name}/all"])
+    np.testing.assert_allclose(sv[:, 0], [r[0] for r in ref], rtol=1e-5)
+    np.testing.assert_allclose(fro2, [np.sum(r ** 2) for r in ref], rtol=1e-5)
+    # the last: every value (eigenvalues of a float32 Gram side: to ~1e-6 sigma_1^2, see singular_values)
+    np.testing.assert_allclose(sv[-1] ** 2, ref[-1] ** 2, rtol=0, atol=1e-6 * ref[-1][0] ** 2)
+    assert np.isnan(sv[0, 1:]).all()                                                   # the others: sigma_1 alone
+
+
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, 3e38])
+def test_window_sums_match_numpy(bad: float | None) -> None:
+    """Window sums of a float32 slab (records 10..49 of 60, features 5..17) against float64 NumPy sums;
+    NaN/Inf count as 0, and a float32 overflow (3e38 + 3e38) is summed in float64."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 12, 3)).astype(np.float32)
+    if bad is not None:
+        x[7, 2, 1] = x[8, 2, 1] = bad
+    edges = S.window_edges(60, 8)
+    sel = (slice(10, 50), slice(5, 17), slice(0, 3))
+    part = S.window_sums(x, sel, edges)
+    assert list(part) == [((5, 17), (0, 3))]
+    got = part[((5, 17), (0, 3))]
+    clean = np.where(np.isfinite(x), x, 0).astype(np.float64)
+    for w, (a, b) in enumerate(itertools.pairwise(edges)):
+        ref = clean[max(a - 10, 0):max(min(b - 10, 40), 0)].sum(axis=0)
+        np.testing.assert_allclose(got[w], ref, rtol=1e-6, atol=1e-5)
+    assert got.dtype == np.float64 and np.isfinite(got).all()
 
 
 def test_rank_statistics_against_their_formulas() -> None:
