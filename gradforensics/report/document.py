@@ -55,6 +55,7 @@ class Document:
     layer_rows: list[dict[str, Any]]
     analysis_tables: dict[str, Any]
     problems: list[str] = field(default_factory=list)
+    regime: str | None = None     # the analysis regime in one sentence, under the verdict (long histories)
 
     @property
     def pictures(self) -> list[Picture]:
@@ -104,7 +105,33 @@ def _versions(findings: Findings) -> dict[str, str]:
     return out
 
 
-_SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions"}
+_SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions", "regime"}
+
+
+def is_long_history(findings: Findings) -> bool:
+    """Whether the findings come from a pass in the long-history regime (header ``regime.name``)."""
+    from gradforensics.analysis.engine.model import regime_of
+
+    r = regime_of(findings.header.get("regime"))
+    return r is not None and r["name"] == "long-history"
+
+
+def regime_sentence(findings: Findings) -> str | None:
+    """The analysis regime in one sentence (from the header's ``regime``), or None when the header has none.
+
+    ``exact``: every record pair was compared.  ``long-history``: above ``N₀`` records
+    the pass kept window means and a band of lags, so per-record maps are omitted.
+    """
+    from gradforensics.analysis.engine.model import regime_of
+
+    r = regime_of(findings.header.get("regime"))
+    if r is None:
+        return None
+    n, n0 = findings.n_records, r["n0"]
+    if r["name"] == "long-history":
+        return (f"{n:,} records above N₀ = {n0:,}: long-history regime, windows of {r['window']:,} records"
+                f" ({r['windows']:,} windows), band {r['band']:,} lags; per-record maps omitted.")
+    return f"{n:,} records, at most N₀ = {n0:,}: exact regime, every pair of records compared."
 
 
 def _extra(key: str, value: Any) -> tuple[str, str]:
@@ -132,6 +159,9 @@ def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str
     else:
         items.append(("Sources", ", ".join(findings.sources) or "—"))
     items.append(("Analyses", ", ".join(findings.results) or "none"))
+    regime = regime_sentence(findings)
+    if regime:
+        items.append(("Regime", regime))
     for k, v in h.items():
         if k not in _SHOWN and v not in (None, "", {}, []):
             items.append(_extra(k, v))
@@ -190,6 +220,7 @@ def _build(findings: Findings, store: Store | None) -> Document:
         layer_rows=rows,
         analysis_tables={n: tables.contract_order(r.table) for n, r in findings.results.items()},
         problems=problems,
+        regime=regime_sentence(findings) if is_long_history(findings) else None,
     )
 
 

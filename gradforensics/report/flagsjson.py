@@ -6,8 +6,9 @@ of it; its ``kind`` enum is every kind a registered analysis emits
 (:func:`gradforensics.analysis.engine.registry.flag_kinds`), read when asked, so
 an analysis added with :func:`~gradforensics.analysis.register` is valid too.
 :func:`validate` checks a document against the schema with a small built-in
-validator (no extra dependency; it implements the keywords the schema uses, and
-the test suite cross-checks it with the ``jsonschema`` package) plus what a
+validator (no extra dependency; it implements the keywords the schema uses,
+``oneOf`` included, and the test suite cross-checks it with the ``jsonschema``
+package) plus what a
 schema cannot say: flags sorted by severity, descending, and record ranges
 inside the store.  ``python -m gradforensics.report.flagsjson`` prints the schema.
 """
@@ -47,6 +48,23 @@ _FLAG_SCHEMA: dict[str, Any] = {
     },
 }
 
+#: The analysis regime of the pass (optional: findings saved before it existed have none).
+_REGIME_SCHEMA: dict[str, Any] = {
+    "description": "how the pass compared records: every pair (exact, at most n0 records) or, above n0, "
+                   "window means and a band of lags (long-history)",
+    "oneOf": [
+        {"type": "object", "additionalProperties": False, "required": ["name", "n0"],
+         "properties": {"name": {"const": "exact"},
+                        "n0": {"type": "integer", "minimum": 0, "description": "most records the exact regime takes"}}},
+        {"type": "object", "additionalProperties": False, "required": ["name", "n0", "window", "windows", "band"],
+         "properties": {"name": {"const": "long-history"},
+                        "n0": {"type": "integer", "minimum": 0, "description": "most records the exact regime takes"},
+                        "window": {"type": "integer", "minimum": 1, "description": "records per window W"},
+                        "windows": {"type": "integer", "minimum": 1, "description": "number of windows"},
+                        "band": {"type": "integer", "minimum": 0, "description": "lags L of the banded Gram"}}},
+    ],
+}
+
 #: The document; :func:`flags_schema` adds the flag schema.
 _FLAGS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -60,6 +78,7 @@ _FLAGS_SCHEMA: dict[str, Any] = {
         "store": {"type": "string"},
         "n_records": {"type": "integer", "minimum": 0, "description": "every record, non-finite ones included"},
         "mode": {"enum": ["training", "replay"]},
+        "regime": _REGIME_SCHEMA,
         "flags": {"type": "array", "description": "sorted by severity, descending"},
     },
 }
@@ -113,6 +132,13 @@ def _errors(doc: Any, schema: dict[str, Any], where: str) -> Iterator[str]:
         yield f"{where}: expected {schema['const']!r}, got {doc!r}"
     if "enum" in schema and doc not in schema["enum"]:
         yield f"{where}: expected one of {schema['enum']}, got {doc!r}"
+    if "oneOf" in schema:
+        tries = [list(_errors(doc, sub, where)) for sub in schema["oneOf"]]
+        n_ok = sum(not t for t in tries)
+        if n_ok == 0:
+            yield from min(tries, key=len)
+        elif n_ok > 1:
+            yield f"{where}: matches {n_ok} of the allowed forms, expected exactly one"
     if "type" in schema:
         types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         if not any(_is(doc, t) for t in types):

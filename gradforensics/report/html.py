@@ -41,6 +41,7 @@ ol.summary li{margin:.35em 0}.headline{font-size:1.08em;font-weight:500}
 .verdict{font-size:1.12em;line-height:1.55;background:#f4f6fb;border-left:5px solid #1d4e89;padding:.6em 1em;margin:.4em 0 1em}
 figure{margin:.6em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
 figcaption,.caption{font-size:13px;color:#555}
+.regime{color:#444;font-style:italic;margin:-.4em 0 1em}
 .note{background:#fdecea;border-left:4px solid #b2182b;padding:.4em .8em;margin:.5em 0}
 .advice{background:#eef6ee;border-left:4px solid #2e7d32;padding:.3em 1em;margin:.6em 0}
 .advice h4{margin:.4em 0}.refs{font-size:13px;color:#444}
@@ -174,6 +175,7 @@ def render(doc: Document) -> str:
     problems = "".join(f'<div class="note">Report problem: {escape(p)}</div>' for p in doc.problems)
     sections = "\n".join(_section(doc, s) for s in doc.sections) or "<p>No findings.</p>"
     details = "\n".join(_analysis_table(n, t) for n, t in doc.analysis_tables.items())
+    regime = f'<p class="regime" id="regime">{escape(doc.regime)}</p>\n' if doc.regime else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -183,7 +185,7 @@ def render(doc: Document) -> str:
 <body><main>
 <h1>{escape(doc.title)}</h1>
 <p class="verdict" id="verdict">{escape(doc.verdict)}</p>
-{problems}
+{regime}{problems}
 <h2 id="at-a-glance">At a glance</h2>
 {_img(doc.overview)}
 <h2 id="summary">Findings</h2>

@@ -85,6 +85,8 @@ def _layer_rows(doc: Document) -> list[list[str]]:
 def render(doc: Document, figdir: str = "figures") -> str:
     """The whole ``report.md`` as a string; figures are expected in *figdir* beside it."""
     out = [f"# {md_text(doc.title)}", "", md_text(doc.verdict), ""]
+    if doc.regime:
+        out += [f"*{md_text(doc.regime)}*", ""]
     if doc.problems:
         out += [f"> Report problem: {md_text(p)}\n>" for p in doc.problems] + [""]
     out += ["## At a glance", "", _img(doc.overview, figdir), "", "## Findings", "", md_text(doc.headline), ""]

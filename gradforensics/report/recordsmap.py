@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradforensics._text import visible
+from gradforensics.analysis.engine.model import regime_of
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -163,6 +164,10 @@ def records_map(findings: Findings, store: Store | None) -> tuple[RecordsMap | N
     flag = pick(findings)
     if flag is None:
         return None, None
+    regime = regime_of(findings.header.get("regime"))
+    if regime is not None and regime["name"] == "long-history":
+        return None, (f"{findings.n_records:,} records are above N₀ = {regime['n0']:,}: the long-history regime "
+                      "keeps window means, not record pairs, so no per-record Gram matrix exists")
     if store is None:
         return None, "the store was not given to the report, so its saved Gram matrices cannot be read"
     k, why = _unit_gram(store, flag.tensor, flag.head)

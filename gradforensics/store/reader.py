@@ -22,7 +22,7 @@ from gradforensics.store import remote
 from gradforensics.store.backends import ArrayHandle, backend_kind, open_backend, read_url_array
 from gradforensics.store.layout import MiB
 from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
-from gradforensics.store.validate import check_arrays, rows_of
+from gradforensics.store.validate import check_arrays, check_ranks, rows_of
 from gradforensics.store.writer import WEIGHT_RECORD
 
 if TYPE_CHECKING:
@@ -170,8 +170,18 @@ class Store:
             raise CorruptChunkError(f"{self.path}: {name} could not be read ({type(exc).__name__}: {exc}).") from exc
 
     def batches(self) -> dict[str, np.ndarray]:
-        """Every ``batches/*`` array (committed records only)."""
-        return {f: self.read(f"batches/{f}") for f in BATCH_FIELDS if f"batches/{f}" in self.arrays}
+        """Every ``batches/*`` array (committed records only).
+
+        Raises
+        ------
+        CorruptStoreError
+            ``batches/rank`` holds a negative rank, or (in a multi-rank store) one
+            outside ``0 .. world_size - 1`` of the root ``ranks`` field.
+        """
+        out = {f: self.read(f"batches/{f}") for f in BATCH_FIELDS if f"batches/{f}" in self.arrays}
+        if "rank" in out:
+            check_ranks(self.path, out["rank"], self.meta.ranks.get("world_size"))
+        return out
 
     def handle(self, info: ArrayInfo) -> ArrayHandle:
         """A picklable reader of the stored array *info* (opens the store inside each task)."""

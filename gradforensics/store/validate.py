@@ -171,6 +171,26 @@ def _acts(path: str, name: str, arr: StoredArray) -> None:
         raise _bad(path, name, f"bounds={b!r}", "null or two finite numbers")
 
 
+def check_ranks(path: str, ranks: Any, world: int | None) -> None:
+    """``batches/rank`` holds ranks ``>= 0``, and below *world* (the root ``ranks.world_size``) when given.
+
+    Raises one :class:`CorruptStoreError` line naming the first bad record.
+    """
+    import numpy as np
+
+    r = np.asarray(ranks)
+    if r.size == 0:
+        return
+    hi = world if isinstance(world, int) else None
+    bad = np.flatnonzero((r < 0) | (r >= hi if hi is not None else False))
+    if bad.size:
+        i = int(bad[0])
+        want = f"a rank in 0..{hi - 1} (the store's ranks field says world_size {hi})" if hi is not None \
+            else "a rank >= 0"
+        raise CorruptStoreError(f"{path}: batches/rank is {int(r[i])} at record {i} ({bad.size} record(s) "
+                                f"out of range); expected {want}. The store's metadata is damaged.")
+
+
 def _is_int(v: Any, minimum: int | None) -> bool:
     return type(v) is int and (minimum is None or v >= minimum)
 

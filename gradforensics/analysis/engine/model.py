@@ -448,16 +448,35 @@ class Findings:
         self.flags = sorted(self.flags, key=lambda f: (-f.severity, f.kind, f.tensor, -1 if f.head is None else f.head))
 
     def flags_json(self) -> dict[str, Any]:
-        """The ``flags.json`` document (contract in the design)."""
-        return {"schema": 1, "store": self.store, "n_records": int(self.n_records), "mode": self.mode,
-                "flags": [f.to_dict() for f in self.flags]}
+        """The ``flags.json`` document (contract in the design); ``regime`` when the header states a valid one."""
+        doc: dict[str, Any] = {"schema": 1, "store": self.store, "n_records": int(self.n_records), "mode": self.mode}
+        regime = regime_of(self.header.get("regime"))
+        if regime is not None:
+            doc["regime"] = regime
+        doc["flags"] = [f.to_dict() for f in self.flags]
+        return doc
 
     def table(self, name: str) -> pd.DataFrame | None:
         r = self.results.get(name)
         return None if r is None else r.table
 
 
+#: The fields of each analysis regime of the findings header (``flags.json`` ``regime``).
+REGIME_FIELDS = {"exact": ("n0",), "long-history": ("n0", "window", "windows", "band")}
+
+
+def regime_of(r: Any) -> dict[str, Any] | None:
+    """The header's ``regime`` when it is well formed (a saved header from a damaged store may hold anything)."""
+    if not isinstance(r, dict) or r.get("name") not in REGIME_FIELDS:
+        return None
+    keys = REGIME_FIELDS[r["name"]]
+    if set(r) != {"name", *keys} or not all(type(r[k]) is int and r[k] >= (k in ("window", "windows")) for k in keys):
+        return None
+    return {"name": r["name"], **{k: r[k] for k in keys}}
+
+
 __all__ = [
+    "REGIME_FIELDS",
     "Advice",
     "Analysis",
     "AnalysisResult",
@@ -469,4 +488,5 @@ __all__ = [
     "NoOptions",
     "Options",
     "asdict",
+    "regime_of",
 ]

@@ -173,14 +173,15 @@ def split_options(options: Mapping[str, Any] | None,
 
 def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
             only: str | Iterable[str] | None = None, options: Mapping[str, Any] | None = None,
-            progress: bool = True) -> Findings:
+            progress: bool = True, *, storage_options: Mapping[str, Any] | None = None) -> Findings:
     """Run the forensic pass over a store and return its :class:`Findings`.
 
     Parameters
     ----------
     path
-        A ``*.zarr`` / ``*.h5`` store written by :class:`gradforensics.Recorder`
-        (or an open :class:`~gradforensics.store.reader.Store`).
+        A ``*.zarr`` / ``*.h5`` store written by :class:`gradforensics.Recorder`,
+        an fsspec URL of a Zarr store (``s3://bucket/dump.zarr``), or an open
+        :class:`~gradforensics.store.reader.Store`.
     client
         A ``dask.distributed.Client`` to run on (a LocalCluster, SLURM, ...).
         Default: the local threaded scheduler (or a default client, if one is set).
@@ -192,6 +193,12 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
         and handed to it as ``ctx.options[name]``.
     progress
         Show a progress bar (on stderr for threads; ``distributed.progress`` under a client).
+    storage_options
+        For a store at a URL: options of its file system (s3fs: ``endpoint_url``,
+        ``key``, ``secret``, ``anon``, ...), used for every read, for the dask
+        tasks and for writing the results back (as ``--storage-option`` on the
+        command line).  A :class:`Store` given as *path* keeps the options it was
+        opened with.
 
     Returns
     -------
@@ -201,12 +208,12 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
     Raises
     ------
     SpecError
-        An unknown analysis or option.
+        An unknown analysis or option, or *storage_options* with a local path or an open :class:`Store`.
     EmptyStoreError
         The store holds no committed record.
     """
     t0 = time.perf_counter()
-    store = path if isinstance(path, Store) else Store(path)
+    store = _open(path, storage_options)
     if store.n_records == 0:
         raise EmptyStoreError(f"{store.path}: the store holds no complete record; nothing to analyze.")
     selected = select_analyses(only)
@@ -226,6 +233,17 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
     if engine.persist:
         _persist(store, findings, grams, long is not None)
     return findings
+
+
+def _open(path: str | os.PathLike[str] | Store, storage_options: Mapping[str, Any] | None) -> Store:
+    """*path* opened as a :class:`Store` (with *storage_options* for a URL), or the Store given."""
+    from gradforensics.store import remote
+
+    if storage_options is not None and (isinstance(path, Store) or not remote.is_url(path)):
+        what = "an open Store (it keeps the options it was opened with)" if isinstance(path, Store) else \
+            f"the local path {os.fspath(path)!r}"
+        raise SpecError(f"analyze(): storage_options are for a store at a URL (s3://bucket/dump.zarr); got {what}.")
+    return path if isinstance(path, Store) else Store(path, storage_options=storage_options)
 
 
 def _checked_flags(a: Analysis, flags: list[Flag]) -> list[Flag]:

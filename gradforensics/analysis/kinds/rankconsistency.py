@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from gradforensics.analysis.engine.model import Context
+    from gradforensics.store.reader import Store
 
 NAME, KIND = "rankconsistency", "rank_disagreement"
 COLUMNS = ("tensor", "head", "rank", "n_batches", "n_disagree", "max_rel_diff", "median_rel_diff", "first_record")
@@ -131,11 +132,27 @@ def compute(ctx: Context) -> AnalysisResult:
     return AnalysisResult(table=consistency_table(readers(ctx), np.asarray(ranks), opt.rtol))
 
 
+def store_units(store: Store) -> list[tuple[str, int | None]]:
+    """Every (tensor, head) of *store*: each tensor whole, and each head of a head-split one.
+
+    Read from the store, not from ``ctx.grams``: above ``N₀`` records (the
+    long-history regime) the pass keeps no per-record Gram matrix, and this
+    analysis re-reads the stored rows anyway.
+    """
+    out: list[tuple[str, int | None]] = []
+    for tensor in store.tensors:
+        info = store.grads[tensor] if tensor in store.grads else store.sketches[tensor]
+        out.append((tensor, None))
+        if info.heads is not None:
+            out += [(tensor, h) for h in range(int(info.shape[1]))]
+    return out
+
+
 def readers(ctx: Context) -> dict[tuple[str, int | None], Callable[[list[int]], np.ndarray]]:
-    """For each (tensor, head) of the pass, a reader of chosen records' rows (whole gradient, else sketch)."""
+    """For each (tensor, head) of the store, a reader of chosen records' rows (whole gradient, else sketch)."""
     store = ctx.require_store()
     out: dict[tuple[str, int | None], Callable[[list[int]], np.ndarray]] = {}
-    for tensor, head in ctx.grams:
+    for tensor, head in store_units(store):
         arr = store.grad(tensor) if tensor in store.grads else store.sketch(tensor)
 
         def read(idx: list[int], arr: Any = arr, head: int | None = head) -> np.ndarray:
