@@ -75,3 +75,7 @@ class MissingExtraError(GradforensicsError, ImportError):
 
 class StorePermissionError(GradforensicsError, PermissionError):
     """The storage service holding a store (``s3://``, ...) refused the credentials."""
+
+
+class StoreUnreachableError(GradforensicsError, ConnectionError):
+    """The storage service holding a store (``s3://``, ...) could not be reached after retries."""

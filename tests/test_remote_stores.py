@@ -171,6 +171,21 @@ def test_refused_credentials_are_one_line(s3, monkeypatch, capsys):
     assert "\n" not in line and "refused the credentials" in line
 
 
+def test_unreachable_endpoint_is_one_line(capsys):
+    """Nothing listens on the endpoint (a real closed loopback port): one line after the retries, exit 2."""
+    import socket
+
+    with socket.socket() as sock:                   # a free port, closed again: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rc = main(["inspect", f"s3://{BUCKET}/dump.zarr", "--storage-option", f"endpoint_url=http://127.0.0.1:{port}",
+               "--storage-option", "key=k", "--storage-option", "secret=s",
+               "--storage-option", "config_kwargs.retries.max_attempts=1"])
+    line = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert "\n" not in line and "could not be reached" in line and str(port) in line
+
+
 def test_storage_options_parse():
     got = remote.parse_options(["anon=true", "client_kwargs.region_name=eu-west-1", "endpoint_url=http://h:9"])
     assert got == {"anon": True, "client_kwargs": {"region_name": "eu-west-1"}, "endpoint_url": "http://h:9"}

@@ -31,7 +31,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from gradforensics.errors import GradforensicsError, NotAStoreError, SpecError, StorePermissionError
+from gradforensics.errors import (
+    GradforensicsError,
+    NotAStoreError,
+    SpecError,
+    StorePermissionError,
+    StoreUnreachableError,
+)
 
 T = TypeVar("T")
 
@@ -228,7 +234,7 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int = ATTEMPTS, backo
 
 
 def describe_error(url: str, exc: BaseException) -> GradforensicsError | None:
-    """One line for a missing bucket or refused credentials at *url*, or None for anything else."""
+    """One line for a missing bucket, refused credentials or an unreachable service at *url*, or None."""
     text = str(exc)
     low = text.lower()
     if isinstance(exc, FileNotFoundError) and ("bucket" in low or "nosuchbucket" in low):
@@ -240,7 +246,17 @@ def describe_error(url: str, exc: BaseException) -> GradforensicsError | None:
         return StorePermissionError(f"{url}: the storage service refused the credentials ({_short(text)}); set "
                                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or --storage-option key=... "
                                     "secret=...) and, for a non-AWS service, AWS_ENDPOINT_URL.")
+    if (isinstance(exc, ConnectionError) or type(exc).__name__ in _UNREACHABLE
+            or "could not connect to the endpoint" in low):
+        return StoreUnreachableError(f"{url}: the storage service could not be reached after retries "
+                                     f"({_short(text)}); check the endpoint (AWS_ENDPOINT_URL or --storage-option "
+                                     "endpoint_url=...) and the network.")
     return None
+
+
+#: Exception types (by name: botocore and aiohttp are optional) of a service that cannot be reached.
+_UNREACHABLE = frozenset({"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
+                          "ClientConnectorError", "ServerDisconnectedError"})
 
 
 def _short(text: str, n: int = 160) -> str:
