@@ -56,15 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--full", nargs="+", metavar="GLOB",
                    help="with --sketch: tensors whose whole gradient is stored too (default none)")
     r.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="on-disk gradient format (default: as computed)")
-    m = p.add_argument_group("model")
-    m.add_argument("--loss", default="auto",
-                   help="auto (from the config), causal-lm, masked-lm, or module:function taking (model, batch)")
-    m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
-                   help="builds the nn.Module of a raw PyTorch checkpoint (loaded with weights_only=True)")
-    m.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the checkpoint directory)")
-    m.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    m.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    m.add_argument("--step", type=int, help="optimizer step of the checkpoint (default: trainer_state.json, else 0)")
+    add_model_options(p)
     p.add_argument("--check-ranks", action="store_true",
                    help="under torchrun: replay the same batches on every rank (whole model each) to find a rank "
                         "that computes a different gradient (the rankconsistency analysis)")
@@ -204,6 +196,19 @@ def _refuse_or_announce(per_record: dict[str, int], n_records: int, out: Path, f
         raise SpecError(f"{out} needs ~{fmt_bytes(est['total_bytes'])} but only {fmt_bytes(est['free_bytes'])} "
                         "is free; record fewer --tensors, use --sketch K or --dtype bf16, lower "
                         "--batches-per-source, or pass --force.")
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The "model" options ``capture`` and ``whatif`` share: loss, raw-checkpoint factory, tokenizer, device."""
+    m = p.add_argument_group("model")
+    m.add_argument("--loss", default="auto",
+                   help="auto (from the config), causal-lm, masked-lm, or module:function taking (model, batch)")
+    m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
+                   help="builds the nn.Module of a raw PyTorch checkpoint (loaded with weights_only=True)")
+    m.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the checkpoint directory)")
+    m.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    m.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    m.add_argument("--step", type=int, help="optimizer step of the checkpoint (default: trainer_state.json, else 0)")
 
 
 #: The public name ``gradforensics whatif`` checks its options and estimates a record with.

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from gradforensics.arms.spec import OPTIMIZERS
-from gradforensics.commands.capture import DTYPE_NAMES, parse_heads
+from gradforensics.commands.capture import DTYPE_NAMES, add_model_options, parse_heads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,15 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="K-dim sketch per tensor (per head); default 1024; 0: whole tensors only")
     r.add_argument("--full", nargs="+", metavar="GLOB", help="tensors whose whole gradient is stored too")
     r.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="on-disk gradient format (default: as computed)")
-    m = p.add_argument_group("model")
-    m.add_argument("--loss", default="auto",
-                   help="auto (from the config), causal-lm, masked-lm, or module:function taking (model, batch)")
-    m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
-                   help="builds the nn.Module of a raw PyTorch checkpoint (loaded with weights_only=True)")
-    m.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the checkpoint directory)")
-    m.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    m.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    m.add_argument("--step", type=int, help="optimizer step of the checkpoint (default: trainer_state.json, else 0)")
+    add_model_options(p)
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
     p.add_argument("--overwrite", action="store_true", help="replace existing <arm>.zarr stores in --out")
     p.add_argument("--quiet", action="store_true", help="no estimate line, no progress bars")
