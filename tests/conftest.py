@@ -1,4 +1,9 @@
-"""Collection order for the parallel run (``-n 2 --dist loadfile``).
+"""Thread counts and collection order for the parallel run (``-n 2 --dist loadfile``).
+
+Every BLAS and torch pool runs one thread per test process unless the caller set
+its own (``OMP_NUM_THREADS=...``): the tests' models are tiny, two processes share
+two cores, and oversubscribed pools run 10-30x slower on a busy machine.  This runs
+before any test module imports numpy or torch, which read the variables once.
 
 The store-metadata fuzz is one long test file (~9 min on two cores): it goes first,
 so one worker runs it while the other works through every other file, instead of
@@ -7,7 +12,12 @@ one worker finishing the fuzz alone at the end.
 
 from __future__ import annotations
 
-import pytest
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
 
 FIRST = ("test_store_fuzz.py",)
 

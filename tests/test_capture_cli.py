@@ -136,6 +136,37 @@ def per_record_bytes(store) -> int:
 
 
 # ---------------------------------------------------------------- end to end
+def threads_seen_loss(model, batch):
+    """--loss that notes torch's intra-op thread count while the capture replays."""
+    threads_seen_loss.seen.add(torch.get_num_threads())
+    return losses.causal_lm(model, batch)
+
+
+threads_seen_loss.seen = set()
+
+
+@pytest.mark.parametrize("flag, env, expected", [((), None, 1), (("--threads", "2"), None, 2),
+                                                 ((), "2", 2), (("--threads", "1"), "2", 1)])
+def test_capture_replays_a_small_model_on_one_thread_unless_told(tmp_path, llama_dir, files, capsys, monkeypatch,
+                                                                 flag, env, expected):
+    """auto: a tiny model replays on one thread; --threads N and OMP_NUM_THREADS win; the count is restored."""
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)          # what torch starts with on this 2-core machine (OMP_NUM_THREADS=2: torch read it)
+    threads_seen_loss.seen = set()
+    try:
+        rc, err = capture(*base_args(llama_dir, files, tmp_path / "t.zarr", "--loss",
+                                     "test_capture_cli:threads_seen_loss", *flag), capsys=capsys)
+        assert rc == 0, err
+        assert threads_seen_loss.seen == {expected}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_tiny_llama_capture_analyze_report(tmp_path, llama_dir, files, capsys):
     out = tmp_path / "dump.zarr"
     rc, err = capture(*base_args(llama_dir, files, out, "--data", f"code={files['code']}", "--text-field",

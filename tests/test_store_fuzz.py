@@ -20,10 +20,19 @@ exception may escape; each call finishes within ``GF_FUZZ_TIMEOUT`` seconds
 (default 20, an alarm); peak RSS stays under 1 GB; and nothing is written
 outside the example's directory (inside it, only under ``--out`` and the store).
 
-``GF_FUZZ_EXAMPLES`` (default 500, the CI requirement) sets the number of
-examples of the full test (all three verbs), ``GF_FUZZ_OPEN_EXAMPLES`` (default
-100: other draws, cheap) that of the ``inspect``-only one.  Examples are derandomized:
-CI runs the same ones every time.  A failure prints its mutation; shrinking is
+Each test runs once per *stratum*, a (backend, action) pair - Zarr/HDF5 times
+replace/perturb/delete - so that every strategy gets its share of examples however
+few there are.  Two profiles, chosen by ``GF_FUZZ_PROFILE``:
+
+* ``ci`` (the default, what the README's test command and CI run): 16 examples per
+  stratum of the full test (96 in all), 8 of the ``inspect``-only one (48);
+* ``long``: 84 and 17 per stratum (504 and 102, the fuzz as it was first run);
+  ``GF_FUZZ_PROFILE=long python -m pytest tests/test_store_fuzz.py -s`` (about 15
+  minutes here).
+
+``GF_FUZZ_EXAMPLES`` / ``GF_FUZZ_OPEN_EXAMPLES`` override the totals of either
+profile (split evenly over the strata).  Examples are derandomized: CI runs the same
+ones every time.  A failure prints its mutation; shrinking is
 off unless ``GF_FUZZ_SHRINK=1``.  Run with ``-s`` for timings and exit codes.
 """
 
@@ -52,14 +61,28 @@ from _hostile import (
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import strategies as st
 
-N_FULL = int(os.environ.get("GF_FUZZ_EXAMPLES", "500"))
-N_OPEN = int(os.environ.get("GF_FUZZ_OPEN_EXAMPLES", "100"))
+SUFFIXES = (".zarr", ".h5")
+ACTIONS = ("replace", "perturb", "delete")
+STRATA = [(suffix, action) for suffix in SUFFIXES for action in ACTIONS]
+#: examples per stratum (full test, inspect-only test) of each profile
+PROFILES = {"ci": (16, 8), "long": (84, 17)}
+PROFILE = os.environ.get("GF_FUZZ_PROFILE", "ci")
+if PROFILE not in PROFILES:
+    raise ValueError(f"GF_FUZZ_PROFILE={PROFILE!r}: expected one of {', '.join(PROFILES)}")
+
+
+def _per_stratum(env: str, default: int) -> int:
+    total = os.environ.get(env)
+    return default if total is None else max(1, math.ceil(int(total) / len(STRATA)))
+
+
+N_FULL = _per_stratum("GF_FUZZ_EXAMPLES", PROFILES[PROFILE][0])
+N_OPEN = _per_stratum("GF_FUZZ_OPEN_EXAMPLES", PROFILES[PROFILE][1])
 TIMEOUT = float(os.environ.get("GF_FUZZ_TIMEOUT", "20"))
 #: Shrinking re-runs a failing example hundreds of times (minutes here) to simplify a value that is already a
 #: single, printed mutation: off unless GF_FUZZ_SHRINK=1.
 SHRINK = os.environ.get("GF_FUZZ_SHRINK", "0") == "1"
 RSS_LIMIT = 1 * GB
-SUFFIXES = (".zarr", ".h5")
 
 FUZZ_SETTINGS = {
     "derandomize": True,
@@ -277,13 +300,12 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 _counter = itertools.count()
 
 
-def _example(bases: dict[str, Any], workdir: Path, data: st.DataObject, verbs: tuple[str, ...]) -> None:
-    suffix = data.draw(st.sampled_from(SUFFIXES), label="backend")
+def _example(bases: dict[str, Any], workdir: Path, data: st.DataObject, verbs: tuple[str, ...],
+             stratum: tuple[str, str]) -> None:
+    suffix, action = stratum
     base = bases[suffix]
     target = data.draw(st.one_of(st.sampled_from(base["root_targets"]), st.sampled_from(base["targets"]),
                                  st.sampled_from(base["targets"])), label="target")
-    action = data.draw(st.sampled_from(["replace", "replace", "perturb", "perturb", "perturb", "delete"]),
-                       label="action")
     original = base["originals"][target]
     whole_h5_attr = suffix == ".h5" and not target[-1]
     value = None
@@ -343,18 +365,26 @@ def _example(bases: dict[str, Any], workdir: Path, data: st.DataObject, verbs: t
         shutil.rmtree(ex, ignore_errors=True)
 
 
+def _stratum_id(stratum: tuple[str, str]) -> str:
+    return f"{stratum[0].lstrip('.')}-{stratum[1]}"
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("stratum", STRATA, ids=_stratum_id)
 @settings(max_examples=N_FULL, **FUZZ_SETTINGS)
 @given(data=st.data())
-def test_fuzz_metadata_all_verbs(bases: dict[str, Any], workdir: Path, data: st.DataObject) -> None:
-    _example(bases, workdir, data, ("inspect", "report", "analyze"))
+def test_fuzz_metadata_all_verbs(bases: dict[str, Any], workdir: Path, data: st.DataObject,
+                                 stratum: tuple[str, str]) -> None:
+    _example(bases, workdir, data, ("inspect", "report", "analyze"), stratum)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stratum", STRATA, ids=_stratum_id)
 @settings(max_examples=N_OPEN, **FUZZ_SETTINGS)
 @given(data=st.data())
-def test_fuzz_metadata_inspect(bases: dict[str, Any], workdir: Path, data: st.DataObject) -> None:
-    _example(bases, workdir, data, ("inspect",))
+def test_fuzz_metadata_inspect(bases: dict[str, Any], workdir: Path, data: st.DataObject,
+                               stratum: tuple[str, str]) -> None:
+    _example(bases, workdir, data, ("inspect",), stratum)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -99,7 +99,8 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
            device: str = "cpu", model_dtype: str = "float32", step: int | None = None,
            optimizer_state: str | os.PathLike[str] | None = None, store_suffix: str = ".zarr",
            overwrite: bool = False, force: bool = False, compare_reports: bool = True,
-           only: str | Sequence[str] | None = None, client: Client | None = None, progress: bool = True, log: IO[str] | None = None) -> WhatIf:
+           only: str | Sequence[str] | None = None, client: Client | None = None, progress: bool = True,
+           log: IO[str] | None = None, threads: int | None = None) -> WhatIf:
     """Train *steps* steps from *checkpoint* once per arm on identical batches; record, analyse, compare.
 
     Parameters
@@ -134,6 +135,9 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
         default all, as ``gf.analyze``.
     client
         A ``dask.distributed.Client`` for the analyses (default: threads).
+    threads
+        torch intra-op threads for training the arms; default: one for a model under
+        20M parameters unless ``OMP_NUM_THREADS`` is set (:mod:`gradforensics._threads`).
     Other parameters
         As for ``gradforensics capture`` (*sketch* defaults to 1024 here).
 
@@ -168,7 +172,8 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
     say = log if log is not None else (sys.stderr if progress else None)
     setup = SimpleNamespace(checkpoint=checkpoint, loss=loss, model_factory=model_factory, tokenizer=tokenizer,
                             device=device, model_dtype=model_dtype, seed=seed, tensors=tensors, full=full,
-                            activations=activations, sketch=sketch, data=[s.name for s in sources])
+                            activations=activations, sketch=sketch, data=[s.name for s in sources],
+                            threads=threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = _train(setup, arm_list, plans, stores, sources, heads, dtype, step, optimizer_state,
                   dict(batch_size=batch_size, seq_len=seq_len, seed=seed, text_field=text_field), overwrite, force,
@@ -191,6 +196,7 @@ def _load(setup: Any) -> Any:
 def _train(setup: Any, arms: list[Arm], plans: dict[str, list[tuple[str, int]]], stores: dict[str, Path],
            sources: list[Any], heads: Any, dtype: str | None, step: int | None, state_file: Any,
            batching: dict[str, Any], overwrite: bool, force: bool, say: IO[str] | None) -> list[ArmRun]:
+    from gradforensics._threads import for_model
     from gradforensics.arms.optim import find_state, read_state
     from gradforensics.arms.train import run_arm
     from gradforensics.commands.capture import check_seq_len, plan_record_bytes
@@ -227,9 +233,10 @@ def _train(setup: Any, arms: list[Arm], plans: dict[str, list[tuple[str, int]]],
             bar.update(n)
 
         try:
-            runs.append(run_arm(arm, load, batches, plans[arm.name], stores[arm.name], sources=names, step0=step0,
-                                seed=setup.seed, saved_state=saved, state_where=str(where), recorder=recorder,
-                                count=batch_size, on_step=tick))
+            with for_model(ckpt.model, setup.threads):
+                runs.append(run_arm(arm, load, batches, plans[arm.name], stores[arm.name], sources=names,
+                                    step0=step0, seed=setup.seed, saved_state=saved, state_where=str(where),
+                                    recorder=recorder, count=batch_size, on_step=tick))
         except KeyboardInterrupt:
             bar.close()
             raise WhatIfInterrupted(_interrupted(runs, arm, done[0], stores)) from None

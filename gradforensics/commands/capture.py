@@ -209,6 +209,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     m.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     m.add_argument("--step", type=int, help="optimizer step of the checkpoint (default: trainer_state.json, else 0)")
+    from gradforensics.commands import threads
+
+    threads.add_argument(m)
 
 
 #: The public name ``gradforensics whatif`` checks its options and estimates a record with.
@@ -279,6 +282,7 @@ def _barrier() -> None:
 
 def _capture(args: argparse.Namespace, sources: list[Any], heads: Any, dtype: str | None, out: Path,
              launch: Any = None) -> int:
+    from gradforensics._threads import for_model
     from gradforensics.replay import data, distributed, replay
     from gradforensics.replay.checkpoint import load_checkpoint, max_positions, offline
 
@@ -309,10 +313,12 @@ def _capture(args: argparse.Namespace, sources: list[Any], heads: Any, dtype: st
     def loss_fn(model: nn.Module, batch: dict[str, Any]) -> Any:
         return ckpt.loss_fn(model, {k: v.to(device) for k, v in batch.items()})
 
-    store = replay(ckpt.model, batches, loss_fn, out, n_per_source=args.batches_per_source,
-                   step=ckpt.step if args.step is None else args.step, progress=not args.quiet,
-                   check_space=not args.force and "://" not in str(out), tensors=args.tensors, heads=heads, activations=args.activations,
-                   sketch=args.sketch, full=args.full, dtype=dtype, overwrite=True, **extra)
+    with for_model(ckpt.model, args.threads):
+        store = replay(ckpt.model, batches, loss_fn, out, n_per_source=args.batches_per_source,
+                       step=ckpt.step if args.step is None else args.step, progress=not args.quiet,
+                       check_space=not args.force and "://" not in str(out), tensors=args.tensors, heads=heads,
+                       activations=args.activations, sketch=args.sketch, full=args.full, dtype=dtype,
+                       overwrite=True, **extra)
     if launch is not None and launch.rank:
         return 0
     print(f"{out}: {store.n_records} records of {len(sources)} sources ({', '.join(s.name for s in sources)}), "

@@ -9,6 +9,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="gradforensics-demo", metavar="DIR",
                    help="directory for the checkpoint, the store and the report (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the replay (default: 0)")
+    from gradforensics.commands import threads
+
+    threads.add_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from gradforensics import demo
     from gradforensics.commands.report import print_top
 
-    res = demo.run(args.out, seed=args.seed)
+    res = demo.run(args.out, seed=args.seed, threads=args.threads)
     t = res.timings
     print(f"done in {t['total_s']:.0f} s (train {t['train_s']:.0f} s, capture {t['capture_s']:.0f} s, "
           f"analyze {t['analyze_s']:.0f} s, report {t['report_s']:.0f} s); store: {res.store}")

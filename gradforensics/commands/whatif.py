@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                      model_factory=args.model_factory, tokenizer=args.tokenizer, device=args.device,
                      model_dtype=args.model_dtype, step=args.step, optimizer_state=args.optimizer_state,
                      overwrite=args.overwrite, force=args.force, compare_reports=not args.no_compare,
-                     only=args.only, progress=not args.quiet)
+                     only=args.only, progress=not args.quiet, threads=args.threads)
     except WhatIfInterrupted as exc:
         print(f"gradforensics whatif: {exc}", file=sys.stderr)
         return 130
