@@ -173,6 +173,43 @@ class ZarrBackend:
     def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
         return np.asarray(self._io(lambda: self._root[name][sel]))
 
+    # groups (the analysis generations) -------------------------------------
+    def group_attrs(self, name: str) -> dict[str, Any]:
+        """Attributes of group *name*; ``{}`` if there is none (or it cannot be read)."""
+        try:
+            return dict(self._io(lambda: self._root[name].attrs))
+        except (KeyError, ValueError, TypeError, OSError):
+            return {}
+
+    def set_group_attr(self, name: str, key: str, value: Any) -> None:
+        """One metadata write: zarr replaces ``name/zarr.json`` whole (a rename locally, one PUT at a URL)."""
+        group = self._io(lambda: self._root.require_group(name))
+        self._io(lambda: group.attrs.__setitem__(key, value))
+
+    def children(self, name: str) -> list[str]:
+        """The names of the nodes directly inside group *name* (from the file system, not zarr's metadata)."""
+        if self.url:
+            fs, root = remote.filesystem(self.path, self.storage_options)
+            try:
+                entries = self._io(lambda: fs.ls(f"{root}/{name}", detail=True))
+            except FileNotFoundError:
+                return []
+            return sorted(str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries
+                          if e.get("type") == "directory")
+        d = Path(self.path) / name
+        return sorted(p.name for p in d.iterdir() if p.is_dir() and not p.is_symlink()) if d.is_dir() else []
+
+    def delete(self, name: str) -> None:
+        """Remove node *name* and everything under it."""
+        if self.url:
+            fs, root = remote.filesystem(self.path, self.storage_options)
+            self._io(lambda: fs.rm(f"{root}/{name}", recursive=True))
+        else:
+            import shutil
+
+            shutil.rmtree(Path(self.path) / name, ignore_errors=False)
+        self._open = {k: v for k, v in self._open.items() if k != name and not k.startswith(name + "/")}
+
     def close(self) -> None:
         pass
 
@@ -259,6 +296,26 @@ class HDF5Backend:
 
     def has(self, name: str) -> bool:
         return name in self._f
+
+    def group_attrs(self, name: str) -> dict[str, Any]:
+        import h5py
+
+        g = self._f.get(name)
+        return {k: from_h5_attr(v) for k, v in g.attrs.items()} if isinstance(g, h5py.Group) else {}
+
+    def set_group_attr(self, name: str, key: str, value: Any) -> None:
+        self._f.require_group(name).attrs[key] = json.dumps(value)
+        self._f.flush()
+
+    def children(self, name: str) -> list[str]:
+        import h5py
+
+        g = self._f.get(name)
+        return sorted(g.keys()) if isinstance(g, h5py.Group) else []
+
+    def delete(self, name: str) -> None:
+        if name in self._f:
+            del self._f[name]
 
     def inventory(self) -> Inventory:
         """Root attributes and every dataset; links and external data refused."""

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from gradforensics.errors import CorruptStoreError, NotAStoreError
+from gradforensics.store import generations
+from gradforensics.store.generations import Selection
 
 #: A ``zarr.json`` larger than this is not metadata gradforensics wrote.
 MAX_METADATA_BYTES = 16 << 20
@@ -88,7 +90,22 @@ class Inventory:
     """A store's root attributes and arrays, as listed by gradforensics itself."""
 
     root_attrs: dict[str, Any]
+    #: by logical name: the committed generation's results appear as ``analysis/<key>``
     arrays: dict[str, StoredArray]
+    #: which part of ``analysis/`` the arrays come from (:mod:`gradforensics.store.generations`)
+    selection: Selection = field(default_factory=lambda: Selection(None))
+    #: set when damaged analysis results were ignored
+    analysis_note: str | None = None
+
+
+def _in_analysis(rel: str) -> bool:
+    return rel == generations.GROUP or rel.startswith(generations.GROUP + "/")
+
+
+def _finish(path: str, root_attrs: dict[str, Any], arrays: dict[str, StoredArray], current: str | None,
+            damaged: list[str]) -> Inventory:
+    visible, sel, note = generations.select(path, arrays, current, damaged)
+    return Inventory(root_attrs, visible, sel, note)
 
 
 def _corrupt(path: str, where: str, what: str) -> CorruptStoreError:
@@ -105,6 +122,8 @@ def zarr_inventory(path: str) -> Inventory:
         raise NotAStoreError(f"{path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
     arrays: list[StoredArray] = []
     root_attrs: dict[str, Any] = {}
+    current: str | None = None
+    damaged: list[str] = []
     for top, dirs, files in os.walk(root):
         here = Path(top)
         rel = here.relative_to(root).as_posix()
@@ -115,25 +134,41 @@ def zarr_inventory(path: str) -> Inventory:
                     f"{path}: {'/'.join(filter(None, (rel, entry)))} is a symbolic link; a store is data and may not "
                     "point outside itself. Copy the store with the link resolved (cp -rL) if you trust it."
                 )
-        if "zarr.json" not in files:
-            if rel:
-                raise _corrupt(path, f"{rel}/", "the directory has no zarr.json (its metadata was deleted)")
+        try:
+            meta = _zarr_node(path, rel, here, files)
+            arr = _zarr_array(path, rel, meta) if meta is not None and meta.get("node_type") == "array" else None
+        except CorruptStoreError:
+            if not _in_analysis(rel):
+                raise
+            damaged.append(rel)         # analysis results are derived data: ignored, never fatal
+            dirs.clear()
             continue
-        meta = _read_json(path, rel, here / "zarr.json")
-        node = meta.get("node_type")
-        if node == "group":
-            if not rel:
-                root_attrs = meta.get("attributes") or {}
-            continue
-        if node != "array":
-            raise _corrupt(path, rel or "/", f"node_type {node!r} is neither 'group' nor 'array'")
-        if not rel:
-            raise NotAStoreError(f"{path}: a Zarr array, not a group; expected a gradforensics store.")
-        arr = _zarr_array(path, rel, meta)
-        _scan_chunks(path, arr, here / "c")
-        arrays.append(arr)
-        dirs.clear()            # an array's directory holds only its chunk tree
-    return Inventory(root_attrs, {a.name: a for a in arrays})
+        if arr is not None:
+            _scan_chunks(path, arr, here / "c")
+            arrays.append(arr)
+            dirs.clear()            # an array's directory holds only its chunk tree
+        elif meta is not None and not rel:
+            root_attrs = meta.get("attributes") or {}
+        elif meta is not None and rel == generations.GROUP:
+            current = generations.pointer(meta.get("attributes"))[0]
+            sel = Selection(current)     # walk only the generation readers see
+            dirs[:] = [d for d in dirs if sel.visible(f"{rel}/{d}")]
+    return _finish(path, root_attrs, {a.name: a for a in arrays}, current, damaged)
+
+
+def _zarr_node(path: str, rel: str, here: Path, files: list[str]) -> dict[str, Any] | None:
+    """The parsed ``zarr.json`` of the directory *here* (None for a root without one), checked as a node."""
+    if "zarr.json" not in files:
+        if rel:
+            raise _corrupt(path, f"{rel}/", "the directory has no zarr.json (its metadata was deleted)")
+        return None
+    meta = _read_json(path, rel, here / "zarr.json")
+    node = meta.get("node_type")
+    if node not in ("group", "array"):
+        raise _corrupt(path, rel or "/", f"node_type {node!r} is neither 'group' nor 'array'")
+    if node == "array" and not rel:
+        raise NotAStoreError(f"{path}: a Zarr array, not a group; expected a gradforensics store.")
+    return meta
 
 
 def refuse_links(path: str) -> None:
@@ -277,25 +312,55 @@ def remote_zarr_inventory(url: str, storage_options: dict[str, Any] | None = Non
         files[rel] = int(info.get("size") or 0)
     if "zarr.json" not in files:
         raise NotAStoreError(f"{url}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
-    metas = _remote_metadata(url, fs, root, files)
-    return _inventory_of_listing(url, files, metas)
+    damaged: list[str] = []
+    group_json = f"{generations.GROUP}/zarr.json"
+    current = None
+    if group_json in files:          # the pointer first: the listing is then cut to what readers see
+        metas = _remote_metadata(url, fs, root, {group_json: files[group_json]}, damaged)
+        current = generations.pointer((metas.get(generations.GROUP) or {}).get("attributes"))[0]
+    sel = Selection(current)
+    files = {k: v for k, v in files.items() if sel.visible(k)}
+    metas = _remote_metadata(url, fs, root, files, damaged)
+    return _inventory_of_listing(url, files, metas, current, damaged)
 
 
-def _remote_metadata(url: str, fs: Any, root: str, files: dict[str, int]) -> dict[str, dict[str, Any]]:
-    """Every ``zarr.json`` outside an array's chunk tree, size-checked, fetched in one batch, parsed."""
+def _remote_metadata(url: str, fs: Any, root: str, files: dict[str, int],
+                     damaged: list[str]) -> dict[str, dict[str, Any]]:
+    """Every ``zarr.json`` outside an array's chunk tree, size-checked, fetched in one batch, parsed.
+
+    Damage under ``analysis/`` is appended to *damaged* instead of raised.
+    """
     from gradforensics.store import remote
 
     keys = sorted(k for k in files if k == "zarr.json" or k.endswith("/zarr.json"))
     keys = [k for k in keys if "/c/" not in f"/{k}"]
-    for k in keys:
+    for k in list(keys):
         if files[k] > MAX_METADATA_BYTES:
-            raise _corrupt(url, k, f"{files[k]} bytes, more than any metadata gradforensics writes")
+            err = _corrupt(url, k, f"{files[k]} bytes, more than any metadata gradforensics writes")
+            _tolerate(err, k, damaged)
+            keys.remove(k)
     raw = remote.translated(url, lambda: fs.cat([f"{root}/{k}" for k in keys], on_error="raise"))
-    return {k.rsplit("zarr.json", 1)[0].rstrip("/"): _parse_json(url, k, raw[f"{root}/{k}"]) for k in keys}
+    out = {}
+    for k in keys:
+        node = k.rsplit("zarr.json", 1)[0].rstrip("/")
+        try:
+            out[node] = _parse_json(url, k, raw[f"{root}/{k}"])
+        except CorruptStoreError as exc:
+            _tolerate(exc, node, damaged)
+    return out
 
 
-def _inventory_of_listing(url: str, files: dict[str, int], metas: dict[str, dict[str, Any]]) -> Inventory:
+def _tolerate(exc: CorruptStoreError, rel: str, damaged: list[str]) -> None:
+    """Damage under ``analysis/`` is noted (the results are derived data); anywhere else it is raised."""
+    if not _in_analysis(rel):
+        raise exc
+    damaged.append(rel)
+
+
+def _inventory_of_listing(url: str, files: dict[str, int], metas: dict[str, dict[str, Any]],
+                          current: str | None = None, damaged: list[str] | None = None) -> Inventory:
     """The inventory from a flat listing (relative key -> size) and the parsed metadata by node prefix."""
+    damaged = [] if damaged is None else damaged
     arrays: dict[str, StoredArray] = {}
     for rel in sorted(metas):
         if _owner(rel, arrays) is not None:
@@ -304,11 +369,14 @@ def _inventory_of_listing(url: str, files: dict[str, int], metas: dict[str, dict
         node = meta.get("node_type")
         if node == "group":
             continue
-        if node != "array":
-            raise _corrupt(url, rel or "/", f"node_type {node!r} is neither 'group' nor 'array'")
-        if not rel:
-            raise NotAStoreError(f"{url}: a Zarr array, not a group; expected a gradforensics store.")
-        arrays[rel] = _zarr_array(url, rel, meta)
+        try:
+            if node != "array":
+                raise _corrupt(url, rel or "/", f"node_type {node!r} is neither 'group' nor 'array'")
+            if not rel:
+                raise NotAStoreError(f"{url}: a Zarr array, not a group; expected a gradforensics store.")
+            arrays[rel] = _zarr_array(url, rel, meta)
+        except CorruptStoreError as exc:
+            _tolerate(exc, rel, damaged)
     for key, size in files.items():      # every prefix above a key is a node, or inside an array
         parts = key.split("/")
         for i in range(1, len(parts)):
@@ -322,10 +390,14 @@ def _inventory_of_listing(url: str, files: dict[str, int], metas: dict[str, dict
                         arr.chunk_files[idx] = size
                 break
             if prefix not in metas:
-                raise _corrupt(url, f"{prefix}/", "the prefix has no zarr.json (its metadata was deleted)")
+                if any(prefix == d or prefix.startswith(d + "/") for d in damaged):
+                    break
+                _tolerate(_corrupt(url, f"{prefix}/", "the prefix has no zarr.json (its metadata was deleted)"),
+                          prefix, damaged)
+                break
     root = metas[""]
     root_attrs = (root.get("attributes") or {}) if root.get("node_type") == "group" else {}
-    return Inventory(root_attrs, arrays)
+    return _finish(url, root_attrs, arrays, current, damaged)
 
 
 def _owner(rel: str, arrays: dict[str, StoredArray]) -> str | None:
@@ -352,23 +424,44 @@ def hdf5_inventory(path: str, f: Any) -> Inventory:
     names: list[str] = []
     f_visit = names.append       # raise nothing inside h5py's callback: it garbles exceptions (SystemError)
     out: list[StoredArray] = []
+    damaged: list[str] = []
     try:
         f.visit_links(f_visit)
+        current = _hdf5_pointer(f, damaged)
+        sel = Selection(current)
         for name in names:
             link = f.get(name, getlink=True)
             if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)):
                 raise CorruptStoreError(f"{path}: {name} is a {type(link).__name__}; a store is data and may not "
                                         "point elsewhere.")
+            if not sel.visible(name):
+                continue
             obj = f.get(name)
             if isinstance(obj, h5py.Dataset):
-                out.append(_hdf5_array(path, name, obj))
+                try:
+                    out.append(_hdf5_array(path, name, obj))
+                except CorruptStoreError as exc:
+                    _tolerate(exc, name, damaged)
         root_attrs = {k: from_h5_attr(v) for k, v in f.attrs.items()}
     except CorruptStoreError:
         raise
     except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
         raise CorruptStoreError(f"{path}: the HDF5 file cannot be listed ({type(exc).__name__}: {exc}); "
                                 "the file is damaged.") from exc
-    return Inventory(root_attrs, {a.name: a for a in out})
+    return _finish(path, root_attrs, {a.name: a for a in out}, current, damaged)
+
+
+def _hdf5_pointer(f: Any, damaged: list[str]) -> str | None:
+    import h5py
+
+    group = f.get(generations.GROUP)
+    if not isinstance(group, h5py.Group) or generations.ATTR not in group.attrs:
+        return None
+    try:
+        return generations.pointer({generations.ATTR: from_h5_attr(group.attrs[generations.ATTR])})[0]
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError):
+        damaged.append(generations.GROUP)
+        return None
 
 
 def _hdf5_array(path: str, name: str, ds: Any) -> StoredArray:

@@ -98,6 +98,10 @@ class Store:
         finally:
             b.close()
         self.meta: StoreMeta = parse_root_attrs(self.path, inv.root_attrs.get(ROOT_ATTR))
+        #: where the committed analysis results lie (``analysis/<key>`` is read from there)
+        self.analysis_selection = inv.selection
+        #: a line saying damaged analysis results were ignored, else None
+        self.analysis_note = inv.analysis_note
         check_arrays(self.path, self.meta, inv.arrays, check_chunks)
         self.arrays: dict[str, ArrayInfo] = {}
         for name, a in sorted(inv.arrays.items()):
@@ -153,7 +157,7 @@ class Store:
             return self._read_url(name, info)
         b = open_backend(self.path, "r", self.storage_options)
         try:
-            return b.read(name, slice(0, info.shape[0]))
+            return b.read(self.analysis_selection.physical(name), slice(0, info.shape[0]))
         except GradforensicsError:
             raise
         except (OSError, RuntimeError, ValueError) as exc:
@@ -163,7 +167,8 @@ class Store:
 
     def _read_url(self, name: str, info: ArrayInfo) -> np.ndarray:
         try:
-            return read_url_array(self.path, name, slice(0, info.shape[0]), self.storage_options)
+            return read_url_array(self.path, self.analysis_selection.physical(name), slice(0, info.shape[0]),
+                                  self.storage_options)
         except GradforensicsError:
             raise
         except (OSError, RuntimeError, ValueError) as exc:

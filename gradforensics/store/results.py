@@ -21,6 +21,12 @@ path                           dtype, shape (chunks)               what
 The Gram matrices are two arrays in all (not two per tensor and head), so a model
 with thousands of heads does not create thousands of arrays.
 
+Every write is a new *generation*, committed in one metadata write at its end and
+carrying over what it does not replace (:mod:`gradforensics.store.generations`):
+a pass killed while writing leaves the results before it, never a half-written
+set.  The paths above are the logical names readers use; on disk they lie under
+``analysis/<generation>/``.
+
 Writing (:func:`write_results`) holds the store's writer lock
 (:class:`~gradforensics.store.lock.StoreLock`) and opens the store in mode
 ``"a"``, which refuses a store holding symbolic links
@@ -40,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.errors import CorruptStoreError, MissingArrayError
+from gradforensics.store import generations
 
 if TYPE_CHECKING:
     from gradforensics.store.backends import HDF5Backend, ZarrBackend
@@ -113,40 +120,99 @@ def write_results(path: str | os.PathLike[str], *, arrays: Mapping[str, np.ndarr
     from gradforensics.store.lock import StoreLock
 
     with StoreLock(str(path)):
+        previous = _committed(path)
         b = open_backend(path, "a")
         try:
+            current, _ = generations.pointer(b.group_attrs(GROUP))
+            gen = generations.new_generation()
+            into = generations.Selection(gen)
+            written: set[str] = set()
             if grams is not None:
-                _write_grams(b, grams)
+                written |= _write_grams(b, grams, into)
             for key, arr in (arrays or {}).items():
-                _write_array(b, key, np.asarray(arr))
+                written.add(_write_array(b, key, np.asarray(arr), into))
             for key, doc in (documents or {}).items():
-                _write_document(b, key, doc)
+                written.add(_write_document(b, key, doc, into))
+            if previous is not None:
+                _carry_over(b, previous, written, into)
+            # the commit: one metadata write; until it lands readers see the generation before
+            b.set_group_attr(GROUP, generations.ATTR, {"current": gen, "previous": current})
+            _clean_up(b, str(path), gen, current)
         finally:
             b.close()
 
 
-def _write_array(b: ZarrBackend | HDF5Backend, key: str, arr: np.ndarray) -> None:
+def _committed(path: str | os.PathLike[str]) -> Store | None:
+    """The store as readers see it now (its committed results), or None if they cannot be listed."""
+    from gradforensics.errors import GradforensicsError
+    from gradforensics.store.reader import Store
+
+    try:
+        return Store(path, check_chunks=False)
+    except GradforensicsError:
+        return None
+
+
+def _carry_over(b: ZarrBackend | HDF5Backend, store: Store, written: set[str], into: generations.Selection) -> None:
+    """Copy the committed results this write does not replace into the new generation."""
+    for name, info in store.arrays.items():
+        if not name.startswith(GROUP + "/") or name in written:
+            continue
+        src = store.analysis_selection.physical(name)
+        dst = into.physical(name)
+        b.create(dst, info.shape, np.dtype(info.dtype).str, info.chunks, dict(info.attrs), "none")
+        step = max(1, info.chunks[0]) if name == GRAM_ARRAY else max(1, info.shape[0])
+        for start in range(0, info.shape[0], step):
+            b.write_rows(dst, start, b.read(src, slice(start, min(start + step, info.shape[0]))))
+
+
+def _clean_up(b: ZarrBackend | HDF5Backend, path: str, new: str, current: str | None) -> None:
+    """Remove what readers no longer see: older and unfinished generations, the flat results of the old layout.
+
+    *current* (the generation just replaced) stays until the next write: a reader that
+    opened it a moment ago can finish.  A generation newer than it was never committed.
+    """
+    unfinished = 0
+    for child in b.children(GROUP):
+        if child in (new, current):
+            continue
+        if generations.is_generation(child) and (current is None or child > current):
+            unfinished += 1
+        b.delete(f"{GROUP}/{child}")
+    if unfinished:
+        import warnings
+
+        warnings.warn(f"{path}: removed {unfinished} unfinished analysis generation(s) left by an interrupted "
+                      "`gradforensics analyze`; the committed results were intact.", stacklevel=4)
+
+
+def _write_array(b: ZarrBackend | HDF5Backend, key: str, arr: np.ndarray, into: generations.Selection) -> str:
     chunks = tuple(max(int(c), 1) for c in arr.shape) or (1,)
-    b.create(_key(key), arr.shape, arr.dtype.str, chunks, {}, "none")
+    where = into.physical(_key(key))
+    b.create(where, arr.shape, arr.dtype.str, chunks, {}, "none")
     if arr.size:
-        b.write_rows(_key(key), 0, arr)
+        b.write_rows(where, 0, arr)
+    return _key(key)
 
 
-def _write_document(b: ZarrBackend | HDF5Backend, key: str, doc: Any) -> None:
+def _write_document(b: ZarrBackend | HDF5Backend, key: str, doc: Any, into: generations.Selection) -> str:
     raw = np.frombuffer(json.dumps(doc, default=_json_default).encode(), dtype=np.uint8)
-    b.create(_key(key), (raw.size,), "|u1", (max(raw.size, 1),), {"format": "json"}, "none")
-    b.write_rows(_key(key), 0, raw)
+    where = into.physical(_key(key))
+    b.create(where, (raw.size,), "|u1", (max(raw.size, 1),), {"format": "json"}, "none")
+    b.write_rows(where, 0, raw)
+    return _key(key)
 
 
-def _write_grams(b: ZarrBackend | HDF5Backend, grams: GramArrays) -> None:
+def _write_grams(b: ZarrBackend | HDF5Backend, grams: GramArrays, into: generations.Selection) -> set[str]:
     m, n = len(grams.k), int(grams.n_records)
-    b.create(GRAM_ARRAY, (m, n, n), "<f8", (1, max(n, 1), max(n, 1)), {}, "none")
-    b.create(NONFINITE_ARRAY, (m, n), "<i8", (max(m, 1), max(n, 1)), {}, "none")
+    k_at, nf_at = into.physical(GRAM_ARRAY), into.physical(NONFINITE_ARRAY)
+    b.create(k_at, (m, n, n), "<f8", (1, max(n, 1), max(n, 1)), {}, "none")
+    b.create(nf_at, (m, n), "<i8", (max(m, 1), max(n, 1)), {}, "none")
     for start in range(0, m, GRAM_BATCH):
-        b.write_rows(GRAM_ARRAY, start, np.stack(grams.k[start:start + GRAM_BATCH]))
+        b.write_rows(k_at, start, np.stack(grams.k[start:start + GRAM_BATCH]))
     if m:
-        b.write_rows(NONFINITE_ARRAY, 0, np.stack(grams.nonfinite))
-    _write_document(b, GRAM_INDEX, grams.index)
+        b.write_rows(nf_at, 0, np.stack(grams.nonfinite))
+    return {GRAM_ARRAY, NONFINITE_ARRAY, _write_document(b, GRAM_INDEX, grams.index, into)}
 
 
 # ----------------------------------------------------------------------- read
