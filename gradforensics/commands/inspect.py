@@ -42,6 +42,7 @@ def summarize(store: Store) -> dict:
                          "seed": v.attrs.get("seed")} for k, v in store.sketches.items()},
         "activations": store.act_modules,
         "analysis": sorted({n.split("/")[1] for n in store.arrays if n.startswith("analysis/")}),
+        "analysis_note": store.analysis_note,
     }
 
 
@@ -80,4 +81,6 @@ def _lines(s: dict) -> list[str]:
         out.append(f"activations ({len(s['activations'])}): " + ", ".join(s["activations"]))
     if s["analysis"]:
         out.append("analysis results: " + ", ".join(s["analysis"]))
+    if s.get("analysis_note"):
+        out.append(terminal(s["analysis_note"]))
     return out

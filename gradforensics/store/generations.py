@@ -20,11 +20,11 @@ The next write removes every other generation but the one it replaced (a reader 
 opened it a moment ago can still finish) and, after the first commit, the flat
 results of the old layout.
 
-HDF5 has no atomic rename: a generation there protects against an interrupted pass
-that exits (Ctrl-C, an exception, a full disk), but a writer killed with SIGKILL in the
-middle of an HDF5 write can leave the file's own metadata inconsistent (an HDF5
-library property, for the whole file); keep stores that ``analyze`` writes into as
-Zarr where that matters.
+HDF5 has no atomic rename and the file's own metadata is written by the HDF5
+library when it flushes: the generation and its pointer work the same way there,
+and a pass killed with SIGKILL at the tested points (``tests/test_analyze_crash.py``)
+left a file that reads, but HDF5 itself promises no consistency after a writer dies
+mid-flush.  Zarr is the backend to trust with that.
 """
 
 from __future__ import annotations

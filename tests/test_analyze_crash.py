@@ -1,0 +1,158 @@
+"""An ``analyze`` killed while it writes its results never leaves a store that a command refuses (issue 25).
+
+A real ``gradforensics analyze`` process is killed by a real SIGKILL (or interrupted
+by SIGINT's KeyboardInterrupt) at a chosen backend write of its results: the
+first, one in the middle, just before the commit, and between the commit and
+the clean-up.  Then ``inspect``, ``report`` and ``analyze`` all work, the results
+read are either the last committed ones or the new ones (never a mixture), and
+the rerun's flags equal those of an uninterrupted pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from _hostile import build_store
+
+from gradforensics.cli import main
+from gradforensics.store.reader import Store
+
+#: Runs analyze with the store's backend writes counted; at write number K of the
+#: results (or at the commit / the clean-up) the process kills itself.
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    from gradforensics.store import backends
+    mode, where, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    count = {"n": 0}
+
+    def die():
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise KeyboardInterrupt
+
+    def counting(fn):
+        def wrapped(self, name, *a, **kw):
+            if name.startswith("analysis/"):
+                count["n"] += 1
+                if where == "write" and count["n"] == k:
+                    die()
+            return fn(self, name, *a, **kw)
+        return wrapped
+
+    def at(fn, point):
+        def wrapped(self, *a, **kw):
+            if where == point:
+                die()
+            return fn(self, *a, **kw)
+        return wrapped
+
+    for cls in (backends.ZarrBackend, backends.HDF5Backend):
+        cls.write_rows = counting(cls.write_rows)
+        cls.set_group_attr = at(cls.set_group_attr, "commit")
+        cls.delete = at(cls.delete, "cleanup")
+    from gradforensics.cli import main
+    sys.exit(main(sys.argv[4:]))
+""")
+
+
+def _analyze_child(tmp: Path, store: Path, mode: str, where: str, k: int = 0) -> subprocess.CompletedProcess[str]:
+    argv = ["analyze", str(store), "--out", str(tmp / f"out-{mode}-{where}-{k}"), "--quiet"]
+    return subprocess.run([sys.executable, "-c", CHILD, mode, where, str(k), *argv], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"},
+                          cwd=tmp)
+
+
+def _flags(out: Path) -> list[tuple[str, str, object, float]]:
+    doc = json.loads((out / "flags.json").read_text())
+    return [(f["kind"], f["tensor"], f["head"], round(f["severity"], 6)) for f in doc["flags"]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """An analysed store (first generation committed) and the flags of an uninterrupted pass."""
+    root = tmp_path_factory.mktemp("crash-ref")
+    out = {}
+    for suffix in (".zarr", ".h5"):
+        p = build_store(root / f"dump{suffix}", 12, activations=True, sketch=8)
+        assert main(["analyze", str(p), "--out", str(root / f"once{suffix}"), "--quiet"]) == 0
+        out[suffix] = (p, _flags(root / f"once{suffix}"))
+    return out
+
+
+def _all_verbs_work(tmp: Path, store: Path, want_flags: list[tuple[str, str, object, float]]) -> None:
+    assert main(["inspect", str(store)]) == 0
+    assert main(["report", str(store), "--out", str(tmp / "after-report")]) == 0
+    assert _flags(tmp / "after-report") == want_flags       # the committed results, whole
+    assert main(["analyze", str(store), "--out", str(tmp / "after-analyze"), "--quiet"]) == 0
+    assert _flags(tmp / "after-analyze") == want_flags
+    assert main(["report", str(store), "--out", str(tmp / "after-rerun")]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suffix", [".zarr", ".h5"])
+@pytest.mark.parametrize("mode, where, k", [("kill", "write", 1), ("kill", "write", 6), ("kill", "commit", 0),
+                                            ("kill", "cleanup", 0), ("interrupt", "write", 3),
+                                            ("interrupt", "commit", 0)])
+def test_killed_analyze_leaves_readable_results(tmp_path: Path, reference, suffix, mode, where, k) -> None:
+    base, want = reference[suffix]
+    store = tmp_path / f"dump{suffix}"
+    (shutil.copytree if suffix == ".zarr" else shutil.copy2)(base, store)
+    if where == "cleanup":      # a second committed generation, so the child's commit supersedes one to delete
+        assert main(["analyze", str(store), "--out", str(tmp_path / "second"), "--quiet"]) == 0
+    res = _analyze_child(tmp_path, store, mode, where, k)
+    assert res.returncode == (-9 if mode == "kill" else 130), res.stderr[-2000:]
+    if mode == "interrupt":
+        assert res.stderr.strip().endswith("interrupted"), res.stderr
+    _all_verbs_work(tmp_path, store, want)
+    if suffix == ".zarr":                                    # one generation left (+ the one it replaced)
+        gens = sorted(p.name for p in (store / "analysis").iterdir() if p.is_dir())
+        assert 1 <= len(gens) <= 2 and all(g.startswith("gen-") for g in gens), gens
+
+
+def test_half_written_results_of_the_old_layout_no_longer_brick_the_store(tmp_path: Path, reference) -> None:
+    """A store whose flat analysis/ lost a chunk and a zarr.json (what an interrupted pass of an older
+    version left) opens; report says it needs an analysis; analyze repairs it."""
+    base, want = reference[".zarr"]
+    store = tmp_path / "dump.zarr"
+    shutil.copytree(base, store)
+    gen = next(p for p in (store / "analysis").iterdir() if p.is_dir())
+    for child in gen.iterdir():                              # back to the flat layout of earlier versions
+        shutil.move(str(child), store / "analysis" / child.name)
+    gen.rmdir()
+    meta = json.loads((store / "analysis" / "zarr.json").read_text())
+    meta["attributes"] = {}
+    (store / "analysis" / "zarr.json").write_text(json.dumps(meta))
+    assert Store(store).has("analysis/findings")             # the old layout reads as before
+    shutil.rmtree(store / "analysis" / "gram" / "k" / "c")   # a chunk missing ...
+    (store / "analysis" / "tables" / "zarr.json").unlink()   # ... and a group's metadata
+    st = Store(store)
+    assert not any(n.startswith("analysis/") for n in st.arrays) and "damaged" in (st.analysis_note or "")
+    assert main(["inspect", str(store)]) == 0
+    assert main(["report", str(store), "--out", str(tmp_path / "r")]) == 2     # one line: analyze first
+    assert main(["analyze", str(store), "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    assert _flags(tmp_path / "a") == want
+    assert sorted(p.name for p in (store / "analysis").iterdir() if p.is_dir())[0].startswith("gen-")
+    assert not (store / "analysis" / "gram").exists()        # the flat leftovers were removed
+
+
+def test_two_analyze_at_once_both_succeed_and_the_store_reads(tmp_path: Path, reference) -> None:
+    base, want = reference[".zarr"]
+    store = tmp_path / "dump.zarr"
+    shutil.copytree(base, store)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+    procs = [subprocess.Popen([sys.executable, "-m", "gradforensics", "analyze", str(store), "--out",
+                               str(tmp_path / f"o{i}"), "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    for i in range(2):
+        assert _flags(tmp_path / f"o{i}") == want
+    _all_verbs_work(tmp_path, store, want)
