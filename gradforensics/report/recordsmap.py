@@ -139,7 +139,8 @@ def _unit_gram(store: Store, tensor: str, head: int | None) -> tuple[np.ndarray 
     so = getattr(store, "storage_options", None)        # a remote store's file-system options
     b = open_backend(store.path, "r", so) if so else open_backend(store.path, "r")
     try:
-        k = np.asarray(b.read(GRAM_ARRAY, slice(entry["i"], entry["i"] + 1)), dtype=np.float64)[0]
+        where_k = store.analysis_selection.physical(GRAM_ARRAY)       # in the committed generation
+        k = np.asarray(b.read(where_k, slice(entry["i"], entry["i"] + 1)), dtype=np.float64)[0]
     except (GradforensicsError, OSError, RuntimeError, ValueError) as exc:
         return None, f"the saved Gram matrix could not be read ({type(exc).__name__}: {exc})"
     finally:
