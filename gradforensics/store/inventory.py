@@ -315,12 +315,14 @@ def remote_zarr_inventory(url: str, storage_options: dict[str, Any] | None = Non
     damaged: list[str] = []
     group_json = f"{generations.GROUP}/zarr.json"
     current = None
+    group: dict[str, dict[str, Any]] = {}
     if group_json in files:          # the pointer first: the listing is then cut to what readers see
-        metas = _remote_metadata(url, fs, root, {group_json: files[group_json]}, damaged)
-        current = generations.pointer((metas.get(generations.GROUP) or {}).get("attributes"))[0]
+        group = _remote_metadata(url, fs, root, {group_json: files[group_json]}, damaged)
+        current = generations.pointer((group.get(generations.GROUP) or {}).get("attributes"))[0]
     sel = Selection(current)
     files = {k: v for k, v in files.items() if sel.visible(k)}
-    metas = _remote_metadata(url, fs, root, files, damaged)
+    rest = {k: v for k, v in files.items() if k != group_json}     # the pointer's group is fetched already
+    metas = {**_remote_metadata(url, fs, root, rest, damaged), **group}
     return _inventory_of_listing(url, files, metas, current, damaged)
 
 

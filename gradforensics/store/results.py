@@ -123,7 +123,9 @@ def write_results(path: str | os.PathLike[str], *, arrays: Mapping[str, np.ndarr
         previous = _committed(path)
         b = open_backend(path, "a")
         try:
-            current, _ = generations.pointer(b.group_attrs(GROUP))
+            # the generation readers see now: the reader's listing says it (under this lock it cannot change)
+            current = previous.analysis_selection.current if previous is not None else \
+                generations.pointer(b.group_attrs(GROUP))[0]
             gen = generations.new_generation()
             into = generations.Selection(gen)
             written: set[str] = set()
