@@ -196,6 +196,9 @@ class _NoLock:
     def heartbeat(self) -> None:
         pass
 
+    def check(self) -> None:
+        pass
+
     def release(self) -> None:
         pass
 
@@ -261,6 +264,7 @@ class _RankWriter(StoreWriter):
     def flush(self) -> None:
         if not self._buffer and not self._weights:
             return
+        self._lock.check()        # fenced (rank 0 holds the lock; other ranks write under it)
         for j, rec in enumerate(self._buffer):
             at = self.plan.index(self._n + j)
             for name in self._layout:

@@ -119,7 +119,7 @@ def write_results(path: str | os.PathLike[str], *, arrays: Mapping[str, np.ndarr
     from gradforensics.store.backends import open_backend
     from gradforensics.store.lock import StoreLock
 
-    with StoreLock(str(path)):
+    with StoreLock(str(path)) as lock:
         previous = _committed(path)
         b = open_backend(path, "a")
         try:
@@ -138,6 +138,7 @@ def write_results(path: str | os.PathLike[str], *, arrays: Mapping[str, np.ndarr
             if previous is not None:
                 _carry_over(b, previous, written, into)
             # the commit: one metadata write; until it lands readers see the generation before
+            lock.check()                                 # still ours (a lock at a URL can be taken over)
             b.set_group_attr(GROUP, generations.ATTR, {"current": gen, "previous": current})
             _clean_up(b, str(path), gen, current)
         finally:

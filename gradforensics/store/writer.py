@@ -108,6 +108,7 @@ class StoreWriter:
         """Write the buffered records and commit them."""
         if not self._buffer and not self._weights:
             return
+        self._lock.check()        # fenced: a writer whose lock was taken over writes nothing more
         m = len(self._buffer)
         if m:
             self._grow(self._n + m)

@@ -1,0 +1,124 @@
+"""Fenced writers on object storage (issue 25): a writer whose lease ran out writes nothing into the new owner's store.
+
+Two real writer processes against a real S3 server (moto's server mode on loopback),
+each posing as its own host (``socket.gethostname``), with a 2-second lease:
+writer A records, is frozen with SIGSTOP past its lease, writer B takes the store
+over and writes records 5000-5005, then A is resumed.  A must stop with
+``StoreLockedError`` at its next flush, and the store must hold exactly B's records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("moto")
+pytest.importorskip("s3fs")
+from _s3 import BUCKET, moto_server
+
+WRITER = textwrap.dedent("""
+    import os, socket, sys, time
+    import numpy as np
+    socket.gethostname = lambda: sys.argv[2]            # this process plays another machine
+    import gradforensics as gf
+    from gradforensics.errors import StoreLockedError
+    url, first, count, pause = sys.argv[1], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    rec = gf.Recorder(url, sources=["a"], mode="training", records_per_chunk=1, overwrite=True)
+    try:
+        for i in range(first, first + count):
+            rec.record(step=i, loss=float(i), source="a", grads={"w": np.full((4, 8), float(i), np.float32)})
+            print(i, flush=True)
+            time.sleep(pause)
+        rec.close()
+    except StoreLockedError as exc:
+        print("LOCKED", exc, flush=True)
+        os._exit(3)
+    print("DONE", flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+def _writer(url: str, host: str, first: int, count: int, pause: float) -> subprocess.Popen[str]:
+    env = {**os.environ, "GRADFORENSICS_LOCK_LEASE_S": "2", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", WRITER, url, host, str(first), str(count), str(pause)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.slow
+def test_a_writer_frozen_past_its_lease_writes_nothing_into_the_new_owners_store(s3):
+    from gradforensics.store.reader import Store
+
+    url = f"s3://{BUCKET}/fenced.zarr"
+    a = _writer(url, "host-a", 1000, 50, 1.0)
+    assert a.stdout is not None
+    for line in a.stdout:                      # A has committed a few records and sleeps between them
+        if int(line) >= 1002:
+            break
+    a.send_signal(signal.SIGSTOP)              # frozen outside a flush, lock held
+    try:
+        time.sleep(3.0)                        # past A's 2 s lease
+        b = _writer(url, "host-b", 5000, 6, 0.0)
+        out, err = b.communicate(timeout=120)
+        assert b.returncode == 0 and out.strip().endswith("DONE"), err[-2000:]
+        assert "took over a stale writer lock" in err and "host host-a" in err
+    finally:
+        a.send_signal(signal.SIGCONT)
+    rest, a_err = a.communicate(timeout=120)
+    assert a.returncode == 3, (rest, a_err[-2000:])
+    assert "LOCKED" in rest and "was taken over" in rest
+    store = Store(url)
+    assert store.n_records == 6
+    np.testing.assert_array_equal(store.batches()["step"], np.arange(5000, 5006))
+    w = store.grad("w").compute()
+    np.testing.assert_array_equal(w[:, 0, 0], np.arange(5000, 5006, dtype=np.float32))   # not one record of A's
+
+
+def test_takeover_bumps_the_fencing_token_and_a_lost_create_response_is_recognised(s3, monkeypatch):
+    import boto3
+
+    from gradforensics.store.lock import RemoteLock
+
+    url = f"s3://{BUCKET}/fence.zarr"
+    old = {"host": "elsewhere", "pid": 1, "started": time.time() - 7200, "lease_s": 60.0,
+           "heartbeat": time.time() - 3600, "token": "x", "fence": 4}
+    client = boto3.client("s3")
+    client.put_object(Bucket=BUCKET, Key="fence.zarr.lock", Body=json.dumps(old).encode())
+    with pytest.warns(UserWarning, match="took over a stale writer lock"):
+        lock = RemoteLock(url).acquire()
+    doc = json.loads(client.get_object(Bucket=BUCKET, Key="fence.zarr.lock")["Body"].read())
+    assert doc["fence"] == 5 and doc["token"] == lock._token
+    lock.check()                               # still ours
+    client.put_object(Bucket=BUCKET, Key="fence.zarr.lock", Body=json.dumps({**doc, "token": "other"}).encode())
+    from gradforensics.errors import StoreLockedError
+
+    with pytest.raises(StoreLockedError, match="was taken over"):
+        lock.check()
+    client.delete_object(Bucket=BUCKET, Key="fence.zarr.lock")
+
+    # The create lands but its response is lost: the retry sees the object exist (412); reading it back
+    # finds this writer's own token, so the lock is taken, not refused as "another process".
+    lost = RemoteLock(f"s3://{BUCKET}/lost.zarr")
+    real_create = RemoteLock._create
+
+    def create_then_lose_response(self: RemoteLock) -> bool:
+        real_create(self)
+        return False
+    monkeypatch.setattr(RemoteLock, "_create", create_then_lose_response)
+    lost.acquire()
+    lost.check()
+    monkeypatch.setattr(RemoteLock, "_create", real_create)
+    lost.release()
+    assert "Contents" not in client.list_objects_v2(Bucket=BUCKET, Prefix="lost.zarr.lock")
