@@ -2,8 +2,10 @@
 
 Each verb lives in its own module under :mod:`gradforensics.commands` exposing
 ``add_arguments(parser)`` and ``run(args) -> int``; add a verb with one line in
-``VERBS``.  A :class:`~gradforensics.errors.GradforensicsError` becomes one line
-on stderr and exit code 2; anything else is a bug and keeps its traceback.
+``VERBS``.  A :class:`~gradforensics.errors.GradforensicsError`, and an ``OSError``
+that is the machine refusing (a full disk, a read-only file system, a permission),
+become one line on stderr and exit code 2; anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from gradforensics._text import terminal
-from gradforensics.errors import GradforensicsError
+from gradforensics.errors import GradforensicsError, refusal
 
 #: verb -> (module under gradforensics.commands, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -55,6 +57,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"gradforensics {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        line = environment_error(exc)
+        if line is None:
+            raise                        # not the machine saying no: a bug, keep the traceback
+        print(terminal(f"gradforensics {args.verb}: error: {line}"), file=sys.stderr)
+        return 2
+
+
+def environment_error(exc: OSError) -> str | None:
+    """One line for the machine refusing a write or read (:func:`~gradforensics.errors.refusal`), else None."""
+    reason = refusal(exc)
+    if reason is None:
+        return None
+    return f"{exc.filename}: {reason}." if exc.filename else f"{reason} ({str(exc)[:200]})."
 
 
 def _quiet_abandoned_reads() -> None:

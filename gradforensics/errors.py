@@ -9,6 +9,8 @@ traceback.
 
 from __future__ import annotations
 
+import errno
+
 
 class GradforensicsError(Exception):
     """Base class of every error gradforensics raises on bad input."""
@@ -79,3 +81,24 @@ class StorePermissionError(GradforensicsError, PermissionError):
 
 class StoreUnreachableError(GradforensicsError, ConnectionError):
     """The storage service holding a store (``s3://``, ...) could not be reached after retries."""
+
+
+class WriteRefusedError(GradforensicsError, OSError):
+    """The machine refused a write (a full disk, a read-only file system, a permission); names the path."""
+
+
+#: errno values that mean the machine refused a read or write (not a bug in gradforensics)
+_REFUSALS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENAMETOOLONG}
+_REFUSAL_TEXT = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied")
+
+
+def refusal(exc: OSError) -> str | None:
+    """The reason, when *exc* is the machine refusing (full disk, read-only, permission); None otherwise.
+
+    h5py reports these without ``errno`` set, in its message (``errno = 28, error message = 'No space ...'``).
+    """
+    text = str(exc)
+    if exc.errno not in _REFUSALS and not any(t in text for t in _REFUSAL_TEXT):
+        return None
+    return exc.strerror or next((t for t in _REFUSAL_TEXT if t in text), text[:200])
+

@@ -156,3 +156,56 @@ def test_two_analyze_at_once_both_succeed_and_the_store_reads(tmp_path: Path, re
     for i in range(2):
         assert _flags(tmp_path / f"o{i}") == want
     _all_verbs_work(tmp_path, store, want)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A tmpfs of a few hundred KiB (root only: CI and these machines run as root)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+
+    def mount(kib: int) -> Path:
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(mnt)], capture_output=True)
+        if res.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({res.stderr.decode().strip()[:80]})")
+        return mnt
+    yield mount
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def _du_kib(p: Path) -> int:
+    return sum(f.stat().st_size // 4096 * 4 + 4 for f in p.rglob("*") if f.is_file()) + 4 * len(list(p.rglob("*")))
+
+
+def test_a_full_disk_during_analyze_is_one_line_and_the_store_still_reads(tmp_path: Path, reference, small_disk,
+                                                                          capsys) -> None:
+    """The store's disk fills while analyze writes its results: exit 2, one line naming the path; every verb
+    then still reads the store (its last committed results), and on a disk with room analyze repairs it."""
+    base, want = reference[".zarr"]
+    disk = small_disk(2 * _du_kib(base) + 512)
+    store = disk / "dump.zarr"
+    shutil.copytree(base, store)
+    st = os.statvfs(disk)                              # leave 8 KiB: a new generation does not fit
+    (disk / "filler").write_bytes(b"\0" * max(st.f_bavail * st.f_frsize - 8192, 0))
+    capsys.readouterr()
+    rc = main(["analyze", str(store), "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "No space left on device" in err and str(disk) in err, err
+    assert main(["inspect", str(store)]) == 0
+    assert main(["report", str(store), "--out", str(tmp_path / "r")]) == 0
+    assert _flags(tmp_path / "r") == want
+    roomy = tmp_path / "roomy.zarr"
+    shutil.copytree(store, roomy)
+    assert main(["analyze", str(roomy), "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    assert _flags(tmp_path / "a") == want
+
+
+def test_a_full_out_directory_is_one_line(tmp_path: Path, reference, small_disk, capsys) -> None:
+    base, _ = reference[".zarr"]
+    store = tmp_path / "dump.zarr"
+    shutil.copytree(base, store)
+    out = small_disk(16)
+    capsys.readouterr()
+    rc = main(["report", str(store), "--out", str(out / "report")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "No space left on device" in err and str(out) in err, err

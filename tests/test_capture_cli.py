@@ -520,3 +520,17 @@ def test_load_checkpoint_from_a_library_call(llama_dir):
     ckpt = load_checkpoint(llama_dir)
     assert ckpt.loss_name == "causal-lm" and ckpt.max_positions == MAX_POS and ckpt.kind == "hf"
     assert not ckpt.model.training
+
+
+def test_absurd_batches_per_source_are_refused_by_the_estimate_before_any_batch(tmp_path, llama_dir, files, capsys):
+    """The size estimate runs before the batches are packed: 10^12 batches is refused at once, not allocated."""
+    import time
+
+    out = tmp_path / "huge.zarr"
+    args = [*base_args(llama_dir, files, out), "--batches-per-source", "1000000000000"]
+    t0 = time.perf_counter()
+    rc, err = capture(*args, capsys=capsys)
+    assert rc == 2 and err.count("\n") == 1 and "is free" in err and "--batches-per-source" in err, err
+    rc, err = capture(*args, "--force", capsys=capsys)          # past the disk check: the row cap
+    assert rc == 2 and err.count("\n") == 1 and "beyond 100,000,000 rows" in err, err
+    assert time.perf_counter() - t0 < 120 and not out.exists()

@@ -40,6 +40,8 @@ __all__ = ["DEFAULT_SKETCH", "WhatIf", "WhatIfInterrupted", "whatif"]
 
 #: Sketch length per tensor (per head) recorded by default; ``sketch=None`` with ``full=None`` keeps whole tensors.
 DEFAULT_SKETCH = 1024
+#: A what-if longer than this many steps per arm is refused before anything is planned or allocated.
+MAX_STEPS = 1_000_000
 
 
 class WhatIfInterrupted(KeyboardInterrupt):
@@ -161,6 +163,9 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
     arm_list = parse_arms(arms, mixtures, names)
     if steps < 1 or batch_size < 1:
         raise SpecError(f"--steps and --batch-size must be >= 1; got {steps} and {batch_size}.")
+    if steps > MAX_STEPS:
+        raise SpecError(f"--steps {steps:,} is beyond {MAX_STEPS:,}: a what-if replays a short stretch of training "
+                        "from the checkpoint, every step recorded.")
     if sketch is not None and sketch < 1:
         raise SpecError(f"--sketch must be >= 1; got {sketch}.")
     base = baseline or arm_list[0].name
@@ -208,8 +213,8 @@ def _train(setup: Any, arms: list[Arm], plans: dict[str, list[tuple[str, int]]],
     check_seq_len(batching["seq_len"], first.max_positions, max_positions(first.model)[1])
     per_record = plan_record_bytes(setup, first.model, heads, dtype)
     names = [s.name for s in sources]
-    batches = rdata.load_batches(sources, first.tokenizer, n_batches=_needs(plans, names), **batching)
     _estimate(per_record, len(arms) * len(next(iter(plans.values()))), stores[arms[0].name], force, say)
+    batches = rdata.load_batches(sources, first.tokenizer, n_batches=_needs(plans, names), **batching)
     where = Path(state_file) if state_file not in (None, "none") else find_state(first.path)
     saved = read_state(where) if where is not None and state_file != "none" else None
     step0 = first.step if step is None else step

@@ -59,10 +59,17 @@ class Arm:
         return f"{self.optimizer} {opts}{mix}"
 
 
+#: Longest arm name: <name>.zarr and its arrays' paths must stay far below a file system's 255-byte names.
+MAX_NAME = 64
+
+
 def _check_name(name: str, what: str) -> str:
     if not name or not set(name) <= _NAME_CHARS or name.startswith(".") or name.startswith("-"):
         raise SpecError(f"{what}: arm name {name!r} must be letters, digits, '_', '-' or '.' (it names "
                         f"<name>.zarr), not starting with '.' or '-'.")
+    if len(name) > MAX_NAME:
+        raise SpecError(f"{what}: arm name of {len(name)} characters; at most {MAX_NAME} (it names <name>.zarr "
+                        "and compare/<name>/ on disk).")
     return name
 
 

@@ -297,6 +297,8 @@ def _capture(args: argparse.Namespace, sources: list[Any], heads: Any, dtype: st
     per_record = _plan(args, ckpt.model, heads, dtype)
     world = 1 if launch is None else launch.world
     sharded = world > 1 and not args.check_ranks     # FSDP: a record is the reduced gradient of R micro-batches
+    n = args.batches_per_source * len(sources) * (world if args.check_ranks else 1)
+    _refuse_or_announce(per_record, n, out, args.force, args.quiet)     # before any batch is allocated
     batches = data.load_batches(sources, ckpt.tokenizer, seq_len=args.seq_len, batch_size=args.batch_size,
                                 n_batches=args.batches_per_source * (world if sharded else 1), seed=args.seed,
                                 text_field=args.text_field)
@@ -306,8 +308,6 @@ def _capture(args: argparse.Namespace, sources: list[Any], heads: Any, dtype: st
         distributed.shard(ckpt.model, world, args.device)
     elif world > 1:
         extra["extra"] = {"replicated": True}          # every rank replays the same batches
-    n = args.batches_per_source * len(sources) * (world if args.check_ranks else 1)
-    _refuse_or_announce(per_record, n, out, args.force, args.quiet)
     device = args.device
 
     def loss_fn(model: nn.Module, batch: dict[str, Any]) -> Any:

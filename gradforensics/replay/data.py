@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 SUFFIXES = (".txt", ".jsonl")
 OVERSAMPLE = 4
+#: A line (one document) longer than this is refused: read in pieces of at most this size, never whole.
+MAX_LINE_BYTES = 16 << 20
+#: More rows than this in one source's batches (batches x batch size) is not a replay.
+MAX_ROWS = 100_000_000
 _TOKENIZE_CHUNK = 256
 
 
@@ -96,7 +100,10 @@ def check_file(src: Source) -> None:
 
 def _lines(src: Source) -> Iterator[tuple[int, str]]:
     with src.path.open("rb") as f:
-        for n, raw in enumerate(f, start=1):
+        for n, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise DataError(f"{src.where()}: line {n} is longer than {MAX_LINE_BYTES >> 20} MiB; one line is "
+                                "one document: split it.")
             try:
                 line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
             except UnicodeDecodeError as exc:
@@ -118,6 +125,8 @@ def documents(src: Source, text_field: str = "text") -> Iterator[str]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{src.where()}: line {n} is not JSON ({exc.msg}).") from exc
+        except RecursionError as exc:
+            raise DataError(f"{src.where()}: line {n} nests JSON too deep to be a document.") from exc
         if not isinstance(obj, dict) or text_field not in obj:
             keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
             raise DataError(f"{src.where()}: line {n} has no {text_field!r} field (it has: {keys or 'nothing'}); "
@@ -236,6 +245,9 @@ def load_batches(sources: Sequence[Source], tokenizer: Any, *, seq_len: int, bat
     out: dict[str, list[dict[str, torch.Tensor]]] = {}
     for src in sources:
         k = int(n_batches[src.name] if isinstance(n_batches, Mapping) else n_batches)
+        if k * batch_size > MAX_ROWS:
+            raise SpecError(f"{src.where()}: {k:,} batches of {batch_size} rows is beyond {MAX_ROWS:,} rows; "
+                            "a replay needs far fewer (lower --batches-per-source / --steps).")
         ids, mask = source_rows(src, tokenizer, seq_len, text_field=text_field,
                                 max_rows=OVERSAMPLE * k * batch_size)
         if len(ids) < batch_size:

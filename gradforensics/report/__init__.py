@@ -54,6 +54,8 @@ def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | s
         An analysis name is not a lower-case identifier (checked before anything
         is written), or a path would leave *out_dir*, e.g. through a symbolic link
         (:func:`gradforensics.report.paths.under`).
+    WriteRefusedError
+        The disk is full, read-only or refuses the write (one line naming the path).
 
     Notes
     -----
@@ -62,8 +64,6 @@ def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | s
     names for Markdown (:mod:`gradforensics._text`), ``report.html`` for HTML,
     and CSV cells that a spreadsheet would evaluate are neutralised.
     """
-    from gradforensics.report import document, flagsjson, html, markdown, tables
-    from gradforensics.report.paths import under
     from gradforensics.store.names import check_analysis_name
 
     for name in findings.results:          # names become tables/<name>.csv: refuse before writing anything
@@ -73,6 +73,21 @@ def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | s
 
         store = _Store(store, check_chunks=False)
     out = Path(out_dir)
+    try:
+        return _write(findings, store, out)
+    except OSError as exc:
+        from gradforensics.errors import GradforensicsError, WriteRefusedError, refusal
+
+        why = refusal(exc)
+        if why is None or isinstance(exc, GradforensicsError):
+            raise
+        raise WriteRefusedError(f"{exc.filename or out}: the report could not be written ({why}).") from exc
+
+
+def _write(findings: Findings, store: Store | None, out: Path) -> dict[str, Path]:
+    from gradforensics.report import document, flagsjson, html, markdown, tables
+    from gradforensics.report.paths import under
+
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {"flags": flagsjson.write(findings, under(out, "flags.json"))}
     paths.update(tables.write_csvs(findings, out))

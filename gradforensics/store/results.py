@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.errors import CorruptStoreError, MissingArrayError
+from gradforensics.errors import CorruptStoreError, GradforensicsError, MissingArrayError, WriteRefusedError, refusal
 from gradforensics.store import generations
 
 if TYPE_CHECKING:
@@ -113,9 +113,23 @@ def write_results(path: str | os.PathLike[str], *, arrays: Mapping[str, np.ndarr
         Another writer holds the store.
     PermissionError
         The store is read-only.
+    WriteRefusedError
+        The disk is full (or refused the write otherwise); the committed results are intact.
     CorruptStoreError
         The store holds a symbolic link (nothing is written through one).
     """
+    try:
+        _write_generation(path, arrays, documents, grams)
+    except OSError as exc:
+        why = refusal(exc)
+        if why is None or isinstance(exc, GradforensicsError):
+            raise
+        raise WriteRefusedError(f"{path}: analysis results not written ({why}); the results committed before "
+                                "are intact.") from exc
+
+
+def _write_generation(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray] | None,
+                      documents: Mapping[str, Any] | None, grams: GramArrays | None) -> None:
     from gradforensics.store.backends import open_backend
     from gradforensics.store.lock import StoreLock
 
