@@ -209,3 +209,24 @@ def test_a_full_out_directory_is_one_line(tmp_path: Path, reference, small_disk,
     rc = main(["report", str(store), "--out", str(out / "report")])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "No space left on device" in err and str(out) in err, err
+
+
+@pytest.mark.parametrize("pointer", [{"current": "../../escape"}, {"current": "gen-00000000000000000001-1-abcdef"},
+                                     {"current": 7}, "gen-x", None, {"current": "gen-" + "9" * 20 + "-1-zzzzzz"}])
+def test_a_hostile_generation_pointer_reads_as_not_analysed(tmp_path: Path, reference, pointer) -> None:
+    """The pointer is data from someone else's store: a path, a missing generation or a wrong type selects
+    nothing (never a path outside analysis/), and analyze repairs the store."""
+    base, want = reference[".zarr"]
+    store = tmp_path / "dump.zarr"
+    shutil.copytree(base, store)
+    meta_path = store / "analysis" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["attributes"]["gradforensics.analysis"] = pointer
+    meta_path.write_text(json.dumps(meta))
+    st = Store(store)
+    assert not any(n.startswith("analysis/") for n in st.arrays)
+    assert main(["inspect", str(store)]) == 0
+    assert main(["report", str(store), "--out", str(tmp_path / "r")]) == 2
+    assert main(["analyze", str(store), "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    assert _flags(tmp_path / "a") == want
+    assert all(p.parent == store / "analysis" for p in (store / "analysis").iterdir())
