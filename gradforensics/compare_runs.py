@@ -14,10 +14,11 @@ tensor names and shapes must match (:func:`check_same_model`).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.errors import ModelMismatchError
+from gradforensics.errors import CompareWarning, ModelMismatchError
 
 if TYPE_CHECKING:
     from dask.distributed import Client
@@ -75,6 +76,27 @@ def findings_of(store: Store, client: Client | None = None, progress: bool = Tru
     return analyze(store.path, client=client, progress=progress)
 
 
+def _version(findings: Findings) -> str | None:
+    versions = findings.header.get("versions")
+    v = versions.get("gradforensics") if isinstance(versions, dict) else None
+    return v if isinstance(v, str) else None
+
+
+def differences(before: Findings, after: Findings, labels: tuple[str, str]) -> list[str]:
+    """What makes two runs' findings not like for like, one sentence each (empty when they are)."""
+    notes = []
+    va, vb = _version(before), _version(after)
+    if va and vb and va != vb:
+        notes.append(f"the findings of {labels[0]} were made by gradforensics {va}, those of {labels[1]} by {vb}: "
+                     "a severity may differ by version, not by the fix; re-analyse both with one version.")
+    sa, sb = set(before.sources), set(after.sources)
+    if sa != sb:
+        notes.append(f"the runs' data sources differ ({', '.join(sorted(sa)) or 'none'} before, "
+                     f"{', '.join(sorted(sb)) or 'none'} after): a finding naming a source of only one run shows "
+                     "as resolved on one side and new on the other.")
+    return notes
+
+
 def compare(before: str | os.PathLike[str], after: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
             client: Client | None = None, progress: bool = True,
             storage_options: Mapping[str, Any] | None = None) -> Comparison:
@@ -108,6 +130,12 @@ def compare(before: str | os.PathLike[str], after: str | os.PathLike[str], out_d
     ------
     ModelMismatchError
         The stores hold different models (checked before anything is read or written).
+
+    Warns
+    -----
+    CompareWarning
+        The findings come from different gradforensics versions, or the runs have
+        different data sources (:func:`differences`).
     NotAStoreError, CorruptStoreError, EmptyStoreError
         As for ``gf.analyze``.
 
@@ -124,6 +152,9 @@ def compare(before: str | os.PathLike[str], after: str | os.PathLike[str], out_d
               Store(after, check_chunks=False, storage_options=storage_options))
     check_same_model(*stores)
     found = [findings_of(s, client, progress) for s in stores]
-    comparison = compare_findings(found[0], found[1], (os.fspath(before), os.fspath(after)))
+    labels = (os.fspath(before), os.fspath(after))
+    for note in differences(found[0], found[1], labels):
+        warnings.warn(note, CompareWarning, stacklevel=2)
+    comparison = compare_findings(found[0], found[1], labels)
     write(comparison, out_dir)
     return comparison

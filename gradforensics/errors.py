@@ -102,3 +102,7 @@ def refusal(exc: OSError) -> str | None:
         return None
     return exc.strerror or next((t for t in _REFUSAL_TEXT if t in text), text[:200])
 
+
+class CompareWarning(UserWarning):
+    """Two runs compared are not like for like (versions, data sources): the CLI prints it as one note line."""
+

@@ -124,3 +124,32 @@ def test_outputs_and_hostile_source_names(tmp_path):
     with open(out / "tables" / "compare.csv", newline="") as fh:
         cells = [r["sources"] for r in csv.DictReader(fh) if evil in r["sources"]]
     assert cells and all(not cell.startswith("=") for cell in cells)
+
+
+def test_unlike_runs_get_one_note_line_each(tmp_path, capsys):
+    """Findings from another gradforensics version, or runs over other data sources: one note line each."""
+    from gradforensics.store.results import read_document, write_results
+
+    before = healthy(tmp_path / "before.zarr")
+    after = healthy(tmp_path / "after.zarr", sources=("zh", "en", "web"))
+    gf.analyze(before, progress=False)
+    doc = read_document(Store(before, check_chunks=False), "findings")
+    doc["header"]["versions"]["gradforensics"] = "0.0.1"          # saved by an older version
+    write_results(before, documents={"findings": doc})
+    capsys.readouterr()
+    assert main(["compare", before, after, "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gradforensics compare: note: ")]
+    assert len(notes) == 2, notes
+    assert "gradforensics 0.0.1" in notes[0] and "re-analyse both with one version" in notes[0]
+    assert "code, en, zh before, en, web, zh after" in notes[1]
+    from gradforensics.errors import CompareWarning
+
+    with pytest.warns(CompareWarning, match="data sources differ"):
+        gf.compare(before, after, tmp_path / "api")
+
+
+def test_like_runs_get_no_note(tmp_path, capsys):
+    before, after = healthy(tmp_path / "before.zarr"), conflict(tmp_path / "after.zarr")
+    capsys.readouterr()
+    assert main(["compare", before, after, "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert "note:" not in capsys.readouterr().err

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import IO, TYPE_CHECKING
 
 from gradforensics._text import terminal
+from gradforensics.errors import CompareWarning
 
 if TYPE_CHECKING:
     from gradforensics.report.comparison import Comparison
@@ -54,7 +56,14 @@ def run(args: argparse.Namespace) -> int:
     from gradforensics.compare_runs import compare
 
     storage_flags.register(args, args.before, args.after)
-    c = compare(args.before, args.after, args.out, progress=not args.quiet)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        c = compare(args.before, args.after, args.out, progress=not args.quiet)
+    for w in caught:              # a note is one line; any other warning goes out as Python shows it
+        if issubclass(w.category, CompareWarning):
+            print(terminal(f"gradforensics compare: note: {w.message}"), file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print_summary(c)
     if args.fail_on is not None and c.reaching(args.fail_on):
         return 1
