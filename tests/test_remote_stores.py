@@ -338,3 +338,17 @@ def test_memory_and_file_urls_give_the_flags_of_a_local_path(scheme, tmp_path):
     assert Store(url).has("analysis/findings")          # written back to the URL
     with pytest.raises(StoreExistsError):
         nonfinite_store(url, n_records=8, records=(3,))
+
+
+def test_an_oversized_object_in_place_of_a_compressed_chunk_is_refused_from_the_listing(s3, tmp_path):
+    """A 64 MiB object where a compressed chunk of a few KiB belongs is refused by its listed size, before any
+    download (the issue saw the whole object fetched before the checksum refused it: 1.34 GB RSS for 400 MB)."""
+    from tests._hostile import build_store
+
+    url = f"s3://{BUCKET}/oversized.zarr"
+    build_store(url, 8, compression="zstd")
+    keys = [o["Key"] for o in _s3_client().list_objects_v2(Bucket=BUCKET, Prefix="oversized.zarr/grads/")["Contents"]]
+    chunk = next(k for k in keys if "/c/" in k)
+    _s3_client().put_object(Bucket=BUCKET, Key=chunk, Body=b"\0" * (64 << 20))
+    with pytest.raises(CorruptChunkError, match=r"has 67108864 bytes, not at most \d+ \(a compressed chunk"):
+        Store(url)                      # the listing's size decides: the open reads no chunk at all

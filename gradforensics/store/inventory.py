@@ -74,13 +74,29 @@ class StoredArray:
         first = next(idx for idx in np.ndindex(*grid) if tuple(idx) not in self.chunk_files)
         return expected - present, tuple(int(i) for i in first)
 
+    @property
+    def chunk_file_max(self) -> int:
+        """The largest chunk file any compressor writes for one chunk: its bytes plus the worst-case expansion
+        (blosc adds 16 bytes and stores incompressible data raw; zstd/gzip framing stays within 1/64 + 1 KiB)."""
+        return self.chunk_nbytes + self.chunk_nbytes // 64 + 1024
+
+    def chunk_file_expected(self) -> str:
+        """What a chunk file's size must be, in words (for the error line)."""
+        if self.chunk_file_bytes is not None:
+            return str(self.chunk_file_bytes)
+        return f"at most {self.chunk_file_max} (a compressed chunk of {self.chunk_nbytes} bytes)"
+
     def bad_chunk_file(self, n_rows: int) -> tuple[tuple[int, ...], int] | None:
-        """A chunk file of the first *n_rows* rows whose size is not what its codecs write."""
-        if self.chunk_file_bytes is None:
-            return None
+        """A chunk file of the first *n_rows* rows whose size is not what its codecs write.
+
+        Uncompressed: not the exact size.  Compressed: larger than any compressor writes
+        (:attr:`chunk_file_max`), so a huge object in place of a chunk is refused from the
+        listing, before a byte of it is downloaded.
+        """
         grid = self.grid(n_rows)
         for idx, size in self.chunk_files.items():
-            if size != self.chunk_file_bytes and all(i < g for i, g in zip(idx, grid, strict=False)):
+            wrong = size != self.chunk_file_bytes if self.chunk_file_bytes is not None else size > self.chunk_file_max
+            if wrong and all(i < g for i, g in zip(idx, grid, strict=False)):
                 return idx, size
         return None
 

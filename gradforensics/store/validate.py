@@ -64,7 +64,7 @@ def _check_chunks(path: str, name: str, arr: StoredArray, n_rows: int) -> None:
     if bad is not None:
         idx, size = bad
         raise CorruptChunkError(f"{path}: {name}: chunk {'.'.join(map(str, idx))} has {size} bytes, not "
-                                f"{arr.chunk_file_bytes} ({_records(arr, idx[0], n_rows)} affected).")
+                                f"{arr.chunk_file_expected()} ({_records(arr, idx[0], n_rows)} affected).")
     n_missing, first = arr.missing_chunks(n_rows)
     if n_missing:
         where = f"chunk {'.'.join(map(str, first))} is missing on disk ({_records(arr, first[0], n_rows)} affected; " \
