@@ -31,7 +31,8 @@ WRITER = textwrap.dedent("""
     import gradforensics as gf
     from gradforensics.errors import StoreLockedError
     url, first, count, pause = sys.argv[1], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-    rec = gf.Recorder(url, sources=["a"], mode="training", records_per_chunk=1, overwrite=True)
+    # background=False: record() returns once its flush is committed, so the test freezes A between flushes
+    rec = gf.Recorder(url, sources=["a"], mode="training", records_per_chunk=1, overwrite=True, background=False)
     try:
         for i in range(first, first + count):
             rec.record(step=i, loss=float(i), source="a", grads={"w": np.full((4, 8), float(i), np.float32)})

@@ -289,11 +289,12 @@ class RemoteLock:
     def check(self) -> dict[str, Any]:
         """Read the lock object; :class:`StoreLockedError` unless it still holds this writer's token.
 
-        Called before every flush writes a chunk: a writer whose lease ran out and whose
-        lock was taken over stops there, before it writes a byte into the new owner's
-        store.  The window left is the time one flush takes to write (S3 has no write
-        conditioned on another object): a writer frozen *inside* a flush, past its lease,
-        can still finish that flush when it resumes.
+        Called before every flush writes a chunk and again right before its commit: a
+        writer whose lease ran out and whose lock was taken over stops there, before it
+        writes a byte into the new owner's store.  The window left is the time one flush
+        takes to write its chunks (S3 has no write conditioned on another object): a
+        writer frozen *inside* a flush, past its lease, can still write that flush's
+        chunks when it resumes, but not commit them.
         """
         doc = self._read()
         if self._token is None or not doc or doc.get("token") != self._token:

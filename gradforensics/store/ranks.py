@@ -295,6 +295,7 @@ class _RankWriter(StoreWriter):
     def _commit_root(self, n: int) -> None:
         ranks = {"world_size": self.plan.world, "completed": list(self._ranks_done), "records": self._per_rank}
         meta = self.meta.committed(n, self._nw)
+        self._lock.check()
         self._backend.set_root_attr(ROOT_ATTR, replace(meta, ranks=ranks).to_attrs())
         self._lock.heartbeat()
 

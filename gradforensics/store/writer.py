@@ -223,6 +223,7 @@ class StoreWriter:
         return nw
 
     def _commit(self) -> None:
+        self._lock.check()        # again right before the commit: a late flush never commits into another's store
         self._backend.set_root_attr(ROOT_ATTR, self.meta.committed(self._n, self._nw).to_attrs())
         self._lock.heartbeat()
 
