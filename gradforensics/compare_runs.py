@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.engine.model import Findings
     from gradforensics.report.comparison import Comparison
+    from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
 __all__ = ["check_same_model", "compare", "findings_of", "tensor_shapes"]
@@ -73,7 +74,7 @@ def findings_of(store: Store, client: Client | None = None, progress: bool = Tru
 
     if has_result(store, "findings"):
         return read_findings(store)
-    return analyze(store.path, client=client, progress=progress)
+    return analyze(store.location, client=client, progress=progress)
 
 
 def _version(findings: Findings) -> str | None:
@@ -97,7 +98,7 @@ def differences(before: Findings, after: Findings, labels: tuple[str, str]) -> l
     return notes
 
 
-def compare(before: str | os.PathLike[str], after: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+def compare(before: str | os.PathLike[str] | Location, after: str | os.PathLike[str] | Location, out_dir: str | os.PathLike[str], *,
             client: Client | None = None, progress: bool = True,
             storage_options: Mapping[str, Any] | None = None) -> Comparison:
     """Compare two runs of one model and write the comparison into *out_dir*.
@@ -152,7 +153,7 @@ def compare(before: str | os.PathLike[str], after: str | os.PathLike[str], out_d
               Store(after, check_chunks=False, storage_options=storage_options))
     check_same_model(*stores)
     found = [findings_of(s, client, progress) for s in stores]
-    labels = (os.fspath(before), os.fspath(after))
+    labels = (stores[0].path, stores[1].path)
     for note in differences(found[0], found[1], labels):
         warnings.warn(note, CompareWarning, stacklevel=2)
     comparison = compare_findings(found[0], found[1], labels)

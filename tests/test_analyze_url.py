@@ -28,8 +28,7 @@ ONLY = "nonfinite"
 
 @pytest.fixture(autouse=True)
 def _fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Options registered for a URL by one call (the proxy's endpoint) must not reach the next."""
-    monkeypatch.setattr(remote, "_REGISTERED", {})
+    """Each test opens its own zarr stores for the pass's reads (one call's proxy endpoint must not reach the next)."""
     monkeypatch.setattr(remote, "_READ_STORES", {})
 
 
@@ -58,7 +57,6 @@ def test_analyze_url_with_storage_options(s3: str, tmp_path: Path, monkeypatch: 
     opts = {"endpoint_url": s3, "skip_instance_cache": True}
     got = gf.analyze(url, only=ONLY, progress=False, storage_options=opts)
     assert _key(got) == _key(want) and any(f.kind == "nonfinite" for f in got.flags)
-    remote._REGISTERED.clear()
     remote._READ_STORES.clear()
     saved = read_findings(Store(url, storage_options=opts))         # results written back to the URL
     assert [k[:3] for k in _key(saved)] == [k[:3] for k in _key(got)] and saved.header["regime"]["name"] == "exact"

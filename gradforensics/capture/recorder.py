@@ -30,11 +30,11 @@ from gradforensics.capture.actstats import ActRange, act_stats, make_range
 from gradforensics.capture.heads import match_heads
 from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError
+from gradforensics.store.backends import locate
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.names import check_name
 from gradforensics.store.ranks import RankPlan, rank_writer
-from gradforensics.store.remote import register as register_storage_options
 from gradforensics.store.schema import (
     act_path,
     batch_path,
@@ -199,12 +199,14 @@ class ArrayRecorder:
         #: Tensors whose sketch arrives computed (:attr:`PendingRecord.sketches`).
         self.device_sketched: frozenset[str] = frozenset()
         meta = new_meta(self.sources, mode, framework, dict(model_info or {}), dict(extra or {}))
-        register_storage_options(self.path, storage_options)   # a Zarr store at an fsspec URL (s3://...)
+        #: where the store is written: a path, or a Zarr store at an fsspec URL with its storage options
+        self.location = locate(path, storage_options)
+        self.path = self.location.path
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
         if self.ranks is not None:   # collective: rank 0 creates the store, the others join it
-            self._writer = rank_writer(self.path, meta, self.ranks, overwrite=overwrite, policy=layout)
+            self._writer = rank_writer(self.location, meta, self.ranks, overwrite=overwrite, policy=layout)
         else:
-            self._writer = StoreWriter(self.path, meta, overwrite=overwrite, records_per_chunk=records_per_chunk,
+            self._writer = StoreWriter(self.location, meta, overwrite=overwrite, records_per_chunk=records_per_chunk,
                                        policy=layout)
         self._shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         self._head_specs: dict[str, HeadSpec | None] = {}

@@ -54,17 +54,16 @@ def print_summary(c: Comparison, n: int = 10, file: IO[str] | None = None) -> No
 def run(args: argparse.Namespace) -> int:
     from gradforensics.commands import storage as storage_flags
     from gradforensics.compare_runs import compare
+    from gradforensics.report.severity import exit_code
 
-    storage_flags.register(args, args.before, args.after)
+    before, after = storage_flags.location(args, args.before), storage_flags.location(args, args.after)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
-        c = compare(args.before, args.after, args.out, progress=not args.quiet)
+        c = compare(before, after, args.out, progress=not args.quiet)
     for w in caught:              # a note is one line; any other warning goes out as Python shows it
         if issubclass(w.category, CompareWarning):
             print(terminal(f"gradforensics compare: note: {w.message}"), file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print_summary(c)
-    if args.fail_on is not None and c.reaching(args.fail_on):
-        return 1
-    return 0
+    return exit_code(c, args.fail_on)

@@ -49,8 +49,7 @@ def summarize(store: Store) -> dict:
 def run(args: argparse.Namespace) -> int:
     from gradforensics.commands import storage as storage_flags
 
-    storage_flags.register(args, args.store)
-    s = summarize(Store(args.store))
+    s = summarize(Store(storage_flags.location(args, args.store)))
     if args.json:
         print(json.dumps(s, indent=2))        # JSON escapes control characters itself
         return 0

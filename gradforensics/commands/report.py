@@ -18,6 +18,7 @@ from gradforensics.report.severity import add_fail_on_argument, exit_code
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings
+    from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
 
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     storage_flags.add_argument(p)
 
 
-def load_findings(path: str) -> tuple[Findings, Store]:
+def load_findings(path: str | Location) -> tuple[Findings, Store]:
     """The stored findings of the store at *path*, without reading (or checking) gradient chunks."""
     from gradforensics.analysis.engine.results import read_findings
     from gradforensics.store.reader import Store
@@ -68,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from gradforensics.commands import storage as storage_flags
     from gradforensics.report import report
 
-    storage_flags.register(args, args.store)
-    findings, store = load_findings(args.store)
+    findings, store = load_findings(storage_flags.location(args, args.store))
     paths = report(findings, args.out, store=store)
     print_top(findings, paths)
     return exit_code(findings, args.fail_on)

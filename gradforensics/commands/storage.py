@@ -1,11 +1,12 @@
 """``--storage-option KEY=VALUE`` (repeatable): storage options of the stores a command names by URL.
 
 The options are parsed once (:func:`gradforensics.store.remote.parse_options`:
-``VALUE`` as JSON where it parses, dotted keys nest) and registered for every
-store URL on the command line, so each open of those URLs in this process - and
-each dask task, which carries them - uses them.  Credentials are better left to
-the environment (``AWS_ACCESS_KEY_ID``, ...): options given here travel to the
-dask workers inside the task graph.
+``VALUE`` as JSON where it parses, dotted keys nest) and go into the
+:class:`~gradforensics.store.location.Location` of each store URL on the command
+line (:func:`location`); everything that opens that store - reads, the lock,
+results written back, each dask task - carries them from there.  Credentials are
+better left to the environment (``AWS_ACCESS_KEY_ID``, ...): options given here
+travel to the dask workers inside the task graph.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from __future__ import annotations
 import argparse
 
 from gradforensics.store import remote
+from gradforensics.store.backends import locate
+from gradforensics.store.location import Location
+
+__all__ = ["add_argument", "location"]
 
 
 def add_argument(p: argparse.ArgumentParser) -> None:
@@ -22,9 +27,7 @@ def add_argument(p: argparse.ArgumentParser) -> None:
                         "also come from the environment: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)")
 
 
-def register(args: argparse.Namespace, *paths: str) -> None:
-    """Register the ``--storage-option`` flags for each of *paths* that is a URL."""
+def location(args: argparse.Namespace, path: str) -> Location:
+    """The store *path* of the command line, with the ``--storage-option`` flags when it is a URL."""
     options = remote.parse_options(getattr(args, "storage_option", None))
-    for path in paths:
-        if remote.is_url(path):
-            remote.register(path, options)
+    return locate(path, options if remote.is_url(path) else None)

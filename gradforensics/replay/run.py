@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from gradforensics._format import fmt_bytes
 from gradforensics.capture.torch import TorchRecorder
 from gradforensics.errors import SpecError
+from gradforensics.replay.plan import exceeds_disk, size_estimate
 
 if TYPE_CHECKING:
     import torch
@@ -108,23 +107,13 @@ class Progress:
             print(file=self.file, flush=True)
 
 
-def size_estimate(bytes_per_record: int, n_records: int, path: str | os.PathLike[str]) -> dict[str, float]:
-    """Bytes per record, total, and free space on the disk that holds *path*."""
-    parent = Path(path).resolve().parent
-    while not parent.exists():
-        parent = parent.parent
-    free = shutil.disk_usage(parent).free
-    return {"bytes_per_record": float(bytes_per_record), "n_records": float(n_records),
-            "total_bytes": float(bytes_per_record) * n_records, "free_bytes": float(free)}
-
-
 def _announce(est: dict[str, float], path: str, file: IO[str] | None, check_space: bool = True) -> None:
     line = (f"gradforensics replay -> {path}: {int(est['n_records'])} records x "
             f"~{fmt_bytes(est['bytes_per_record'])} = ~{fmt_bytes(est['total_bytes'])}; "
             f"{fmt_bytes(est['free_bytes'])} free on that disk.")
     if file is not None:
         print(line, file=file, flush=True)
-    if check_space and est["total_bytes"] > est["free_bytes"]:
+    if check_space and exceeds_disk(est, path):
         raise SpecError(
             f"replay: {path} would need ~{fmt_bytes(est['total_bytes'])} but only "
             f"{fmt_bytes(est['free_bytes'])} is free; lower n_per_source, record fewer tensors= or use sketch=."
@@ -202,4 +191,4 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
     bar.close()
     if rec.ranks is not None:
         rec.ranks.barrier()      # rank 0 has committed every rank's records: the store is complete
-    return open_store(path)
+    return open_store(rec.location)

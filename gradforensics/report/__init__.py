@@ -24,12 +24,13 @@ from gradforensics.report.severity import SEVERITY_NAMES, exit_code, parse_sever
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings
+    from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
 __all__ = ["SEVERITY_NAMES", "exit_code", "parse_severity", "report"]
 
 
-def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | str | None = None) -> dict[str, Path]:
+def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | Location | str | None = None) -> dict[str, Path]:
     """Write the report of *findings* into *out_dir* (created if needed).
 
     Parameters
@@ -68,7 +69,9 @@ def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | s
 
     for name in findings.results:          # names become tables/<name>.csv: refuse before writing anything
         check_analysis_name(name, "report")
-    if isinstance(store, (str, os.PathLike)):
+    from gradforensics.store.location import Location
+
+    if isinstance(store, (str, os.PathLike, Location)):
         from gradforensics.store.reader import Store as _Store
 
         store = _Store(store, check_chunks=False)
@@ -117,7 +120,7 @@ class _CallableModule(types.ModuleType):
     """
 
     def __call__(self, findings: Findings, out_dir: str | os.PathLike[str],
-                 store: Store | str | None = None) -> dict[str, Path]:
+                 store: Store | Location | str | None = None) -> dict[str, Path]:
         return report(findings, out_dir, store)
 
 

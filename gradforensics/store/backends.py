@@ -1,10 +1,17 @@
 """Two on-disk backends, one logical layout: a Zarr v3 directory or an HDF5 file.
 
-A backend knows how to create, grow, write, read and list arrays and attributes.
-It knows nothing of the schema (``schema.py``) or of buffering and commits
-(``writer.py``).  :class:`ArrayHandle` is the small, picklable piece a dask task
-carries: it opens the file *inside* the task, so HDF5 reads work on
-``dask.distributed`` worker processes (h5py handles do not pickle).
+A backend knows how to create, grow, write, read and list arrays and attributes
+(the methods of :class:`StoreBackend`, the protocol every backend follows).  It
+knows nothing of the schema (``schema.py``) or of buffering and commits
+(``writer.py``).  :data:`BACKENDS` is the one table of backends - kind, class,
+suffixes, whether it can live at a URL - and :func:`locate` the one place a
+store path is turned into a :class:`~gradforensics.store.location.Location`
+(its kind decided by that table).  Adding a backend is one class with the
+protocol's methods and one entry in :data:`BACKENDS`.
+
+:class:`ArrayHandle` is the small, picklable piece a dask task carries: it opens
+the store *inside* the task, so HDF5 reads work on ``dask.distributed`` worker
+processes (h5py handles do not pickle).
 """
 
 from __future__ import annotations
@@ -12,14 +19,20 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from gradforensics.errors import CorruptChunkError, CorruptStoreError, GradforensicsError, NotAStoreError
+from gradforensics.errors import (
+    CorruptChunkError,
+    CorruptStoreError,
+    GradforensicsError,
+    NotAStoreError,
+    SpecError,
+)
 from gradforensics.store import remote
 from gradforensics.store.inventory import (
     Inventory,
@@ -30,27 +43,58 @@ from gradforensics.store.inventory import (
     zarr_inventory,
 )
 from gradforensics.store.layout import dimension_names
+from gradforensics.store.location import Location
 from gradforensics.store.schema import decode_bf16
 
-ZARR_SUFFIXES = (".zarr",)
-HDF5_SUFFIXES = (".h5", ".hdf5")
+__all__ = ["BACKENDS", "STORE_SUFFIXES", "ArrayHandle", "HDF5Backend", "StoreBackend", "ZarrBackend",
+           "backend_class", "backend_kind", "guess_backend", "locate", "open_backend", "read_url_array"]
 
 
-def backend_kind(path: str | os.PathLike[str]) -> str:
-    """``"zarr"`` or ``"hdf5"``, from the suffix of *path* (an HDF5 file at a URL is refused)."""
-    suffix = Path(str(path).rstrip("/")).suffix.lower()
-    if suffix in ZARR_SUFFIXES:
-        return "zarr"
-    if suffix in HDF5_SUFFIXES:
-        if remote.is_url(path):
-            raise NotAStoreError(f"{path}: HDF5 stores are local files only (h5py reads a remote file through "
-                                 "many small dependent requests and cannot write one); use a Zarr store "
-                                 "('*.zarr') on object storage.")
-        return "hdf5"
-    raise NotAStoreError(
-        f"{path}: unknown store suffix {suffix!r}; expected a Zarr directory '*.zarr' "
-        "or an HDF5 file '*.h5' / '*.hdf5'."
-    )
+class StoreBackend(Protocol):
+    """What every backend provides: the protocol :class:`ZarrBackend` and :class:`HDF5Backend` follow.
+
+    Class attributes: ``kind`` (its name in :data:`BACKENDS` and ``Store.kind``),
+    ``suffixes`` (the lower-case path suffixes it owns), ``description`` (how a
+    message names a store of this kind), ``remote_ok`` (whether such a store may live
+    at an fsspec URL) and ``remote_refusal`` (the line said when it may not).  A
+    backend is opened on a :class:`Location` in mode ``"r"`` (a missing store is
+    :class:`NotAStoreError`), ``"w"`` (a new store) or ``"a"`` (append: analysis
+    results, ranks).  Array names are ``/``-separated paths below the root group.
+    """
+
+    kind: ClassVar[str]
+    suffixes: ClassVar[tuple[str, ...]]
+    description: ClassVar[str]
+    remote_ok: ClassVar[bool]
+    remote_refusal: ClassVar[str]
+    location: Location
+    path: str
+    writable: bool
+
+    def inventory(self) -> Inventory:
+        """Root attributes and every array, listed from the store's own files without trusting them."""
+    def root_attrs(self) -> dict[str, Any]: ...
+    def set_root_attr(self, key: str, value: dict[str, Any]) -> None: ...
+    def attrs(self, name: str) -> dict[str, Any]: ...
+    def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
+               attrs: dict[str, Any], compression: str = "none", checksum: bool = True) -> None:
+        """A new chunked array (fill 0), with a checksum per chunk unless *checksum* is False."""
+    def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
+        """Rows ``start .. start + len(data) - 1`` of array *name*, growing it along axis 0 as needed."""
+    def truncate(self, name: str, n: int) -> None: ...
+    def names(self) -> list[str]: ...
+    def info(self, name: str) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
+        """``(shape, dtype, chunks)`` of array *name*."""
+    def has(self, name: str) -> bool: ...
+    def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray: ...
+    def group_attrs(self, name: str) -> dict[str, Any]:
+        """Attributes of group *name*; ``{}`` if there is none (or it cannot be read)."""
+    def set_group_attr(self, name: str, key: str, value: Any) -> None:
+        """One metadata write (the commit of an analysis generation)."""
+    def children(self, name: str) -> list[str]: ...
+    def delete(self, name: str) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
 
 
 def _zarr_codecs(compression: str, checksum: bool) -> dict[str, Any]:
@@ -72,14 +116,19 @@ def _zarr_codecs(compression: str, checksum: bool) -> dict[str, Any]:
 class ZarrBackend:
     """Zarr v3 store: a local directory, or a prefix at an fsspec URL (:mod:`gradforensics.store.remote`)."""
 
-    kind = "zarr"
+    kind: ClassVar[str] = "zarr"
+    suffixes: ClassVar[tuple[str, ...]] = (".zarr",)
+    description: ClassVar[str] = "a Zarr directory"
+    remote_ok: ClassVar[bool] = True
+    remote_refusal: ClassVar[str] = ""
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "r",
+    def __init__(self, where: Location | str | os.PathLike[str], mode: str = "r",
                  storage_options: Mapping[str, Any] | None = None) -> None:
-        self.path = str(path)
+        self.location = locate(where, storage_options)
+        self.path = self.location.path
         self.mode = mode
-        self.url = remote.is_url(self.path)
-        self.storage_options = dict(storage_options or {})
+        self.url = self.location.is_url
+        self.storage_options = dict(self.location.storage_options)
         if mode == "r" and not self.url and not (Path(self.path) / "zarr.json").is_file():
             raise NotAStoreError(f"{self.path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
         self.writable = mode != "r"
@@ -210,6 +259,9 @@ class ZarrBackend:
             shutil.rmtree(Path(self.path) / name, ignore_errors=False)
         self._open = {k: v for k, v in self._open.items() if k != name and not k.startswith(name + "/")}
 
+    def flush(self) -> None:
+        """Nothing to do: every zarr write above has landed when it returns."""
+
     def close(self) -> None:
         pass
 
@@ -231,12 +283,19 @@ def _h5_filter(compression: str) -> dict[str, Any]:
 class HDF5Backend:
     """HDF5 file store (one writer per file; readers open it per task)."""
 
-    kind = "hdf5"
+    kind: ClassVar[str] = "hdf5"
+    suffixes: ClassVar[tuple[str, ...]] = (".h5", ".hdf5")
+    description: ClassVar[str] = "an HDF5 file"
+    remote_ok: ClassVar[bool] = False
+    remote_refusal: ClassVar[str] = (
+        "HDF5 stores are local files only (h5py reads a remote file through many small dependent requests "
+        "and cannot write one); use a Zarr store ('*.zarr') on object storage.")
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:
+    def __init__(self, where: Location | str | os.PathLike[str], mode: str = "r") -> None:
         import h5py
 
-        self.path = str(path)
+        self.location = locate(where)
+        self.path = self.location.path
         if mode == "r":
             if not Path(self.path).is_file():
                 raise NotAStoreError(f"{self.path}: no such HDF5 file; expected a gradforensics store.")
@@ -331,10 +390,68 @@ class HDF5Backend:
         self._f.close()
 
 
-def open_backend(path: str | os.PathLike[str], mode: str = "r",
-                 storage_options: Mapping[str, Any] | None = None) -> ZarrBackend | HDF5Backend:
-    kind = backend_kind(path)
-    return ZarrBackend(path, mode, storage_options) if kind == "zarr" else HDF5Backend(path, mode)
+#: The backend table: every backend, in the order a path's suffix is tried against them.
+BACKENDS: tuple[type[StoreBackend], ...] = (ZarrBackend, HDF5Backend)
+#: Every suffix a store path may end in (``.zarr``, ``.h5``, ``.hdf5``).
+STORE_SUFFIXES: tuple[str, ...] = tuple(x for b in BACKENDS for x in b.suffixes)
+
+
+def backend_class(kind: str) -> type[StoreBackend]:
+    """The backend of *kind* (``"zarr"``, ``"hdf5"``)."""
+    for b in BACKENDS:
+        if b.kind == kind:
+            return b
+    raise SpecError(f"unknown store backend {kind!r}; known: {[b.kind for b in BACKENDS]}.")
+
+
+def guess_backend(path: str) -> type[StoreBackend]:
+    """The backend whose suffix *path* ends in, or :class:`NotAStoreError` naming every expected suffix."""
+    suffix = Path(path.rstrip("/")).suffix.lower()
+    for b in BACKENDS:
+        if suffix in b.suffixes:
+            return b
+    expected = " or ".join(b.description + " " + " / ".join(f"'*{x}'" for x in b.suffixes) for b in BACKENDS)
+    raise NotAStoreError(f"{path}: unknown store suffix {suffix!r}; expected {expected}.")
+
+
+def locate(where: Location | str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Location:
+    """The :class:`Location` of the store named by *where* (a Location is returned as is).
+
+    The kind comes from the path's suffix (:data:`BACKENDS`); a backend that cannot
+    live at a URL is refused there in one line.  *storage_options* are kept for a
+    URL only (a local path has no file-system options).
+
+    Raises
+    ------
+    NotAStoreError
+        The suffix is no backend's, or the backend cannot be at a URL.
+    SpecError
+        *where* is a Location and other *storage_options* are given beside it.
+    """
+    if isinstance(where, Location):
+        if storage_options and dict(storage_options) != dict(where.storage_options):
+            raise SpecError(f"{where.path}: storage_options given twice (in its Location and beside it).")
+        return where
+    path = str(where)
+    url = remote.is_url(path)
+    if url:
+        path = remote.normalize(path)
+    backend = guess_backend(path)
+    if url and not backend.remote_ok:
+        raise NotAStoreError(f"{path}: {backend.remote_refusal}")
+    return Location(path, backend.kind, dict(storage_options or {}) if url else {})
+
+
+def backend_kind(where: Location | str | os.PathLike[str]) -> str:
+    """``"zarr"`` or ``"hdf5"``: the backend of the store at *where* (:func:`locate`)."""
+    return locate(where).kind
+
+
+def open_backend(where: Location | str | os.PathLike[str], mode: str = "r",
+                 storage_options: Mapping[str, Any] | None = None) -> StoreBackend:
+    """The store at *where* opened in *mode* by its backend (:data:`BACKENDS`)."""
+    loc = locate(where, storage_options)
+    return backend_class(loc.kind)(loc, mode)  # type: ignore[call-arg]
 
 
 def read_url_array(url: str, name: str, sel: Any, storage_options: Mapping[str, Any] | None) -> np.ndarray:
@@ -355,18 +472,25 @@ class ArrayHandle:
     ``handle[sel]`` opens the store, reads *sel* (limited to the committed
     ``n_rows``), decodes bfloat16/float16 to float32 and closes again.  Carrying
     only strings and numbers, it pickles to any dask worker.  A store at a URL is
-    opened by URL inside the task, with the *storage_options* the handle carries;
-    transient network errors are retried with backoff there.
+    opened by URL inside the task, with the storage options its
+    :class:`~gradforensics.store.location.Location` carries; transient network
+    errors are retried with backoff there.
     """
 
-    kind: str
-    path: str
+    location: Location
     name: str
     shape: tuple[int, ...]
     encoding: str
     chunks: tuple[int, ...]
-    storage_options: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
     dtype = np.dtype(np.float32)
+
+    @property
+    def kind(self) -> str:
+        return self.location.kind
+
+    @property
+    def path(self) -> str:
+        return self.location.path
 
     @property
     def ndim(self) -> int:
@@ -387,8 +511,8 @@ class ArrayHandle:
         if self.kind == "zarr":
             import zarr
 
-            if remote.is_url(self.path):
-                return read_url_array(self.path, self.name, sel, self.storage_options)
+            if self.location.is_url:
+                return read_url_array(self.path, self.name, sel, self.location.storage_options)
             return np.asarray(zarr.open_array(os.path.join(self.path, self.name), mode="r")[sel])
         import h5py
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from gradforensics.errors import StoreLockedError
 from gradforensics.store import remote
+from gradforensics.store.location import Location
 
 #: Seconds without a heartbeat after which a lock that cannot be checked by flock is stale
 #: (``GRADFORENSICS_LOCK_LEASE_S`` sets it: shorter for writers that must fail over quickly).
@@ -87,8 +88,11 @@ class Holder:
 class StoreLock:
     """The exclusive writer lock of one store; ``acquire()`` or :class:`StoreLockedError`."""
 
-    def __init__(self, store_path: str, lease_s: float = LEASE_SECONDS,
+    def __init__(self, store_path: str | Location, lease_s: float = LEASE_SECONDS,
                  storage_options: Mapping[str, Any] | None = None) -> None:
+        if isinstance(store_path, Location):     # the store's own options reach its lock
+            storage_options = {**store_path.storage_options, **(storage_options or {})}
+            store_path = store_path.path
         self.store_path = store_path
         self.lease_s = lease_s
         self._fd: int | None = None
@@ -208,12 +212,15 @@ class RemoteLock:
     to write-then-read-back of the token (a race window of one round trip).
     """
 
-    def __init__(self, store_url: str, lease_s: float = LEASE_SECONDS,
+    def __init__(self, store_url: str | Location, lease_s: float = LEASE_SECONDS,
                  storage_options: Mapping[str, Any] | None = None) -> None:
+        if isinstance(store_url, Location):
+            storage_options = {**store_url.storage_options, **(storage_options or {})}
+            store_url = store_url.path
         self.store_url = remote.normalize(store_url)
         self.url = self.store_url + ".lock"
         self.lease_s = lease_s
-        self._fs, self._path = remote.filesystem(self.url, storage_options or remote.options_for(self.store_url))
+        self._fs, self._path = remote.filesystem(self.url, storage_options)
         self._token: str | None = None
         #: fencing token: one more than the lock this writer took over (0 for a fresh lock)
         self._fence = 0

@@ -41,6 +41,7 @@ import numpy as np
 from gradforensics.errors import SpecError, StoreMismatchError
 from gradforensics.store.backends import backend_kind, open_backend
 from gradforensics.store.layout import chunk_shape
+from gradforensics.store.location import Location
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta
 from gradforensics.store.writer import WEIGHT_RECORD, Row, StoreWriter
 
@@ -203,14 +204,14 @@ class _NoLock:
         pass
 
 
-def rank_writer(path: str, meta: StoreMeta, plan: RankPlan, **kwargs: Any) -> StoreWriter:
+def rank_writer(path: str | Location, meta: StoreMeta, plan: RankPlan, **kwargs: Any) -> StoreWriter:
     """A :class:`~gradforensics.store.writer.StoreWriter` for one rank of a multi-rank capture.
 
     Collective: every rank calls it (rank 0 creates the store, the others open it
     after a barrier).  ``records_per_chunk`` is 1: a chunk holds one record, so
     one rank owns it.
     """
-    check_backend(path, backend_kind(path))
+    check_backend(str(path), backend_kind(path))
     kwargs["records_per_chunk"] = 1
     return _RankWriter(path, meta, plan=plan, **kwargs)
 
@@ -218,7 +219,7 @@ def rank_writer(path: str, meta: StoreMeta, plan: RankPlan, **kwargs: Any) -> St
 class _RankWriter(StoreWriter):
     """Rank *plan.rank*'s writer; see the module docstring for the protocol."""
 
-    def __init__(self, path: str, meta: StoreMeta, *, plan: RankPlan, **kwargs: Any) -> None:
+    def __init__(self, path: str | Location, meta: StoreMeta, *, plan: RankPlan, **kwargs: Any) -> None:
         self.plan = plan
         self._ranks_done: list[int] = []
         self._per_rank: list[int] = [0] * plan.world
@@ -234,7 +235,7 @@ class _RankWriter(StoreWriter):
         if self.plan.rank == 0:
             return super()._open(overwrite)
         self.plan.barrier()           # wait for rank 0 to create the store
-        return _NoLock(), open_backend(self.path, "a")
+        return _NoLock(), open_backend(self.location, "a")
 
     def _create(self, name: str, row: Row, r: int) -> None:
         data = row.data

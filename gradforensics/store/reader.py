@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.errors import CorruptChunkError, GradforensicsError, MissingArrayError, NotAStoreError
-from gradforensics.store import remote
-from gradforensics.store.backends import ArrayHandle, backend_kind, open_backend, read_url_array
+from gradforensics.store.backends import ArrayHandle, locate, open_backend, read_url_array
 from gradforensics.store.layout import MiB
+from gradforensics.store.location import Location
 from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
 from gradforensics.store.validate import check_arrays, check_ranks, rows_of
 from gradforensics.store.writer import WEIGHT_RECORD
@@ -75,24 +75,22 @@ class Store:
     :mod:`gradforensics.store.results`, after which the store is opened again to
     see them.
 
-    *path* may be an fsspec URL of a Zarr store (``s3://bucket/dump.zarr``);
-    *storage_options* then go to its file system (and are remembered for that URL
-    in this process, so results written back to it use them too: see
-    :mod:`gradforensics.store.remote`).
+    *path* may be an fsspec URL of a Zarr store (``s3://bucket/dump.zarr``), or
+    a :class:`~gradforensics.store.location.Location`; *storage_options* then go
+    to its file system.  The store keeps its :attr:`location`, so every later
+    open of it (reads, dask tasks, results written back) uses the same options;
+    nothing is remembered per URL in the process.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, check_chunks: bool = True,
+    def __init__(self, path: str | os.PathLike[str] | Location, *, check_chunks: bool = True,
                  storage_options: Mapping[str, Any] | None = None) -> None:
-        self.path = str(path)
-        self.kind = backend_kind(self.path)
-        if remote.is_url(self.path):
-            remote.register(self.path, storage_options)
-            self.storage_options: dict[str, Any] | None = remote.options_for(self.path, storage_options)
-        elif not os.path.lexists(self.path):
+        #: where the store lies (path or URL, backend kind, storage options)
+        self.location: Location = locate(path, storage_options)
+        self.path = self.location.path
+        self.kind = self.location.kind
+        if not self.location.is_url and not os.path.lexists(self.path):
             raise NotAStoreError(f"{self.path}: no such file or directory; expected a gradforensics store.")
-        else:
-            self.storage_options = None
-        b = open_backend(self.path, "r", self.storage_options)
+        b = open_backend(self.location, "r")
         try:
             inv = b.inventory()
         finally:
@@ -153,9 +151,9 @@ class Store:
         if name not in self.arrays:
             raise MissingArrayError(f"{self.path}: no array {name} in the store.")
         info = self.arrays[name]
-        if remote.is_url(self.path):
+        if self.location.is_url:
             return self._read_url(name, info)
-        b = open_backend(self.path, "r", self.storage_options)
+        b = open_backend(self.location, "r")
         try:
             return b.read(self.analysis_selection.physical(name), slice(0, info.shape[0]))
         except GradforensicsError:
@@ -168,7 +166,7 @@ class Store:
     def _read_url(self, name: str, info: ArrayInfo) -> np.ndarray:
         try:
             return read_url_array(self.path, self.analysis_selection.physical(name), slice(0, info.shape[0]),
-                                  self.storage_options)
+                                  self.location.storage_options)
         except GradforensicsError:
             raise
         except (OSError, RuntimeError, ValueError) as exc:
@@ -190,8 +188,7 @@ class Store:
 
     def handle(self, info: ArrayInfo) -> ArrayHandle:
         """A picklable reader of the stored array *info* (opens the store inside each task)."""
-        return ArrayHandle(self.kind, self.path, info.name, info.shape, info.encoding, info.chunks,
-                           self.storage_options)
+        return ArrayHandle(self.location, info.name, info.shape, info.encoding, info.chunks)
 
     def lazy(self, name: str, slab_bytes: int | None = None) -> da.Array:
         """Lazy float32 dask array of a stored array.
@@ -269,7 +266,7 @@ def _token(*parts: Any) -> str:
     return tokenize(*parts)
 
 
-def open_store(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Store:
+def open_store(path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None) -> Store:
     """Open the store at *path* (a local path or an fsspec URL) for reading (validates it; see :class:`Store`)."""
     return Store(path, storage_options=storage_options)
 

@@ -10,12 +10,12 @@ many small, dependent range requests, and cannot write one at all.
 
 Credentials and endpoints come from the standard environment
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...,
-read by the file system itself) or from ``storage_options``, given once for a
-URL with :func:`register` (``Recorder(..., storage_options=)``,
-``Store(..., storage_options=)``, ``--storage-option KEY=VALUE``) and then used
-by every open of that URL in this process.  Dask tasks never rely on that
-registry: :class:`~gradforensics.store.backends.ArrayHandle` carries the URL and
-its options to the worker, which opens the store inside the task.
+read by the file system itself) or from ``storage_options``
+(``Recorder(..., storage_options=)``, ``Store(..., storage_options=)``,
+``--storage-option KEY=VALUE``), which travel inside the store's
+:class:`~gradforensics.store.location.Location` to every open of it - the
+lock, results written back, and each dask task, which opens the store on its
+worker.  Nothing is remembered per URL in the process.
 
 Transient failures (connection resets, timeouts, HTTP 5xx, throttling) are
 retried with exponential backoff (:func:`with_retries`); a missing bucket or
@@ -42,8 +42,6 @@ from gradforensics.errors import (
 T = TypeVar("T")
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+)://")
-#: storage_options given for a store URL in this process (see :func:`register`).
-_REGISTERED: dict[str, dict[str, Any]] = {}
 #: attempts of one operation before a transient error is final, and the first backoff in seconds.
 ATTEMPTS = 6
 BACKOFF_S = 0.1
@@ -68,24 +66,13 @@ def is_url(path: Any) -> bool:
 
 
 def normalize(url: str) -> str:
-    """*url* without trailing slashes (the key of :func:`register`)."""
+    """*url* without trailing slashes."""
     return str(url).rstrip("/")
 
 
-def register(url: str, storage_options: Mapping[str, Any] | None) -> None:
-    """Remember *storage_options* for the store at *url* (and its lock) in this process."""
-    if storage_options:
-        _REGISTERED[normalize(url)] = dict(storage_options)
-
-
 def options_for(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The storage options an open of *url* uses: defaults, then registered ones, then *storage_options*."""
-    base = normalize(url)
-    for suffix in (".lock",):            # a store's lock object shares its options
-        if base.endswith(suffix) and base[: -len(suffix)] in _REGISTERED:
-            base = base[: -len(suffix)]
+    """The storage options an open of *url* uses: the scheme's defaults, then *storage_options*."""
     out: dict[str, Any] = dict(_DEFAULTS.get(scheme(url) or "", {}))
-    out.update(_REGISTERED.get(base, {}))
     out.update(storage_options or {})
     return out
 
@@ -278,10 +265,10 @@ def translated(url: str, fn: Callable[[], T], what: str = "") -> T:
 
 
 __all__ = ["describe_error", "filesystem", "is_transient", "is_url", "normalize", "options_for", "parse_options",
-           "register", "scheme", "translated", "with_retries", "zarr_store"]
+           "scheme", "translated", "with_retries", "zarr_store"]
 
 
-def clear_url(url: str, overwrite: bool) -> None:
+def clear_url(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None = None) -> None:
     """Make room for a new store at *url*: refuse, or delete an old gradforensics store there.
 
     The rule of a local path, on object storage: an existing prefix is replaced only
@@ -293,7 +280,7 @@ def clear_url(url: str, overwrite: bool) -> None:
 
     from gradforensics.errors import StoreExistsError
 
-    fs, root = filesystem(url)
+    fs, root = filesystem(url, storage_options)
     keys = translated(url, lambda: fs.find(root, withdirs=False))
     keys = [str(k)[len(root) + 1:] for k in keys if str(k).startswith(root + "/")]
     if not keys:

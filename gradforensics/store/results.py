@@ -49,7 +49,8 @@ from gradforensics.errors import CorruptStoreError, GradforensicsError, MissingA
 from gradforensics.store import generations
 
 if TYPE_CHECKING:
-    from gradforensics.store.backends import HDF5Backend, ZarrBackend
+    from gradforensics.store.backends import StoreBackend
+    from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
 __all__ = ["GRAM_ARRAY", "GRAM_INDEX", "GROUP", "NONFINITE_ARRAY", "GramArrays", "has_result", "read_document",
@@ -92,7 +93,7 @@ def _json_default(o: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- write
-def write_results(path: str | os.PathLike[str], *, arrays: Mapping[str, np.ndarray] | None = None,
+def write_results(path: str | os.PathLike[str] | Location, *, arrays: Mapping[str, np.ndarray] | None = None,
                   documents: Mapping[str, Any] | None = None, grams: GramArrays | None = None) -> None:
     """Write analysis results into the store at *path*, under its writer lock.
 
@@ -128,14 +129,15 @@ def write_results(path: str | os.PathLike[str], *, arrays: Mapping[str, np.ndarr
                                 "are intact.") from exc
 
 
-def _write_generation(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray] | None,
+def _write_generation(path: str | os.PathLike[str] | Location, arrays: Mapping[str, np.ndarray] | None,
                       documents: Mapping[str, Any] | None, grams: GramArrays | None) -> None:
-    from gradforensics.store.backends import open_backend
+    from gradforensics.store.backends import locate, open_backend
     from gradforensics.store.lock import StoreLock
 
-    with StoreLock(str(path)) as lock:
-        previous = _committed(path)
-        b = open_backend(path, "a")
+    where = locate(path)                               # a Location carries a URL's storage options
+    with StoreLock(where) as lock:
+        previous = _committed(where)
+        b = open_backend(where, "a")
         try:
             # the generation readers see now: the reader's listing says it (under this lock it cannot change)
             current = previous.analysis_selection.current if previous is not None else \
@@ -154,12 +156,12 @@ def _write_generation(path: str | os.PathLike[str], arrays: Mapping[str, np.ndar
             # the commit: one metadata write; until it lands readers see the generation before
             lock.check()                                 # still ours (a lock at a URL can be taken over)
             b.set_group_attr(GROUP, generations.ATTR, {"current": gen, "previous": current})
-            _clean_up(b, str(path), gen, current)
+            _clean_up(b, where.path, gen, current)
         finally:
             b.close()
 
 
-def _committed(path: str | os.PathLike[str]) -> Store | None:
+def _committed(path: str | os.PathLike[str] | Location) -> Store | None:
     """The store as readers see it now (its committed results), or None if they cannot be listed."""
     from gradforensics.errors import GradforensicsError
     from gradforensics.store.reader import Store
@@ -170,7 +172,7 @@ def _committed(path: str | os.PathLike[str]) -> Store | None:
         return None
 
 
-def _carry_over(b: ZarrBackend | HDF5Backend, store: Store, written: set[str], into: generations.Selection) -> None:
+def _carry_over(b: StoreBackend, store: Store, written: set[str], into: generations.Selection) -> None:
     """Copy the committed results this write does not replace into the new generation."""
     for name, info in store.arrays.items():
         if not name.startswith(GROUP + "/") or name in written:
@@ -183,7 +185,7 @@ def _carry_over(b: ZarrBackend | HDF5Backend, store: Store, written: set[str], i
             b.write_rows(dst, start, b.read(src, slice(start, min(start + step, info.shape[0]))))
 
 
-def _clean_up(b: ZarrBackend | HDF5Backend, path: str, new: str, current: str | None) -> None:
+def _clean_up(b: StoreBackend, path: str, new: str, current: str | None) -> None:
     """Remove what readers no longer see: older and unfinished generations, the flat results of the old layout.
 
     *current* (the generation just replaced) stays until the next write: a reader that
@@ -203,7 +205,7 @@ def _clean_up(b: ZarrBackend | HDF5Backend, path: str, new: str, current: str | 
                       "`gradforensics analyze`; the committed results were intact.", stacklevel=4)
 
 
-def _write_array(b: ZarrBackend | HDF5Backend, key: str, arr: np.ndarray, into: generations.Selection) -> str:
+def _write_array(b: StoreBackend, key: str, arr: np.ndarray, into: generations.Selection) -> str:
     chunks = tuple(max(int(c), 1) for c in arr.shape) or (1,)
     where = into.physical(_key(key))
     b.create(where, arr.shape, arr.dtype.str, chunks, {}, "none")
@@ -212,7 +214,7 @@ def _write_array(b: ZarrBackend | HDF5Backend, key: str, arr: np.ndarray, into: 
     return _key(key)
 
 
-def _write_document(b: ZarrBackend | HDF5Backend, key: str, doc: Any, into: generations.Selection) -> str:
+def _write_document(b: StoreBackend, key: str, doc: Any, into: generations.Selection) -> str:
     raw = np.frombuffer(json.dumps(doc, default=_json_default).encode(), dtype=np.uint8)
     where = into.physical(_key(key))
     b.create(where, (raw.size,), "|u1", (max(raw.size, 1),), {"format": "json"}, "none")
@@ -220,7 +222,7 @@ def _write_document(b: ZarrBackend | HDF5Backend, key: str, doc: Any, into: gene
     return _key(key)
 
 
-def _write_grams(b: ZarrBackend | HDF5Backend, grams: GramArrays, into: generations.Selection) -> set[str]:
+def _write_grams(b: StoreBackend, grams: GramArrays, into: generations.Selection) -> set[str]:
     m, n = len(grams.k), int(grams.n_records)
     k_at, nf_at = into.physical(GRAM_ARRAY), into.physical(NONFINITE_ARRAY)
     b.create(k_at, (m, n, n), "<f8", (1, max(n, 1), max(n, 1)), {}, "none")

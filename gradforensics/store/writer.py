@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,11 @@ from typing import Any
 import numpy as np
 
 from gradforensics.errors import StoreClosedError, StoreExistsError, StoreMismatchError
-from gradforensics.store.backends import backend_kind, open_backend
+from gradforensics.store.backends import backend_kind, locate, open_backend
 from gradforensics.store.layout import LayoutPolicy, chunk_shape, records_per_chunk
+from gradforensics.store.location import Location
 from gradforensics.store.lock import StoreLock
-from gradforensics.store.remote import clear_url, is_url
+from gradforensics.store.remote import clear_url
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta
 
 WEIGHT_RECORD = "weights/_record"
@@ -48,13 +50,19 @@ class Row:
 
 
 class StoreWriter:
-    """Append records to a new store at *path* (Zarr if ``*.zarr``, HDF5 if ``*.h5``)."""
+    """Append records to a new store at *path* (Zarr if ``*.zarr``, HDF5 if ``*.h5``).
 
-    def __init__(self, path: str | os.PathLike[str], meta: StoreMeta, *,
+    *path* may be an fsspec URL of a Zarr store, with *storage_options* for its
+    file system, or a :class:`~gradforensics.store.location.Location`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | Location, meta: StoreMeta, *,
                  policy: LayoutPolicy | None = None, overwrite: bool = False,
-                 records_per_chunk: int | None = None) -> None:
-        self.path = str(path)
-        self.kind = backend_kind(self.path)
+                 records_per_chunk: int | None = None, storage_options: Mapping[str, Any] | None = None) -> None:
+        #: where the store is written (path or URL, backend kind, storage options)
+        self.location = locate(path, storage_options)
+        self.path = self.location.path
+        self.kind = self.location.kind
         self._lock, self._backend = self._open(overwrite)
         self.meta = meta
         self.policy = policy or LayoutPolicy()
@@ -72,10 +80,13 @@ class StoreWriter:
 
     def _open(self, overwrite: bool) -> tuple[Any, Any]:
         """Take the writer lock, make room and create the store (a multi-rank writer overrides it)."""
-        lock = StoreLock(self.path).acquire()
+        lock = StoreLock(self.location).acquire()
         try:
-            clear_url(self.path, overwrite) if is_url(self.path) else _clear_path(Path(self.path), overwrite)
-            return lock, open_backend(self.path, "w")
+            if self.location.is_url:
+                clear_url(self.path, overwrite, self.location.storage_options)
+            else:
+                _clear_path(Path(self.path), overwrite)
+            return lock, open_backend(self.location, "w")
         except BaseException:
             lock.release()
             raise

@@ -43,6 +43,7 @@ from gradforensics.store.results import GramArrays, read_document, read_grams, r
 if TYPE_CHECKING:
     import pandas as pd
 
+    from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
 __all__ = ["FLAG_FIELDS", "findings_documents", "load_grams", "pack_series", "parse_flag", "parse_series",
@@ -319,7 +320,7 @@ def gram_arrays(grams: Mapping[tuple[str, int | None], GramResult], n_records: i
                       nonfinite=[g.nonfinite for g in entries])
 
 
-def save_results(path: str | os.PathLike[str], findings: Findings | None = None,
+def save_results(path: str | os.PathLike[str] | Location, findings: Findings | None = None,
                  grams: Mapping[tuple[str, int | None], GramResult] | None = None, *, n_records: int = 0,
                  empty_grams: bool = False) -> None:
     """Save *findings* and/or the Gram matrices *grams* (over *n_records* records) in the store at *path*.
@@ -339,7 +340,7 @@ def save_results(path: str | os.PathLike[str], findings: Findings | None = None,
 
 def save_grams(store: Store, grams: Mapping[tuple[str, int | None], GramResult]) -> None:
     """Save the Gram matrices *grams* of *store*'s records in it (what :func:`load_grams` reads)."""
-    write_results(store.path, grams=gram_arrays(grams, store.n_records))
+    write_results(store.location, grams=gram_arrays(grams, store.n_records))
 
 
 def _gram_entry(e: Any, m: int, where: str) -> tuple[int, str, int | None, int, bool]:
