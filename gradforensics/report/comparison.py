@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from gradforensics.report.figures import analysis_name
-from gradforensics.report.severity import SEVERITY_NAMES
+from gradforensics.report.severity import SEVERITY_NAMES, reaches
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -119,9 +119,8 @@ class Comparison:
         return {s: sum(r.status == s for r in self.rows) for s in STATUSES}
 
     def reaching(self, threshold: float) -> list[Row]:
-        """``new`` / ``worse`` rows whose severity after is at or above *threshold* (``--fail-on``)."""
-        return [r for r in self.rows if r.status in ("new", "worse")
-                and (r.severity_after or 0.0) >= threshold - 1e-12]
+        """``new`` / ``worse`` rows whose severity after reaches *threshold* (``--fail-on``: :func:`reaches`)."""
+        return [r for r in self.rows if r.status in ("new", "worse") and reaches(r.severity_after or 0.0, threshold)]
 
     def to_json(self) -> dict[str, Any]:
         """The ``compare.json`` document."""

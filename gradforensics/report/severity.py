@@ -12,25 +12,46 @@ name       value  meaning
 =========  =====  ==========================================================
 
 ``--fail-on SEVERITY`` takes one of these names or a number in [0, 1]; the
-command exits 1 when any flag's severity is at or above it.
+command exits 1 when any flag's severity is at or above it: one rule
+(:func:`reaches`), one exit code (:func:`exit_code`) for every verb that takes the
+flag (``analyze``, ``report``, ``loss``, ``compare``) and for ``whatif``'s count of
+findings.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.engine.model import Findings
 
 SEVERITY_NAMES: dict[str, float] = {"low": 0.25, "medium": 0.5, "high": 0.75}
 
-#: Exit code of ``analyze`` / ``report`` when a flag reaches ``--fail-on``.
+#: Exit code of ``analyze`` / ``report`` / ``loss`` / ``compare`` when a flag reaches ``--fail-on``.
 EXIT_FLAGGED = 1
+#: Severities are floats computed in different ways: a flag this close below a threshold reaches it.
+TOLERANCE = 1e-12
+
+F = TypeVar("F", bound="HasSeverity")
+
+
+class HasSeverity(Protocol):
+    """A flag, or anything else with a ``severity`` (a flag's, or None for none)."""
+
+    @property
+    def severity(self) -> float: ...
+
+
+@runtime_checkable
+class Reaching(Protocol):
+    """A result that says itself which of its rows reach a threshold (:class:`~gradforensics.report.comparison.Comparison`)."""
+
+    def reaching(self, threshold: float) -> Sequence[object]: ...
 
 
 def parse_severity(text: str | float) -> float:
@@ -73,16 +94,27 @@ def add_fail_on_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def reaching(flags: Iterable[Flag], threshold: float) -> list[Flag]:
-    """The flags whose severity is at or above *threshold*."""
-    return [f for f in flags if f.severity >= threshold - 1e-12]
+def reaches(severity: float | None, threshold: float) -> bool:
+    """The ``--fail-on`` rule: *severity* is at or above *threshold* (a flag AT the threshold reaches it)."""
+    return severity is not None and float(severity) >= threshold - TOLERANCE
 
 
-def exit_code(findings: Findings, fail_on: float | None) -> int:
-    """0, or :data:`EXIT_FLAGGED` when *fail_on* is set and a flag reaches it."""
+def reaching(flags: Iterable[F], threshold: float) -> list[F]:
+    """The flags whose severity is at or above *threshold* (:func:`reaches`)."""
+    return [f for f in flags if reaches(f.severity, threshold)]
+
+
+def exit_code(result: Findings | Reaching, fail_on: float | None) -> int:
+    """0, or :data:`EXIT_FLAGGED` when *fail_on* is set and a flag of *result* reaches it.
+
+    *result* is a verb's :class:`~gradforensics.analysis.engine.model.Findings`, or a
+    result that picks its own rows (:class:`Reaching`: ``compare`` counts the ``new``
+    and ``worse`` rows after the fix).
+    """
     if fail_on is None:
         return 0
-    return EXIT_FLAGGED if reaching(findings.flags, fail_on) else 0
+    hits = result.reaching(fail_on) if isinstance(result, Reaching) else reaching(result.flags, fail_on)
+    return EXIT_FLAGGED if hits else 0
 
 
 def band(severity: float) -> str:
