@@ -11,7 +11,8 @@ from typing import Any
 from gradforensics._version import __version__
 from gradforensics.errors import GradforensicsError
 
-__all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "compare", "open_store", "report", "whatif"]
+__all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "capture", "compare", "open_store", "report",
+           "whatif"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +24,10 @@ def __getattr__(name: str) -> Any:
         from gradforensics.store.reader import open_store
 
         return open_store
+    if name == "capture":     # the capture package, callable as gradforensics.replay.pipeline.capture
+        import gradforensics.capture
+
+        return gradforensics.capture
     if name == "analyze":
         from gradforensics.analysis.engine import analyze
 

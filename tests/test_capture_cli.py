@@ -25,9 +25,9 @@ pytest.importorskip("tokenizers")
 
 import gradforensics as gf  # noqa: E402
 from gradforensics import cli  # noqa: E402
-from gradforensics.commands.capture import record_bytes  # noqa: E402
 from gradforensics.replay import data, losses  # noqa: E402
 from gradforensics.replay.checkpoint import OfflineError, load_checkpoint, offline  # noqa: E402
+from gradforensics.replay.plan import record_bytes  # noqa: E402
 from gradforensics.report import report  # noqa: E402
 from gradforensics.store.reader import open_store  # noqa: E402
 
@@ -251,6 +251,81 @@ def test_raw_checkpoint_with_factory_matches_the_hf_directory(tmp_path, llama_di
     for name in hf.grads:
         np.testing.assert_array_equal(raw.grad(name).compute(), hf.grad(name).compute())
     np.testing.assert_array_equal(raw.batches()["step"], [1200] * 6)
+
+
+# ---------------------------------------------------------------- gf.capture: the same, as a library call
+def _arrays(store) -> dict[str, tuple]:
+    """Every array of *store*: shape, dtype, attrs and data (batches/time is the wall clock: its shape only)."""
+    return {n: (i.shape, str(i.dtype), dict(i.attrs), None if n == "batches/time" else store.read(n))
+            for n, i in store.arrays.items()}
+
+
+def _root(path) -> dict:
+    import zarr
+
+    attrs = dict(zarr.open_group(str(path), mode="r").attrs["gradforensics"])
+    attrs.pop("created")                         # the timestamp of the capture
+    return attrs
+
+
+def test_gf_capture_writes_what_the_command_writes(tmp_path, llama_dir, files, capsys):
+    from gradforensics.replay.plan import BatchSpec, ModelSpec
+
+    opts = ("--tensors", "*.layers.1.self_attn.*", "*.layers.0.mlp.down_proj.weight", "--heads", "*.q_proj.weight=2",
+            "auto", "--sketch", "16", "--full", "*.layers.1.self_attn.q_proj.weight", "--dtype", "bf16",
+            "--activations", "*.layers.1.mlp.act_fn", "--seed", "5", "--step", "77")
+    rc, err = capture(*base_args(llama_dir, files, tmp_path / "cli.zarr", *opts), capsys=capsys)
+    assert rc == 0, err
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        store = gf.capture(llama_dir, {"en": files["en"], "zh": str(files["zh"])}, tmp_path / "lib.zarr",
+                           batches=BatchSpec(batches_per_source=3, batch_size=2, seq_len=32, seed=5),
+                           record={"tensors": ["*.layers.1.self_attn.*", "*.layers.0.mlp.down_proj.weight"],
+                                   "heads": {"*.q_proj.weight": 2, "auto": True}, "sketch": 16,
+                                   "full": ["*.layers.1.self_attn.q_proj.weight"], "dtype": "bf16",
+                                   "activations": ["*.layers.1.mlp.act_fn"]},
+                           model=ModelSpec(step=77))
+    assert capsys.readouterr().err == ""                              # quiet by default
+    cli_store = open_store(tmp_path / "cli.zarr")
+    assert store.n_records == 6 and store.mode == "replay" and store.sources == ("en", "zh")
+    assert store.grads["model.layers.1.self_attn.q_proj.weight"].heads == 2 and len(store.sketches) == 5
+    got, want = _arrays(store), _arrays(cli_store)
+    assert set(got) == set(want) and any(n.startswith("acts/") for n in got)
+    for name in want:
+        shape, dtype, attrs, data = want[name]
+        assert got[name][:3] == (shape, dtype, attrs), name
+        if data is not None:
+            np.testing.assert_array_equal(got[name][3], data, err_msg=name)
+    assert _root(tmp_path / "lib.zarr") == _root(tmp_path / "cli.zarr")
+    np.testing.assert_array_equal(store.batches()["step"], [77] * 6)
+    with pytest.raises(gf.GradforensicsError, match="already exists; pass --overwrite"):
+        gf.capture(llama_dir, {"en": files["en"]}, tmp_path / "lib.zarr")
+    with pytest.raises(gf.GradforensicsError, match=r"--seq-len 128 is beyond the model's 64 positions"):
+        gf.capture(llama_dir, {"en": files["en"]}, tmp_path / "long.zarr", batches={"seq_len": 128})
+    assert not (tmp_path / "long.zarr").exists()
+
+
+def test_gf_capture_gives_its_storage_options_to_the_recorder(tmp_path, llama_dir, files, monkeypatch):
+    """No process-wide registry: the options reach the TorchRecorder and the Store it returns."""
+    import gradforensics.replay.run as replay_run
+
+    seen: dict = {}
+
+    class Spy(replay_run.TorchRecorder):
+        def __init__(self, path, **kwargs):
+            seen.update(kwargs, path=path)
+            super().__init__(path, **kwargs)
+
+    monkeypatch.setattr(replay_run, "TorchRecorder", Spy)
+    options = {"skip_instance_cache": True}
+    url = f"memory://{tmp_path.name}/opts.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        store = gf.capture(llama_dir, {"en": files["en"]}, url, storage_options=options, quiet=False,
+                           batches={"batches_per_source": 2, "batch_size": 2, "seq_len": 16},
+                           record={"tensors": ["*.layers.0.mlp.down_proj.weight"]})
+    assert seen["storage_options"] == options and str(seen["path"]) == url
+    assert dict(store.location.storage_options) == options and store.n_records == 2
 
 
 def test_raw_checkpoint_refuses_arbitrary_pickles_and_wrong_factories(tmp_path, llama_dir, files, capsys):

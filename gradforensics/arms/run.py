@@ -17,16 +17,17 @@ The flow (design, "Comparing runs", ``whatif``):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import IO, TYPE_CHECKING, Any
 
 from gradforensics.arms.spec import Arm, parse_arms, schedule
 from gradforensics.errors import SpecError
+from gradforensics.replay.plan import DEFAULT_SKETCH, BatchSpec, ModelSpec, RecordSpec, as_spec, check_disk, plan_record
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_SKETCH", "WhatIf", "WhatIfInterrupted", "whatif"]
 
-#: Sketch length per tensor (per head) recorded by default; ``sketch=None`` with ``full=None`` keeps whole tensors.
-DEFAULT_SKETCH = 1024
 #: A what-if longer than this many steps per arm is refused before anything is planned or allocated.
 MAX_STEPS = 1_000_000
 
@@ -70,13 +69,6 @@ class WhatIf:
         return max((float(f.severity) for f in flags), default=0.0)
 
 
-def _sources(data: Mapping[str, Any] | Sequence[str]) -> list[Any]:
-    from gradforensics.replay import data as rdata
-
-    specs = [f"{k}={v}" for k, v in data.items()] if isinstance(data, Mapping) else list(data)
-    return rdata.parse_sources(specs)
-
-
 def _stores(out: Path, arms: Sequence[Arm], suffix: str, overwrite: bool) -> dict[str, Path]:
     if suffix not in (".zarr", ".h5", ".hdf5"):
         raise SpecError(f"store_suffix must be .zarr, .h5 or .hdf5; got {suffix!r}.")
@@ -94,22 +86,18 @@ def _needs(plans: Mapping[str, list[tuple[str, int]]], names: Sequence[str]) -> 
 
 def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequence[str], arms: Sequence[str],
            steps: int, out: str | os.PathLike[str], *, mixtures: Sequence[str] = (), baseline: str | None = None,
-           batch_size: int = 8, seq_len: int = 512, seed: int = 0, text_field: str = "text",
-           tensors: Sequence[str] | None = None, heads: Any = "auto", activations: Sequence[str] | None = None,
-           sketch: int | None = DEFAULT_SKETCH, full: Sequence[str] | None = None, dtype: str | None = None,
-           loss: str = "auto", model_factory: str | None = None, tokenizer: str | None = None,
-           device: str = "cpu", model_dtype: str = "float32", step: int | None = None,
-           optimizer_state: str | os.PathLike[str] | None = None, store_suffix: str = ".zarr",
-           overwrite: bool = False, force: bool = False, compare_reports: bool = True,
+           batches: BatchSpec | Mapping[str, Any] | None = None, record: RecordSpec | Mapping[str, Any] | None = None,
+           model: ModelSpec | Mapping[str, Any] | None = None, optimizer_state: str | os.PathLike[str] | None = None,
+           store_suffix: str = ".zarr", overwrite: bool = False, force: bool = False, compare_reports: bool = True,
            only: str | Sequence[str] | None = None, client: Client | None = None, progress: bool = True,
-           log: IO[str] | None = None, threads: int | None = None) -> WhatIf:
+           log: IO[str] | None = None, threads: int | None = None, **options: Any) -> WhatIf:
     """Train *steps* steps from *checkpoint* once per arm on identical batches; record, analyse, compare.
 
     Parameters
     ----------
     checkpoint
-        A Hugging Face model directory, or a state-dict file with *model_factory*
-        (and *tokenizer*), as for ``gradforensics capture``.
+        A Hugging Face model directory, or a state-dict file with ``model_factory``
+        (and ``tokenizer``), as for ``gradforensics capture``.
     data
         ``{"zh": "zh.jsonl", ...}`` or ``["zh=zh.jsonl", ...]``.
     arms
@@ -127,6 +115,13 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
         source, weight 1, round-robin).
     baseline
         The arm every other arm is compared with (default: the first).
+    batches, record, model
+        ``capture``'s option groups (:mod:`gradforensics.replay.plan`), each a spec or
+        a dict of its fields: :class:`~gradforensics.replay.plan.BatchSpec` (its
+        ``batches_per_source`` is not used: every arm takes *steps* batches),
+        :class:`~gradforensics.replay.plan.RecordSpec` (default here: a
+        :data:`~gradforensics.replay.plan.DEFAULT_SKETCH`-long sketch per tensor and
+        head; ``sketch=None`` keeps whole tensors), :class:`~gradforensics.replay.plan.ModelSpec`.
     optimizer_state
         An optimizer state file; default ``optimizer.pt`` next to the weights if
         there is one; ``"none"`` starts every arm fresh.
@@ -140,8 +135,10 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
     threads
         torch intra-op threads for training the arms; default: one for a model under
         20M parameters unless ``OMP_NUM_THREADS`` is set (:mod:`gradforensics._threads`).
-    Other parameters
-        As for ``gradforensics capture`` (*sketch* defaults to 1024 here).
+    **options
+        Any field of the three groups by its name (``batch_size=16``, ``seq_len=64``,
+        ``sketch=None``, ``loss="causal-lm"``, ``model_factory=...``, ...); it wins
+        over the same field in *batches* / *record* / *model*.
 
     Returns
     -------
@@ -153,21 +150,22 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
         Bad input, named on one line.
     WhatIfInterrupted
         Ctrl-C: the stores written so far are valid; the message says what they hold.
+    TypeError
+        A keyword in *options* that is no field of the three groups.
     """
-    from gradforensics.replay import data as rdata
+    from gradforensics.replay.pipeline import data_sources
 
-    sources = _sources(data)
-    for src in sources:
-        rdata.precheck(src, text_field)
+    text_field = options.get("text_field", _field(batches, "text_field", BatchSpec.text_field))
+    sources = data_sources(data, text_field)
     names = [s.name for s in sources]
     arm_list = parse_arms(arms, mixtures, names)
-    if steps < 1 or batch_size < 1:
-        raise SpecError(f"--steps and --batch-size must be >= 1; got {steps} and {batch_size}.")
+    size = options.get("batch_size", _field(batches, "batch_size", BatchSpec.batch_size))
+    if steps < 1 or size < 1:
+        raise SpecError(f"--steps and --batch-size must be >= 1; got {steps} and {size}.")
     if steps > MAX_STEPS:
         raise SpecError(f"--steps {steps:,} is beyond {MAX_STEPS:,}: a what-if replays a short stretch of training "
                         "from the checkpoint, every step recorded.")
-    if sketch is not None and sketch < 1:
-        raise SpecError(f"--sketch must be >= 1; got {sketch}.")
+    b, r, m = _specs(batches, record, model, options)
     base = baseline or arm_list[0].name
     if base not in {a.name for a in arm_list}:
         raise SpecError(f"--baseline {base!r} is not an arm (arms: {', '.join(a.name for a in arm_list)}).")
@@ -175,58 +173,77 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
     stores = _stores(out_dir, arm_list, store_suffix, overwrite)
     plans = {a.name: schedule(names, steps, a.mixture) for a in arm_list}
     say = log if log is not None else (sys.stderr if progress else None)
-    setup = SimpleNamespace(checkpoint=checkpoint, loss=loss, model_factory=model_factory, tokenizer=tokenizer,
-                            device=device, model_dtype=model_dtype, seed=seed, tensors=tensors, full=full,
-                            activations=activations, sketch=sketch, data=[s.name for s in sources],
-                            threads=threads)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = _train(setup, arm_list, plans, stores, sources, heads, dtype, step, optimizer_state,
-                  dict(batch_size=batch_size, seq_len=seq_len, seed=seed, text_field=text_field), overwrite, force,
-                  say)
+    setup = _Setup(checkpoint, b, r, m, threads, optimizer_state, overwrite, force)
+    runs = _train(setup, arm_list, plans, stores, sources, say)
     return _analyse(out_dir, base, runs, only, client, progress, compare_reports)
 
 
-def _load(setup: Any) -> Any:
-    from gradforensics.replay.checkpoint import load_checkpoint, offline
-
-    with offline():
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        return load_checkpoint(setup.checkpoint, loss=setup.loss, model_factory=setup.model_factory,
-                               tokenizer=setup.tokenizer, device=setup.device, model_dtype=setup.model_dtype,
-                               seed=setup.seed)
+def _field(given: Any, name: str, default: Any) -> Any:
+    """Field *name* of a spec or dict *given* (None: *default*), before the spec is built."""
+    if isinstance(given, Mapping):
+        return given.get(name, default)
+    return default if given is None else getattr(given, name, default)
 
 
-def _train(setup: Any, arms: list[Arm], plans: dict[str, list[tuple[str, int]]], stores: dict[str, Path],
-           sources: list[Any], heads: Any, dtype: str | None, step: int | None, state_file: Any,
-           batching: dict[str, Any], overwrite: bool, force: bool, say: IO[str] | None) -> list[ArmRun]:
+def _specs(batches: Any, record: Any, model: Any, options: Mapping[str, Any]) -> tuple[BatchSpec, RecordSpec,
+                                                                                        ModelSpec]:
+    """The three option groups, *options* (fields by name) over the groups given, over the defaults."""
+    groups = (BatchSpec, RecordSpec, ModelSpec)
+    known = {f.name: cls for cls in groups for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"whatif() got an unexpected keyword argument {unknown[0]!r}")
+    over = {cls: {k: v for k, v in options.items() if known[k] is cls} for cls in groups}
+    b = as_spec(BatchSpec, batches)
+    r = as_spec(RecordSpec, record, defaults={"sketch": DEFAULT_SKETCH})
+    m = as_spec(ModelSpec, model)
+    return (dataclasses.replace(b, **over[BatchSpec]), dataclasses.replace(r, **over[RecordSpec]),
+            dataclasses.replace(m, **over[ModelSpec]))
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every arm loads and records with."""
+
+    checkpoint: str | os.PathLike[str]
+    batches: BatchSpec
+    record: RecordSpec
+    model: ModelSpec
+    threads: int | None
+    state_file: Any
+    overwrite: bool
+    force: bool
+
+
+def _train(setup: _Setup, arms: list[Arm], plans: dict[str, list[tuple[str, int]]], stores: dict[str, Path],
+           sources: list[Any], say: IO[str] | None) -> list[ArmRun]:
     from gradforensics._threads import for_model
     from gradforensics.arms.optim import find_state, read_state
     from gradforensics.arms.train import run_arm
-    from gradforensics.commands.capture import check_seq_len, plan_record_bytes
     from gradforensics.replay import data as rdata
-    from gradforensics.replay.checkpoint import max_positions
+    from gradforensics.replay.pipeline import load_model
     from gradforensics.replay.run import Progress, batch_size
 
-    first = _load(setup)
-    check_seq_len(batching["seq_len"], first.max_positions, max_positions(first.model)[1])
-    per_record = plan_record_bytes(setup, first.model, heads, dtype)
+    b, m = setup.batches, setup.model
+    first = load_model(setup.checkpoint, m, b)
+    per_record = plan_record(first.model, setup.record, len(sources))
     names = [s.name for s in sources]
-    _estimate(per_record, len(arms) * len(next(iter(plans.values()))), stores[arms[0].name], force, say)
-    batches = rdata.load_batches(sources, first.tokenizer, n_batches=_needs(plans, names), **batching)
+    _estimate(per_record, len(arms) * len(next(iter(plans.values()))), stores[arms[0].name], setup.force, say)
+    batches = rdata.load_batches(sources, first.tokenizer, n_batches=_needs(plans, names), batch_size=b.batch_size,
+                                 seq_len=b.seq_len, seed=b.seed, text_field=b.text_field)
+    state_file = setup.state_file
     where = Path(state_file) if state_file not in (None, "none") else find_state(first.path)
     saved = read_state(where) if where is not None and state_file != "none" else None
-    step0 = first.step if step is None else step
-    recorder = dict(tensors=setup.tensors, heads=heads, activations=setup.activations, sketch=setup.sketch,
-                    full=setup.full, dtype=dtype, overwrite=overwrite)
+    step0 = first.step if m.step is None else m.step
+    recorder = dict(setup.record.recorder_options(), overwrite=setup.overwrite)
     runs: list[ArmRun] = []
     for i, arm in enumerate(arms):
-        ckpt = first if i == 0 else _load(setup)      # every arm starts from the checkpoint as saved
+        ckpt = first if i == 0 else load_model(setup.checkpoint, m, b)   # every arm starts from the checkpoint as saved
 
         def load(ckpt: Any = ckpt) -> tuple[Any, Any]:
-            dev = setup.device
-            return ckpt.model, lambda m, b: ckpt.loss_fn(m, {k: v.to(dev) for k, v in b.items()})
+            dev = m.device
+            return ckpt.model, lambda net, batch: ckpt.loss_fn(net, {k: v.to(dev) for k, v in batch.items()})
 
         if say is not None:
             print(f"arm {arm.name}: {arm.describe()}", file=say, flush=True)
@@ -240,7 +257,7 @@ def _train(setup: Any, arms: list[Arm], plans: dict[str, list[tuple[str, int]]],
         try:
             with for_model(ckpt.model, setup.threads):
                 runs.append(run_arm(arm, load, batches, plans[arm.name], stores[arm.name], sources=names,
-                                    step0=step0, seed=setup.seed, saved_state=saved, state_where=str(where),
+                                    step0=step0, seed=b.seed, saved_state=saved, state_where=str(where),
                                     recorder=recorder, count=batch_size, on_step=tick))
         except KeyboardInterrupt:
             bar.close()
@@ -251,21 +268,15 @@ def _train(setup: Any, arms: list[Arm], plans: dict[str, list[tuple[str, int]]],
     return runs
 
 
+#: The refusal of a what-if the disk cannot hold (``{disk_of}``: the directory of the stores).
+WHATIF_REFUSAL = ("the what-if stores need ~{total} but only {free} is free in {disk_of}; lower --sketch, record "
+                  "fewer --tensors, fewer --steps or arms, or pass --force.")
+
+
 def _estimate(per_record: dict[str, int], n_records: int, first: Path, force: bool, say: IO[str] | None) -> None:
     """Print the size of all the arms' stores; refuse (unless *force*) when the disk cannot hold them."""
-    from gradforensics._format import fmt_bytes
-    from gradforensics.replay.run import size_estimate
-
-    est = size_estimate(per_record["total"], n_records, first)
-    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in per_record.items() if k != "total" and v)
-    if say is not None:
-        print(f"estimate: {n_records} records (all arms) x {fmt_bytes(est['bytes_per_record'])} ({parts}) = "
-              f"{fmt_bytes(est['total_bytes'])}; {fmt_bytes(est['free_bytes'])} free on the disk of {first.parent}.",
-              file=say, flush=True)
-    if est["total_bytes"] > est["free_bytes"] and not force:
-        raise SpecError(f"the what-if stores need ~{fmt_bytes(est['total_bytes'])} but only "
-                        f"{fmt_bytes(est['free_bytes'])} is free in {first.parent}; lower --sketch, record fewer "
-                        "--tensors, fewer --steps or arms, or pass --force.")
+    check_disk(per_record, n_records, first, force=force, say=say, label=" (all arms)", disk_of=first.parent,
+               refusal=WHATIF_REFUSAL)
 
 
 def _interrupted(runs: list[ArmRun], arm: Arm, n: int, stores: dict[str, Path]) -> str:

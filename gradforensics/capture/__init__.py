@@ -8,12 +8,20 @@
   sketches (:mod:`~gradforensics.capture.sketch`), activation statistics
   (:mod:`~gradforensics.capture.actstats`).
 
-Replaying a checkpoint per data source (``gradforensics capture``) is :mod:`gradforensics.replay`.
+Replaying a checkpoint per data source (``gradforensics capture``) is :mod:`gradforensics.replay`;
+its library call is ``gf.capture(checkpoint, data, out, ...)``
+(:func:`gradforensics.replay.pipeline.capture`).  Importing this package binds
+the name ``capture`` on ``gradforensics`` to the package, so the package is
+callable and calling it is that function: ``gf.capture(...)`` works whichever
+of the two the name holds.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
+import types
 from typing import TYPE_CHECKING, Any, overload
 
 from gradforensics.capture.recorder import ArrayRecorder
@@ -22,6 +30,8 @@ from gradforensics.capture.torch import TorchRecorder
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from gradforensics.store.reader import Store
 
 __all__ = ["ArrayRecorder", "Recorder", "Sketcher", "TorchRecorder"]
 
@@ -42,3 +52,21 @@ def Recorder(path: str | os.PathLike[str], *, model: nn.Module | None = None, **
     if model is None:
         return ArrayRecorder(path, **kwargs)
     return TorchRecorder(path, model=model, **kwargs)
+
+
+class CapturePackage(types.ModuleType):
+    """This package's type: a module that, called, is ``gf.capture`` (see the module docstring)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Store:
+        from gradforensics.replay.pipeline import capture
+
+        return capture(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        from gradforensics.replay.pipeline import capture
+
+        return inspect.signature(capture)
+
+
+sys.modules[__name__].__class__ = CapturePackage

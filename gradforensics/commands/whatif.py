@@ -15,7 +15,8 @@ import argparse
 import sys
 
 from gradforensics.arms.spec import OPTIMIZERS
-from gradforensics.commands.capture import DTYPE_NAMES, add_model_options, parse_heads
+from gradforensics.commands.capture import add_model_options, flags_of
+from gradforensics.replay.plan import DEFAULT_SKETCH, DTYPE_NAMES, BatchSpec, ModelSpec, RecordSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--heads", nargs="+", default=["auto"], metavar="SPEC",
                    help="auto (default), none, or GLOB=H entries (with auto among them to keep the rules)")
     r.add_argument("--activations", nargs="+", metavar="GLOB", help="module globs: per-unit activation statistics")
-    r.add_argument("--sketch", type=int, default=1024, metavar="K",
-                   help="K-dim sketch per tensor (per head); default 1024; 0: whole tensors only")
+    r.add_argument("--sketch", type=int, default=DEFAULT_SKETCH, metavar="K",
+                   help=f"K-dim sketch per tensor (per head); default {DEFAULT_SKETCH}; 0: whole tensors only")
     r.add_argument("--full", nargs="+", metavar="GLOB", help="tensors whose whole gradient is stored too")
     r.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="on-disk gradient format (default: as computed)")
     add_model_options(p)
@@ -62,24 +63,22 @@ def run(args: argparse.Namespace) -> int:
     require_extra("transformers", "gradforensics whatif")
     from gradforensics.arms.run import WhatIfInterrupted, whatif
     from gradforensics.errors import SpecError
+    from gradforensics.report.severity import SEVERITY_NAMES, reaching
 
     if args.sketch < 0:
         raise SpecError(f"--sketch must be >= 0; got {args.sketch}.")
     try:
         res = whatif(args.checkpoint, args.data, args.arm, args.steps, args.out, mixtures=args.mixture,
-                     baseline=args.baseline, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                     text_field=args.text_field, tensors=args.tensors, heads=parse_heads(args.heads),
-                     activations=args.activations, sketch=args.sketch or None,
-                     full=args.full, dtype=DTYPE_NAMES[args.dtype] if args.dtype else None, loss=args.loss,
-                     model_factory=args.model_factory, tokenizer=args.tokenizer, device=args.device,
-                     model_dtype=args.model_dtype, step=args.step, optimizer_state=args.optimizer_state,
+                     baseline=args.baseline, batches=flags_of(args, BatchSpec),
+                     record={**flags_of(args, RecordSpec), "sketch": args.sketch or None},
+                     model=flags_of(args, ModelSpec), optimizer_state=args.optimizer_state,
                      overwrite=args.overwrite, force=args.force, compare_reports=not args.no_compare,
                      only=args.only, progress=not args.quiet, threads=args.threads)
     except WhatIfInterrupted as exc:
         print(f"gradforensics whatif: {exc}", file=sys.stderr)
         return 130
     for r in res.runs:
-        n = sum(f.severity >= 0.5 for f in res.findings[r.arm.name].flags)
+        n = len(reaching(res.findings[r.arm.name].flags, SEVERITY_NAMES["medium"]))
         print(f"{r.arm.name}: {r.steps_done} steps, loss {r.losses[0]:.4g} -> {r.losses[-1]:.4g}, {n} finding(s); "
               f"{r.state_note}; store {r.store}")
     print(f"open {res.paths['html']} in a browser.")
