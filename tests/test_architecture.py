@@ -242,3 +242,17 @@ def test_analyses_import_no_other_analysis():
 def test_layering(layers, rule, allowed):
     bad = _violations(layers, allowed)
     assert not bad, f"layering rule broken: {rule}:\n" + "\n".join(bad)
+
+
+def test_only_the_command_line_imports_commands():
+    """``gradforensics.commands`` is the CLI's: the verbs call the libraries (``replay``, ``arms``,
+    ``testing``, ``demo``, ...), never the other way; only ``cli.py`` and ``commands/`` import it
+    (imports under ``TYPE_CHECKING`` and inside functions count too)."""
+    def cli_side(module: str) -> bool:
+        return module == f"{PACKAGE}.cli" or _under(module, "commands")
+
+    bad = [f"{imp.source}:{imp.line} imports {imp.target}" for imp in ALL_IMPORTS
+           if _under(imp.target, "commands") and not cli_side(imp.source)]
+    assert not bad, "layering rule broken: only cli.py and commands/ import gradforensics.commands:\n" + "\n".join(bad)
+    for layer in ("arms", "testing", "demo", "replay", "capture"):
+        assert any(_layer(m) == layer for m in MODULES), layer       # the rule sees the libraries it names

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from gradforensics.analysis.engine import analyze
     from gradforensics.commands import storage as storage_flags
     from gradforensics.report import report
+    from gradforensics.report.severity import exit_code
 
     storage_flags.register(args, args.store)
     options = {"engine": {"slab_bytes": int(args.slab_mb * (1 << 20))}} if args.slab_mb else None
@@ -82,7 +83,5 @@ def run(args: argparse.Namespace) -> int:
     n_top = sum(f.severity > 0.5 for f in findings.flags)
     print(terminal(f"{findings.store}: {len(findings.flags)} findings ({n_top} above 0.5); report in {args.out}"),
           file=sys.stderr)
-    if args.fail_on is not None and any(f.severity >= args.fail_on - 1e-12 for f in findings.flags):
-        return 1
-    return 0
+    return exit_code(findings, args.fail_on)
 

@@ -128,6 +128,7 @@ def findings_of(inp: LossInput, options: dict[str, Options]) -> Findings:
 
 def run(args: argparse.Namespace) -> int:
     from gradforensics.report import report
+    from gradforensics.report.severity import exit_code
 
     options = series_options(args)
     inp = load(args)
@@ -141,6 +142,4 @@ def run(args: argparse.Namespace) -> int:
     n_top = sum(f.severity > 0.5 for f in findings.flags)
     print(terminal(f"{findings.store}: {len(inp.groups)} series, {len(findings.flags)} findings ({n_top} above 0.5); "
                    f"report in {args.out}"), file=sys.stderr)
-    if args.fail_on is not None and any(f.severity >= args.fail_on - 1e-12 for f in findings.flags):
-        return 1
-    return 0
+    return exit_code(findings, args.fail_on)
