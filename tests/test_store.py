@@ -1,4 +1,4 @@
-"""The store contract, run over both backends."""
+"""The store contract, run over every backend: local Zarr, HDF5, and Zarr at an fsspec URL (``memory://``)."""
 
 from gradforensics.testing.store_contract import StoreContract
 
@@ -9,6 +9,11 @@ class TestZarrStore(StoreContract):
 
 class TestHDF5Store(StoreContract):
     suffix = ".h5"
+
+
+class TestMemoryZarrStore(StoreContract):
+    suffix = ".zarr"
+    url = "memory://"
 
 
 def test_write_analysis_accepts_empty_arrays(tmp_path):

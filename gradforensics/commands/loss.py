@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
 
-STORE_SUFFIXES = (".zarr", ".h5", ".hdf5")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _is_store(path: str) -> bool:
+    from gradforensics.store.backends import STORE_SUFFIXES
+
     return os.path.isdir(path) or path.lower().rstrip("/").endswith(STORE_SUFFIXES)
 
 

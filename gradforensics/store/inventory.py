@@ -326,6 +326,9 @@ def remote_zarr_inventory(url: str, storage_options: dict[str, Any] | None = Non
             raise CorruptStoreError(f"{url}: key {rel!r} has an empty, '.' or '..' segment; a store's names stay "
                                     "inside the store.")
         files[rel] = int(info.get("size") or 0)
+    if not files:                    # the message of a local path that does not exist
+        raise NotAStoreError(f"{url}: no such file or directory (no object under this prefix, zarr.json missing); "
+                             "expected a gradforensics store.")
     if "zarr.json" not in files:
         raise NotAStoreError(f"{url}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
     damaged: list[str] = []

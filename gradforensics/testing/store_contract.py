@@ -5,16 +5,19 @@ A test module opts a backend in with three lines::
     class TestZarr(StoreContract):
         suffix = ".zarr"
 
-Each test builds its store through the public :class:`~gradforensics.Recorder`
-and checks it against NumPy, so a backend that passes is interchangeable with
-the others for everything downstream.
+and a store at an fsspec URL with one more (``url = "memory://"``: every store
+of the class lies under a fresh prefix there).  Each test builds its store
+through the public :class:`~gradforensics.Recorder` and checks it against
+NumPy, so a backend that passes is interchangeable with the others for
+everything downstream.  Damage (a removed array, a removed or overwritten
+chunk) is done through the file system of the store's location
+(:func:`remove`, :func:`overwrite`), so the same test runs on a local
+directory, an HDF5 file and object storage.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from gradforensics.errors import (
     SchemaVersionError,
     StoreMismatchError,
 )
+from gradforensics.store import remote
 from gradforensics.store.backends import open_backend
 from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.reader import Store
@@ -50,12 +54,34 @@ def _grow(b: Any, name: str, n: int) -> None:
     b.truncate(name, n)
 
 
+def remove(store: Path | str, name: str) -> None:
+    """Delete node *name* (an array, or one chunk key ``grads/w/c/2/0/0``) of the store at *store*."""
+    if str(store).endswith((".h5", ".hdf5")):
+        import h5py
+
+        with h5py.File(store, "a") as f:
+            del f[name]
+        return
+    fs, root = remote.filesystem(str(store))
+    fs.rm(f"{root}/{name}", recursive=True)
+
+
+def overwrite(store: Path | str, key: str, data: bytes) -> None:
+    """Replace the object *key* of the Zarr store at *store* with *data* (a damaged chunk)."""
+    fs, root = remote.filesystem(str(store))
+    fs.pipe_file(f"{root}/{key}", data)
+
+
 class StoreContract:
-    """Mix into a test class and set ``suffix`` (``".zarr"`` or ``".h5"``)."""
+    """Mix into a test class and set ``suffix`` (``".zarr"`` or ``".h5"``), and ``url`` for object storage."""
 
     suffix: str = ".zarr"
+    #: an fsspec URL prefix (``"memory://"``) under which the class's stores lie; None: local files
+    url: str | None = None
 
-    def path(self, tmp_path: Path, name: str = "dump") -> Path:
+    def path(self, tmp_path: Path, name: str = "dump") -> Any:
+        if self.url is not None:
+            return f"{self.url}{tmp_path.parent.name}/{tmp_path.name}/{name}{self.suffix}"
         return tmp_path / f"{name}{self.suffix}"
 
     def write(self, path: Path, recs: list[dict[str, np.ndarray]], **kw: Any) -> None:
@@ -171,13 +197,7 @@ class StoreContract:
     def test_missing_array(self, tmp_path: Path) -> None:
         p = self.path(tmp_path)
         self.write(p, _records(2))
-        if self.suffix == ".zarr":
-            shutil.rmtree(p / "batches" / "loss")
-        else:
-            import h5py
-
-            with h5py.File(p, "a") as f:
-                del f["batches/loss"]
+        remove(p, "batches/loss")
         with pytest.raises(MissingArrayError, match="batches/loss is missing"):
             Store(p)
 
@@ -185,7 +205,7 @@ class StoreContract:
         p = self.path(tmp_path)
         self.write(p, _records(16), records_per_chunk=4)
         if self.suffix == ".zarr":
-            os.remove(p / "grads" / "mlp.up" / "c" / "2" / "0" / "0")
+            remove(p, "grads/mlp.up/c/2/0/0")
             with pytest.raises(CorruptChunkError, match=r"grads/mlp.up: chunk 2.0.0 is missing on disk \(records 8-11"):
                 Store(p)
         # Rows committed but never written (every backend): grow the arrays and the count.
@@ -205,8 +225,7 @@ class StoreContract:
         p = self.path(tmp_path)
         self.write(p, _records(16), records_per_chunk=4, compression="zstd" if self.suffix == ".zarr" else "gzip")
         if self.suffix == ".zarr":
-            chunk = p / "grads" / "mlp.up" / "c" / "1" / "0" / "0"
-            chunk.write_bytes(b"garbage" * 10)
+            overwrite(p, "grads/mlp.up/c/1/0/0", b"garbage" * 10)
         else:
             import h5py
 
