@@ -157,3 +157,16 @@ def test_fail_on_is_one_rule_a_flag_at_the_threshold_fails():
     assert reaches(0.5 - 1e-13, 0.5) and not reaches(None, 0.0)
     assert [f.severity for f in reaching(findings.flags, 0.2)] == [0.5, 0.2]
     assert exit_code(_Rows([0.75]), 0.75) == EXIT_FLAGGED and exit_code(_Rows([0.74]), 0.75) == 0
+
+
+def test_capture_command_names_a_bad_out_in_its_own_words(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from gradforensics import cli
+
+    a = tmp_path / "a.txt"
+    a.write_text("w1 w2 w3\n", encoding="utf-8")
+    assert cli.main(["capture", str(tmp_path / "ck"), "--data", f"a={a}", "--out", str(tmp_path / "x.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"gradforensics capture: error: --out {tmp_path / 'x.txt'}: expected a *.zarr directory or a " \
+                  "*.h5 / *.hdf5 file.\n"

@@ -102,10 +102,13 @@ def run(args: argparse.Namespace) -> int:
     if ranks is not None:
         model = dataclasses.replace(model, device=ranks.device)
     from gradforensics.commands import storage as storage_flags
+    from gradforensics.store.remote import is_url
 
+    # a local --out is checked by the library first (its suffix, in the command's words)
+    options = storage_flags.location(args, args.out).storage_options if is_url(args.out) else None
     try:
         done = capture_checkpoint(args.checkpoint, args.data, args.out, batches=batches, record=record, model=model,
-                                  storage_options=storage_flags.location(args, args.out).storage_options,
+                                  storage_options=options,
                                   overwrite=args.overwrite, force=args.force,
                                   quiet=args.quiet or bool(ranks is not None and ranks.rank),   # rank 0 speaks
                                   threads=args.threads, launch=ranks, check_ranks=args.check_ranks)
