@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.capture.autoheads import text_config
-from gradforensics.errors import GradforensicsError, SpecError
+from gradforensics.errors import CheckpointError, GradforensicsError, NotACheckpointError, OfflineError, SpecError
 from gradforensics.replay import losses
+from gradforensics.replay.plan import BUILTIN_LOSSES, MODEL_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -50,21 +51,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length",
                  "max_seq_len", "block_size")
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
-BUILTIN_LOSSES = ("auto", "causal-lm", "masked-lm")
 _LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "", None})
-
-
-class NotACheckpointError(GradforensicsError, FileNotFoundError):
-    """The path is neither a Hugging Face model directory nor a checkpoint file."""
-
-
-class CheckpointError(GradforensicsError, ValueError):
-    """The checkpoint is there but cannot be loaded as asked."""
-
-
-class OfflineError(GradforensicsError, ConnectionError):
-    """Loading would have needed the network."""
 
 
 @dataclass

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
     from gradforensics.store.heads import HeadSpec
 
-__all__ = ["CAPTURE_REFUSAL", "DEFAULT_SKETCH", "DTYPE_NAMES", "ITEMSIZE", "META_BYTES", "BatchSpec", "ModelSpec",
+__all__ = ["BUILTIN_LOSSES", "CAPTURE_REFUSAL", "DEFAULT_SKETCH", "DTYPE_NAMES", "ITEMSIZE", "META_BYTES",
+           "MODEL_DTYPES", "BatchSpec", "ModelSpec",
            "RecordSpec", "as_spec", "check_disk", "check_seq_len", "exceeds_disk", "parse_heads", "plan_record",
            "record_bytes", "size_estimate"]
 
