@@ -26,6 +26,10 @@ one batch of ``n·b``); oscillation reads the band
 
 The record axis is read in store order (for a training store: capture order,
 i.e. step order).
+
+An analysis declares that it runs in this regime (``Analysis(long_history=True)``: its
+``compute`` reads ``ctx.long`` when ``ctx.grams`` is empty); the pass refuses one that
+does not, in one line (:func:`check_supported`), rather than hand it an empty ``ctx.grams``.
 """
 
 from __future__ import annotations
@@ -39,12 +43,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.analysis.engine.model import GramResult
+from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Context
+    from collections.abc import Iterable
+
+    from gradforensics.analysis.engine.model import Analysis, Context
 
 __all__ = ["BAND", "GRAM_BUDGET", "N0", "N_WINDOWS", "Design", "LongGram", "LongHistory", "band_products",
-           "design", "threshold", "window_edges_for", "window_sums"]
+           "check_supported", "design", "threshold", "window_edges_for", "window_sums"]
 
 N0 = 4096
 """Most records the exact regime takes (engine option ``long_history``; see :func:`threshold`)."""
@@ -65,6 +72,24 @@ def threshold(n_units: int, requested: int | None = None) -> int:
     if requested is not None:
         return int(requested)
     return int(min(N0, math.isqrt(GRAM_BUDGET // (8 * max(1, int(n_units))))))
+
+
+def check_supported(selected: Iterable[Analysis], n_records: int, n0: int) -> None:
+    """Refuse a pass over *n_records* > *n0* records that selects an analysis without long-history support.
+
+    Raises
+    ------
+    SpecError
+        One of *selected* does not declare ``long_history=True``: one line naming it,
+        the record count, ``N₀`` and what to do (leave it out, or raise ``N₀``).
+    """
+    bad = [a.name for a in selected if not a.long_history]
+    if bad:
+        names = ", ".join(bad)
+        raise SpecError(f"{names}: the store holds {int(n_records):,} records, above N₀ = {int(n0):,} (the long-history "
+                        "regime: no per-record Gram matrix, ctx.grams is empty), and this analysis does not declare "
+                        "long-history support (Analysis(long_history=True)); leave it out (only=...) or raise N₀ with "
+                        f"options={{'engine': {{'long_history': {int(n_records)}}}}}.")
 
 
 def window_edges_for(n: int, n_windows: int = N_WINDOWS) -> np.ndarray:

@@ -18,9 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
+
+from gradforensics.analysis.engine.checks import Constraints, Interval, StrOptions, check_constraints
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -38,13 +40,33 @@ OptionsT = TypeVar("OptionsT", bound="Options")
 class Options:
     """Base of an analysis's options: a small frozen dataclass, parsed once by :meth:`parse`.
 
-    Subclass it as ``@dataclass(frozen=True) class DriftOptions(Options)``; value
-    checks go in the dataclass's ``__post_init__`` (raise
-    :class:`~gradforensics.errors.SpecError`).  The engine parses each selected
-    analysis's ``options[name]`` once, before reading the store, and hands the
-    parsed object to the analysis in ``ctx.options[name]``
-    (:meth:`Context.options_for`).
+    Subclass it as ``@dataclass(frozen=True) class DriftOptions(Options)`` and declare the
+    values each option accepts as data, in the class attribute :attr:`constraints`
+    (:mod:`gradforensics.analysis.engine.checks`, scikit-learn's parameter validation as
+    the model)::
+
+        constraints = {"window": [Interval(int, 2, None), None], "method": StrOptions({"a", "b"})}
+
+    :meth:`parse` and the dataclass's construction check every value against them, with one
+    message shape: *"The 'window' option of drift must be an int >= 2; got 1."*  A check that
+    is not a simple range or choice (two options together, a pair's order) goes in the
+    dataclass's ``__post_init__``, which then calls ``super().__post_init__()`` first and
+    raises :class:`~gradforensics.errors.SpecError`.  The engine parses each selected
+    analysis's ``options[name]`` once, before reading the store, and hands the parsed object
+    to the analysis in ``ctx.options[name]`` (:meth:`Context.options_for`).
     """
+
+    #: ``{option: constraint}``: what each option accepts (:class:`~gradforensics.analysis.engine.checks.Interval`,
+    #: :class:`~gradforensics.analysis.engine.checks.StrOptions`, None, or a list of them: any one).
+    constraints: ClassVar[Constraints] = MappingProxyType({})
+    #: The analysis these options are for: messages of a directly constructed instance name it
+    #: (:meth:`parse` names the analysis it is given); default the class name.
+    analysis_name: ClassVar[str | None] = None
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        check_constraints(cls.analysis_name or cls.__name__, cls.constraints,
+                          {k: getattr(self, k) for k in cls.constraints if hasattr(self, k)})
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -63,17 +85,19 @@ class Options:
             ``None`` (the defaults), an instance of *cls* (returned as is), or a
             mapping of field values.
         name
-            The analysis the options are for (messages name it; default: the class name).
+            The analysis the options are for (messages name it; default:
+            :attr:`analysis_name`, else the class name).
 
         Raises
         ------
         SpecError
             *raw* is not a mapping, names an unknown key (the message lists the
-            known ones), or a value fails the class's checks.
+            known ones), a value breaks its declared constraint (:attr:`constraints`),
+            or it fails the class's own checks.
         """
         from gradforensics.errors import SpecError
 
-        who = name or cls.__name__
+        who = name or cls.analysis_name or cls.__name__
         if raw is None:
             return cls()
         if isinstance(raw, cls):
@@ -86,6 +110,7 @@ class Options:
         if unknown:
             raise SpecError(f"{who}: bad options {dict(raw)!r}: unknown key(s) {unknown}; "
                             f"{who} options must be among {known}.")
+        check_constraints(who, cls.constraints, raw)
         return cls(**raw)
 
 
@@ -120,7 +145,10 @@ class Need(StrEnum):
 
 @dataclass(frozen=True)
 class Advice:
-    """What a kind of flag means and what to try next: what the report says about it.
+    """What a kind of flag means and what to try next: everything downstream knows of the kind.
+
+    The report (summary, records map, remedies), ``compare`` and ``whatif`` read a kind's
+    declaration here and nowhere else.
 
     Parameters
     ----------
@@ -130,8 +158,12 @@ class Advice:
         Verb phrase of the summary sentence; ``{sources}`` is replaced by the
         implicated sources (``"{sources} gradients point opposite ways"``).
     evidence_keys
-        Evidence keys the summary quotes (as a range over a finding's flags),
-        most telling first.
+        Evidence keys the summary quotes (as a range over a finding's flags), most
+        telling first: keys the kind's flags carry in ``evidence`` (the contract suite,
+        :mod:`gradforensics.testing.contracts`, checks every one on a planted store).
+        A mapping ``{key: label}`` gives how each reads in a sentence (``{"cosine":
+        "cos"}``); a plain sequence of keys reads each as itself, underscores as spaces.
+        After construction this is the tuple of keys and :attr:`evidence_labels` the labels.
     remedies
         What to try next, most likely first: the standard remedies for this
         failure with their literature, not a diagnosis.
@@ -140,14 +172,64 @@ class Advice:
     time_axis
         The statistic reads the record axis as time: in a ``replay`` store the
         report prefixes the remedies with that caveat.
+    records_map
+        Non-empty for a finding about gradient *directions*: the report draws the
+        records map (every record placed by its gradient's direction, from the saved
+        Gram matrix) for the most severe flag of such a kind, and this sentence tells
+        how to read it (``"a drifting gradient walks away from its first records in the
+        step panel"``).  Empty (default): the kind takes no part in the map.
+    keyed_by_sources
+        The finding *is* about its sources (a conflict is its source pair): two flags
+        of this kind on one unit with different sources are two findings.  False
+        (default): the sources describe the finding (who sits at an oscillation's
+        poles, which source a drift aligns with, which sources are noisier) and move
+        from run to run with the trajectory; the finding is the unit's.  See :meth:`key`.
     """
 
     title: str
     phrase: str
-    evidence_keys: tuple[str, ...] = ()
+    evidence_keys: tuple[str, ...] | Mapping[str, str] = ()
     remedies: tuple[str, ...] = ()
     references: tuple[str, ...] = ()
     time_axis: bool = False
+    records_map: str = ""
+    keyed_by_sources: bool = False
+    evidence_labels: Mapping[str, str] = field(init=False, repr=False, compare=False,
+                                               default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        from gradforensics.errors import SpecError
+
+        raw = self.evidence_keys
+        pairs = list(raw.items()) if isinstance(raw, Mapping) else (
+            None if isinstance(raw, str) else [(k, None) for k in raw])
+        if pairs is None or not all(isinstance(k, str) and k and (lab is None or (isinstance(lab, str) and lab))
+                                    for k, lab in pairs):
+            raise SpecError(f"Advice {self.title!r}: evidence_keys must be a sequence of non-empty keys or a "
+                            f"mapping of keys to non-empty labels; got {raw!r}.")
+        keys = tuple(k for k, _ in pairs)
+        if len(set(keys)) != len(keys):
+            raise SpecError(f"Advice {self.title!r}: evidence_keys names a key twice; got {list(keys)!r}.")
+        labels = {k: lab if lab is not None else k.replace("_", " ") for k, lab in pairs}
+        object.__setattr__(self, "evidence_keys", keys)
+        object.__setattr__(self, "evidence_labels", MappingProxyType(labels))
+        if not isinstance(self.records_map, str):
+            raise SpecError(f"Advice {self.title!r}: records_map must be a sentence (empty: no map); "
+                            f"got {self.records_map!r}.")
+
+    def label(self, key: str) -> str:
+        """How evidence *key* reads in a sentence (its declared label, else the key with spaces)."""
+        return self.evidence_labels.get(key) or key.replace("_", " ")
+
+    def key(self, flag: Flag) -> FlagKey:
+        """Which finding *flag* is, across runs and arms: ``(kind, tensor, head, sources)``.
+
+        The one rule (``compare`` and ``whatif`` both pair findings by it): a finding is
+        its kind, tensor and head, plus its sources (as a sorted tuple) when the kind is
+        :attr:`keyed_by_sources`; otherwise the last element is ``()``.
+        """
+        srcs = tuple(sorted(flag.sources)) if self.keyed_by_sources else ()
+        return (flag.kind, flag.tensor, None if flag.head is None else int(flag.head), srcs)
 
     def remedies_for(self, flags: Sequence[Flag]) -> list[str]:
         """The remedies for a group of *flags* of this kind, most specific first.
@@ -155,6 +237,10 @@ class Advice:
         Override in a subclass to reorder them by what the flags show.
         """
         return list(self.remedies)
+
+
+#: A finding's identity across runs (:meth:`Advice.key`): kind, tensor, head, sources (or ``()``).
+FlagKey = tuple[str, str, "int | None", tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -368,6 +454,14 @@ class Analysis:
         (an instance of ``options``); None when the series give it nothing to
         do (no table).  ``gradforensics loss`` runs every registered analysis
         that has one, then its ``flags`` (see :class:`Context`).
+    long_history
+        It runs in the long-history regime: above ``N₀`` records ``ctx.grams`` is
+        empty and ``ctx.long`` holds the banded Gram and the window-source sums
+        (:class:`~gradforensics.analysis.engine.longhistory.LongHistory`), and its
+        ``compute`` reads them.  False (default): above ``N₀`` the engine refuses to
+        run it (one ``SpecError`` line naming it and ``N₀``) rather than hand it a
+        context without the Gram matrices it reads.  The regime exists only when a
+        selected analysis needs :attr:`Need.GRAM`; every built-in declares True.
 
     Raises
     ------
@@ -386,6 +480,7 @@ class Analysis:
     lazy: Callable[[Store], dict[str, Any]] | None = None
     slab_reductions: Callable[[Store], Mapping[str, SlabReduction]] | None = None
     series: Callable[[Sequence[SeriesGroup], Any], AnalysisResult | None] | None = None
+    long_history: bool = False
 
     def __post_init__(self) -> None:
         import dataclasses
@@ -407,15 +502,26 @@ class Analysis:
         if not (isinstance(self.options, type) and issubclass(self.options, Options)
                 and dataclasses.is_dataclass(self.options)):
             raise SpecError(f"The 'options' of {who} must be a dataclass subclassing Options; got {self.options!r}.")
+        fields = self.options.field_names()
+        stray = sorted(k for k in self.options.constraints if k not in fields)
+        if stray:
+            raise SpecError(f"The 'options' of {who}: {self.options.__name__}.constraints name unknown option(s) "
+                            f"{stray}; its options are {list(fields)}.")
         if not isinstance(self.kinds, Mapping) or not all(
                 isinstance(k, str) and k.isidentifier() and k == k.lower() and isinstance(v, Advice)
                 for k, v in self.kinds.items()):
             raise SpecError(f"The 'kinds' of {who} must map lower-case identifiers to Advice; got {self.kinds!r}.")
         object.__setattr__(self, "kinds", MappingProxyType(dict(self.kinds)))
+        mapped = sorted(k for k, v in self.kinds.items() if v.records_map)
+        if mapped and Need.GRAM not in self.needs:
+            raise SpecError(f"{who} declares a records map for kind(s) {mapped}: the map is drawn from the saved Gram "
+                            "matrices, so it goes with needs 'gram' and only then.")
         self._check_hook("slab_reductions", Need.GRADS in self.needs, "'grads'")
         self._check_hook("lazy", bool({Need.ACTS, Need.WEIGHTS} & set(self.needs)), "'acts' or 'weights'")
         if self.series is not None and not callable(self.series):
             raise SpecError(f"The 'series' of {who} must be callable or None; got {self.series!r}.")
+        if not isinstance(self.long_history, bool):
+            raise SpecError(f"The 'long_history' of {who} must be True or False; got {self.long_history!r}.")
 
     def _check_hook(self, hook: str, needed: bool, needs: str) -> None:
         from gradforensics.errors import SpecError
@@ -480,13 +586,17 @@ __all__ = [
     "Advice",
     "Analysis",
     "AnalysisResult",
+    "Constraints",
     "Context",
     "Findings",
     "Flag",
+    "FlagKey",
     "GramResult",
+    "Interval",
     "Need",
     "NoOptions",
     "Options",
+    "StrOptions",
     "asdict",
     "regime_of",
 ]

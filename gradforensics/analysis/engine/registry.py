@@ -10,19 +10,27 @@ each; an analysis defined anywhere else (a plugin, a test) is added with
 Everything downstream reads the registry, so a registered analysis needs no
 other edit: the engine runs it (``only=``, ``options=``), the kinds it declares
 are valid in ``flags.json`` (:func:`flag_kinds`, the schema's ``kind`` enum) and
-the report finds its advice (:func:`advice_of`) and its plot.
+the report finds its advice (:func:`advice_of`) and its plot.  What downstream code knows
+of a kind - the evidence keys the summary quotes with their labels, whether the records
+map is drawn for it (:func:`records_map_kinds`), which flags are the same finding across
+runs and arms (:func:`flag_key`) - is read from its :class:`~gradforensics.analysis.engine.model.Advice`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from gradforensics.analysis.engine.model import Advice, Analysis
 from gradforensics.errors import SpecError
 from gradforensics.store.names import check_analysis_name
 
-__all__ = ["REGISTRY", "advice_of", "emitter_of", "flag_kinds", "register", "registered", "unregister"]
+if TYPE_CHECKING:
+    from gradforensics.analysis.engine.model import Flag, FlagKey
+
+__all__ = ["REGISTRY", "advice_of", "emitter_of", "flag_key", "flag_kinds", "records_map_kinds", "register",
+           "registered", "unregister"]
 
 #: Registered analyses by name, in registration order.
 REGISTRY: dict[str, Analysis] = {}
@@ -98,3 +106,20 @@ def advice_of(kind: str) -> Advice | None:
     """What the report says about a flag of *kind*: its emitter's :class:`Advice`, or None."""
     a = emitter_of(kind)
     return None if a is None else a.kinds[kind]
+
+
+def flag_key(flag: Flag) -> FlagKey:
+    """Which finding *flag* is: ``(kind, tensor, head, sources)``, how ``compare`` and ``whatif`` pair flags.
+
+    The kind's :meth:`Advice.key <gradforensics.analysis.engine.model.Advice.key>`:
+    kind, tensor and head, plus the sorted sources only for a kind whose finding is
+    about its sources (``Advice.keyed_by_sources``: conflict); otherwise ``()``.  A kind
+    no registered analysis emits declares nothing, so it is keyed without its sources.
+    """
+    advice = advice_of(flag.kind) or Advice(title=flag.kind, phrase=flag.kind)
+    return advice.key(flag)
+
+
+def records_map_kinds() -> tuple[str, ...]:
+    """The kinds the report draws the records map for (``Advice.records_map`` non-empty), in registry order."""
+    return tuple(k for a in REGISTRY.values() for k, adv in a.kinds.items() if adv.records_map)

@@ -47,7 +47,15 @@ from gradforensics.analysis.engine.gram import (
     gram_graph,
     slab_graph,
 )
-from gradforensics.analysis.engine.longhistory import BAND, N_WINDOWS, LongHistory, design, long_graph, threshold
+from gradforensics.analysis.engine.longhistory import (
+    BAND,
+    N_WINDOWS,
+    LongHistory,
+    check_supported,
+    design,
+    long_graph,
+    threshold,
+)
 from gradforensics.analysis.engine.model import (
     Analysis,
     AnalysisResult,
@@ -338,6 +346,7 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
     opts: dict[str, Any] = {"slab_bytes": engine.slab_bytes, "split_every": engine.split_every, "precision": engine.precision}
     long_design = None
     if want_gram and engine.long_regime(store.n_records, n_units(store)):
+        check_supported(selected, store.n_records, engine.n0(n_units(store)))    # before anything is read
         mix = (batches if batches is not None else store.batches())["mixture"]
         long_design = design(mix, engine.band, engine.windows)
     for tensor in store.tensors if want_gram else sorted(reductions):
