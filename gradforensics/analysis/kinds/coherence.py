@@ -222,4 +222,4 @@ def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
 
 
 ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series), flags=_flags, plot=plot, options=SpectrumOptions,
-                    series=_series)
+                    series=_series, long_history=True)

@@ -40,15 +40,24 @@ import math
 import zlib
 from dataclasses import dataclass
 from itertools import combinations
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from gradforensics.analysis.engine import flagging as fl
 from gradforensics.analysis.engine import kspace as ks
 from gradforensics.analysis.engine import units as un
-from gradforensics.analysis.engine.checks import check_int
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, Need, Options
+from gradforensics.analysis.engine.model import (
+    Advice,
+    Analysis,
+    AnalysisResult,
+    Constraints,
+    Context,
+    Flag,
+    Interval,
+    Need,
+    Options,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -70,10 +79,9 @@ class ConflictOptions(Options):
     seed: int = 0
     block: int | None = None
 
-    def __post_init__(self) -> None:
-        check_int("conflict", "permutations", self.permutations, 19)
-        check_int("conflict", "seed", self.seed, 0)
-        check_int("conflict", "block", self.block, 2, allow_none=True)
+    analysis_name = "conflict"
+    constraints: ClassVar[Constraints] = {"permutations": Interval(int, 19, None), "seed": Interval(int, 0, None),
+                   "block": [Interval(int, 2, None), None]}
 
 
 # ---------------------------------------------------------------- statistics
@@ -371,7 +379,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 ADVICE = Advice(
     title="Data-source conflict",
     phrase="{sources} gradients point opposite ways",
-    evidence_keys=("cosine", "p_value"),
+    evidence_keys={"cosine": "cos", "p_value": "p"},
     remedies=(
         "Re-weight the mixture: lower the share of one of the conflicting sources, or learn the weights "
         "with a small proxy model (DoReMi).",
@@ -381,7 +389,9 @@ ADVICE = Advice(
         "PCGrad) on the layers named here only, or give the sources a distinguishing tag token."),
     references=("Yu et al. 2020, Gradient Surgery for Multi-Task Learning (PCGrad)",
                 "Xie et al. 2023, DoReMi: Optimizing Data Mixtures Speeds Up LM Pretraining"),
+    records_map="two sources pulling this unit opposite ways sit in two separate clouds",
+    keyed_by_sources=True,
 )
 
 ANALYSIS = Analysis(name="conflict", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
-                    kinds={"conflict": ADVICE}, options=ConflictOptions)
+                    kinds={"conflict": ADVICE}, options=ConflictOptions, long_history=True)

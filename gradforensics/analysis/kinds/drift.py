@@ -32,15 +32,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from gradforensics.analysis.engine import flagging as fl
 from gradforensics.analysis.engine import kspace as ks
 from gradforensics.analysis.engine import units as un
-from gradforensics.analysis.engine.checks import check_int
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, Need, Options
+from gradforensics.analysis.engine.model import (
+    Advice,
+    Analysis,
+    AnalysisResult,
+    Constraints,
+    Context,
+    Flag,
+    Interval,
+    Need,
+    Options,
+)
 from gradforensics.analysis.engine.stats import finite_mean, rank_trend
 
 if TYPE_CHECKING:
@@ -61,8 +70,8 @@ class DriftOptions(Options):
 
     window: int | None = None
 
-    def __post_init__(self) -> None:
-        check_int("drift", "window", self.window, 2, allow_none=True)
+    analysis_name = "drift"
+    constraints: ClassVar[Constraints] = {"window": [Interval(int, 2, None), None]}
 
 
 # ---------------------------------------------------------------- statistics
@@ -304,7 +313,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 ADVICE = Advice(
     title="Direction drift",
     phrase="the gradient direction drifts away from where it started",
-    evidence_keys=("cosine", "rho", "p_value"),
+    evidence_keys={"rotation": "rotation", "cos_late": "late cos to the opening mean", "rho": "ρ", "p_value": "p"},
     remedies=(
         "Look for a change in the data stream at the records named (mixture schedule, a new shard, "
         "a tokenizer or packing change) before blaming the optimizer.",
@@ -312,7 +321,8 @@ ADVICE = Advice(
         "schedule: try a lower peak LR or a longer decay."),
     references=("Gur-Ari et al. 2018, Gradient Descent Happens in a Tiny Subspace",),
     time_axis=True,
+    records_map="a drifting gradient walks away from its first records in the step panel",
 )
 
 ANALYSIS = Analysis(name="drift", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
-                    kinds={"drift": ADVICE}, options=DriftOptions)
+                    kinds={"drift": ADVICE}, options=DriftOptions, long_history=True)

@@ -251,4 +251,4 @@ def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
 
 
 ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series), flags=_flags, plot=plot, options=SpectrumOptions,
-                    series=analyze_series)
+                    series=analyze_series, long_history=True)

@@ -271,7 +271,7 @@ def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
 ADVICE = Advice(
     title="Periodic loss / gradient norm",
     phrase="the per-record series (loss or gradient norm) is periodic",
-    evidence_keys=("period_steps", "power", "p_value"),
+    evidence_keys={"period_steps": "period", "power": "power", "p_value": "p"},
     remedies=(
         "A peak at a fixed period in steps is usually data order: shards, epochs or a sorted-by-length "
         "loader repeating; shuffle across shards and check the period against the shard size.",
@@ -282,4 +282,5 @@ ADVICE = Advice(
 )
 
 ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series), flags=_flags, plot=plot,
-                    kinds={"loss_spectrum": ADVICE}, options=SpectrumOptions, series=analyze_series)
+                    kinds={"loss_spectrum": ADVICE}, options=SpectrumOptions, series=analyze_series,
+                    long_history=True)

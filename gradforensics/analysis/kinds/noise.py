@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -49,9 +49,11 @@ from gradforensics.analysis.engine.model import (
     Advice,
     Analysis,
     AnalysisResult,
+    Constraints,
     Context,
     Flag,
     GramResult,
+    Interval,
     Need,
     Options,
 )
@@ -67,7 +69,6 @@ from gradforensics.analysis.engine.noisescale import (
     summarize,
 )
 from gradforensics.analysis.engine.units import head_of
-from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -99,13 +100,9 @@ class NoiseOptions(Options):
     outlier_ratio: float = 4.0
     outlier_z: float = 3.5
 
-    def __post_init__(self) -> None:
-        if self.min_records < 3:
-            raise SpecError(f"noise option min_records must be >= 3; got {self.min_records}.")
-        if not self.outlier_ratio > 1:
-            raise SpecError(f"noise option outlier_ratio must be > 1; got {self.outlier_ratio}.")
-        if not self.outlier_z > 0:
-            raise SpecError(f"noise option outlier_z must be > 0; got {self.outlier_z}.")
+    analysis_name = "noise"
+    constraints: ClassVar[Constraints] = {"min_records": Interval(int, 3, None), "outlier_ratio": Interval(float, 1, None, "neither"),
+                   "outlier_z": Interval(float, 0, None, "neither")}
 
 
 # ------------------------------------------------------------------ table
@@ -508,7 +505,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 ADVICE = Advice(
     title="Gradient noise",
     phrase="gradient noise swamps the signal",
-    evidence_keys=("snr", "b_simple", "snr_upper", "batch_size"),
+    evidence_keys={"snr": "SNR", "b_simple": "B_simple", "snr_upper": "SNR ≤", "batch_size": "batch"},
     remedies=(
         "Whole model below SNR 1: the batch is below the critical batch size B_simple = tr(Σ)/|G|² for this point "
         "of training (normal near convergence); raise it toward B_simple if steps are wasted on noise.",
@@ -520,4 +517,4 @@ ADVICE = Advice(
 )
 
 ANALYSIS = Analysis(name="noise", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
-                    kinds={"noise": ADVICE}, options=NoiseOptions)
+                    kinds={"noise": ADVICE}, options=NoiseOptions, long_history=True)

@@ -149,7 +149,8 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 ADVICE = Advice(
     title="Non-finite gradients",
     phrase="holds non-finite values (NaN/Inf)",
-    evidence_keys=("nonfinite", "n_records", "first_record"),
+    evidence_keys={"records_nonfinite": "records with non-finite values",
+                   "elements_nonfinite": "non-finite values", "first_record": "first at record"},
     remedies=(
         "Find the source: the first record and source named here; re-run that batch in fp32 with anomaly "
         "detection to locate the op.",
@@ -160,4 +161,4 @@ ADVICE = Advice(
 )
 
 ANALYSIS = Analysis(name="nonfinite", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
-                    kinds={"nonfinite": ADVICE})
+                    kinds={"nonfinite": ADVICE}, long_history=True)

@@ -44,15 +44,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from gradforensics.analysis.engine import flagging as fl
 from gradforensics.analysis.engine import kspace as ks
 from gradforensics.analysis.engine import units as un
-from gradforensics.analysis.engine.checks import check_int
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, Need, Options
+from gradforensics.analysis.engine.model import (
+    Advice,
+    Analysis,
+    AnalysisResult,
+    Constraints,
+    Context,
+    Flag,
+    Interval,
+    Need,
+    Options,
+)
 from gradforensics.analysis.engine.stats import bimodality_coefficient, finite_mean
 from gradforensics.store.names import layer_of
 
@@ -74,9 +83,8 @@ class OscillationOptions(Options):
     components: int = 3
     min_cycles: int = 3
 
-    def __post_init__(self) -> None:
-        check_int("oscillation", "components", self.components, 1)
-        check_int("oscillation", "min_cycles", self.min_cycles, 2)
+    analysis_name = "oscillation"
+    constraints: ClassVar[Constraints] = {"components": Interval(int, 1, None), "min_cycles": Interval(int, 2, None)}
 
 
 # ---------------------------------------------------------------- statistics
@@ -453,7 +461,8 @@ def _plot_windows(win: np.ndarray, flag: Flag, ax: Axes) -> None:
 ADVICE = Advice(
     title="Oscillation",
     phrase="updates flip between two opposing directions",
-    evidence_keys=("cosine", "period", "bimodality"),
+    evidence_keys={"period_records": "records per period", "consec_cos": "consecutive-record cos",
+                   "bimodality_coefficient": "bimodality", "p_value": "p"},
     remedies=(
         "Lower the LR (or its peak), or lengthen warmup: sign-flipping updates along the top direction are "
         "the edge-of-stability signature of a step too large for the local curvature.",
@@ -464,7 +473,8 @@ ADVICE = Advice(
                 "Goyal et al. 2017, Accurate, Large Minibatch SGD (warmup)",
                 "Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities"),
     time_axis=True,
+    records_map="a run flipping between two directions zig-zags between two clouds in the step panel",
 )
 
 ANALYSIS = Analysis(name="oscillation", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
-                    kinds={"oscillation": ADVICE}, options=OscillationOptions)
+                    kinds={"oscillation": ADVICE}, options=OscillationOptions, long_history=True)

@@ -52,11 +52,20 @@ IEEE 754-2008, §4.3.1 (round to nearest, ties to even).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag, Need, Options
+from gradforensics.analysis.engine.model import (
+    Advice,
+    Analysis,
+    AnalysisResult,
+    Constraints,
+    Flag,
+    Interval,
+    Need,
+    Options,
+)
 from gradforensics.errors import SpecError
 from gradforensics.store.heads import HeadSpec
 
@@ -103,11 +112,13 @@ class PrecisionOptions(Options):
     format: str = "bf16"
     min_severity: float = 0.1
 
+    analysis_name = NAME
+    constraints: ClassVar[Constraints] = {"loss_scale": [Interval(float, 0, None, "neither"), None]}
+
     def __post_init__(self) -> None:
-        if self.format not in FLAG_FORMATS:
+        super().__post_init__()
+        if self.format not in FLAG_FORMATS:         # the message tests and users match: "format must be one of"
             raise SpecError(f"precision: format must be one of {FLAG_FORMATS}; got {self.format!r}.")
-        if self.loss_scale is not None and not (np.isfinite(self.loss_scale) and self.loss_scale > 0):
-            raise SpecError(f"precision: loss_scale must be a positive number; got {self.loss_scale!r}.")
 
 
 
@@ -523,7 +534,10 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 ADVICE = Advice(
     title="Precision floor",
     phrase="updates fall below the weights' precision floor",
-    evidence_keys=("swamped", "frac_swamped", "underflow", "overflow"),
+    evidence_keys={"swamped_bf16": "swamped in bf16", "lost_share": "unchanged share",
+                   "swamped_fp16": "swamped in fp16", "grad_underflow_fp16": "fp16 gradient underflow",
+                   "grad_overflow_fp16": "fp16 gradient overflow",
+                   "median_update_ulps_bf16": "median update (bf16 ULPs)"},
     remedies=(
         "Keep fp32 master weights (mixed precision) so small updates accumulate instead of rounding away.",
         "Or use stochastic rounding / Kahan-compensated summation for bf16 weight updates.",
@@ -533,5 +547,5 @@ ADVICE = Advice(
 )
 
 ANALYSIS = Analysis(name=NAME, needs=(Need.GRADS, Need.WEIGHTS), compute=compute, flags=flags, plot=plot,
-                    kinds={"precision": ADVICE}, options=PrecisionOptions, lazy=lazy,
+                    kinds={"precision": ADVICE}, options=PrecisionOptions, lazy=lazy, long_history=True,
                     slab_reductions=slab_reductions)

@@ -37,13 +37,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import pandas as pd
 
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag, Need, Options
-from gradforensics.errors import SpecError
+from gradforensics.analysis.engine.model import (
+    Advice,
+    Analysis,
+    AnalysisResult,
+    Constraints,
+    Flag,
+    Interval,
+    Need,
+    Options,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -65,9 +73,8 @@ class RankConsistencyOptions(Options):
 
     rtol: float = 1e-5
 
-    def __post_init__(self) -> None:
-        if not (isinstance(self.rtol, (int, float)) and 0 < self.rtol < 1):
-            raise SpecError(f"rankconsistency: rtol must be a number in (0, 1); got {self.rtol!r}.")
+    analysis_name = NAME
+    constraints: ClassVar[Constraints] = {"rtol": Interval(float, 0, 1, "neither")}
 
 
 def replay_groups(ranks: np.ndarray) -> list[dict[int, int]]:
@@ -210,7 +217,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 ADVICE = Advice(
     title="Ranks disagree on the same batch",
     phrase="computes a different gradient for the same batch than the other ranks",
-    evidence_keys=("rank", "max_rel_diff", "n_tensors"),
+    evidence_keys={"rank": "rank", "max_rel_diff": "largest relative difference", "n_tensors": "tensors"},
     remedies=(
         "Re-run the check with the ranks on other devices or nodes: a difference that follows the device is a "
         "hardware fault (silent data corruption); drain that device and run the vendor's diagnostics.",
@@ -222,4 +229,4 @@ ADVICE = Advice(
 )
 
 ANALYSIS = Analysis(name=NAME, needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,
-                    kinds={KIND: ADVICE}, options=RankConsistencyOptions)
+                    kinds={KIND: ADVICE}, options=RankConsistencyOptions, long_history=True)

@@ -45,14 +45,22 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from gradforensics.analysis.engine.kspace import window_edges
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag, Need, Options
+from gradforensics.analysis.engine.model import (
+    Advice,
+    Analysis,
+    AnalysisResult,
+    Constraints,
+    Flag,
+    Interval,
+    Need,
+    Options,
+)
 from gradforensics.analysis.engine.stats import bimodality_coefficient, rank_trend
-from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -92,11 +100,8 @@ class SaturationOptions(Options):
     trend_p: float = 0.01
     min_severity: float = 0.1
 
-    def __post_init__(self) -> None:
-        if not 0.0 < self.min_camp < 0.5:
-            raise SpecError(f"saturation: min_camp must be in (0, 0.5); got {self.min_camp!r}.")
-        if not 0.0 < self.trend_p < 0.5:
-            raise SpecError(f"saturation: trend_p must be in (0, 0.5); got {self.trend_p!r}.")
+    analysis_name = NAME
+    constraints: ClassVar[Constraints] = {"min_camp": Interval(float, 0, 0.5, "neither"), "trend_p": Interval(float, 0, 0.5, "neither")}
 
 
 
@@ -349,7 +354,9 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 ADVICE = Advice(
     title="Activation saturation",
     phrase="units are dead or pinned at the top of their range",
-    evidence_keys=("dead", "saturated", "bimodality", "frac_dead"),
+    evidence_keys={"dead_share": "dead share", "saturated_share": "saturated share", "polar_share": "polar share",
+                   "rise": "rise of the polar share", "separation": "camp separation D",
+                   "bimodality_coefficient": "bimodality"},
     remedies=(
         "Check the initialisation scale of the layer feeding these units (Glorot/He; smaller for deep "
         "stacks) and the LR: a large early step kills ReLU-family units for good.",
@@ -361,4 +368,4 @@ ADVICE = Advice(
 )
 
 ANALYSIS = Analysis(name=NAME, needs=(Need.ACTS,), compute=compute, flags=flags, plot=plot, lazy=lazy,
-                    kinds={"saturation": ADVICE}, options=SaturationOptions)
+                    kinds={"saturation": ADVICE}, options=SaturationOptions, long_history=True)

@@ -52,12 +52,21 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from gradforensics.analysis.engine.kspace import window_edges
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag, Need, Options
+from gradforensics.analysis.engine.model import (
+    Advice,
+    Analysis,
+    AnalysisResult,
+    Constraints,
+    Flag,
+    Interval,
+    Need,
+    Options,
+)
 from gradforensics.analysis.engine.stats import rank_trend
 from gradforensics.analysis.engine.units import head_of
 from gradforensics.errors import SpecError
@@ -107,13 +116,14 @@ class SpectralOptions(Options):
     top_k: int = 5
     min_severity: float = 0.1
 
+    analysis_name = NAME
+    constraints: ClassVar[Constraints] = {"growth_half": Interval(float, 1, None, "neither"), "top_k": Interval(int, 1, None)}
+
     def __post_init__(self) -> None:
-        lo, hi = self.alpha_range
+        super().__post_init__()
+        lo, hi = self.alpha_range                   # a pair in order: not a simple range
         if not 1.0 < lo < hi:
             raise SpecError(f"spectral: alpha_range must be (lo, hi) with 1 < lo < hi; got {self.alpha_range!r}.")
-        if not self.growth_half > 1.0 or self.top_k < 1:
-            raise SpecError(f"spectral: growth_half must be > 1 and top_k >= 1; got {self.growth_half!r}, "
-                            f"{self.top_k!r}.")
 
 
 
@@ -646,7 +656,8 @@ def _on_query_or_key(flag: Flag) -> bool:
 ADVICE = SpectralAdvice(
     title="Spectral growth / rank collapse",
     phrase="the spectrum concentrates in a few directions",
-    evidence_keys=("stable_rank", "alpha", "growth", "top_share"),
+    evidence_keys={"norm_growth": "spectral-norm growth", "stable_rank": "stable rank", "alpha": "α",
+                   "stable_rank_first": "opening stable rank", "sigma_max": "σ_max"},
     remedies=(
         "For attention q/k weights: normalise queries and keys (QK-norm) or add the auxiliary z-loss; "
         "growing q/k spectra precede attention-logit blow-up.",
@@ -659,5 +670,5 @@ ADVICE = SpectralAdvice(
 )
 
 ANALYSIS = Analysis(name=NAME, needs=(Need.GRADS, Need.WEIGHTS), compute=compute, flags=flags, plot=plot,
-                    kinds={"spectral": ADVICE}, options=SpectralOptions, lazy=lazy,
+                    kinds={"spectral": ADVICE}, options=SpectralOptions, lazy=lazy, long_history=True,
                     slab_reductions=slab_reductions)
