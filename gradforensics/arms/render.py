@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics._text import md_code, md_text, visible
+from gradforensics.analysis.engine.registry import flag_key
 from gradforensics.report.comparison import ACT
 from gradforensics.report.figures import new_figure, to_png
 from gradforensics.report.html import CSS
@@ -33,27 +34,28 @@ from gradforensics.report.tables import csv_safe
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.engine.model import Findings, Flag, FlagKey
     from gradforensics.arms.run import WhatIf
 
 __all__ = ["finding_matrix", "key_of", "loss_figure", "render_html", "render_markdown", "verdict", "write"]
 
-Key = tuple[str, str, "int | None", tuple[str, ...]]
 TOP = 5
 
 
 # ------------------------------------------------------------------ tables
-def key_of(f: Flag) -> Key:
-    """How a finding is matched across arms: kind, tensor, head, and - for conflict only - the source pair.
+def key_of(f: Flag) -> FlagKey:
+    """How a finding is matched across arms: :func:`~gradforensics.analysis.engine.registry.flag_key`.
 
-    An oscillation's or a drift's sources (who sits at each pole) shift from arm
-    to arm with the trajectory; the finding is the tensor's.  A conflict *is* its pair.
+    The same rule as ``compare`` (and so as each arm's ``compare/<arm>/`` report): kind,
+    tensor, head, and the sources only where the kind's finding is about them
+    (``Advice.keyed_by_sources``: a conflict *is* its pair; an oscillation's or a
+    drift's sources shift from arm to arm with the trajectory).
     """
-    return (f.kind, f.tensor, f.head, tuple(sorted(f.sources)) if f.kind == "conflict" else ())
+    return flag_key(f)
 
 
-def _by_key(findings: Findings) -> dict[Key, Flag]:
-    out: dict[Key, Flag] = {}
+def _by_key(findings: Findings) -> dict[FlagKey, Flag]:
+    out: dict[FlagKey, Flag] = {}
     for f in findings.flags:
         key = key_of(f)
         if key not in out or f.severity > out[key].severity:

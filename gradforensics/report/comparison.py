@@ -1,9 +1,11 @@
 """Two runs' findings, flag by flag: what a fix resolved, what it left, what it broke.
 
 ``compare_findings(before, after)`` pairs the flags of two
-:class:`~gradforensics.analysis.engine.model.Findings` of one model by
-``(kind, tensor, head, sources)`` and gives each pair a status (design,
-"Comparing runs"):
+:class:`~gradforensics.analysis.engine.model.Findings` of one model by finding,
+:func:`~gradforensics.analysis.engine.registry.flag_key` - ``(kind, tensor, head,
+sources)``, the sources only for a kind whose finding is about them (conflict: the
+pair), ``()`` otherwise; ``whatif`` pairs its arms by the same key - and gives each
+pair a status (design, "Comparing runs"):
 
 ==============  ==========================================================
 ``resolved``    a finding before (severity >= 0.5), none after (< 0.5 or no flag)
@@ -25,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from gradforensics.analysis.engine.registry import flag_key
 from gradforensics.report.figures import analysis_name
 from gradforensics.report.severity import SEVERITY_NAMES, reaches
 
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 
     import pandas as pd
 
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.engine.model import Findings, Flag, FlagKey
 
 __all__ = ["ACT", "COLUMNS", "STATUSES", "WORSE", "Comparison", "Row", "compare_findings", "status_of"]
 
@@ -47,8 +50,6 @@ WORSE = 0.2
 #: Columns of ``tables/compare.csv`` (design contract).
 COLUMNS = ("kind", "tensor", "head", "sources", "severity_before", "severity_after", "status")
 _EPS = 1e-9
-
-Key = tuple[str, str, "int | None", tuple[str, ...]]
 
 
 def status_of(before: float | None, after: float | None) -> Status | None:
@@ -66,7 +67,8 @@ def status_of(before: float | None, after: float | None) -> Status | None:
 
 @dataclass(frozen=True)
 class Row:
-    """One (kind, tensor, head, sources) compared; the flags are the most severe of that key on each side."""
+    """One finding (:func:`~gradforensics.analysis.engine.registry.flag_key`) compared; the flags are the most
+    severe of that key on each side, and ``sources`` are the shown flag's (the key's for a conflict)."""
 
     kind: str
     tensor: str
@@ -144,13 +146,13 @@ class Comparison:
         return t
 
 
-def _by_key(flags: Iterable[Flag], findings: Findings, keep: set[str]) -> dict[Key, Flag]:
-    """The most severe flag of each key, for flags of the analyses in *keep*."""
-    out: dict[Key, Flag] = {}
+def _by_key(flags: Iterable[Flag], findings: Findings, keep: set[str]) -> dict[FlagKey, Flag]:
+    """The most severe flag of each finding (:func:`flag_key`), for flags of the analyses in *keep*."""
+    out: dict[FlagKey, Flag] = {}
     for f in flags:
         if analysis_name(f, findings) not in keep:
             continue
-        key = (f.kind, f.tensor, f.head, tuple(sorted(f.sources)))
+        key = flag_key(f)
         if key not in out or f.severity > out[key].severity:
             out[key] = f
     return out
@@ -163,7 +165,7 @@ def _order(row: Row) -> tuple[Any, ...]:
 
 
 def compare_findings(before: Findings, after: Findings, labels: tuple[str, str] = ("before", "after")) -> Comparison:
-    """Pair the flags of *before* and *after* by (kind, tensor, head, sources) and give each a status.
+    """Pair the flags of *before* and *after* by finding (:func:`flag_key`) and give each a status.
 
     Parameters
     ----------
@@ -189,5 +191,5 @@ def compare_findings(before: Findings, after: Findings, labels: tuple[str, str] 
             n_below += 1
             continue
         row = Row(key[0], key[1], key[2], key[3], fb, fa, status)
-        rows.append(replace(row, sources=tuple(row.flag.sources)))  # keyed as a set, shown in the flag's order
+        rows.append(replace(row, sources=tuple(row.flag.sources)))  # keyed as a set (or not), shown as flagged
     return Comparison(before, after, sorted(rows, key=_order), n_below, one_sided, labels)

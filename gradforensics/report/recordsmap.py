@@ -1,7 +1,8 @@
 """The records map: every record of one tensor (head) placed in 2-D by its gradient's direction.
 
-For the top direction finding (conflict, oscillation, drift) the report draws the
-records of its tensor (or head) as points: two records are close when their
+For the top direction finding (a kind whose ``Advice.records_map`` says how to read
+the map: conflict, oscillation, drift) the report draws the records of its tensor (or
+head) as points: two records are close when their
 gradients point the same way.  The coordinates are the classical multidimensional
 scaling (Torgerson 1952; Gower 1966) of the cosine distances read from the Gram
 matrix ``K`` the analysis saved (``K_ij = <g_i, g_j>``, no gradient is read):
@@ -33,6 +34,7 @@ import numpy as np
 
 from gradforensics._text import visible
 from gradforensics.analysis.engine.model import regime_of
+from gradforensics.analysis.engine.registry import advice_of, records_map_kinds
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -40,8 +42,6 @@ if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings, Flag
     from gradforensics.store.reader import Store
 
-#: Findings about gradient directions: the map is drawn for the most severe of these.
-DIRECTION_KINDS = ("conflict", "oscillation", "drift")
 #: At most this many records are placed (an O(N³) eigen-decomposition); more are subsampled evenly.
 MAX_POINTS = 2000
 MIXED = "mixed"
@@ -109,8 +109,12 @@ def cosine_map(k: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
 
 
 def pick(findings: Findings) -> Flag | None:
-    """The most severe flag of a direction kind (the unit the map is drawn for), or None."""
-    flags = [f for f in findings.flags if f.kind in DIRECTION_KINDS]
+    """The most severe flag of a direction kind (the unit the map is drawn for), or None.
+
+    The direction kinds are those whose ``Advice.records_map`` is non-empty (:func:`records_map_kinds`).
+    """
+    kinds = set(records_map_kinds())
+    flags = [f for f in findings.flags if f.kind in kinds]
     return max(flags, key=lambda f: f.severity) if flags else None
 
 
@@ -234,11 +238,10 @@ def figure(m: RecordsMap) -> Figure:
 def caption(m: RecordsMap) -> str:
     """One sentence under the map: what it shows and how to read it."""
     where = m.tensor + ("" if m.head is None else f" head {m.head}")
-    read = {"conflict": "two sources pulling this unit opposite ways sit in two separate clouds",
-            "oscillation": "a run flipping between two directions zig-zags between two clouds in the step panel",
-            "drift": "a drifting gradient walks away from its first records in the step panel"}[m.kind]
+    declared = advice_of(m.kind)
+    read = f"; {declared.records_map}" if declared is not None and declared.records_map else ""
     return (f"Records map of {where}: {len(m.records):,} records placed by the cosine distance between their "
-            f"gradients (classical MDS of the saved Gram matrix); {read}.")
+            f"gradients (classical MDS of the saved Gram matrix){read}.")
 
 
 def build(findings: Findings, store: Store | None) -> tuple[Figure | None, str | None, RecordsMap | None]:
@@ -249,5 +252,5 @@ def build(findings: Findings, store: Store | None) -> tuple[Figure | None, str |
     return figure(m), None, m
 
 
-__all__ = ["DIRECTION_KINDS", "MAX_POINTS", "RecordsMap", "build", "caption", "classical_mds", "cosine_map",
+__all__ = ["MAX_POINTS", "RecordsMap", "build", "caption", "classical_mds", "cosine_map",
            "figure", "pick", "records_map"]

@@ -5,6 +5,11 @@ band, form one :class:`FlagGroup`; its sentence names the merged location
 (``model.layers.5–6 q_proj/k_proj, heads 2 and 5``), what is wrong, the
 evidence range, the records and the sources.  Each analysis's own one-line
 ``summary`` stays on its flag and is shown in the finding's section.
+
+Which evidence a sentence quotes, and how each key reads, is the kind's declaration
+(``Advice.evidence_keys`` with its labels) and nothing else; only a kind no registered
+analysis emits (findings from a newer gradforensics, a plugin not loaded) falls back to
+the first numeric keys of its flags.
 """
 
 from __future__ import annotations
@@ -14,19 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gradforensics.analysis.engine.registry import advice_of
 from gradforensics.report import advice, names
 from gradforensics.report.severity import band
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings, Flag
-
-#: How evidence keys read in a sentence.
-LABELS: dict[str, str] = {
-    "cosine": "cos", "p_value": "p", "snr": "SNR", "b_simple": "B_simple", "stable_rank": "stable rank",
-    "snr_upper": "SNR ≤", "batch_size": "batch",
-    "alpha": "α", "period_steps": "period", "power": "power", "growth": "growth", "top_share": "top share",
-    "rho": "ρ", "nonfinite": "non-finite values", "frac_swamped": "swamped", "swamped": "swamped",
-}
 
 #: Findings written out as sentences; the rest are counted.
 MAX_SENTENCES = 12
@@ -139,16 +137,22 @@ def fmt_value(key: str, v: float) -> str:
 
 
 def evidence_phrase(kind: str, flags: Sequence[Flag], max_keys: int = 2) -> str:
-    """``cos −0.71 to −0.55, p < 0.001``: the kind's key evidence, as a range over the flags."""
-    preferred = list(advice.info(kind).evidence_keys)
-    keys = [k for k in preferred if _numbers(flags, k) is not None]
-    if not keys:
+    """``cos −0.71 to −0.55, p < 0.001``: the kind's key evidence, as a range over the flags.
+
+    The keys are the kind's declared ``Advice.evidence_keys`` that every flag carries as a
+    finite number, in their order, read with their labels; a kind no registered analysis
+    emits quotes the first such keys of its first flag.
+    """
+    declared = advice_of(kind)
+    if declared is not None:
+        keys = [k for k in declared.evidence_keys if _numbers(flags, k) is not None]
+    else:
         first = flags[0].evidence if flags else {}
         keys = [k for k in first if _numbers(flags, k) is not None]
     parts = []
     for k in keys[:max_keys]:
         vals = _numbers(flags, k) or []
-        label = LABELS.get(k, k.replace("_", " "))
+        label = declared.label(k) if declared is not None else k.replace("_", " ")
         if k == "p_value":
             worst = max(vals)
             parts.append("p < 0.001" if worst < 0.001 else f"p ≤ {worst:.2g}")
