@@ -16,7 +16,7 @@ import json
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -28,9 +28,11 @@ from gradforensics.analysis.engine.model import (
     Advice,
     Analysis,
     AnalysisResult,
+    Constraints,
     Context,
     Flag,
     GramResult,
+    Interval,
     Need,
     Options,
 )
@@ -49,9 +51,8 @@ class RecordNormOptions(Options):
 
     jump: float = 10.0
 
-    def __post_init__(self) -> None:
-        if not self.jump > 1:
-            raise SpecError(f"The 'jump' option of {NAME} must be a number > 1; got {self.jump!r}.")
+    analysis_name = NAME
+    constraints: ClassVar[Constraints] = {"jump": Interval(float, 1, None, "neither")}
 
 
 def norm_row(g: GramResult) -> tuple[dict[str, Any], np.ndarray]:
@@ -101,7 +102,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Any) -> None:
 ADVICE = Advice(
     title="Gradient-norm jump",
     phrase="the gradient norm of one record jumps far above the rest",
-    evidence_keys=("jump", "max_norm"),
+    evidence_keys={"jump": "jump", "max_norm": "largest norm"},
     remedies=("Look at the batch of that record: a corrupt or out-of-distribution sample is the usual cause.",
               "Clip the gradient norm so one batch cannot move the weights that far."),
     references=("Pascanu et al. 2013, On the difficulty of training recurrent neural networks",),

@@ -4,11 +4,15 @@
   (``healthy_store``, ``noise_store``, ``nonfinite_store``, ...) that build stores
   with known truth.
 * :mod:`gradforensics.testing.contracts` - ``AnalysisContract``, the pytest suite
-  every analysis's tests opt into (imports pytest; import it from tests only).
+  every analysis's tests opt into, and the checks run over the whole registry
+  (``parametrize_with_checks``; imports pytest; import it from tests only).
+* :mod:`gradforensics.testing.counting` - ``CountingScheduler``, a dask scheduler
+  that counts the computes a pass makes (``dask.config.set(scheduler=counter)``).
 """
 
 from __future__ import annotations
 
+from gradforensics.testing.counting import CountingScheduler
 from gradforensics.testing.planted import (
     PlantedStore,
     healthy_store,
@@ -17,4 +21,4 @@ from gradforensics.testing.planted import (
     write_store,
 )
 
-__all__ = ["PlantedStore", "healthy_store", "noise_store", "nonfinite_store", "write_store"]
+__all__ = ["CountingScheduler", "PlantedStore", "healthy_store", "noise_store", "nonfinite_store", "write_store"]
