@@ -11,6 +11,13 @@ from __future__ import annotations
 
 import errno
 
+__all__ = ["CaptureInterrupted", "CheckpointError", "CompareWarning", "CorruptChunkError", "CorruptStoreError",
+           "DataError", "DataFileNotFoundError", "EmptyStoreError", "FlagsSchemaError", "GradforensicsError",
+           "LogReadError", "MissingArrayError", "MissingExtraError", "ModelMismatchError", "NotACheckpointError",
+           "NotAStoreError", "OfflineError", "PlotBugWarning", "SchemaVersionError", "SpecError", "StoreClosedError",
+           "StoreExistsError", "StoreLockedError", "StoreMismatchError", "StorePermissionError", "StoreUnreachableError",
+           "UnsafeNameError", "WhatIfInterrupted", "WriteRefusedError", "refusal"]
+
 
 class GradforensicsError(Exception):
     """Base class of every error gradforensics raises on bad input."""
@@ -101,6 +108,49 @@ def refusal(exc: OSError) -> str | None:
     if exc.errno not in _REFUSALS and not any(t in text for t in _REFUSAL_TEXT):
         return None
     return exc.strerror or next((t for t in _REFUSAL_TEXT if t in text), text[:200])
+
+
+# errors of the inputs read by capture, replay, what-if and the log reader
+class DataError(GradforensicsError, ValueError):
+    """A data file is missing, empty, not UTF-8, or lacks the text field."""
+
+
+class DataFileNotFoundError(DataError, FileNotFoundError):
+    """A data file does not exist."""
+
+
+class NotACheckpointError(GradforensicsError, FileNotFoundError):
+    """The path is neither a Hugging Face model directory nor a checkpoint file."""
+
+
+class CheckpointError(GradforensicsError, ValueError):
+    """The checkpoint is there but cannot be loaded as asked."""
+
+
+class OfflineError(GradforensicsError, ConnectionError):
+    """Loading would have needed the network."""
+
+
+class LogReadError(GradforensicsError, ValueError):
+    """A training log could not be read or holds no usable series."""
+
+
+class FlagsSchemaError(GradforensicsError, ValueError):
+    """A flags.json document does not follow the schema."""
+
+
+# interrupts: Ctrl-C that says what was kept (KeyboardInterrupt, so a bare except Exception lets them through)
+class CaptureInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a capture; ``str()`` says what the store holds (it stays a valid store)."""
+
+
+class WhatIfInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a what-if; ``str()`` says which stores hold which steps."""
+
+
+# warnings
+class PlotBugWarning(RuntimeWarning):
+    """An analysis's ``plot`` raised or drew nothing; the report shows a note instead."""
 
 
 class CompareWarning(UserWarning):

@@ -37,9 +37,8 @@ from gradforensics.analysis.engine.model import (
     Options,
 )
 from gradforensics.cli import main
-from gradforensics.errors import SpecError, UnsafeNameError
+from gradforensics.errors import PlotBugWarning, SpecError, UnsafeNameError
 from gradforensics.report import flagsjson
-from gradforensics.report.figures import PlotBugWarning
 
 # ====================================================================== the toy analysis
 NAME, KIND = "record_norm", "toy_norm"

@@ -256,3 +256,22 @@ def test_only_the_command_line_imports_commands():
     assert not bad, "layering rule broken: only cli.py and commands/ import gradforensics.commands:\n" + "\n".join(bad)
     for layer in ("arms", "testing", "demo", "replay", "capture"):
         assert any(_layer(m) == layer for m in MODULES), layer       # the rule sees the libraries it names
+
+
+# ----------------------------------------------------------------------- naming
+def _classes(module: str) -> list[ast.ClassDef]:
+    return [n for n in ast.parse(MODULES[module].read_text()).body if isinstance(n, ast.ClassDef)]
+
+
+def test_every_error_and_warning_lives_in_errors():
+    """One home for what the package raises or warns: a class deriving from an exception, a warning or
+    another such class of the package is defined in ``gradforensics.errors`` (and listed in its ``__all__``)."""
+    known = {"Exception", "BaseException", "KeyboardInterrupt", "Warning", "UserWarning", "RuntimeWarning"}
+    known |= {c.name for c in _classes(f"{PACKAGE}.errors")}
+    bad = [f"{m}:{c.lineno} defines {c.name}" for m in MODULES if m != f"{PACKAGE}.errors" for c in _classes(m)
+           if any((isinstance(b, ast.Name) and (b.id in known or b.id.endswith(("Error", "Warning"))))
+                  or (isinstance(b, ast.Attribute) and b.attr.endswith(("Error", "Warning"))) for b in c.bases)]
+    assert not bad, "exception classes outside gradforensics/errors.py (move them there):\n" + "\n".join(bad)
+    import gradforensics.errors as errors
+
+    assert set(errors.__all__) >= {c.name for c in _classes(f"{PACKAGE}.errors")}

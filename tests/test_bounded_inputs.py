@@ -7,9 +7,8 @@ import time
 
 import pytest
 
-from gradforensics.errors import SpecError
+from gradforensics.errors import DataError, SpecError
 from gradforensics.replay import data
-from gradforensics.replay.data import DataError
 
 
 def _docs(path):

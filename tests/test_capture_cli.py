@@ -25,8 +25,9 @@ pytest.importorskip("tokenizers")
 
 import gradforensics as gf  # noqa: E402
 from gradforensics import cli  # noqa: E402
+from gradforensics.errors import OfflineError  # noqa: E402
 from gradforensics.replay import data, losses  # noqa: E402
-from gradforensics.replay.checkpoint import OfflineError, load_checkpoint, offline  # noqa: E402
+from gradforensics.replay.checkpoint import load_checkpoint, offline  # noqa: E402
 from gradforensics.replay.plan import record_bytes  # noqa: E402
 from gradforensics.report import report  # noqa: E402
 from gradforensics.store.reader import open_store  # noqa: E402

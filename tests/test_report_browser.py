@@ -11,8 +11,8 @@ from pathlib import Path
 import _report_data as data
 import pytest
 
+from gradforensics.errors import PlotBugWarning
 from gradforensics.report import report
-from gradforensics.report.figures import PlotBugWarning
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install -y chromium)")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.errors import GradforensicsError, SpecError
+from gradforensics.errors import LogReadError, SpecError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -41,10 +41,6 @@ META_COLUMNS = frozenset({
 })
 STEP_CANDIDATES = ("step", "_step", "global_step", "iteration", "iter", "Step")
 MAX_GRID_FACTOR = 20
-
-
-class LogReadError(GradforensicsError, ValueError):
-    """A training log could not be read or holds no usable series."""
 
 
 @dataclass(frozen=True)

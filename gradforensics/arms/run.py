@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from gradforensics.arms.spec import Arm, parse_arms, schedule
-from gradforensics.errors import SpecError
+from gradforensics.errors import SpecError, WhatIfInterrupted
 from gradforensics.replay.plan import DEFAULT_SKETCH, BatchSpec, ModelSpec, RecordSpec, as_spec, check_disk, plan_record
 
 if TYPE_CHECKING:
@@ -41,10 +41,6 @@ __all__ = ["DEFAULT_SKETCH", "WhatIf", "WhatIfInterrupted", "whatif"]
 
 #: A what-if longer than this many steps per arm is refused before anything is planned or allocated.
 MAX_STEPS = 1_000_000
-
-
-class WhatIfInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a what-if; ``str()`` says which stores hold which steps."""
 
 
 @dataclass

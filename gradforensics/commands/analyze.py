@@ -75,11 +75,11 @@ def run(args: argparse.Namespace) -> int:
     from gradforensics.report import report
     from gradforensics.report.severity import exit_code
 
-    storage_flags.register(args, args.store)
+    where = storage_flags.location(args, args.store)
     options = {"engine": {"slab_bytes": int(args.slab_mb * (1 << 20))}} if args.slab_mb else None
     with _client(args) as client:
-        findings = analyze(args.store, client=client, only=args.only, options=options, progress=not args.quiet)
-    report(findings, args.out, store=args.store)
+        findings = analyze(where, client=client, only=args.only, options=options, progress=not args.quiet)
+    report(findings, args.out, store=where)
     n_top = sum(f.severity > 0.5 for f in findings.flags)
     print(terminal(f"{findings.store}: {len(findings.flags)} findings ({n_top} above 0.5); report in {args.out}"),
           file=sys.stderr)

@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
     require_extra("torch", "gradforensics capture")
     require_extra("transformers", "gradforensics capture")
-    from gradforensics.replay.pipeline import CaptureInterrupted, capture_checkpoint
+    from gradforensics.errors import CaptureInterrupted
+    from gradforensics.replay.pipeline import capture_checkpoint
 
     batches, record, model = specs(args)
     ranks = launch(args.device, args.check_ranks)

@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     require_extra("torch", "gradforensics whatif")
     require_extra("transformers", "gradforensics whatif")
-    from gradforensics.arms.run import WhatIfInterrupted, whatif
-    from gradforensics.errors import SpecError
+    from gradforensics.arms.run import whatif
+    from gradforensics.errors import SpecError, WhatIfInterrupted
     from gradforensics.report.severity import SEVERITY_NAMES, reaching
 
     if args.sketch < 0:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.errors import GradforensicsError, SpecError
+from gradforensics.errors import DataError, DataFileNotFoundError, SpecError
 
 if TYPE_CHECKING:
     import torch
@@ -47,14 +47,6 @@ MAX_LINE_BYTES = 16 << 20
 #: More rows than this in one source's batches (batches x batch size) is not a replay.
 MAX_ROWS = 100_000_000
 _TOKENIZE_CHUNK = 256
-
-
-class DataError(GradforensicsError, ValueError):
-    """A data file is missing, empty, not UTF-8, or lacks the text field."""
-
-
-class DataFileNotFoundError(DataError, FileNotFoundError):
-    """A data file does not exist."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.errors import GradforensicsError, SpecError
+from gradforensics.errors import CaptureInterrupted, GradforensicsError, SpecError
 from gradforensics.replay.plan import (
     BatchSpec,
     ModelSpec,
@@ -53,10 +53,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CaptureInterrupted", "Captured", "capture", "capture_checkpoint", "data_sources", "load_model",
            "store_exists", "store_location"]
-
-class CaptureInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a capture; ``str()`` says what the store holds (it stays a valid store)."""
-
 
 @dataclass(frozen=True)
 class Captured:

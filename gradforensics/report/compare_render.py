@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gradforensics._text import md_code, md_text, terminal, visible
+from gradforensics.errors import PlotBugWarning
 from gradforensics.report.comparison import ACT, WORSE, Comparison, Row
-from gradforensics.report.figures import PlotBugWarning, analysis_name, new_figure, to_png
+from gradforensics.report.figures import analysis_name, new_figure, to_png
 from gradforensics.report.html import CSS
 from gradforensics.report.paths import under
 from gradforensics.report.tables import csv_safe

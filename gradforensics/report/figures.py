@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradforensics._text import terminal, visible
+from gradforensics.errors import PlotBugWarning
 from gradforensics.report import names
 
 if TYPE_CHECKING:
@@ -38,10 +39,6 @@ MAX_LAYER_SPAN = 1024
 MAX_HEAD_COLUMNS = 256
 #: Column separators are drawn up to this many layer columns.
 MAX_SEPARATORS = 200
-
-
-class PlotBugWarning(RuntimeWarning):
-    """An analysis's ``plot`` raised or drew nothing; the report shows a note instead."""
 
 
 def new_figure(width: float, height: float) -> Figure:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.analysis.engine.registry import flag_kinds
-from gradforensics.errors import GradforensicsError
+from gradforensics.errors import FlagsSchemaError
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings
@@ -106,10 +106,6 @@ def __getattr__(name: str) -> Any:
     if name == "FLAG_SCHEMA":
         return flag_schema()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class FlagsSchemaError(GradforensicsError, ValueError):
-    """A flags.json document does not follow the schema."""
 
 
 _TYPES: dict[str, Any] = {

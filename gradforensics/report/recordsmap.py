@@ -140,8 +140,7 @@ def _unit_gram(store: Store, tensor: str, head: int | None) -> tuple[np.ndarray 
     if entry is None or info is None or not isinstance(entry.get("i"), int) or not 0 <= entry["i"] < info.shape[0]:
         where = tensor + ("" if head is None else f" head {head}")
         return None, f"no saved Gram matrix for {where}"
-    so = getattr(store, "storage_options", None)        # a remote store's file-system options
-    b = open_backend(store.path, "r", so) if so else open_backend(store.path, "r")
+    b = open_backend(store.location, "r")              # with a remote store's file-system options
     try:
         where_k = store.analysis_selection.physical(GRAM_ARRAY)       # in the committed generation
         k = np.asarray(b.read(where_k, slice(entry["i"], entry["i"] + 1)), dtype=np.float64)[0]

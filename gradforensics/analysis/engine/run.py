@@ -69,6 +69,9 @@ from gradforensics.analysis.engine.model import (
 from gradforensics.analysis.engine.registry import REGISTRY
 from gradforensics.analysis.engine.results import save_results
 from gradforensics.errors import EmptyStoreError, SpecError
+from gradforensics.store import remote
+from gradforensics.store.backends import locate
+from gradforensics.store.location import Location
 from gradforensics.store.reader import Store
 
 if TYPE_CHECKING:
@@ -179,7 +182,7 @@ def split_options(options: Mapping[str, Any] | None,
     return engine, {a.name: parsed[a.name] if a.name in parsed else a.options() for a in selected}
 
 
-def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
+def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | None = None,
             only: str | Iterable[str] | None = None, options: Mapping[str, Any] | None = None,
             progress: bool = True, *, storage_options: Mapping[str, Any] | None = None) -> Findings:
     """Run the forensic pass over a store and return its :class:`Findings`.
@@ -188,7 +191,8 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
     ----------
     path
         A ``*.zarr`` / ``*.h5`` store written by :class:`gradforensics.Recorder`,
-        an fsspec URL of a Zarr store (``s3://bucket/dump.zarr``), or an open
+        an fsspec URL of a Zarr store (``s3://bucket/dump.zarr``), its
+        :class:`~gradforensics.store.location.Location`, or an open
         :class:`~gradforensics.store.reader.Store`.
     client
         A ``dask.distributed.Client`` to run on (a LocalCluster, SLURM, ...).
@@ -243,15 +247,18 @@ def analyze(path: str | os.PathLike[str] | Store, client: Client | None = None,
     return findings
 
 
-def _open(path: str | os.PathLike[str] | Store, storage_options: Mapping[str, Any] | None) -> Store:
+def _open(path: str | os.PathLike[str] | Location | Store, storage_options: Mapping[str, Any] | None) -> Store:
     """*path* opened as a :class:`Store` (with *storage_options* for a URL), or the Store given."""
-    from gradforensics.store import remote
-
-    if storage_options is not None and (isinstance(path, Store) or not remote.is_url(path)):
-        what = "an open Store (it keeps the options it was opened with)" if isinstance(path, Store) else \
-            f"the local path {os.fspath(path)!r}"
-        raise SpecError(f"analyze(): storage_options are for a store at a URL (s3://bucket/dump.zarr); got {what}.")
-    return path if isinstance(path, Store) else Store(path, storage_options=storage_options)
+    if isinstance(path, Store):
+        if storage_options is not None:
+            raise SpecError("analyze(): storage_options are for a store at a URL (s3://bucket/dump.zarr); got an "
+                            "open Store (it keeps the options it was opened with).")
+        return path
+    where = path.path if isinstance(path, Location) else os.fspath(path)
+    if storage_options is not None and not remote.is_url(where):
+        raise SpecError("analyze(): storage_options are for a store at a URL (s3://bucket/dump.zarr); got "
+                        f"the local path {where!r}.")
+    return Store(locate(path, storage_options))
 
 
 def _checked_flags(a: Analysis, flags: list[Flag]) -> list[Flag]:
@@ -516,7 +523,7 @@ def _persist(store: Store, findings: Findings, grams: dict[tuple[str, int | None
     from gradforensics.errors import StoreLockedError
 
     try:
-        save_results(store.path, findings, grams, n_records=store.n_records, empty_grams=long)
+        save_results(store.location, findings, grams, n_records=store.n_records, empty_grams=long)
     except (PermissionError, StoreLockedError) as exc:
         warnings.warn(f"{store.path}: analysis results not saved in the store ({exc}); "
                       "`gradforensics report` will need a re-analysis.", stacklevel=3)
