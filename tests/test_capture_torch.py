@@ -169,6 +169,15 @@ def test_silenced_head_has_zero_q_k_v_gradient_in_its_own_block(tmp_path, kind):
         backward(model, batch(3))
         rec.record(source="a")
     store = gf.open_store(path)
+    layers = (0, 1)
+    expected = {
+        "llama": {f"model.layers.{i}.self_attn.{r}_proj.weight": r for i in layers for r in "qkv"},
+        "gpt2": {f"transformer.h.{i}.attn.c_attn.{p}": "qkv" for i in layers for p in ("weight", "bias")},
+        "neox": {f"gpt_neox.layers.{i}.attention.query_key_value.{p}": "qkv" for i in layers for p in ("weight", "bias")},
+    }[kind]
+    roles = {name: info.attrs.get("role") for name, info in store.grads.items()
+             if info.attrs.get("role") in ("q", "k", "v", "qkv")}
+    assert roles == expected                                   # the oracle below is never vacuous
     for name, info in store.grads.items():
         role = info.attrs.get("role")
         if role not in ("q", "k", "v", "qkv"):
@@ -176,6 +185,7 @@ def test_silenced_head_has_zero_q_k_v_gradient_in_its_own_block(tmp_path, kind):
         g = store.grad(name)[0].compute()
         norms = np.abs(g).reshape(g.shape[0], -1).max(axis=1)
         labels = info.attrs["head_labels"]
+        assert len(labels) == {"q": H, "k": KV, "v": KV, "qkv": 3 * H}[role], (name, labels)
         for j, lab in enumerate(labels):
             head = int(lab.lstrip("qkv"))
             dead = head in ({0} if role in ("k", "v") else set(silenced))

@@ -189,7 +189,7 @@ def test_second_recorder_in_process_is_locked_out(tmp_path: Path, suffix: str) -
         assert lock.is_file(), f"no sidecar lock {lock.name} while a Recorder holds the store"
         held = json.loads(lock.read_text())
         assert held.get("host") == socket.gethostname() and held.get("pid") == os.getpid(), held
-        with pytest.raises(StoreLockedError) as info:
+        with pytest.raises(StoreLockedError, match=re.escape(f"{p} is being written by another process")) as info:
             gf.Recorder(p, sources=list(SOURCES), overwrite=True, background=False)
         msg = str(info.value)
         assert socket.gethostname() in msg and str(os.getpid()) in msg, f"holder not named: {msg!r}"
@@ -605,7 +605,7 @@ def test_unsafe_name_is_refused_at_record(tmp_path: Path, suffix: str, name: str
         kwargs["weights"] = {name: x}
     rec = gf.Recorder(p, sources=["a"])
     try:
-        with pytest.raises(UnsafeNameError):
+        with pytest.raises(UnsafeNameError, match=re.escape(f"record(): {where} key {name!r} ")):
             rec.record(source="a", **kwargs)
     finally:
         rec.close()
@@ -614,7 +614,7 @@ def test_unsafe_name_is_refused_at_record(tmp_path: Path, suffix: str, name: str
 @BOTH
 @pytest.mark.parametrize("name", BAD_NAMES, ids=BAD_IDS)
 def test_unsafe_source_name_is_refused(tmp_path: Path, suffix: str, name: str) -> None:
-    with pytest.raises(UnsafeNameError):
+    with pytest.raises(UnsafeNameError, match=re.escape(f"source {name!r} ")):
         rec = gf.Recorder(tmp_path / f"dump{suffix}", sources=[name, "b"], background=False)
         rec.record(source=name, grads={"w": np.ones(3, np.float32)})
         rec.close()

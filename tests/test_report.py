@@ -169,10 +169,8 @@ def test_headline_healthy_and_sick():
 
 def test_overview_matrix_holds_the_planted_cells():
     f = data.findings()
-    import gradforensics.analysis as analysis
-
     ov = overview_data(f)
-    assert ov.rows[:2] == [n for n in analysis.REGISTRY if n in f.results][:2] or set(ov.rows) >= {"tconflict"}
+    assert ov.rows == ["tconflict", "tnoise"]                      # neither registered here: the results' order
     assert ov.heads == data.HEADS and ov.layers == [*range(data.N_LAYERS), "other"]
     r = ov.rows.index("tconflict")
     row = ov.matrix[r]
@@ -183,6 +181,19 @@ def test_overview_matrix_holds_the_planted_cells():
     assert np.isnan(row[other * data.HEADS:]).all()               # conflict has no row outside the stack
     nf = ov.matrix[ov.rows.index("tnoise"), other * data.HEADS:]
     assert np.all(nf == pytest.approx(0.6))                        # the loss series: whole 'other' block
+
+
+def test_overview_rows_registry_order_then_unregistered_then_flag_only(monkeypatch):
+    from gradforensics.analysis.engine.model import Findings, Flag
+
+    data.install(monkeypatch)                                      # REGISTRY: tconflict, then tnoise
+    base = data.findings()
+    results = {"textra": base.results["tnoise"], "tnoise": base.results["tnoise"],
+               "tconflict": base.results["tconflict"]}             # results deliberately not in registry order
+    orphan = Flag("orphan", "model.layers.1.mlp.down_proj.weight", None, (), 0.7, (0, 95),
+                  {"analysis": "tgone"}, "named analysis absent from the results.")
+    f = Findings("dump.zarr", 96, "replay", base.sources, base.header, results, [*base.flags, orphan])
+    assert overview_data(f).rows == ["tconflict", "tnoise", "textra", "orphan"]
 
 
 # ------------------------------------------------------------ the files
@@ -221,7 +232,23 @@ def test_tables_put_tensor_and_head_first_with_empty_whole_tensor_heads(rendered
     assert set(t.loc[t["head"] != "", "head"].astype(int)) == set(range(data.HEADS))
     raw = (out / "tables" / "tconflict.csv").read_text().splitlines()
     assert raw[0].startswith("tensor,head,")
-    assert ",," in raw[1] or raw[1].split(",")[1] == ""              # whole-tensor row: empty head
+    assert raw[1].split(",")[:2] == [data.tensor(0, "q_proj"), ""]   # whole-tensor row: empty head
+    assert raw[2 * len(data.PAIRS) + 1].split(",")[:2] == [data.tensor(0, "q_proj"), "1"]   # head 1: a plain integer
+
+
+def test_tables_reorder_scrambled_columns_tensor_and_head_first(tmp_path, monkeypatch):
+    data.install(monkeypatch)
+    f = data.findings(healthy=True)
+    for res in f.results.values():                                 # head and tensor last, in reverse
+        res.table = res.table[list(reversed(res.table.columns))]
+    report(f, tmp_path / "out")
+    for name in ("tconflict", "tnoise"):
+        original = list(data.findings(healthy=True).results[name].table.columns)
+        header = (tmp_path / "out" / "tables" / f"{name}.csv").read_text().splitlines()[0].split(",")
+        assert header[:2] == ["tensor", "head"], (name, header)
+        assert sorted(header[2:]) == sorted(c for c in original if c not in ("tensor", "head")), (name, header)
+        t = pd.read_csv(tmp_path / "out" / "tables" / f"{name}.csv", keep_default_na=False)
+        assert set(t["head"].astype(str)) == {"", *map(str, range(data.HEADS))}
 
 
 def test_html_is_self_contained_and_every_figure_decodes(rendered):
