@@ -1,47 +1,63 @@
 """gradforensics: offline forensics of sick neural-network training runs.
 
 ``import gradforensics as gf`` is cheap: torch, dask and matplotlib load only
-when the piece that needs them is used.
+when the piece that needs them is used.  Every public name below is loaded on
+first use from the module that defines it (:data:`_PUBLIC`); no subpackage is
+named like one of these functions, so importing a subpackage never rebinds one.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from gradforensics._version import __version__
 from gradforensics.errors import GradforensicsError
 
-__all__ = ["GradforensicsError", "Recorder", "__version__", "analyze", "capture", "compare", "open_store", "report",
+if TYPE_CHECKING:
+    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.engine.run import analyze
+    from gradforensics.recording import Recorder
+    from gradforensics.replay.pipeline import capture
+    from gradforensics.replay.plan import BatchSpec, ModelSpec, RecordSpec
+    from gradforensics.reporting import report
+    from gradforensics.reporting.comparison import Comparison
+    from gradforensics.runs.compare import compare
+    from gradforensics.runs.whatif import WhatIf, whatif
+    from gradforensics.store.location import Location
+    from gradforensics.store.reader import Store, open_store
+
+#: public name -> the module that defines it
+_PUBLIC: dict[str, str] = {
+    "Recorder": "gradforensics.recording",
+    "capture": "gradforensics.replay.pipeline",
+    "BatchSpec": "gradforensics.replay.plan",
+    "RecordSpec": "gradforensics.replay.plan",
+    "ModelSpec": "gradforensics.replay.plan",
+    "open_store": "gradforensics.store.reader",
+    "Store": "gradforensics.store.reader",
+    "Location": "gradforensics.store.location",
+    "analyze": "gradforensics.analysis.engine.run",
+    "Findings": "gradforensics.analysis.engine.model",
+    "Flag": "gradforensics.analysis.engine.model",
+    "report": "gradforensics.reporting",
+    "compare": "gradforensics.runs.compare",
+    "Comparison": "gradforensics.reporting.comparison",
+    "whatif": "gradforensics.runs.whatif",
+    "WhatIf": "gradforensics.runs.whatif",
+}
+
+__all__ = ["BatchSpec", "Comparison", "Findings", "Flag", "GradforensicsError", "Location", "ModelSpec", "RecordSpec",
+           "Recorder", "Store", "WhatIf", "__version__", "analyze", "capture", "compare", "open_store", "report",
            "whatif"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Recorder":
-        from gradforensics.capture import Recorder
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradforensics' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
-        return Recorder
-    if name == "open_store":
-        from gradforensics.store.reader import open_store
 
-        return open_store
-    if name == "capture":     # the capture package, callable as gradforensics.replay.pipeline.capture
-        import gradforensics.capture
-
-        return gradforensics.capture
-    if name == "analyze":
-        from gradforensics.analysis.engine import analyze
-
-        return analyze
-    if name == "compare":
-        from gradforensics.compare_runs import compare
-
-        return compare
-    if name == "report":
-        from gradforensics.report import report
-
-        return report
-    if name == "whatif":
-        from gradforensics.arms.run import whatif
-
-        return whatif
-    raise AttributeError(f"module 'gradforensics' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

@@ -275,7 +275,7 @@ def _run(out_dir: str | os.PathLike[str], seed: int, cfg: DemoConfig | None, log
     from transformers.utils import logging as hf_logging
 
     from gradforensics.analysis.engine import analyze
-    from gradforensics.report import report
+    from gradforensics.reporting import report
 
     hf_logging.disable_progress_bar()            # the demo prints its own progress
     cfg = cfg or DemoConfig(seed=seed)

@@ -38,7 +38,7 @@ from gradforensics.analysis.engine.model import (
 )
 from gradforensics.cli import main
 from gradforensics.errors import PlotBugWarning, SpecError, UnsafeNameError
-from gradforensics.report import flagsjson
+from gradforensics.reporting import flagsjson
 
 # ====================================================================== the toy analysis
 NAME, KIND = "record_norm", "toy_norm"

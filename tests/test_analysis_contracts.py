@@ -39,10 +39,10 @@ from gradforensics.analysis.engine.model import (
     Options,
 )
 from gradforensics.analysis.engine.registry import flag_key, records_map_kinds
-from gradforensics.arms import render
 from gradforensics.errors import SpecError
-from gradforensics.report import recordsmap, summary
-from gradforensics.report.comparison import compare_findings
+from gradforensics.reporting import recordsmap, summary
+from gradforensics.reporting.comparison import compare_findings
+from gradforensics.runs import render
 from gradforensics.testing import CountingScheduler
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import PlantedCase, PlantedStores, parametrize_with_checks

@@ -223,20 +223,20 @@ def test_analyses_import_no_other_analysis():
 
 
 @pytest.mark.parametrize(("layers", "rule", "allowed"), [
-    (("capture", "replay"), "capture and replay never import analysis or report (they write stores, analysis reads them)",
-     lambda imp: not _under(imp.target, "analysis", "report")),
-    (("analysis",), "analysis never imports torch, capture or replay (it reads stores, framework-free)",
-     lambda imp: _top(imp.target) != "torch" and not _under(imp.target, "capture", "replay")),
-    (("store",), "store imports nothing from capture, replay, analysis, report, commands or testing "
+    (("recording", "replay"), "recording and replay never import analysis or reporting (they write stores, analysis reads them)",
+     lambda imp: not _under(imp.target, "analysis", "reporting")),
+    (("analysis",), "analysis never imports torch, recording or replay (it reads stores, framework-free)",
+     lambda imp: _top(imp.target) != "torch" and not _under(imp.target, "recording", "replay")),
+    (("store",), "store imports nothing from recording, replay, analysis, reporting, commands or testing "
                  "(the format is the bottom layer)",
-     lambda imp: not _under(imp.target, "capture", "replay", "analysis", "report", "commands", "testing", "cli",
+     lambda imp: not _under(imp.target, "recording", "replay", "analysis", "reporting", "commands", "testing", "cli",
                             "demo")),
-    (("report",), "report imports from analysis only the engine's types (analysis.engine.model) and the registry "
+    (("reporting",), "reporting imports from analysis only the engine's types (analysis.engine.model) and the registry "
                   "(gradforensics.analysis, analysis.engine.registry)",
      lambda imp: not _under(imp.target, "analysis") or imp.target in (
          f"{PACKAGE}.analysis", f"{PACKAGE}.analysis.engine.model", f"{PACKAGE}.analysis.engine.registry")),
-    (("report", "analysis", "store"), "report, analysis and store never import torch, capture, replay or the CLI",
-     lambda imp: _top(imp.target) != "torch" and not _under(imp.target, "capture", "replay", "commands", "cli",
+    (("reporting", "analysis", "store"), "reporting, analysis and store never import torch, recording, replay or the CLI",
+     lambda imp: _top(imp.target) != "torch" and not _under(imp.target, "recording", "replay", "commands", "cli",
                                                             "demo")),
 ])
 def test_layering(layers, rule, allowed):
@@ -245,7 +245,7 @@ def test_layering(layers, rule, allowed):
 
 
 def test_only_the_command_line_imports_commands():
-    """``gradforensics.commands`` is the CLI's: the verbs call the libraries (``replay``, ``arms``,
+    """``gradforensics.commands`` is the CLI's: the verbs call the libraries (``replay``, ``runs``,
     ``testing``, ``demo``, ...), never the other way; only ``cli.py`` and ``commands/`` import it
     (imports under ``TYPE_CHECKING`` and inside functions count too)."""
     def cli_side(module: str) -> bool:
@@ -254,7 +254,7 @@ def test_only_the_command_line_imports_commands():
     bad = [f"{imp.source}:{imp.line} imports {imp.target}" for imp in ALL_IMPORTS
            if _under(imp.target, "commands") and not cli_side(imp.source)]
     assert not bad, "layering rule broken: only cli.py and commands/ import gradforensics.commands:\n" + "\n".join(bad)
-    for layer in ("arms", "testing", "demo", "replay", "capture"):
+    for layer in ("runs", "testing", "demo", "replay", "recording"):
         assert any(_layer(m) == layer for m in MODULES), layer       # the rule sees the libraries it names
 
 
@@ -275,3 +275,28 @@ def test_every_error_and_warning_lives_in_errors():
     import gradforensics.errors as errors
 
     assert set(errors.__all__) >= {c.name for c in _classes(f"{PACKAGE}.errors")}
+
+
+def test_no_module_is_named_like_a_public_function():
+    """``gf.report``, ``gf.capture``, ``gf.compare``, ``gf.whatif``, ... are functions: no subpackage or module
+    directly under ``gradforensics`` has one of their names (importing it would rebind the name on the
+    package), and no module makes itself callable by swapping its class."""
+    import gradforensics as gf
+
+    public = {n for n in gf.__all__ if callable(getattr(gf, n)) and not isinstance(getattr(gf, n), type)}
+    assert {"analyze", "capture", "compare", "report", "whatif", "open_store"} <= public
+    clash = sorted(m for m in MODULES if m.count(".") == 1 and m.split(".")[1] in public)
+    assert not clash, f"modules named like public functions: {clash}"
+    swaps = [m for m in MODULES if "__class__ =" in MODULES[m].read_text()]
+    assert not swaps, f"callable-module class swaps: {swaps}"
+    for name in sorted(public):            # the function survives importing every subpackage
+        assert callable(getattr(gf, name)) and not isinstance(getattr(gf, name), type(gf)), name
+
+
+def test_public_result_types_are_exported():
+    import gradforensics as gf
+
+    for name in ("Findings", "Flag", "Store", "Location", "Comparison", "WhatIf", "BatchSpec", "RecordSpec",
+                 "ModelSpec"):
+        assert name in gf.__all__ and isinstance(getattr(gf, name), type), name
+    assert set(gf.__all__) == {"GradforensicsError", "__version__", *gf._PUBLIC}

@@ -52,7 +52,7 @@ def test_absurd_batch_counts_are_refused_before_anything_is_allocated(tmp_path):
 
 
 def test_arm_names_too_long_for_a_file_name_are_refused_at_parse():
-    from gradforensics.arms.spec import MAX_NAME, parse_arm
+    from gradforensics.runs.arms import MAX_NAME, parse_arm
 
     assert parse_arm("a" * MAX_NAME + "=adamw:lr=1e-3").name == "a" * MAX_NAME
     with pytest.raises(SpecError, match=f"arm name of 300 characters; at most {MAX_NAME}"):

@@ -29,7 +29,7 @@ from gradforensics.errors import OfflineError  # noqa: E402
 from gradforensics.replay import data, losses  # noqa: E402
 from gradforensics.replay.checkpoint import load_checkpoint, offline  # noqa: E402
 from gradforensics.replay.plan import record_bytes  # noqa: E402
-from gradforensics.report import report  # noqa: E402
+from gradforensics.reporting import report  # noqa: E402
 from gradforensics.store.reader import open_store  # noqa: E402
 
 H, KV, HIDDEN, MAX_POS = 4, 2, 32, 64

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import gradforensics as gf
-from gradforensics.capture.actstats import act_stats, make_range
-from gradforensics.capture.heads import parse_head_spec
-from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import SpecError, StoreClosedError
+from gradforensics.recording.actstats import act_stats, make_range
+from gradforensics.recording.heads import parse_head_spec
+from gradforensics.recording.sketch import Sketcher
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.reader import Store
 

@@ -11,11 +11,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import gradforensics as gf  # noqa: E402
-from gradforensics.capture import actstats  # noqa: E402
-from gradforensics.capture import torch as gtorch  # noqa: E402
-from gradforensics.capture.sketch import Sketcher  # noqa: E402
-from gradforensics.capture.torch import TorchRecorder  # noqa: E402
 from gradforensics.errors import SpecError  # noqa: E402
+from gradforensics.recording import actstats  # noqa: E402
+from gradforensics.recording import torch as gtorch  # noqa: E402
+from gradforensics.recording.sketch import Sketcher  # noqa: E402
+from gradforensics.recording.torch import TorchRecorder  # noqa: E402
 from gradforensics.store.schema import decode_bf16  # noqa: E402
 
 nn = torch.nn

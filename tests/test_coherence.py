@@ -119,7 +119,7 @@ def test_short_overlap_and_plot() -> None:
 
 def multi_rank_store(path, seed: int = 0, **_: object):
     """Four ranks, 256 steps each; ranks share a 16-step oscillation of the loss."""
-    from gradforensics.capture import Recorder
+    from gradforensics.recording import Recorder
     from gradforensics.testing.planted import PlantedStore
 
     rng = np.random.default_rng(seed)

@@ -16,7 +16,7 @@ import pytest
 import gradforensics as gf
 from gradforensics.cli import main
 from gradforensics.errors import ModelMismatchError
-from gradforensics.report.comparison import COLUMNS, status_of
+from gradforensics.reporting.comparison import COLUMNS, status_of
 from gradforensics.store.reader import Store
 from gradforensics.store.results import has_result
 from gradforensics.testing import planted_directions as P

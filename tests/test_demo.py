@@ -87,7 +87,7 @@ def test_lr_schedule_warms_up_then_decays():
 @pytest.mark.slow
 def test_demo_end_to_end_names_the_planted_pair_and_spares_code(tmp_path, capsys):
     from gradforensics.cli import main
-    from gradforensics.report import flagsjson
+    from gradforensics.reporting import flagsjson
     from gradforensics.store.reader import Store
 
     out = tmp_path / "demo"

@@ -17,8 +17,8 @@ from gradforensics.analysis.engine.gram import (
     gram_of_handle,
 )
 from gradforensics.analysis.engine.results import load_grams, save_grams
-from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import MissingArrayError, SpecError
+from gradforensics.recording.sketch import Sketcher
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.reader import Store
 from gradforensics.testing.planted import write_store

@@ -25,7 +25,7 @@ from _multirank_workers import WORLD, K, batch, loss_of, tiny, worker  # noqa: E
 from test_capture_cli import files, llama_dir  # noqa: E402,F401  (fixtures: the tiny LLaMA and its data)
 
 import gradforensics as gf  # noqa: E402
-from gradforensics.capture.sketch import Sketcher  # noqa: E402
+from gradforensics.recording.sketch import Sketcher  # noqa: E402
 from gradforensics.store.heads import HeadSpec  # noqa: E402
 from gradforensics.store.ranks import committed_prefix, compaction_moves  # noqa: E402
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import gradforensics as gf
-from gradforensics.report import document, flagsjson, recordsmap
+from gradforensics.reporting import document, flagsjson, recordsmap
 from gradforensics.testing.planted_long import long_history_store
 
 N = 600

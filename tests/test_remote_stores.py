@@ -100,7 +100,7 @@ def test_s3_store_inspect_analyze_workers_report_match_local(pair, tmp_path, cap
     assert _flags(tmp_path / "again") == flags
 
     # compare takes a URL too: the same run before and after changes nothing
-    from gradforensics.compare_runs import compare
+    from gradforensics.runs.compare import compare
 
     c = compare(url, local, tmp_path / "cmp", progress=False)
     assert c.rows and not any(r.changed for r in c.rows)
@@ -196,7 +196,7 @@ def test_storage_options_parse():
 # ------------------------------------------------------------------ store safety on object storage
 def _tiny(url: str, value: float = 1.0, overwrite: bool = False) -> None:
     """A two-record store with one tensor (few objects: moto answers a request in ~20 ms)."""
-    from gradforensics.capture import Recorder
+    from gradforensics.recording import Recorder
 
     with Recorder(url, sources=["a"], overwrite=overwrite) as rec:
         for i in range(2):
@@ -205,7 +205,7 @@ def _tiny(url: str, value: float = 1.0, overwrite: bool = False) -> None:
 
 
 def test_lock_object_one_writer_and_conditional_create(s3):
-    from gradforensics.capture import Recorder
+    from gradforensics.recording import Recorder
 
     url = f"s3://{BUCKET}/locked.zarr"
     with Recorder(url, sources=["a"]):
@@ -235,7 +235,7 @@ def test_stale_lock_object_is_taken_over_with_a_warning(s3):
 
 
 def test_no_overwrite_of_a_foreign_prefix(s3):
-    from gradforensics.capture import Recorder
+    from gradforensics.recording import Recorder
 
     _s3_client().put_object(Bucket=BUCKET, Key="foreign.zarr/data.csv", Body=b"a,b\n")
     with pytest.raises(StoreExistsError, match="refusing to delete"):

@@ -16,9 +16,9 @@ import pandas as pd
 import pytest
 
 from gradforensics.cli import main
-from gradforensics.errors import SpecError
-from gradforensics.report import flagsjson, names, report, severity, summary
-from gradforensics.report.figures import PlotBugWarning, overview_data
+from gradforensics.errors import FlagsSchemaError, PlotBugWarning, SpecError
+from gradforensics.reporting import flagsjson, names, report, severity, summary
+from gradforensics.reporting.figures import overview_data
 
 # ------------------------------------------------------------------ names
 
@@ -117,7 +117,7 @@ def test_flags_json_schema_accepts_findings_and_rejects_mutations():
 def test_flags_json_checks_order_and_record_range():
     doc = json.loads(json.dumps(data.findings().flags_json()))
     doc["flags"].reverse()
-    with pytest.raises(flagsjson.FlagsSchemaError, match="not sorted by severity"):
+    with pytest.raises(FlagsSchemaError, match="not sorted by severity"):
         flagsjson.validate(doc)
     doc = json.loads(json.dumps(data.findings().flags_json()))
     doc["flags"][0]["records"] = [0, 96]
@@ -333,7 +333,7 @@ def test_healthy_findings_render_without_findings(tmp_path, monkeypatch):
 def _store_with_findings(path: Path, f) -> Path:
     """A tiny real store, with *f* persisted as its analysis results (as analyze leaves it)."""
     from gradforensics.analysis.engine.results import save_results
-    from gradforensics.capture import Recorder
+    from gradforensics.recording import Recorder
 
     rng = np.random.default_rng(0)
     with Recorder(path, sources=["zh", "en", "code"], mode="replay", background=False) as rec:
@@ -377,7 +377,7 @@ def test_report_command_fail_on(tmp_path, monkeypatch, stored, fail_on, rc):
 
 
 def test_report_command_errors(tmp_path, capsys):
-    from gradforensics.capture import Recorder
+    from gradforensics.recording import Recorder
 
     with Recorder(tmp_path / "bare.zarr", sources=["a"], background=False) as rec:
         rec.record(step=0, source="a", grads={"w": np.ones((2, 2), np.float32)})

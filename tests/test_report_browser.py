@@ -12,7 +12,7 @@ import _report_data as data
 import pytest
 
 from gradforensics.errors import PlotBugWarning
-from gradforensics.report import report
+from gradforensics.reporting import report
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install -y chromium)")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import gradforensics as gf
-from gradforensics.report import recordsmap, report
-from gradforensics.report.recordsmap import classical_mds, cosine_map
+from gradforensics.reporting import recordsmap, report
+from gradforensics.reporting.recordsmap import classical_mds, cosine_map
 from gradforensics.store.reader import Store
 from gradforensics.testing.planted_directions import planted_conflict, planted_oscillation
 

@@ -26,9 +26,9 @@ from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Findin
 from gradforensics.analysis.engine.results import parse_flag, read_findings
 from gradforensics.cli import main
 from gradforensics.errors import CorruptStoreError, UnsafeNameError
-from gradforensics.report import report
-from gradforensics.report.paths import under
-from gradforensics.report.summary import group
+from gradforensics.reporting import report
+from gradforensics.reporting.paths import under
+from gradforensics.reporting.summary import group
 from gradforensics.store.results import read_document, write_results
 
 LINK = "a`[x](javascript:alert(1))`b"

@@ -13,7 +13,7 @@ from scipy.stats import spearmanr
 from gradforensics.analysis.engine.kspace import window_edges
 from gradforensics.analysis.engine.stats import bimodality_coefficient, rank_trend
 from gradforensics.analysis.engine.units import head_of
-from gradforensics.report import names
+from gradforensics.reporting import names
 from gradforensics.store.names import layer_of, split_layer
 
 LAYERED = [

@@ -11,7 +11,7 @@ Known answers:
   optimizer arm keeps the zh-en conflict, the arm without zh resolves it;
 * the first step of every arm takes the same batch at the same weights: the same
   loss and gradient (bit for bit);
-* :class:`~gradforensics.arms.optim.Lion` against NumPy's rendering of the
+* :class:`~gradforensics.runs.optim.Lion` against NumPy's rendering of the
   published update rule; a loaded optimizer state against torch's AdamW
   continuing from it.
 """
@@ -30,11 +30,11 @@ pytest.importorskip("tokenizers")
 
 import gradforensics as gf  # noqa: E402
 from gradforensics import cli  # noqa: E402
-from gradforensics.arms.cosines import cosine  # noqa: E402
-from gradforensics.arms.optim import Lion, state_kind  # noqa: E402
-from gradforensics.arms.spec import parse_arm, parse_arms, schedule  # noqa: E402
 from gradforensics.errors import SpecError  # noqa: E402
 from gradforensics.replay import data, losses  # noqa: E402
+from gradforensics.runs.arms import parse_arm, parse_arms, schedule  # noqa: E402
+from gradforensics.runs.cosines import cosine  # noqa: E402
+from gradforensics.runs.optim import Lion, state_kind  # noqa: E402
 from gradforensics.store.reader import open_store  # noqa: E402
 
 N_WORDS, DIM = 30, 16

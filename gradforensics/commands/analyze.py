@@ -22,7 +22,7 @@ from gradforensics.errors import SpecError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gradforensics.commands import storage as storage_flags
-    from gradforensics.report.severity import add_fail_on_argument
+    from gradforensics.reporting.severity import add_fail_on_argument
 
     p.add_argument("store", help="a *.zarr directory or *.h5 file written by gradforensics, or a Zarr store at an "
                                  "fsspec URL (s3://bucket/dump.zarr)")
@@ -72,8 +72,8 @@ def _client(args: argparse.Namespace) -> Iterator[Any]:
 def run(args: argparse.Namespace) -> int:
     from gradforensics.analysis.engine import analyze
     from gradforensics.commands import storage as storage_flags
-    from gradforensics.report import report
-    from gradforensics.report.severity import exit_code
+    from gradforensics.reporting import report
+    from gradforensics.reporting.severity import exit_code
 
     where = storage_flags.location(args, args.store)
     options = {"engine": {"slab_bytes": int(args.slab_mb * (1 << 20))}} if args.slab_mb else None

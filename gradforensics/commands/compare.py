@@ -16,11 +16,11 @@ from gradforensics._text import terminal
 from gradforensics.errors import CompareWarning
 
 if TYPE_CHECKING:
-    from gradforensics.report.comparison import Comparison
+    from gradforensics.reporting.comparison import Comparison
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gradforensics.report.severity import add_fail_on_argument
+    from gradforensics.reporting.severity import add_fail_on_argument
 
     p.add_argument("before", help="store captured before the fix (*.zarr or *.h5)")
     p.add_argument("after", help="store of the same model captured after the fix")
@@ -53,8 +53,8 @@ def print_summary(c: Comparison, n: int = 10, file: IO[str] | None = None) -> No
 
 def run(args: argparse.Namespace) -> int:
     from gradforensics.commands import storage as storage_flags
-    from gradforensics.compare_runs import compare
-    from gradforensics.report.severity import exit_code
+    from gradforensics.reporting.severity import exit_code
+    from gradforensics.runs.compare import compare
 
     before, after = storage_flags.location(args, args.before), storage_flags.location(args, args.after)
     with warnings.catch_warnings(record=True) as caught:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gradforensics.analysis.signal import CORRECTIONS, DETRENDERS
-    from gradforensics.report.severity import add_fail_on_argument
+    from gradforensics.reporting.severity import add_fail_on_argument
 
     p.add_argument("inputs", nargs="+", metavar="FILE_OR_STORE",
                    help="a gradforensics store, or one or more CSV / JSON Lines logs (several = several ranks)")
@@ -128,8 +128,8 @@ def findings_of(inp: LossInput, options: dict[str, Options]) -> Findings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradforensics.report import report
-    from gradforensics.report.severity import exit_code
+    from gradforensics.reporting import report
+    from gradforensics.reporting.severity import exit_code
 
     options = series_options(args)
     inp = load(args)

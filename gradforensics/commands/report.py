@@ -14,7 +14,7 @@ from typing import IO, TYPE_CHECKING
 
 from gradforensics._text import terminal
 from gradforensics.errors import MissingArrayError
-from gradforensics.report.severity import add_fail_on_argument, exit_code
+from gradforensics.reporting.severity import add_fail_on_argument, exit_code
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings
@@ -47,7 +47,7 @@ def load_findings(path: str | Location) -> tuple[Findings, Store]:
 
 def print_top(findings: Findings, paths: dict[str, Path], n: int = 5, file: IO[str] | None = None) -> None:
     """Where the report is, and the most severe findings, one line each (control characters escaped)."""
-    from gradforensics.report.summary import group
+    from gradforensics.reporting.summary import group
 
     out = file or sys.stdout
 
@@ -67,7 +67,7 @@ def print_top(findings: Findings, paths: dict[str, Path], n: int = 5, file: IO[s
 
 def run(args: argparse.Namespace) -> int:
     from gradforensics.commands import storage as storage_flags
-    from gradforensics.report import report
+    from gradforensics.reporting import report
 
     findings, store = load_findings(storage_flags.location(args, args.store))
     paths = report(findings, args.out, store=store)

@@ -3,7 +3,7 @@
 Replays the problem checkpoint K steps once per arm on identical batches,
 records every step of every arm into ``DIR/<arm>.zarr`` (``mode="training"``),
 analyses them and writes one report across the arms
-(:func:`gradforensics.arms.run.whatif`; ``docs/whatif.md``).  Loading, the
+(:func:`gradforensics.runs.whatif.whatif`; ``docs/whatif.md``).  Loading, the
 offline rules, the data options and the size estimate are ``capture``'s;
 ``Ctrl-C`` stops it, leaves valid stores of the steps done, says what they hold
 and exits 130.
@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gradforensics.arms.spec import OPTIMIZERS
 from gradforensics.commands.capture import add_model_options, flags_of
 from gradforensics.replay.plan import DEFAULT_SKETCH, DTYPE_NAMES, BatchSpec, ModelSpec, RecordSpec
+from gradforensics.runs.arms import OPTIMIZERS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
     require_extra("torch", "gradforensics whatif")
     require_extra("transformers", "gradforensics whatif")
-    from gradforensics.arms.run import whatif
     from gradforensics.errors import SpecError, WhatIfInterrupted
-    from gradforensics.report.severity import SEVERITY_NAMES, reaching
+    from gradforensics.reporting.severity import SEVERITY_NAMES, reaching
+    from gradforensics.runs.whatif import whatif
 
     if args.sketch < 0:
         raise SpecError(f"--sketch must be >= 0; got {args.sketch}.")

@@ -1,6 +1,6 @@
 """Replay: per-source gradients of a fixed (problem) checkpoint, behind ``gradforensics capture``.
 
-Built on the recording API (:mod:`gradforensics.capture`), never the other way:
+Built on the recording API (:mod:`gradforensics.recording`), never the other way:
 
 * :mod:`~gradforensics.replay.run` - :func:`replay`: batches from every source
   through the model as it is (no optimizer step), one record per batch;

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.capture.autoheads import text_config
 from gradforensics.errors import CheckpointError, GradforensicsError, NotACheckpointError, OfflineError, SpecError
+from gradforensics.recording.autoheads import text_config
 from gradforensics.replay import losses
 from gradforensics.replay.plan import BUILTIN_LOSSES, MODEL_DTYPES
 

@@ -14,7 +14,7 @@ flags into the three option groups of :mod:`gradforensics.replay.plan` and calls
    batch is packed;
 4. pack each source's seeded batches (:func:`gradforensics.replay.data.load_batches`)
    and replay them through the model (:func:`gradforensics.replay.replay`) into a
-   :class:`~gradforensics.capture.torch.TorchRecorder`, with ``storage_options``
+   :class:`~gradforensics.recording.torch.TorchRecorder`, with ``storage_options``
    passed to it for a store at an fsspec URL.
 
 Under ``torchrun`` (``launch``, which the command line sets up) the checkpoint is

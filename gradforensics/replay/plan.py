@@ -169,7 +169,7 @@ class RecordSpec:
             object.__setattr__(self, "dtype", DTYPE_NAMES[self.dtype])
 
     def recorder_options(self) -> dict[str, Any]:
-        """The keyword arguments of :class:`~gradforensics.capture.torch.TorchRecorder` these stand for."""
+        """The keyword arguments of :class:`~gradforensics.recording.torch.TorchRecorder` these stand for."""
         return {"tensors": self.tensors, "heads": self.heads, "activations": self.activations,
                 "sketch": self.sketch, "full": self.full, "dtype": self.dtype}
 
@@ -248,7 +248,7 @@ def record_bytes(shapes: Mapping[str, tuple[tuple[int, ...], int]], specs: Mappi
     module ``B x 8 + 4 x units x 4`` (int64 histogram of ``B`` bins and four per-unit
     statistics); the batch metadata ``32 + 4 x sources``.
     """
-    from gradforensics.capture.actstats import N_BINS
+    from gradforensics.recording.actstats import N_BINS
 
     globs = tuple(full) if full is not None else (() if sketch else ("*",))
     grads = sketches = 0
@@ -269,8 +269,8 @@ def record_bytes(shapes: Mapping[str, tuple[tuple[int, ...], int]], specs: Mappi
 
 def plan_record(model: nn.Module, record: RecordSpec, n_sources: int) -> dict[str, int]:
     """Check *record*'s globs against *model* (one-line errors) and estimate a record's bytes."""
-    from gradforensics.capture.autoheads import resolve_heads
-    from gradforensics.capture.torch import select_modules, select_parameters
+    from gradforensics.recording.autoheads import resolve_heads
+    from gradforensics.recording.torch import select_modules, select_parameters
 
     params = select_parameters(model, record.tensors)
     if not params:

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 from gradforensics._format import fmt_bytes
-from gradforensics.capture.torch import TorchRecorder
 from gradforensics.errors import SpecError
+from gradforensics.recording.torch import TorchRecorder
 from gradforensics.replay.plan import exceeds_disk, size_estimate
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
         Refuse (``SpecError``) when the estimate exceeds the free disk space;
         ``False`` only prints it (``gradforensics capture --force``).
     **recorder_kwargs
-        Passed to :class:`~gradforensics.capture.torch.TorchRecorder`
+        Passed to :class:`~gradforensics.recording.torch.TorchRecorder`
         (``tensors``, ``heads``, ``activations``, ``sketch``, ``dtype``, ...).
 
     Returns

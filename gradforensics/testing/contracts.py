@@ -278,7 +278,7 @@ def check_evidence_keys_carried(analysis: Any, stores: PlantedStores) -> None:
     carried as a finite number by at least one flag of its kind; the summary quotes the evidence."""
     if not analysis.kinds:
         return
-    from gradforensics.report.summary import evidence_phrase
+    from gradforensics.reporting.summary import evidence_phrase
 
     flags = stores.passed(analysis.name).findings.flags
     for kind, advice in analysis.kinds.items():

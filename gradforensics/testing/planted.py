@@ -88,7 +88,7 @@ def write_store(
     recorder_kwargs
         Passed to :class:`gradforensics.Recorder` (``sketch=``, ``dtype=``, ``full=``, ...).
     """
-    from gradforensics.capture import Recorder
+    from gradforensics.recording import Recorder
 
     rng = np.random.default_rng(seed)
     pick = source_of or (lambda i: sources[i % len(sources)])
@@ -208,7 +208,7 @@ def noise_store(
     default sources when *source_noise* is set).  ``source_noise={"c": 25.0}``
     multiplies ``Σ`` by 25 for records of source ``c`` in *source_noise_tensors*.
     """
-    from gradforensics.capture.heads import match_heads
+    from gradforensics.recording.heads import match_heads
 
     tensors = dict(tensors or TENSORS)
     heads = dict(kwargs.pop("heads", HEADS))
@@ -270,7 +270,7 @@ def nonfinite_store(
     The planted records are from *source*; the others go round robin over the
     other sources.  ``truth``: tensor, head, records, elements, source.
     """
-    from gradforensics.capture.heads import match_heads
+    from gradforensics.recording.heads import match_heads
 
     planted = sorted(int(r) for r in records)
     others = [s for s in sources if s != source] or [source]

@@ -86,7 +86,7 @@ class Planted:
 
     def write(self, path: str | os.PathLike[str]) -> Any:
         """Record the gradients into a store at *path* (``.zarr`` or ``.h5``): a ``PlantedStore``."""
-        from gradforensics.capture import Recorder
+        from gradforensics.recording import Recorder
         from gradforensics.testing.planted import PlantedStore
 
         heads = {t: h for t, h in self.heads.items()}

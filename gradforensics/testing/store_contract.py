@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradforensics.capture import Recorder
 from gradforensics.errors import (
     CorruptChunkError,
     MissingArrayError,
@@ -32,6 +31,7 @@ from gradforensics.errors import (
     SchemaVersionError,
     StoreMismatchError,
 )
+from gradforensics.recording import Recorder
 from gradforensics.store import remote
 from gradforensics.store.backends import open_backend
 from gradforensics.store.layout import LayoutPolicy

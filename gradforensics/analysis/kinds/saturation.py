@@ -3,7 +3,7 @@
 Capture keeps, per record and unit, the share of tokens *near zero* (``frac_low``)
 and *at the top of the range* (``frac_high``), with thresholds fixed per module at
 its first record (bounds for tanh/sigmoid, the healthy 99th percentile of ``|a|``
-for ReLU/GELU/SiLU; see :mod:`gradforensics.capture.actstats`).  From them:
+for ReLU/GELU/SiLU; see :mod:`gradforensics.recording.actstats`).  From them:
 
 * a unit is **dead** in a record when ``frac_low ≥ pole`` (default 0.9: near zero on
   almost every token), **saturated** when ``frac_high ≥ pole``; the module's

@@ -49,7 +49,7 @@ class HasSeverity(Protocol):
 
 @runtime_checkable
 class Reaching(Protocol):
-    """A result that says itself which of its rows reach a threshold (:class:`~gradforensics.report.comparison.Comparison`)."""
+    """A result that says itself which of its rows reach a threshold (:class:`~gradforensics.reporting.comparison.Comparison`)."""
 
     def reaching(self, threshold: float) -> Sequence[object]: ...
 

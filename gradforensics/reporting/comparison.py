@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from gradforensics.analysis.engine.registry import flag_key
-from gradforensics.report.figures import analysis_name
-from gradforensics.report.severity import SEVERITY_NAMES, reaches
+from gradforensics.reporting.figures import analysis_name
+from gradforensics.reporting.severity import SEVERITY_NAMES, reaches
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gradforensics._format import fmt_bytes
-from gradforensics.report import advice, figures, recordsmap, summary, tables
-from gradforensics.report.severity import band
+from gradforensics.reporting import advice, figures, recordsmap, summary, tables
+from gradforensics.reporting.severity import band
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings

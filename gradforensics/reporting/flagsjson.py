@@ -10,7 +10,7 @@ validator (no extra dependency; it implements the keywords the schema uses,
 ``oneOf`` included, and the test suite cross-checks it with the ``jsonschema``
 package) plus what a
 schema cannot say: flags sorted by severity, descending, and record ranges
-inside the store.  ``python -m gradforensics.report.flagsjson`` prints the schema.
+inside the store.  ``python -m gradforensics.reporting.flagsjson`` prints the schema.
 """
 
 from __future__ import annotations

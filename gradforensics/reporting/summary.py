@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.analysis.engine.registry import advice_of
-from gradforensics.report import advice, names
-from gradforensics.report.severity import band
+from gradforensics.reporting import advice, names
+from gradforensics.reporting.severity import band
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings, Flag

@@ -1,26 +1,25 @@
 """The report a training team reads: ``report.html``, ``report.md``, ``flags.json``, ``tables/``.
 
 ``report(findings, out_dir)`` renders :class:`~gradforensics.analysis.engine.model.Findings`
-(from ``gf.analyze`` or ``Findings.from_store``); it never reads gradients.
+(from ``gf.analyze``, or read back from a store by
+:func:`~gradforensics.analysis.engine.results.read_findings`); it never reads gradients.
 
 * ``report.html`` - one self-contained file: header, summary in sentences, the
   at-a-glance map, a section per finding with its evidence figure and what to
   try next, the sortable layer-by-layer table, the analysis tables;
 * ``report.md`` - the same in Markdown, figures as PNG files in ``figures/``;
 * ``flags.json`` - exactly ``findings.flags_json()``, validated against
-  :data:`~gradforensics.report.flagsjson.FLAGS_SCHEMA`;
+  :data:`~gradforensics.reporting.flagsjson.FLAGS_SCHEMA`;
 * ``tables/<name>.csv`` - one per analysis result table, ``tensor``, ``head`` first.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gradforensics.report.severity import SEVERITY_NAMES, exit_code, parse_severity
+from gradforensics.reporting.severity import SEVERITY_NAMES, exit_code, parse_severity
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Findings
@@ -54,7 +53,7 @@ def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | L
     UnsafeNameError
         An analysis name is not a lower-case identifier (checked before anything
         is written), or a path would leave *out_dir*, e.g. through a symbolic link
-        (:func:`gradforensics.report.paths.under`).
+        (:func:`gradforensics.reporting.paths.under`).
     WriteRefusedError
         The disk is full, read-only or refuses the write (one line naming the path).
 
@@ -88,8 +87,8 @@ def report(findings: Findings, out_dir: str | os.PathLike[str], store: Store | L
 
 
 def _write(findings: Findings, store: Store | None, out: Path) -> dict[str, Path]:
-    from gradforensics.report import document, flagsjson, html, markdown, tables
-    from gradforensics.report.paths import under
+    from gradforensics.reporting import document, flagsjson, html, markdown, tables
+    from gradforensics.reporting.paths import under
 
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {"flags": flagsjson.write(findings, under(out, "flags.json"))}
@@ -108,20 +107,3 @@ def _write(findings: Findings, store: Store | None, out: Path) -> dict[str, Path
     paths["markdown"] = under(out, "report.md")
     paths["markdown"].write_text(markdown.render(doc, "figures"), encoding="utf-8")
     return paths
-
-
-class _CallableModule(types.ModuleType):
-    """``gf.report(findings, out)`` must work even after ``gradforensics.report`` was imported.
-
-    Importing any ``gradforensics.report.*`` module binds the attribute
-    ``gradforensics.report`` to this package, shadowing the lazy
-    ``gradforensics.__getattr__`` that returns the function; making the package
-    callable keeps the public call working either way.
-    """
-
-    def __call__(self, findings: Findings, out_dir: str | os.PathLike[str],
-                 store: Store | Location | str | None = None) -> dict[str, Path]:
-        return report(findings, out_dir, store)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -39,8 +39,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.capture.heads import parse_head_spec
 from gradforensics.errors import SpecError
+from gradforensics.recording.heads import parse_head_spec
 from gradforensics.store.heads import HeadSpec
 
 if TYPE_CHECKING:

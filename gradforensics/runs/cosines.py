@@ -1,7 +1,7 @@
 """Arm-to-arm cosines per layer: is the trouble in the data (every arm sees it) or in the optimizer?
 
 For two arms ``a``, ``b`` and each recorded tensor, from the per-step vectors
-:func:`~gradforensics.arms.train.run_arm` keeps (exact for a tensor of at most
+:func:`~gradforensics.runs.train.run_arm` keeps (exact for a tensor of at most
 ``k`` elements, else count-sketches with one seed, error ≈ √((1+cos²)/k)):
 
 * ``grad_cos``: mean of ``cos(g_a, g_b)`` over the batches both arms took - the
@@ -29,7 +29,7 @@ import numpy as np
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.arms.train import ArmRun
+    from gradforensics.runs.train import ArmRun
 
 __all__ = ["COLUMNS", "cosine", "pair_table"]
 

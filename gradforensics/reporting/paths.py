@@ -2,7 +2,7 @@
 
 Names from a store (analysis names become ``tables/<name>.csv``) are data, never
 paths (design, "Store safety").  Analysis names are checked where they are read
-(:meth:`gradforensics.analysis.engine.model.Findings.from_store`); :func:`under` is the
+(:func:`gradforensics.analysis.engine.results.read_findings`); :func:`under` is the
 last line: each part must be one plain file name, and the resolved path - after
 symbolic links - must still lie inside the output directory.
 """

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor import DTensor
 
-    from gradforensics.capture.sketch import DeviceSketch
+    from gradforensics.recording.sketch import DeviceSketch
     from gradforensics.store.heads import HeadSpec
 
 KINDS = ("ddp", "fsdp", "local")

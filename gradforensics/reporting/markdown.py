@@ -13,10 +13,10 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from gradforensics._text import md_code, md_text
-from gradforensics.report.severity import band
+from gradforensics.reporting.severity import band
 
 if TYPE_CHECKING:
-    from gradforensics.report.document import Document, Picture, Section
+    from gradforensics.reporting.document import Document, Picture, Section
 
 MAX_LAYER_ROWS = 200
 MAX_FLAG_ROWS = 20

@@ -5,7 +5,7 @@
 * the model is the checkpoint loaded anew for each arm (``load()``), and
   ``torch.manual_seed(seed)`` is set before the first step, so dropout draws
   and seeded masking are the same in every arm;
-* step ``t`` takes batch ``j`` of source ``s`` from :func:`~gradforensics.arms.spec.schedule`,
+* step ``t`` takes batch ``j`` of source ``s`` from :func:`~gradforensics.runs.arms.schedule`,
   and ``batches[s][j]`` is one tensor shared by all arms - so step 0 of two
   arms with the same schedule sees the same batch at the same weights and has
   the same loss and gradient, whatever the optimizer;
@@ -15,7 +15,7 @@
 Besides the store, each step leaves per tensor a short vector of the gradient
 and of the update ``Δθ = θ_after − θ_before`` (the flattened tensor itself when
 it has at most ``k`` elements, else its count-sketch with one seed for all
-arms), so :mod:`~gradforensics.arms.cosines` can compare arms layer by layer.
+arms), so :mod:`~gradforensics.runs.cosines` can compare arms layer by layer.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.arms.optim import build_optimizer, load_state, warmup_factor
-from gradforensics.capture.sketch import Sketcher
+from gradforensics.recording.sketch import Sketcher
+from gradforensics.runs.optim import build_optimizer, load_state, warmup_factor
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from gradforensics.arms.spec import Arm
+    from gradforensics.runs.arms import Arm
 
 __all__ = ["COS_K", "COS_SEED", "ArmRun", "run_arm"]
 
@@ -103,7 +103,7 @@ def run_arm(arm: Arm, load: Callable[[], tuple[nn.Module, LossFn]], batches: Map
     saved_state, state_where
         The checkpoint's optimizer state (or None) and where it came from.
     recorder
-        Keyword arguments of :class:`~gradforensics.capture.torch.TorchRecorder`
+        Keyword arguments of :class:`~gradforensics.recording.torch.TorchRecorder`
         (``tensors``, ``heads``, ``activations``, ``sketch``, ``full``, ``dtype``, ``overwrite``).
     count
         ``count(batch) -> n_samples``.
@@ -118,7 +118,7 @@ def run_arm(arm: Arm, load: Callable[[], tuple[nn.Module, LossFn]], batches: Map
     """
     import torch
 
-    from gradforensics.capture.torch import TorchRecorder, select_parameters
+    from gradforensics.recording.torch import TorchRecorder, select_parameters
 
     model, loss_fn = load()
     model.train()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from gradforensics.analysis.engine.model import Advice
 from gradforensics.analysis.engine.registry import advice_of
-from gradforensics.report.names import join_and
+from gradforensics.reporting.names import join_and
 
 if TYPE_CHECKING:
     from gradforensics.analysis.engine.model import Flag

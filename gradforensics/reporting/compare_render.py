@@ -8,7 +8,7 @@ evidence is drawn for the run that does not show it.
 
 Names from either store are data: escaped for Markdown
 (:mod:`gradforensics._text`), HTML and CSV; every path is built with
-:func:`~gradforensics.report.paths.under`.
+:func:`~gradforensics.reporting.paths.under`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 from gradforensics._text import md_code, md_text, terminal, visible
 from gradforensics.errors import PlotBugWarning
-from gradforensics.report.comparison import ACT, WORSE, Comparison, Row
-from gradforensics.report.figures import analysis_name, new_figure, to_png
-from gradforensics.report.html import CSS
-from gradforensics.report.paths import under
-from gradforensics.report.tables import csv_safe
+from gradforensics.reporting.comparison import ACT, WORSE, Comparison, Row
+from gradforensics.reporting.figures import analysis_name, new_figure, to_png
+from gradforensics.reporting.html import CSS
+from gradforensics.reporting.paths import under
+from gradforensics.reporting.tables import csv_safe
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

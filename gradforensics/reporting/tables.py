@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics._text import csv_cell
-from gradforensics.report import names
-from gradforensics.report.figures import analysis_name
-from gradforensics.report.paths import under
+from gradforensics.reporting import names
+from gradforensics.reporting.figures import analysis_name
+from gradforensics.reporting.paths import under
 from gradforensics.store.names import check_analysis_name
 
 if TYPE_CHECKING:

@@ -12,10 +12,10 @@ import math
 from html import escape
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.report.severity import band
+from gradforensics.reporting.severity import band
 
 if TYPE_CHECKING:
-    from gradforensics.report.document import Document, Picture, Section
+    from gradforensics.reporting.document import Document, Picture, Section
 
 #: Rows of a per-analysis table shown inline (the CSV has all of them).
 MAX_TABLE_ROWS = 300

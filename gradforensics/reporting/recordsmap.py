@@ -199,7 +199,7 @@ def figure(m: RecordsMap) -> Figure:
     """Two panels: the records coloured by source, and by step (successive records joined)."""
     import matplotlib as mpl
 
-    from gradforensics.report.figures import new_figure
+    from gradforensics.reporting.figures import new_figure
 
     fig = new_figure(10.0, 4.4)
     ax_s, ax_t = fig.subplots(1, 2, sharex=True, sharey=True)

@@ -22,14 +22,14 @@ import numpy as np
 
 from gradforensics._text import terminal, visible
 from gradforensics.errors import PlotBugWarning
-from gradforensics.report import names
+from gradforensics.reporting import names
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
     from gradforensics.analysis.engine.model import Findings, Flag
-    from gradforensics.report.summary import FlagGroup
+    from gradforensics.reporting.summary import FlagGroup
 
 DPI = 110
 OTHER = "other"

@@ -4,7 +4,7 @@
 :func:`parse_head_spec` turns it into a :class:`~gradforensics.store.heads.HeadSpec`
 (the layout itself, and the attributes it is stored with, live in
 :mod:`gradforensics.store.heads`).  ``heads="auto"`` for a PyTorch model is
-:mod:`gradforensics.capture.autoheads`.
+:mod:`gradforensics.recording.autoheads`.
 """
 
 from __future__ import annotations

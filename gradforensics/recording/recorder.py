@@ -7,9 +7,9 @@ memory stays bounded, because a full queue blocks ``record()`` (backpressure)
 rather than buffering without limit.  The writer thread encodes (bfloat16 bit
 patterns, head split, sketch, activation statistics) and writes.
 
-The PyTorch recorder (:class:`~gradforensics.capture.torch.TorchRecorder`)
+The PyTorch recorder (:class:`~gradforensics.recording.torch.TorchRecorder`)
 subclasses it: it reads ``.grad`` and hooks modules, then goes through the same
-path.  ``gf.Recorder`` (:func:`gradforensics.capture.Recorder`) picks one of the two.
+path.  ``gf.Recorder`` (:func:`gradforensics.recording.Recorder`) picks one of the two.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any, Self
 
 import numpy as np
 
-from gradforensics.capture.actstats import ActRange, act_stats, make_range
-from gradforensics.capture.heads import match_heads
-from gradforensics.capture.sketch import Sketcher
 from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError
+from gradforensics.recording.actstats import ActRange, act_stats, make_range
+from gradforensics.recording.heads import match_heads
+from gradforensics.recording.sketch import Sketcher
 from gradforensics.store.backends import locate
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.layout import LayoutPolicy
@@ -65,7 +65,7 @@ class PendingRecord:
     acts: dict[str, np.ndarray]
     weights: dict[str, np.ndarray]
     settle: Callable[[], None] | None = None
-    #: Sketches computed where the gradient lives (:class:`~gradforensics.capture.sketch.DeviceSketch`):
+    #: Sketches computed where the gradient lives (:class:`~gradforensics.recording.sketch.DeviceSketch`):
     #: ``{tensor: (sketch (k,) or (H, k), the tensor's shape, its dtype name)}``; never sketched again.
     sketches: dict[str, tuple[np.ndarray, tuple[int, ...], str]] = field(default_factory=dict)
     #: Activation statistics reduced where the activations live: ``{module: {stat: array}}`` (its range

@@ -4,7 +4,7 @@
 ``record()`` is called - so under gradient accumulation it stores the sum over
 the micro-batches, exactly what the optimizer will see - keeps the outputs of
 hooked modules since the previous record, and hands everything to the
-framework-agnostic :class:`~gradforensics.capture.recorder.ArrayRecorder`
+framework-agnostic :class:`~gradforensics.recording.recorder.ArrayRecorder`
 (its base class), whose background thread splits heads, sketches, computes
 activation statistics and writes.
 
@@ -13,7 +13,7 @@ On CUDA the gradients are copied into pinned host buffers with
 the copies; ``record()`` returns without waiting, and the writer thread waits
 on that event (``event.synchronize()``, never ``torch.cuda.synchronize()``)
 before it reads the buffers (the record carries that wait as its ``settle``,
-:class:`~gradforensics.capture.recorder.PendingRecord`).  Two buffer sets are
+:class:`~gradforensics.recording.recorder.PendingRecord`).  Two buffer sets are
 reused in turn, so a third ``record()`` waits only if the writer has not yet
 taken the first one.
 """
@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.capture import distributed
-from gradforensics.capture.actstats import (
+from gradforensics.errors import SpecError
+from gradforensics.recording import distributed
+from gradforensics.recording.actstats import (
     BOUNDED,
     ActRange,
     combine,
@@ -40,10 +41,9 @@ from gradforensics.capture.actstats import (
     partial_stats,
     with_scale,
 )
-from gradforensics.capture.autoheads import resolve_heads
-from gradforensics.capture.recorder import ArrayRecorder
-from gradforensics.capture.sketch import DeviceSketch
-from gradforensics.errors import SpecError
+from gradforensics.recording.autoheads import resolve_heads
+from gradforensics.recording.recorder import ArrayRecorder
+from gradforensics.recording.sketch import DeviceSketch
 from gradforensics.store.names import check_name
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ class _ActHook:
 
     Until the module's range is fixed (its first record) the outputs are kept,
     ``(tokens, units)`` float32 on their device; after that every micro-batch is
-    reduced at once to per-unit partial sums (:func:`~gradforensics.capture.actstats.partial_stats`),
+    reduced at once to per-unit partial sums (:func:`~gradforensics.recording.actstats.partial_stats`),
     so nothing is kept and only the summed statistics cross to the host, at ``record()``.
     """
 
@@ -187,7 +187,7 @@ class TorchRecorder(ArrayRecorder):
         A glob that matches nothing is a :class:`SpecError`.
     heads
         ``"auto"`` (default: LLaMA/Mistral/Qwen incl. GQA, GPT-2, GPT-NeoX, Phi-3,
-        ``nn.MultiheadAttention``; see :mod:`gradforensics.capture.autoheads`),
+        ``nn.MultiheadAttention``; see :mod:`gradforensics.recording.autoheads`),
         ``{glob: H | {"heads": H, "axis": A, ...} | None}`` (add ``"auto": True`` to
         combine with the automatic rules), or ``None`` (no head split).
     activations
@@ -202,7 +202,7 @@ class TorchRecorder(ArrayRecorder):
         (the GPU), so only ``k`` floats per head cross to the host; ``"host"``: the
         gradient is copied to the host and sketched there by the writer thread.
     **kwargs
-        Everything :class:`~gradforensics.capture.recorder.ArrayRecorder` takes
+        Everything :class:`~gradforensics.recording.recorder.ArrayRecorder` takes
         (``sources``, ``sketch``, ``full``, ``dtype``, ``mode``, ...).
 
     Notes
@@ -214,7 +214,7 @@ class TorchRecorder(ArrayRecorder):
     Under ``torch.distributed`` with two or more ranks the recorder is collective
     (every rank makes it on the same path and calls ``record()`` as often) and
     every rank writes into the one store (:mod:`gradforensics.store.ranks`).  What
-    a record is depends on the model (:mod:`gradforensics.capture.distributed`):
+    a record is depends on the model (:mod:`gradforensics.recording.distributed`):
     under ``DistributedDataParallel`` the rank's local micro-batch gradient
     (``batches/rank`` says which rank), under FSDP2 (``fully_shard``) the step's
     reduced gradient.  See ``docs/capture-many-gpus.md``.

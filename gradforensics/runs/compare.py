@@ -4,8 +4,8 @@ For the team that applied a fix (re-weighted a source, lowered the LR) and
 captured again (design, "Comparing runs"): each store's stored findings are
 read, or - for a store ``analyze`` has not run on - computed on the fly by the
 engine and saved in it as ``analyze`` does; then every finding gets a status
-(:mod:`gradforensics.report.comparison`) and the outputs are written
-(:mod:`gradforensics.report.compare_render`).
+(:mod:`gradforensics.reporting.comparison`) and the outputs are written
+(:mod:`gradforensics.reporting.compare_render`).
 
 Two stores of different models are refused before any gradient is read: the
 tensor names and shapes must match (:func:`check_same_model`).
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from dask.distributed import Client
 
     from gradforensics.analysis.engine.model import Findings
-    from gradforensics.report.comparison import Comparison
+    from gradforensics.reporting.comparison import Comparison
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
@@ -143,10 +143,10 @@ def compare(before: str | os.PathLike[str] | Location, after: str | os.PathLike[
     Notes
     -----
     The status rule (0.5 = a finding; worse = +0.2) is in
-    :mod:`gradforensics.report.comparison`.
+    :mod:`gradforensics.reporting.comparison`.
     """
-    from gradforensics.report.compare_render import write
-    from gradforensics.report.comparison import compare_findings
+    from gradforensics.reporting.compare_render import write
+    from gradforensics.reporting.comparison import compare_findings
     from gradforensics.store.reader import Store
 
     stores = (Store(before, check_chunks=False, storage_options=storage_options),

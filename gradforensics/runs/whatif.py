@@ -7,12 +7,12 @@ The flow (design, "Comparing runs", ``whatif``):
    pack each source's batches once, seeded (:func:`gradforensics.replay.data.load_batches`),
    print the size estimate of all the arms' stores and refuse when the disk is too small;
 3. per arm: a fresh load, K steps on the shared batches, every step recorded
-   (:func:`gradforensics.arms.train.run_arm`) into ``DIR/<arm>.zarr``;
+   (:func:`gradforensics.runs.train.run_arm`) into ``DIR/<arm>.zarr``;
 4. analyse every store (:func:`gradforensics.analyze`), compare each arm with the
-   baseline arm (:func:`gradforensics.report.comparison.compare_findings`, written
+   baseline arm (:func:`gradforensics.reporting.comparison.compare_findings`, written
    as ``DIR/compare/<arm>/`` like ``gradforensics compare``), the arm-to-arm
-   cosines per layer (:mod:`gradforensics.arms.cosines`), and write the
-   what-if report (:mod:`gradforensics.arms.render`).
+   cosines per layer (:mod:`gradforensics.runs.cosines`), and write the
+   what-if report (:mod:`gradforensics.runs.render`).
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from gradforensics.arms.spec import Arm, parse_arms, schedule
 from gradforensics.errors import SpecError, WhatIfInterrupted
 from gradforensics.replay.plan import DEFAULT_SKETCH, BatchSpec, ModelSpec, RecordSpec, as_spec, check_disk, plan_record
+from gradforensics.runs.arms import Arm, parse_arms, schedule
 
 if TYPE_CHECKING:
     import pandas as pd
     from dask.distributed import Client
 
     from gradforensics.analysis.engine.model import Findings
-    from gradforensics.arms.train import ArmRun
-    from gradforensics.report.comparison import Comparison
+    from gradforensics.reporting.comparison import Comparison
+    from gradforensics.runs.train import ArmRun
 
 __all__ = ["DEFAULT_SKETCH", "WhatIf", "WhatIfInterrupted", "whatif"]
 
@@ -215,11 +215,11 @@ class _Setup:
 def _train(setup: _Setup, arms: list[Arm], plans: dict[str, list[tuple[str, int]]], stores: dict[str, Path],
            sources: list[Any], say: IO[str] | None) -> list[ArmRun]:
     from gradforensics._threads import for_model
-    from gradforensics.arms.optim import find_state, read_state
-    from gradforensics.arms.train import run_arm
     from gradforensics.replay import data as rdata
     from gradforensics.replay.pipeline import load_model
     from gradforensics.replay.run import Progress, batch_size
+    from gradforensics.runs.optim import find_state, read_state
+    from gradforensics.runs.train import run_arm
 
     b, m = setup.batches, setup.model
     first = load_model(setup.checkpoint, m, b)
@@ -284,11 +284,11 @@ def _interrupted(runs: list[ArmRun], arm: Arm, n: int, stores: dict[str, Path]) 
 def _analyse(out_dir: Path, base: str, runs: list[ArmRun], only: str | Sequence[str] | None,
              client: Client | None, progress: bool, compare_reports: bool) -> WhatIf:
     from gradforensics.analysis.engine import analyze
-    from gradforensics.arms.cosines import pair_table
-    from gradforensics.arms.render import write
-    from gradforensics.report.compare_render import write as write_compare
-    from gradforensics.report.comparison import compare_findings
-    from gradforensics.report.paths import under
+    from gradforensics.reporting.compare_render import write as write_compare
+    from gradforensics.reporting.comparison import compare_findings
+    from gradforensics.reporting.paths import under
+    from gradforensics.runs.cosines import pair_table
+    from gradforensics.runs.render import write
 
     findings = {r.arm.name: analyze(r.store, client=client, only=only, progress=progress) for r in runs}
     comparisons = {}

@@ -5,11 +5,11 @@ optimizer state was loaded, last losses); the loss curves overlaid; every
 finding at or above the action threshold (0.5) in any arm with its severity per
 arm and a verdict - kept by every arm (the data's, not the optimizer's),
 resolved by some arms (named), or new in some; each arm's top findings; and
-the arm-to-arm cosines per layer (:mod:`gradforensics.arms.cosines`).
+the arm-to-arm cosines per layer (:mod:`gradforensics.runs.cosines`).
 
 Names from the stores are data: escaped for HTML and Markdown
 (:mod:`gradforensics._text`), CSV cells neutralised, paths built with
-:func:`~gradforensics.report.paths.under`.
+:func:`~gradforensics.reporting.paths.under`.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ import numpy as np
 
 from gradforensics._text import md_code, md_text, visible
 from gradforensics.analysis.engine.registry import flag_key
-from gradforensics.report.comparison import ACT
-from gradforensics.report.figures import new_figure, to_png
-from gradforensics.report.html import CSS
-from gradforensics.report.paths import under
-from gradforensics.report.tables import csv_safe
+from gradforensics.reporting.comparison import ACT
+from gradforensics.reporting.figures import new_figure, to_png
+from gradforensics.reporting.html import CSS
+from gradforensics.reporting.paths import under
+from gradforensics.reporting.tables import csv_safe
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from gradforensics.analysis.engine.model import Findings, Flag, FlagKey
-    from gradforensics.arms.run import WhatIf
+    from gradforensics.runs.whatif import WhatIf
 
 __all__ = ["finding_matrix", "key_of", "loss_figure", "render_html", "render_markdown", "verdict", "write"]
 

@@ -29,7 +29,7 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
     import torch
 
-    from gradforensics.arms.spec import Arm
+    from gradforensics.runs.arms import Arm
 
 __all__ = ["STATE_FILES", "Lion", "build_optimizer", "find_state", "load_state", "state_kind", "warmup_factor"]
 
