@@ -15,7 +15,7 @@ from gradforensics._version import __version__
 from gradforensics.errors import GradforensicsError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.analysis.engine.run import analyze
     from gradforensics.recording import Recorder
     from gradforensics.replay.pipeline import capture
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from gradforensics.reporting import report
     from gradforensics.reporting.comparison import Comparison
     from gradforensics.runs.compare import compare
-    from gradforensics.runs.whatif import WhatIf, whatif
+    from gradforensics.runs.result import WhatIf
+    from gradforensics.runs.whatif import whatif
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store, open_store
 
@@ -38,13 +39,13 @@ _PUBLIC: dict[str, str] = {
     "Store": "gradforensics.store.reader",
     "Location": "gradforensics.store.location",
     "analyze": "gradforensics.analysis.engine.run",
-    "Findings": "gradforensics.analysis.engine.model",
-    "Flag": "gradforensics.analysis.engine.model",
+    "Findings": "gradforensics.analysis.contract.model",
+    "Flag": "gradforensics.analysis.contract.model",
     "report": "gradforensics.reporting",
     "compare": "gradforensics.runs.compare",
     "Comparison": "gradforensics.reporting.comparison",
     "whatif": "gradforensics.runs.whatif",
-    "WhatIf": "gradforensics.runs.whatif",
+    "WhatIf": "gradforensics.runs.result",
 }
 
 __all__ = ["BatchSpec", "Comparison", "Findings", "Flag", "GradforensicsError", "Location", "ModelSpec", "RecordSpec",

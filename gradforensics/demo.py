@@ -40,7 +40,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.contract.model import Findings
 
 SOURCES = ("zh", "en", "code")
 PLANTED_PAIR = ("zh", "en")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Findings, Flag
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Findings, Flag
 
 N_LAYERS, HEADS = 8, 8
 CONFLICT_LAYERS, CONFLICT_HEADS, CONFLICT_MODULES = (5, 6), (2, 5), ("q_proj", "k_proj")

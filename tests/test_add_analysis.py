@@ -24,7 +24,7 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.analysis import REGISTRY, register, registered, unregister
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,

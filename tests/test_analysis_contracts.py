@@ -26,8 +26,8 @@ from test_rankconsistency import replicated_store
 
 import gradforensics as gf
 from gradforensics.analysis import REGISTRY, registered
-from gradforensics.analysis.engine.checks import Interval, StrOptions, describe
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.checks import Interval, StrOptions, describe
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,
@@ -38,7 +38,7 @@ from gradforensics.analysis.engine.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.engine.registry import flag_key, records_map_kinds
+from gradforensics.analysis.contract.registry import flag_key, records_map_kinds
 from gradforensics.errors import SpecError
 from gradforensics.reporting import recordsmap, summary
 from gradforensics.reporting.comparison import compare_findings

@@ -98,11 +98,13 @@ def _internal(target: str) -> bool:
     return target == PACKAGE or target.startswith(PACKAGE + ".")
 
 
-def import_graph(*, functions: bool) -> dict[str, set[str]]:
-    """``{module: {gradforensics modules it imports when run}}`` (TYPE_CHECKING imports left out)."""
+def import_graph(*, functions: bool, type_checking: bool = False) -> dict[str, set[str]]:
+    """``{module: {gradforensics modules it imports}}``: at module level, and with *functions* those inside
+    functions too; with *type_checking* also those under ``if TYPE_CHECKING:`` (a cycle of types)."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     for imp in ALL_IMPORTS:
-        if imp.type_checking or (imp.in_function and not functions) or not _internal(imp.target):
+        if (imp.type_checking and not type_checking) or (imp.in_function and not functions) or \
+                not _internal(imp.target):
             continue
         if imp.target in MODULES and imp.target != imp.source:
             graph[imp.source].add(imp.target)
@@ -139,7 +141,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_graph_sees_the_package():
     graph = import_graph(functions=False)
     assert "gradforensics.analysis.engine.run" in graph
-    assert "gradforensics.analysis.engine.model" in graph["gradforensics.analysis.engine.run"]
+    assert "gradforensics.analysis.contract.model" in graph["gradforensics.analysis.engine.run"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
@@ -152,6 +154,26 @@ def test_no_import_cycle_at_module_level():
 def test_no_import_cycle_counting_imports_inside_functions():
     cycle = find_cycle(import_graph(functions=True))
     assert cycle is None, "import cycle (counting imports inside functions): " + " -> ".join(cycle or [])
+
+
+def test_no_import_cycle_counting_type_checking_imports():
+    """Not even the types form a cycle: the contract (``analysis.contract``) names no type of the pass or
+    the toolkit, and one module's result type lives where both its maker and its reader import it."""
+    cycle = find_cycle(import_graph(functions=True, type_checking=True))
+    assert cycle is None, "import cycle (counting TYPE_CHECKING and function imports): " + " -> ".join(cycle or [])
+
+
+def test_analysis_in_three_parts():
+    """``analysis/`` is the contract (types, registry), the pass (``engine``) and the toolkit the kinds
+    import; the contract imports nothing else of analysis, the toolkit no part of the pass."""
+    parts = {m.split(".")[2] for m in MODULES if m.startswith(f"{PACKAGE}.analysis.") and m.count(".") >= 2}
+    assert parts == {"contract", "engine", "toolkit", "kinds"}, parts
+    bad = [f"{imp.source}:{imp.line} imports {imp.target}" for imp in ALL_IMPORTS
+           if _under(imp.source, "analysis.contract") and _under(imp.target, "analysis")
+           and not _under(imp.target, "analysis.contract")]
+    bad += [f"{imp.source}:{imp.line} imports {imp.target}" for imp in ALL_IMPORTS
+            if _under(imp.source, "analysis.toolkit") and _under(imp.target, "analysis.engine", "analysis.kinds")]
+    assert not bad, "analysis layering broken:\n" + "\n".join(bad)
 
 
 # ---------------------------------------------------------------- private names
@@ -214,11 +236,11 @@ def test_analyses_import_no_other_analysis():
     """A ``kinds`` module imports the engine and shared maths, never another analysis; the
     engine, the signal maths and the series import no analysis at all."""
     kinds = f"{PACKAGE}.analysis.kinds"
-    below = (f"{PACKAGE}.analysis.engine", f"{PACKAGE}.analysis.signal", f"{PACKAGE}.analysis.series")
+    below = (f"{PACKAGE}.analysis.contract", f"{PACKAGE}.analysis.engine", f"{PACKAGE}.analysis.toolkit")
     bad = [f"{imp.source}:{imp.line} imports {imp.target}" for imp in ALL_IMPORTS
            if imp.target.startswith(kinds + ".") and imp.target != imp.source
            and (imp.source.startswith(kinds + ".") or imp.source.startswith(below))]
-    assert not bad, "an analysis imported from kinds/ (move the shared part to analysis/signal or the engine):\n" + \
+    assert not bad, "an analysis imported from kinds/ (move the shared part to analysis/toolkit):\n" + \
         "\n".join(bad)
 
 
@@ -231,10 +253,10 @@ def test_analyses_import_no_other_analysis():
                  "(the format is the bottom layer)",
      lambda imp: not _under(imp.target, "recording", "replay", "analysis", "reporting", "commands", "testing", "cli",
                             "demo")),
-    (("reporting",), "reporting imports from analysis only the engine's types (analysis.engine.model) and the registry "
-                  "(gradforensics.analysis, analysis.engine.registry)",
-     lambda imp: not _under(imp.target, "analysis") or imp.target in (
-         f"{PACKAGE}.analysis", f"{PACKAGE}.analysis.engine.model", f"{PACKAGE}.analysis.engine.registry")),
+    (("reporting",), "reporting imports from analysis only its contract (analysis.contract: the types and the "
+                     "registry) and gradforensics.analysis",
+     lambda imp: not _under(imp.target, "analysis") or imp.target == f"{PACKAGE}.analysis"
+     or _under(imp.target, "analysis.contract")),
     (("reporting", "analysis", "store"), "reporting, analysis and store never import torch, recording, replay or the CLI",
      lambda imp: _top(imp.target) != "torch" and not _under(imp.target, "recording", "replay", "commands", "cli",
                                                             "demo")),

@@ -8,7 +8,7 @@ import pytest
 from scipy.signal import coherence, lfilter
 
 from gradforensics.analysis.kinds import coherence as co
-from gradforensics.analysis.series import Series, group
+from gradforensics.analysis.toolkit.series import Series, group
 from gradforensics.testing.contracts import AnalysisContract
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradforensics.analysis.engine.units import head_of, unit_series
 from gradforensics.analysis.kinds import conflict as cf
+from gradforensics.analysis.toolkit.units import head_of, unit_series
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
 

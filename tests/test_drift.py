@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from gradforensics.analysis.engine.units import unit_series
 from gradforensics.analysis.kinds import drift
+from gradforensics.analysis.toolkit.units import unit_series
 from gradforensics.errors import SpecError
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 import gradforensics as gf
+from gradforensics.analysis.contract.model import Findings
 from gradforensics.analysis.engine import EngineOptions, analyze, select_analyses
-from gradforensics.analysis.engine.model import Findings
 from gradforensics.analysis.engine.results import load_grams, read_findings
 from gradforensics.cli import main
 from gradforensics.errors import EmptyStoreError, GradforensicsError, SpecError

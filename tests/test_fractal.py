@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gradforensics.analysis.kinds import fractal as fr
-from gradforensics.analysis.series import group
+from gradforensics.analysis.toolkit.series import group
 from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted import write_store
 

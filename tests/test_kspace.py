@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradforensics.analysis.engine import kspace as ks
-from gradforensics.analysis.engine.flagging import dedupe_heads, involved_heads, significance
-from gradforensics.analysis.engine.model import Flag
-from gradforensics.analysis.engine.units import SeriesPack, decode_names, encode_names, unit_series, units
+from gradforensics.analysis.contract.model import Flag
+from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit.flagging import dedupe_heads, involved_heads, significance
+from gradforensics.analysis.toolkit.units import SeriesPack, decode_names, encode_names, unit_series, units
 from gradforensics.errors import SpecError
 from gradforensics.store.names import layer_of
 from gradforensics.testing import planted_directions as P

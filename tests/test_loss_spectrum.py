@@ -9,10 +9,10 @@ import pytest
 from scipy.signal import lfilter, welch
 from scipy.stats import chi2
 
-from gradforensics.analysis import signal as sg
 from gradforensics.analysis.kinds import loss_spectrum as ls
-from gradforensics.analysis.series import group
-from gradforensics.analysis.signal import detrending
+from gradforensics.analysis.toolkit import signal as sg
+from gradforensics.analysis.toolkit.series import group
+from gradforensics.analysis.toolkit.signal import detrending
 from gradforensics.errors import SpecError
 from gradforensics.testing.contracts import AnalysisContract
 from gradforensics.testing.planted import write_store

@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis.engine.kspace import fit_sources, noise_energy
-from gradforensics.analysis.engine.model import AnalysisResult, Context, GramResult
-from gradforensics.analysis.engine.noisescale import mixture_parts, noise_parts, robust_z
+from gradforensics.analysis.contract.model import AnalysisResult, Context, GramResult
 from gradforensics.analysis.kinds.noise import MODEL, flags, noise_estimate, noise_table, run_severity, severity
+from gradforensics.analysis.toolkit.kspace import fit_sources, noise_energy
+from gradforensics.analysis.toolkit.noisescale import mixture_parts, noise_parts, robust_z
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.schema import new_meta
 from gradforensics.testing.contracts import AnalysisContract

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from gradforensics.analysis.engine.units import unit_series
 from gradforensics.analysis.kinds import oscillation as osc
+from gradforensics.analysis.toolkit.units import unit_series
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
 

@@ -184,7 +184,7 @@ def test_overview_matrix_holds_the_planted_cells():
 
 
 def test_overview_rows_registry_order_then_unregistered_then_flag_only(monkeypatch):
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.contract.model import Findings, Flag
 
     data.install(monkeypatch)                                      # REGISTRY: tconflict, then tnoise
     base = data.findings()

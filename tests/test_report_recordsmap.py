@@ -137,7 +137,7 @@ def test_more_records_than_the_cap_are_subsampled(conflict_run, monkeypatch) -> 
 
 
 def test_no_direction_finding_no_map() -> None:
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.contract.model import Findings, Flag
 
     f = Flag(kind="noise", tensor="whole model", head=None, sources=(), severity=0.3, records=(0, 1), evidence={},
              summary="x")

@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 
 from gradforensics._text import csv_cell, md_code, md_text, terminal
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Findings, Flag
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Findings, Flag
 from gradforensics.analysis.engine.results import parse_flag, read_findings
 from gradforensics.cli import main
 from gradforensics.errors import CorruptStoreError, UnsafeNameError

@@ -10,10 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradforensics.analysis import series as se
-from gradforensics.analysis.engine.model import GramResult
+from gradforensics import logs
+from gradforensics.analysis.contract.model import GramResult
+from gradforensics.analysis.toolkit import series as se
 from gradforensics.cli import main
-from gradforensics.errors import GradforensicsError
+from gradforensics.errors import GradforensicsError, LogReadError
 
 
 def periodic_loss(n: int, seed: int = 0, period: float = 25.0) -> np.ndarray:
@@ -65,7 +66,7 @@ def test_csv_log_with_missing_duplicate_and_nan_rows(tmp_path) -> None:
     df.loc[df.index[5], "train/loss"] = np.nan
     p = tmp_path / "log.csv"
     df.to_csv(p, index=False)
-    groups = se.read_logs([p])
+    groups = logs.read_logs([p])
     assert [g.name for g in groups] == ["train/loss", "val/loss"]       # lr is metadata
     s = groups[0].combined
     assert s.dt == 5 and s.x[0] == 0 and s.x[-1] == 5 * (n - 1)
@@ -85,7 +86,7 @@ def test_jsonl_log_with_rank_and_time_columns(tmp_path) -> None:
             lines.append(json.dumps(rec))
     p = tmp_path / "log.jsonl"
     p.write_text("\n".join(lines) + "\n")
-    g = se.read_logs([p], se.LogSpec(time_col="wall", rank_col="rank"))[0]
+    g = logs.read_logs([p], logs.LogSpec(time_col="wall", rank_col="rank"))[0]
     assert g.name == "loss" and [r.rank for r in g.ranks] == ["0", "1"]
     assert g.combined.unit == "s" and g.combined.dt == 0.5 and g.combined.steps_per_unit == pytest.approx(2.0)
     assert g.ranks[0].quality.n_nonfinite == 1
@@ -98,7 +99,7 @@ def test_json_array_export_and_interleaved_ranks_on_a_time_axis(tmp_path) -> Non
             for i, v in enumerate(periodic_loss(300)) for r in range(4)]
     p = tmp_path / "export.json"
     p.write_text(json.dumps(recs))
-    g = se.read_logs([p], se.LogSpec(time_col="time", rank_col="rank"))[0]
+    g = logs.read_logs([p], logs.LogSpec(time_col="time", rank_col="rank"))[0]
     assert g.combined.unit == "s" and g.combined.steps_per_unit == pytest.approx(10.0)
     assert len(g.ranks) == 4 and g.combined.n == 300
 
@@ -109,7 +110,7 @@ def test_several_files_are_ranks(tmp_path) -> None:
         p = tmp_path / f"rank{r}.csv"
         pd.DataFrame({"step": np.arange(300), "loss": periodic_loss(300, seed=r)}).to_csv(p, index=False)
         paths.append(p)
-    g = se.read_logs(paths)[0]
+    g = logs.read_logs(paths)[0]
     assert [r.rank for r in g.ranks] == ["rank0.csv", "rank1.csv", "rank2.csv"]
 
 
@@ -126,8 +127,8 @@ def test_unreadable_logs_give_one_line_errors(tmp_path, content, name, match) ->
         p.write_bytes(content)
     elif content is not None:
         p.write_text(content)
-    with pytest.raises(se.LogReadError, match=match) as info:
-        se.read_logs([p])
+    with pytest.raises(LogReadError, match=match) as info:
+        logs.read_logs([p])
     assert str(p) in str(info.value) and "\n" not in str(info.value)
     assert isinstance(info.value, GradforensicsError)
 
@@ -135,12 +136,12 @@ def test_unreadable_logs_give_one_line_errors(tmp_path, content, name, match) ->
 def test_named_columns_must_exist(tmp_path) -> None:
     p = tmp_path / "log.csv"
     pd.DataFrame({"step": [1, 2], "loss": [1.0, 2.0]}).to_csv(p, index=False)
-    with pytest.raises(se.LogReadError, match="no step column 'it'"):
-        se.read_logs([p], se.LogSpec(step_col="it"))
-    with pytest.raises(se.LogReadError, match=r"no column\(s\) \['acc'\]"):
-        se.read_logs([p], se.LogSpec(columns=("acc",)))
-    with pytest.raises(se.LogReadError, match="no rank column"):
-        se.read_logs([p], se.LogSpec(rank_col="r"))
+    with pytest.raises(LogReadError, match="no step column 'it'"):
+        logs.read_logs([p], logs.LogSpec(step_col="it"))
+    with pytest.raises(LogReadError, match=r"no column\(s\) \['acc'\]"):
+        logs.read_logs([p], logs.LogSpec(columns=("acc",)))
+    with pytest.raises(LogReadError, match="no rank column"):
+        logs.read_logs([p], logs.LogSpec(rank_col="r"))
 
 
 # --------------------------------------------------------------------- stores
@@ -223,7 +224,7 @@ def test_loss_command_runs_every_registered_series_analysis(tmp_path) -> None:
     """``loss`` goes through the registry: an analysis registered here with a ``series``
     hook runs with its own options, and its flags reach flags.json and the report."""
     from gradforensics.analysis import registered
-    from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag, NoOptions
+    from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag, NoOptions
 
     seen = {}
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from gradforensics.analysis.engine.kspace import window_edges
-from gradforensics.analysis.engine.stats import bimodality_coefficient, rank_trend
-from gradforensics.analysis.engine.units import head_of
+from gradforensics.analysis.toolkit.kspace import window_edges
+from gradforensics.analysis.toolkit.stats import bimodality_coefficient, rank_trend
+from gradforensics.analysis.toolkit.units import head_of
 from gradforensics.reporting import names
 from gradforensics.store.names import layer_of, split_layer
 
@@ -118,7 +118,7 @@ def test_window_edges(n: int, windows: int, edges: list[int]) -> None:
 def test_finite_mean_is_the_mean_of_finite_entries_and_quiet_when_none() -> None:
     import warnings
 
-    from gradforensics.analysis.engine.stats import finite_mean
+    from gradforensics.analysis.toolkit.stats import finite_mean
 
     x = np.array([1.0, np.nan, 3.0, np.inf, -np.inf])
     assert finite_mean(x) == 2.0

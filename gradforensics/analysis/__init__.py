@@ -3,19 +3,20 @@
 A built-in analysis is one module in :mod:`gradforensics.analysis.kinds` ending in
 ``ANALYSIS = Analysis(...)`` (name, needs, compute, flags, plot, the flag kinds it
 emits with their advice, its options class: see
-:class:`~gradforensics.analysis.engine.model.Analysis`) and its line below.  An
+:class:`~gradforensics.analysis.contract.model.Analysis`) and its line below.  An
 analysis defined elsewhere (a plugin, a test) is added with :func:`register`
 (:func:`unregister`, or ``with registered(analysis): ...``); the engine, the
 ``flags.json`` schema and the report read everything from :data:`REGISTRY`.
-Maths two analyses share lives below them (:mod:`gradforensics.analysis.signal`,
-:mod:`gradforensics.analysis.series`, :mod:`gradforensics.analysis.engine`); an
-analysis never imports another.
+The package is in three parts: the contract (:mod:`gradforensics.analysis.contract`:
+types and registry), the pass (:mod:`gradforensics.analysis.engine`) and the
+toolkit the kinds share (:mod:`gradforensics.analysis.toolkit`); an analysis
+never imports another.
 """
 
 from __future__ import annotations
 
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Findings, Flag, GramResult
-from gradforensics.analysis.engine.registry import REGISTRY, register, registered, unregister
+from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Findings, Flag, GramResult
+from gradforensics.analysis.contract.registry import REGISTRY, register, registered, unregister
 from gradforensics.analysis.kinds import (
     coherence,
     conflict,

@@ -25,15 +25,15 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
     import numpy as np
 
-    from gradforensics.analysis.engine.model import Findings, Options
-    from gradforensics.analysis.series import SeriesGroup
+    from gradforensics.analysis.contract.model import Findings, Options
+    from gradforensics.analysis.toolkit.series import SeriesGroup
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gradforensics.analysis.signal import CORRECTIONS, DETRENDERS
+    from gradforensics.analysis.toolkit.signal import CORRECTIONS, DETRENDERS
     from gradforensics.reporting.severity import add_fail_on_argument
 
     p.add_argument("inputs", nargs="+", metavar="FILE_OR_STORE",
@@ -80,7 +80,8 @@ class LossInput:
 
 def load(args: argparse.Namespace) -> LossInput:
     """The series of the inputs: a store's ``batches/*``, or one or more logs."""
-    from gradforensics.analysis import series
+    from gradforensics import logs
+    from gradforensics.analysis.toolkit import series
     from gradforensics.store.schema import StoreMeta
 
     stores = [p for p in args.inputs if _is_store(p)]
@@ -93,9 +94,9 @@ def load(args: argparse.Namespace) -> LossInput:
         batches = st.batches()
         groups = series.from_batches(batches, None, mode=st.mode, axis=args.axis)
         return LossInput(groups, st.path, st.meta, "store", st, batches)
-    spec = series.LogSpec(step_col=args.step_col, time_col=args.time_col, rank_col=args.rank_col,
+    spec = logs.LogSpec(step_col=args.step_col, time_col=args.time_col, rank_col=args.rank_col,
                           columns=tuple(c.strip() for c in (args.columns or "").split(",") if c.strip()))
-    groups = series.read_logs(args.inputs, spec)
+    groups = logs.read_logs(args.inputs, spec)
     n_rows = max((g.combined.quality.n_rows for g in groups), default=0)
     return LossInput(groups, ", ".join(args.inputs), StoreMeta(sources=(), mode="training", n_records=n_rows), "log")
 

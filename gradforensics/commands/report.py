@@ -17,7 +17,7 @@ from gradforensics.errors import MissingArrayError
 from gradforensics.reporting.severity import add_fail_on_argument, exit_code
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.contract.model import Findings
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 

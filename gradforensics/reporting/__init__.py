@@ -1,6 +1,6 @@
 """The report a training team reads: ``report.html``, ``report.md``, ``flags.json``, ``tables/``.
 
-``report(findings, out_dir)`` renders :class:`~gradforensics.analysis.engine.model.Findings`
+``report(findings, out_dir)`` renders :class:`~gradforensics.analysis.contract.model.Findings`
 (from ``gf.analyze``, or read back from a store by
 :func:`~gradforensics.analysis.engine.results.read_findings`); it never reads gradients.
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from gradforensics.reporting.severity import SEVERITY_NAMES, exit_code, parse_severity
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.contract.model import Findings
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 

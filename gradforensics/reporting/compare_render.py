@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.contract.model import Findings, Flag
 
 __all__ = ["MAX_FIGURES", "MAX_ROWS", "RULE", "render_html", "render_markdown", "side_by_side", "write"]
 

@@ -1,8 +1,8 @@
 """Two runs' findings, flag by flag: what a fix resolved, what it left, what it broke.
 
 ``compare_findings(before, after)`` pairs the flags of two
-:class:`~gradforensics.analysis.engine.model.Findings` of one model by finding,
-:func:`~gradforensics.analysis.engine.registry.flag_key` - ``(kind, tensor, head,
+:class:`~gradforensics.analysis.contract.model.Findings` of one model by finding,
+:func:`~gradforensics.analysis.contract.registry.flag_key` - ``(kind, tensor, head,
 sources)``, the sources only for a kind whose finding is about them (conflict: the
 pair), ``()`` otherwise; ``whatif`` pairs its arms by the same key - and gives each
 pair a status (design, "Comparing runs"):
@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from gradforensics.analysis.engine.registry import flag_key
+from gradforensics.analysis.contract.registry import flag_key
 from gradforensics.reporting.figures import analysis_name
 from gradforensics.reporting.severity import SEVERITY_NAMES, reaches
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     import pandas as pd
 
-    from gradforensics.analysis.engine.model import Findings, Flag, FlagKey
+    from gradforensics.analysis.contract.model import Findings, Flag, FlagKey
 
 __all__ = ["ACT", "COLUMNS", "STATUSES", "WORSE", "Comparison", "Row", "compare_findings", "status_of"]
 
@@ -67,7 +67,7 @@ def status_of(before: float | None, after: float | None) -> Status | None:
 
 @dataclass(frozen=True)
 class Row:
-    """One finding (:func:`~gradforensics.analysis.engine.registry.flag_key`) compared; the flags are the most
+    """One finding (:func:`~gradforensics.analysis.contract.registry.flag_key`) compared; the flags are the most
     severe of that key on each side, and ``sources`` are the shown flag's (the key's for a conflict)."""
 
     kind: str

@@ -14,7 +14,7 @@ from gradforensics.reporting import advice, figures, recordsmap, summary, tables
 from gradforensics.reporting.severity import band
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.contract.model import Findings
     from gradforensics.store.reader import Store
 
 #: Findings that get an evidence figure (the most severe ones).
@@ -110,7 +110,7 @@ _SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions
 
 def is_long_history(findings: Findings) -> bool:
     """Whether the findings come from a pass in the long-history regime (header ``regime.name``)."""
-    from gradforensics.analysis.engine.model import regime_of
+    from gradforensics.analysis.contract.model import regime_of
 
     r = regime_of(findings.header.get("regime"))
     return r is not None and r["name"] == "long-history"
@@ -122,7 +122,7 @@ def regime_sentence(findings: Findings) -> str | None:
     ``exact``: every record pair was compared.  ``long-history``: above ``N₀`` records
     the pass kept window means and a band of lags, so per-record maps are omitted.
     """
-    from gradforensics.analysis.engine.model import regime_of
+    from gradforensics.analysis.contract.model import regime_of
 
     r = regime_of(findings.header.get("regime"))
     if r is None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.reporting.summary import FlagGroup
 
 DPI = 110
@@ -57,7 +57,7 @@ def to_png(fig: Figure) -> bytes:
 def analysis_name(flag: Flag, findings: Findings) -> str:
     """Which analysis produced *flag*: ``evidence["analysis"]`` if given, else the
     registered analysis that emits its kind, else the kind itself."""
-    from gradforensics.analysis.engine.registry import emitter_of
+    from gradforensics.analysis.contract.registry import emitter_of
 
     name = flag.evidence.get("analysis")
     if isinstance(name, str) and name in findings.results:

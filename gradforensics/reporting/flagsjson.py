@@ -3,7 +3,7 @@
 The document is exactly ``Findings.flags_json()`` (design contract).
 :func:`flags_schema` (also :data:`FLAGS_SCHEMA`) is a JSON Schema (draft 2020-12)
 of it; its ``kind`` enum is every kind a registered analysis emits
-(:func:`gradforensics.analysis.engine.registry.flag_kinds`), read when asked, so
+(:func:`gradforensics.analysis.contract.registry.flag_kinds`), read when asked, so
 an analysis added with :func:`~gradforensics.analysis.register` is valid too.
 :func:`validate` checks a document against the schema with a small built-in
 validator (no extra dependency; it implements the keywords the schema uses,
@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.analysis.engine.registry import flag_kinds
+from gradforensics.analysis.contract.registry import flag_kinds
 from gradforensics.errors import FlagsSchemaError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.contract.model import Findings
 
 #: One flag; :func:`flag_schema` adds the ``kind`` enum of the registered analyses.
 _FLAG_SCHEMA: dict[str, Any] = {

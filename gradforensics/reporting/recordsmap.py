@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradforensics._text import visible
-from gradforensics.analysis.engine.model import regime_of
-from gradforensics.analysis.engine.registry import advice_of, records_map_kinds
+from gradforensics.analysis.contract.model import regime_of
+from gradforensics.analysis.contract.registry import advice_of, records_map_kinds
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.store.reader import Store
 
 #: At most this many records are placed (an O(N³) eigen-decomposition); more are subsampled evenly.

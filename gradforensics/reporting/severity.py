@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.contract.model import Findings
 
 SEVERITY_NAMES: dict[str, float] = {"low": 0.25, "medium": 0.5, "high": 0.75}
 
@@ -107,7 +107,7 @@ def reaching(flags: Iterable[F], threshold: float) -> list[F]:
 def exit_code(result: Findings | Reaching, fail_on: float | None) -> int:
     """0, or :data:`EXIT_FLAGGED` when *fail_on* is set and a flag of *result* reaches it.
 
-    *result* is a verb's :class:`~gradforensics.analysis.engine.model.Findings`, or a
+    *result* is a verb's :class:`~gradforensics.analysis.contract.model.Findings`, or a
     result that picks its own rows (:class:`Reaching`: ``compare`` counts the ``new``
     and ``worse`` rows after the fix).
     """

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.analysis.engine.registry import advice_of
+from gradforensics.analysis.contract.registry import advice_of
 from gradforensics.reporting import advice, names
 from gradforensics.reporting.severity import band
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Findings, Flag
+    from gradforensics.analysis.contract.model import Findings, Flag
 
 #: Findings written out as sentences; the rest are counted.
 MAX_SENTENCES = 12

@@ -22,7 +22,7 @@ from gradforensics.store.names import check_analysis_name
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.contract.model import Findings
 
 
 def contract_order(table: pd.DataFrame) -> pd.DataFrame:

@@ -17,7 +17,7 @@ arms (see ``docs/whatif.md``):
 
 The package is ``runs``: what compares runs - ``gf.compare`` (:mod:`~gradforensics.runs.compare`)
 and ``gf.whatif`` (:mod:`~gradforensics.runs.whatif`) - lives here, and both pair findings by one
-rule (:func:`gradforensics.analysis.engine.registry.flag_key`).  Call the functions as
+rule (:func:`gradforensics.analysis.contract.registry.flag_key`).  Call the functions as
 ``gf.compare`` / ``gf.whatif``.  torch is imported only when an arm runs.
 """
 

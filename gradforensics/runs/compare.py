@@ -23,7 +23,7 @@ from gradforensics.errors import CompareWarning, ModelMismatchError
 if TYPE_CHECKING:
     from dask.distributed import Client
 
-    from gradforensics.analysis.engine.model import Findings
+    from gradforensics.analysis.contract.model import Findings
     from gradforensics.reporting.comparison import Comparison
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store

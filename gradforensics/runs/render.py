@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics._text import md_code, md_text, visible
-from gradforensics.analysis.engine.registry import flag_key
+from gradforensics.analysis.contract.registry import flag_key
 from gradforensics.reporting.comparison import ACT
 from gradforensics.reporting.figures import new_figure, to_png
 from gradforensics.reporting.html import CSS
@@ -34,8 +34,8 @@ from gradforensics.reporting.tables import csv_safe
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.analysis.engine.model import Findings, Flag, FlagKey
-    from gradforensics.runs.whatif import WhatIf
+    from gradforensics.analysis.contract.model import Findings, Flag, FlagKey
+    from gradforensics.runs.result import WhatIf
 
 __all__ = ["finding_matrix", "key_of", "loss_figure", "render_html", "render_markdown", "verdict", "write"]
 
@@ -44,7 +44,7 @@ TOP = 5
 
 # ------------------------------------------------------------------ tables
 def key_of(f: Flag) -> FlagKey:
-    """How a finding is matched across arms: :func:`~gradforensics.analysis.engine.registry.flag_key`.
+    """How a finding is matched across arms: :func:`~gradforensics.analysis.contract.registry.flag_key`.
 
     The same rule as ``compare`` (and so as each arm's ``compare/<arm>/`` report): kind,
     tensor, head, and the sources only where the kind's finding is about them

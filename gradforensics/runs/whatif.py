@@ -21,20 +21,19 @@ import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from gradforensics.errors import SpecError, WhatIfInterrupted
 from gradforensics.replay.plan import DEFAULT_SKETCH, BatchSpec, ModelSpec, RecordSpec, as_spec, check_disk, plan_record
 from gradforensics.runs.arms import Arm, parse_arms, schedule
+from gradforensics.runs.result import WhatIf
+from gradforensics.store.backends import STORE_SUFFIXES
 
 if TYPE_CHECKING:
-    import pandas as pd
     from dask.distributed import Client
 
-    from gradforensics.analysis.engine.model import Findings
-    from gradforensics.reporting.comparison import Comparison
     from gradforensics.runs.train import ArmRun
 
 __all__ = ["DEFAULT_SKETCH", "WhatIf", "WhatIfInterrupted", "whatif"]
@@ -43,31 +42,10 @@ __all__ = ["DEFAULT_SKETCH", "WhatIf", "WhatIfInterrupted", "whatif"]
 MAX_STEPS = 1_000_000
 
 
-@dataclass
-class WhatIf:
-    """What :func:`whatif` did: one run per arm, their findings, the comparisons with the baseline, the cosines."""
-
-    out_dir: Path
-    baseline: str
-    runs: list[ArmRun]
-    findings: dict[str, Findings]
-    comparisons: dict[str, Comparison]
-    cosines: pd.DataFrame
-    paths: dict[str, Path] = field(default_factory=dict)
-
-    def run(self, arm: str) -> ArmRun:
-        return next(r for r in self.runs if r.arm.name == arm)
-
-    def severity(self, arm: str, kind: str, tensor: str | None = None, sources: Sequence[str] | None = None) -> float:
-        """The highest severity of *arm*'s flags of *kind* (on *tensor*, implicating all of *sources*); 0 if none."""
-        flags = [f for f in self.findings[arm].flags if f.kind == kind and (tensor is None or f.tensor == tensor)
-                 and set(sources or ()) <= set(f.sources)]
-        return max((float(f.severity) for f in flags), default=0.0)
-
-
 def _stores(out: Path, arms: Sequence[Arm], suffix: str, overwrite: bool) -> dict[str, Path]:
-    if suffix not in (".zarr", ".h5", ".hdf5"):
-        raise SpecError(f"store_suffix must be .zarr, .h5 or .hdf5; got {suffix!r}.")
+    if suffix not in STORE_SUFFIXES:
+        raise SpecError(f"store_suffix must be {', '.join(STORE_SUFFIXES[:-1])} or {STORE_SUFFIXES[-1]}; "
+                        f"got {suffix!r}.")
     paths = {a.name: out / f"{a.name}{suffix}" for a in arms}
     for p in paths.values():
         if p.exists() and not overwrite:

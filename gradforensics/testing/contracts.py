@@ -248,8 +248,8 @@ class PlantedStores:
     def passed(self, name: str, *, long: bool = False) -> Pass:
         """:meth:`run` of *name* alone (above ``N₀``: with ``nonfinite`` for an analysis that needs no Gram
         pass, so the pass is in the long-history regime), cached."""
-        from gradforensics.analysis.engine.model import Need
-        from gradforensics.analysis.engine.registry import REGISTRY
+        from gradforensics.analysis.contract.model import Need
+        from gradforensics.analysis.contract.registry import REGISTRY
 
         key = (name, long)
         if key not in self._passes:
@@ -334,12 +334,12 @@ def parametrize_with_checks(names: Iterable[str] | None = None,
                             expected_failures: Mapping[str, str] | None = None) -> pytest.MarkDecorator:
     """``pytest.mark.parametrize(("analysis", "check"), ...)`` over every registered analysis (or *names*) × check.
 
-    The test receives the :class:`~gradforensics.analysis.engine.model.Analysis` and the check, and calls
+    The test receives the :class:`~gradforensics.analysis.contract.model.Analysis` and the check, and calls
     ``check(analysis, stores)`` with a :class:`PlantedStores`; ids read ``<analysis>-<check>`` (the check's
     name without ``check_``).  *expected_failures* maps such ids to the reason a known breach is not fixed
     yet: that case is a strict ``xfail`` (it fails the run once fixed, so the entry is removed).
     """
-    from gradforensics.analysis.engine.registry import REGISTRY
+    from gradforensics.analysis.contract.registry import REGISTRY
 
     chosen = list(names) if names is not None else list(REGISTRY)
     known = dict(expected_failures or {})

@@ -3,7 +3,7 @@
 Each factory returns a :class:`Planted`: per-record gradients of a small
 transformer-shaped model with a known trouble planted in known tensors, heads
 and sources, and healthy tensors beside it.  ``planted.context()`` builds the
-analysis :class:`~gradforensics.analysis.engine.model.Context` directly from the arrays
+analysis :class:`~gradforensics.analysis.contract.model.Context` directly from the arrays
 (``K = X Xᵀ`` in NumPy: an oracle for the engine's Gram pass);
 ``planted.write(path)`` records the same data through :class:`gf.Recorder` so a
 test can run ``gf.analyze`` end to end.
@@ -64,8 +64,8 @@ class Planted:
 
     def context(self, options: dict[str, Any] | None = None) -> Any:
         """The analysis context, Gram matrices computed directly in NumPy."""
-        from gradforensics.analysis.engine.model import Context, GramResult
-        from gradforensics.analysis.engine.registry import REGISTRY
+        from gradforensics.analysis.contract.model import Context, GramResult
+        from gradforensics.analysis.contract.registry import REGISTRY
         from gradforensics.store.schema import StoreMeta
 
         grams = {}

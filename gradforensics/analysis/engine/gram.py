@@ -40,13 +40,12 @@ products are then unbiased estimates (``GramResult.from_sketch``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import GramResult
+from gradforensics.analysis.contract.grams import GramResult, SlabReduction
 from gradforensics.errors import MissingArrayError, SpecError
 from gradforensics.store.layout import MiB
 
@@ -68,59 +67,6 @@ Partial = dict[tuple[Any, ...], Any]
 
 
 # ------------------------------------------------------------ slab reductions
-@dataclass(frozen=True)
-class SlabReduction:
-    """A per-slab reduction of one stored gradient, folded into the Gram pass's read.
-
-    The engine reads each slab of ``grads/<tensor>`` once; in the same task that
-    takes the slab's Gram product it calls ``chunk(x, sel)`` of every reduction of
-    that tensor, where ``x`` is the slab as read (float32, shape ``(n, ...)``: the
-    records of the slab by the features of the slab, head axis included for a
-    head-split array) and ``sel`` the slab's place in the array (a tuple of slices,
-    record axis first).  Partial results meet in the Gram combine tree
-    (``combine(list_of_partials)``), and ``aggregate(partial)`` finishes them in
-    one task.  ``finish``, if given, receives the aggregated value as a
-    :class:`dask.delayed.Delayed` and returns the dask collection whose value
-    lands in ``ctx.computed[analysis][key]`` (e.g. one SVD task per window mean, or
-    tasks that also read weight snapshots); by default the aggregate itself.
-
-    ``chunk`` is called once per slab, or once per record block when the record
-    axis is split (huge records; ``sel[0]`` then covers part of the records).
-    :func:`feature_blocks`, :func:`merge_feature_blocks` and
-    :func:`assemble_feature_blocks` cover the usual case of a per-feature result.
-    """
-
-    tensor: str
-    chunk: Callable[[np.ndarray, tuple[slice, ...]], Any]
-    combine: Callable[[list[Any]], Any]
-    aggregate: Callable[[Any], Any] | None = None
-    finish: Callable[[Any], Any] | None = None
-
-
-def feature_blocks(sel: tuple[slice, ...], value: np.ndarray) -> dict[tuple[tuple[int, int], ...], np.ndarray]:
-    """A per-feature partial: *value* (``(lead, *slab features)``) keyed by the slab's feature slices."""
-    return {tuple((int(s.start), int(s.stop)) for s in sel[1:]): value}
-
-
-def merge_feature_blocks(parts: Sequence[Mapping[Any, np.ndarray]],
-                         op: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.add) -> dict[Any, np.ndarray]:
-    """Combine per-feature partials: disjoint blocks are kept, blocks met twice (record-split slabs) meet by *op*."""
-    out: dict[Any, np.ndarray] = {}
-    for part in parts:
-        for key, val in part.items():
-            out[key] = op(out[key], val) if key in out else val
-    return out
-
-
-def assemble_feature_blocks(part: Mapping[Any, np.ndarray], lead: int, shape: tuple[int, ...],
-                            dtype: Any) -> np.ndarray:
-    """The ``(lead, *shape)`` array the per-feature blocks of *part* tile (*shape*: the array without its record axis)."""
-    out = np.zeros((lead, *shape), dtype=dtype)
-    for key, val in part.items():
-        out[(slice(None), *(slice(a, b) for a, b in key))] = val
-    return out
-
-
 def reduce_chunk(x: np.ndarray, sel: tuple[slice, ...], reductions: Sequence[SlabReduction]) -> Partial:
     return {("r", j): r.chunk(x, sel) for j, r in enumerate(reductions)}
 

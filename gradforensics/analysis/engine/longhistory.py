@@ -34,21 +34,19 @@ does not, in one line (:func:`check_supported`), rather than hand it an empty ``
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import GramResult
+from gradforensics.analysis.contract.grams import Design, LongGram, LongHistory
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from gradforensics.analysis.engine.model import Analysis, Context
+    from gradforensics.analysis.contract.model import Analysis
 
 __all__ = ["BAND", "GRAM_BUDGET", "N0", "N_WINDOWS", "Design", "LongGram", "LongHistory", "band_products",
            "check_supported", "design", "threshold", "window_edges_for", "window_sums"]
@@ -99,41 +97,6 @@ def window_edges_for(n: int, n_windows: int = N_WINDOWS) -> np.ndarray:
     """
     w = max(1, math.ceil(n / max(1, n_windows)))
     return np.unique(np.r_[np.arange(0, n, w), n]).astype(np.int64)
-
-
-@dataclass(frozen=True)
-class Design:
-    """Which records make each super-record, and the super-records' batch metadata.
-
-    Super-record ``r = w · S + s`` is the weighted sum of window *w*'s records
-    with weights ``A[:, s]`` (the mixture share of source *s*).
-    """
-
-    n: int
-    edges: np.ndarray          # (n_w + 1,) record boundaries of the windows
-    mixture: np.ndarray        # (N, S) float64, the weights
-    band: int
-
-    @property
-    def n_sources(self) -> int:
-        return int(self.mixture.shape[1])
-
-    @property
-    def n_windows(self) -> int:
-        return int(self.edges.size - 1)
-
-    @property
-    def m(self) -> int:
-        return self.n_windows * self.n_sources
-
-    @property
-    def window_size(self) -> int:
-        return int(self.edges[1] - self.edges[0]) if self.edges.size > 1 else 0
-
-    def weights(self, finite: np.ndarray | None = None) -> np.ndarray:
-        """``c_r = Σ_{i∈w} A_is`` over the (finite) records of each super-record."""
-        a = self.mixture if finite is None else self.mixture * np.asarray(finite, dtype=np.float64)[:, None]
-        return np.add.reduceat(a, self.edges[:-1], axis=0).reshape(-1) if self.n else np.zeros(0)
 
 
 def design(mixture: np.ndarray, band: int = BAND, n_windows: int = N_WINDOWS) -> Design:
@@ -208,119 +171,6 @@ def finite_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # --------------------------------------------------------------------- results
-@dataclass(frozen=True)
-class LongGram:
-    """What the long-history pass keeps of one tensor (or head): no N×N matrix.
-
-    ``band[l, i] = <g_i, g_{i-l}>`` (NaN where either record is non-finite or
-    ``i < l``); ``sums`` the Gram matrix of the window-source sums ``Y Yᵀ``;
-    ``nonfinite`` per record.
-    """
-
-    tensor: str
-    head: int | None
-    band: np.ndarray
-    sums: np.ndarray
-    nonfinite: np.ndarray
-    n_features: int
-    from_sketch: bool = False
-
-    @property
-    def finite(self) -> np.ndarray:
-        return self.nonfinite == 0
-
-    def norms2(self) -> np.ndarray:
-        """Per-record squared norms ``K_ii`` (NaN for non-finite records)."""
-        return np.where(self.finite, self.band[0], np.nan)
-
-    def lag_cosines(self, lag: int) -> np.ndarray:
-        """``cos(g_i, g_{i-lag})`` for every record (NaN for ``i < lag`` and non-finite records)."""
-        d = np.sqrt(np.maximum(self.norms2(), 0.0))
-        out = np.full(d.size, np.nan)
-        den = d[lag:] * d[:d.size - lag]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out[lag:] = np.where(den > 1e-300, self.band[lag, lag:] / den, np.nan)
-        return np.clip(out, -1.0, 1.0)
-
-
-@dataclass(frozen=True)
-class LongHistory:
-    """The long-history regime of a pass: the design and one :class:`LongGram` per tensor and head."""
-
-    design: Design
-    grams: dict[tuple[str, int | None], LongGram]
-    n0: int
-
-    def header(self) -> dict[str, Any]:
-        """The ``regime`` fields of the findings header."""
-        return {"name": "long-history", "n0": int(self.n0), "window": self.design.window_size,
-                "windows": self.design.n_windows, "band": self.design.band}
-
-    def record_grams(self) -> dict[tuple[str, int | None], GramResult]:
-        """Per-record results without K (``gram`` is 0×0): non-finite counts and sizes only."""
-        return {k: GramResult(g.tensor, g.head, np.zeros((0, 0)), g.nonfinite, g.n_features, g.from_sketch)
-                for k, g in self.grams.items()}
-
-    # ------------------------------------------------------------ super-records
-    def kept(self) -> np.ndarray:
-        """Super-records holding any weight (a source present in that window)."""
-        return np.flatnonzero(self.design.weights() > 0)
-
-    def first_record(self) -> np.ndarray:
-        """First record of each kept super-record's window."""
-        return self.design.edges[:-1][self.kept() // self.design.n_sources]
-
-    def last_record(self) -> np.ndarray:
-        return self.design.edges[1:][self.kept() // self.design.n_sources] - 1
-
-    def super_batches(self, batches: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``batches/*`` of the kept super-records: mixture, n_samples, step (window means), loss."""
-        d, keep = self.design, self.kept()
-        S = d.n_sources
-        c = d.weights()
-        b = np.asarray(batches.get("n_samples", np.ones(d.n)), dtype=np.float64)
-        inv = np.where(b > 0, 1.0 / np.where(b > 0, b, 1.0), 0.0)
-        sq = np.add.reduceat(d.mixture ** 2 * inv[:, None], d.edges[:-1], axis=0).reshape(-1)
-        eff = np.where(sq > 0, c ** 2 / np.where(sq > 0, sq, 1.0), 0.0)
-        mix = np.zeros((d.m, S))
-        mix[np.arange(d.m), np.arange(d.m) % S] = 1.0      # pure per source for pure batches
-        if not np.all(np.isclose(d.mixture.max(axis=1), 1.0)):
-            # mixed batches: the super-record's mixture is its weighted mean of mixture rows
-            for s in range(S):
-                w = np.add.reduceat(d.mixture * d.mixture[:, [s]], d.edges[:-1], axis=0)
-                rows = np.arange(d.n_windows) * S + s
-                mix[rows] = np.where(c[rows, None] > 0, w / np.where(c[rows, None] > 0, c[rows, None], 1.0), 0.0)
-        step = np.asarray(batches.get("step", np.arange(d.n)), dtype=np.float64)
-        mean_step = np.add.reduceat(step, d.edges[:-1]) / np.diff(d.edges)
-        out = {"mixture": mix[keep], "n_samples": np.round(eff[keep]).astype(np.int64),
-               "step": np.repeat(mean_step, S)[keep]}
-        loss = batches.get("loss")
-        if loss is not None:
-            out["loss"] = np.repeat(np.add.reduceat(np.asarray(loss, dtype=np.float64), d.edges[:-1])
-                                    / np.diff(d.edges), S)[keep]
-        return out
-
-    def super_grams(self) -> dict[tuple[str, int | None], GramResult]:
-        """Gram matrices of the kept super-records (per-window, per-source mean gradients)."""
-        keep = self.kept()
-        out = {}
-        for key, g in self.grams.items():
-            c = self.design.weights(g.finite)[keep]
-            ok = c > 0
-            cs = np.where(ok, c, 1.0)
-            K = g.sums[np.ix_(keep, keep)] / np.outer(cs, cs)
-            K[~ok, :] = 0.0
-            K[:, ~ok] = 0.0
-            out[key] = GramResult(g.tensor, g.head, K, (~ok).astype(np.int64), g.n_features, g.from_sketch)
-        return out
-
-    def view(self, ctx: Context) -> Context:
-        """*ctx* as seen through the super-records: what drift, conflict and noise compute on."""
-        meta = dataclasses.replace(ctx.meta, n_records=int(self.kept().size))
-        return dataclasses.replace(ctx, meta=meta, batches=self.super_batches(ctx.batches),
-                                   grams=self.super_grams(), long=None)
-
-
 # ----------------------------------------------------------------------- graph
 Partial = dict[tuple[Any, ...], Any]
 

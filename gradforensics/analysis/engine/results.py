@@ -1,6 +1,6 @@
 """Analysis results in a store: :class:`Findings` and Gram matrices to documents and back.
 
-``gradforensics analyze`` saves its :class:`~gradforensics.analysis.engine.model.Findings`
+``gradforensics analyze`` saves its :class:`~gradforensics.analysis.contract.model.Findings`
 and Gram matrices in the store's ``analysis/`` group (raw layout:
 :mod:`gradforensics.store.results`) so ``gradforensics report`` can re-render
 them without reading a gradient:
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import AnalysisResult, Findings, Flag, GramResult
-from gradforensics.analysis.engine.registry import flag_kinds
+from gradforensics.analysis.contract.model import AnalysisResult, Findings, Flag, GramResult
+from gradforensics.analysis.contract.registry import flag_kinds
 from gradforensics.errors import CorruptStoreError, UnsafeNameError
 from gradforensics.store.names import check_analysis_name
 from gradforensics.store.results import GramArrays, read_document, read_grams, read_result, write_results
@@ -96,9 +96,9 @@ def _str_list(value: Any, where: str, key: str) -> list[str]:
 
 # ------------------------------------------------------------------ flags
 def parse_flag(d: Any, where: str = "flag") -> Flag:
-    """A :class:`~gradforensics.analysis.engine.model.Flag` from its ``to_dict`` form, every field checked.
+    """A :class:`~gradforensics.analysis.contract.model.Flag` from its ``to_dict`` form, every field checked.
 
-    The inverse of :meth:`Flag.to_dict <gradforensics.analysis.engine.model.Flag.to_dict>`.
+    The inverse of :meth:`Flag.to_dict <gradforensics.analysis.contract.model.Flag.to_dict>`.
 
     Raises
     ------
@@ -264,7 +264,7 @@ def _findings_doc(doc: Any, where: str) -> dict[str, Any]:
 
 
 def read_findings(store: Store) -> Findings:
-    """The :class:`~gradforensics.analysis.engine.model.Findings` that ``analyze`` saved in *store*, checked.
+    """The :class:`~gradforensics.analysis.contract.model.Findings` that ``analyze`` saved in *store*, checked.
 
     Raises
     ------

@@ -3,7 +3,7 @@
 :func:`analyze` opens the store, reads the small ``batches/*`` arrays once,
 parses every selected analysis's options once, builds the Gram-matrix graph of
 every tensor (:mod:`gradforensics.analysis.engine.gram`) when an analysis needs
-:attr:`~gradforensics.analysis.engine.model.Need.GRAM`, with the gradient
+:attr:`~gradforensics.analysis.contract.model.Need.GRAM`, with the gradient
 reductions of every analysis that needs ``GRADS`` (``Analysis.slab_reductions``)
 folded into the same slab reads, and the reductions of ``acts/*`` and
 ``weights/*`` of every analysis that needs ``ACTS`` or ``WEIGHTS``
@@ -14,9 +14,9 @@ pinned to one thread per dask worker thread (threadpoolctl); under a
 ``dask.distributed`` client it is pinned on every worker.  Memory stays
 bounded by slab size x workers, not by store size.
 
-Then it builds the :class:`~gradforensics.analysis.engine.model.Context`, calls each
+Then it builds the :class:`~gradforensics.analysis.contract.model.Context`, calls each
 analysis's ``compute`` and ``flags`` in registry order, gathers
-:class:`~gradforensics.analysis.engine.model.Findings` and persists them, with the Gram
+:class:`~gradforensics.analysis.contract.model.Findings` and persists them, with the Gram
 matrices, under the store's ``analysis/`` group, so ``gradforensics report``
 never re-reads gradients.
 
@@ -38,6 +38,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradforensics.analysis.contract.model import (
+    Analysis,
+    AnalysisResult,
+    Context,
+    Findings,
+    Flag,
+    GramResult,
+    Need,
+    Options,
+)
+from gradforensics.analysis.contract.registry import REGISTRY
 from gradforensics.analysis.engine.gram import (
     DEFAULT_SLAB_BYTES,
     DEFAULT_SPLIT_EVERY,
@@ -56,17 +67,6 @@ from gradforensics.analysis.engine.longhistory import (
     long_graph,
     threshold,
 )
-from gradforensics.analysis.engine.model import (
-    Analysis,
-    AnalysisResult,
-    Context,
-    Findings,
-    Flag,
-    GramResult,
-    Need,
-    Options,
-)
-from gradforensics.analysis.engine.registry import REGISTRY
 from gradforensics.analysis.engine.results import save_results
 from gradforensics.errors import EmptyStoreError, SpecError
 from gradforensics.store import remote
@@ -77,7 +77,7 @@ from gradforensics.store.reader import Store
 if TYPE_CHECKING:
     from distributed import Client
 
-    from gradforensics.analysis.series import SeriesGroup
+    from gradforensics.analysis.toolkit.series import SeriesGroup
     from gradforensics.store.schema import StoreMeta
 
 ENGINE_KEY = "engine"
@@ -284,7 +284,7 @@ def analyze_series(groups: Sequence[SeriesGroup], meta: StoreMeta, options: Mapp
     Parameters
     ----------
     groups
-        The series (:mod:`gradforensics.analysis.series`: ``from_batches``, ``read_logs``).
+        The series (:mod:`gradforensics.analysis.toolkit.series`: ``from_batches``; :mod:`gradforensics.logs`: ``read_logs``).
     meta
         The store's metadata, or for a log one made up for it (its ``mode`` decides
         what is flagged: no time-axis flags in ``replay``).

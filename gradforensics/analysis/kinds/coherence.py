@@ -4,7 +4,7 @@ With data parallelism every rank logs its own loss.  An oscillation the ranks
 share (coherence ≈ 1 at its frequency, phase ≈ 0) comes from the model or the
 optimizer they share; one confined to a rank (coherence ≈ 0) comes from that
 rank's data or hardware.  For each pair of ranks this analysis detrends both
-series the way the spectrum does (:mod:`gradforensics.analysis.signal`), estimates the
+series the way the spectrum does (:mod:`gradforensics.analysis.toolkit.signal`), estimates the
 magnitude-squared coherence ``C(f) = |S_ab|² / (S_aa S_bb)`` with Welch averages
 (``scipy.signal.coherence``), tests it against independence and reports the
 phase of the cross-spectrum at coherent peaks and the lag it implies (``lag =
@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag
-from gradforensics.analysis.series import series_compute
-from gradforensics.analysis.signal import (
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.toolkit.series import series_compute
+from gradforensics.analysis.toolkit.signal import (
     MIN_POINTS,
     SpectrumOptions,
     adjust_pvalues,
@@ -56,8 +56,8 @@ from gradforensics.analysis.signal import (
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.engine.model import Context
-    from gradforensics.analysis.series import Series, SeriesGroup
+    from gradforensics.analysis.contract.model import Context
+    from gradforensics.analysis.toolkit.series import Series, SeriesGroup
 
 NAME = "coherence"
 COLUMNS = ("tensor", "head", "series", "rank_a", "rank_b", "period_steps", "msc", "p_value", "p_adjusted",

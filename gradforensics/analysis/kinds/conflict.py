@@ -1,7 +1,7 @@
 """Data-source conflict: do two sources' mean gradients point opposite ways?
 
 For each tensor and head, from its Gram matrix ``K`` and ``batches/mixture`` only
-(see :mod:`~gradforensics.analysis.engine.kspace`):
+(see :mod:`~gradforensics.analysis.toolkit.kspace`):
 
 * the **per-source mean gradients** ``M = C X`` with ``C = (AᵀA)⁻¹Aᵀ``, the least
   squares fit of ``X ≈ A M`` (``A``: the records' mixture rows; for pure batches
@@ -44,10 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.engine import flagging as fl
-from gradforensics.analysis.engine import kspace as ks
-from gradforensics.analysis.engine import units as un
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,
@@ -58,6 +55,9 @@ from gradforensics.analysis.engine.model import (
     Need,
     Options,
 )
+from gradforensics.analysis.toolkit import flagging as fl
+from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit import units as un
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -246,7 +246,7 @@ def compute(ctx: Context) -> AnalysisResult:
         return _compute(ctx, None)
     long = ctx.long
     first, last = long.first_record(), long.last_record()
-    res = _compute(long.view(ctx), (first, last))
+    res = _compute(ctx.super_records(), (first, last))
     return res
 
 

@@ -1,6 +1,6 @@
 """Direction drift: has the mean gradient of a tensor (or head) turned away from where it started?
 
-For each tensor and head, from its Gram matrix ``K`` only (see :mod:`~gradforensics.analysis.engine.kspace`):
+For each tensor and head, from its Gram matrix ``K`` only (see :mod:`~gradforensics.analysis.toolkit.kspace`):
 
 * ``m_0``, the mean gradient of the *opening window* (the first ``w`` records in
   step order, ``w = max(4, ceil(N/16))`` by default);
@@ -36,10 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.engine import flagging as fl
-from gradforensics.analysis.engine import kspace as ks
-from gradforensics.analysis.engine import units as un
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,
@@ -50,7 +47,10 @@ from gradforensics.analysis.engine.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.engine.stats import finite_mean, rank_trend
+from gradforensics.analysis.toolkit import flagging as fl
+from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit import units as un
+from gradforensics.analysis.toolkit.stats import finite_mean, rank_trend
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -183,7 +183,7 @@ def compute(ctx: Context) -> AnalysisResult:
     """
     if ctx.long is None:
         return _compute(ctx)
-    res = _compute(ctx.long.view(ctx))
+    res = _compute(ctx.super_records())
     first = ctx.long.first_record()
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)))
     t = res.table

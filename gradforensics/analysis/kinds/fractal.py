@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Analysis, AnalysisResult, Flag
-from gradforensics.analysis.series import series_compute
-from gradforensics.analysis.signal import MIN_POINTS, SpectrumOptions, default_nperseg, detrend, winsorize
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.toolkit.series import series_compute
+from gradforensics.analysis.toolkit.signal import MIN_POINTS, SpectrumOptions, default_nperseg, detrend, winsorize
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.engine.model import Context
-    from gradforensics.analysis.series import Series, SeriesGroup
+    from gradforensics.analysis.contract.model import Context
+    from gradforensics.analysis.toolkit.series import Series, SeriesGroup
 
 NAME = "fractal"
 COLUMNS = ("tensor", "head", "series", "box_counting", "higuchi", "box_fit_from", "box_fit_to", "box_r2",
@@ -189,7 +189,7 @@ def box_counting(y: np.ndarray, min_width: int = 4, max_width: int | None = None
 # ------------------------------------------------------------- series -> table
 def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None) -> AnalysisResult:
     """``fractal`` table (one row per series) of every group's all-ranks series,
-    detrended as :func:`~gradforensics.analysis.signal.detrend` does for
+    detrended as :func:`~gradforensics.analysis.toolkit.signal.detrend` does for
     the spectrum (and winsorised the same way)."""
     import pandas as pd
 

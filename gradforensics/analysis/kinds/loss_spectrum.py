@@ -8,10 +8,10 @@ fits an AR(1) background to the residual through that gain, tests every
 frequency with the χ² confidence of Torrence & Compo (1998, eq. 18), corrects
 for testing many frequencies (Benjamini–Hochberg by default) and reports the
 peaks that survive, with harmonics grouped under their fundamental; each step is
-described in :mod:`gradforensics.analysis.signal.spectrum`.
+described in :mod:`gradforensics.analysis.toolkit.signal.spectrum`.
 
-The maths are pure functions over 1-D arrays in :mod:`gradforensics.analysis.signal`
-(:func:`~gradforensics.analysis.signal.line_spectrum`); this module turns their
+The maths are pure functions over 1-D arrays in :mod:`gradforensics.analysis.toolkit.signal`
+(:func:`~gradforensics.analysis.toolkit.signal.line_spectrum`); this module turns their
 result into the ``loss_spectrum`` table (its peaks in the series' units), flags
 (a family correction over the gradient norms, a severity) and figures.  The
 :data:`ANALYSIS` entry runs them on a store's series (``batches/loss`` and the
@@ -39,16 +39,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Flag
-from gradforensics.analysis.series import series_compute
-from gradforensics.analysis.signal import MIN_POINTS, LineSpectrum, SpectrumOptions, line_spectrum
+from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag
+from gradforensics.analysis.toolkit.series import series_compute
+from gradforensics.analysis.toolkit.signal import MIN_POINTS, LineSpectrum, SpectrumOptions, line_spectrum
 
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.engine.model import Context
-    from gradforensics.analysis.series import Series, SeriesGroup
+    from gradforensics.analysis.contract.model import Context
+    from gradforensics.analysis.toolkit.series import Series, SeriesGroup
 
 NAME = "loss_spectrum"
 

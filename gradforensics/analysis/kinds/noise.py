@@ -3,7 +3,7 @@
 The statistics are McCandlish et al. (2018)'s gradient noise scale
 ``B_simple = tr(Σ)/|G|²`` (eq. 2.8) and the per-batch ``SNR = |G|²/(tr(Σ)/B) =
 B/B_simple``, estimated from each Gram matrix without bias, with delete-one jackknife
-bounds (:mod:`gradforensics.analysis.engine.noisescale`).  In a replay whose batches
+bounds (:mod:`gradforensics.analysis.toolkit.noisescale`).  In a replay whose batches
 are each of one source, ``tr(Σ)`` is estimated *within* sources (around each source's
 own mean) and ``|G|²`` is the mean gradient of a batch of the training mixture, so
 the spread between the sources' means is not counted as noise.
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,
@@ -57,7 +57,7 @@ from gradforensics.analysis.engine.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.engine.noisescale import (
+from gradforensics.analysis.toolkit.noisescale import (
     BELOW_RESOLUTION,
     FIELDS,
     Z90,
@@ -68,7 +68,7 @@ from gradforensics.analysis.engine.noisescale import (
     robust_z,
     summarize,
 )
-from gradforensics.analysis.engine.units import head_of
+from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -198,7 +198,7 @@ def noise_table(grams: dict[tuple[str, int | None], GramResult], n_samples: np.n
 
 def compute(ctx: Context) -> AnalysisResult:
     if ctx.long is not None:        # long histories: the same estimators on the per-window, per-source means
-        ctx = ctx.long.view(ctx)
+        ctx = ctx.super_records()
     table = noise_table(ctx.grams, ctx.batches["n_samples"], ctx.source_of_record(), ctx.sources,
                         ctx.batches.get("mixture"), ctx.meta.mode)
     return AnalysisResult(table=table)

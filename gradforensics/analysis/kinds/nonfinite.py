@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Advice, Analysis, AnalysisResult, Context, Flag, GramResult, Need
+from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag, GramResult, Need
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -1,6 +1,6 @@
 """Oscillation between opposing directions: does a tensor's gradient flip back and forth?
 
-For each tensor and head, from its Gram matrix ``K`` only (see :mod:`~gradforensics.analysis.engine.kspace`):
+For each tensor and head, from its Gram matrix ``K`` only (see :mod:`~gradforensics.analysis.toolkit.kspace`):
 
 * **consecutive-record cosines** ``cos(g_i, g_{i+1})`` (negative on a period-2 flip);
 * the **principal directions** of the records: eigenpairs ``(λ_k, u_k)`` of the
@@ -48,10 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.engine import flagging as fl
-from gradforensics.analysis.engine import kspace as ks
-from gradforensics.analysis.engine import units as un
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,
@@ -62,7 +59,10 @@ from gradforensics.analysis.engine.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.engine.stats import bimodality_coefficient, finite_mean
+from gradforensics.analysis.toolkit import flagging as fl
+from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit import units as un
+from gradforensics.analysis.toolkit.stats import bimodality_coefficient, finite_mean
 from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:

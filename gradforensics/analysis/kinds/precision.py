@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,
@@ -72,7 +72,7 @@ from gradforensics.store.heads import HeadSpec
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.engine.model import Context
+    from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
 NAME = "precision"
@@ -347,7 +347,7 @@ def lazy(store: Store) -> dict[str, Any]:
 
 def nonzero_masks(x: np.ndarray, sel: tuple[slice, ...], spans: list[tuple[int, int]]) -> dict[Any, np.ndarray]:
     """Chunk step: per record span ``[r0, r1)``, where some gradient of the slab's records in it is non-zero."""
-    from gradforensics.analysis.engine.gram import feature_blocks
+    from gradforensics.analysis.toolkit.slabs import feature_blocks
 
     a = int(sel[0].start)
     out = np.zeros((len(spans), *x.shape[1:]), dtype=bool)
@@ -359,7 +359,7 @@ def nonzero_masks(x: np.ndarray, sel: tuple[slice, ...], spans: list[tuple[int, 
 
 
 def _masks(part: dict[Any, np.ndarray], n: int, shape: tuple[int, ...]) -> list[np.ndarray]:
-    from gradforensics.analysis.engine.gram import assemble_feature_blocks
+    from gradforensics.analysis.toolkit.slabs import assemble_feature_blocks
 
     return list(assemble_feature_blocks(part, n, shape, bool))
 
@@ -380,7 +380,8 @@ def slab_reductions(store: Store) -> dict[str, Any]:
     for tensors with weight snapshots, the non-zero masks between snapshots that the pair counts need."""
     from functools import partial
 
-    from gradforensics.analysis.engine.gram import SlabReduction, merge_feature_blocks
+    from gradforensics.analysis.contract.grams import SlabReduction
+    from gradforensics.analysis.toolkit.slabs import merge_feature_blocks
 
     out: dict[str, Any] = {}
     pairs = _pair_specs(store)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import pandas as pd
 
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,
@@ -56,7 +56,7 @@ from gradforensics.analysis.engine.model import (
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.engine.model import Context
+    from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
 NAME, KIND = "rankconsistency", "rank_disagreement"

@@ -49,8 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.engine.kspace import window_edges
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,
@@ -60,12 +59,13 @@ from gradforensics.analysis.engine.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.engine.stats import bimodality_coefficient, rank_trend
+from gradforensics.analysis.toolkit.kspace import window_edges
+from gradforensics.analysis.toolkit.stats import bimodality_coefficient, rank_trend
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.engine.model import Context
+    from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
 NAME = "saturation"

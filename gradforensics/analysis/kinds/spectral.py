@@ -56,8 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.engine.kspace import window_edges
-from gradforensics.analysis.engine.model import (
+from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
     AnalysisResult,
@@ -67,8 +66,9 @@ from gradforensics.analysis.engine.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.engine.stats import rank_trend
-from gradforensics.analysis.engine.units import head_of
+from gradforensics.analysis.toolkit.kspace import window_edges
+from gradforensics.analysis.toolkit.stats import rank_trend
+from gradforensics.analysis.toolkit.units import head_of
 from gradforensics.errors import SpecError
 from gradforensics.store.heads import HeadSpec
 
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.engine.model import Context
+    from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
 NAME = "spectral"
@@ -312,7 +312,7 @@ def window_sums(x: np.ndarray, sel: tuple[slice, ...], edges: np.ndarray) -> dic
     ``W[i, w] = 1`` when record *i* lies in window *w*; *sel* places the slab (its
     records may be a part of all records when the record axis is split).
     """
-    from gradforensics.analysis.engine.gram import feature_blocks
+    from gradforensics.analysis.toolkit.slabs import feature_blocks
 
     r0 = int(sel[0].start)
     n_win = len(edges) - 1
@@ -338,7 +338,7 @@ def window_sums(x: np.ndarray, sel: tuple[slice, ...], edges: np.ndarray) -> dic
 
 
 def _window_means(part: dict[Any, np.ndarray], edges: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    from gradforensics.analysis.engine.gram import assemble_feature_blocks
+    from gradforensics.analysis.toolkit.slabs import assemble_feature_blocks
 
     sums = assemble_feature_blocks(part, len(edges) - 1, shape, np.float64)
     counts = np.maximum(np.diff(edges), 1).astype(np.float64)
@@ -367,7 +367,8 @@ def slab_reductions(store: Store) -> dict[str, Any]:
     """Per 2-D stored gradient: the window-mean gradients, summed in the engine's one read of each slab."""
     from functools import partial
 
-    from gradforensics.analysis.engine.gram import SlabReduction, merge_feature_blocks
+    from gradforensics.analysis.contract.grams import SlabReduction
+    from gradforensics.analysis.toolkit.slabs import merge_feature_blocks
 
     edges = window_edges(store.n_records, WINDOWS)
     out: dict[str, Any] = {}

@@ -1,22 +1,22 @@
 """Signal maths on 1-D series, shared by the loss-curve analyses.
 
 Pure NumPy / SciPy functions over uniformly sampled arrays: no store, no
-:class:`~gradforensics.analysis.engine.model.Context`, no flags, no plots.  The
+:class:`~gradforensics.analysis.contract.model.Context`, no flags, no plots.  The
 analyses in :mod:`gradforensics.analysis.kinds` (``loss_spectrum``, ``fractal``,
 ``coherence``) import them from here, never from each other.
 
-* :mod:`~gradforensics.analysis.signal.detrending` - trend removal by linear
+* :mod:`~gradforensics.analysis.toolkit.signal.detrending` - trend removal by linear
   filters of known power gain (:func:`detrend`, :class:`Detrended`), level
   shifts, winsorising;
-* :mod:`~gradforensics.analysis.signal.background` - AR(1) red noise seen through
+* :mod:`~gradforensics.analysis.toolkit.signal.background` - AR(1) red noise seen through
   the detrender, and its expected Welch estimate and degrees of freedom;
-* :mod:`~gradforensics.analysis.signal.spectrum` - :func:`line_spectrum`: the
+* :mod:`~gradforensics.analysis.toolkit.signal.spectrum` - :func:`line_spectrum`: the
   Welch periodogram tested against that background, multiple-testing
   corrections, refined and harmonic-grouped peaks; :class:`SpectrumOptions`,
   the options the three loss-curve analyses share.
 """
 
-from gradforensics.analysis.signal.background import (
+from gradforensics.analysis.toolkit.signal.background import (
     expected_welch,
     filtered_ar1_acov,
     fit_ar1,
@@ -24,7 +24,7 @@ from gradforensics.analysis.signal.background import (
     lag1,
     welch_dof,
 )
-from gradforensics.analysis.signal.detrending import (
+from gradforensics.analysis.toolkit.signal.detrending import (
     DETRENDERS,
     Detrended,
     default_nperseg,
@@ -33,7 +33,7 @@ from gradforensics.analysis.signal.detrending import (
     remove_level_shifts,
     winsorize,
 )
-from gradforensics.analysis.signal.spectrum import (
+from gradforensics.analysis.toolkit.signal.spectrum import (
     CORRECTIONS,
     MIN_POINTS,
     LineSpectrum,

@@ -15,8 +15,8 @@ kernel PCA with a linear kernel), whose scores are ``u_k √λ_k``.  Nothing her
 reads a gradient: the analyses get ``K`` once from the engine's Gram pass.
 
 Pure maths over K and coefficient vectors; the units K comes in (one per tensor
-and head) are :mod:`gradforensics.analysis.engine.units`, and turning the
-statistics into flags is :mod:`gradforensics.analysis.engine.flagging`.
+and head) are :mod:`gradforensics.analysis.toolkit.units`, and turning the
+statistics into flags is :mod:`gradforensics.analysis.toolkit.flagging`.
 """
 
 from __future__ import annotations

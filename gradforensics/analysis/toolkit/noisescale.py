@@ -22,7 +22,7 @@ sources' own means ``G_s`` differ, and pooling counts their spread as noise.  Th
 and a batch of the training mixture (shares ``π_s``, stratified) has
 ``G = Σ π_s G_s``, ``|G|² = πᵀ [<G_s, G_t>] π`` and ``tr(Σ) = Σ π_s tr(Σ_s)``: the
 noise around each source's own mean (the residual of the per-source fit,
-:func:`~gradforensics.analysis.engine.kspace.noise_energy`; equal for equal ``B``).
+:func:`~gradforensics.analysis.toolkit.kspace.noise_energy`; equal for equal ``B``).
 ``trace_between = Σ π_s |G_s|² - |G|²`` is what a batch drawn i.i.d. from the
 mixture would add to ``tr(Σ)``.
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.engine.units import head_of
+from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Flag
+    from gradforensics.analysis.contract.model import Flag
 
 __all__ = ["REPORT_FLOOR", "InvolvedHeads", "dedupe_heads", "fmt_p", "involved_heads", "ramp", "significance"]
 

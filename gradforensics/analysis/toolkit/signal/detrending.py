@@ -6,7 +6,7 @@ the trend in three steps, each a function here: a cubic in log-time
 (:func:`log_time_fit`), the level shifts (:func:`remove_level_shifts`) and a
 Savitzky–Golay high-pass whose power gain ``G(f)`` is known exactly
 (:class:`Detrended`), so the red-noise background can be passed through the
-same filter (:mod:`~gradforensics.analysis.signal.background`).
+same filter (:mod:`~gradforensics.analysis.toolkit.signal.background`).
 :func:`winsorize` clips what is left so one spike does not become broadband
 power.
 

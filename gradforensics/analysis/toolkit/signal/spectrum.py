@@ -4,14 +4,14 @@
 
 1. removes the trend with a Savitzky–Golay high-pass (default) or a first
    difference, both linear filters with a known power gain ``G(f)``
-   (:mod:`~gradforensics.analysis.signal.detrending`);
+   (:mod:`~gradforensics.analysis.toolkit.signal.detrending`);
 2. estimates the spectrum of the residual with Welch's method (Hann window, 50 %
    overlap);
 3. fits an AR(1) red-noise background *to the residual*: the AR(1) coefficient is
    the one whose spectrum, passed through ``G(f)``, reproduces the residual's
    lag-1 autocorrelation; its scale reproduces the residual's variance; the
    background is the exact expected Welch estimate of that model
-   (:mod:`~gradforensics.analysis.signal.background`).  When peaks are
+   (:mod:`~gradforensics.analysis.toolkit.signal.background`).  When peaks are
    significant, the background is refitted once with their least-squares
    sinusoids removed (a strong oscillation would otherwise inflate both the
    lag-1 autocorrelation and the variance) and the test repeated;
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradforensics.analysis.engine.model import Options
-from gradforensics.analysis.signal.background import expected_welch, filtered_ar1_acov, fit_ar1, hann, welch_dof
-from gradforensics.analysis.signal.detrending import DETRENDERS, Detrended, default_nperseg, detrend, winsorize
+from gradforensics.analysis.contract.model import Options
+from gradforensics.analysis.toolkit.signal.background import expected_welch, filtered_ar1_acov, fit_ar1, hann, welch_dof
+from gradforensics.analysis.toolkit.signal.detrending import DETRENDERS, Detrended, default_nperseg, detrend, winsorize
 from gradforensics.errors import SpecError
 
 CORRECTIONS = ("bh", "bonferroni")

@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
-from gradforensics.analysis.engine.checks import Constraints, Interval, StrOptions, check_constraints
+from gradforensics.analysis.contract.checks import Constraints, Interval, StrOptions, check_constraints
+from gradforensics.analysis.contract.grams import GramResult, LongHistory, SlabReduction
 
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.engine.gram import SlabReduction
-    from gradforensics.analysis.engine.longhistory import LongHistory
-    from gradforensics.analysis.series import SeriesGroup
+    from gradforensics.analysis.contract.series import SeriesGroup
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
 
@@ -42,7 +41,7 @@ class Options:
 
     Subclass it as ``@dataclass(frozen=True) class DriftOptions(Options)`` and declare the
     values each option accepts as data, in the class attribute :attr:`constraints`
-    (:mod:`gradforensics.analysis.engine.checks`, scikit-learn's parameter validation as
+    (:mod:`gradforensics.analysis.contract.checks`, scikit-learn's parameter validation as
     the model)::
 
         constraints = {"window": [Interval(int, 2, None), None], "method": StrOptions({"a", "b"})}
@@ -56,8 +55,8 @@ class Options:
     to the analysis in ``ctx.options[name]`` (:meth:`Context.options_for`).
     """
 
-    #: ``{option: constraint}``: what each option accepts (:class:`~gradforensics.analysis.engine.checks.Interval`,
-    #: :class:`~gradforensics.analysis.engine.checks.StrOptions`, None, or a list of them: any one).
+    #: ``{option: constraint}``: what each option accepts (:class:`~gradforensics.analysis.contract.checks.Interval`,
+    #: :class:`~gradforensics.analysis.contract.checks.StrOptions`, None, or a list of them: any one).
     constraints: ClassVar[Constraints] = MappingProxyType({})
     #: The analysis these options are for: messages of a directly constructed instance name it
     #: (:meth:`parse` names the analysis it is given); default the class name.
@@ -291,29 +290,6 @@ def _plain(v: Any) -> Any:
     return v
 
 
-@dataclass(frozen=True)
-class GramResult:
-    """The Gram matrix of one tensor (or one head) over all records.
-
-    ``gram[i, j] = <g_i, g_j>`` in float64, with records holding any non-finite
-    value zeroed out (their rows/columns are 0); ``nonfinite[i]`` counts the
-    non-finite elements of record *i*.  ``from_sketch``: computed from the
-    stored sketch (inner products are then estimates).
-    """
-
-    tensor: str
-    head: int | None
-    gram: np.ndarray
-    nonfinite: np.ndarray
-    n_features: int
-    from_sketch: bool = False
-
-    @property
-    def finite(self) -> np.ndarray:
-        """Boolean mask of the records usable for direction statistics."""
-        return self.nonfinite == 0
-
-
 @dataclass
 class Context:
     """Everything an analysis's ``compute`` and ``flags`` may use; built once per pass.
@@ -357,6 +333,21 @@ class Context:
             raise TypeError(f"Context.options[{name!r}] must be a parsed {cls.__name__} ({cls.__name__}.parse(raw, "
                             f"{name!r})); got {type(value).__name__}.")
         return value
+
+    def super_records(self) -> Context:
+        """This context seen through the long-history super-records (what drift, conflict and noise compute on).
+
+        Requires :attr:`long`: the per-window, per-source mean gradients replace the
+        records (``meta.n_records``, ``batches``, ``grams``), and ``long`` is cleared.
+        """
+        import dataclasses
+
+        if self.long is None:
+            raise ValueError("super_records() is for the long-history regime (ctx.long is None).")
+        long = self.long
+        meta = dataclasses.replace(self.meta, n_records=int(long.kept().size))
+        return dataclasses.replace(self, meta=meta, batches=long.super_batches(self.batches),
+                                   grams=long.super_grams(), long=None)
 
     def require_store(self) -> Store:
         """The store of this pass.
@@ -449,7 +440,7 @@ class Analysis:
         ``ctx.computed[name][key]`` next to those of ``lazy``.
     series
         ``series(groups, options) -> AnalysisResult | None``, optional: the
-        analysis run on per-step series (:class:`~gradforensics.analysis.series.SeriesGroup`,
+        analysis run on per-step series (:class:`~gradforensics.analysis.toolkit.series.SeriesGroup`,
         from a store's ``batches/*`` or a training log) with its parsed options
         (an instance of ``options``); None when the series give it nothing to
         do (no table).  ``gradforensics loss`` runs every registered analysis

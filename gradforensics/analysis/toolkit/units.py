@@ -1,7 +1,7 @@
 """The units of the direction analyses (drift, oscillation, conflict), and their series.
 
 A :class:`Unit` is one tensor, or one head of it, ready for the K-space statistics of
-:mod:`gradforensics.analysis.engine.kspace`: its Gram matrix restricted to the
+:mod:`gradforensics.analysis.toolkit.kspace`: its Gram matrix restricted to the
 records usable for direction statistics (non-finite records excluded), rows in time
 order.  :func:`units` lists every unit of a pass.
 
@@ -26,7 +26,7 @@ import numpy as np
 from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.engine.model import Context
+    from gradforensics.analysis.contract.model import Context
 
 __all__ = ["SeriesPack", "Unit", "decode_json", "decode_names", "encode_json", "encode_names", "head_of",
            "heads_per_tensor", "time_order", "unit_series", "units"]

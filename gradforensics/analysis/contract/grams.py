@@ -1,0 +1,214 @@
+"""The Gram matrices an analysis reads, and the reductions it folds into the Gram pass.
+
+Contract types (the pass builds them, analyses read them): :class:`GramResult` (the
+N×N Gram matrix of one tensor or head), :class:`SlabReduction` (a per-slab
+reduction an analysis declares, run inside the pass's one read of each slab), and
+the long-history regime's :class:`Design`, :class:`LongGram` and
+:class:`LongHistory` (banded Gram and window-source sums instead of N×N; how they
+are computed: :mod:`gradforensics.analysis.engine.longhistory`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Design", "GramResult", "LongGram", "LongHistory", "SlabReduction"]
+
+
+@dataclass(frozen=True)
+class GramResult:
+    """The Gram matrix of one tensor (or one head) over all records.
+
+    ``gram[i, j] = <g_i, g_j>`` in float64, with records holding any non-finite
+    value zeroed out (their rows/columns are 0); ``nonfinite[i]`` counts the
+    non-finite elements of record *i*.  ``from_sketch``: computed from the
+    stored sketch (inner products are then estimates).
+    """
+
+    tensor: str
+    head: int | None
+    gram: np.ndarray
+    nonfinite: np.ndarray
+    n_features: int
+    from_sketch: bool = False
+
+    @property
+    def finite(self) -> np.ndarray:
+        """Boolean mask of the records usable for direction statistics."""
+        return self.nonfinite == 0
+
+
+@dataclass(frozen=True)
+class SlabReduction:
+    """A per-slab reduction of one stored gradient, folded into the Gram pass's read.
+
+    The engine reads each slab of ``grads/<tensor>`` once; in the same task that
+    takes the slab's Gram product it calls ``chunk(x, sel)`` of every reduction of
+    that tensor, where ``x`` is the slab as read (float32, shape ``(n, ...)``: the
+    records of the slab by the features of the slab, head axis included for a
+    head-split array) and ``sel`` the slab's place in the array (a tuple of slices,
+    record axis first).  Partial results meet in the Gram combine tree
+    (``combine(list_of_partials)``), and ``aggregate(partial)`` finishes them in
+    one task.  ``finish``, if given, receives the aggregated value as a
+    :class:`dask.delayed.Delayed` and returns the dask collection whose value
+    lands in ``ctx.computed[analysis][key]`` (e.g. one SVD task per window mean, or
+    tasks that also read weight snapshots); by default the aggregate itself.
+
+    ``chunk`` is called once per slab, or once per record block when the record
+    axis is split (huge records; ``sel[0]`` then covers part of the records).
+    :mod:`gradforensics.analysis.toolkit.slabs` (``feature_blocks``,
+    ``merge_feature_blocks``, ``assemble_feature_blocks``) covers the usual case of a
+    per-feature result.
+    """
+
+    tensor: str
+    chunk: Callable[[np.ndarray, tuple[slice, ...]], Any]
+    combine: Callable[[list[Any]], Any]
+    aggregate: Callable[[Any], Any] | None = None
+    finish: Callable[[Any], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Design:
+    """Which records make each super-record, and the super-records' batch metadata.
+
+    Super-record ``r = w · S + s`` is the weighted sum of window *w*'s records
+    with weights ``A[:, s]`` (the mixture share of source *s*).
+    """
+
+    n: int
+    edges: np.ndarray          # (n_w + 1,) record boundaries of the windows
+    mixture: np.ndarray        # (N, S) float64, the weights
+    band: int
+
+    @property
+    def n_sources(self) -> int:
+        return int(self.mixture.shape[1])
+
+    @property
+    def n_windows(self) -> int:
+        return int(self.edges.size - 1)
+
+    @property
+    def m(self) -> int:
+        return self.n_windows * self.n_sources
+
+    @property
+    def window_size(self) -> int:
+        return int(self.edges[1] - self.edges[0]) if self.edges.size > 1 else 0
+
+    def weights(self, finite: np.ndarray | None = None) -> np.ndarray:
+        """``c_r = Σ_{i∈w} A_is`` over the (finite) records of each super-record."""
+        a = self.mixture if finite is None else self.mixture * np.asarray(finite, dtype=np.float64)[:, None]
+        return np.add.reduceat(a, self.edges[:-1], axis=0).reshape(-1) if self.n else np.zeros(0)
+
+
+@dataclass(frozen=True)
+class LongGram:
+    """What the long-history pass keeps of one tensor (or head): no N×N matrix.
+
+    ``band[l, i] = <g_i, g_{i-l}>`` (NaN where either record is non-finite or
+    ``i < l``); ``sums`` the Gram matrix of the window-source sums ``Y Yᵀ``;
+    ``nonfinite`` per record.
+    """
+
+    tensor: str
+    head: int | None
+    band: np.ndarray
+    sums: np.ndarray
+    nonfinite: np.ndarray
+    n_features: int
+    from_sketch: bool = False
+
+    @property
+    def finite(self) -> np.ndarray:
+        return self.nonfinite == 0
+
+    def norms2(self) -> np.ndarray:
+        """Per-record squared norms ``K_ii`` (NaN for non-finite records)."""
+        return np.where(self.finite, self.band[0], np.nan)
+
+    def lag_cosines(self, lag: int) -> np.ndarray:
+        """``cos(g_i, g_{i-lag})`` for every record (NaN for ``i < lag`` and non-finite records)."""
+        d = np.sqrt(np.maximum(self.norms2(), 0.0))
+        out = np.full(d.size, np.nan)
+        den = d[lag:] * d[:d.size - lag]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[lag:] = np.where(den > 1e-300, self.band[lag, lag:] / den, np.nan)
+        return np.clip(out, -1.0, 1.0)
+
+
+@dataclass(frozen=True)
+class LongHistory:
+    """The long-history regime of a pass: the design and one :class:`LongGram` per tensor and head."""
+
+    design: Design
+    grams: dict[tuple[str, int | None], LongGram]
+    n0: int
+
+    def header(self) -> dict[str, Any]:
+        """The ``regime`` fields of the findings header."""
+        return {"name": "long-history", "n0": int(self.n0), "window": self.design.window_size,
+                "windows": self.design.n_windows, "band": self.design.band}
+
+    def record_grams(self) -> dict[tuple[str, int | None], GramResult]:
+        """Per-record results without K (``gram`` is 0×0): non-finite counts and sizes only."""
+        return {k: GramResult(g.tensor, g.head, np.zeros((0, 0)), g.nonfinite, g.n_features, g.from_sketch)
+                for k, g in self.grams.items()}
+
+    # ------------------------------------------------------------ super-records
+    def kept(self) -> np.ndarray:
+        """Super-records holding any weight (a source present in that window)."""
+        return np.flatnonzero(self.design.weights() > 0)
+
+    def first_record(self) -> np.ndarray:
+        """First record of each kept super-record's window."""
+        return self.design.edges[:-1][self.kept() // self.design.n_sources]
+
+    def last_record(self) -> np.ndarray:
+        return self.design.edges[1:][self.kept() // self.design.n_sources] - 1
+
+    def super_batches(self, batches: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``batches/*`` of the kept super-records: mixture, n_samples, step (window means), loss."""
+        d, keep = self.design, self.kept()
+        S = d.n_sources
+        c = d.weights()
+        b = np.asarray(batches.get("n_samples", np.ones(d.n)), dtype=np.float64)
+        inv = np.where(b > 0, 1.0 / np.where(b > 0, b, 1.0), 0.0)
+        sq = np.add.reduceat(d.mixture ** 2 * inv[:, None], d.edges[:-1], axis=0).reshape(-1)
+        eff = np.where(sq > 0, c ** 2 / np.where(sq > 0, sq, 1.0), 0.0)
+        mix = np.zeros((d.m, S))
+        mix[np.arange(d.m), np.arange(d.m) % S] = 1.0      # pure per source for pure batches
+        if not np.all(np.isclose(d.mixture.max(axis=1), 1.0)):
+            # mixed batches: the super-record's mixture is its weighted mean of mixture rows
+            for s in range(S):
+                w = np.add.reduceat(d.mixture * d.mixture[:, [s]], d.edges[:-1], axis=0)
+                rows = np.arange(d.n_windows) * S + s
+                mix[rows] = np.where(c[rows, None] > 0, w / np.where(c[rows, None] > 0, c[rows, None], 1.0), 0.0)
+        step = np.asarray(batches.get("step", np.arange(d.n)), dtype=np.float64)
+        mean_step = np.add.reduceat(step, d.edges[:-1]) / np.diff(d.edges)
+        out = {"mixture": mix[keep], "n_samples": np.round(eff[keep]).astype(np.int64),
+               "step": np.repeat(mean_step, S)[keep]}
+        loss = batches.get("loss")
+        if loss is not None:
+            out["loss"] = np.repeat(np.add.reduceat(np.asarray(loss, dtype=np.float64), d.edges[:-1])
+                                    / np.diff(d.edges), S)[keep]
+        return out
+
+    def super_grams(self) -> dict[tuple[str, int | None], GramResult]:
+        """Gram matrices of the kept super-records (per-window, per-source mean gradients)."""
+        keep = self.kept()
+        out = {}
+        for key, g in self.grams.items():
+            c = self.design.weights(g.finite)[keep]
+            ok = c > 0
+            cs = np.where(ok, c, 1.0)
+            K = g.sums[np.ix_(keep, keep)] / np.outer(cs, cs)
+            K[~ok, :] = 0.0
+            K[:, ~ok] = 0.0
+            out[key] = GramResult(g.tensor, g.head, K, (~ok).astype(np.int64), g.n_features, g.from_sketch)
+        return out
