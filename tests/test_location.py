@@ -97,3 +97,34 @@ def test_every_open_takes_a_location(tmp_path):
         b.close()
     findings = gf.analyze(loc, only="nonfinite", progress=False)
     assert findings.store == loc.path
+
+
+def test_a_new_backend_is_one_class_and_one_table_row(tmp_path, monkeypatch):
+    """Nothing but the table knows the backends: a new kind (here a Zarr layout under its own suffix) is
+    written, validated, analysed and re-read with no other edit."""
+    from gradforensics.store import backends
+
+    class RunDir(backends.ZarrBackend):
+        kind = "rundir"
+        suffixes = (".gfrun",)
+        description = "a run directory"
+
+    monkeypatch.setattr(backends, "BACKENDS", (*backends.BACKENDS, RunDir))
+    p = tmp_path / "night.gfrun"
+    rng = np.random.default_rng(0)
+    with gf.Recorder(p, sources=["a", "b"]) as rec:
+        for i in range(6):
+            g = rng.standard_normal((4, 3)).astype(np.float32)
+            if i == 3:
+                g[0, 0] = np.nan
+            rec.record(step=i, loss=1.0, source="ab"[i % 2], grads={"w": g})
+    store = Store(p)
+    assert store.kind == "rundir" and store.n_records == 6
+    findings = gf.analyze(p, only="nonfinite", progress=False)
+    assert [(f.kind, f.tensor) for f in findings.flags] == [("nonfinite", "w")]
+    from gradforensics.analysis.engine.results import read_findings
+
+    assert [f.kind for f in read_findings(Store(p)).flags] == ["nonfinite"]     # results written back
+    with pytest.raises(NotAStoreError, match=r"expected a Zarr directory '\*\.zarr' or an HDF5 file '\*\.h5' / "
+                                             r"'\*\.hdf5' or a run directory '\*\.gfrun'"):
+        locate("night.npz")

@@ -67,9 +67,19 @@ class StoreBackend(Protocol):
     description: ClassVar[str]
     remote_ok: ClassVar[bool]
     remote_refusal: ClassVar[str]
+    #: whether a chunk may be rewritten safely (Zarr replaces a chunk object whole; a rewritten filtered
+    #: HDF5 chunk can move, so there a chunk holds one flush and is written once)
+    rewrites_chunks: ClassVar[bool]
     location: Location
     path: str
     writable: bool
+
+    @classmethod
+    def read_array(cls, location: Location, name: str, sel: Any) -> np.ndarray:
+        """``sel`` of array *name*, opened for this read only (what a dask task does)."""
+    @classmethod
+    def not_a_store(cls, path: Path) -> str | None:
+        """Why the local *path* is not a gradforensics store that ``overwrite=True`` may delete, or None."""
 
     def inventory(self) -> Inventory:
         """Root attributes and every array, listed from the store's own files without trusting them."""
@@ -121,6 +131,35 @@ class ZarrBackend:
     description: ClassVar[str] = "a Zarr directory"
     remote_ok: ClassVar[bool] = True
     remote_refusal: ClassVar[str] = ""
+    rewrites_chunks: ClassVar[bool] = True
+
+    @classmethod
+    def read_array(cls, location: Location, name: str, sel: Any) -> np.ndarray:
+        import zarr
+
+        if location.is_url:
+            return read_url_array(location.path, name, sel, location.storage_options)
+        return np.asarray(zarr.open_array(os.path.join(location.path, name), mode="r")[sel])
+
+    @classmethod
+    def not_a_store(cls, path: Path) -> str | None:
+        if not path.is_dir():
+            return "is not a directory"
+        try:
+            root = json.loads((path / "zarr.json").read_text())
+            if not isinstance(root.get("attributes", {}).get("gradforensics"), dict):
+                return "is a Zarr group but not a gradforensics store"
+        except (OSError, ValueError, AttributeError):
+            return "is not a Zarr group (no readable zarr.json)"
+        for top, dirs, files in os.walk(path):
+            rel = Path(top).relative_to(path).parts
+            for entry in [*dirs, *files]:
+                if (Path(top) / entry).is_symlink():
+                    return f"holds a symbolic link ({Path(*rel, entry)})"
+            for f in files:
+                if f != "zarr.json" and "c" not in rel:
+                    return f"holds {Path(*rel, f)}, which no gradforensics store holds"
+        return None
 
     def __init__(self, where: Location | str | os.PathLike[str], mode: str = "r",
                  storage_options: Mapping[str, Any] | None = None) -> None:
@@ -290,6 +329,28 @@ class HDF5Backend:
     remote_refusal: ClassVar[str] = (
         "HDF5 stores are local files only (h5py reads a remote file through many small dependent requests "
         "and cannot write one); use a Zarr store ('*.zarr') on object storage.")
+    rewrites_chunks: ClassVar[bool] = False
+
+    @classmethod
+    def read_array(cls, location: Location, name: str, sel: Any) -> np.ndarray:
+        import h5py
+
+        with h5py.File(location.path, "r") as f:
+            return np.asarray(f[name][sel])
+
+    @classmethod
+    def not_a_store(cls, path: Path) -> str | None:
+        import h5py
+
+        if not path.is_file():
+            return "is not a file"
+        try:
+            with h5py.File(path, "r") as f:
+                if "gradforensics" not in f.attrs:
+                    return "is an HDF5 file but not a gradforensics store"
+        except OSError:
+            return "is not an HDF5 file"
+        return None
 
     def __init__(self, where: Location | str | os.PathLike[str], mode: str = "r") -> None:
         import h5py
@@ -508,16 +569,7 @@ class ArrayHandle:
         return raw.astype(np.float32, copy=False)
 
     def _read(self, sel: Any) -> np.ndarray:
-        if self.kind == "zarr":
-            import zarr
-
-            if self.location.is_url:
-                return read_url_array(self.path, self.name, sel, self.location.storage_options)
-            return np.asarray(zarr.open_array(os.path.join(self.path, self.name), mode="r")[sel])
-        import h5py
-
-        with h5py.File(self.path, "r") as f:
-            return np.asarray(f[self.name][sel])
+        return backend_class(self.kind).read_array(self.location, self.name, sel)
 
     def _describe(self, sel: Any, exc: Exception) -> str:
         """The failed read, narrowed to the first on-disk chunk that fails on its own."""

@@ -18,7 +18,6 @@ store; anything else there is never deleted.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from gradforensics.errors import StoreClosedError, StoreExistsError, StoreMismatchError
-from gradforensics.store.backends import backend_kind, locate, open_backend
+from gradforensics.store.backends import guess_backend, locate, open_backend
 from gradforensics.store.layout import LayoutPolicy, chunk_shape, records_per_chunk
 from gradforensics.store.location import Location
 from gradforensics.store.lock import StoreLock
@@ -187,8 +186,9 @@ class StoreWriter:
         # pointing at reused space (seen in tests/test_crash.py).  So in HDF5 a chunk holds one
         # flush of records and is written once, like the large arrays' chunks.
         small = chunks[0] > r and row.compression == "none"
-        compression = "zstd" if small and self.kind == "zarr" else row.compression
-        if self.kind == "hdf5" and (small or row.compression != "none" or self.policy.checksums):
+        rewrites = self._backend.rewrites_chunks      # Zarr: yes; HDF5: a chunk is written once
+        compression = "zstd" if small and rewrites else row.compression
+        if not rewrites and (small or row.compression != "none" or self.policy.checksums):
             chunks = (r, *chunks[1:])
         self._backend.create(name, (0, *data.shape), data.dtype.str, chunks, row.attrs, compression,
                              self.policy.checksums)
@@ -226,7 +226,7 @@ class StoreWriter:
                 self._backend.truncate(name, nw)
                 self._backend.write_rows(name, nw, row.data[None])
             if not self._backend.has(WEIGHT_RECORD):   # HDF5: one snapshot a chunk, never rewritten (see _create)
-                chunk = (1,) if self.kind == "hdf5" else (1024,)
+                chunk = (1024,) if self._backend.rewrites_chunks else (1,)
                 self._backend.create(WEIGHT_RECORD, (0,), "<i8", chunk, {}, "none", self.policy.checksums)
             self._backend.write_rows(WEIGHT_RECORD, nw, np.array([rec_index], dtype=np.int64))
             nw += 1
@@ -260,36 +260,4 @@ def _not_a_store(p: Path) -> str | None:
     """Why *p* is not a gradforensics store that may be deleted, or None when it is one."""
     if p.is_symlink():
         return "is a symbolic link"
-    if backend_kind(p) == "hdf5":
-        return _not_an_hdf5_store(p)
-    if not p.is_dir():
-        return "is not a directory"
-    try:
-        root = json.loads((p / "zarr.json").read_text())
-        if not isinstance(root.get("attributes", {}).get("gradforensics"), dict):
-            return "is a Zarr group but not a gradforensics store"
-    except (OSError, ValueError, AttributeError):
-        return "is not a Zarr group (no readable zarr.json)"
-    for top, dirs, files in os.walk(p):
-        rel = Path(top).relative_to(p).parts
-        for entry in [*dirs, *files]:
-            if (Path(top) / entry).is_symlink():
-                return f"holds a symbolic link ({Path(*rel, entry)})"
-        for f in files:
-            if f != "zarr.json" and "c" not in rel:
-                return f"holds {Path(*rel, f)}, which no gradforensics store holds"
-    return None
-
-
-def _not_an_hdf5_store(p: Path) -> str | None:
-    import h5py
-
-    if not p.is_file():
-        return "is not a file"
-    try:
-        with h5py.File(p, "r") as f:
-            if "gradforensics" not in f.attrs:
-                return "is an HDF5 file but not a gradforensics store"
-    except OSError:
-        return "is not an HDF5 file"
-    return None
+    return guess_backend(str(p)).not_a_store(p)
