@@ -4,5 +4,8 @@ import sys
 
 from gradforensics.cli import main
 
+__all__: list[str] = []
+
+
 if __name__ == "__main__":
     sys.exit(main())

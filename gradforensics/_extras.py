@@ -13,6 +13,9 @@ import importlib.util
 
 from gradforensics.errors import MissingExtraError
 
+__all__ = ["EXTRAS", "require_extra"]
+
+
 #: module -> the extra of ``gradforensics`` that installs it.
 EXTRAS = {"torch": "torch", "transformers": "hf", "distributed": "distributed"}
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+__all__ = ["fmt_bytes"]
+
+
 
 def fmt_bytes(n: float) -> str:
     """``1536 -> '1.5 KiB'``: binary units, one decimal (whole bytes below 1 KiB)."""

@@ -22,6 +22,9 @@ from typing import Any
 
 from gradforensics.errors import SpecError
 
+__all__ = ["SMALL_MODEL_PARAMS", "choose_threads", "for_model", "n_parameters", "parse_threads", "torch_threads"]
+
+
 #: Below this many parameters a model trains and replays on one intra-op thread by default.
 SMALL_MODEL_PARAMS = 20_000_000
 

@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from gradforensics._text import terminal
 from gradforensics.errors import GradforensicsError, refusal
 
+__all__ = ["VERBS", "build_parser", "environment_error", "main"]
+
+
 #: verb -> (module under gradforensics.commands, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "inspect": ("inspect", "what a store holds: schema, sources, records, tensors, sizes"),

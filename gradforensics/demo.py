@@ -42,6 +42,28 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import Findings
 
+__all__ = [
+    "CONSISTENT",
+    "PLANTED_PAIR",
+    "SOURCES",
+    "DemoConfig",
+    "DemoResult",
+    "Source",
+    "batches",
+    "capture",
+    "lm_loss",
+    "lr_factor",
+    "make_model",
+    "make_sources",
+    "make_tokenizer",
+    "run",
+    "train",
+    "vocab_size",
+    "words",
+    "write_data",
+]
+
+
 SOURCES = ("zh", "en", "code")
 PLANTED_PAIR = ("zh", "en")
 CONSISTENT = "code"

@@ -322,3 +322,26 @@ def test_public_result_types_are_exported():
                  "ModelSpec"):
         assert name in gf.__all__ and isinstance(getattr(gf, name), type), name
     assert set(gf.__all__) == {"GradforensicsError", "__version__", *gf._PUBLIC}
+
+
+def test_every_module_declares_its_public_names():
+    """``__all__`` in every module, naming only what the module binds (defined or imported there)."""
+    missing, unbound = [], []
+    for m, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        declared = next((n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in (n.targets if isinstance(n, ast.Assign)
+                                                                     else [n.target]))), None)
+        if declared is None:
+            missing.append(m)
+            continue
+        bound = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                 for a in n.names}
+        bound |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        bound |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        bound |= {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        names = ast.literal_eval(declared.value) if declared.value is not None else []
+        lazy = any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body)
+        unbound += [f"{m}: {x}" for x in names if x not in bound and not lazy]
+    assert not missing, f"modules without __all__: {missing}"
+    assert not unbound, "__all__ names a name the module does not bind:\n" + "\n".join(unbound)

@@ -1,1 +1,4 @@
 """One module per CLI verb (see gradforensics.cli)."""
+
+__all__: list[str] = []
+

@@ -19,6 +19,9 @@ from typing import Any
 from gradforensics._text import terminal
 from gradforensics.errors import SpecError
 
+__all__ = ["add_arguments", "run"]
+
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gradforensics.commands import storage as storage_flags

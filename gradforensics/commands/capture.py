@@ -23,6 +23,9 @@ from gradforensics.replay.plan import DTYPE_NAMES, BatchSpec, ModelSpec, RecordS
 if TYPE_CHECKING:
     from gradforensics.replay.distributed import Launch
 
+__all__ = ["add_arguments", "add_model_options", "flags_of", "launch", "run", "specs"]
+
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a Hugging Face model directory, or a state-dict file with --model-factory")

@@ -18,6 +18,9 @@ from gradforensics.errors import CompareWarning
 if TYPE_CHECKING:
     from gradforensics.reporting.comparison import Comparison
 
+__all__ = ["add_arguments", "print_summary", "run"]
+
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gradforensics.reporting.severity import add_fail_on_argument

@@ -14,6 +14,9 @@ from gradforensics._format import fmt_bytes
 from gradforensics._text import terminal
 from gradforensics.store.reader import Store
 
+__all__ = ["add_arguments", "run", "summarize"]
+
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gradforensics.commands import storage as storage_flags

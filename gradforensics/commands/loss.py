@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
 
+__all__ = ["LossInput", "add_arguments", "findings_of", "load", "run", "series_options"]
+
+
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

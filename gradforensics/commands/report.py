@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
+__all__ = ["add_arguments", "load_findings", "print_top", "run"]
+
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", help="a *.zarr directory or *.h5 file that `gradforensics analyze` has run on")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+__all__ = ["add_argument", "threads_value"]
+
+
 
 def threads_value(text: str) -> int | None:
     """argparse type of ``--threads``: ``auto`` -> ``None``, else a positive integer."""

@@ -18,6 +18,9 @@ from gradforensics.commands.capture import add_model_options, flags_of
 from gradforensics.replay.plan import DEFAULT_SKETCH, DTYPE_NAMES, BatchSpec, ModelSpec, RecordSpec
 from gradforensics.runs.arms import OPTIMIZERS
 
+__all__ = ["add_arguments", "run"]
+
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a Hugging Face model directory, or a state-dict file with --model-factory")

@@ -24,6 +24,24 @@ from typing import Any
 
 import numpy as np
 
+__all__ = [
+    "BOUNDED",
+    "HIGH_FRACTION",
+    "LOW_FRACTION",
+    "N_BINS",
+    "PARTS",
+    "REFERENCE_QUANTILE",
+    "ActRange",
+    "act_stats",
+    "combine",
+    "finish",
+    "make_range",
+    "make_range_torch",
+    "partial_stats",
+    "with_scale",
+]
+
+
 LOW_FRACTION = 0.05
 HIGH_FRACTION = 0.9
 N_BINS = 64

@@ -46,6 +46,9 @@ from gradforensics.store.heads import HeadSpec
 if TYPE_CHECKING:
     from torch import nn
 
+__all__ = ["ATTENTION_LEAVES", "Counts", "auto_spec", "counts_for", "glob_for", "resolve_heads", "text_config"]
+
+
 #: Leaf names that look like attention projections (a tensor under one of these
 #: that no rule can split is an error, not silently kept whole).
 ATTENTION_LEAVES = frozenset({

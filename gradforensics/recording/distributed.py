@@ -46,6 +46,21 @@ if TYPE_CHECKING:
     from gradforensics.recording.sketch import DeviceSketch
     from gradforensics.store.heads import HeadSpec
 
+__all__ = [
+    "KINDS",
+    "Context",
+    "LocalGrads",
+    "context",
+    "fsdp_sketches",
+    "gather_full",
+    "is_dtensor",
+    "partial_sketch",
+    "reduce_meta",
+    "shard_rows",
+    "unwrap",
+]
+
+
 KINDS = ("ddp", "fsdp", "local")
 
 

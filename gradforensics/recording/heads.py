@@ -17,6 +17,9 @@ import numpy as np
 from gradforensics.errors import SpecError
 from gradforensics.store.heads import ROLES, HeadSpec
 
+__all__ = ["match_heads", "parse_head_spec"]
+
+
 
 def parse_head_spec(name: str, value: Any) -> HeadSpec:
     """``H`` or ``{"heads": H, "axis": A, "role": R, "fused": F, "interleaved": bool}``."""

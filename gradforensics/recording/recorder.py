@@ -47,6 +47,9 @@ from gradforensics.store.schema import (
 )
 from gradforensics.store.writer import Row, StoreWriter
 
+__all__ = ["DTYPES", "ArrayRecorder", "PendingRecord", "encode"]
+
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 

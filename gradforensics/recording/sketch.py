@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
     from gradforensics.store.heads import HeadSpec
 
+__all__ = ["BLOCK", "METHODS", "DeviceSketch", "Sketcher", "split_torch"]
+
+
 BLOCK = 1 << 20
 METHODS = ("countsketch", "gaussian")
 

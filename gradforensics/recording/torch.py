@@ -50,6 +50,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+__all__ = ["CONFIG_KEYS", "N_BUFFER_SETS", "TorchRecorder", "model_info", "select_modules", "select_parameters",
+           "to_numpy", "torch_float32"]
+
+
 #: ``model.config`` fields copied into the store's ``model`` attribute.
 CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "head_dim", "intermediate_size", "vocab_size")

@@ -44,6 +44,23 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+__all__ = [
+    "CAUSAL_SUFFIXES",
+    "MASKED_SUFFIXES",
+    "POSITION_KEYS",
+    "WEIGHT_FILES",
+    "Checkpoint",
+    "LossFn",
+    "checkpoint_step",
+    "load_checkpoint",
+    "load_tokenizer",
+    "max_positions",
+    "offline",
+    "read_state_dict",
+    "resolve_callable",
+]
+
+
 LossFn = Callable[["nn.Module", Any], "torch.Tensor"]
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 MASKED_SUFFIXES = ("ForMaskedLM", "ForPreTraining")

@@ -40,6 +40,24 @@ from gradforensics.errors import DataError, DataFileNotFoundError, SpecError
 if TYPE_CHECKING:
     import torch
 
+__all__ = [
+    "MAX_LINE_BYTES",
+    "MAX_ROWS",
+    "OVERSAMPLE",
+    "SUFFIXES",
+    "Packing",
+    "Source",
+    "check_file",
+    "documents",
+    "draw",
+    "load_batches",
+    "pack",
+    "parse_sources",
+    "precheck",
+    "source_rows",
+]
+
+
 SUFFIXES = (".txt", ".jsonl")
 OVERSAMPLE = 4
 #: A line (one document) longer than this is refused: read in pieces of at most this size, never whole.

@@ -27,6 +27,9 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
     from torch import nn
 
+__all__ = ["ENV", "Launch", "blocks", "finish", "from_env", "init", "rank_batches", "shard"]
+
+
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 

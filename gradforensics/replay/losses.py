@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+__all__ = ["IGNORE", "SCALE", "MaskedLM", "causal_lm", "contrastive", "mean_pool", "span_masks"]
+
+
 IGNORE = -100
 #: Similarity scale of :func:`contrastive` (1 / temperature); sentence-transformers'
 #: MultipleNegativesRankingLoss default, the loss all-MiniLM-L6-v2 was trained with.

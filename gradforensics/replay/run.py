@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
     from gradforensics.store.reader import Store
 
+__all__ = ["Progress", "batch_size", "interleave", "replay"]
+
+
 
 def batch_size(batch: Any) -> int:
     """Examples in *batch*: the leading dimension of its first tensor (dicts, tuples, lists)."""

@@ -21,6 +21,9 @@ from gradforensics.reporting.names import join_and
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Flag
 
+__all__ = ["advice_for", "info", "phrase", "references_for"]
+
+
 
 def info(kind: str) -> Advice:
     """The :class:`Advice` of *kind* (a plain stand-in for a kind no registered analysis emits)."""

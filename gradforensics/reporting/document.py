@@ -17,6 +17,19 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings
     from gradforensics.store.reader import Store
 
+__all__ = [
+    "MAX_FIGURES",
+    "Document",
+    "Picture",
+    "Section",
+    "build",
+    "header_items",
+    "is_long_history",
+    "regime_sentence",
+    "severity_label",
+]
+
+
 #: Findings that get an evidence figure (the most severe ones).
 MAX_FIGURES = 24
 

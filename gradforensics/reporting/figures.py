@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.reporting.summary import FlagGroup
 
+__all__ = ["DPI", "MAX_HEAD_COLUMNS", "MAX_LAYER_SPAN", "MAX_SEPARATORS", "OTHER", "Overview", "analysis_name",
+           "evidence", "new_figure", "overview", "overview_data", "to_png"]
+
+
 DPI = 110
 OTHER = "other"
 #: The overview draws every layer between the first and the last up to this span, only the present ones beyond.

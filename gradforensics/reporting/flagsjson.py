@@ -29,6 +29,9 @@ from gradforensics.errors import FlagsSchemaError
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings
 
+__all__ = ["errors", "flag_schema", "flags_schema", "validate", "write"]
+
+
 #: One flag; :func:`flag_schema` adds the ``kind`` enum of the registered analyses.
 _FLAG_SCHEMA: dict[str, Any] = {
     "type": "object",

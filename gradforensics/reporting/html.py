@@ -17,6 +17,9 @@ from gradforensics.reporting.severity import band
 if TYPE_CHECKING:
     from gradforensics.reporting.document import Document, Picture, Section
 
+__all__ = ["CSS", "JS", "MAX_FLAG_ROWS", "MAX_TABLE_ROWS", "SELF_CHECK", "render"]
+
+
 #: Rows of a per-analysis table shown inline (the CSV has all of them).
 MAX_TABLE_ROWS = 300
 MAX_FLAG_ROWS = 40

@@ -18,6 +18,9 @@ from gradforensics.reporting.severity import band
 if TYPE_CHECKING:
     from gradforensics.reporting.document import Document, Picture, Section
 
+__all__ = ["MAX_FLAG_ROWS", "MAX_LAYER_ROWS", "render"]
+
+
 MAX_LAYER_ROWS = 200
 MAX_FLAG_ROWS = 20
 

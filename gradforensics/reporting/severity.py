@@ -30,6 +30,22 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings
 
+__all__ = [
+    "EXIT_FLAGGED",
+    "SEVERITY_NAMES",
+    "TOLERANCE",
+    "F",
+    "HasSeverity",
+    "Reaching",
+    "add_fail_on_argument",
+    "band",
+    "exit_code",
+    "parse_severity",
+    "reaches",
+    "reaching",
+]
+
+
 SEVERITY_NAMES: dict[str, float] = {"low": 0.25, "medium": 0.5, "high": 0.75}
 
 #: Exit code of ``analyze`` / ``report`` / ``loss`` / ``compare`` when a flag reaches ``--fail-on``.

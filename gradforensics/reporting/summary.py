@@ -26,6 +26,20 @@ from gradforensics.reporting.severity import band
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings, Flag
 
+__all__ = [
+    "MAX_SENTENCES",
+    "FlagGroup",
+    "evidence_phrase",
+    "fmt_value",
+    "group",
+    "headline",
+    "join_kinds",
+    "records_phrase",
+    "sentences",
+    "verdict",
+]
+
+
 #: Findings written out as sentences; the rest are counted.
 MAX_SENTENCES = 12
 

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import Findings
 
+__all__ = ["contract_order", "csv_safe", "layer_table", "write_csv", "write_csvs"]
+
+
 
 def contract_order(table: pd.DataFrame) -> pd.DataFrame:
     """``tensor``, ``head`` first; ``head`` as nullable integers (empty on whole-tensor rows)."""

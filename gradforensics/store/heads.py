@@ -26,6 +26,9 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 
+__all__ = ["ROLES", "HeadSpec"]
+
+
 ROLES = ("q", "k", "v", "o", "qkv")
 
 

@@ -26,6 +26,21 @@ from gradforensics.errors import CorruptStoreError, NotAStoreError
 from gradforensics.store import generations
 from gradforensics.store.generations import Selection
 
+__all__ = [
+    "DTYPES",
+    "MAX_CHUNK_BYTES",
+    "MAX_GRID_WALK",
+    "MAX_METADATA_BYTES",
+    "Inventory",
+    "StoredArray",
+    "from_h5_attr",
+    "hdf5_inventory",
+    "refuse_links",
+    "remote_zarr_inventory",
+    "zarr_inventory",
+]
+
+
 #: A ``zarr.json`` larger than this is not metadata gradforensics wrote.
 MAX_METADATA_BYTES = 16 << 20
 #: A decoded chunk larger than this is not a chunk gradforensics wrote (policy chunks are ~8 MiB).

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+__all__ = ["LayoutPolicy", "MiB", "chunk_shape", "dimension_names", "records_per_chunk"]
+
+
 MiB = 1 << 20
 
 

@@ -40,6 +40,9 @@ from gradforensics.errors import StoreLockedError
 from gradforensics.store import remote
 from gradforensics.store.location import Location
 
+__all__ = ["LEASE_SECONDS", "Holder", "RemoteLock", "StoreLock", "lock_path"]
+
+
 #: Seconds without a heartbeat after which a lock that cannot be checked by flock is stale
 #: (``GRADFORENSICS_LOCK_LEASE_S`` sets it: shorter for writers that must fail over quickly).
 LEASE_SECONDS = float(os.environ.get("GRADFORENSICS_LOCK_LEASE_S", "900"))

@@ -16,6 +16,10 @@ import unicodedata
 
 from gradforensics.errors import UnsafeNameError
 
+__all__ = ["MAX_NAME_BYTES", "check_analysis_name", "check_name", "has_control", "layer_of", "name_problem",
+           "split_layer"]
+
+
 MAX_NAME_BYTES = 255
 _RESERVED = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 #: Names of analyses (``tables/<name>.csv``, ``--only``): lower-case identifiers.

@@ -45,6 +45,10 @@ from gradforensics.store.location import Location
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta
 from gradforensics.store.writer import WEIGHT_RECORD, Row, StoreWriter
 
+__all__ = ["DEFAULT_WAIT_S", "MARKERS", "RankPlan", "alive", "check_backend", "committed_prefix", "compaction_moves",
+           "counts", "ensure_markers_group", "rank_writer", "read_marker", "row_view", "wait_for_array", "write_marker"]
+
+
 MARKERS = "ranks"
 #: Seconds rank 0 waits at close for the other ranks to close (or die) before it commits without them
 #: (``GRADFORENSICS_RANK_WAIT_S`` overrides it).

@@ -28,6 +28,9 @@ from gradforensics.store.writer import WEIGHT_RECORD
 if TYPE_CHECKING:
     import dask.array as da
 
+__all__ = ["MAX_SLAB", "ArrayInfo", "Store", "open_store"]
+
+
 @dataclass(frozen=True)
 class ArrayInfo:
     """What one stored array holds."""

@@ -16,6 +16,27 @@ import numpy as np
 from gradforensics.errors import CorruptStoreError, NotAStoreError, SchemaVersionError, SpecError
 from gradforensics.store.names import check_name, name_problem
 
+__all__ = [
+    "ACT_FIELDS",
+    "BATCH_FIELDS",
+    "ENCODINGS",
+    "MODES",
+    "ROOT_ATTR",
+    "SCHEMA_VERSION",
+    "Mode",
+    "StoreMeta",
+    "act_path",
+    "batch_path",
+    "decode_bf16",
+    "encode_bf16",
+    "grad_path",
+    "new_meta",
+    "parse_root_attrs",
+    "sketch_path",
+    "weight_path",
+]
+
+
 SCHEMA_VERSION = 1
 ROOT_ATTR = "gradforensics"
 

@@ -19,6 +19,9 @@ from gradforensics.store.inventory import StoredArray
 from gradforensics.store.names import name_problem
 from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, StoreMeta
 
+__all__ = ["BULK_GROUPS", "REQUIRED_BATCHES", "check_arrays", "check_ranks", "rows_of"]
+
+
 REQUIRED_BATCHES = ("step", "loss", "mixture", "n_samples")
 #: Arrays holding bulk gradient data: their chunks are checked only when the pass reads them.
 BULK_GROUPS = ("grads", "sketch", "weights")

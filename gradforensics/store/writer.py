@@ -35,6 +35,9 @@ from gradforensics.store.lock import StoreLock
 from gradforensics.store.remote import clear_url
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta
 
+__all__ = ["WEIGHT_RECORD", "Row", "StoreWriter"]
+
+
 WEIGHT_RECORD = "weights/_record"
 
 

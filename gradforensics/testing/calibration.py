@@ -27,6 +27,19 @@ from typing import Any
 
 import numpy as np
 
+__all__ = [
+    "ENGLISH",
+    "WORDS",
+    "Language",
+    "capture_cli",
+    "flag_counts",
+    "languages",
+    "minilm_store",
+    "tiny_llama_store",
+    "train_tiny_llama",
+]
+
+
 #: The words of the consistent language: each word has two possible continuations (p 0.7 / 0.3).
 WORDS = ("the", "of", "and", "model", "gradient", "layer", "head", "loss", "batch", "source", "data", "training",
          "step", "weight", "tensor", "norm", "update", "learning", "rate", "optimizer", "river", "bridge", "train",

@@ -59,6 +59,20 @@ import pytest
 from gradforensics.testing.counting import CountingScheduler
 from gradforensics.testing.planted import healthy_store
 
+__all__ = [
+    "REGISTRY_CHECKS",
+    "AnalysisContract",
+    "Pass",
+    "PlantedCase",
+    "PlantedStores",
+    "check_evidence_keys_carried",
+    "check_evidence_labels",
+    "check_long_history",
+    "check_one_compute",
+    "parametrize_with_checks",
+]
+
+
 
 def _artists(ax: Any) -> int:
     return len(ax.lines) + len(ax.collections) + len(ax.patches) + len(ax.images) + len(ax.texts)

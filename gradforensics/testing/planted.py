@@ -24,6 +24,24 @@ from typing import Any
 
 import numpy as np
 
+__all__ = [
+    "ACT_MODULE",
+    "HEADS",
+    "SOURCES",
+    "TENSORS",
+    "GradsFn",
+    "PlantedStore",
+    "healthy_activations",
+    "healthy_loss",
+    "healthy_store",
+    "noise_store",
+    "nonfinite_store",
+    "sgd_weights",
+    "unit_mean",
+    "write_store",
+]
+
+
 #: The default tensors of a planted store: two layers, attention split into 4 heads.
 TENSORS: dict[str, tuple[int, ...]] = {
     "layers.0.attn.q.weight": (32, 16),

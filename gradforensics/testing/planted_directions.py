@@ -24,6 +24,11 @@ from typing import Any
 
 import numpy as np
 
+__all__ = ["DIRECTION_ANALYSES", "D_HEAD", "MLP_SHAPE", "Planted", "Unit", "healthy_directions", "healthy_severities",
+           "mlp_name", "planted_conflict", "planted_drift", "planted_mixture", "planted_oscillation", "q_name",
+           "round_robin", "square_wave", "with_nonfinite"]
+
+
 HEADS, HEAD_ROWS, COLS = 4, 8, 16
 D_HEAD = HEAD_ROWS * COLS
 MLP_SHAPE = (16, 16)

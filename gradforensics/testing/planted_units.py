@@ -16,6 +16,10 @@ from typing import Any
 
 import numpy as np
 
+__all__ = ["ACTIVATIONS", "BOUNDS", "Planted", "activation", "planted_precision_store", "planted_saturation_store",
+           "planted_spectral_store", "powerlaw_matrix", "run_analysis"]
+
+
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
 BOUNDS = {"tanh": (-1.0, 1.0), "sigmoid": (0.0, 1.0)}
 

@@ -38,6 +38,9 @@ from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.reader import Store
 from gradforensics.store.schema import ROOT_ATTR, decode_bf16, encode_bf16
 
+__all__ = ["StoreContract", "overwrite", "remove"]
+
+
 
 def _records(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)

@@ -56,6 +56,28 @@ if TYPE_CHECKING:
     from gradforensics.store.backends import ArrayHandle
     from gradforensics.store.reader import Store
 
+__all__ = [
+    "DEFAULT_SLAB_BYTES",
+    "DEFAULT_SPLIT_EVERY",
+    "PRECISIONS",
+    "SUB_BLOCK",
+    "Partial",
+    "aggregate_partial",
+    "chunk_partial",
+    "combine_partials",
+    "flatten_grams",
+    "gram_graph",
+    "gram_graphs",
+    "gram_of_array",
+    "gram_of_handle",
+    "gram_sources",
+    "head_blocks",
+    "reduce_chunk",
+    "reduction_tree",
+    "slab_graph",
+]
+
+
 SUB_BLOCK = 4096
 """Features per float32 product inside a chunk; the products are summed in float64."""
 

@@ -1,1 +1,4 @@
 """The analyses, one module each; each exposes ``ANALYSIS`` (see :mod:`gradforensics.analysis`)."""
+
+__all__: list[str] = []
+

@@ -59,6 +59,10 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.analysis.toolkit.series import Series, SeriesGroup
 
+__all__ = ["ANALYSIS", "COLUMNS", "MAX_ALL_PAIRS", "NAME", "PairCoherence", "align", "analyze_series", "msc_pvalue",
+           "msc_threshold", "pair_coherence", "pair_key", "plot", "plot_coherence", "rank_pairs"]
+
+
 NAME = "coherence"
 COLUMNS = ("tensor", "head", "series", "rank_a", "rank_b", "period_steps", "msc", "p_value", "p_adjusted",
            "significant", "threshold", "frequency", "period", "period_unit", "phase_deg", "lag", "mean_msc",

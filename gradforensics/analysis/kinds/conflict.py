@@ -62,6 +62,27 @@ from gradforensics.analysis.toolkit import units as un
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
+__all__ = [
+    "ADVICE",
+    "ANALYSIS",
+    "COLUMNS",
+    "EFFECT_FULL",
+    "SEGMENTS",
+    "ConflictOptions",
+    "compute",
+    "conflict_unit",
+    "cross_inner_z",
+    "effect",
+    "flags",
+    "permutations",
+    "permuted_source_grams",
+    "plot",
+    "segment_span",
+    "severity_p",
+    "unit_seed",
+]
+
+
 COLUMNS = [
     "tensor", "head", "layer", "source_a", "source_b", "cosine", "p_value", "cosine_debiased", "z",
     "n_a", "n_b", "n_records", "n_excluded", "z_cross", "record_first", "record_last", "severity",

@@ -55,6 +55,23 @@ from gradforensics.analysis.toolkit.stats import finite_mean, rank_trend
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
+__all__ = [
+    "ADVICE",
+    "ANALYSIS",
+    "COLUMNS",
+    "EFFECT_FULL",
+    "DriftOptions",
+    "UnitDrift",
+    "compute",
+    "drift_unit",
+    "flags",
+    "hinge_changepoint",
+    "opening_cosines",
+    "pd_int",
+    "plot",
+]
+
+
 COLUMNS = [
     "tensor", "head", "layer", "n_records", "n_excluded", "window", "cos_early", "cos_late",
     "cos_late_debiased", "rotation", "rho", "p_value", "rho_windows", "since_record", "since_step",

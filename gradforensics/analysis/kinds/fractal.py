@@ -40,6 +40,11 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.analysis.toolkit.series import Series, SeriesGroup
 
+__all__ = ["ANALYSIS", "COLUMNS", "MIN_FIT_POINTS", "MIN_FIT_SPAN", "NAME", "R2_STRAIGHT", "ScalingFit",
+           "analyze_series", "box_counting", "box_counts", "fit_range", "fractal_window", "higuchi", "higuchi_lengths",
+           "plot", "plot_scaling"]
+
+
 NAME = "fractal"
 COLUMNS = ("tensor", "head", "series", "box_counting", "higuchi", "box_fit_from", "box_fit_to", "box_r2",
            "higuchi_fit_from", "higuchi_fit_to", "higuchi_r2", "n_points", "detrend", "note")

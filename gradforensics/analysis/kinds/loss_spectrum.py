@@ -50,6 +50,10 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.analysis.toolkit.series import Series, SeriesGroup
 
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "FREQ_UNITS", "NAME", "analyze_series", "family", "flags_from_table",
+           "plot", "plot_detrended", "plot_spectrum", "severity"]
+
+
 NAME = "loss_spectrum"
 
 

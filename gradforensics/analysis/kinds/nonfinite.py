@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "compute", "flags", "nonfinite_rows", "nonfinite_table", "plot", "severity"]
+
+
 COLUMNS = ("tensor", "head", "source", "n_records", "records_nonfinite", "elements_nonfinite", "share",
            "first_record", "first_step", "first_sources", "last_record", "from_sketch")
 

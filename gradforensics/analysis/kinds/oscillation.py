@@ -68,6 +68,30 @@ from gradforensics.store.names import layer_of
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
+__all__ = [
+    "ADVICE",
+    "ANALYSIS",
+    "COLUMNS",
+    "POLE_SHARE",
+    "SHARE_FULL",
+    "Component",
+    "OscillationOptions",
+    "band_oscillation",
+    "components",
+    "compute",
+    "compute_long",
+    "flags",
+    "lag_design",
+    "oscillation_edges",
+    "oscillation_unit",
+    "periodogram_test",
+    "plot",
+    "severity",
+    "source_r2",
+    "two_means_split",
+]
+
+
 COLUMNS = [
     "tensor", "head", "layer", "n_records", "n_excluded", "consec_cos", "component", "explained",
     "period_records", "period_steps", "p_value", "bimodality_coefficient", "pole_pos", "pole_neg",

@@ -75,6 +75,35 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
+__all__ = [
+    "ADVICE",
+    "ANALYSIS",
+    "COUNTS",
+    "FLAG_FORMATS",
+    "FORMATS",
+    "FP8",
+    "MAX_PAIRS",
+    "NAME",
+    "ULP_EDGES",
+    "PrecisionOptions",
+    "amax_scale",
+    "compute",
+    "exponent_hist",
+    "flags",
+    "fp8_gradient_shares",
+    "fp16_gradient_shares",
+    "lazy",
+    "nonzero_masks",
+    "pair_counts",
+    "plot",
+    "round_to",
+    "slab_reductions",
+    "swamped",
+    "tensor_row",
+    "ulp",
+]
+
+
 NAME = "precision"
 #: name -> (explicit mantissa bits, smallest normal exponent, largest finite value)
 FORMATS: dict[str, tuple[int, int, float]] = {

@@ -59,6 +59,10 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "RankConsistencyOptions", "compute", "consistency_table", "deviations",
+           "flags", "plot", "readers", "relative_distances", "replay_groups", "severity", "store_units"]
+
+
 NAME, KIND = "rankconsistency", "rank_disagreement"
 COLUMNS = ("tensor", "head", "rank", "n_batches", "n_disagree", "max_rel_diff", "median_rel_diff", "first_record")
 

@@ -80,6 +80,46 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
+__all__ = [
+    "ADVICE",
+    "ANALYSIS",
+    "COLUMNS",
+    "EVALS_THRESH",
+    "EXACT_MAX_DIM",
+    "MAX_SNAPSHOTS",
+    "MIN_EVALS",
+    "MIN_TAIL",
+    "NAME",
+    "NO_FIT",
+    "RANDOMIZED_K",
+    "TOP_MIN_DIM",
+    "TOP_TOL",
+    "WINDOWS",
+    "PowerLawFit",
+    "SpectralAdvice",
+    "SpectralOptions",
+    "Spectrum",
+    "alpha_severity",
+    "block_spectra",
+    "collapse_severity",
+    "compute",
+    "effective_rank",
+    "flags",
+    "growth_severity",
+    "lazy",
+    "matrix_row",
+    "partner_of",
+    "plot",
+    "powerlaw_fit",
+    "role_of",
+    "singular_values",
+    "slab_reductions",
+    "stable_rank",
+    "top_share",
+    "window_sums",
+]
+
+
 NAME = "spectral"
 EXACT_MAX_DIM = 4096       # exact SVD when min(shape) <= this, randomized top-k above
 RANDOMIZED_K = 256

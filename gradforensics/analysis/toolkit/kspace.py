@@ -28,6 +28,11 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 
+__all__ = ["LANCZOS_MIN", "SourceFit", "centred", "consecutive_cosines", "cosines", "debiased_cosine", "fit_sources",
+           "gram_to_cos", "inner", "mean_coefficients", "noise_energy", "record_cosines", "residual_gram", "safe_div",
+           "source_gram", "top_components", "u_statistic_norm2", "window_coefficients", "window_edges", "window_size"]
+
+
 
 # ------------------------------------------------------------- inner products
 def inner(K: np.ndarray, A: np.ndarray, B: np.ndarray | None = None) -> np.ndarray:

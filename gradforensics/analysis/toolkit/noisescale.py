@@ -46,6 +46,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+__all__ = [
+    "BELOW_RESOLUTION",
+    "FIELDS",
+    "Z90",
+    "Parts",
+    "mixture_parts",
+    "noise_estimate",
+    "noise_parts",
+    "robust_z",
+    "summarize",
+]
+
+
 Z90 = 1.6448536269514722
 BELOW_RESOLUTION = "below resolution"
 #: Columns of one estimate, in table order.

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import AnalysisResult, Context
 
+__all__ = ["MAX_GRID_FACTOR", "from_batches", "from_context", "group", "regularize", "series_compute"]
+
+
 MAX_GRID_FACTOR = 20
 
 

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
+__all__ = ["expected_welch", "filtered_ar1_acov", "fit_ar1", "hann", "lag1", "welch_dof"]
+
+
 
 def filtered_ar1_acov(alpha: float, gain: np.ndarray, n_lags: int) -> np.ndarray:
     """Autocovariance, lags ``0..n_lags-1``, of unit-innovation AR(1) noise passed

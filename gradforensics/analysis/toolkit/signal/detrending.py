@@ -24,6 +24,9 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 
+__all__ = ["DETRENDERS", "Detrended", "default_nperseg", "detrend", "log_time_fit", "remove_level_shifts", "winsorize"]
+
+
 DETRENDERS = ("savgol", "diff")
 
 

@@ -44,6 +44,20 @@ from gradforensics.analysis.toolkit.signal.background import expected_welch, fil
 from gradforensics.analysis.toolkit.signal.detrending import DETRENDERS, Detrended, default_nperseg, detrend, winsorize
 from gradforensics.errors import SpecError
 
+__all__ = [
+    "CORRECTIONS",
+    "MIN_POINTS",
+    "LineSpectrum",
+    "Peak",
+    "SpectrumOptions",
+    "adjust_pvalues",
+    "group_harmonics",
+    "line_spectrum",
+    "refine_frequency",
+    "sinusoid_fit",
+]
+
+
 CORRECTIONS = ("bh", "bonferroni")
 MIN_POINTS = 32
 
