@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from gradforensics.reporting.summary import FlagGroup
 
 __all__ = ["DPI", "MAX_HEAD_COLUMNS", "MAX_LAYER_SPAN", "MAX_SEPARATORS", "OTHER", "Overview", "analysis_name",
-           "evidence", "new_figure", "overview", "overview_data", "to_png"]
+           "evidence", "new_figure", "overview", "overview_data", "plain_log_ticks", "to_png"]
 
 
 DPI = 110
@@ -51,8 +51,26 @@ def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
 
 
+def plain_log_ticks(fig: Figure) -> None:
+    """Label every log-scaled axis of *fig* in plain text (``0.1``, ``1e-05``), not mathtext.
+
+    The report draws with ``text.parse_math`` off, so that a name from a store is never
+    parsed as math; matplotlib's default log formatter writes its labels as mathtext
+    (``$\\mathdefault{10^{-1}}$``), which would then print raw.  :class:`~matplotlib.ticker.LogFormatter`
+    labels the same ticks (same rules for minor ticks) as plain strings.
+    """
+    from matplotlib.ticker import LogFormatter
+
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() == "log":
+                axis.set_major_formatter(LogFormatter())
+                axis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+
+
 def to_png(fig: Figure) -> bytes:
-    """PNG bytes of *fig* (Agg canvas; no display needed)."""
+    """PNG bytes of *fig* (Agg canvas; no display needed), log axes labelled in plain text."""
+    plain_log_ticks(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
     return buf.getvalue()
