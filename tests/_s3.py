@@ -6,7 +6,10 @@ standard environment at it (``AWS_ENDPOINT_URL``, fake keys), so s3fs, boto3 and
 any dask worker process started afterwards talk to it like to any S3 service.
 :class:`FaultyProxy` is a loopback HTTP proxy in front of it that answers a
 fixed share of requests with ``503 SlowDown`` instead of forwarding them - what
-a throttling object store does.
+a throttling object store does - and can drop chosen requests (close the
+connection without an answer).  :class:`BlackHoleProxy` is an endpoint that
+never answers: it accepts connections and drops every request, or holds it
+without a byte of reply (a stalled service).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -71,13 +74,19 @@ _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
 
 
 class FaultyProxy:
-    """Forward HTTP requests to *upstream*, answering every *every*-th one with 503 SlowDown."""
+    """Forward HTTP requests to *upstream*, answering every *every*-th one with 503 SlowDown.
 
-    def __init__(self, upstream: str, every: int = 4) -> None:
+    ``every=0``: no 503s.  A request for which ``drop(method, path)`` is true is
+    read and then its connection closed without a response (counted in ``dropped``).
+    """
+
+    def __init__(self, upstream: str, every: int = 4, drop: Callable[[str, str], bool] | None = None) -> None:
         host, port = upstream.removeprefix("http://").split(":")
         self.every = every
+        self.drop = drop
         self.seen = 0
         self.refused = 0
+        self.dropped = 0
         self._lock = threading.Lock()
         proxy = self
 
@@ -89,9 +98,14 @@ class FaultyProxy:
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.drop is not None and proxy.drop(self.command, self.path):
+                    with proxy._lock:
+                        proxy.dropped += 1
+                    self.close_connection = True       # no status line, no byte: the connection just closes
+                    return
                 with proxy._lock:
                     proxy.seen += 1
-                    refuse = proxy.seen % proxy.every == 0
+                    refuse = bool(proxy.every) and proxy.seen % proxy.every == 0
                     proxy.refused += refuse
                 if refuse:
                     self.send_response(503)
@@ -131,3 +145,67 @@ class FaultyProxy:
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class BlackHoleProxy:
+    """An endpoint on loopback that accepts TCP connections and never answers a request.
+
+    ``mode="drop"``: each request is read and its connection closed without a byte
+    of response; ``mode="stall"``: the connection is held open, unanswered, until
+    the proxy exits.  ``requests`` counts the requests (or connections) seen.
+    """
+
+    def __init__(self, mode: str = "drop") -> None:
+        if mode not in ("drop", "stall"):
+            raise ValueError(mode)
+        self.mode = mode
+        self.requests = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._held: list[socket.socket] = []
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            with self._lock:
+                self.requests += 1
+            if self.mode == "stall":
+                self._held.append(conn)       # never read, never answered, closed at exit
+                continue
+            threading.Thread(target=self._drop, args=(conn,), daemon=True).start()
+
+    def _drop(self, conn: socket.socket) -> None:
+        """Read the request head (so that the client has sent it), then close without answering."""
+        conn.settimeout(5)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data:
+                got = conn.recv(65536)
+                if not got:
+                    break
+                data += got
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def __enter__(self) -> BlackHoleProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+        for conn in self._held:
+            conn.close()

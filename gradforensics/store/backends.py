@@ -242,7 +242,7 @@ class ZarrBackend:
     def truncate(self, name: str, n: int) -> None:
         arr = self._array(name)
         if arr.shape[0] != n:
-            arr.resize((n, *arr.shape[1:]))
+            self._io(lambda: arr.resize((n, *arr.shape[1:])))
 
     def names(self) -> list[str]:
         return sorted(_walk_zarr(self._root))

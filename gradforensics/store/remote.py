@@ -21,12 +21,28 @@ Transient failures (connection resets, timeouts, HTTP 5xx, throttling) are
 retried with exponential backoff (:func:`with_retries`); a missing bucket or
 refused credentials is one :class:`~gradforensics.errors.GradforensicsError`
 line (:func:`describe_error`).
+
+An endpoint that keeps failing is given up on in bounded time: each store
+operation has a total deadline (``GRADFORENSICS_REMOTE_DEADLINE_S``, default
+:data:`DEADLINE_S`), no retry is started that would end past it, and the process
+has a retry budget (``GRADFORENSICS_REMOTE_RETRY_BUDGET``, default
+:data:`RETRY_BUDGET`: each retry spends one, each operation that succeeds gives
+back a tenth), so that operations failing one after the other stop retrying once
+it is spent.  One request cannot stall an attempt for long either: the s3://
+defaults bound botocore's connect and read timeouts and its own attempts, and
+s3fs's own retry loop is turned off (:func:`_bounded`), so that one attempt takes
+at most ``(1 + max_attempts) * read_timeout`` and botocore's backoff (about 50 s
+with the defaults: two fit inside the deadline).  Giving up is one
+:class:`~gradforensics.errors.StoreUnreachableError` line naming the URL, the
+attempts and the time they took.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -45,8 +61,20 @@ _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+)://")
 #: attempts of one operation before a transient error is final, and the first backoff in seconds.
 ATTEMPTS = 6
 BACKOFF_S = 0.1
-#: botocore's own retries for s3:// (standard mode: 5xx and throttling, with backoff).
-_S3_DEFAULTS: dict[str, Any] = {"config_kwargs": {"retries": {"max_attempts": 8, "mode": "standard"}}}
+#: the total time in seconds one store operation may take with its retries (``GRADFORENSICS_REMOTE_DEADLINE_S``)
+DEADLINE_S = 120.0
+#: retries one process may make before failures are final at once (``GRADFORENSICS_REMOTE_RETRY_BUDGET``);
+#: each operation that succeeds gives back :data:`_REFUND` of one
+RETRY_BUDGET = 100.0
+_REFUND = 0.1
+#: s3:// requests: botocore's timeouts (s3fs's values) and its own retries (standard mode: 5xx, throttling and
+#: dropped connections; ``max_attempts`` counts the retries after the first request, measured: 2 -> 3 requests,
+#: with backoff of at most 1 s then 2 s), so that one attempt of an operation, at most 3 * 15 s + 3 s, fits
+#: twice inside :data:`DEADLINE_S`.  s3fs's own retry loop (5 tries) is turned off on the instance
+#: (:func:`_bounded`): its tries would multiply botocore's.
+_S3_DEFAULTS: dict[str, Any] = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 15,
+                                                  "retries": {"max_attempts": 2, "mode": "standard"}}}
+_S3FS_RETRIES = 1
 #: default options per scheme (file://: create directories as zarr writes into them)
 _DEFAULTS: dict[str, dict[str, Any]] = {"s3": _S3_DEFAULTS, "s3a": _S3_DEFAULTS, "file": {"auto_mkdir": True}}
 _TRANSIENT_WORDS = ("503", "500", "502", "504", "slowdown", "slow down", "serviceunavailable", "service unavailable",
@@ -71,10 +99,26 @@ def normalize(url: str) -> str:
 
 
 def options_for(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The storage options an open of *url* uses: the scheme's defaults, then *storage_options*."""
-    out: dict[str, Any] = dict(_DEFAULTS.get(scheme(url) or "", {}))
-    out.update(storage_options or {})
+    """The storage options an open of *url* uses: the scheme's defaults, then *storage_options*.
+
+    Nested options merge key by key (``config_kwargs={"read_timeout": 5}`` keeps the
+    default retries); a value given wins over the default.
+    """
+    return _merged(_DEFAULTS.get(scheme(url) or "", {}), storage_options or {})
+
+
+def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: _merged(v, {}) if isinstance(v, Mapping) else v for k, v in base.items()}
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
     return out
+
+
+def _bounded(fs: Any) -> Any:
+    """*fs* with s3fs's own retry loop off (botocore's attempts and :func:`with_retries` retry instead)."""
+    if type(fs).__module__.split(".")[0] == "s3fs" and isinstance(getattr(fs, "retries", None), int):
+        fs.retries = _S3FS_RETRIES
+    return fs
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -119,7 +163,7 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     except (ImportError, ValueError) as exc:
         raise GradforensicsError(f"{url}: no file system for this URL ({exc}); for s3:// install s3fs "
                                  "(pip install 'gradforensics[remote]'), for gs:// gcsfs, for az:// adlfs.") from exc
-    return fs, str(path).rstrip("/")
+    return _bounded(fs), str(path).rstrip("/")
 
 
 def zarr_store(url: str, read_only: bool, storage_options: Mapping[str, Any] | None = None) -> Any:
@@ -127,10 +171,12 @@ def zarr_store(url: str, read_only: bool, storage_options: Mapping[str, Any] | N
     from zarr.storage import FsspecStore
 
     try:
-        return FsspecStore.from_url(normalize(url), storage_options=options_for(url, storage_options),
-                                    read_only=read_only)
+        store = FsspecStore.from_url(normalize(url), storage_options=options_for(url, storage_options),
+                                     read_only=read_only)
     except (ImportError, ValueError, TypeError) as exc:
         raise GradforensicsError(f"{url}: zarr cannot open this URL ({type(exc).__name__}: {exc}).") from exc
+    _bounded(store.fs)
+    return store
 
 
 #: s3fs storage options -> obstore S3 config keys (anything else: the read stays on FsspecStore)
@@ -153,7 +199,6 @@ def read_store(url: str, storage_options: Mapping[str, Any] | None = None) -> An
     ``~/.aws`` profiles), so a setup that works for listing could fail on reads.
     """
     import json
-    import os
 
     opts = options_for(url, storage_options)
     key = (normalize(url), json.dumps(opts, sort_keys=True, default=repr))
@@ -168,7 +213,7 @@ def read_store(url: str, storage_options: Mapping[str, Any] | None = None) -> An
 
 def _obstore_s3(url: str, opts: Mapping[str, Any]) -> Any:
     """zarr ObjectStore over obstore's S3Store for *url*, or None when obstore is missing or *opts* don't map."""
-    import os
+    from datetime import timedelta
 
     try:
         from obstore.store import S3Store
@@ -189,10 +234,20 @@ def _obstore_s3(url: str, opts: Mapping[str, Any]) -> Any:
     config.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
     bucket, _, prefix = normalize(url).split("://", 1)[1].partition("/")
     client: Any = {"allow_http": True} if str(endpoint or "").startswith("http:") else None
+    retry: Any = {"retry_timeout": timedelta(seconds=deadline_s())}     # obstore's own retries end at the deadline too
     try:
-        return ObjectStore(S3Store(bucket, prefix=prefix or None, client_options=client, **config), read_only=True)
+        return ObjectStore(S3Store(bucket, prefix=prefix or None, client_options=client, retry_config=retry,
+                                   **config), read_only=True)
     except (ValueError, TypeError):      # a configuration obstore refuses: read through fsspec instead
         return None
+
+
+#: Exception types (by name, anywhere in the class's ancestry: botocore, aiohttp and s3fs are optional) of a
+#: request that got no usable answer: dropped, timed out, cut short (what s3fs itself retried).
+_TRANSIENT_TYPES = frozenset({"HTTPClientError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+                              "EndpointConnectionError", "IncompleteRead", "ResponseParserError", "FSTimeoutError",
+                              "ClientPayloadError", "ServerDisconnectedError", "ClientConnectorError",
+                              "ClientOSError", "ServerTimeoutError"})
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -201,6 +256,8 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
+    if any(c.__name__ in _TRANSIENT_TYPES for c in type(exc).__mro__):
+        return True
     if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] not in ("aiohttp", "botocore",
                                                                                    "aiobotocore", "urllib3"):
         return False
@@ -208,16 +265,96 @@ def is_transient(exc: BaseException) -> bool:
     return any(w in text for w in _TRANSIENT_WORDS)
 
 
-def with_retries(fn: Callable[[], T], what: str, attempts: int = ATTEMPTS, backoff_s: float = BACKOFF_S) -> T:
-    """``fn()``, retried with exponential backoff (and jitter) while it fails transiently."""
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise SpecError(f"{name}={raw!r}: expected a positive number (e.g. {name}={default:g}).")
+    return value
+
+
+def deadline_s() -> float:
+    """The total time one store operation may take with its retries: ``GRADFORENSICS_REMOTE_DEADLINE_S``."""
+    return _env_seconds("GRADFORENSICS_REMOTE_DEADLINE_S", DEADLINE_S)
+
+
+class _RetryBudget:
+    """The retries this process may still make (a token bucket: a retry spends one, a success refunds a tenth)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spent = 0.0
+
+    def take(self) -> bool:
+        """Spend one retry; False (nothing spent) when the budget is gone."""
+        cap = _env_seconds("GRADFORENSICS_REMOTE_RETRY_BUDGET", RETRY_BUDGET)
+        with self._lock:
+            if self._spent + 1 > cap:
+                return False
+            self._spent += 1
+            return True
+
+    def refund(self) -> None:
+        with self._lock:
+            self._spent = max(0.0, self._spent - _REFUND)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._spent = 0.0
+
+
+_BUDGET = _RetryBudget()
+
+
+def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, backoff_s: float = BACKOFF_S,
+                 deadline: float | None = None) -> T:
+    """``fn()``, retried with exponential backoff (and jitter) while it fails transiently.
+
+    Retrying stops at *attempts* (:data:`ATTEMPTS`), when the next attempt (the backoff, then as long as
+    the last attempt took) would end past *deadline* seconds from the start
+    (:func:`deadline_s` by default), or when the process's retry budget is spent;
+    then the last transient error becomes one
+    :class:`~gradforensics.errors.StoreUnreachableError` naming *what* (the URL).
+    Any other error is raised as it is.
+    """
+    attempts = ATTEMPTS if attempts is None else attempts
+    limit = deadline_s() if deadline is None else deadline
+    start = time.monotonic()
     for i in range(attempts):
+        begun = time.monotonic()
         try:
-            return fn()
+            out = fn()
         except Exception as exc:
-            if i == attempts - 1 or not is_transient(exc):
+            if not is_transient(exc):
                 raise
-            time.sleep(backoff_s * (2 ** i) * (0.5 + random.random()))
+            now = time.monotonic()
+            pause = backoff_s * (2 ** i) * (0.5 + random.random())
+            if i == attempts - 1:
+                why = f"all {attempts} attempts failed"
+            elif now + pause + (now - begun) - start > limit:
+                why = (f"another attempt would pass the deadline of {limit:g} s "
+                       "(GRADFORENSICS_REMOTE_DEADLINE_S)")
+            elif not _BUDGET.take():
+                why = "this process has spent its retry budget (GRADFORENSICS_REMOTE_RETRY_BUDGET)"
+            else:
+                time.sleep(pause)
+                continue
+            raise _gave_up(what, exc, i + 1, now - start, why) from exc
+        _BUDGET.refund()
+        return out
     raise AssertionError(what)   # pragma: no cover  (the loop returns or raises)
+
+
+def _gave_up(what: str, exc: BaseException, tries: int, took: float, why: str) -> StoreUnreachableError:
+    return StoreUnreachableError(
+        f"{what}: the storage service could not be reached: {tries} attempt{'s' if tries > 1 else ''} in "
+        f"{took:.1f} s, {why} (last error: {type(exc).__name__}: {_short(str(exc), 120)}); check the endpoint "
+        "(AWS_ENDPOINT_URL or --storage-option endpoint_url=...), the network and the service's status.")
 
 
 def describe_error(url: str, exc: BaseException) -> GradforensicsError | None:
@@ -252,7 +389,7 @@ def _short(text: str, n: int = 160) -> str:
 
 
 def translated(url: str, fn: Callable[[], T], what: str = "") -> T:
-    """``with_retries(fn)``, a missing bucket or refused credentials turned into one line."""
+    """``with_retries(fn)``, a missing bucket, refused credentials or a service that keeps failing turned into one line."""
     try:
         return with_retries(fn, what or url)
     except GradforensicsError:
@@ -264,8 +401,9 @@ def translated(url: str, fn: Callable[[], T], what: str = "") -> T:
         raise
 
 
-__all__ = ["describe_error", "filesystem", "is_transient", "is_url", "normalize", "options_for", "parse_options",
-           "scheme", "translated", "with_retries", "zarr_store"]
+__all__ = ["ATTEMPTS", "BACKOFF_S", "DEADLINE_S", "RETRY_BUDGET", "deadline_s", "describe_error", "filesystem",
+           "is_transient", "is_url", "normalize", "options_for", "parse_options", "scheme", "translated",
+           "with_retries", "zarr_store"]
 
 
 def clear_url(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None = None) -> None:
