@@ -16,7 +16,7 @@ __all__ = ["CaptureInterrupted", "CheckpointError", "CompareWarning", "CorruptCh
            "LogReadError", "MissingArrayError", "MissingExtraError", "ModelMismatchError", "NotACheckpointError",
            "NotAStoreError", "OfflineError", "PlotBugWarning", "SchemaVersionError", "SpecError", "StoreClosedError",
            "StoreExistsError", "StoreLockedError", "StoreMismatchError", "StorePermissionError", "StoreUnreachableError",
-           "UnsafeNameError", "WhatIfInterrupted", "WriteRefusedError", "refusal"]
+           "Terminated", "UnsafeNameError", "WhatIfInterrupted", "WriteRefusedError", "refusal"]
 
 
 class GradforensicsError(Exception):
@@ -146,6 +146,14 @@ class CaptureInterrupted(KeyboardInterrupt):
 
 class WhatIfInterrupted(KeyboardInterrupt):
     """Ctrl-C during a what-if; ``str()`` says which stores hold which steps."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while a multi-rank recorder is open (torchrun stops every rank when one dies).
+
+    Raised in the main thread, like Ctrl-C, so that the ``with`` block unwinds and
+    the recorder closes: rank 0 then commits every rank's complete records.
+    """
 
 
 # warnings

@@ -141,3 +141,44 @@ def kill_part(rank: int, out: str) -> None:
             if rank == 1 and t == 2:
                 rec.flush()
                 os.kill(os.getpid(), signal.SIGKILL)     # rank 1 dies with 3 records written
+
+
+# ------------------------------------------------------------------ under torchrun (not mp.spawn)
+def ddp_sigterm(out: str) -> None:
+    """DDP under torchrun: rank 1 dies (kill -9) after 3 synced records; rank 0 goes on until torchrun's SIGTERM.
+
+    Rank 0 keeps recording local micro-batches under ``no_sync()`` (no collective
+    to fail on), so what stops it is torchrun's SIGTERM; after each ``record()``
+    returns it writes how many have returned to ``returned<rank>``.
+    """
+    import time
+    from pathlib import Path
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    ddp = DDP(tiny())
+    returned = Path(out) / f"returned{rank}"
+    with gf.Recorder(f"{out}/ddp_term.zarr", model=ddp, sources=["a"], tensors=["0.weight"]) as rec:
+        for t in range(3000):
+            ddp.zero_grad()
+            if t < 3:
+                loss_of(ddp, batch(rank, t)).backward()       # synced: both ranks take part
+            else:
+                with ddp.no_sync():                           # local: rank 0 runs on alone
+                    loss_of(ddp, batch(rank, t)).backward()
+            rec.record(step=t, loss=float(rank), source="a", n_samples=5)
+            (returned.parent / f".{returned.name}").write_text(str(t + 1))
+            os.replace(returned.parent / f".{returned.name}", returned)
+            if rank == 1 and t == 2:
+                rec.flush()
+                os.kill(os.getpid(), signal.SIGKILL)         # rank 1 dies with 3 records written
+            time.sleep(0.01)
+
+
+if __name__ == "__main__":    # python -m torch.distributed.run --nproc-per-node 2 _multirank_workers.py NAME OUT
+    import sys
+
+    {"ddp_sigterm": ddp_sigterm}[sys.argv[1]](sys.argv[2])

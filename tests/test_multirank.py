@@ -232,3 +232,129 @@ def test_torchrun_capture_end_to_end(tmp_path: Path, llama_dir: Path, files: dic
     assert sorted(store.batches()["rank"].tolist()) == [0, 0, 1, 1]
     findings = gf.analyze(check, only=["rankconsistency"], progress=False)
     assert not findings.flags and (findings.table("rankconsistency")["max_rel_diff"] == 0).all()
+
+
+# ------------------------------------------------------------------ a killed rank under torchrun, a refused job
+def _torchrun(*args: str, log_dir: Path | None = None) -> list[str]:
+    import sys
+
+    logs = ["--log-dir", str(log_dir), "--redirects", "3"] if log_dir is not None else []
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+            *logs, *args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "GRADFORENSICS_RANK_WAIT_S": "60"}
+
+
+def _marker(out: Path, rank: int) -> dict[str, Any] | None:
+    from gradforensics.store.ranks import read_marker
+
+    return read_marker(str(out), rank)
+
+
+def _on_disk(out: Path, rank: int) -> int:
+    """Records of *rank* (of 2) whose last array's chunk is on disk (global index i * 2 + rank, before compaction)."""
+    c = out / "sketch" / "model.layers.0.mlp.down_proj.weight" / "c"
+    return sum(1 for f in c.iterdir() if f.name.isdigit() and int(f.name) % 2 == rank) if c.is_dir() else 0
+
+
+def _wait(what: Any, proc: Any, timeout: float = 180.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = what()
+        if got:
+            return got
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"torchrun ended (rc {proc.returncode}) or timed out before the test's signal: {err[-3000:]}")
+        time.sleep(0.02)
+
+
+def test_torchrun_check_ranks_rank_killed_keeps_the_survivors_records(
+        tmp_path: Path, llama_dir: Path, files: dict[str, Path]) -> None:  # noqa: F811
+    """Rank 1 of ``capture --check-ranks`` frozen, rank 0 let run ahead, rank 1 killed: torchrun SIGTERMs rank 0,
+    which closes the store and commits every record of both ranks that is on disk."""
+    import subprocess
+
+    out = tmp_path / "killed.zarr"
+    tensor = "model.layers.0.mlp.down_proj.weight"
+    cmd = _torchrun("-m", "gradforensics", "capture", str(llama_dir), "--data", f"en={files['en']}", "--data",
+                    f"zh={files['zh']}", "--out", str(out), "--batches-per-source", "40", "--batch-size", "2",
+                    "--seq-len", "16", "--tensors", tensor, "--sketch", "32", "--check-ranks", "--quiet")
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    m = _wait(lambda: (lambda m: m if m and m["records"] >= 2 else None)(_marker(out, 1)), proc)
+    os.kill(m["pid"], signal.SIGSTOP)               # rank 1 frozen ...
+    time.sleep(0.2)
+    c1 = _marker(out, 1)["records"]                 # ... its count final (a marker follows its chunks)
+    _wait(lambda: _on_disk(out, 0) >= c1 + 4, proc)    # rank 0 runs ahead, past the old prefix commit (c1 + 1)
+    at_kill = _on_disk(out, 0)
+    os.kill(m["pid"], signal.SIGKILL)               # ... and killed: torchrun sends SIGTERM to rank 0
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    store = gf.open_store(out)
+    ranks = store.meta.ranks
+    assert ranks["completed"] == [0] and ranks["records"][1] == c1
+    c0 = ranks["records"][0]
+    # rank 0 loses at most its record in flight: every record it had on disk at the kill is kept (and later ones)
+    assert c0 >= at_kill - 1 >= c1 + 3, (c0, at_kill, c1)
+    assert store.n_records == c0 + c1
+    assert f"terminated (SIGTERM); {out} holds the {c0 + c1} records" in err, err[-2000:]
+    b = store.batches()
+    r = b["rank"]
+    assert int((r == 0).sum()) == c0 and int((r == 1).sum()) == c1
+    # --check-ranks: record i of every rank is batch i of the round-robin (en, zh, en, ...), the same batch
+    src = b["mixture"].argmax(axis=1)
+    for q, c in ((0, c0), (1, c1)):
+        assert src[r == q].tolist() == [i % 2 for i in range(c)]
+    np.testing.assert_array_equal(b["loss"][r == 1], b["loss"][r == 0][:c1])
+    assert np.isfinite(store.sketch(tensor).compute()).all()
+    findings = gf.analyze(out, progress=False)     # the default pass runs on it
+    table = findings.table("rankconsistency")
+    assert (table["max_rel_diff"] == 0).all() and not [f for f in findings.flags if f.kind == "rank_disagreement"]
+
+
+def test_torchrun_ddp_rank_killed_keeps_the_survivors_records(tmp_path: Path) -> None:
+    """DDP under torchrun: rank 1 kill -9'd after 3 records, rank 0 stopped by torchrun's SIGTERM mid-run."""
+    import subprocess
+
+    workers = Path(__file__).with_name("_multirank_workers.py")
+    proc = subprocess.run(_torchrun(str(workers), "ddp_sigterm", str(tmp_path)), env=_env(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode != 0
+    store = gf.open_store(tmp_path / "ddp_term.zarr")
+    returned = int((tmp_path / "returned0").read_text())
+    ranks = store.meta.ranks
+    assert ranks["completed"] == [0] and ranks["records"][1] == 3
+    c0 = ranks["records"][0]
+    assert returned <= c0 <= returned + 1, (returned, c0)      # at most the record() SIGTERM cut short
+    assert c0 > 3 and store.n_records == c0 + 3
+    b = store.batches()
+    assert b["step"][b["rank"] == 0].tolist() == list(range(c0))
+    assert b["step"][b["rank"] == 1].tolist() == [0, 1, 2]
+    np.testing.assert_array_equal(b["loss"], b["rank"].astype(np.float32))    # each row moved whole
+    gf.analyze(tmp_path / "ddp_term.zarr", progress=False)
+
+
+def test_torchrun_capture_refused_by_a_locked_store_says_one_line_on_every_rank(
+        tmp_path: Path, llama_dir: Path, files: dict[str, Path]) -> None:  # noqa: F811
+    """A second job on a store being written: rank 0's StoreLockedError reaches rank 1 (no barrier traceback)."""
+    import subprocess
+
+    from gradforensics.store.lock import StoreLock
+
+    out, logs = tmp_path / "busy.zarr", tmp_path / "logs"
+    cmd = _torchrun("-m", "gradforensics", "capture", str(llama_dir), "--data", f"en={files['en']}", "--out",
+                    str(out), "--batches-per-source", "1", "--batch-size", "2", "--seq-len", "16", "--tensors",
+                    "model.layers.0.mlp.down_proj.weight", "--check-ranks", "--quiet", log_dir=logs)
+    with StoreLock(str(out)):                       # the first job's writer, as far as the lock can tell
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    per_rank = sorted(logs.glob("**/attempt_0/*/stderr.log"))
+    assert [p.parent.name for p in per_rank] == ["0", "1"]
+    for p in per_rank:
+        text = p.read_text()
+        assert text.count("\n") == 1 and "Traceback" not in text, text[-2000:]
+        assert text.startswith(f"gradforensics capture: error: {out} is being written by another process")
+    assert not out.exists()

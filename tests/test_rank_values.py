@@ -3,6 +3,9 @@
 * a rank outside ``0 .. world_size - 1`` of the root ``ranks`` field, or a negative
   one, is one :class:`CorruptStoreError` line when the batches are read (and one
   error line from every verb that reads them);
+* the root ``ranks`` field's counts agree with ``n_records`` (their sum once rank 0
+  has closed the store, their longest prefix before), or the store is refused at
+  open with one line naming both numbers;
 * :mod:`~gradforensics.analysis.kinds.rankconsistency` iterates the store's tensors,
   so it finds the planted rank in the long-history regime too (``ctx.grams`` is
   empty there).
@@ -18,7 +21,9 @@ from _hostile import assert_error_line, edit_root_meta, run_cli
 
 import gradforensics as gf
 from gradforensics.errors import CorruptStoreError
+from gradforensics.store.backends import open_backend
 from gradforensics.store.reader import Store
+from gradforensics.store.schema import ROOT_ATTR
 from tests.test_rankconsistency import replicated_store
 
 WORLD = 4
@@ -39,7 +44,7 @@ def test_ranks_inside_the_world_are_read(tmp_path: Path) -> None:
 
 def test_rank_beyond_world_size_is_one_line(tmp_path: Path) -> None:
     p = replicated_store(tmp_path / "big.zarr", 0, world=WORLD, bad_rank=None)
-    _declare_ranks(p, WORLD - 1)                  # records of rank 3 in a store of world size 3
+    _declare_ranks(p, WORLD - 1, per_rank=4)      # records of rank 3 in a store of world size 3 (12 = 3 x 4)
     with pytest.raises(CorruptStoreError) as e:
         Store(p).batches()
     msg = str(e.value)
@@ -47,6 +52,43 @@ def test_rank_beyond_world_size_is_one_line(tmp_path: Path) -> None:
     assert "3 record(s) out of range" in msg         # one record of rank 3 per replayed batch
     line = assert_error_line(run_cli(["analyze", str(p), "--only", "rankconsistency", "--out", str(tmp_path / "r")]))
     assert "batches/rank" in line
+
+
+def _set_ranks(path: Path, ranks: dict[str, object]) -> None:
+    """Edit the root ``ranks`` field through the store's own backend."""
+    backend = open_backend(path, "a")
+    try:
+        meta = dict(backend.root_attrs()[ROOT_ATTR])
+        backend.set_root_attr(ROOT_ATTR, {**meta, "ranks": ranks})
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize(("completed", "records", "want"), [
+    ([0, 1, 2, 3], [3, 3, 3, 1000], 1009),      # the sum, once rank 0 closed the store
+    ([0, 1, 2, 3], [3, 3, 3, 2], 11),
+    ([], [3, 3, 3, 2], 11),                       # the longest prefix, while the ranks write: min(12, 13, 14, 11)
+    ([], [30, 30, 30, 30], 120),
+])
+def test_rank_counts_that_disagree_with_n_records_are_refused_at_open(
+        tmp_path: Path, completed: list[int], records: list[int], want: int) -> None:
+    p = replicated_store(tmp_path / "counts.zarr", 0, world=WORLD, bad_rank=None)    # 12 records
+    _set_ranks(p, {"world_size": WORLD, "completed": completed, "records": records})
+    with pytest.raises(CorruptStoreError) as e:
+        Store(p)
+    msg = str(e.value)
+    assert "\n" not in msg and "field 'ranks' commits" in msg and f"commits {want} records" in msg
+    assert "field 'n_records' is 12" in msg and str(records) in msg
+    for verb in (["inspect", str(p)], ["analyze", str(p), "--out", str(tmp_path / "r")]):
+        assert "field 'ranks'" in assert_error_line(run_cli(verb))
+
+
+@pytest.mark.parametrize(("completed", "records"), [([0, 1, 2, 3], [3, 3, 3, 3]), ([0, 2, 3], [4, 1, 4, 3]),
+                                                     ([], [3, 3, 3, 3]), ([], [3, 3, 3, 5])])
+def test_rank_counts_that_agree_with_n_records_open(tmp_path: Path, completed: list[int], records: list[int]) -> None:
+    p = replicated_store(tmp_path / "counts.zarr", 0, world=WORLD, bad_rank=None)
+    _set_ranks(p, {"world_size": WORLD, "completed": completed, "records": records})
+    assert Store(p).n_records == 12 and Store(p).meta.ranks["records"] == records
 
 
 def test_negative_rank_is_one_line(tmp_path: Path) -> None:

@@ -75,7 +75,16 @@ class Context:
     def plan(self) -> RankPlan:
         import torch.distributed as dist
 
-        return RankPlan(self.rank, self.world, barrier=dist.barrier, kind=self.kind)
+        return RankPlan(self.rank, self.world, barrier=dist.barrier, share=_from_rank0, kind=self.kind)
+
+
+def _from_rank0(word: Any) -> Any:
+    """Rank 0's *word* on every rank (a broadcast; the others' *word* is ignored)."""
+    import torch.distributed as dist
+
+    box = [word]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def context(model: nn.Module) -> Context | None:

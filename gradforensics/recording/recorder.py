@@ -26,7 +26,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError
+from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError, Terminated
 from gradforensics.recording.actstats import ActRange, act_stats, make_range
 from gradforensics.recording.heads import match_heads
 from gradforensics.recording.sketch import Sketcher
@@ -34,7 +34,7 @@ from gradforensics.store.backends import locate
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.names import check_name
-from gradforensics.store.ranks import RankPlan, rank_writer
+from gradforensics.store.ranks import RankPlan, TermGuard, rank_writer
 from gradforensics.store.schema import (
     act_path,
     batch_path,
@@ -153,7 +153,11 @@ class ArrayRecorder:
         input of the ``rankconsistency`` analysis).
     ranks
         This rank's :class:`~gradforensics.store.ranks.RankPlan` in a multi-rank
-        capture (the PyTorch recorder sets it under ``torch.distributed``).
+        capture (the PyTorch recorder sets it under ``torch.distributed``).  While
+        such a recorder is open, SIGTERM (torchrun stopping the ranks when one
+        died) raises :class:`~gradforensics.errors.Terminated` in the main thread,
+        so that leaving ``with`` closes the store and rank 0 commits every rank's
+        complete records (:class:`~gradforensics.store.ranks.TermGuard`).
     storage_options
         For *path* an fsspec URL (``s3://bucket/dump.zarr``): options of its file
         system (credentials, ``endpoint_url``, ...); default: the environment.
@@ -206,8 +210,11 @@ class ArrayRecorder:
         self.location = locate(path, storage_options)
         self.path = self.location.path
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
+        self._term: TermGuard | None = None
         if self.ranks is not None:   # collective: rank 0 creates the store, the others join it
-            self._writer = rank_writer(self.location, meta, self.ranks, overwrite=overwrite, policy=layout)
+            writer = rank_writer(self.location, meta, self.ranks, overwrite=overwrite, policy=layout)
+            self._writer: StoreWriter = writer
+            self._term = TermGuard(on_signal=writer.hurry)   # SIGTERM closes the store: rank 0 commits
         else:
             self._writer = StoreWriter(self.location, meta, overwrite=overwrite, records_per_chunk=records_per_chunk,
                                        policy=layout)
@@ -310,7 +317,14 @@ class ArrayRecorder:
         self._writer.flush()
 
     def close(self) -> None:
-        """Flush and close.  Safe to call twice; re-raises a writer-thread error."""
+        """Flush and close.  Safe to call twice; re-raises a writer-thread error.
+
+        Under many ranks, a SIGTERM that arrives while closing is held until the
+        store is closed, then raised (:class:`~gradforensics.errors.Terminated`).
+        """
+        term = self._term
+        if term is not None:
+            term.closing = True      # first: a SIGTERM from here on must not cut the close short
         if self._closed:
             return
         self._closed = True
@@ -319,8 +333,14 @@ class ArrayRecorder:
                 self._queue.put(None)
                 self._thread.join()
         finally:
-            self._writer.close()
+            try:
+                self._writer.close()
+            finally:
+                if term is not None:
+                    term.restore()
         self._raise_if_failed()
+        if term is not None and term.pending:
+            raise Terminated("SIGTERM")
 
     # ------------------------------------------------------ caller-side work
     def _mixture(self, source: str | None, mixture: Mapping[str, float] | None) -> np.ndarray:

@@ -340,8 +340,12 @@ class TorchRecorder(ArrayRecorder):
 
     def close(self) -> None:
         """Remove the hooks, then flush and close the store."""
-        self.remove_hooks()
-        super().close()
+        if self._term is not None:
+            self._term.closing = True    # a SIGTERM now is held until the store is closed
+        try:
+            self.remove_hooks()
+        finally:
+            super().close()
 
     def remove_hooks(self) -> None:
         """Remove every forward hook (and DDP gradient hook) this recorder registered (idempotent)."""

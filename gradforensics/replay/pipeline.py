@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.errors import CaptureInterrupted, GradforensicsError, SpecError
+from gradforensics.errors import CaptureInterrupted, GradforensicsError, SpecError, Terminated
 from gradforensics.replay.plan import (
     BatchSpec,
     ModelSpec,
@@ -216,8 +216,9 @@ def capture_checkpoint(checkpoint: str | os.PathLike[str], data: Mapping[str, An
     try:
         return _run(checkpoint, sources, where, b, r, m, storage_options=storage_options, force=force, quiet=quiet,
                     threads=n_threads, launch=launch, check_ranks=check_ranks)
-    except KeyboardInterrupt:
-        raise CaptureInterrupted(interrupted(where)) from None
+    except KeyboardInterrupt as exc:     # Ctrl-C, or SIGTERM under torchrun (a rank died): the store is closed
+        raise CaptureInterrupted(interrupted(where, isinstance(exc, Terminated),
+                                             0 if launch is None else launch.rank)) from None
 
 
 def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, batches: BatchSpec,
@@ -259,13 +260,20 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
     return Captured(store, where, ckpt.loss_name, tuple(s.name for s in sources))
 
 
-def interrupted(where: Any) -> str:
-    """``interrupted; <out> holds the N records written before it.`` (or that none was written)."""
+def interrupted(where: Any, terminated: bool = False, rank: int = 0) -> str:
+    """``interrupted; <out> holds the N records written before it.`` (or that none was written).
+
+    *terminated*: SIGTERM rather than Ctrl-C.  A rank other than 0 does not
+    commit (rank 0 does, from every rank's marker), so it says only that.
+    """
     from gradforensics.store.reader import open_store
 
+    what = "terminated (SIGTERM)" if terminated else "interrupted"
+    if rank:
+        return f"rank {rank}: {what}; rank 0 commits the records every rank wrote to {where}."
     try:
         n = open_store(where).n_records if store_exists(where) else 0
     except GradforensicsError:
         n = 0
     held = f"{where} holds the {n} records written before it" if n else "no record was written"
-    return f"interrupted; {held}."
+    return f"{what}; {held}."

@@ -21,15 +21,30 @@ Zarr store at the same time, without a lock on the data:
   root attribute: world size, ranks that completed, records per rank.
 
 A rank killed with ``kill -9`` therefore loses only its records in flight; the
-other ranks' records, before and after, are kept.  HDF5 (one writer per file) is
-refused under many ranks.
+other ranks' records, before and after, are kept.  A launcher that answers a dead
+rank by sending SIGTERM to the others (torchrun) is met by :class:`TermGuard`: while
+a multi-rank recorder is open, SIGTERM raises :class:`~gradforensics.errors.Terminated`
+in the main thread, the recorder closes, and rank 0 waits at most
+:data:`TERM_WAIT_S` for the others before it commits.  A record is *complete* when
+the rank that owns it says so: rank 0 for its own, rank ``q``'s marker count for
+rank ``q``'s (the marker is written after the chunks); every complete record is
+committed, whatever the other ranks reached.
+
+At open rank 0 tells every rank whether it created the store (:attr:`RankPlan.share`,
+a broadcast): a refusal (the store locked by another job, ...) is raised on every
+rank as the same one-line error, instead of leaving the others at a barrier.
+HDF5 (one writer per file) is refused under many ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -38,34 +53,42 @@ from typing import Any
 
 import numpy as np
 
-from gradforensics.errors import SpecError, StoreMismatchError
+from gradforensics.errors import GradforensicsError, SpecError, StoreMismatchError, Terminated
 from gradforensics.store.backends import backend_kind, open_backend
 from gradforensics.store.layout import chunk_shape
 from gradforensics.store.location import Location
-from gradforensics.store.schema import ROOT_ATTR, StoreMeta
+from gradforensics.store.schema import ROOT_ATTR, StoreMeta, committed_prefix
 from gradforensics.store.writer import WEIGHT_RECORD, Row, StoreWriter
 
-__all__ = ["DEFAULT_WAIT_S", "MARKERS", "RankPlan", "alive", "check_backend", "committed_prefix", "compaction_moves",
-           "counts", "ensure_markers_group", "rank_writer", "read_marker", "row_view", "wait_for_array", "write_marker"]
+__all__ = ["DEFAULT_WAIT_S", "MARKERS", "TERM_WAIT_S", "RankPlan", "TermGuard", "alive", "check_backend",
+           "committed_prefix", "compaction_moves", "counts", "ensure_markers_group", "rank_writer", "read_marker",
+           "row_view", "wait_for_array", "write_marker"]
 
 
 MARKERS = "ranks"
 #: Seconds rank 0 waits at close for the other ranks to close (or die) before it commits without them
 #: (``GRADFORENSICS_RANK_WAIT_S`` overrides it).
 DEFAULT_WAIT_S = float(os.environ.get("GRADFORENSICS_RANK_WAIT_S", "600"))
+#: After SIGTERM, rank 0's wait is at most this long: torchrun kills a rank 30 s after its SIGTERM.
+TERM_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
 class RankPlan:
     """This process's place in a multi-rank capture.
 
-    ``barrier`` is a collective every rank calls at open (rank 0 creates the
-    store first); ``wait_s`` bounds rank 0's wait for the other ranks at close.
+    ``share`` is a collective every rank calls once at open: rank 0 passes what
+    came of creating the store (``None``, or the error it raises) and every rank
+    gets it back (a broadcast from rank 0), so the others open the store after it
+    exists, or raise rank 0's error.  ``barrier`` is a plain collective (after
+    close, in :func:`gradforensics.replay.replay`); ``wait_s`` bounds rank 0's wait
+    for the other ranks at close.
     """
 
     rank: int
     world: int
     barrier: Callable[[], None] = field(default=lambda: None, compare=False, repr=False)
+    share: Callable[[Any], Any] = field(default=lambda word: word, compare=False, repr=False)
     wait_s: float = DEFAULT_WAIT_S
     kind: str = "local"
 
@@ -144,12 +167,6 @@ def counts(path: str, plan: RankPlan, own: int) -> list[int]:
 
 
 # ------------------------------------------------------------------ layout
-def committed_prefix(per_rank: list[int]) -> int:
-    """Longest prefix of global indices that are all written: ``min_q(c_q * R + q)``."""
-    world = len(per_rank)
-    return min(c * world + q for q, c in enumerate(per_rank))
-
-
 def compaction_moves(per_rank: list[int]) -> list[tuple[int, int]]:
     """``(from, to)`` global indices that close the holes left by ranks with fewer records.
 
@@ -194,6 +211,59 @@ def wait_for_array(root: Any, name: str, wait_s: float) -> Any:
             delay = min(delay * 2, 0.2)
 
 
+# ------------------------------------------------------------------ SIGTERM
+class TermGuard:
+    """SIGTERM as :class:`~gradforensics.errors.Terminated` in the main thread while a multi-rank recorder is open.
+
+    torchrun answers a dead rank by sending SIGTERM to the others; by default they
+    die where they stand, and rank 0 never commits the records they wrote.  The
+    handler raises once, so the ``with`` block unwinds and the recorder closes;
+    *on_signal* runs first (rank 0 bounds its wait for the other ranks).  A SIGTERM
+    that arrives while the recorder closes is held (:attr:`pending`) and raised
+    by the recorder once the store is committed.  Installed only from the main
+    thread over the default action (a program's own SIGTERM handler is left alone);
+    :meth:`restore` puts the default back.
+    """
+
+    def __init__(self, on_signal: Callable[[], None] = lambda: None) -> None:
+        self.on_signal = on_signal
+        self.received = False
+        self.raised = False
+        #: set by the recorder when it starts to close: from then on a SIGTERM is held, not raised
+        self.closing = False
+        self.installed = (threading.current_thread() is threading.main_thread()
+                          and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+        if self.installed:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+        self.on_signal()
+        if not (self.closing or self.raised):
+            self.raised = True
+            raise Terminated("SIGTERM")
+
+    @property
+    def pending(self) -> bool:
+        """A SIGTERM arrived and was not raised (it came while the recorder closed)."""
+        return self.received and not self.raised
+
+    def restore(self) -> None:
+        if self.installed and signal.getsignal(signal.SIGTERM) == self._handle:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.installed = False
+
+
+def _word(exc: BaseException, path: str) -> BaseException:
+    """Rank 0's failure at open as the other ranks raise it: the same exception when it pickles, else one line."""
+    if isinstance(exc, GradforensicsError | OSError):
+        try:
+            return pickle.loads(pickle.dumps(exc))     # what the broadcast does with it
+        except Exception:      # an exception that does not pickle: its line below
+            pass
+    return GradforensicsError(f"{path}: rank 0 could not create the store ({type(exc).__name__}: {exc}).")
+
+
 # ------------------------------------------------------------------ the writer
 class _NoLock:
     """Ranks other than 0 write under rank 0's lock."""
@@ -208,12 +278,12 @@ class _NoLock:
         pass
 
 
-def rank_writer(path: str | Location, meta: StoreMeta, plan: RankPlan, **kwargs: Any) -> StoreWriter:
+def rank_writer(path: str | Location, meta: StoreMeta, plan: RankPlan, **kwargs: Any) -> _RankWriter:
     """A :class:`~gradforensics.store.writer.StoreWriter` for one rank of a multi-rank capture.
 
     Collective: every rank calls it (rank 0 creates the store, the others open it
-    after a barrier).  ``records_per_chunk`` is 1: a chunk holds one record, so
-    one rank owns it.
+    once rank 0 has said so, or raise rank 0's error).  ``records_per_chunk`` is 1:
+    a chunk holds one record, so one rank owns it.
     """
     check_backend(str(path), backend_kind(path))
     kwargs["records_per_chunk"] = 1
@@ -229,17 +299,30 @@ class _RankWriter(StoreWriter):
         self._per_rank: list[int] = [0] * plan.world
         self._rows_on_disk = 0
         self._arrays: dict[str, Any] = {}
-        super().__init__(path, meta, **kwargs)
-        if plan.rank == 0:
+        if plan.rank:
+            super().__init__(path, meta, **kwargs)      # _open waits for rank 0's word
+            return
+        try:
+            super().__init__(path, meta, **kwargs)
             ensure_markers_group(self.path)
-            plan.barrier()            # the store exists: the other ranks may open it
+        except BaseException as exc:    # refused (locked by another job, ...): every rank raises it, none waits
+            with contextlib.suppress(Exception):   # the other ranks are gone: rank 0's own error is raised
+                plan.share(_word(exc, str(path)))
+            raise
+        plan.share(None)                # the store exists: the other ranks may open it
 
     # ---------------------------------------------------------------- opening
     def _open(self, overwrite: bool) -> tuple[Any, Any]:
         if self.plan.rank == 0:
             return super()._open(overwrite)
-        self.plan.barrier()           # wait for rank 0 to create the store
+        word = self.plan.share(None)  # wait for rank 0 to create the store, or to say why it could not
+        if isinstance(word, BaseException):
+            raise word
         return _NoLock(), open_backend(self.location, "a")
+
+    def hurry(self) -> None:
+        """SIGTERM: rank 0 waits at most :data:`TERM_WAIT_S` for the other ranks at close (from its start)."""
+        self.plan = replace(self.plan, wait_s=min(self.plan.wait_s, TERM_WAIT_S))
 
     def _create(self, name: str, row: Row, r: int) -> None:
         data = row.data
@@ -335,11 +418,11 @@ class _RankWriter(StoreWriter):
 
     def _finish(self) -> None:
         """Rank 0: wait for the other ranks, close the holes, commit every complete record."""
-        deadline = time.monotonic() + self.plan.wait_s
+        start = time.monotonic()
         while True:
             markers = {q: read_marker(self.path, q) for q in range(1, self.plan.world)}
             waiting = [q for q, m in markers.items() if not (m and m.get("done")) and alive(m)]
-            if not waiting or time.monotonic() > deadline:
+            if not waiting or time.monotonic() > start + self.plan.wait_s:    # hurry() may shorten it meanwhile
                 break
             time.sleep(0.05)
         self._ranks_done = [0, *[q for q, m in markers.items() if m and m.get("done")]]

@@ -27,6 +27,7 @@ __all__ = [
     "StoreMeta",
     "act_path",
     "batch_path",
+    "committed_prefix",
     "decode_bf16",
     "encode_bf16",
     "grad_path",
@@ -151,17 +152,34 @@ def parse_root_attrs(path: str, attrs: Any) -> StoreMeta:
     mode = get("mode", str, "training")
     if mode not in MODES:
         raise get.error("mode", f"one of {MODES}")
+    n_records = get.count("n_records", 0)
     return StoreMeta(
         sources=tuple(sources), mode=mode,
-        n_records=get.count("n_records", 0), n_weights=get.count("n_weights", 0),
+        n_records=n_records, n_weights=get.count("n_weights", 0),
         framework=get("framework", str, ""), model=get("model", dict, {}), created=get("created", str, ""),
         records_per_chunk=max(get.count("records_per_chunk", 1), 1), extra=get("extra", dict, {}),
-        ranks=_ranks(get),
+        ranks=_ranks(get, n_records),
     )
 
 
-def _ranks(get: _FieldReader) -> dict[str, Any]:
-    """The optional ``ranks`` field of a multi-rank store, checked: world size, completed ranks, counts."""
+def committed_prefix(per_rank: list[int]) -> int:
+    """Longest prefix of global indices that are all written: ``min_q(c_q * R + q)``.
+
+    Rank ``q`` of ``R`` writes its ``i``-th record at index ``i * R + q``
+    (:mod:`gradforensics.store.ranks`).
+    """
+    world = len(per_rank)
+    return min(c * world + q for q, c in enumerate(per_rank))
+
+
+def _ranks(get: _FieldReader, n_records: int) -> dict[str, Any]:
+    """The optional ``ranks`` field of a multi-rank store, checked: world size, completed ranks, counts.
+
+    The counts agree with ``n_records``: once rank 0 has closed the store
+    (``completed`` lists it) every rank's records are committed, ``n_records ==
+    sum(records)``; before (a commit while the ranks write, or rank 0 died) the
+    committed records are the longest prefix, ``n_records == committed_prefix(records)``.
+    """
     ranks = get("ranks", dict, {})
     if not ranks:
         return {}
@@ -171,6 +189,13 @@ def _ranks(get: _FieldReader) -> dict[str, Any]:
           and all(type(n) is int and n >= 0 for n in recs))
     if not ok:
         raise get.error("ranks", "{'world_size': R, 'completed': [ranks in 0..R-1], 'records': [R counts]}")
+    closed = bool(done)
+    want = sum(recs) if closed else committed_prefix(recs)
+    if n_records != want:
+        how = (f"the sum of ranks.records {recs} (rank 0 closed the store: completed {done})" if closed else
+               f"the longest prefix of ranks.records {recs} (no rank completed: min over q of records[q]*{world}+q)")
+        raise CorruptStoreError(f"{get.path}: root attribute '{ROOT_ATTR}' field 'ranks' commits {want} records, "
+                                f"{how}, but field 'n_records' is {n_records}. The store's metadata is damaged.")
     return dict(ranks)
 
 
