@@ -40,13 +40,15 @@ from gradforensics.errors import StoreLockedError
 from gradforensics.store import remote
 from gradforensics.store.location import Location
 
-__all__ = ["LEASE_SECONDS", "Holder", "RemoteLock", "StoreLock", "lock_path"]
+__all__ = ["LEASE_SECONDS", "WRITING", "Holder", "RemoteLock", "StoreLock", "lock_path"]
 
 
 #: Seconds without a heartbeat after which a lock that cannot be checked by flock is stale
 #: (``GRADFORENSICS_LOCK_LEASE_S`` sets it: shorter for writers that must fail over quickly).
 LEASE_SECONDS = float(os.environ.get("GRADFORENSICS_LOCK_LEASE_S", "900"))
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+#: what a lock's holder may be writing (said when a stale lock is taken over)
+WRITING = ("records", "analysis results")
 
 
 def lock_path(store_path: str) -> str:
@@ -62,14 +64,24 @@ class Holder:
     pid: int
     started: float
     lease_s: float
+    #: what the holder was writing: ``"records"`` (a capture) or ``"analysis results"`` (an analyze)
+    writing: str = "records"
 
     @classmethod
     def parse(cls, raw: bytes) -> Holder | None:
         try:
             d = json.loads(raw.decode())
-            return cls(str(d["host"]), int(d["pid"]), float(d["started"]), float(d["lease_s"]))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            writing = d.get("writing", "records")
+            return cls(str(d["host"]), int(d["pid"]), float(d["started"]), float(d["lease_s"]),
+                       writing if writing in WRITING else "records")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
             return None
+
+    def lost(self) -> str:
+        """What a takeover of this holder's lock cost, in words."""
+        if self.writing == "analysis results":
+            return "its unfinished analysis results are discarded, the committed ones are kept"
+        return "its records in flight were lost, committed records are kept"
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -92,14 +104,16 @@ class StoreLock:
     """The exclusive writer lock of one store; ``acquire()`` or :class:`StoreLockedError`."""
 
     def __init__(self, store_path: str | Location, lease_s: float = LEASE_SECONDS,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, *, writing: str = "records") -> None:
         if isinstance(store_path, Location):     # the store's own options reach its lock
             storage_options = {**store_path.storage_options, **(storage_options or {})}
             store_path = store_path.path
         self.store_path = store_path
         self.lease_s = lease_s
+        self.writing = writing
         self._fd: int | None = None
-        self._remote = RemoteLock(store_path, lease_s, storage_options) if remote.is_url(store_path) else None
+        self._remote = RemoteLock(store_path, lease_s, storage_options, writing=writing) \
+            if remote.is_url(store_path) else None
         self.path = self._remote.url if self._remote else lock_path(store_path)
 
     def acquire(self) -> StoreLock:
@@ -120,7 +134,7 @@ class StoreLock:
             self._write_holder()
             if isinstance(old, Holder):
                 warnings.warn(f"{self.store_path}: took over a stale writer lock ({old.describe()}); "
-                              "its records in flight were lost, committed records are kept.", stacklevel=4)
+                              f"{old.lost()}.", stacklevel=4)
             return self
         raise StoreLockedError(f"{self.store_path}: the lock file {self.path} keeps being replaced; "
                                "another writer is starting here.")
@@ -162,7 +176,7 @@ class StoreLock:
     def _write_holder(self) -> None:
         assert self._fd is not None
         doc = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "lease_s": self.lease_s,
-               "store": os.path.basename(self.store_path)}
+               "store": os.path.basename(self.store_path), "writing": self.writing}
         data = json.dumps(doc).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
@@ -216,7 +230,8 @@ class RemoteLock:
     """
 
     def __init__(self, store_url: str | Location, lease_s: float = LEASE_SECONDS,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, *, writing: str = "records") -> None:
+        self.writing = writing
         if isinstance(store_url, Location):
             storage_options = {**store_url.storage_options, **(storage_options or {})}
             store_url = store_url.path
@@ -234,7 +249,8 @@ class RemoteLock:
         now = time.time()
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": self._started,
                            "lease_s": self.lease_s, "heartbeat": now, "token": self._token,
-                           "fence": self._fence, "store": self.store_url.rsplit("/", 1)[-1]}).encode()
+                           "fence": self._fence, "store": self.store_url.rsplit("/", 1)[-1],
+                           "writing": self.writing}).encode()
 
     def _read(self) -> dict[str, Any] | None:
         try:
@@ -286,8 +302,8 @@ class RemoteLock:
             self._fence = (fence if isinstance(fence, int) and not isinstance(fence, bool) and fence >= 0 else 0) + 1
             remote.translated(self.store_url, lambda: self._fs.rm_file(self._path))
             who = holder.describe() if holder else "an unreadable holder"
-            warnings.warn(f"{self.store_url}: took over a stale writer lock ({who}); its records in flight were "
-                          "lost, committed records are kept.", stacklevel=5)
+            lost = holder.lost() if holder else Holder("", 0, 0.0, 0.0).lost()
+            warnings.warn(f"{self.store_url}: took over a stale writer lock ({who}); {lost}.", stacklevel=5)
         raise StoreLockedError(f"{self.store_url}: the lock object {self.url} keeps being replaced; another writer "
                                "is starting here.")
 

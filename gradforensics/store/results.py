@@ -135,7 +135,7 @@ def _write_generation(path: str | os.PathLike[str] | Location, arrays: Mapping[s
     from gradforensics.store.lock import StoreLock
 
     where = locate(path)                               # a Location carries a URL's storage options
-    with StoreLock(where) as lock:
+    with StoreLock(where, writing="analysis results") as lock:
         previous = _committed(where)
         b = open_backend(where, "a")
         try:
