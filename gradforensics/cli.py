@@ -11,9 +11,11 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from gradforensics._text import terminal
 from gradforensics.errors import GradforensicsError, refusal
@@ -35,12 +37,57 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser that refuses in one line on stderr, in the words of its own verb.
+
+    No abbreviations (``--ou`` is not ``--out``); an option the verb does not take
+    is named, with the closest option it does take, before any other complaint
+    (a misspelt ``--ouy X`` is not "--out required"); arguments left over are
+    refused by the verb's parser, not the top-level one.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        self._refuse_unknown_options(argv)
+        ns, extras = super().parse_known_args(argv, namespace)
+        if extras and self._subparsers is None:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+    def _refuse_unknown_options(self, argv: list[str]) -> None:
+        known = self._option_string_actions
+        for token in argv:
+            if token == "--":
+                return
+            if self._subparsers is not None and not token.startswith("-"):
+                return                            # the verb: the rest is its parser's to judge
+            if not token.startswith("-") or token == "-" or self._negative_number_matcher.match(token):
+                continue
+            name = token.split("=", 1)[0] if token.startswith("--") else token
+            if name in known or (not token.startswith("--") and token[:2] in known):
+                continue
+            longs = [o for o in known if o.startswith("--")]
+            close = difflib.get_close_matches(name, longs, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            self.error(f"unknown option {name}{hint}")
+
+    def error(self, message: str) -> NoReturn:
+        """One line: ``<prog>: error: <message>; see <prog> --help``; exit 2."""
+        line = f"{self.prog}: error: {message.rstrip('.')}; see `{self.prog} --help`"
+        self.exit(2, terminal(" ".join(line.split())) + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gradforensics import __version__
 
-    parser = argparse.ArgumentParser(prog="gradforensics", description="Offline forensics of sick training runs.")
+    parser = _Parser(prog="gradforensics", description="Offline forensics of sick training runs.")
     parser.add_argument("--version", action="version", version=f"gradforensics {__version__}")
-    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB", parser_class=_Parser)
     for verb, (module, help_) in VERBS.items():
         p = sub.add_parser(verb, help=help_, description=help_)
         mod = importlib.import_module(f"gradforensics.commands.{module}")
