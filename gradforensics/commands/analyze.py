@@ -83,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     with _client(args) as client:
         findings = analyze(where, client=client, only=args.only, options=options, progress=not args.quiet)
     report(findings, args.out, store=where)
+    if partial := findings.header.get("partial"):
+        print(terminal(f"note: the store is being written by {partial['writer']}; analysed the "
+                       f"{partial['n_records']} records committed so far (results not saved in the store)"),
+              file=sys.stderr)
     n_top = sum(f.severity > 0.5 for f in findings.flags)
     print(terminal(f"{findings.store}: {len(findings.flags)} findings ({n_top} above 0.5); report in {args.out}"),
           file=sys.stderr)

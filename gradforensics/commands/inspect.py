@@ -31,11 +31,15 @@ def summarize(store: Store) -> dict:
     def entry(info):
         return {"shape": list(info.shape), "dtype": info.attrs.get("source_dtype", info.dtype),
                 "encoding": info.encoding, "heads": info.heads, "role": info.attrs.get("role") or None,
-                "bytes_on_disk": info.nbytes_stored, "compression_ratio": round(info.compression_ratio, 3)}
+                "bytes_on_disk": info.nbytes_stored,
+                "compression_ratio": round(info.compression_ratio, 3) if info.nbytes_stored else None}
 
     mix = store.batches()["mixture"] if store.n_records else None
     shares = {s: float(mix[:, i].mean()) for i, s in enumerate(store.sources)} if mix is not None else {}
+    writer = store.writer
     return {
+        "writer": None if writer is None else {"host": writer.host, "pid": writer.pid, "since": writer.started,
+                                               "describe": writer.describe()},
         "path": store.path, "backend": store.kind, "schema": store.meta.schema, "mode": store.mode,
         "framework": store.meta.framework, "model": store.meta.model, "created": store.meta.created,
         "records": store.n_records, "records_per_chunk": store.meta.records_per_chunk,
@@ -63,12 +67,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _lines(s: dict) -> list[str]:
     """The human-readable summary, one string per line (not yet made safe for a terminal)."""
-    out = [f"{s['path']}  ({s['backend']}, schema {s['schema']}, mode {s['mode']}, framework {s['framework']})"]
+    out = []
+    if s.get("writer"):
+        out.append(f"being written by {s['writer']['describe']}; {s['records']} records committed so far")
+    out += [f"{s['path']}  ({s['backend']}, schema {s['schema']}, mode {s['mode']}, framework {s['framework']})"]
     if s["model"]:
         out.append("model:   " + ", ".join(f"{k}={v}" for k, v in s["model"].items()))
     out.append(f"records: {s['records']}  (chunks of {s['records_per_chunk']}), "
                f"weight snapshots: {s['weight_snapshots']}")
-    out.append("sources: " + ", ".join(f"{k} {v:.0%}" for k, v in s["sources"].items()))
+    out.append("sources: " + (", ".join(f"{k} {v:.0%}" for k, v in s["sources"].items()) or "-"))
     for title, group in (("tensors", s["tensors"]), ("sketches", s["sketches"])):
         if not group:
             continue
@@ -77,8 +84,9 @@ def _lines(s: dict) -> list[str]:
         for name, e in group.items():
             heads = f" heads={e['heads']}" + (f" role={e['role']}" if e["role"] else "") if e["heads"] else ""
             extra = f" k={e['k']} {e['method']}" if "k" in e else ""
+            ratio = "-" if e["compression_ratio"] is None else f"{e['compression_ratio']:.2f}x"
             out.append(f"  {terminal(name):<{width}}  {tuple(e['shape'])} {e['dtype']}{heads}{extra}  "
-                       f"{fmt_bytes(e['bytes_on_disk'])} on disk, {e['compression_ratio']:.2f}x")
+                       f"{fmt_bytes(e['bytes_on_disk'])} on disk, {ratio}")
     if s["activations"]:
         out.append(f"activations ({len(s['activations'])}): " + ", ".join(s["activations"]))
     if s["analysis"]:

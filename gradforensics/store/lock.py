@@ -40,7 +40,7 @@ from gradforensics.errors import StoreLockedError
 from gradforensics.store import remote
 from gradforensics.store.location import Location
 
-__all__ = ["LEASE_SECONDS", "WRITING", "Holder", "RemoteLock", "StoreLock", "lock_path"]
+__all__ = ["LEASE_SECONDS", "WRITING", "Holder", "RemoteLock", "StoreLock", "current_writer", "lock_path"]
 
 
 #: Seconds without a heartbeat after which a lock that cannot be checked by flock is stale
@@ -98,6 +98,64 @@ class Holder:
         except PermissionError:
             return True
         return True
+
+
+def current_writer(store: str | Location, storage_options: Mapping[str, Any] | None = None) -> Holder | None:
+    """The live writer of the store at *store* (path, URL or :class:`Location`), or None.
+
+    Read without taking the lock and without changing it: a local lock file is
+    opened read-only, and only when it names a holder that may be alive (another
+    host, or a live pid here) is its ``flock`` probed, with a shared non-blocking
+    ``flock`` on a separate descriptor released at once.  A lock nobody holds (its
+    writer died) is stale: None.  Where ``flock`` does not work the lease decides,
+    as for a writer (the holder's pid, the file's heartbeat).  A lock object at a
+    URL is live while its heartbeat is within its lease.  A lock that cannot be
+    read at all is reported as no writer: readers never fail on it.
+    """
+    if isinstance(store, Location):
+        storage_options = {**store.storage_options, **(storage_options or {})}
+        store = store.path
+    try:
+        if remote.is_url(store):
+            return _remote_writer(store, storage_options)
+        return _local_writer(lock_path(store))
+    except Exception:   # a reader's courtesy line: an unreadable lock is no writer
+        return None
+
+
+def _local_writer(path: str) -> Holder | None:
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, 4096, 0)
+        holder = Holder.parse(raw) if raw else None
+        if holder is not None and not holder.alive_here():
+            return None                     # its pid is gone: stale, whatever the flock says
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return holder or Holder("?", 0, os.fstat(fd).st_mtime, LEASE_SECONDS)
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK or holder is None:
+                return None
+            return holder if time.time() - os.fstat(fd).st_mtime < holder.lease_s else None
+        fcntl.flock(fd, fcntl.LOCK_UN)      # nobody holds it: a stale lock file
+        return None
+    finally:
+        os.close(fd)                        # closing drops any flock of this descriptor
+
+
+def _remote_writer(url: str, storage_options: Mapping[str, Any] | None) -> Holder | None:
+    lock = RemoteLock(url, storage_options=storage_options)
+    doc = lock._read()
+    if not doc:
+        return None
+    holder = Holder.parse(json.dumps(doc).encode())
+    return holder if holder is not None and not lock._stale(holder, doc) else None
 
 
 class StoreLock:

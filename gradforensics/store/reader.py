@@ -28,6 +28,8 @@ from gradforensics.store.writer import WEIGHT_RECORD
 if TYPE_CHECKING:
     import dask.array as da
 
+    from gradforensics.store.lock import Holder
+
 __all__ = ["MAX_SLAB", "ArrayInfo", "Store", "open_store"]
 
 
@@ -114,6 +116,18 @@ class Store:
     @property
     def n_records(self) -> int:
         return self.meta.n_records
+
+    @property
+    def writer(self) -> Holder | None:
+        """The live process writing records into this store now (read from its lock, not taken), else None.
+
+        The store then holds the records committed so far (:attr:`n_records`) and grows.
+        A lock held by an ``analyze`` saving its results is not a writer of records.
+        """
+        from gradforensics.store.lock import current_writer
+
+        holder = current_writer(self.location)
+        return holder if holder is not None and holder.writing == "records" else None
 
     @property
     def sources(self) -> tuple[str, ...]:

@@ -226,7 +226,11 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
     """
     t0 = time.perf_counter()
     store = _open(path, storage_options)
+    writer = store.writer        # a store being written: analyse the committed prefix, say so in the header
     if store.n_records == 0:
+        if writer is not None:
+            raise EmptyStoreError(f"{store.path}: the store holds no complete record yet: it is being written by "
+                                  f"{writer.describe()}; try again when records are committed.")
         raise EmptyStoreError(f"{store.path}: the store holds no complete record; nothing to analyze.")
     selected = select_analyses(only)
     engine, per_analysis = split_options(options, selected)
@@ -240,9 +244,13 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
         results[a.name] = res
         flags.extend(_checked_flags(a, a.flags(res, ctx)))
     header = _header(store, batches, client, engine, time.perf_counter() - t0, long)
+    if writer is not None:
+        # the writer holds the lock the results are saved under: they are returned, not saved (no warning)
+        header["partial"] = {"writer": writer.describe(), "pid": writer.pid, "host": writer.host,
+                             "n_records": store.n_records, "saved": False}
     findings = Findings(store=store.path, n_records=store.n_records, mode=store.mode, sources=store.sources,
                         header=header, results=results, flags=flags)
-    if engine.persist:
+    if engine.persist and writer is None:
         _persist(store, findings, grams, long is not None)
     return findings
 

@@ -1,0 +1,124 @@
+"""A store being written (issue 27): inspect and analyze name its live writer and the records committed so far.
+
+A real writer: a child process holds a Recorder open on the store, prints ``ready``
+once K records are committed, and sleeps.  Killed (SIGKILL), it leaves a stale lock
+that no reader may take for a live writer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import gradforensics as gf
+from gradforensics.cli import main
+from gradforensics.errors import EmptyStoreError
+from gradforensics.store.lock import current_writer, lock_path
+
+_CHILD = """
+import sys, time
+import numpy as np
+from gradforensics.recording import Recorder
+path, k, per_chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rec = Recorder(path, sources=["a", "b"], records_per_chunk=per_chunk)
+for i in range(k):
+    rec.record(step=i, loss=1.0 / (i + 1), n_samples=4, lr=0.1, source="ab"[i % 2],
+               grads={"w": np.random.default_rng(i).normal(size=(4, 3)).astype(np.float32)})
+rec.drain()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def writer(tmp_path):
+    """Start a child writing ``K`` records (chunks of ``per_chunk``) into a store; yield (path, process)."""
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, k: int, per_chunk: int):
+        path = str(tmp_path / name)
+        p = subprocess.Popen([sys.executable, "-c", _CHILD, path, str(k), str(per_chunk)],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        procs.append(p)
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.strip() == "ready", p.communicate()
+        return path, p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def _kill(p: subprocess.Popen) -> None:
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def test_inspect_and_analyze_name_the_live_writer(writer, capsys, tmp_path):
+    # local Zarr only: an HDF5 file being written is locked by h5py itself (a reader cannot open it)
+    path, p = writer("dump.zarr", k=10, per_chunk=4)
+    store = gf.Store(path)
+    committed = store.n_records
+    assert committed == 8                       # two full chunks committed, two records in flight
+    assert store.writer is not None and store.writer.pid == p.pid
+
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("being written by host ") and f"pid {p.pid}, since " in out[0]
+    assert out[0].endswith(f"; {committed} records committed so far")
+    assert sum("being written" in line for line in out) == 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # a note in the header, not a Python warning
+        findings = gf.analyze(path)
+    partial = findings.header["partial"]
+    assert f"pid {p.pid}," in partial["writer"] and partial["n_records"] == committed == findings.n_records
+    assert os.path.exists(lock_path(path))       # the lock is read, never taken or changed
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["analyze", path, "--out", str(tmp_path / "rep"), "--quiet"]) in (0, 1, 2)
+    err = capsys.readouterr().err.splitlines()
+    notes = [line for line in err if line.startswith("note: ")]
+    assert notes == [f"note: the store is being written by {partial['writer']}; analysed the {committed} "
+                     "records committed so far (results not saved in the store)"]
+
+    _kill(p)                                     # a stale lock: no live writer any more
+    assert os.path.exists(lock_path(path))
+    assert current_writer(path) is None and gf.Store(path).writer is None
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "being written" not in out
+    with pytest.warns(UserWarning, match="took over a stale writer lock"):   # saving its results takes it over
+        findings = gf.analyze(path)
+    assert "partial" not in findings.header
+
+
+def test_zero_committed_records_names_the_writer(writer, capsys, tmp_path):
+    path, p = writer("empty.zarr", k=2, per_chunk=64)
+    assert gf.Store(path).n_records == 0
+    with pytest.raises(EmptyStoreError, match=f"it is being written by host .*, pid {p.pid}, since "):
+        gf.analyze(path)
+    assert main(["analyze", path, "--out", str(tmp_path / "rep")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "holds no complete record yet: it is being written by host " in err[0]
+    assert err[0].endswith("; try again when records are committed.")
+
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("being written by ") and out[0].endswith("; 0 records committed so far")
+    assert "sources: -" in out
+    assert "nan" not in "\n".join(out)
+
+    _kill(p)
+    with pytest.raises(EmptyStoreError, match="holds no complete record; nothing to analyze"):
+        gf.analyze(path)
