@@ -73,11 +73,12 @@ def _client(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradforensics.analysis.engine import analyze
+    from gradforensics.analysis.engine import analyze, select_analyses
     from gradforensics.commands import storage as storage_flags
     from gradforensics.reporting import report
-    from gradforensics.reporting.severity import exit_code
+    from gradforensics.reporting.severity import counts_phrase, exit_code
 
+    select_analyses(args.only, flag="--only")           # refused in the flag's words, before the store is opened
     where = storage_flags.location(args, args.store)
     options = {"engine": {"slab_bytes": int(args.slab_mb * (1 << 20))}} if args.slab_mb else None
     with _client(args) as client:
@@ -87,8 +88,6 @@ def run(args: argparse.Namespace) -> int:
         print(terminal(f"note: the store is being written by {partial['writer']}; analysed the "
                        f"{partial['n_records']} records committed so far (results not saved in the store)"),
               file=sys.stderr)
-    n_top = sum(f.severity > 0.5 for f in findings.flags)
-    print(terminal(f"{findings.store}: {len(findings.flags)} findings ({n_top} above 0.5); report in {args.out}"),
-          file=sys.stderr)
-    return exit_code(findings, args.fail_on)
+    print(terminal(f"{findings.store}: {counts_phrase(findings.flags)}; report in {args.out}"), file=sys.stderr)
+    return exit_code(findings, args.fail_on, verb="analyze")
 

@@ -69,4 +69,4 @@ def run(args: argparse.Namespace) -> int:
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print_summary(c)
-    return exit_code(c, args.fail_on)
+    return exit_code(c, args.fail_on, verb="compare")

@@ -133,7 +133,7 @@ def findings_of(inp: LossInput, options: dict[str, Options]) -> Findings:
 
 def run(args: argparse.Namespace) -> int:
     from gradforensics.reporting import report
-    from gradforensics.reporting.severity import exit_code
+    from gradforensics.reporting.severity import counts_phrase, exit_code
 
     options = series_options(args)
     inp = load(args)
@@ -144,7 +144,6 @@ def run(args: argparse.Namespace) -> int:
                 print(terminal(f"{g.name}: " + "; ".join(notes)), file=sys.stderr)
     findings = findings_of(inp, options)
     report(findings, args.out, store=inp.label if inp.kind == "store" else None)
-    n_top = sum(f.severity > 0.5 for f in findings.flags)
-    print(terminal(f"{findings.store}: {len(inp.groups)} series, {len(findings.flags)} findings ({n_top} above 0.5); "
+    print(terminal(f"{findings.store}: {len(inp.groups)} series, {counts_phrase(findings.flags)}; "
                    f"report in {args.out}"), file=sys.stderr)
-    return exit_code(findings, args.fail_on)
+    return exit_code(findings, args.fail_on, verb="loss")

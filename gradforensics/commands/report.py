@@ -75,4 +75,4 @@ def run(args: argparse.Namespace) -> int:
     findings, store = load_findings(storage_flags.location(args, args.store))
     paths = report(findings, args.out, store=store)
     print_top(findings, paths)
-    return exit_code(findings, args.fail_on)
+    return exit_code(findings, args.fail_on, verb="report")

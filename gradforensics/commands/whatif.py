@@ -66,10 +66,14 @@ def run(args: argparse.Namespace) -> int:
     require_extra("transformers", "gradforensics whatif")
     from gradforensics.errors import SpecError, WhatIfInterrupted
     from gradforensics.reporting.severity import SEVERITY_NAMES, reaching
+    from gradforensics.reporting.summary import group
     from gradforensics.runs.whatif import whatif
 
     if args.sketch < 0:
         raise SpecError(f"--sketch must be >= 0; got {args.sketch}.")
+    from gradforensics.analysis.engine import select_analyses
+
+    select_analyses(args.only, flag="--only")           # before any arm trains
     try:
         res = whatif(args.checkpoint, args.data, args.arm, args.steps, args.out, mixtures=args.mixture,
                      baseline=args.baseline, batches=flags_of(args, BatchSpec),
@@ -81,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradforensics whatif: {exc}", file=sys.stderr)
         return 130
     for r in res.runs:
-        n = len(reaching(res.findings[r.arm.name].flags, SEVERITY_NAMES["medium"]))
-        print(f"{r.arm.name}: {r.steps_done} steps, loss {r.losses[0]:.4g} -> {r.losses[-1]:.4g}, {n} finding(s); "
+        hits = reaching(res.findings[r.arm.name].flags, SEVERITY_NAMES["medium"])
+        n, g = len(hits), len(group(hits))
+        print(f"{r.arm.name}: {r.steps_done} steps, loss {r.losses[0]:.4g} -> {r.losses[-1]:.4g}, "
+              f"{g} finding{'s' if g != 1 else ''} at or above 0.5 ({n} flag{'s' if n != 1 else ''}); "
               f"{r.state_note}; store {r.store}")
     print(f"open {res.paths['html']} in a browser.")
     return 0

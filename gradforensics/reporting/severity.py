@@ -39,7 +39,9 @@ __all__ = [
     "Reaching",
     "add_fail_on_argument",
     "band",
+    "counts_phrase",
     "exit_code",
+    "fail_on_line",
     "parse_severity",
     "reaches",
     "reaching",
@@ -120,17 +122,59 @@ def reaching(flags: Iterable[F], threshold: float) -> list[F]:
     return [f for f in flags if reaches(f.severity, threshold)]
 
 
-def exit_code(result: Findings | Reaching, fail_on: float | None) -> int:
+def exit_code(result: Findings | Reaching, fail_on: float | None, verb: str | None = None) -> int:
     """0, or :data:`EXIT_FLAGGED` when *fail_on* is set and a flag of *result* reaches it.
 
     *result* is a verb's :class:`~gradforensics.analysis.contract.model.Findings`, or a
     result that picks its own rows (:class:`Reaching`: ``compare`` counts the ``new``
-    and ``worse`` rows after the fix).
+    and ``worse`` rows after the fix).  With *verb*, exiting 1 says why in one line
+    on stderr (:func:`fail_on_line`).
     """
     if fail_on is None:
         return 0
     hits = result.reaching(fail_on) if isinstance(result, Reaching) else reaching(result.flags, fail_on)
+    if hits and verb is not None:
+        import sys
+
+        from gradforensics._text import terminal
+
+        print(terminal(fail_on_line(hits, fail_on, verb, rows=isinstance(result, Reaching))), file=sys.stderr)
     return EXIT_FLAGGED if hits else 0
+
+
+def fail_on_line(hits: Sequence[object], fail_on: float, verb: str, rows: bool = False) -> str:
+    """``gradforensics analyze: 2 findings (3 flags) at or above --fail-on 0.5 (highest 0.91 conflict on w); exit 1``.
+
+    *hits* are flags (grouped into findings as the report groups them), or with *rows*
+    the rows of a comparison (each one finding, ``new`` or ``worse``).
+    """
+    def sev(h: object) -> float:
+        value = getattr(h, "severity_after", None) if rows else getattr(h, "severity", None)
+        return float(value or 0.0)
+
+    top = max(hits, key=sev)
+    if rows:
+        what = f"{len(hits)} new or worse finding{'s' if len(hits) != 1 else ''}"
+    else:
+        from gradforensics.reporting.summary import group
+
+        n_groups = len(group(hits))  # type: ignore[arg-type]
+        what = (f"{n_groups} finding{'s' if n_groups != 1 else ''} "
+                f"({len(hits)} flag{'s' if len(hits) != 1 else ''})")
+    where = getattr(top, "tensor", "")
+    return (f"gradforensics {verb}: {what} at or above --fail-on {fail_on:g} "
+            f"(highest {sev(top):.2f} {getattr(top, 'kind', '?')}{' on ' + where if where else ''}); "
+            f"exit {EXIT_FLAGGED}")
+
+
+def counts_phrase(flags: Sequence[HasSeverity], act: float = 0.5) -> str:
+    """``"6 findings, 2 at or above 0.5 (26 flags)"``: findings as the report groups them, flags counted too."""
+    from gradforensics.reporting.summary import group
+
+    groups = group(flags)  # type: ignore[arg-type]
+    n_act = sum(reaches(g.severity, act) for g in groups)
+    return (f"{len(groups)} finding{'s' if len(groups) != 1 else ''}, {n_act} at or above {act:g} "
+            f"({len(flags)} flag{'s' if len(flags) != 1 else ''})")
 
 
 def band(severity: float) -> str:

@@ -358,6 +358,9 @@ class HDF5Backend:
         self.location = locate(where)
         self.path = self.location.path
         if mode == "r":
+            if Path(self.path).is_dir():
+                raise NotAStoreError(f"{self.path}: is a directory, not an HDF5 file; expected a gradforensics store "
+                                     "(an HDF5 store is one file; a Zarr store is a *.zarr directory).")
             if not Path(self.path).is_file():
                 raise NotAStoreError(f"{self.path}: no such HDF5 file; expected a gradforensics store.")
             try:
@@ -497,6 +500,8 @@ def locate(where: Location | str | os.PathLike[str], storage_options: Mapping[st
     url = remote.is_url(path)
     if url:
         path = remote.normalize(path)
+    elif path.endswith(("/", os.sep)) and os.path.isfile(path.rstrip("/" + os.sep)):
+        path = path.rstrip("/" + os.sep)         # "dump.h5/" (a shell's completion of a file): the file it names
     backend = guess_backend(path)
     if url and not backend.remote_ok:
         raise NotAStoreError(f"{path}: {backend.remote_refusal}")

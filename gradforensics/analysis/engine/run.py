@@ -146,15 +146,23 @@ class EngineOptions(Options):
         return int(n_records) > self.n0(n_units)
 
 
-def select_analyses(only: str | Iterable[str] | None) -> list[Analysis]:
-    """The analyses to run, in registry order; *only* restricts them (names or ``"a,b"``)."""
+def select_analyses(only: str | Iterable[str] | None, flag: str = "only=") -> list[Analysis]:
+    """The analyses to run, in registry order; *only* restricts them (names or ``"a,b"``).
+
+    *flag* is how the refusal names the restriction: ``only=`` for Python callers,
+    ``--only`` for the command line.
+    """
     if only is None:
         return list(REGISTRY.values())
     names = [s.strip() for s in only.split(",")] if isinstance(only, str) else [str(s).strip() for s in only]
     names = [n for n in names if n]
     unknown = [n for n in names if n not in REGISTRY]
     if unknown or not names:
-        raise SpecError(f"only= must name analyses among {sorted(REGISTRY)}; got {unknown or names!r}.")
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(REGISTRY), n=1) if unknown else []
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise SpecError(f"{flag} must name analyses among {sorted(REGISTRY)}; got {unknown or names!r}{hint}.")
     return [a for name, a in REGISTRY.items() if name in names]
 
 
