@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from gradforensics.errors import SpecError
+from gradforensics.reporting.bands import SEVERITY_NAMES, band
 
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings
@@ -48,7 +49,6 @@ __all__ = [
 ]
 
 
-SEVERITY_NAMES: dict[str, float] = {"low": 0.25, "medium": 0.5, "high": 0.75}
 
 #: Exit code of ``analyze`` / ``report`` / ``loss`` / ``compare`` when a flag reaches ``--fail-on``.
 EXIT_FLAGGED = 1
@@ -177,9 +177,3 @@ def counts_phrase(flags: Sequence[HasSeverity], act: float = 0.5) -> str:
             f"({len(flags)} flag{'s' if len(flags) != 1 else ''})")
 
 
-def band(severity: float) -> str:
-    """``"high"``, ``"medium"``, ``"low"`` or ``"info"`` (below 0.25)."""
-    for name in ("high", "medium", "low"):
-        if severity >= SEVERITY_NAMES[name]:
-            return name
-    return "info"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradforensics.analysis.contract.registry import advice_of
 from gradforensics.reporting import advice, names
-from gradforensics.reporting.severity import band
+from gradforensics.reporting.bands import band
 
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings, Flag

@@ -126,7 +126,8 @@ class Store:
         """
         from gradforensics.store.lock import current_writer
 
-        holder = current_writer(self.location)
+        where = getattr(self, "location", None) or locate(self.path)   # a subclass may skip __init__
+        holder = current_writer(where)
         return holder if holder is not None and holder.writing == "records" else None
 
     @property
