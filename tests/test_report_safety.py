@@ -232,7 +232,7 @@ def test_analyze_summary_and_error_lines_are_escaped(tmp_path, monkeypatch, caps
     monkeypatch.setattr(engine, "analyze", lambda *a, **k: f)
     assert main(["analyze", str(store), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert "\x1b" not in err and "\\x1b[31mred\\x1b[0m.zarr: 8 findings" in err
+    assert "\x1b" not in err and "\\x1b[31mred\\x1b[0m.zarr: 2 findings, 2 at or above 0.5 (8 flags)" in err
     assert (tmp_path / "out" / "report.html").is_file()        # the report package writes the full report
 
     def boom(*a, **k):
