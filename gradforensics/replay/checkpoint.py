@@ -69,6 +69,7 @@ __all__ = [
     "check_safetensors",
     "checkpoint_step",
     "load_checkpoint",
+    "load_torch",
     "load_tokenizer",
     "max_positions",
     "offline",
@@ -486,6 +487,11 @@ def load_tokenizer(path: Path) -> Any:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: no usable tokenizer (tokenizer.json / tokenizer_config.json / vocab): "
                               f"{_one_line(exc)}; pass --tokenizer DIR.") from exc
+
+
+def load_torch(file: Path) -> Any:
+    """``torch.load(file, weights_only=True)`` on the CPU; every failure is one :class:`CheckpointError` line."""
+    return _torch_load(file)
 
 
 # ------------------------------------------------------------------ raw PyTorch

@@ -20,6 +20,8 @@ subspace (``β ≈ 0``), or after ``max_iter`` products.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,6 +88,9 @@ def lanczos(apply: Callable[[Vector], Vector], n: int, *, k: int = 1, max_iter: 
     for it in range(1, max_iter + 1):
         w = apply(basis[-1]).to(torch.float64)
         alpha = float(w @ basis[-1])
+        if not math.isfinite(alpha) or not bool(torch.isfinite(w).all()):
+            nan = (float("nan"),) * k
+            return LanczosResult(nan, nan, it, False, None)     # a non-finite loss or gradient: no spectrum
         alphas.append(alpha)
         stack = torch.stack(basis, dim=1)
         for _ in range(2):                              # twice is enough (Kahan-Parlett)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from gradforensics.replay.probe import CheckpointProbe
     from gradforensics.store.reader import Store
 
 __all__ = ["Progress", "batch_size", "interleave", "replay"]
@@ -127,7 +128,8 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
            loss_fn: Callable[[nn.Module, Any], torch.Tensor], path: str | os.PathLike[str], *,
            n_per_source: int | Mapping[str, int] = 32, step: int = 0,
            n_samples: Callable[[Any], int] | None = None, progress: bool = True,
-           file: IO[str] | None = None, check_space: bool = True, **recorder_kwargs: Any) -> Store:
+           file: IO[str] | None = None, check_space: bool = True, probe: CheckpointProbe | None = None,
+           **recorder_kwargs: Any) -> Store:
     """Capture per-batch gradients of *model* at a fixed checkpoint, per data source.
 
     Parameters
@@ -152,6 +154,10 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
     check_space
         Refuse (``SpecError``) when the estimate exceeds the free disk space;
         ``False`` only prints it (``gradforensics capture --force``).
+    probe
+        A :class:`~gradforensics.replay.probe.CheckpointProbe` (``--curvature``): it sees
+        every batch after its backward, and writes ``curvature/`` and ``optim/`` once the
+        records are committed.
     **recorder_kwargs
         Passed to :class:`~gradforensics.recording.torch.TorchRecorder`
         (``tensors``, ``heads``, ``activations``, ``sketch``, ``dtype``, ...).
@@ -185,6 +191,8 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model, batch)
             loss.backward()
+            if probe is not None:
+                probe.observe(model, source, batch)
             rec.record(step=step, loss=float(loss.detach()), source=source, n_samples=count(batch))
             if i == 0:
                 rec.drain()
@@ -194,4 +202,6 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
     bar.close()
     if rec.ranks is not None:
         rec.ranks.barrier()      # rank 0 has committed every rank's records: the store is complete
+    if probe is not None:
+        probe.finish(model, loss_fn, rec.location)
     return open_store(rec.location)

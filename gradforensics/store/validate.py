@@ -17,6 +17,7 @@ from typing import Any
 from gradforensics.errors import CorruptChunkError, CorruptStoreError, MissingArrayError
 from gradforensics.store.inventory import StoredArray
 from gradforensics.store.names import name_problem
+from gradforensics.store.probes import PROBE_GROUPS, check_probe
 from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, StoreMeta
 
 __all__ = ["BULK_GROUPS", "REQUIRED_BATCHES", "check_arrays", "check_ranks", "rows_of"]
@@ -50,6 +51,8 @@ def check_arrays(path: str, meta: StoreMeta, arrays: dict[str, StoredArray], che
         if want is not None and arr.shape[0] < want:
             raise CorruptChunkError(f"{path}: {name} holds {arr.shape[0]} rows; the store commits {want}.")
         _check_kind(path, name, arr, meta)
+        if name.split("/", 1)[0] in PROBE_GROUPS:
+            check_probe(path, name, arr, arrays)
         if check_chunks or name.split("/", 1)[0] not in BULK_GROUPS or name == "weights/_record":
             _check_chunks(path, name, arr, arr.shape[0] if want is None else want)
 

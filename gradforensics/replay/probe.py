@@ -1,0 +1,184 @@
+"""``capture --curvature``: curvature and optimizer state at the checkpoint, next to the replayed records.
+
+A :class:`CheckpointProbe` rides along :func:`gradforensics.replay.replay`:
+``observe`` after each batch's backward keeps the first ``spec.batches`` batches
+of every source and adds the batch's ``g²/v̂`` to the histograms; ``finish``,
+after the records are committed, runs Lanczos (:mod:`gradforensics.replay.curvature`)
+for the whole model and each block, per source and for the mixture (equal weight
+per kept batch), on ``H`` and, with an Adam-family state, on ``P⁻¹H``; then it
+summarises the optimizer state (:mod:`gradforensics.replay.optimstate`) and writes
+both groups (:mod:`gradforensics.store.probes`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.errors import SpecError
+from gradforensics.replay.curvature import blocks_of, top_eigenvalues
+from gradforensics.replay.optimstate import (
+    FIELDS,
+    RATIO_EDGES,
+    Hyper,
+    OptimState,
+    RatioHistogram,
+    hyper_of,
+    map_state,
+    preconditioner,
+    read_optimizer_state,
+    summarise,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from gradforensics.store.probes import CurvatureData, OptimData
+
+__all__ = ["WHOLE_MODEL", "CheckpointProbe", "CurvatureSpec"]
+
+#: The block name of the whole model's rows.
+WHOLE_MODEL = "model"
+
+
+@dataclass(frozen=True)
+class CurvatureSpec:
+    """What ``--curvature`` computes: blocks (``tensor`` / ``layer``), top-*k*, Lanczos budget, batches per source.
+
+    *optimizer*, *lr*, *momentum*, *beta1*, *beta2*, *eps* override (or, for a
+    checkpoint without optimizer state, give) the hyper-parameters.
+    """
+
+    blocks: str = "tensor"
+    k: int = 3
+    max_iter: int = 40
+    tol: float = 1e-3
+    batches: int = 2
+    optimizer: str | None = None
+    lr: float | None = None
+    momentum: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.blocks not in ("tensor", "layer"):
+            raise SpecError(f"--curvature-blocks {self.blocks!r}: expected tensor or layer.")
+        for name in ("k", "max_iter", "batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(f"curvature {name} must be an integer >= 1; got {v!r}.")
+        if not 0 < self.tol < 1:
+            raise SpecError(f"curvature tol must be in (0, 1); got {self.tol!r}.")
+
+    def overrides(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("optimizer", "lr", "momentum", "beta1", "beta2", "eps")}
+
+
+class CheckpointProbe:
+    """Curvature and optimizer-state measurements of one replay (see the module doc)."""
+
+    def __init__(self, spec: CurvatureSpec, hyper: Hyper, state: OptimState | None = None) -> None:
+        self.spec, self.hyper, self.state = spec, hyper, state
+        self.kept: dict[str, list[Any]] = {}
+        self.ratios = RatioHistogram(state) if state is not None and preconditioner(state) is not None else None
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, model: nn.Module, spec: CurvatureSpec) -> CheckpointProbe:
+        """The probe of the checkpoint at *path*: its optimizer state if it has one (mapped to *model*)."""
+        found = read_optimizer_state(path)
+        if found is None:
+            return cls(spec, hyper_of(None, spec.overrides()))
+        state = map_state(found[0], model, found[1], spec.overrides())
+        return cls(spec, state.hyper, state)
+
+    def observe(self, model: nn.Module, source: str, batch: Any) -> None:
+        """After a batch's backward: keep it for the Hessian (the first *batches*), add its g²/v̂."""
+        kept = self.kept.setdefault(source, [])
+        if len(kept) < self.spec.batches:
+            kept.append(batch)
+        if self.ratios is not None:
+            self.ratios.add(model)
+
+    # ---------------------------------------------------------------- after the records
+    def finish(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], where: Any) -> None:
+        """Compute and write ``curvature/`` and ``optim/`` into the store at *where*."""
+        from gradforensics.store.probes import write_probes
+
+        model.zero_grad(set_to_none=True)
+        curvature = self.curvature(model, loss_fn)
+        write_probes(where, curvature, self.optim(model))
+
+    def curvature(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> CurvatureData:
+        from gradforensics.store.probes import CurvatureData
+
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        blocks = {WHOLE_MODEL: list(params), **blocks_of(list(params), self.spec.blocks)}
+        pre = preconditioner(self.state) if self.state is not None else None
+        mixture = [b for kept in self.kept.values() for b in kept]
+        groups = {**({s: b for s, b in self.kept.items()} if len(self.kept) > 1 else {}), "": mixture}
+        rows, out = [], []
+        for source, batches in groups.items():
+            losses = [lambda b=b: loss_fn(model, b) for b in batches]
+            for block, names in blocks.items():
+                for operator in ("hessian", "preconditioned"):
+                    if operator == "preconditioned" and (pre is None or any(n not in pre for n in names)):
+                        continue
+                    t0 = time.perf_counter()
+                    res = top_eigenvalues(losses, {n: params[n] for n in names}, k=self.spec.k,
+                                          max_iter=self.spec.max_iter, tol=self.spec.tol,
+                                          precondition=pre if operator == "preconditioned" else None)
+                    row = {"block": block, "tensors": names, "source": source, "operator": operator,
+                           "seconds": time.perf_counter() - t0, "batches": len(batches)}
+                    if block == WHOLE_MODEL and res.vector is not None:
+                        row["mass"] = _mass(res.vector, [params[n].numel() for n in names], names, blocks)
+                    rows.append(row)
+                    out.append(res)
+        k = max(len(r.eigenvalues) for r in out)
+
+        def pad(x: tuple[float, ...]) -> list[float]:
+            return [*x, *([float("nan")] * (k - len(x)))]
+
+        return CurvatureData(rows, np.array([pad(r.eigenvalues) for r in out]),
+                             np.array([pad(r.residuals) for r in out]),
+                             np.array([r.iterations for r in out], dtype=np.int64),
+                             np.array([r.converged for r in out], dtype=np.uint8),
+                             {"hyper": self.hyper.as_dict(), "blocks": self.spec.blocks, "k": self.spec.k,
+                              "max_iter": self.spec.max_iter, "tol": self.spec.tol,
+                              "lrs": _lrs(None if self.spec.lr is not None else self.state,
+                                          self.hyper, blocks)})
+
+    def optim(self, model: nn.Module) -> OptimData | None:
+        from gradforensics.store.probes import OptimData
+
+        if self.state is None:
+            return None
+        table = summarise(self.state, model, self.ratios)
+        names = list(table)
+        hist = np.stack([self.ratios.counts[n] if self.ratios is not None and n in self.ratios.counts
+                         else np.zeros(len(RATIO_EDGES) - 1, dtype=np.int64) for n in names]) if names else \
+            np.zeros((0, len(RATIO_EDGES) - 1), dtype=np.int64)
+        return OptimData(names, list(FIELDS), np.array([table[n] for n in names], dtype=np.float64).reshape(
+            len(names), len(FIELDS)), hist, {"hyper": self.hyper.as_dict(), "mapping": self.state.mapping,
+                                             "source": self.state.source, "edges": RATIO_EDGES.tolist()})
+
+
+def _lrs(state: OptimState | None, hyper: Hyper, blocks: Mapping[str, list[str]]) -> dict[str, float]:
+    """Each block's learning rate: its param group's (the largest over its tensors), else the hyper's."""
+    if state is None or not state.lrs:
+        return {b: hyper.lr for b in blocks}
+    return {b: max(state.lrs.get(n, hyper.lr) for n in names) for b, names in blocks.items()}
+
+
+def _mass(vector: Any, sizes: list[int], names: list[str], blocks: Mapping[str, list[str]]) -> dict[str, float]:
+    """The share of the top eigenvector's squared norm in each block (blocks other than the whole model)."""
+    import torch
+
+    per = dict(zip(names, (float(c.pow(2).sum()) for c in torch.split(vector, sizes))))
+    total = sum(per.values()) or 1.0
+    return {b: sum(per.get(n, 0.0) for n in ns) / total for b, ns in blocks.items() if b != WHOLE_MODEL}

@@ -1,0 +1,185 @@
+"""The ``curvature/`` and ``optim/`` groups: what ``capture --curvature`` measured at the checkpoint.
+
+Small arrays with their meaning in attributes, written once after the records
+(:func:`write_probes`, under the store's writer lock) and checked at open
+(:func:`check_probe`, called by :mod:`gradforensics.store.validate`):
+
+==========================  ==================  =============================================================
+array                       dtype, shape        attrs
+==========================  ==================  =============================================================
+``curvature/eigenvalues``   float64 ``(R, k)``  ``rows``: ``[{"block", "tensors", "source", "operator"}]``
+                                                (``source`` "" = the mixture; ``operator`` ``hessian`` or
+                                                ``preconditioned``), ``hyper`` (optimizer, lr, betas, ...),
+                                                ``max_iter``, ``tol``, ``blocks`` (tensor / layer)
+``curvature/residuals``     float64 ``(R, k)``  ``‖Hx - θx‖`` of each Ritz pair
+``curvature/iterations``    int64 ``(R,)``      Lanczos iterations (Hessian-vector products) run
+``curvature/converged``     uint8 ``(R,)``      1 when every residual <= tol · |θ_1|
+``optim/summary``           float64 ``(T, F)``  ``tensors`` (T names), ``fields`` (F names), ``hyper``,
+                                                ``mapping`` (how state indices became names), ``source``
+``optim/ratio_hist``        int64 ``(T, B)``    ``edges``: B + 1 log10(g²/v̂) bin edges
+==========================  ==================  =============================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.errors import CorruptStoreError
+
+if TYPE_CHECKING:
+    from gradforensics.store.inventory import StoredArray
+    from gradforensics.store.location import Location
+    from gradforensics.store.reader import Store
+
+__all__ = ["CURVATURE_ARRAYS", "OPTIM_ARRAYS", "PROBE_GROUPS", "CurvatureData", "OptimData", "check_probe",
+           "read_curvature", "read_optim", "write_probes"]
+
+PROBE_GROUPS = ("curvature", "optim")
+CURVATURE_ARRAYS = {"curvature/eigenvalues": "float64", "curvature/residuals": "float64",
+                    "curvature/iterations": "int64", "curvature/converged": "uint8"}
+OPTIM_ARRAYS = {"optim/summary": "float64", "optim/ratio_hist": "int64"}
+_ROW_KEYS = ("block", "tensors", "source", "operator")
+_OPERATORS = ("hessian", "preconditioned")
+
+
+@dataclass(frozen=True)
+class CurvatureData:
+    """``curvature/``: one row per (block, source, operator)."""
+
+    rows: list[dict[str, Any]]
+    eigenvalues: np.ndarray
+    residuals: np.ndarray
+    iterations: np.ndarray
+    converged: np.ndarray
+    attrs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class OptimData:
+    """``optim/``: one summary row per tensor, and the g²/v̂ histograms."""
+
+    tensors: list[str]
+    fields: list[str]
+    summary: np.ndarray
+    ratio_hist: np.ndarray
+    attrs: dict[str, Any]
+
+    def column(self, name: str) -> np.ndarray:
+        return self.summary[:, self.fields.index(name)]
+
+
+def write_probes(where: str | os.PathLike[str] | Location, curvature: CurvatureData | None,
+                 optim: OptimData | None) -> None:
+    """Write the groups into the (committed) store at *where*, under its writer lock."""
+    from gradforensics.store.backends import locate, open_backend
+    from gradforensics.store.lock import StoreLock
+
+    loc = locate(where)
+    with StoreLock(loc, writing="curvature and optimizer state"):
+        b = open_backend(loc, "a")
+        try:
+            if curvature is not None:
+                attrs = {**curvature.attrs, "rows": curvature.rows}
+                _put(b, "curvature/eigenvalues", curvature.eigenvalues, attrs)
+                _put(b, "curvature/residuals", curvature.residuals, {})
+                _put(b, "curvature/iterations", curvature.iterations, {})
+                _put(b, "curvature/converged", curvature.converged, {})
+            if optim is not None:
+                _put(b, "optim/summary", optim.summary, {**optim.attrs, "tensors": optim.tensors,
+                                                         "fields": optim.fields})
+                _put(b, "optim/ratio_hist", optim.ratio_hist, {"edges": optim.attrs.get("edges", [])})
+        finally:
+            b.close()
+
+
+def _put(b: Any, name: str, arr: np.ndarray, attrs: Mapping[str, Any]) -> None:
+    arr = np.ascontiguousarray(arr, dtype=CURVATURE_ARRAYS.get(name) or OPTIM_ARRAYS[name])
+    b.create(name, arr.shape, arr.dtype.str, tuple(max(int(s), 1) for s in arr.shape), dict(attrs), "none")
+    if arr.size:
+        b.write_rows(name, 0, arr)
+
+
+def read_curvature(store: Store) -> CurvatureData | None:
+    """The store's ``curvature/`` group (checked at open), or None."""
+    if not store.has("curvature/eigenvalues"):
+        return None
+    a = dict(store.arrays["curvature/eigenvalues"].attrs)
+    return CurvatureData(list(a.pop("rows")), store.read("curvature/eigenvalues"),
+                         store.read("curvature/residuals"), store.read("curvature/iterations"),
+                         store.read("curvature/converged"), a)
+
+
+def read_optim(store: Store) -> OptimData | None:
+    """The store's ``optim/`` group (checked at open), or None."""
+    if not store.has("optim/summary"):
+        return None
+    a = dict(store.arrays["optim/summary"].attrs)
+    edges = store.arrays["optim/ratio_hist"].attrs["edges"]
+    return OptimData(list(a.pop("tensors")), list(a.pop("fields")), store.read("optim/summary"),
+                     store.read("optim/ratio_hist"), {**a, "edges": edges})
+
+
+# ------------------------------------------------------------------ validation at open
+def _bad(path: str, name: str, got: str, want: str) -> CorruptStoreError:
+    return CorruptStoreError(f"{path}: {name} has {got}; expected {want}. The store's {name.split('/')[0]}/ "
+                             "group is damaged; capture again with --curvature.")
+
+
+def check_probe(path: str, name: str, arr: StoredArray, arrays: Mapping[str, StoredArray]) -> None:
+    """Schema checks of one ``curvature/`` or ``optim/`` array (*arrays*: the whole store's, for the siblings)."""
+    want = CURVATURE_ARRAYS.get(name) or OPTIM_ARRAYS.get(name)
+    if want is None:
+        raise _bad(path, name, "an unknown name", f"one of {', '.join([*CURVATURE_ARRAYS, *OPTIM_ARRAYS])}")
+    if arr.dtype != want:
+        raise _bad(path, name, f"dtype {arr.dtype}", want)
+    group = CURVATURE_ARRAYS if name in CURVATURE_ARRAYS else OPTIM_ARRAYS
+    for sibling in group:
+        if sibling not in arrays:
+            raise _bad(path, name, f"no sibling {sibling}", f"all of {', '.join(group)}")
+    if name == "curvature/eigenvalues":
+        _check_curvature(path, name, arr, arrays)
+    elif name == "optim/summary":
+        _check_optim(path, name, arr, arrays)
+
+
+def _check_curvature(path: str, name: str, arr: StoredArray, arrays: Mapping[str, StoredArray]) -> None:
+    rows = arr.attrs.get("rows")
+    if len(arr.shape) != 2 or not isinstance(rows, list) or len(rows) != arr.shape[0]:
+        raise _bad(path, name, f"shape {arr.shape} with {_count(rows)} rows in attrs", "(R, k) and R rows")
+    for row in rows:
+        if not (isinstance(row, dict) and all(k in row for k in _ROW_KEYS) and isinstance(row["block"], str)
+                and isinstance(row["source"], str) and row["operator"] in _OPERATORS
+                and isinstance(row["tensors"], list)):
+            raise _bad(path, name, f"a row {str(row)[:80]}", f"keys {', '.join(_ROW_KEYS)}, operator hessian or "
+                       "preconditioned")
+    if not isinstance(arr.attrs.get("hyper"), dict):
+        raise _bad(path, name, "no hyper attr", "the optimizer's hyper-parameters")
+    _same_rows(path, arr, arrays, ("curvature/residuals", "curvature/iterations", "curvature/converged"))
+
+
+def _check_optim(path: str, name: str, arr: StoredArray, arrays: Mapping[str, StoredArray]) -> None:
+    tensors, fields = arr.attrs.get("tensors"), arr.attrs.get("fields")
+    if (len(arr.shape) != 2 or not isinstance(tensors, list) or not isinstance(fields, list)
+            or arr.shape != (len(tensors), len(fields))):
+        raise _bad(path, name, f"shape {arr.shape} with {_count(tensors)} tensors x {_count(fields)} fields",
+                   "(tensors, fields)")
+    hist = arrays["optim/ratio_hist"]
+    edges = hist.attrs.get("edges")
+    if len(hist.shape) != 2 or not isinstance(edges, list) or hist.shape[1] + 1 != len(edges):
+        raise _bad(path, "optim/ratio_hist", f"shape {hist.shape} with {_count(edges)} edges", "(T, B), B+1 edges")
+    _same_rows(path, arr, arrays, ("optim/ratio_hist",))
+
+
+def _same_rows(path: str, arr: StoredArray, arrays: Mapping[str, StoredArray], names: Sequence[str]) -> None:
+    for other in names:
+        if arrays[other].shape[0] != arr.shape[0]:
+            raise _bad(path, other, f"{arrays[other].shape[0]} rows", f"{arr.shape[0]}, as its group's")
+
+
+def _count(x: Any) -> str:
+    return str(len(x)) if isinstance(x, list) else "no"
