@@ -20,12 +20,14 @@ from gradforensics.analysis.contract.registry import REGISTRY, register, registe
 from gradforensics.analysis.kinds import (
     coherence,
     conflict,
+    curvature,
     drift,
     fractal,
     loss_spectrum,
     noise,
     nonfinite,
     oscillation,
+    optimizer,
     precision,
     rankconsistency,
     saturation,
@@ -45,6 +47,8 @@ register(loss_spectrum.ANALYSIS)
 register(fractal.ANALYSIS)
 register(coherence.ANALYSIS)
 register(rankconsistency.ANALYSIS)
+register(curvature.ANALYSIS)
+register(optimizer.ANALYSIS)
 
 __all__ = ["REGISTRY", "Advice", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult",
            "register", "registered", "unregister"]

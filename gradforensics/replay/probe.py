@@ -165,7 +165,9 @@ class CheckpointProbe:
             np.zeros((0, len(RATIO_EDGES) - 1), dtype=np.int64)
         return OptimData(names, list(FIELDS), np.array([table[n] for n in names], dtype=np.float64).reshape(
             len(names), len(FIELDS)), hist, {"hyper": self.hyper.as_dict(), "mapping": self.state.mapping,
-                                             "source": self.state.source, "edges": RATIO_EDGES.tolist()})
+                                             "source": self.state.source, "edges": RATIO_EDGES.tolist(),
+                                             "ndim": {n: int(p.ndim) for n, p in model.named_parameters()
+                                                      if n in table}})
 
 
 def _lrs(state: OptimState | None, hyper: Hyper, blocks: Mapping[str, list[str]]) -> dict[str, float]:

@@ -1,0 +1,183 @@
+"""The optimizer's own state at the checkpoint: a stale preconditioner, ε-dominated tensors, outlying updates.
+
+``capture --curvature`` summarises the checkpoint's optimizer state per tensor
+(:mod:`gradforensics.store.probes`, ``optim/``).  Three findings:
+
+* **stale preconditioner** - on the replayed batches the median over a tensor's
+  elements of ``g²/v̂`` (the squared gradient over Adam's bias-corrected second
+  moment) is ``>= 10``.  At a steady state it sits near 1 or below (0.45 is the
+  median of χ²₁); far above, ``v̂`` has decayed while the tensor's gradients were
+  small and Adam's next steps on it are up to ``√(g²/v̂)`` times its usual size:
+  the loss-spike mechanism of Molybog et al. 2023.  Severity 0.5 at 10, 0.9 from
+  1000.
+* **ε-dominated** - the share of elements with ``√v̂ < ε``; Adam then acts as SGD
+  with step ``lr/ε`` there.  Context (below 0.5) on its own: it matters when the
+  gradients come back, which the stale finding measures.
+* **update/weight out of line** - the RMS of the next update over the weight's RMS,
+  against the median over the model's 2-D tensors; ``>= 10x`` the median is a
+  flag (0.5, 0.9 from 1000x), ``>= 4x`` context.
+
+Table ``optimizer.csv``: a row per tensor: ``tensor``, ``head``, ``update_rms``,
+``weight_rms``, ``update_ratio``, ``relative_update``, ``eps_share``, ``m_norm``,
+``sqrt_v_norm``, ``ratio_q50``, ``ratio_q90``, ``ratio_q99``, ``ratio_max``, ``step``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag
+from gradforensics.store.probes import read_optim
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.axes import Axes
+
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "compute", "flags", "optimizer_table", "plot", "severity_log"]
+
+NAME = "optimizer"
+COLUMNS = ("tensor", "head", "update_rms", "weight_rms", "update_ratio", "relative_update", "eps_share",
+           "m_norm", "sqrt_v_norm", "ratio_q50", "ratio_q90", "ratio_q99", "ratio_max", "step", "matrix")
+STALE = 10.0            # median g²/v̂ at which a preconditioner is stale
+OUT_OF_LINE = 10.0      # update/weight over the median of the 2-D tensors
+EPS_SHARE = 0.5
+
+
+def optimizer_table(data: Any, shapes: dict[str, int]) -> pd.DataFrame:
+    """``optimizer.csv`` from :class:`~gradforensics.store.probes.OptimData` (*shapes*: tensor -> ndim)."""
+    import pandas as pd
+
+    rows = []
+    for i, name in enumerate(data.tensors):
+        row: dict[str, Any] = {"tensor": name, "head": None}
+        for f in data.fields:
+            row[f] = float(data.summary[i, data.fields.index(f)])
+        row["matrix"] = shapes.get(name, 2) >= 2
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    if table.empty:
+        table = pd.DataFrame(columns=[c for c in COLUMNS if c != "relative_update"])
+    mats = table[table["matrix"].astype(bool)]["update_ratio"].astype(float) if not table.empty else pd.Series([])
+    med = float(np.nanmedian(mats)) if mats.notna().any() else math.nan
+    table["relative_update"] = table["update_ratio"].astype(float) / med if med > 0 else math.nan
+    table = table.reindex(columns=list(COLUMNS))
+    table["head"] = table["head"].astype("Int64")
+    return table
+
+
+def compute(ctx: Context) -> AnalysisResult:
+    data = read_optim(ctx.store) if ctx.store is not None else None
+    if data is None:
+        return AnalysisResult(table=optimizer_table(_Empty(), {}))
+    ndim = data.attrs.get("ndim") or {}
+    return AnalysisResult(table=optimizer_table(data, {str(k): int(v) for k, v in ndim.items()}))
+
+
+class _Empty:
+    tensors: list[str] = []
+    fields: list[str] = []
+    summary = np.zeros((0, 0))
+
+
+def severity_log(value: float, at: float, context: float = 4.0) -> float:
+    """0.5 at *value* = *at*, 0.9 from 100 *at* (log scale); 0.35 from *at* / *context* up to *at*; else 0."""
+    if not math.isfinite(value) or value <= 0:
+        return 0.0
+    if value >= at:
+        return float(min(0.9, 0.5 + 0.2 * math.log10(value / at)))
+    return 0.35 if value >= at / context else 0.0
+
+
+def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
+    t = result.table
+    last = max(ctx.meta.n_records - 1, 0)
+    out = []
+    for _, row in t.iterrows():
+        for problem in (_stale, _eps, _out_of_line):
+            f = problem(row, last)
+            if f is not None:
+                out.append(f)
+    return out
+
+
+def _evidence(row: Any, **extra: Any) -> dict[str, Any]:
+    keys = ("ratio_q50", "ratio_q99", "eps_share", "update_ratio", "relative_update", "m_norm", "sqrt_v_norm",
+            "step")
+    return {**{k: float(row[k]) for k in keys}, **extra}
+
+
+def _stale(row: Any, last: int) -> Flag | None:
+    q50 = float(row["ratio_q50"])
+    sev = severity_log(q50, STALE)
+    if sev <= 0:
+        return None
+    text = (f"{row['tensor']}: Adam's preconditioner is stale - on the replayed batches the median g^2/v_hat is "
+            f"{q50:.3g} (99th percentile {float(row['ratio_q99']):.3g}; about 1 at a steady state), so its next "
+            f"updates are up to {math.sqrt(q50):.2g}x Adam's usual step; {float(row['eps_share']):.0%} of its "
+            "elements have sqrt(v_hat) < eps. Its gradients were small for a while and are back: expect a loss "
+            "spike; clip updates per tensor, raise eps, or lower beta2.")
+    return Flag(kind=NAME, tensor=row["tensor"], head=None, sources=(), severity=sev, records=(0, last),
+                evidence=_evidence(row, problem="stale preconditioner"), summary=text)
+
+
+def _eps(row: Any, last: int) -> Flag | None:
+    share = float(row["eps_share"])
+    if not share >= EPS_SHARE:
+        return None
+    text = (f"{row['tensor']}: {share:.0%} of its elements have sqrt(v_hat) < eps (eps-dominated): Adam acts as SGD "
+            "with step lr/eps there; harmless while its gradients stay small.")
+    return Flag(kind=NAME, tensor=row["tensor"], head=None, sources=(), severity=0.3 + 0.1 * share,
+                records=(0, last), evidence=_evidence(row, problem="eps-dominated"), summary=text)
+
+
+def _out_of_line(row: Any, last: int) -> Flag | None:
+    rel = float(row["relative_update"])
+    if not bool(row["matrix"]):
+        return None
+    sev = severity_log(rel, OUT_OF_LINE, 2.5)
+    if sev <= 0:
+        return None
+    text = (f"{row['tensor']}: the next update is {float(row['update_ratio']):.3g} of the weight's RMS, "
+            f"{rel:.3g}x the median over the model's matrices; lower this tensor's LR or check its gradients.")
+    return Flag(kind=NAME, tensor=row["tensor"], head=None, sources=(), severity=sev, records=(0, last),
+                evidence=_evidence(row, problem="update/weight out of line"), summary=text)
+
+
+def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
+    """Median and 99th percentile of g²/v̂ per tensor (log), the stale line at 10."""
+    t = result.table
+    y = np.arange(len(t))
+    ax.barh(y, t["ratio_q99"].to_numpy(dtype=float), color="tab:blue", alpha=0.4, label="99th pct")
+    ax.barh(y, t["ratio_q50"].to_numpy(dtype=float), color="tab:blue", label="median")
+    ax.axvline(STALE, color="k", linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yticks(y, list(t["tensor"]))
+    ax.set_xlabel("g^2 / v_hat on the replayed batches")
+    ax.set_title(f"optimizer state: {flag.tensor}")
+    ax.legend(loc="lower right")
+
+
+#: References
+#: ----------
+#: .. [Molybog2023] I. Molybog et al., "A Theory on Adam Instability in Large-Scale Machine Learning", 2023.
+#: .. [Wortsman2023] M. Wortsman et al., "Small-scale proxies for large-scale Transformer training
+#:    instabilities", 2023 (epsilon, update RMS).
+ADVICE = Advice(
+    title="Optimizer state out of line",
+    phrase="has an optimizer state out of line (stale preconditioner, eps-dominated, or outlying update)",
+    evidence_keys={"ratio_q50": "median g^2/v_hat", "eps_share": "eps-dominated share",
+                   "relative_update": "update/weight vs median"},
+    remedies=(
+        "A stale preconditioner (g^2/v_hat >> 1): clip the update per tensor (or Adam's update RMS), lower "
+        "beta2 so v follows the gradients faster, or skip the returning batches; restart before the spike.",
+        "eps-dominated tensors: lower eps if their gradients matter, or freeze them.",
+        "An update/weight ratio far above the model's others: give that tensor its own lower LR."),
+    references=("Molybog et al. 2023, A Theory on Adam Instability in Large-Scale Machine Learning",
+                "Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities"),
+)
+
+ANALYSIS = Analysis(name=NAME, needs=(), compute=compute, flags=flags, plot=plot, kinds={NAME: ADVICE},
+                    long_history=True)
