@@ -47,6 +47,7 @@ from gradforensics.testing import CountingScheduler
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import PlantedCase, PlantedStores, parametrize_with_checks
 from gradforensics.testing.planted import noise_store, nonfinite_store
+from gradforensics.testing.planted_probes import planted_curvature_store, planted_optimizer_store
 from gradforensics.testing.planted_units import (
     planted_precision_store,
     planted_saturation_store,
@@ -69,6 +70,8 @@ PLANTED: dict[str, PlantedCase] = {
     "fractal": PlantedCase(rough_loss_store),
     "coherence": PlantedCase(multi_rank_store),
     "rankconsistency": PlantedCase(replicated_store),
+    "curvature": PlantedCase(planted_curvature_store),
+    "optimizer": PlantedCase(planted_optimizer_store),
 }
 
 

@@ -200,7 +200,7 @@ def test_healthy_adam_raises_no_optimizer_flag(tmp_path):
 def _tiny_store(path) -> None:
     rng = np.random.default_rng(0)
     with gf.Recorder(path, sources=["a"], mode="replay") as rec:
-        for i in range(4):
+        for _ in range(4):
             rec.record(step=0, loss=1.0, source="a", n_samples=8, grads={"w": rng.standard_normal((4, 4))})
 
 

@@ -21,7 +21,6 @@ subspace (``β ≈ 0``), or after ``max_iter`` products.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any

@@ -17,7 +17,7 @@ from typing import Any
 from gradforensics.errors import CorruptChunkError, CorruptStoreError, MissingArrayError
 from gradforensics.store.inventory import StoredArray
 from gradforensics.store.names import name_problem
-from gradforensics.store.probes import PROBE_GROUPS, check_probe
+from gradforensics.store.probe_schema import PROBE_GROUPS, check_probe
 from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, StoreMeta
 
 __all__ = ["BULK_GROUPS", "REQUIRED_BATCHES", "check_arrays", "check_ranks", "rows_of"]

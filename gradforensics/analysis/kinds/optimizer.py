@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag
-from gradforensics.store.probes import read_optim
+from gradforensics.store.probes import OptimData, read_optim
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -71,15 +71,9 @@ def optimizer_table(data: Any, shapes: dict[str, int]) -> pd.DataFrame:
 def compute(ctx: Context) -> AnalysisResult:
     data = read_optim(ctx.store) if ctx.store is not None else None
     if data is None:
-        return AnalysisResult(table=optimizer_table(_Empty(), {}))
+        return AnalysisResult(table=optimizer_table(OptimData([], [], np.zeros((0, 0)), np.zeros((0, 0)), {}), {}))
     ndim = data.attrs.get("ndim") or {}
     return AnalysisResult(table=optimizer_table(data, {str(k): int(v) for k, v in ndim.items()}))
-
-
-class _Empty:
-    tensors: list[str] = []
-    fields: list[str] = []
-    summary = np.zeros((0, 0))
 
 
 def severity_log(value: float, at: float, context: float = 4.0) -> float:
