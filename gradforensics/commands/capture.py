@@ -23,7 +23,8 @@ from gradforensics.replay.plan import DTYPE_NAMES, BatchSpec, ModelSpec, RecordS
 if TYPE_CHECKING:
     from gradforensics.replay.distributed import Launch
 
-__all__ = ["add_arguments", "add_model_options", "flags_of", "launch", "run", "specs"]
+__all__ = ["add_arguments", "add_curvature_options", "add_model_options", "curvature_of", "flags_of", "launch", "run",
+           "specs"]
 
 
 
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --sketch: tensors whose whole gradient is stored too (default none)")
     r.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="on-disk gradient format (default: as computed)")
     add_model_options(p)
+    add_curvature_options(p)
     p.add_argument("--check-ranks", action="store_true",
                    help="under torchrun: replay the same batches on every rank (whole model each) to find a rank "
                         "that computes a different gradient (the rankconsistency analysis)")
@@ -74,6 +76,25 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     from gradforensics.commands import threads
 
     threads.add_argument(m)
+
+
+def add_curvature_options(p: argparse.ArgumentParser) -> None:
+    """``--curvature`` and its options (``docs/curvature.md``): Hessian eigenvalues and the optimizer state."""
+    c = p.add_argument_group("curvature and optimizer state")
+    c.add_argument("--curvature", action="store_true",
+                   help="also store the top Hessian eigenvalues (whole model, each block; Lanczos) and the "
+                        "checkpoint's optimizer state summaries (curvature/, optim/)")
+    c.add_argument("--curvature-blocks", dest="blocks", choices=("tensor", "layer"), default="tensor",
+                   help="a block is a tensor (default) or a layer's tensors")
+    c.add_argument("--curvature-k", dest="k", type=int, default=3, metavar="K", help="top eigenvalues (default 3)")
+    c.add_argument("--curvature-iters", dest="max_iter", type=int, default=40, metavar="M",
+                   help="Lanczos iterations at most, per block and source (default 40)")
+    c.add_argument("--curvature-batches", dest="batches", type=int, default=2, metavar="N",
+                   help="replayed batches per source the Hessian is taken on (default 2)")
+    c.add_argument("--optimizer", choices=("adam", "sgd", "sgd-momentum"),
+                   help="the optimizer (default: read from the checkpoint's optimizer state)")
+    for name in ("lr", "momentum", "beta1", "beta2", "eps"):
+        c.add_argument(f"--{name}", type=float, help=f"the optimizer's {name} (default: from the checkpoint)")
 
 
 # ------------------------------------------------------------------ flags -> specs
@@ -115,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
                                   storage_options=options,
                                   overwrite=args.overwrite, force=args.force,
                                   quiet=args.quiet or bool(ranks is not None and ranks.rank),   # rank 0 speaks
-                                  threads=args.threads, launch=ranks, check_ranks=args.check_ranks)
+                                  threads=args.threads, launch=ranks, check_ranks=args.check_ranks,
+                                  curvature=curvature_of(args))
     except CaptureInterrupted as exc:
         print(f"gradforensics capture: {exc}", file=sys.stderr)
         return 130
@@ -130,6 +152,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"{out}: {done.store.n_records} records of {len(done.sources)} sources ({', '.join(done.sources)}), "
           f"loss {done.loss_name}; next: gradforensics analyze {out} --out REPORT_DIR", file=sys.stderr)
     return 0
+
+
+def curvature_of(args: argparse.Namespace) -> Any:
+    """The ``curvature=`` of ``gf.capture`` the flags ask for (None without ``--curvature``)."""
+    from gradforensics.replay.probe import CurvatureSpec
+
+    if not getattr(args, "curvature", False):
+        return None
+    return CurvatureSpec(**flags_of(args, CurvatureSpec))
 
 
 def launch(device: str, check_ranks: bool) -> Launch | None:

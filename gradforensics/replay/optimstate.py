@@ -1,7 +1,7 @@
 """The optimizer state of a checkpoint, read safely, mapped to parameter names and summarised per tensor.
 
 Where it is read from (:func:`read_optimizer_state`, ``torch.load(weights_only=True)``):
-a Hugging Face Trainer checkpoint directory's ``optimizer.pt``, a raw torch
+a Hugging Face Trainer checkpoint directory's ``optimizer.pt`` (or ``optimizer.bin``), a raw torch
 checkpoint's ``optimizer`` entry (``{"model": ..., "optimizer": opt.state_dict()}``),
 or a file that *is* an ``opt.state_dict()``.
 
@@ -26,6 +26,7 @@ batches :class:`RatioHistogram` accumulates ``g²/v̂`` per tensor in log10 bins
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["FIELDS", "RATIO_EDGES", "Hyper", "OptimState", "RatioHistogram", "hyper_of", "map_state",
+__all__ = ["FIELDS", "OPTIMIZERS", "RATIO_EDGES", "STATE_FILES", "Hyper", "OptimState", "RatioHistogram", "hyper_of", "map_state",
            "preconditioner", "read_optimizer_state", "summarise"]
 
 #: log10(g²/v̂) bin edges: 10^-12 .. 10^12, 8 bins a decade; under- and overflow go to the end bins.
@@ -48,6 +49,8 @@ RATIO_EDGES = np.linspace(-12.0, 12.0, 8 * 24 + 1)
 FIELDS = ("update_rms", "weight_rms", "update_ratio", "eps_share", "m_norm", "sqrt_v_norm", "step",
           "ratio_q50", "ratio_q90", "ratio_q99", "ratio_max", "numel")
 OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
+#: The optimizer state next to the weights in a Hugging Face Trainer checkpoint directory.
+STATE_FILES = ("optimizer.pt", "optimizer.bin")
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class OptimState:
     lrs: dict[str, float] = field(default_factory=dict)      # per tensor, from its group
 
 
-def read_optimizer_state(path: str | Path) -> tuple[dict[str, Any], str] | None:
+def read_optimizer_state(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str] | None:
     """``(opt.state_dict(), where)`` of the checkpoint at *path*, or None when it has none.
 
     Raises
@@ -102,8 +105,8 @@ def read_optimizer_state(path: str | Path) -> tuple[dict[str, Any], str] | None:
 
     p = Path(path)
     if p.is_dir():
-        file = p / "optimizer.pt"
-        if not file.is_file():
+        file = next((p / f for f in STATE_FILES if (p / f).is_file()), None)
+        if file is None:
             return None
         obj, where = load_torch(file), str(file)
     else:
@@ -188,8 +191,13 @@ def _step(entry: Mapping[str, Any]) -> float:
     return float(s.item() if hasattr(s, "item") else s)
 
 
-def preconditioner(state: OptimState) -> dict[str, torch.Tensor] | None:
-    """``{name: √v̂ + ε}`` of an Adam-family state (bias-corrected), else None."""
+def preconditioner(state: OptimState, g2: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+    """``{name: √v̂ + ε}`` of an Adam-family state (bias-corrected), else None.
+
+    With *g2* (``{name: E[g²]}`` on the replayed batches) it is the preconditioner of the
+    *next* step, ``v' = β₂ v + (1 − β₂) E[g²]`` bias-corrected at ``t + 1``: the one the
+    next update divides by (an element whose ``v`` had decayed to 0 gets the gradient it now sees).
+    """
     h = state.hyper
     if h.optimizer != "adam":
         return None
@@ -199,7 +207,10 @@ def preconditioner(state: OptimState) -> dict[str, torch.Tensor] | None:
         t = _step(entry)
         if v is None or t < 1:
             return None
-        out[name] = (v.double() / (1.0 - h.beta2 ** t)).sqrt() + h.eps
+        v = v.double()
+        if g2 is not None and name in g2:
+            v, t = h.beta2 * v + (1.0 - h.beta2) * g2[name], t + 1
+        out[name] = (v / (1.0 - h.beta2 ** t)).sqrt() + h.eps
     return out
 
 
@@ -246,18 +257,26 @@ class RatioHistogram:
             raise SpecError("g^2/v_hat needs an Adam-family state (exp_avg_sq) with step >= 1.")
         self.v_hat = {n: (p - state.hyper.eps).pow(2) for n, p in pre.items()}
         self.counts = {n: np.zeros(len(RATIO_EDGES) - 1, dtype=np.int64) for n in pre}
+        self.g2_sum: dict[str, Any] = {}
+        self.batches = 0
 
     def add(self, model: nn.Module) -> None:
         import torch
 
+        self.batches += 1
         for name, p in model.named_parameters():
             if name not in self.v_hat or p.grad is None:
                 continue
             g2 = p.grad.detach().double().cpu().pow(2)
+            self.g2_sum[name] = g2 if name not in self.g2_sum else self.g2_sum[name] + g2
             with np.errstate(divide="ignore"):
                 r = torch.log10(g2 / self.v_hat[name]).nan_to_num(nan=-np.inf).numpy().ravel()
             r = np.clip(r, RATIO_EDGES[0], RATIO_EDGES[-1])
             self.counts[name] += np.histogram(r, bins=RATIO_EDGES)[0]
+
+    def mean_g2(self) -> dict[str, Any]:
+        """``{name: E[g²]}`` over the batches seen (a tensor without a gradient: zeros)."""
+        return {n: self.g2_sum.get(n, 0.0 * v) / max(self.batches, 1) for n, v in self.v_hat.items()}
 
     def quantiles(self, name: str, qs: Sequence[float] = (0.5, 0.9, 0.99)) -> tuple[float, ...]:
         """Quantiles of g²/v̂ (the upper edge of the bin reaching each), and the largest bin's upper edge."""

@@ -25,6 +25,7 @@ or, with ``check_ranks``, every rank replays the same batches
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -49,9 +50,11 @@ if TYPE_CHECKING:
     from gradforensics.replay.checkpoint import Checkpoint
     from gradforensics.replay.data import Source
     from gradforensics.replay.distributed import Launch
+    from gradforensics.replay.probe import CurvatureSpec
     from gradforensics.store.reader import Store
 
-__all__ = ["CaptureInterrupted", "Captured", "capture", "capture_checkpoint", "data_sources", "load_model",
+__all__ = ["CaptureInterrupted", "Captured", "capture", "capture_checkpoint", "curvature_spec", "data_sources",
+           "load_model",
            "store_exists", "store_location"]
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ def capture(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequen
             batches: BatchSpec | Mapping[str, Any] | None = None, record: RecordSpec | Mapping[str, Any] | None = None,
             model: ModelSpec | Mapping[str, Any] | None = None, storage_options: Mapping[str, Any] | None = None,
             overwrite: bool = False, force: bool = False, quiet: bool = True,
-            threads: int | str | None = "auto") -> Store:
+            threads: int | str | None = "auto", curvature: Any = None) -> Store:
     """Replay batches of every data source through *checkpoint* and write one gradient per batch to *out*.
 
     What ``gradforensics capture`` does in one process (``docs/capture-your-checkpoint.md``).
@@ -168,6 +171,11 @@ def capture(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequen
     threads
         torch intra-op threads: ``"auto"`` (one for a model under 20M parameters
         unless ``OMP_NUM_THREADS`` is set) or a number.
+    curvature
+        ``True``, a :class:`~gradforensics.replay.probe.CurvatureSpec` or a dict of its
+        fields: also the top Hessian eigenvalues (whole model and each block) and the
+        checkpoint's optimizer state, in ``curvature/`` and ``optim/``
+        (``docs/curvature.md``).  Default None: no.
 
     Returns
     -------
@@ -183,7 +191,7 @@ def capture(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequen
     """
     return capture_checkpoint(checkpoint, data, out, batches=batches, record=record, model=model,
                               storage_options=storage_options, overwrite=overwrite, force=force, quiet=quiet,
-                              threads=threads).store
+                              threads=threads, curvature=curvature).store
 
 
 def capture_checkpoint(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequence[str], out: Any, *,
@@ -192,7 +200,7 @@ def capture_checkpoint(checkpoint: str | os.PathLike[str], data: Mapping[str, An
                        model: ModelSpec | Mapping[str, Any] | None = None,
                        storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
                        force: bool = False, quiet: bool = True, threads: int | str | None = "auto",
-                       launch: Launch | None = None, check_ranks: bool = False) -> Captured:
+                       launch: Launch | None = None, check_ranks: bool = False, curvature: Any = None) -> Captured:
     """:func:`capture`, also under ``torchrun``; returns the store with the loss it replayed.
 
     *launch* is this process's rank (:func:`gradforensics.replay.distributed.from_env`,
@@ -207,6 +215,7 @@ def capture_checkpoint(checkpoint: str | os.PathLike[str], data: Mapping[str, An
     require_extra("transformers", "gf.capture()")
     b, r, m = as_spec(BatchSpec, batches), as_spec(RecordSpec, record), as_spec(ModelSpec, model)
     n_threads = parse_threads(threads)
+    curv = curvature_spec(curvature, launch)
     sources = data_sources(data, b.text_field)
     where = store_location(out, overwrite, storage_options)
     if launch is not None:
@@ -215,7 +224,7 @@ def capture_checkpoint(checkpoint: str | os.PathLike[str], data: Mapping[str, An
         dist.barrier()        # every rank has checked out before rank 0 creates the store there
     try:
         return _run(checkpoint, sources, where, b, r, m, storage_options=storage_options, force=force, quiet=quiet,
-                    threads=n_threads, launch=launch, check_ranks=check_ranks)
+                    threads=n_threads, launch=launch, check_ranks=check_ranks, curvature=curv)
     except KeyboardInterrupt as exc:     # Ctrl-C, or SIGTERM under torchrun (a rank died): the store is closed
         raise CaptureInterrupted(interrupted(where, isinstance(exc, Terminated),
                                              0 if launch is None else launch.rank)) from None
@@ -223,7 +232,8 @@ def capture_checkpoint(checkpoint: str | os.PathLike[str], data: Mapping[str, An
 
 def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, batches: BatchSpec,
          record: RecordSpec, model: ModelSpec, *, storage_options: Mapping[str, Any] | None, force: bool,
-         quiet: bool, threads: int | None, launch: Launch | None, check_ranks: bool) -> Captured:
+         quiet: bool, threads: int | None, launch: Launch | None, check_ranks: bool,
+         curvature: CurvatureSpec | None = None) -> Captured:
     from gradforensics._threads import for_model
     from gradforensics.replay import data, distributed
     from gradforensics.replay.run import replay
@@ -248,6 +258,10 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
     if storage_options and is_url(str(where)):
         extra["storage_options"] = storage_options
     device = model.device
+    if curvature is not None:
+        from gradforensics.replay.probe import CheckpointProbe
+
+        extra["probe"] = CheckpointProbe.from_checkpoint(checkpoint, ckpt.model, curvature)
 
     def loss_fn(net: nn.Module, batch: dict[str, Any]) -> Any:
         return ckpt.loss_fn(net, {k: v.to(device) for k, v in batch.items()})
@@ -258,6 +272,29 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
                        check_space=not force and not is_url(str(where)), overwrite=True,
                        **record.recorder_options(), **extra)
     return Captured(store, where, ckpt.loss_name, tuple(s.name for s in sources))
+
+
+def curvature_spec(value: Any, launch: Launch | None = None) -> CurvatureSpec | None:
+    """``curvature=`` as a :class:`~gradforensics.replay.probe.CurvatureSpec` (None: off); refused under torchrun."""
+    from gradforensics.replay.probe import CurvatureSpec
+
+    if value is None or value is False:
+        return None
+    if launch is not None:
+        raise SpecError("--curvature runs in one process: Hessian-vector products of a sharded model are not "
+                        "supported; capture without torchrun (or without --curvature).")
+    if value is True:
+        return CurvatureSpec()
+    if isinstance(value, CurvatureSpec):
+        return value
+    if not isinstance(value, Mapping):
+        raise SpecError(f"curvature=: expected True, a CurvatureSpec or a dict of its fields; got "
+                        f"{type(value).__name__}.")
+    names = [f.name for f in dataclasses.fields(CurvatureSpec)]
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise SpecError(f"curvature=: unknown option {unknown[0]!r}; the options are {', '.join(names)}.")
+    return CurvatureSpec(**value)
 
 
 def interrupted(where: Any, terminated: bool = False, rank: int = 0) -> str:

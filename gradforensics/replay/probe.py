@@ -5,17 +5,18 @@ A :class:`CheckpointProbe` rides along :func:`gradforensics.replay.replay`:
 of every source and adds the batch's ``g²/v̂`` to the histograms; ``finish``,
 after the records are committed, runs Lanczos (:mod:`gradforensics.replay.curvature`)
 for the whole model and each block, per source and for the mixture (equal weight
-per kept batch), on ``H`` and, with an Adam-family state, on ``P⁻¹H``; then it
+per kept batch), on ``H`` and, with an Adam-family state, on ``P⁻¹H`` (attention
+through SDPA's math kernel, which has a double backward); then it
 summarises the optimizer state (:mod:`gradforensics.replay.optimstate`) and writes
 both groups (:mod:`gradforensics.store.probes`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -89,7 +90,7 @@ class CheckpointProbe:
         self.ratios = RatioHistogram(state) if state is not None and preconditioner(state) is not None else None
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, model: nn.Module, spec: CurvatureSpec) -> CheckpointProbe:
+    def from_checkpoint(cls, path: str | os.PathLike[str], model: nn.Module, spec: CurvatureSpec) -> CheckpointProbe:
         """The probe of the checkpoint at *path*: its optimizer state if it has one (mapped to *model*)."""
         found = read_optimizer_state(path)
         if found is None:
@@ -108,10 +109,13 @@ class CheckpointProbe:
     # ---------------------------------------------------------------- after the records
     def finish(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], where: Any) -> None:
         """Compute and write ``curvature/`` and ``optim/`` into the store at *where*."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         from gradforensics.store.probes import write_probes
 
         model.zero_grad(set_to_none=True)
-        curvature = self.curvature(model, loss_fn)
+        with sdpa_kernel([SDPBackend.MATH]):       # fused attention kernels have no double backward; math has
+            curvature = self.curvature(model, loss_fn)
         write_probes(where, curvature, self.optim(model))
 
     def curvature(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> CurvatureData:
@@ -119,7 +123,9 @@ class CheckpointProbe:
 
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         blocks = {WHOLE_MODEL: list(params), **blocks_of(list(params), self.spec.blocks)}
-        pre = preconditioner(self.state) if self.state is not None else None
+        pre = None
+        if self.state is not None and self.ratios is not None:
+            pre = preconditioner(self.state, self.ratios.mean_g2())       # the next step's, with E[g²]
         mixture = [b for kept in self.kept.values() for b in kept]
         groups = {**({s: b for s, b in self.kept.items()} if len(self.kept) > 1 else {}), "": mixture}
         rows, out = [], []

@@ -1,0 +1,73 @@
+"""``gradforensics capture --curvature`` on a Hugging Face checkpoint (the tiny LLaMA of the capture tests)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_capture_cli import base_args, capture, files, llama_dir  # noqa: E402,F401
+
+import gradforensics as gf  # noqa: E402
+from gradforensics.store.probes import read_curvature, read_optim  # noqa: E402
+from gradforensics.store.reader import open_store  # noqa: E402
+
+
+def _trainer_checkpoint(src, dst, steps: int = 30):
+    """The checkpoint trained a few AdamW steps, saved as the HF Trainer does: two groups (decay, no decay)."""
+    shutil.copytree(src, dst)
+    model = transformers.LlamaForCausalLM.from_pretrained(dst)
+    decay = [p for n, p in model.named_parameters() if "norm" not in n and "bias" not in n]
+    rest = [p for n, p in model.named_parameters() if not ("norm" not in n and "bias" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(3, 300, (4, 32), generator=gen)
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    model.save_pretrained(dst)
+    torch.save(opt.state_dict(), dst / "optimizer.pt")
+    return dst
+
+
+@pytest.mark.slow
+def test_capture_curvature_on_a_healthy_llama(llama_dir, files, tmp_path, capsys):   # noqa: F811
+    ckpt = _trainer_checkpoint(llama_dir, tmp_path / "ckpt")
+    t0 = time.perf_counter()
+    rc, err = capture(*base_args(ckpt, files, tmp_path / "plain.zarr"), capsys=capsys)
+    plain = time.perf_counter() - t0
+    assert rc == 0, err
+    t0 = time.perf_counter()
+    rc, err = capture(*base_args(ckpt, files, tmp_path / "c.zarr", "--curvature", "--curvature-blocks", "layer",
+                                 "--curvature-k", "1", "--curvature-iters", "10", "--curvature-batches", "1"),
+                      capsys=capsys)
+    with_curvature = time.perf_counter() - t0
+    assert rc == 0, err
+    st = open_store(tmp_path / "c.zarr")
+    c, o = read_curvature(st), read_optim(st)
+    assert o.attrs["mapping"] == "hf-trainer" and o.attrs["hyper"]["beta2"] == 0.95
+    assert set(o.tensors) == {n for n, _ in transformers.LlamaForCausalLM.from_pretrained(ckpt).named_parameters()}
+    ops = {(r["source"], r["operator"]) for r in c.rows}
+    assert ops == {(s, op) for s in ("en", "zh", "") for op in ("hessian", "preconditioned")}
+    found = gf.analyze(tmp_path / "c.zarr", only=["curvature", "optimizer"])
+    assert not [f for f in found.flags if f.severity >= 0.5], [f.summary for f in found.flags]
+    table = found.table("curvature")
+    print(table[table["tensor"] == "model"][["source", "operator", "lambda_max", "ratio", "converged"]])
+    blocks = {r["block"] for r in c.rows} - {"model"}
+    per_block = sum(r["seconds"] for r in c.rows if r["block"] != "model") / len(blocks) / 3   # per source group
+    print(f"\ncost: plain {plain:.2f} s, --curvature {with_curvature:.2f} s (x{with_curvature / plain:.1f}); "
+          f"{len(blocks)} blocks, {per_block:.3f} s per block per batch (H and P^-1 H)")
+
+
+def test_curvature_flags_are_checked(llama_dir, files, tmp_path, capsys):   # noqa: F811
+    rc, err = capture(*base_args(llama_dir, files, tmp_path / "x.zarr", "--curvature", "--curvature-k", "0"),
+                      capsys=capsys)
+    assert rc != 0 and "curvature k must be an integer >= 1" in err and "Traceback" not in err
+    rc, err = capture(*base_args(llama_dir, files, tmp_path / "y.zarr", "--curvature"), capsys=capsys)
+    assert rc != 0 and "holds no optimizer state" in err and "--lr" in err
