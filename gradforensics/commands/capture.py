@@ -86,6 +86,9 @@ def add_curvature_options(p: argparse.ArgumentParser) -> None:
                         "checkpoint's optimizer state summaries (curvature/, optim/)")
     c.add_argument("--curvature-blocks", dest="blocks", choices=("tensor", "layer"), default="tensor",
                    help="a block is a tensor (default) or a layer's tensors")
+    c.add_argument("--curvature-tensors", dest="curvature_tensors", nargs="+", metavar="GLOB",
+                   help="parameters that get blocks of their own (default every trainable one; the whole model "
+                        "always counts all)")
     c.add_argument("--curvature-k", dest="k", type=int, default=3, metavar="K", help="top eigenvalues (default 3)")
     c.add_argument("--curvature-iters", dest="max_iter", type=int, default=40, metavar="M",
                    help="Lanczos iterations at most, per block and source (default 40)")
@@ -160,7 +163,7 @@ def curvature_of(args: argparse.Namespace) -> Any:
 
     if not getattr(args, "curvature", False):
         return None
-    return CurvatureSpec(**flags_of(args, CurvatureSpec))
+    return CurvatureSpec(**{**flags_of(args, CurvatureSpec), "tensors": args.curvature_tensors})
 
 
 def launch(device: str, check_ranks: bool) -> Launch | None:

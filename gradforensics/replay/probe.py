@@ -13,6 +13,7 @@ both groups (:mod:`gradforensics.store.probes`).
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -51,11 +52,14 @@ WHOLE_MODEL = "model"
 class CurvatureSpec:
     """What ``--curvature`` computes: blocks (``tensor`` / ``layer``), top-*k*, Lanczos budget, batches per source.
 
+    *tensors*: globs of the parameters that get blocks of their own (default: every
+    trainable one); the whole-model rows always take every trainable parameter.
     *optimizer*, *lr*, *momentum*, *beta1*, *beta2*, *eps* override (or, for a
     checkpoint without optimizer state, give) the hyper-parameters.
     """
 
     blocks: str = "tensor"
+    tensors: tuple[str, ...] | None = None
     k: int = 3
     max_iter: int = 40
     tol: float = 1e-3
@@ -68,6 +72,10 @@ class CurvatureSpec:
     eps: float | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.tensors, str):
+            object.__setattr__(self, "tensors", (self.tensors,))
+        elif self.tensors is not None:
+            object.__setattr__(self, "tensors", tuple(str(t) for t in self.tensors))
         if self.blocks not in ("tensor", "layer"):
             raise SpecError(f"--curvature-blocks {self.blocks!r}: expected tensor or layer.")
         for name in ("k", "max_iter", "batches"):
@@ -122,7 +130,12 @@ class CheckpointProbe:
         from gradforensics.store.probes import CurvatureData
 
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        blocks = {WHOLE_MODEL: list(params), **blocks_of(list(params), self.spec.blocks)}
+        chosen = [n for n in params if self.spec.tensors is None
+                  or any(fnmatch.fnmatchcase(n, g) for g in self.spec.tensors)]
+        if not chosen:
+            raise SpecError(f"--curvature-tensors {' '.join(self.spec.tensors or ())}: matches no trainable "
+                            f"parameter (e.g. {', '.join(list(params)[:3])}).")
+        blocks = {WHOLE_MODEL: list(params), **blocks_of(chosen, self.spec.blocks)}
         pre = None
         if self.state is not None and self.ratios is not None:
             pre = preconditioner(self.state, self.ratios.mean_g2())       # the next step's, with E[g²]
