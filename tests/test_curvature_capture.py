@@ -223,6 +223,9 @@ def test_groups_round_trip_and_are_checked_at_open(tmp_path, suffix):
     c, o = read_curvature(st), read_optim(st)
     assert c.rows[0]["mass"] == {"w": 1.0} and c.eigenvalues.tolist() == [[3.0], [3.0]]
     assert o.tensors == ["w"] and o.column("ratio_q50").tolist() == [50.0] and o.attrs["edges"] == [0, 1, 2, 3]
+    from gradforensics.commands.inspect import summarize
+
+    assert (summarize(st)["curvature_rows"], summarize(st)["optim_tensors"]) == (2, 1)
     found = gf.analyze(path, only=["curvature"])
     assert found.flags[0].kind == "curvature" and found.flags[0].evidence["ratio"] == pytest.approx(1.5)
 

@@ -61,6 +61,7 @@ def test_quadratic_loss_through_autograd():
     assert res.eigenvalues == pytest.approx((7.0, float(spectrum[-2])), rel=1e-7)
 
 
+@pytest.mark.slow
 def test_whole_model_matches_explicit_hessian():
     net, x, y = _mlp(0, 20, 80, 10)      # 2,490 parameters
     names = [n for n, _ in net.named_parameters()]

@@ -50,6 +50,8 @@ def summarize(store: Store) -> dict:
         "activations": store.act_modules,
         "analysis": sorted({n.split("/")[1] for n in store.arrays if n.startswith("analysis/")}),
         "analysis_note": store.analysis_note,
+        "curvature_rows": store.arrays["curvature/eigenvalues"].shape[0] if store.has("curvature/eigenvalues") else 0,
+        "optim_tensors": store.arrays["optim/summary"].shape[0] if store.has("optim/summary") else 0,
     }
 
 
@@ -89,6 +91,9 @@ def _lines(s: dict) -> list[str]:
                        f"{fmt_bytes(e['bytes_on_disk'])} on disk, {ratio}")
     if s["activations"]:
         out.append(f"activations ({len(s['activations'])}): " + ", ".join(s["activations"]))
+    if s.get("curvature_rows") or s.get("optim_tensors"):
+        out.append(f"curvature: {s['curvature_rows']} Lanczos rows; optimizer state: {s['optim_tensors']} tensors "
+                   "(capture --curvature)")
     if s["analysis"]:
         out.append("analysis results: " + ", ".join(s["analysis"]))
     if s.get("analysis_note"):

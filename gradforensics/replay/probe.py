@@ -122,8 +122,16 @@ class CheckpointProbe:
         from gradforensics.store.probes import write_probes
 
         model.zero_grad(set_to_none=True)
-        with sdpa_kernel([SDPBackend.MATH]):       # fused attention kernels have no double backward; math has
-            curvature = self.curvature(model, loss_fn)
+        config = getattr(model, "config", None)
+        attn = getattr(config, "_attn_implementation", None)
+        if attn not in (None, "eager", "sdpa"):      # flash-attention & co. have no double backward
+            config._attn_implementation = "eager"     # type: ignore[union-attr]
+        try:
+            with sdpa_kernel([SDPBackend.MATH]):       # fused SDPA kernels have none either; math has
+                curvature = self.curvature(model, loss_fn)
+        finally:
+            if attn not in (None, "eager", "sdpa"):
+                config._attn_implementation = attn    # type: ignore[union-attr]
         write_probes(where, curvature, self.optim(model))
 
     def curvature(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> CurvatureData:

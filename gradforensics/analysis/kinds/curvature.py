@@ -170,7 +170,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 #:    Models", ICLR 2022 (warm-up lowers the sharpness the LR meets).
 ADVICE = Advice(
     title="Learning rate above the curvature's limit",
-    phrase="is at or past the optimizer's stability threshold (lambda*lr >= threshold)",
+    phrase="lambda*lr reaches the optimizer's stability threshold (the LR is too high for this curvature)",
     evidence_keys={"ratio": "stability ratio", "lambda_max": "lambda_max", "lr": "lr", "threshold": "threshold"},
     remedies=(
         "Lower the learning rate by at least the stability ratio (the flag gives the bound lr_max = lr / ratio).",
