@@ -41,15 +41,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.errors import AttentionUnavailableError, SpecError
+from gradforensics.store.schema import ATTN_FIELDS
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ONEHOT", "STATS", "AttentionTaps", "attention_modules", "finish", "head_stats", "merge"]
+__all__ = ["ONEHOT", "STATS", "AttentionTaps", "attention_modules", "finish", "head_stats", "merge",
+           "use_eager_attention"]
 
 
-STATS = ("max_logit", "entropy_mean", "entropy_min", "onehot_frac")
+STATS = ATTN_FIELDS
 ONEHOT = 0.99
 _TAPS: weakref.WeakKeyDictionary[Any, _Tap] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -233,6 +235,13 @@ def attention_modules(model: nn.Module, spec: str | Sequence[str]) -> dict[str, 
                 "model with attn_implementation=\"eager\" (or call model.set_attn_implementation(\"eager\")) to "
                 "record them.")
     return found
+
+
+def use_eager_attention(model: nn.Module) -> None:
+    """Switch a Hugging Face model to eager attention (replay: the weights then exist); others are left as they are."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter) and getattr(getattr(model, "config", None), "_attn_implementation", "eager") != "eager":
+        setter("eager")
 
 
 class AttentionTaps:
