@@ -45,6 +45,7 @@ from gradforensics.reporting.comparison import compare_findings
 from gradforensics.runs import render
 from gradforensics.testing import CountingScheduler
 from gradforensics.testing import planted_directions as P
+from gradforensics.testing.attention_run import planted_attention_store
 from gradforensics.testing.contracts import PlantedCase, PlantedStores, parametrize_with_checks
 from gradforensics.testing.planted import noise_store, nonfinite_store
 from gradforensics.testing.planted_units import (
@@ -69,6 +70,7 @@ PLANTED: dict[str, PlantedCase] = {
     "fractal": PlantedCase(rough_loss_store),
     "coherence": PlantedCase(multi_rank_store),
     "rankconsistency": PlantedCase(replicated_store),
+    "attention": PlantedCase(planted_attention_store),
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Findings, Flag, GramResult
 from gradforensics.analysis.contract.registry import REGISTRY, register, registered, unregister
 from gradforensics.analysis.kinds import (
+    attention,
     coherence,
     conflict,
     drift,
@@ -45,6 +46,7 @@ register(loss_spectrum.ANALYSIS)
 register(fractal.ANALYSIS)
 register(coherence.ANALYSIS)
 register(rankconsistency.ANALYSIS)
+register(attention.ANALYSIS)
 
 __all__ = ["REGISTRY", "Advice", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult",
            "register", "registered", "unregister"]
