@@ -55,7 +55,7 @@ def test_planted_store_flags_only_the_planted_head(tmp_path) -> None:
 def test_replay_out_of_line_head(tmp_path) -> None:
     rng = np.random.default_rng(1)
     with gf.Recorder(tmp_path / "r.zarr", sources=["a"], mode="replay", background=False) as rec:
-        for i in range(6):
+        for _ in range(6):
             mx = 5 + rng.random(8)
             ent = 0.7 + 0.05 * rng.random(8)
             mx[5], ent[5] = 400.0, 0.01

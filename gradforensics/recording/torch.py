@@ -288,12 +288,13 @@ class TorchRecorder(ArrayRecorder):
     def record(self, *, step: int | None = None, loss: Any = math.nan, source: str | None = None,
                mixture: Mapping[str, float] | None = None, n_samples: int = 1, lr: float = math.nan,
                rank: int | None = None, time: float | None = None, grads: Mapping[str, Any] | None = None,
-               activations: Mapping[str, Any] | None = None, weights: Mapping[str, Any] | None = None) -> None:
+               activations: Mapping[str, Any] | None = None, weights: Mapping[str, Any] | None = None,
+               attention: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Record the current ``.grad`` of the selected parameters, and the hooked activations.
 
         Call it after ``loss.backward()`` (after the last micro-batch) and before
         ``optimizer.zero_grad()``.  Returns without waiting for the device copy.
-        *grads*, *activations*, *weights*: extra NumPy arrays recorded alongside
+        *grads*, *activations*, *weights*, *attention*: extra NumPy arrays recorded alongside
         (names must differ from the model's).
         """
         if self.dist is not None and self.dist.kind == "fsdp":
@@ -310,8 +311,9 @@ class TorchRecorder(ArrayRecorder):
                 grads=_merge("grads", g, grads), activations=activations,
                 weights=_merge("weights", self._weights(), weights), copy=False)
             pending.act_stats = self._activations()
+            pending.attn = self._take_attn(attention or {})
             if self._attn is not None:
-                pending.attn = self._attn.take()
+                pending.attn = _merge_attn(pending.attn, self._attn.take())
             clash = sorted(set(pending.act_stats) & set(pending.acts))
             if clash:
                 raise SpecError(f"record(): activations[{clash[0]!r}] is already recorded from the model; "
@@ -365,8 +367,9 @@ class TorchRecorder(ArrayRecorder):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if getattr(self, "_attn", None) is not None:
-            self._attn.remove()
+        taps = getattr(self, "_attn", None)
+        if taps is not None:
+            taps.remove()
         if self._local is not None:
             self._local.remove()
 
@@ -524,6 +527,14 @@ def _merge(what: str, ours: dict[str, np.ndarray], extra: Mapping[str, Any] | No
     if clash:
         raise SpecError(f"record(): {what}[{clash[0]!r}] is already recorded from the model; give extras other names.")
     return {**ours, **{k: np.array(v, copy=True) for k, v in extra.items()}}
+
+
+def _merge_attn(extra: dict[str, dict[str, np.ndarray]],
+                ours: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    clash = sorted(set(ours) & set(extra))
+    if clash:
+        raise SpecError(f"record(): attention[{clash[0]!r}] is already recorded from the model; give extras other names.")
+    return {**extra, **ours}
 
 
 def _scalar(x: Any) -> float:

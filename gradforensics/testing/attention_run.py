@@ -54,7 +54,7 @@ def _model(seed: int, hidden: int, heads: int, layers: int) -> Any:
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
                                    num_hidden_layers=layers, num_attention_heads=heads,
                                    num_key_value_heads=heads, max_position_embeddings=256,
-                                   attn_implementation="eager")
+                                   attn_implementation="eager")  # type: ignore[call-arg]
     return transformers.LlamaForCausalLM(cfg)
 
 
