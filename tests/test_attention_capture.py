@@ -204,3 +204,12 @@ def test_array_recorder_attention_and_validation_at_open(tmp_path) -> None:
     root["attn/l0/max_logit"].attrs["heads"] = 5
     with pytest.raises(CorruptStoreError, match="heads"):
         open_store(path)
+
+
+def test_record_spec_attention_values() -> None:
+    from gradforensics.replay.plan import RecordSpec
+
+    assert RecordSpec(attention=[]).attention == "auto"          # `--attention` with no glob
+    assert RecordSpec(attention="auto").recorder_options()["attention"] == "auto"
+    assert RecordSpec(attention=["model.layers.1*"]).attention == ("model.layers.1*",)
+    assert RecordSpec(attention="none").attention is None and RecordSpec().attention is None

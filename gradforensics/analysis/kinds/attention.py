@@ -260,7 +260,9 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
             grew = (f"grew {_fmt(row['max_logit_first'])} -> {_fmt(row['max_logit'])} ({_fmt(row['growth'], '.1f')}x)"
                     f" since record {since}" if training else
                     f"is {_fmt(row['max_logit'])}, {_fmt(row['logit_ratio'], '.1f')}x the median of the other heads")
-            text = f"{where}: max attention logit {grew}; entropy {_fmt(row['entropy'], '.3f')}{qk}."
+            clip = (f"; QK-clip at tau={opt.tau:g} would scale its W_Q, W_K by "
+                    f"{np.sqrt(opt.tau / row['max_logit']):.2f}" if row["max_logit"] > opt.tau else "")
+            text = f"{where}: max attention logit {grew}; entropy {_fmt(row['entropy'], '.3f')}{clip}{qk}."
             out.append(Flag("attention_logits", row["tensor"], int(row["head"]), (), sev, (since, last),
                             base | parts, text))
     return out
