@@ -214,33 +214,3 @@ def test_record_spec_attention_values() -> None:
     assert RecordSpec(attention=["model.layers.1*"]).attention == ("model.layers.1*",)
     assert RecordSpec(attention="none").attention is None and RecordSpec().attention is None
 
-
-@pytest.mark.slow
-def test_ddp_ranks_record_their_own_batches_attention(tmp_path) -> None:
-    import multiprocessing as mp
-    import socket
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import _attention_workers as W
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=W.ddp_attention, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    assert [p.exitcode for p in procs] == [0, 0]
-    store = open_store(tmp_path / "ddp_attn.zarr")
-    ranks = store.batches()["rank"]
-    steps = store.batches()["step"]
-    assert store.n_records == 2 * W.STEPS and sorted(ranks.tolist()) == [0, 0, 0, 1, 1, 1]
-    model = W.tiny_llama().train()
-    for i in range(store.n_records):
-        want, _ = run_tapped(model, input_ids=W.batch(int(ranks[i]), int(steps[i])))
-        for stat, v in want["model.layers.0.self_attn"].items():     # no optimizer step: the same weights
-            np.testing.assert_allclose(store.attn("model.layers.0.self_attn", stat)[i], v, atol=1e-5)
