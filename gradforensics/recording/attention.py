@@ -80,19 +80,22 @@ def head_stats(logits: torch.Tensor, allowed: torch.Tensor) -> dict[str, torch.T
     import torch
 
     s = logits.to(torch.float32)
-    ok = allowed.to(s.device).expand_as(s)
-    s_in = s.masked_fill(~ok, float("-inf"))
-    n_keys = ok.sum(-1)                                          # (B, H, Q)
+    ok = allowed.to(s.device)
+    n_keys = ok.sum(-1).expand(s.shape[:-1])                    # (B, H, Q)
     chosen = n_keys >= 2                                         # queries with a choice to make
-    logp = torch.log_softmax(s_in, dim=-1)
-    p = logp.exp()
-    ent = -(p * logp.masked_fill(~ok, 0.0)).sum(-1) / torch.log(n_keys.clamp(min=2).to(s.dtype))
+    s_in = s.masked_fill(~ok, float("-inf"))
+    row_max = s_in.amax(-1)                                      # the query's max logit
+    z = s_in - row_max[..., None]                                # <= 0 where allowed, -inf where not
+    e = z.exp()
+    total = e.sum(-1)
+    lse = total.log()                                            # log-sum-exp of z: p_max = exp(-lse)
+    ent = (lse - (e * torch.where(ok, z, 0.0)).sum(-1) / total) / torch.log(n_keys.clamp(min=2).to(s.dtype))
     inf = torch.tensor(float("inf"), device=s.device)
     return {
-        "max_logit": s_in.masked_fill(~chosen[..., None], float("-inf")).amax(dim=(0, 2, 3)),
+        "max_logit": torch.where(chosen, row_max, -inf).amax(dim=(0, 2)),
         "ent_sum": torch.where(chosen, ent, 0.0).sum(dim=(0, 2)),
         "ent_min": torch.where(chosen, ent, inf).amin(dim=(0, 2)),
-        "onehot": (chosen & (p.amax(-1) > ONEHOT)).sum(dim=(0, 2)).to(torch.float32),
+        "onehot": (chosen & (lse < -np.log(ONEHOT))).sum(dim=(0, 2)).to(torch.float32),
         "n": chosen.sum(dim=(0, 2)).to(torch.float32),
     }
 
