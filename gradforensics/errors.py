@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import errno
 
-__all__ = ["CaptureInterrupted", "CheckpointError", "CompareWarning", "CorruptChunkError", "CorruptStoreError",
+__all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CheckpointError", "CompareWarning", "CorruptChunkError", "CorruptStoreError",
            "DataError", "DataFileNotFoundError", "EmptyStoreError", "FlagsSchemaError", "GradforensicsError",
            "LogReadError", "MissingArrayError", "MissingExtraError", "ModelMismatchError", "NotACheckpointError",
            "NotAStoreError", "OfflineError", "PlotBugWarning", "SchemaVersionError", "SpecError", "StoreClosedError",
@@ -52,6 +52,10 @@ class EmptyStoreError(GradforensicsError, ValueError):
 
 class SpecError(GradforensicsError, ValueError):
     """An option or specification given by the user is invalid."""
+
+
+class AttentionUnavailableError(SpecError):
+    """``attention=`` was asked of a model whose attention exposes no weights (SDPA / flash kernels)."""
 
 
 class StoreClosedError(GradforensicsError, RuntimeError):

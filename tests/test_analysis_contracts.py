@@ -45,6 +45,7 @@ from gradforensics.reporting.comparison import compare_findings
 from gradforensics.runs import render
 from gradforensics.testing import CountingScheduler
 from gradforensics.testing import planted_directions as P
+from gradforensics.testing.attention_run import planted_attention_store
 from gradforensics.testing.contracts import PlantedCase, PlantedStores, parametrize_with_checks
 from gradforensics.testing.planted import noise_store, nonfinite_store
 from gradforensics.testing.planted_probes import planted_curvature_store, planted_optimizer_store
@@ -72,6 +73,7 @@ PLANTED: dict[str, PlantedCase] = {
     "rankconsistency": PlantedCase(replicated_store),
     "curvature": PlantedCase(planted_curvature_store),
     "optimizer": PlantedCase(planted_optimizer_store),
+    "attention": PlantedCase(planted_attention_store),
 }
 
 

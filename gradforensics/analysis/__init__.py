@@ -18,6 +18,7 @@ from __future__ import annotations
 from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Findings, Flag, GramResult
 from gradforensics.analysis.contract.registry import REGISTRY, register, registered, unregister
 from gradforensics.analysis.kinds import (
+    attention,
     coherence,
     conflict,
     curvature,
@@ -49,6 +50,7 @@ register(coherence.ANALYSIS)
 register(rankconsistency.ANALYSIS)
 register(curvature.ANALYSIS)
 register(optimizer.ANALYSIS)
+register(attention.ANALYSIS)
 
 __all__ = ["REGISTRY", "Advice", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult",
            "register", "registered", "unregister"]

@@ -36,7 +36,9 @@ from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.names import check_name
 from gradforensics.store.ranks import RankPlan, TermGuard, rank_writer
 from gradforensics.store.schema import (
+    ATTN_FIELDS,
     act_path,
+    attn_path,
     batch_path,
     decode_bf16,
     encode_bf16,
@@ -74,6 +76,8 @@ class PendingRecord:
     #: Activation statistics reduced where the activations live: ``{module: {stat: array}}`` (its range
     #: is in the recorder's ``_ranges``).
     act_stats: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    #: Per-head attention statistics: ``{module: {stat: (H,) float32}}`` (:mod:`gradforensics.recording.attention`).
+    attn: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 def _is_bf16(a: np.ndarray) -> bool:
@@ -258,11 +262,34 @@ class ArrayRecorder:
         grads: Mapping[str, Any] | None = None,
         activations: Mapping[str, Any] | None = None,
         weights: Mapping[str, Any] | None = None,
+        attention: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        """Record one batch.  Arrays are copied before this returns."""
-        self._submit(self._make_pending(
+        """Record one batch.  Arrays are copied before this returns.
+
+        *attention*: ``{module: {stat: (H,) array}}`` with every stat of
+        ``ATTN_FIELDS`` (``max_logit``, ``entropy_mean``, ``entropy_min``, ``onehot_frac``).
+        """
+        pending = self._make_pending(
             step=step, loss=loss, source=source, mixture=mixture, n_samples=n_samples, lr=lr, rank=rank,
-            time=time, grads=grads, activations=activations, weights=weights))
+            time=time, grads=grads, activations=activations, weights=weights)
+        pending.attn = self._take_attn(attention or {})
+        self._submit(pending)
+
+    def _take_attn(self, attention: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, np.ndarray]]:
+        """Validate per-head attention statistics: every stat, one (H,) shape per module since record 0."""
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for module, stats in attention.items():
+            if set(stats) != set(ATTN_FIELDS):
+                raise SpecError(f"record(): attention[{module!r}] has stats {sorted(stats)}; expected {list(ATTN_FIELDS)}.")
+            row = {k: np.array(stats[k], dtype=np.float32, copy=True) for k in ATTN_FIELDS}
+            shapes = {a.shape for a in row.values()}
+            key = "attn:" + check_name(module, "record(): attention key")
+            seen = self._shapes.setdefault(key, (next(iter(shapes)), "float32"))
+            if len(shapes) != 1 or len(seen[0]) != 1 or shapes != {seen[0]}:
+                raise StoreMismatchError(f"record(): attention[{module!r}] has shapes {sorted(shapes)}; expected one "
+                                         f"(H,) shape, {seen[0]} since record 0.")
+            out[module] = row
+        return out
 
     def _make_pending(
         self,
@@ -420,6 +447,8 @@ class ArrayRecorder:
         for module, stats in p.act_stats.items():
             rng = self._ranges[module]
             rows.update({act_path(module, k): Row(v, rng.attrs() if k == "hist" else {}) for k, v in stats.items()})
+        for module, stats in p.attn.items():
+            rows.update({attn_path(module, k): Row(v, {"heads": int(v.shape[0])}) for k, v in stats.items()})
         weights = {weight_path(k): Row(*self._weight_row(k, w)) for k, w in p.weights.items()}
         if self.bytes_per_record is None:
             self.bytes_per_record = sum(r.data.nbytes for r in rows.values())

@@ -41,6 +41,7 @@ from gradforensics.recording.actstats import (
     partial_stats,
     with_scale,
 )
+from gradforensics.recording.attention import AttentionTaps, attention_modules
 from gradforensics.recording.autoheads import resolve_heads
 from gradforensics.recording.recorder import ArrayRecorder
 from gradforensics.recording.sketch import DeviceSketch
@@ -201,6 +202,12 @@ class TorchRecorder(ArrayRecorder):
     weights_every
         Snapshot the recorded weights every ``k`` records (record 0 included);
         ``None``: never.
+    attention
+        ``"auto"`` (every Hugging Face attention module) or module globs: per
+        record and head, the max attention logit, the mean and minimum attention
+        entropy and the share of one-hot queries, reduced on the device
+        (:mod:`gradforensics.recording.attention`).  The model must run eager
+        attention (``attn_implementation="eager"``); SDPA/flash are refused.
     sketch_on
         ``"device"`` (default): a countsketch is computed where the gradient lives
         (the GPU), so only ``k`` floats per head cross to the host; ``"host"``: the
@@ -228,7 +235,7 @@ class TorchRecorder(ArrayRecorder):
                  tensors: Sequence[str] | None = None, heads: str | Mapping[str, Any] | None = "auto",
                  activations: Sequence[str] | None = None, weights_every: int | None = None,
                  act_bounds: Mapping[str, tuple[float, float]] | None = None, sketch_on: str = "device",
-                 **kwargs: Any) -> None:
+                 attention: str | Sequence[str] | None = None, **kwargs: Any) -> None:
         if sketch_on not in ("device", "host"):
             raise SpecError(f"sketch_on must be 'device' or 'host'; got {sketch_on!r}.")
         if weights_every is not None and (not isinstance(weights_every, int) or weights_every < 1):
@@ -245,6 +252,9 @@ class TorchRecorder(ArrayRecorder):
                             "pass tensors=[globs].")
         specs = resolve_heads(named, {n: tuple(p.shape) for n, p in self.params.items()}, heads)
         self._act_modules = select_modules(named, activations)
+        attn_modules = attention_modules(named, attention) if attention else {}
+        if attn_modules and self.dist is not None and self.dist.kind == "fsdp":
+            raise SpecError("FSDP capture does not take attention= yet; record it from a DDP or single-process run.")
         if self.dist is not None:
             _check_distributed(self.dist, activations, weights_every, kwargs)
             kwargs["ranks"] = self.dist.plan()
@@ -269,6 +279,7 @@ class TorchRecorder(ArrayRecorder):
         self._act_hooks = {n: _ActHook(n) for n in self._act_modules}
         for n, m in self._act_modules.items():
             self._hooks.append(m.register_forward_hook(self._act_hooks[n]))
+        self._attn = AttentionTaps(attn_modules) if attn_modules else None
         self._warned: set[str] = set()
         self._pool: queue.Queue[dict[str, torch.Tensor]] | None = None
         self._pool_lock = threading.Lock()
@@ -277,12 +288,13 @@ class TorchRecorder(ArrayRecorder):
     def record(self, *, step: int | None = None, loss: Any = math.nan, source: str | None = None,
                mixture: Mapping[str, float] | None = None, n_samples: int = 1, lr: float = math.nan,
                rank: int | None = None, time: float | None = None, grads: Mapping[str, Any] | None = None,
-               activations: Mapping[str, Any] | None = None, weights: Mapping[str, Any] | None = None) -> None:
+               activations: Mapping[str, Any] | None = None, weights: Mapping[str, Any] | None = None,
+               attention: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Record the current ``.grad`` of the selected parameters, and the hooked activations.
 
         Call it after ``loss.backward()`` (after the last micro-batch) and before
         ``optimizer.zero_grad()``.  Returns without waiting for the device copy.
-        *grads*, *activations*, *weights*: extra NumPy arrays recorded alongside
+        *grads*, *activations*, *weights*, *attention*: extra NumPy arrays recorded alongside
         (names must differ from the model's).
         """
         if self.dist is not None and self.dist.kind == "fsdp":
@@ -299,6 +311,9 @@ class TorchRecorder(ArrayRecorder):
                 grads=_merge("grads", g, grads), activations=activations,
                 weights=_merge("weights", self._weights(), weights), copy=False)
             pending.act_stats = self._activations()
+            pending.attn = self._take_attn(attention or {})
+            if self._attn is not None:
+                pending.attn = _merge_attn(pending.attn, self._attn.take())
             clash = sorted(set(pending.act_stats) & set(pending.acts))
             if clash:
                 raise SpecError(f"record(): activations[{clash[0]!r}] is already recorded from the model; "
@@ -352,6 +367,9 @@ class TorchRecorder(ArrayRecorder):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        taps = getattr(self, "_attn", None)
+        if taps is not None:
+            taps.remove()
         if self._local is not None:
             self._local.remove()
 
@@ -509,6 +527,14 @@ def _merge(what: str, ours: dict[str, np.ndarray], extra: Mapping[str, Any] | No
     if clash:
         raise SpecError(f"record(): {what}[{clash[0]!r}] is already recorded from the model; give extras other names.")
     return {**ours, **{k: np.array(v, copy=True) for k, v in extra.items()}}
+
+
+def _merge_attn(extra: dict[str, dict[str, np.ndarray]],
+                ours: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    clash = sorted(set(ours) & set(extra))
+    if clash:
+        raise SpecError(f"record(): attention[{clash[0]!r}] is already recorded from the model; give extras other names.")
+    return {**extra, **ours}
 
 
 def _scalar(x: Any) -> float:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CaptureInterrupted, GradforensicsError, SpecError, Terminated
+from gradforensics.recording.attention import use_eager_attention
 from gradforensics.replay.plan import (
     BatchSpec,
     ModelSpec,
@@ -240,6 +241,8 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
     from gradforensics.store.remote import is_url
 
     ckpt = load_model(checkpoint, model, batches)
+    if record.attention is not None:
+        use_eager_attention(ckpt.model)      # SDPA/flash give no attention weights
     per_record = plan_record(ckpt.model, record, len(sources))
     world = 1 if launch is None else launch.world
     sharded = world > 1 and not check_ranks      # FSDP: a record is the reduced gradient of R micro-batches

@@ -137,6 +137,9 @@ class RecordSpec:
     dtype
         On-disk gradient format (``bf16``, ``float16``, ...; stored here by its
         full name); default as computed.
+    attention
+        ``"auto"`` or attention-module globs: per-head attention statistics
+        (the checkpoint then runs eager attention); ``None``: none.
     """
 
     tensors: tuple[str, ...] | None = None
@@ -145,8 +148,10 @@ class RecordSpec:
     sketch: int | None = None
     full: tuple[str, ...] | None = None
     dtype: str | None = None
+    attention: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "attention", _attention(self.attention))
         for name in ("tensors", "activations", "full"):
             object.__setattr__(self, name, _globs(getattr(self, name)))
         heads = self.heads
@@ -171,7 +176,17 @@ class RecordSpec:
     def recorder_options(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~gradforensics.recording.torch.TorchRecorder` these stand for."""
         return {"tensors": self.tensors, "heads": self.heads, "activations": self.activations,
-                "sketch": self.sketch, "full": self.full, "dtype": self.dtype}
+                "sketch": self.sketch, "full": self.full, "dtype": self.dtype, "attention": self.attention}
+
+
+def _attention(value: str | Sequence[str] | None) -> str | tuple[str, ...] | None:
+    """``--attention`` (no globs), ``"auto"`` -> ``"auto"``; ``"none"`` -> None; globs -> a tuple."""
+    if value is None or value == "none":
+        return None
+    if isinstance(value, str):
+        return "auto" if value == "auto" else (value,)
+    globs = tuple(str(v) for v in value)
+    return "auto" if not globs or globs == ("auto",) else globs
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def chunk_shape(row_shape: tuple[int, ...], itemsize: int, r: int, policy: Layou
 
 # Axis names of the stored arrays (Zarr v3 ``dimension_names``; see docs/store-schema.md).
 #: groups whose arrays have one row per record (axis 0 is the shared ``record`` dimension)
-_PER_RECORD = ("batches", "grads", "sketch", "acts")
+_PER_RECORD = ("batches", "grads", "sketch", "acts", "attn")
 
 
 def dimension_names(name: str, ndim: int, attrs: dict[str, object] | None = None) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from gradforensics.errors import CorruptChunkError, GradforensicsError, MissingA
 from gradforensics.store.backends import ArrayHandle, locate, open_backend, read_url_array
 from gradforensics.store.layout import MiB
 from gradforensics.store.location import Location
-from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
+from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
 from gradforensics.store.validate import check_arrays, check_ranks, rows_of
 from gradforensics.store.writer import WEIGHT_RECORD
 
@@ -158,6 +158,11 @@ class Store:
     def act_modules(self) -> list[str]:
         return sorted({k.rsplit("/", 1)[0] for k in self._group("acts")})
 
+    @cached_property
+    def attn_modules(self) -> list[str]:
+        """The attention modules with per-head statistics (``attn/<module>/...``), sorted."""
+        return sorted({k.rsplit("/", 1)[0] for k in self._group("attn")})
+
     @property
     def tensors(self) -> list[str]:
         """Every tensor with gradient information (whole or sketched), sorted."""
@@ -243,6 +248,12 @@ class Store:
         if stat not in ACT_FIELDS:
             raise KeyError(stat)
         return self.read(f"acts/{module}/{stat}")
+
+    def attn(self, module: str, stat: str) -> np.ndarray:
+        """Per-head attention statistic *stat* (one of ``ATTN_FIELDS``) of *module*, float32 ``(N, H)``."""
+        if stat not in ATTN_FIELDS:
+            raise KeyError(stat)
+        return self.read(f"attn/{module}/{stat}")
 
     def act_attrs(self, module: str) -> dict[str, Any]:
         return self.arrays[f"acts/{module}/hist"].attrs

@@ -18,6 +18,7 @@ from gradforensics.store.names import check_name, name_problem
 
 __all__ = [
     "ACT_FIELDS",
+    "ATTN_FIELDS",
     "BATCH_FIELDS",
     "ENCODINGS",
     "MODES",
@@ -26,6 +27,7 @@ __all__ = [
     "Mode",
     "StoreMeta",
     "act_path",
+    "attn_path",
     "batch_path",
     "committed_prefix",
     "decode_bf16",
@@ -58,6 +60,9 @@ BATCH_FIELDS: dict[str, str] = {
 
 #: Per-record activation statistics under ``acts/<module>/``.
 ACT_FIELDS: tuple[str, ...] = ("hist", "frac_low", "frac_high", "mean", "std")
+
+#: Per-record, per-head attention statistics under ``attn/<module>/``, float32 ``(N, H)``.
+ATTN_FIELDS: tuple[str, ...] = ("max_logit", "entropy_mean", "entropy_min", "onehot_frac")
 
 #: How a gradient array is encoded on disk.  The reader always yields float32.
 ENCODINGS: tuple[str, ...] = ("float32", "float16", "bfloat16-as-uint16")
@@ -244,6 +249,10 @@ def weight_path(tensor: str) -> str:
 
 def act_path(module: str, stat: str) -> str:
     return f"acts/{module}/{stat}"
+
+
+def attn_path(module: str, stat: str) -> str:
+    return f"attn/{module}/{stat}"
 
 
 def batch_path(name: str) -> str:

@@ -18,7 +18,7 @@ from gradforensics.errors import CorruptChunkError, CorruptStoreError, MissingAr
 from gradforensics.store.inventory import StoredArray
 from gradforensics.store.names import name_problem
 from gradforensics.store.probe_schema import PROBE_GROUPS, check_probe
-from gradforensics.store.schema import ACT_FIELDS, BATCH_FIELDS, StoreMeta
+from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, StoreMeta
 
 __all__ = ["BULK_GROUPS", "REQUIRED_BATCHES", "check_arrays", "check_ranks", "rows_of"]
 
@@ -28,7 +28,7 @@ REQUIRED_BATCHES = ("step", "loss", "mixture", "n_samples")
 BULK_GROUPS = ("grads", "sketch", "weights")
 _ENCODING_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16-as-uint16": "uint16"}
 _SKETCH_METHODS = ("countsketch", "gaussian")
-_GROUPS = ("batches", "grads", "sketch", "weights", "acts", "analysis")
+_GROUPS = ("batches", "grads", "sketch", "weights", "acts", "analysis", "attn")
 
 
 def rows_of(name: str, meta: StoreMeta) -> int | None:
@@ -93,6 +93,8 @@ def _check_kind(path: str, name: str, arr: StoredArray, meta: StoreMeta) -> None
         _gradient(path, name, arr, sketch=group == "sketch", per_record=group != "weights")
     elif group == "acts":
         _acts(path, name, arr)
+    elif group == "attn":
+        _attn(path, name, arr)
     elif name == "weights/_record" and (arr.dtype != "int64" or len(arr.shape) != 1):
         raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}", "int64 (M,)")
 
@@ -175,6 +177,16 @@ def _acts(path: str, name: str, arr: StoredArray) -> None:
     if b is not None and not (isinstance(b, list) and len(b) == 2 and all(_is_number(x) for x in b)
                               and all(map(math.isfinite, b))):
         raise _bad(path, name, f"bounds={b!r}", "null or two finite numbers")
+
+
+def _attn(path: str, name: str, arr: StoredArray) -> None:
+    parts = name.split("/")
+    if len(parts) != 3 or parts[2] not in ATTN_FIELDS:
+        raise _bad(path, name, "an unknown name", f"attn/<module>/<stat>, stat one of {ATTN_FIELDS}")
+    heads = arr.attrs.get("heads")
+    if len(arr.shape) != 2 or arr.dtype != "float32" or heads != arr.shape[1]:
+        raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape} heads={heads!r}",
+                   "float32 of shape (N, H) with attribute heads = H")
 
 
 def check_ranks(path: str, ranks: Any, world: int | None) -> None:
