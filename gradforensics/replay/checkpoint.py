@@ -75,6 +75,7 @@ __all__ = [
     "read_json_object",
     "read_state_dict",
     "resolve_callable",
+    "torch_load",
 ]
 
 
@@ -486,6 +487,15 @@ def load_tokenizer(path: Path) -> Any:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: no usable tokenizer (tokenizer.json / tokenizer_config.json / vocab): "
                               f"{_one_line(exc)}; pass --tokenizer DIR.") from exc
+
+
+def torch_load(file: Path, *, mmap: bool = False) -> Any:
+    """The one safe ``torch.load`` of a file someone handed you (``weights_only=True``; one-line errors).
+
+    Every failure is a :class:`CheckpointError` naming *file*; a pickle naming a global
+    outside torch's allowlist is refused before anything in it is called.
+    """
+    return _torch_load(file, mmap=mmap)
 
 
 # ------------------------------------------------------------------ raw PyTorch
