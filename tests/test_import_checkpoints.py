@@ -213,3 +213,31 @@ def test_one_checkpoint_is_not_a_series(series, tmp_path):
     with pytest.raises(ImportSourceError, match="1 checkpoint"):
         gf.import_run(one, tmp_path / "x.zarr")
     assert not (tmp_path / "x.zarr").exists()
+
+
+@pytest.mark.parametrize("layout", ["hf", "raw"])
+def test_optimizer_summaries_per_checkpoint(series, tmp_path, layout):
+    root, _ = series
+    store = gf.import_run(root / layout, tmp_path / "imp.zarr", tensors=["*.q_proj.weight", "*.mlp.up_proj.weight"])
+    table = store.meta.extra["import"]["optimizer"]
+    steps = _steps()
+    for name in (Q, "model.layers.1.mlp.up_proj.weight"):
+        row = table[name]
+        for j, s in enumerate(steps):
+            opt = torch.load(root / "raw" / f"step_{s:05d}.pt", weights_only=True)["optimizer"]
+            names = [n for n, _ in transformers.LlamaForCausalLM(_config()).named_parameters()]
+            st = opt["state"].get(names.index(name))
+            if st is None:                     # step 0: no state yet
+                assert row["exp_avg_norm"][j] is None
+                continue
+            t = float(st["step"])
+            v_hat = st["exp_avg_sq"].double() / (1 - 0.999 ** t)
+            assert row["exp_avg_norm"][j] == pytest.approx(float(st["exp_avg"].double().norm()), rel=1e-9)
+            assert row["sqrt_v_hat_norm"][j] == pytest.approx(float(v_hat.sqrt().norm()), rel=1e-9)
+            assert row["eps_share"][j] == pytest.approx(float((v_hat.sqrt() < 1e-8).double().mean()))
+            assert row["step"][j] == s
+    ratio = store.meta.extra["import"]["update_weight_ratio"][Q]
+    ck = [_checkpoint(root, s)[Q].double() for s in steps]
+    for i in range(len(steps) - 1):
+        want = float((ck[i + 1] - ck[i]).pow(2).mean().sqrt() / ck[i].pow(2).mean().sqrt())
+        assert ratio[i] == pytest.approx(want, rel=1e-9)

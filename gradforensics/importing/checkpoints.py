@@ -146,13 +146,17 @@ def load_checkpoint_file(file: Path) -> tuple[dict[str, torch.Tensor], Any]:
     return _unwrap(torch_load(file, mmap=True), file)
 
 
-def _load(ck: Checkpoint) -> dict[str, torch.Tensor]:
+def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
+    """``(state dict, optimizer state or None)`` of checkpoint *ck* (``optimizer.pt`` beside an HF one)."""
+    from gradforensics.replay.checkpoint import torch_load
+
     if ck.kind == "torch":
-        return load_checkpoint_file(ck.path)[0]
+        return load_checkpoint_file(ck.path)
     sd: dict[str, torch.Tensor] = {}
     for f in _hf_files(ck.path):
         sd.update(load_checkpoint_file(f)[0])
-    return sd
+    opt = ck.path / "optimizer.pt"
+    return sd, torch_load(opt, mmap=True) if opt.is_file() else None
 
 
 # ------------------------------------------------------------------ the trainer's log
@@ -230,28 +234,39 @@ def _update(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
                        heads: Any, writer_options: Mapping[str, Any]) -> int:
     """Import the series under *source* into the store *out*; returns the records written."""
-    from gradforensics.importing.heads import resolve
+    from gradforensics.importing.heads import meta_model, resolve
+    from gradforensics.importing.optimizer import STATS, summarize, update_ratio
 
     ckpts = discover(source)
     log = trainer_log(ckpts)
-    prev = _load(ckpts[0])
+    prev, opt = _load(ckpts[0])
     names = select(prev, tensors, ckpts[0].path)
-    specs: dict[str, HeadSpec] = resolve(
-        {n: tuple(prev[n].shape) for n in names}, heads, _config_dir(ckpts[0]))
+    cfg = _config_dir(ckpts[0])
+    model = meta_model(cfg) if cfg is not None else None
+    specs: dict[str, HeadSpec] = resolve({n: tuple(prev[n].shape) for n in names}, heads, model)
+    order = [n for n, _ in model.named_parameters()] if model is not None else None
     extra = {"import": {"format": "checkpoints", "source": str(source), "kind": ckpts[0].kind,
                         "steps": [c.step for c in ckpts]}}
     info = {"class": ckpts[0].kind, "n_params": int(sum(prev[n].numel() for n in names))}
+    moments = [summarize(opt, prev, names, order)]
+    ratios: dict[str, list[float]] = {n: [] for n in names}
     with ImportWriter(out, heads=specs, total=len(ckpts) - 1, framework="torch", model_info=info, extra=extra,
                       **writer_options) as w:
         for i, ck in enumerate(ckpts[1:]):
-            cur = _load(ck)
+            cur, opt = _load(ck)
             _check_same(prev, cur, names, ck.path, ckpts[0].path)
             lo = ckpts[i].step
             loss, lr = _interval_log(log, lo, ck.step)
             iv = Interval(step=ck.step, loss=loss, lr=lr, n_samples=ck.step - lo, time=ck.path.stat().st_mtime)
             snaps = ([{n: prev[n] for n in names}] if i == 0 else []) + [{n: cur[n] for n in names}]
             w.record(iv, {n: _update(prev[n], cur[n]) for n in names}, snaps)
+            for n in names:
+                ratios[n].append(update_ratio(prev[n], cur[n]))
+            moments.append(summarize(opt, cur, names, order))
             prev = cur
+        table = {n: {k: [m.get(n, {}).get(k, math.nan) for m in moments] for k in STATS}
+                 for n in names if any(n in m for m in moments)}
+        w.annotate(update_weight_ratio=ratios, optimizer=table)
     return len(ckpts) - 1
 
 

@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 __all__ = ["meta_model", "resolve"]
 
 
-def resolve(shapes: Mapping[str, tuple[int, ...]], heads: Any, config_dir: Path | None) -> dict[str, HeadSpec]:
-    """``{tensor: HeadSpec}`` of the imported tensors (one-line :class:`SpecError` on a bad spec)."""
+def resolve(shapes: Mapping[str, tuple[int, ...]], heads: Any, model: nn.Module | None) -> dict[str, HeadSpec]:
+    """``{tensor: HeadSpec}`` of the imported tensors (one-line :class:`SpecError` on a bad spec).
+
+    *model* is the series' model on the meta device (:func:`meta_model`), or None.
+    """
     from gradforensics.recording.autoheads import resolve_heads
 
     if heads is None:
@@ -32,8 +35,7 @@ def resolve(shapes: Mapping[str, tuple[int, ...]], heads: Any, config_dir: Path 
     if isinstance(heads, str) and heads != "auto":
         raise SpecError(f"heads must be 'auto', None or a dict {{glob: H}}; got {heads!r}.")
     wants_auto = heads == "auto" or (isinstance(heads, Mapping) and bool(heads.get("auto")))
-    model = meta_model(config_dir) if wants_auto and config_dir is not None else None
-    if model is None:
+    if model is None or not wants_auto:
         explicit = {} if isinstance(heads, str) else {k: v for k, v in heads.items() if k != "auto"}
         return resolve_heads(None, shapes, explicit)  # type: ignore[arg-type]   # no rule reads the model
     known = {n for n, _ in model.named_parameters()}      # a tensor the config's model lacks stays whole

@@ -125,6 +125,14 @@ class ImportWriter:
         self.n += 1
         self.bar.update(self.n)
 
+    def annotate(self, **entries: Any) -> None:
+        """Add *entries* to the root attributes' ``extra["import"]`` (written with the next commit; NaN as null)."""
+        from dataclasses import replace
+
+        meta = self.writer.meta
+        extra = {**meta.extra, "import": {**meta.extra.get("import", {}), **_json_safe(entries)}}
+        self.writer.meta = replace(meta, extra=extra)
+
     def close(self) -> None:
         try:
             self.writer.close()
@@ -163,3 +171,14 @@ class ImportWriter:
         except SpecError:
             self.writer.close()
             raise
+
+
+def _json_safe(v: Any) -> Any:
+    """*v* with every non-finite float as ``None`` (JSON has no NaN)."""
+    if isinstance(v, Mapping):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    return v
