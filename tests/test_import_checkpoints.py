@@ -3,7 +3,8 @@
 The series is made here: a tiny LLaMA trained on a copy task, calm (lr 1e-4) for 10
 steps and then at lr 3e-2, which drives the query/key projections' spectral norms up;
 saved every 10 steps in the Hugging Face Trainer layout (``checkpoint-N/`` with
-``model.safetensors``, ``config.json``, ``optimizer.pt``, ``trainer_state.json``, and a
+``model.safetensors``, ``config.json``, ``optimizer.pt`` of an AdamW with the Trainer's two
+parameter groups, ``trainer_state.json``, and a
 ``training_args.bin`` that is a pickle payload the import must never open), and the same
 weights as raw torch files (``step_N.pt`` holding ``model`` and ``optimizer``).  The
 oracle is the checkpoints themselves: the store's weight snapshots equal them bit for
@@ -50,6 +51,13 @@ def _config():
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
 
 
+def _groups(model) -> tuple[list[str], list[str]]:
+    """The Trainer's two parameter groups: weights with decay, then biases and norms without."""
+    names = [n for n, _ in model.named_parameters()]
+    no_decay = [n for n in names if "bias" in n or "norm" in n]
+    return [n for n in names if n not in no_decay], no_decay
+
+
 def _batch(rng: np.random.Generator) -> torch.Tensor:
     half = rng.integers(3, VOCAB, size=(8, 8))
     return torch.from_numpy(np.concatenate([half, half], axis=1))       # copy task: the second half repeats
@@ -63,7 +71,10 @@ def train_series(root: Path, high_lr: float, marker: Path | None = None) -> Path
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     model = transformers.LlamaForCausalLM(_config())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    decay, no_decay = _groups(model)
+    named = dict(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [named[n] for n in decay], "weight_decay": 0.01},     # as the Trainer
+                             {"params": [named[n] for n in no_decay], "weight_decay": 0.0}], lr=1e-4)
     log: list[dict] = []
     hf, raw = root / "hf", root / "raw"
     raw.mkdir(parents=True)
@@ -227,8 +238,8 @@ def test_optimizer_summaries_per_checkpoint(series, tmp_path, layout):
         row = table[name]
         for j, s in enumerate(steps):
             opt = torch.load(root / "raw" / f"step_{s:05d}.pt", weights_only=True)["optimizer"]
-            names = [n for n, _ in transformers.LlamaForCausalLM(_config()).named_parameters()]
-            st = opt["state"].get(names.index(name))
+            decay, no_decay = _groups(transformers.LlamaForCausalLM(_config()))
+            st = opt["state"].get((decay + no_decay).index(name))
             if st is None:                     # step 0: no state yet
                 assert row["exp_avg_norm"][j] is None
                 continue
