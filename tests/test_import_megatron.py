@@ -145,7 +145,7 @@ def test_joined_gradients_equal_the_unsharded_ones(tmp_path, case):
     lay = LAYOUTS[case]
     ref = {it: reference(lay, it) for it in (10, 20)}
     save = write_dump(tmp_path / "save", lay, ref)
-    store = gf.import_run(save, tmp_path / "imp.zarr", format="megatron", gated_mlp=lay.gated, heads=None)
+    store = gf.import_run(save, tmp_path / "imp.zarr", gated_mlp=lay.gated, heads=None)      # format detected
     assert store.batches()["step"].tolist() == [10, 20]
     want = {n for n, t in ref[10].items() if t.ndim == 2}
     assert set(store.grads) == want

@@ -21,7 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("source", help="a directory of checkpoints (checkpoint-N/, <name><step>.pt, .safetensors), or a "
                                   "Megatron-LM --save directory holding wgrads/, dgrads/ or params/")
-    p.add_argument("--format", choices=FORMATS, default="checkpoints", help="what SOURCE holds (default checkpoints)")
+    p.add_argument("--format", choices=FORMATS, default="auto",
+                   help="what SOURCE holds (default auto: megatron for a --save directory with wgrads/, dgrads/ or "
+                        "params/, else checkpoints)")
     p.add_argument("--out", required=True, help="the store to write: *.zarr or *.h5, or a Zarr store at an fsspec "
                                                 "URL (s3://bucket/dump.zarr)")
     storage_flags.add_argument(p)

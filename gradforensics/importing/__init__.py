@@ -24,13 +24,26 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
     from gradforensics.store.reader import Store
 
-__all__ = ["FORMATS", "import_run"]
+__all__ = ["FORMATS", "detect_format", "import_run"]
 
 
-FORMATS = ("checkpoints", "megatron")
+FORMATS = ("auto", "checkpoints", "megatron")
 
 
-def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, format: str = "checkpoints",
+def detect_format(source: Path) -> str:
+    """``megatron`` when *source* is a Megatron-LM ``--save`` directory (or one of its dump directories), else
+    ``checkpoints``."""
+    from gradforensics.importing.megatron import KINDS
+
+    def has_iters(d: Path) -> bool:
+        return d.is_dir() and any(p.name.startswith("iter_") and p.is_dir() for p in d.iterdir())
+
+    if any(has_iters(source / k) for k in KINDS) or (source.name in KINDS and has_iters(source)):
+        return "megatron"
+    return "checkpoints"
+
+
+def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, format: str = "auto",
                tensors: Sequence[str] | None = None, heads: str | Mapping[str, Any] | None = "auto",
                kind: str = "wgrads", num_heads: int | None = None, num_query_groups: int | None = None,
                gated_mlp: bool = False, overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
@@ -45,7 +58,8 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
     out
         The store to write (``*.zarr``, ``*.h5``, or a Zarr store at an fsspec URL).
     format
-        ``"checkpoints"`` or ``"megatron"``.
+        ``"checkpoints"``, ``"megatron"``, or ``"auto"`` (default: ``megatron`` when *source* holds
+        ``wgrads/``, ``dgrads/`` or ``params/`` with ``iter_*`` directories, else ``checkpoints``).
     tensors
         Globs of the tensors to import (default: every floating 2-D tensor).
     heads
@@ -78,6 +92,8 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
     if format not in FORMATS:
         raise SpecError(f"import: format must be one of {FORMATS}; got {format!r}.")
     src = Path(source)
+    if format == "auto":
+        format = detect_format(src)
     options = {"overwrite": overwrite, "storage_options": storage_options, "quiet": quiet, "force": force}
     if format == "checkpoints":
         from gradforensics.importing.checkpoints import import_checkpoints
