@@ -152,3 +152,17 @@ def test_distributed_checkpoint_is_refused_without_unpickling(tmp_path, capsys):
         (root / f"step_{s}" / ".metadata").write_bytes(pickle.dumps(Payload(marker), protocol=2))
     _refused(tmp_path, capsys, [str(root)], "torch distributed checkpoint", "dcp_to_torch_save")
     assert not marker.exists()
+
+
+def test_an_import_the_disk_cannot_hold_is_refused_before_writing(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    d = _series(tmp_path)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=100))
+    out = tmp_path / "big.zarr"
+    assert main(["import", str(d), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "estimate: 2 records x 120 B (grads 48 B, weights 72 B)" in err
+    assert "needs ~240 B but only 100 B is free" in err and "--force" in err and not out.exists()
+    assert main(["import", str(d), "--out", str(out), "--force", "--quiet"]) == 0 and out.exists()

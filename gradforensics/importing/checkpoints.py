@@ -250,8 +250,11 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
     info = {"class": ckpts[0].kind, "n_params": int(sum(prev[n].numel() for n in names))}
     moments = [summarize(opt, prev, names, order)]
     ratios: dict[str, list[float]] = {n: [] for n in names}
-    with ImportWriter(out, heads=specs, total=len(ckpts) - 1, framework="torch", model_info=info, extra=extra,
-                      **writer_options) as w:
+    per_record = {"grads": 4 * sum(prev[n].numel() for n in names),
+                  "weights": sum(prev[n].numel() * min(prev[n].element_size(), 4) for n in names) * len(ckpts)
+                  // (len(ckpts) - 1)}
+    with ImportWriter(out, heads=specs, total=len(ckpts) - 1, per_record=per_record, framework="torch",
+                      model_info=info, extra=extra, **writer_options) as w:
         for i, ck in enumerate(ckpts[1:]):
             cur, opt = _load(ck)
             _check_same(prev, cur, names, ck.path, ckpts[0].path)

@@ -368,8 +368,10 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
                         "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron"}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
-    with ImportWriter(out, heads=store_specs, total=len(iters), framework="megatron", model_info=info, extra=extra,
-                      **writer_options) as w:
+    grads = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
+    per_record = {"grads": grads, "weights": grads * len(set(params) & set(iters)) // len(iters)}
+    with ImportWriter(out, heads=store_specs, total=len(iters), per_record=per_record, framework="megatron",
+                      model_info=info, extra=extra, **writer_options) as w:
         for it, d in iters.items():
             if it != first_it:
                 merged = _load_iteration(d, spec)

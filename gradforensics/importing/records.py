@@ -5,9 +5,9 @@ hand their records to.  A record is ``grads`` (tensor name -> array: the update 
 an interval, or a dumped gradient), the batch metadata (step, loss, lr, n_samples,
 time) and any number of weight snapshots taken at it.  Arrays are stored as they
 come (float32, float16, bfloat16 as its bit patterns: bit for bit); head-split
-tensors get the layout of :mod:`gradforensics.store.heads`.  The first record is
-measured and the size of the whole import printed (and refused when the disk cannot
-hold it, unless ``force``); a progress bar follows.
+tensors get the layout of :mod:`gradforensics.store.heads`.  The size of the whole
+import is printed before the store is created (and refused when the disk cannot hold
+it, unless ``force``); a progress bar follows.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.errors import SpecError
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.schema import batch_path, grad_path, new_meta, weight_path
 from gradforensics.store.writer import Row, StoreWriter
@@ -79,6 +78,9 @@ class ImportWriter:
         ``{tensor: HeadSpec}`` of the head-split tensors (resolved by the importer).
     total
         Records the import will write (for the estimate and the progress bar).
+    per_record
+        Bytes each record adds, by part (``{"grads": ..., "weights": ...}``): the estimate is
+        printed, and checked against the free disk, before the store is created.
     framework, model_info, extra
         Root attributes; ``extra["import"]`` says where the history came from.
     quiet
@@ -88,7 +90,7 @@ class ImportWriter:
     """
 
     def __init__(self, out: str | os.PathLike[str], *, heads: Mapping[str, HeadSpec], total: int,
-                 framework: str, model_info: Mapping[str, Any], extra: Mapping[str, Any],
+                 per_record: Mapping[str, int], framework: str, model_info: Mapping[str, Any], extra: Mapping[str, Any],
                  overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
                  quiet: bool = False, force: bool = False, file: IO[str] | None = None) -> None:
         from gradforensics.replay.run import Progress
@@ -98,6 +100,7 @@ class ImportWriter:
         self.total = total
         self.force = force
         self.say = None if quiet else (file or sys.stderr)
+        self._estimate(out, dict(per_record))
         self.writer = StoreWriter(out, meta, overwrite=overwrite, storage_options=storage_options)
         self.location = self.writer.location
         self.bar = Progress(total, self.say)
@@ -118,9 +121,6 @@ class ImportWriter:
         snaps = [{weight_path(k): self._weight_row(w) for k, w in snap.items()} for snap in weights]
         for snap in snaps[:-1]:
             self.writer.snapshot(snap)
-        if self.n == 0:
-            self._estimate(sum(r.data.nbytes for r in rows.values()),
-                           sum(r.data.nbytes for s in snaps for r in s.values()))
         self.writer.append(rows, snaps[-1] if snaps else None)
         self.n += 1
         self.bar.update(self.n)
@@ -161,17 +161,12 @@ class ImportWriter:
         data, encoding, source_dtype = as_array(w)
         return Row(data, {"encoding": encoding, "source_dtype": source_dtype})
 
-    def _estimate(self, record_bytes: int, weight_bytes: int) -> None:
-        """The size line (first record measured, weights per record as at the first), and the disk check."""
+    def _estimate(self, out: Any, per: dict[str, int]) -> None:
+        """The size line, and the refusal when the disk cannot hold the import (before anything is written)."""
         from gradforensics.replay.plan import check_disk
 
-        per = {"grads": record_bytes, "weights": weight_bytes, "total": record_bytes + weight_bytes}
-        try:
-            check_disk(per, self.total, self.location.path, force=self.force, say=self.say, refusal=IMPORT_REFUSAL)
-        except SpecError:
-            self.writer.close()
-            raise
-
+        per["total"] = sum(per.values())
+        check_disk(per, self.total, out, force=self.force, say=self.say, refusal=IMPORT_REFUSAL)
 
 def _json_safe(v: Any) -> Any:
     """*v* with every non-finite float as ``None`` (JSON has no NaN)."""
