@@ -166,3 +166,11 @@ def test_an_import_the_disk_cannot_hold_is_refused_before_writing(tmp_path, caps
     assert "estimate: 2 records x 120 B (grads 48 B, weights 72 B)" in err
     assert "needs ~240 B but only 100 B is free" in err and "--force" in err and not out.exists()
     assert main(["import", str(d), "--out", str(out), "--force", "--quiet"]) == 0 and out.exists()
+
+
+def test_the_last_rank_missing_from_one_iteration(tmp_path, capsys):
+    lay = LAYOUTS["tp2_pp2"]
+    save = write_dump(tmp_path / "save", lay, {it: reference(lay, it) for it in (1, 2)})
+    for name in ("mp_rank_01_000.pth", "mp_rank_01_001.pth"):     # the whole of TP rank 1, in iteration 2 only
+        (save / "wgrads" / "iter_0000002" / name).unlink()
+    _refused(tmp_path, capsys, _megatron(save), "iter_0000002: mp_rank_01_000.pth is missing (iter_0000001 has it)")

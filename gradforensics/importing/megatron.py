@@ -328,8 +328,19 @@ def _apply_heads(merged: dict[str, torch.Tensor], spec: MegatronSpec, heads: Any
 
 
 # ------------------------------------------------------------------ the import
-def _load_iteration(d: Path, spec: MegatronSpec) -> dict[str, torch.Tensor]:
+def _load_iteration(d: Path, spec: MegatronSpec, like: Path | None = None) -> dict[str, torch.Tensor]:
+    """One iteration merged; with *like*, its rank files must be those of iteration directory *like*."""
     grid = shards(d)
+    if like is not None:
+        want = {s.path.name for s in shards(like)}
+        lost = sorted(want - {s.path.name for s in grid})
+        if lost:
+            raise MissingShardError(f"{d}: {lost[0]} is missing ({like.name} has it); every saved iteration is "
+                                    "written by the same ranks.")
+        extra = sorted({s.path.name for s in grid} - want)
+        if extra:
+            raise MissingShardError(f"{like}: {extra[0]} is missing ({d.name} has it); every saved iteration is "
+                                    "written by the same ranks.")
     return merge({s: load_shard(s.path) for s in grid}, spec, d)
 
 
@@ -374,11 +385,11 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
                       model_info=info, extra=extra, **writer_options) as w:
         for it, d in iters.items():
             if it != first_it:
-                merged = _load_iteration(d, spec)
+                merged = _load_iteration(d, spec, first_dir)
                 _apply_heads(merged, spec, heads)
             snaps = []
             if it in params:
-                p = _load_iteration(params[it], spec)
+                p = _load_iteration(params[it], spec, first_dir)
                 _apply_heads(p, spec, heads)
                 snaps = [{store_name(n): p[n] for n in names if n in p}]
             missing = [n for n in names if n not in merged]
