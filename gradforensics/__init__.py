@@ -17,6 +17,7 @@ from gradforensics.errors import GradforensicsError
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.analysis.engine.run import analyze
+    from gradforensics.importing import import_run
     from gradforensics.recording import Recorder
     from gradforensics.replay.pipeline import capture
     from gradforensics.replay.plan import BatchSpec, ModelSpec, RecordSpec
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 _PUBLIC: dict[str, str] = {
     "Recorder": "gradforensics.recording",
     "capture": "gradforensics.replay.pipeline",
+    "import_run": "gradforensics.importing",
     "BatchSpec": "gradforensics.replay.plan",
     "RecordSpec": "gradforensics.replay.plan",
     "ModelSpec": "gradforensics.replay.plan",
@@ -49,8 +51,8 @@ _PUBLIC: dict[str, str] = {
 }
 
 __all__ = ["BatchSpec", "Comparison", "Findings", "Flag", "GradforensicsError", "Location", "ModelSpec", "RecordSpec",
-           "Recorder", "Store", "WhatIf", "__version__", "analyze", "capture", "compare", "open_store", "report",
-           "whatif"]
+           "Recorder", "Store", "WhatIf", "__version__", "analyze", "capture", "compare", "import_run", "open_store",
+           "report", "whatif"]
 
 
 def __getattr__(name: str) -> Any:

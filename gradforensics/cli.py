@@ -31,6 +31,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "analyze": ("analyze", "run the forensic pass over a store (Dask) and write the report"),
     "loss": ("loss", "loss-curve forensics of a store or training logs: spectrum vs red noise, fractal dimension"),
     "compare": ("compare", "compare two runs of one model finding by finding: resolved, new, persisting, worse"),
+    "import": ("import_", "import a run's history: a checkpoint series (updates between checkpoints) or Megatron-LM "
+                          "gradient dumps"),
     "capture": ("capture", "dump a problem checkpoint (HF directory or raw PyTorch) replaying batches per data source"),
     "whatif": ("whatif", "replay the problem checkpoint under several optimizers / LRs / mixtures on identical batches, "
                          "side by side"),

@@ -13,10 +13,11 @@ import errno
 
 __all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CheckpointError", "CompareWarning", "CorruptChunkError", "CorruptStoreError",
            "DataError", "DataFileNotFoundError", "EmptyStoreError", "FlagsSchemaError", "GradforensicsError",
-           "LogReadError", "MissingArrayError", "MissingExtraError", "ModelMismatchError", "NotACheckpointError",
-           "NotAStoreError", "OfflineError", "PlotBugWarning", "SchemaVersionError", "SpecError", "StoreClosedError",
-           "StoreExistsError", "StoreLockedError", "StoreMismatchError", "StorePermissionError", "StoreUnreachableError",
-           "Terminated", "UnsafeNameError", "WhatIfInterrupted", "WriteRefusedError", "refusal"]
+           "ImportSourceError", "LogReadError", "MissingArrayError", "MissingExtraError", "MissingShardError",
+           "ModelMismatchError", "NotACheckpointError", "NotAStoreError", "OfflineError", "PlotBugWarning",
+           "SchemaVersionError", "ShardMismatchError", "SpecError", "StoreClosedError", "StoreExistsError",
+           "StoreLockedError", "StoreMismatchError", "StorePermissionError", "StoreUnreachableError", "Terminated",
+           "UnsafeNameError", "WhatIfInterrupted", "WriteRefusedError", "refusal"]
 
 
 class GradforensicsError(Exception):
@@ -137,6 +138,18 @@ class OfflineError(GradforensicsError, ConnectionError):
 
 class LogReadError(GradforensicsError, ValueError):
     """A training log could not be read or holds no usable series."""
+
+
+class ImportSourceError(GradforensicsError, ValueError):
+    """What ``gradforensics import`` was handed is not a series it reads (no checkpoints, no dump, no steps)."""
+
+
+class MissingShardError(ImportSourceError, FileNotFoundError):
+    """A sharded dump lacks a rank's file (tensor-, pipeline- or expert-parallel) for an iteration."""
+
+
+class ShardMismatchError(ImportSourceError):
+    """The shards of one tensor do not fit together (shape, dtype, or a tensor missing from a rank)."""
 
 
 class FlagsSchemaError(GradforensicsError, ValueError):

@@ -247,12 +247,15 @@ def test_analyses_import_no_other_analysis():
 @pytest.mark.parametrize(("layers", "rule", "allowed"), [
     (("recording", "replay"), "recording and replay never import analysis or reporting (they write stores, analysis reads them)",
      lambda imp: not _under(imp.target, "analysis", "reporting")),
-    (("analysis",), "analysis never imports torch, recording or replay (it reads stores, framework-free)",
-     lambda imp: _top(imp.target) != "torch" and not _under(imp.target, "recording", "replay")),
+    (("importing",), "importing writes stores like recording and replay: it never imports analysis, reporting, "
+                     "runs or the CLI",
+     lambda imp: not _under(imp.target, "analysis", "reporting", "runs", "commands", "cli", "demo")),
+    (("analysis",), "analysis never imports torch, recording, replay or importing (it reads stores, framework-free)",
+     lambda imp: _top(imp.target) != "torch" and not _under(imp.target, "recording", "replay", "importing")),
     (("store",), "store imports nothing from recording, replay, analysis, reporting, commands or testing "
                  "(the format is the bottom layer)",
-     lambda imp: not _under(imp.target, "recording", "replay", "analysis", "reporting", "commands", "testing", "cli",
-                            "demo")),
+     lambda imp: not _under(imp.target, "recording", "replay", "importing", "analysis", "reporting", "commands",
+                            "testing", "cli", "demo")),
     (("reporting",), "reporting imports from analysis only its contract (analysis.contract: the types and the "
                      "registry) and gradforensics.analysis",
      lambda imp: not _under(imp.target, "analysis") or imp.target == f"{PACKAGE}.analysis"
@@ -276,7 +279,7 @@ def test_only_the_command_line_imports_commands():
     bad = [f"{imp.source}:{imp.line} imports {imp.target}" for imp in ALL_IMPORTS
            if _under(imp.target, "commands") and not cli_side(imp.source)]
     assert not bad, "layering rule broken: only cli.py and commands/ import gradforensics.commands:\n" + "\n".join(bad)
-    for layer in ("runs", "testing", "demo", "replay", "recording"):
+    for layer in ("runs", "testing", "demo", "replay", "recording", "importing"):
         assert any(_layer(m) == layer for m in MODULES), layer       # the rule sees the libraries it names
 
 

@@ -70,12 +70,12 @@ __all__ = [
     "checkpoint_step",
     "load_checkpoint",
     "load_tokenizer",
-    "load_torch",
     "max_positions",
     "offline",
     "read_json_object",
     "read_state_dict",
     "resolve_callable",
+    "torch_load",
 ]
 
 
@@ -489,9 +489,13 @@ def load_tokenizer(path: Path) -> Any:
                               f"{_one_line(exc)}; pass --tokenizer DIR.") from exc
 
 
-def load_torch(file: Path) -> Any:
-    """``torch.load(file, weights_only=True)`` on the CPU; every failure is one :class:`CheckpointError` line."""
-    return _torch_load(file)
+def torch_load(file: Path, *, mmap: bool = False) -> Any:
+    """The one safe ``torch.load`` of a file someone handed you (``weights_only=True``; one-line errors).
+
+    Every failure is a :class:`CheckpointError` naming *file*; a pickle naming a global
+    outside torch's allowlist is refused before anything in it is called.
+    """
+    return _torch_load(file, mmap=mmap)
 
 
 # ------------------------------------------------------------------ raw PyTorch

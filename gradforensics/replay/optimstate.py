@@ -101,16 +101,16 @@ def read_optimizer_state(path: str | os.PathLike[str]) -> tuple[dict[str, Any], 
     CheckpointError
         The file cannot be read, or its optimizer entry is not a state dict.
     """
-    from gradforensics.replay.checkpoint import load_torch
+    from gradforensics.replay.checkpoint import torch_load
 
     p = Path(path)
     if p.is_dir():
         file = next((p / f for f in STATE_FILES if (p / f).is_file()), None)
         if file is None:
             return None
-        obj, where = load_torch(file), str(file)
+        obj, where = torch_load(file), str(file)
     else:
-        obj, where = load_torch(p), f"{p} ['optimizer']"
+        obj, where = torch_load(p), f"{p} ['optimizer']"
         if isinstance(obj, Mapping) and "optimizer" in obj:
             obj = obj["optimizer"]
         elif not (isinstance(obj, Mapping) and "param_groups" in obj):

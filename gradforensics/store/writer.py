@@ -117,6 +117,15 @@ class StoreWriter:
         if len(self._buffer) >= self._r:
             self.flush()
 
+    def snapshot(self, weights: dict[str, Row]) -> None:
+        """Buffer a weight snapshot taken at the next record, before it is appended (a record may have several).
+
+        The next :meth:`append` must follow: the snapshot's ``weights/_record`` names that record.
+        """
+        if self._closed:
+            raise StoreClosedError(f"{self.path}: the store writer is closed.")
+        self._weights.append((self._n + len(self._buffer), weights))
+
     def flush(self) -> None:
         """Write the buffered records and commit them."""
         if not self._buffer and not self._weights:

@@ -1,0 +1,63 @@
+"""``gradforensics import SOURCE --format checkpoints|megatron --out STORE``: a run's history as a store.
+
+A thin wrapper of :func:`gradforensics.importing.import_run` (``gf.import_run``): a
+series of checkpoints becomes weight snapshots and one record per interval (the
+update between consecutive checkpoints); Megatron-LM dumps one record per saved
+iteration, shards joined.  Prints the size estimate and a progress bar; every file is
+read with ``weights_only=True``.  See ``docs/import.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gradforensics.commands import storage as storage_flags
+    from gradforensics.importing import FORMATS
+
+    p.add_argument("source", help="a directory of checkpoints (checkpoint-N/, <name><step>.pt, .safetensors), or a "
+                                  "Megatron-LM --save directory holding wgrads/, dgrads/ or params/")
+    p.add_argument("--format", choices=FORMATS, default="auto",
+                   help="what SOURCE holds (default auto: megatron for a --save directory with wgrads/, dgrads/ or "
+                        "params/, else checkpoints)")
+    p.add_argument("--out", required=True, help="the store to write: *.zarr or *.h5, or a Zarr store at an fsspec "
+                                                "URL (s3://bucket/dump.zarr)")
+    storage_flags.add_argument(p)
+    r = p.add_argument_group("what to import")
+    r.add_argument("--tensors", nargs="+", metavar="GLOB", help="tensor globs (default: every 2-D floating tensor)")
+    r.add_argument("--heads", nargs="+", default=["auto"], metavar="SPEC",
+                   help="auto (default), none, or GLOB=H entries (with auto among them to keep the rules)")
+    m = p.add_argument_group("megatron")
+    m.add_argument("--kind", choices=("wgrads", "dgrads", "params"), default="wgrads",
+                   help="which dump to import (default wgrads: the reduced main_grad)")
+    m.add_argument("--num-heads", type=int, metavar="H", help="attention heads: splits linear_qkv into heads")
+    m.add_argument("--num-query-groups", type=int, metavar="G", help="query groups (grouped-query attention; "
+                                                                     "default = --num-heads)")
+    m.add_argument("--gated-mlp", action="store_true", help="linear_fc1 is a gated pair (SwiGLU): each rank holds "
+                                                            "its part of both halves")
+    p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
+    p.add_argument("--quiet", action="store_true", help="no estimate line, no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradforensics._extras import require_extra
+
+    require_extra("torch", "gradforensics import")
+    from gradforensics.commands import storage as storage_flags
+    from gradforensics.importing import import_run
+    from gradforensics.replay.plan import parse_heads
+    from gradforensics.store.remote import is_url
+
+    options = storage_flags.location(args, args.out).storage_options if is_url(args.out) else None
+    store = import_run(args.source, args.out, format=args.format, tensors=args.tensors,
+                       heads=parse_heads(args.heads), kind=args.kind, num_heads=args.num_heads,
+                       num_query_groups=args.num_query_groups, gated_mlp=args.gated_mlp,
+                       overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force)
+    print(f"{args.out}: {store.n_records} records, {len(store.grads)} tensors, {store.meta.n_weights} weight "
+          f"snapshots; next: gradforensics analyze {args.out} --out REPORT_DIR", file=sys.stderr)
+    return 0

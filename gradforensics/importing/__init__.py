@@ -1,0 +1,107 @@
+"""Import what a team already has into an ordinary schema-v1 store (``mode="training"``).
+
+* :mod:`gradforensics.importing.checkpoints`: a series of checkpoints (Hugging Face
+  Trainer ``checkpoint-N/``, raw torch files, safetensors): weight snapshots and the
+  update between consecutive checkpoints, one record per interval;
+* :mod:`gradforensics.importing.megatron`: Megatron-LM's ``wgrads`` / ``dgrads`` /
+  ``params`` dumps, shards joined, one record per saved iteration.
+
+Both write through :class:`gradforensics.importing.records.ImportWriter` (the store
+writer), read every file with ``torch.load(weights_only=True)`` or safetensors, and
+refuse anything malformed in one line.  ``gf.import_run(...)`` is the entry point;
+``gradforensics import`` its command line.  See ``docs/import.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.errors import SpecError
+
+if TYPE_CHECKING:
+    from gradforensics.store.reader import Store
+
+__all__ = ["FORMATS", "detect_format", "import_run"]
+
+
+FORMATS = ("auto", "checkpoints", "megatron")
+
+
+def detect_format(source: Path) -> str:
+    """``megatron`` when *source* is a Megatron-LM ``--save`` directory (or one of its dump directories), else
+    ``checkpoints``."""
+    from gradforensics.importing.megatron import KINDS
+
+    def has_iters(d: Path) -> bool:
+        return d.is_dir() and any(p.name.startswith("iter_") and p.is_dir() for p in d.iterdir())
+
+    if any(has_iters(source / k) for k in KINDS) or (source.name in KINDS and has_iters(source)):
+        return "megatron"
+    return "checkpoints"
+
+
+def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, format: str = "auto",
+               tensors: Sequence[str] | None = None, heads: str | Mapping[str, Any] | None = "auto",
+               kind: str = "wgrads", num_heads: int | None = None, num_query_groups: int | None = None,
+               gated_mlp: bool = False, overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
+               quiet: bool = True, force: bool = False) -> Store:
+    """Import a training run's history from *source* into a new store at *out*.
+
+    Parameters
+    ----------
+    source
+        A directory: checkpoints (``format="checkpoints"``) or a Megatron-LM ``--save``
+        directory holding ``wgrads/``, ``dgrads/`` or ``params/`` (``format="megatron"``).
+    out
+        The store to write (``*.zarr``, ``*.h5``, or a Zarr store at an fsspec URL).
+    format
+        ``"checkpoints"``, ``"megatron"``, or ``"auto"`` (default: ``megatron`` when *source* holds
+        ``wgrads/``, ``dgrads/`` or ``params/`` with ``iter_*`` directories, else ``checkpoints``).
+    tensors
+        Globs of the tensors to import (default: every floating 2-D tensor).
+    heads
+        ``"auto"``, ``None`` or ``{glob: H | {"heads": H, "axis": A, ...}}`` as in
+        ``capture``.  Megatron's fused ``linear_qkv`` is split into heads by query group
+        when *num_heads* (and *num_query_groups* for grouped-query attention) are given.
+    kind
+        Megatron: which dump, ``"wgrads"`` (the reduced ``main_grad``), ``"dgrads"``
+        or ``"params"``.
+    num_heads, num_query_groups, gated_mlp
+        Megatron: the model's attention heads and query groups, and whether
+        ``linear_fc1`` is a gated (SwiGLU) pair whose halves each rank holds.
+    overwrite, storage_options
+        As for :class:`gradforensics.Recorder`.
+    quiet, force
+        No size line and progress bar; write even when the estimate exceeds the free disk.
+
+    Returns
+    -------
+    Store
+        The written store, opened for reading.
+
+    Raises
+    ------
+    ImportSourceError, CheckpointError, NotACheckpointError
+        A source that is not a series, or a file that cannot be read safely (one line).
+    """
+    from gradforensics.store.reader import open_store
+
+    if format not in FORMATS:
+        raise SpecError(f"import: format must be one of {FORMATS}; got {format!r}.")
+    src = Path(source)
+    if format == "auto":
+        format = detect_format(src)
+    options = {"overwrite": overwrite, "storage_options": storage_options, "quiet": quiet, "force": force}
+    if format == "checkpoints":
+        from gradforensics.importing.checkpoints import import_checkpoints
+
+        import_checkpoints(src, out, tensors=tensors, heads=heads, writer_options=options)
+    else:
+        from gradforensics.importing.megatron import MegatronSpec, import_megatron
+
+        spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp)
+        import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options)
+    return open_store(out, storage_options=storage_options)

@@ -1,0 +1,281 @@
+"""A series of checkpoints as a store: weight snapshots and the update of every interval.
+
+Sources read (:func:`discover`), every file with ``torch.load(weights_only=True)`` or
+safetensors' own reader, nothing else in the directories opened:
+
+* Hugging Face Trainer output: ``SOURCE/checkpoint-N/`` directories holding
+  ``model.safetensors`` or ``pytorch_model.bin`` (or their sharded ``*.index.json``),
+  ``optimizer.pt`` and ``trainer_state.json``; the step is ``N``, the last
+  ``trainer_state.json``'s ``log_history`` gives ``batches/loss`` and ``batches/lr``.
+  ``training_args.bin``, ``rng_state.pth`` and ``scheduler.pt`` are never opened.
+* raw torch files ``SOURCE/<name><step>.pt|.pth|.bin`` holding a state dict, or a dict
+  with ``model`` (``state_dict``, ``model_state_dict``) and maybe ``optimizer``;
+* ``SOURCE/<name><step>.safetensors`` files.
+
+Torch distributed-checkpoint directories (a ``.metadata`` file) are refused: torch reads
+their metadata with a plain ``pickle.load``, which would run code from the source.
+
+Record ``i`` holds the update ``W(step_{i+1}) - W(step_i)`` of every selected tensor
+(in float32, half-precision weights widened first), ``batches/step`` the
+later step; weight snapshot ``j`` is checkpoint ``j`` (snapshots 0 and 1 are both taken
+at record 0, snapshot ``j >= 1`` at record ``j - 1``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.errors import CheckpointError, ImportSourceError, NotACheckpointError
+from gradforensics.importing.records import ImportWriter, Interval
+from gradforensics.store.names import check_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from gradforensics.store.heads import HeadSpec
+
+__all__ = ["HF_WEIGHTS", "Checkpoint", "discover", "import_checkpoints", "load_checkpoint_file", "select",
+           "trainer_log"]
+
+
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+_HF_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_RAW_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+_HF_DIR = re.compile(r"^checkpoint-(\d+)$")
+_LAST_INT = re.compile(r"(\d+)(?!.*\d)")
+_MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
+_OPTIM_KEYS = ("optimizer", "optimizer_state_dict", "optim")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint of a series: its step, where it is and how it is laid out (``hf``, ``torch``)."""
+
+    step: int
+    path: Path
+    kind: str
+
+
+# ------------------------------------------------------------------ finding the series
+def discover(source: Path) -> list[Checkpoint]:
+    """The checkpoints under *source*, by step; at least two, steps distinct (one-line errors)."""
+    if not source.is_dir():
+        raise NotACheckpointError(f"{source}: not a directory; --format checkpoints reads a directory of "
+                                  "checkpoint-N/ directories or of <name><step>.pt / .safetensors files.")
+    entries = sorted(source.iterdir())
+    dcp = [p for p in [source, *entries] if p.is_dir() and (p / ".metadata").is_file()]
+    if dcp:
+        raise ImportSourceError(f"{dcp[0]}: a torch distributed checkpoint; its .metadata is a plain pickle that "
+                                "torch reads without weights_only, so gradforensics does not open it. Convert each "
+                                "one where you trust it (torch.distributed.checkpoint.format_utils.dcp_to_torch_save)"
+                                " and import the .pt files.")
+    found = [Checkpoint(int(m.group(1)), p, "hf") for p in entries if p.is_dir() and (m := _HF_DIR.match(p.name))]
+    if not found:
+        found = [Checkpoint(int(m.group(1)), p, "torch") for p in entries
+                 if p.is_file() and p.suffix in _RAW_SUFFIXES and (m := _LAST_INT.search(p.stem))]
+    if len(found) < 2:
+        raise ImportSourceError(f"{source}: {len(found)} checkpoint(s) found; an import needs at least two (an update "
+                                "is the difference of consecutive ones): checkpoint-N/ directories, or files named "
+                                "with their step (step_100.pt, model-200.safetensors).")
+    found.sort(key=lambda c: c.step)
+    for a, b in itertools.pairwise(found):
+        if a.step == b.step:
+            raise ImportSourceError(f"{source}: {a.path.name} and {b.path.name} both read as step {a.step}; "
+                                    "keep one checkpoint per step.")
+    return found
+
+
+# ------------------------------------------------------------------ reading one checkpoint
+def _hf_files(d: Path) -> list[Path]:
+    for name in HF_WEIGHTS:
+        if (d / name).is_file():
+            return [d / name]
+    for name in _HF_INDEX:
+        if (d / name).is_file():
+            return _index_files(d, d / name)
+    raise NotACheckpointError(f"{d}: no {' or '.join(HF_WEIGHTS)} (nor a sharded index) in this checkpoint "
+                              "directory.")
+
+
+def _index_files(d: Path, index: Path) -> list[Path]:
+    from gradforensics.replay.checkpoint import read_json_object
+
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: no weight_map {{tensor: shard file}} in the index.")
+    files = sorted({str(v) for v in weight_map.values()})
+    bad = [f for f in files if not isinstance(f, str) or "/" in f or "\\" in f or f in ("", ".", "..")]
+    if bad:
+        raise CheckpointError(f"{index}: shard {bad[0]!r} is not a file name in {d}; refused.")
+    missing = [f for f in files if not (d / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: shard {missing[0]} is missing from {d}.")
+    return [d / f for f in files]
+
+
+def _unwrap(obj: Any, file: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """``(state dict, optimizer state or None)`` of what ``torch.load`` gave for *file*."""
+    import torch
+
+    optim = None
+    if isinstance(obj, Mapping):
+        optim = next((obj[k] for k in _OPTIM_KEYS if isinstance(obj.get(k), Mapping)), None)
+        obj = next((obj[k] for k in _MODEL_KEYS if isinstance(obj.get(k), Mapping)), obj)
+    if not isinstance(obj, Mapping) or not obj:
+        raise CheckpointError(f"{file}: expected a state dict (names -> tensors), or a dict with 'model'; "
+                              f"found {type(obj).__name__}.")
+    sd = {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    if not sd:
+        raise CheckpointError(f"{file}: holds no tensor under a name; not a state dict.")
+    return sd, optim
+
+
+def load_checkpoint_file(file: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """``(state dict, optimizer state or None)`` of one weight file (safetensors or torch)."""
+    from gradforensics.replay.checkpoint import read_state_dict, torch_load
+
+    if file.suffix == ".safetensors":
+        return read_state_dict(file), None
+    return _unwrap(torch_load(file, mmap=True), file)
+
+
+def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
+    """``(state dict, optimizer state or None)`` of checkpoint *ck* (``optimizer.pt`` beside an HF one)."""
+    from gradforensics.replay.checkpoint import torch_load
+
+    if ck.kind == "torch":
+        return load_checkpoint_file(ck.path)
+    sd: dict[str, torch.Tensor] = {}
+    for f in _hf_files(ck.path):
+        sd.update(load_checkpoint_file(f)[0])
+    opt = ck.path / "optimizer.pt"
+    return sd, torch_load(opt, mmap=True) if opt.is_file() else None
+
+
+# ------------------------------------------------------------------ the trainer's log
+def trainer_log(ckpts: Sequence[Checkpoint]) -> dict[int, dict[str, float]]:
+    """``{step: {"loss": ..., "lr": ...}}`` from the latest ``trainer_state.json`` that has a ``log_history``."""
+    from gradforensics.replay.checkpoint import read_json_object
+
+    for ck in reversed(ckpts):
+        state = (ck.path if ck.kind == "hf" else ck.path.parent) / "trainer_state.json"
+        if not state.is_file():
+            continue
+        history = read_json_object(state).get("log_history")
+        if not isinstance(history, list):
+            raise CheckpointError(f"{state}: log_history is not a list of log entries.")
+        out: dict[int, dict[str, float]] = {}
+        for entry in history:
+            if not isinstance(entry, dict) or not _is_int(entry.get("step")):
+                continue
+            row = out.setdefault(int(entry["step"]), {})
+            for key, want in (("loss", "loss"), ("learning_rate", "lr")):
+                v = entry.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    row[want] = float(v)
+        return out
+    return {}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _interval_log(log: Mapping[int, Mapping[str, float]], lo: int, hi: int) -> tuple[float, float]:
+    """Mean logged loss over steps ``(lo, hi]``; the lr logged last at or before *hi* (NaN where none)."""
+    losses = [r["loss"] for s, r in log.items() if lo < s <= hi and "loss" in r]
+    lrs = [(s, r["lr"]) for s, r in log.items() if s <= hi and "lr" in r]
+    loss = float(sum(losses) / len(losses)) if losses else math.nan
+    lr = max(lrs)[1] if lrs else math.nan
+    return loss, lr
+
+
+# ------------------------------------------------------------------ selection
+def select(sd: Mapping[str, torch.Tensor], tensors: Sequence[str] | None, where: Path) -> list[str]:
+    """The tensors to import: matching *tensors* globs (default: every floating 2-D tensor), names checked."""
+    floating = {n for n, t in sd.items() if t.is_floating_point()}
+    if tensors:
+        chosen = [n for n in sd if n in floating and any(fnmatch.fnmatchcase(n, g) for g in tensors)]
+        unused = [g for g in tensors if not any(fnmatch.fnmatchcase(n, g) for n in floating)]
+        if unused:
+            raise ImportSourceError(f"--tensors: glob {unused[0]!r} matches no floating tensor of {where} "
+                                    f"(e.g. {', '.join(list(sd)[:3])}).")
+    else:
+        chosen = [n for n in sd if n in floating and sd[n].ndim == 2]
+    if not chosen:
+        raise ImportSourceError(f"{where}: no 2-D floating tensor to import; pass --tensors GLOB.")
+    return [check_name(n, "tensor name") for n in chosen]
+
+
+def _check_same(prev: Mapping[str, torch.Tensor], cur: Mapping[str, torch.Tensor], names: Sequence[str],
+                where: Path, first: Path) -> None:
+    for n in names:
+        if n not in cur:
+            raise ImportSourceError(f"{where}: tensor {n} is missing; {first} has it (every checkpoint of a series "
+                                    "must hold the imported tensors).")
+        if tuple(cur[n].shape) != tuple(prev[n].shape):
+            raise ImportSourceError(f"{where}: tensor {n} has shape {tuple(cur[n].shape)}; the checkpoint before "
+                                    f"holds {tuple(prev[n].shape)}.")
+
+
+def _update(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``b - a`` in float32 (half-precision weights are widened first, exactly)."""
+    return b.float() - a.float()
+
+
+# ------------------------------------------------------------------ the import
+def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
+                       heads: Any, writer_options: Mapping[str, Any]) -> int:
+    """Import the series under *source* into the store *out*; returns the records written."""
+    from gradforensics.importing.heads import meta_model, resolve
+    from gradforensics.importing.optimizer import STATS, summarize, update_ratio
+
+    ckpts = discover(source)
+    log = trainer_log(ckpts)
+    prev, opt = _load(ckpts[0])
+    names = select(prev, tensors, ckpts[0].path)
+    cfg = _config_dir(ckpts[0])
+    model = meta_model(cfg) if cfg is not None else None
+    specs: dict[str, HeadSpec] = resolve({n: tuple(prev[n].shape) for n in names}, heads, model)
+    order = [n for n, _ in model.named_parameters()] if model is not None else None
+    extra = {"import": {"format": "checkpoints", "source": str(source), "kind": ckpts[0].kind,
+                        "steps": [c.step for c in ckpts]}}
+    info = {"class": ckpts[0].kind, "n_params": int(sum(prev[n].numel() for n in names))}
+    moments = [summarize(opt, prev, names, order)]
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    per_record = {"grads": 4 * sum(prev[n].numel() for n in names),
+                  "weights": sum(prev[n].numel() * min(prev[n].element_size(), 4) for n in names) * len(ckpts)
+                  // (len(ckpts) - 1)}
+    with ImportWriter(out, heads=specs, total=len(ckpts) - 1, per_record=per_record, framework="torch",
+                      model_info=info, extra=extra, **writer_options) as w:
+        for i, ck in enumerate(ckpts[1:]):
+            cur, opt = _load(ck)
+            _check_same(prev, cur, names, ck.path, ckpts[0].path)
+            lo = ckpts[i].step
+            loss, lr = _interval_log(log, lo, ck.step)
+            iv = Interval(step=ck.step, loss=loss, lr=lr, n_samples=ck.step - lo, time=ck.path.stat().st_mtime)
+            snaps = ([{n: prev[n] for n in names}] if i == 0 else []) + [{n: cur[n] for n in names}]
+            w.record(iv, {n: _update(prev[n], cur[n]) for n in names}, snaps)
+            for n in names:
+                ratios[n].append(update_ratio(prev[n], cur[n]))
+            moments.append(summarize(opt, cur, names, order))
+            prev = cur
+        table = {n: {k: [m.get(n, {}).get(k, math.nan) for m in moments] for k in STATS}
+                 for n in names if any(n in m for m in moments)}
+        w.annotate(update_weight_ratio=ratios, optimizer=table)
+    return len(ckpts) - 1
+
+
+def _config_dir(ck: Checkpoint) -> Path | None:
+    """Where a Hugging Face ``config.json`` of the series is (for ``heads="auto"``), or None."""
+    for d in (ck.path if ck.kind == "hf" else ck.path.parent, ck.path.parent):
+        if (d / "config.json").is_file():
+            return d
+    return None

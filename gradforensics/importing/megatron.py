@@ -1,0 +1,399 @@
+"""Megatron-LM's gradient and parameter dumps as a store: one record per saved iteration.
+
+The layout, as Megatron-LM writes it (``megatron/training/checkpointing.py``
+``save_grads``; ``megatron/training/training.py`` ``_save_state_dict``)::
+
+    <save>/<wgrads|dgrads|params>/iter_<iteration:07d>/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>].pth
+
+written by every rank of expert-data-parallel rank 0, the ``_<pp>`` part only when the
+pipeline-parallel size is above 1 and the ``_<ep>`` part only when the expert-parallel size
+is.  Each file is ``torch.save(dict)`` of ``{"model_chunk<i>": {parameter name: tensor}}``,
+``i`` the virtual-pipeline chunk; ``wgrads`` holds each parameter's reduced ``main_grad``
+(saved after the all-reduce, before the optimizer step), ``params`` its ``data`` after the
+step, ``dgrads`` the activation gradients ``<module>/output<k>`` and ``<module>/input<k>``
+of the last micro-batch.  The iteration in the name is 1-based.
+
+Merging a saved iteration into the unsharded model (:func:`merge`):
+
+* **tensor parallel**: column-parallel weights (``linear_qkv``, ``linear_fc1``, the vocab-
+  parallel ``word_embeddings`` and ``output_layer``) are joined along axis 0, row-parallel
+  ones (``linear_proj``, ``linear_fc2``) along axis 1; every other tensor is replicated and
+  rank 0's copy is kept (its shape must agree on every rank).  A gated ``linear_fc1``
+  (SwiGLU) holds its part of both halves on each rank: ``gated_mlp`` joins the halves apart.
+* **pipeline parallel and virtual chunks**: ``layers.<i>`` in a chunk is local; chunks are
+  ordered as Megatron places layers (virtual stage first, then pipeline rank) and each gets
+  the count of layers before it as its offset: the names carry global layer numbers.
+* **expert parallel**: non-expert tensors are the same on every expert rank (Megatron's
+  ``save_grads`` says so) and only expert rank 0's are kept; local experts
+  (``experts.local_experts.<j>``, grouped ``experts.linear_fc1.weight<j>``) are renumbered
+  globally, ``ep_rank * n_local + j``.
+* **fused QKV** (``linear_qkv``): its rows are ``[group][q heads of the group | k | v][d]``
+  (``get_query_key_value_tensors``); with ``num_heads`` (and ``num_query_groups``) they are
+  reordered to ``[q heads][k groups][v groups]`` and split into ``H + 2G`` heads (``q0..``,
+  ``k0..``, ``v0..`` labels when ``G == H``); ``linear_proj`` is split by head along axis 1.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gradforensics.errors import CheckpointError, ImportSourceError, MissingShardError, ShardMismatchError, SpecError
+from gradforensics.importing.records import ImportWriter, Interval
+from gradforensics.store.heads import HeadSpec
+from gradforensics.store.names import check_name
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "MegatronSpec", "Shard", "import_megatron", "iterations",
+           "load_shard", "merge", "partition_axis", "qkv_heads", "shards", "store_name"]
+
+
+KINDS = ("wgrads", "dgrads", "params")
+#: module leaves whose weight (and bias) are split along axis 0 across tensor-parallel ranks
+COLUMN_PARALLEL = frozenset({"linear_qkv", "linear_fc1", "linear_q", "linear_kv", "linear_q_up_proj",
+                             "linear_kv_up_proj", "word_embeddings", "output_layer"})
+#: module leaves whose weight is split along axis 1 (their bias is replicated)
+ROW_PARALLEL = frozenset({"linear_proj", "linear_fc2"})
+_ITER = re.compile(r"^iter_(\d{7})$")
+_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?\.pth$")
+_CHUNK = re.compile(r"^model_chunk(\d+)$")
+_LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
+_GROUPED_EXPERT = re.compile(r"^(.*\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+_PARAM = re.compile(r"^(?:.*\.)?([A-Za-z_0-9]+)\.(weight|bias)\d*$")
+_DGRAD = re.compile(r"^(?:.*\.)?([A-Za-z_0-9]+)/(input|output)\d+$")
+
+
+@dataclass(frozen=True)
+class MegatronSpec:
+    """What to import from a Megatron-LM ``--save`` directory and how the model is laid out."""
+
+    kind: str = "wgrads"
+    num_heads: int | None = None
+    num_query_groups: int | None = None
+    gated_mlp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise SpecError(f"megatron: kind must be one of {KINDS}; got {self.kind!r}.")
+        h, g = self.num_heads, self.num_query_groups
+        if h is not None and h < 1:
+            raise SpecError(f"megatron: num_heads must be >= 1; got {h}.")
+        if g is not None and (h is None or g < 1 or h % g):
+            raise SpecError(f"megatron: num_query_groups ({g}) needs num_heads and must divide it; got num_heads={h}.")
+
+    @property
+    def groups(self) -> int | None:
+        return self.num_query_groups or self.num_heads
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's file of a saved iteration."""
+
+    tp: int
+    pp: int
+    ep: int
+    path: Path
+
+
+# ------------------------------------------------------------------ the files
+def iterations(root: Path, kind: str) -> dict[int, Path]:
+    """``{iteration: iter_XXXXXXX directory}`` of *kind* under *root* (``<save>`` or ``<save>/<kind>``)."""
+    base = root / kind if (root / kind).is_dir() else root
+    if not base.is_dir():
+        raise ImportSourceError(f"{root}: not a directory; --format megatron reads Megatron-LM's --save directory "
+                                f"(holding {'/, '.join(KINDS)}/).")
+    found = {int(m.group(1)): p for p in sorted(base.iterdir()) if p.is_dir() and (m := _ITER.match(p.name))}
+    if not found:
+        raise ImportSourceError(f"{base}: no iter_<7 digits>/ directory of {kind} dumps (Megatron-LM writes them "
+                                f"with --save-{kind}-interval N under --save).")
+    return dict(sorted(found.items()))
+
+
+def shards(d: Path) -> list[Shard]:
+    """The rank files of iteration directory *d*, a complete (tp, pp, ep) grid (:class:`MissingShardError`)."""
+    parsed = [(m, p) for p in sorted(d.iterdir()) if (m := _RANK.match(p.name))]
+    if not parsed:
+        raise ImportSourceError(f"{d}: no mp_rank_<tp>[_<pp>][_<ep>].pth file in this iteration directory.")
+    widths = {sum(g is not None for g in m.groups()[1:]) for m, _ in parsed}
+    if len(widths) > 1:
+        raise ImportSourceError(f"{d}: rank files of different forms ({', '.join(p.name for _, p in parsed[:3])}); "
+                                "one iteration is written by one parallel layout.")
+    out = [Shard(int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0), p) for m, p in parsed]
+    if widths == {1}:
+        out = _one_suffix(out)
+    return _complete(d, out, widths.pop())
+
+
+def _one_suffix(found: list[Shard]) -> list[Shard]:
+    """``mp_rank_TT_XXX``: ``XXX`` is the pipeline rank, or the expert rank when the pipeline size is 1.
+
+    The file names alone cannot tell; the contents can: pipeline stages hold different
+    tensors (the embedding is on the first only), expert ranks the same names.
+    """
+    names = {s.pp: frozenset(_names(load_shard(s.path))) for s in found if s.tp == 0}
+    if len(set(names.values())) == 1 and len(names) > 1:
+        return [Shard(s.tp, 0, s.pp, s.path) for s in found]
+    return found
+
+
+def _names(chunks: Mapping[int, Mapping[str, Any]]) -> set[str]:
+    return {f"{c}:{n}" for c, sd in chunks.items() for n in sd}
+
+
+def _complete(d: Path, found: list[Shard], width: int) -> list[Shard]:
+    tps = max(s.tp for s in found) + 1
+    pps = max(s.pp for s in found) + 1
+    eps = max(s.ep for s in found) + 1
+    have = {(s.tp, s.pp, s.ep) for s in found}
+    for t in range(tps):
+        for p in range(pps):
+            for e in range(eps):
+                if (t, p, e) not in have:
+                    raise MissingShardError(f"{d}: {_file_name(t, p, e, width, pps, eps)} is missing (the others "
+                                            f"make a grid of TP {tps} x PP {pps} x EP {eps}); every rank's file is "
+                                            "needed to join the shards.")
+    return sorted(found, key=lambda s: (s.pp, s.ep, s.tp))
+
+
+def _file_name(t: int, p: int, e: int, width: int, pps: int, eps: int) -> str:
+    name = f"mp_rank_{t:02d}"
+    if width == 2 or (width == 1 and pps > 1):
+        name += f"_{p:03d}"
+    if width == 2 or (width == 1 and eps > 1):
+        name += f"_{e:03d}"
+    return name + ".pth"
+
+
+def load_shard(path: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """``{chunk: {name: tensor}}`` of one rank file, read with ``weights_only=True`` (one-line errors)."""
+    import torch
+
+    from gradforensics.replay.checkpoint import torch_load
+
+    obj = torch_load(path, mmap=True)
+    if not isinstance(obj, Mapping) or not obj:
+        raise CheckpointError(f"{path}: expected Megatron's {{'model_chunk<i>': {{name: tensor}}}}; found "
+                              f"{type(obj).__name__}.")
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, sd in obj.items():
+        m = _CHUNK.match(key) if isinstance(key, str) else None
+        if m is None or not isinstance(sd, Mapping):
+            raise CheckpointError(f"{path}: entry {str(key)[:60]!r} is not model_chunk<i> -> {{name: tensor}}.")
+        bad = next((k for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None)
+        if bad is not None:
+            raise CheckpointError(f"{path}: {key}: entry {str(bad)[:60]!r} is not a tensor under a name.")
+        out[int(m.group(1))] = dict(sd)
+    return out
+
+
+# ------------------------------------------------------------------ merging one iteration
+def merge(loaded: Mapping[Shard, Mapping[int, Mapping[str, torch.Tensor]]], spec: MegatronSpec,
+          where: Path) -> dict[str, torch.Tensor]:
+    """The unsharded ``{global name: tensor}`` of one iteration's rank files."""
+    offsets = _layer_offsets(loaded)
+    per_name: dict[str, dict[int, tuple[torch.Tensor, Shard]]] = defaultdict(dict)
+    for shard, chunks in loaded.items():
+        n_local = _local_experts(chunks)
+        for c, sd in chunks.items():
+            for name, t in sd.items():
+                g = _global_name(name, offsets[(c, shard.pp)], shard.ep, n_local)
+                if g is not None:
+                    per_name[g][shard.tp] = (t, shard)
+    tps = 1 + max(s.tp for s in loaded)
+    return {name: _join(name, ranks, tps, spec, where) for name, ranks in per_name.items()}
+
+
+def _layer_offsets(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> dict[tuple[int, int], int]:
+    """``{(chunk, pp rank): global number of its first layer}``: chunks by (virtual stage, pipeline rank)."""
+    counts: dict[tuple[int, int], int] = {}
+    for shard, chunks in loaded.items():
+        if shard.tp == 0 and shard.ep == 0:
+            for c, sd in chunks.items():
+                counts[(c, shard.pp)] = len({m.group(2) for n in sd if (m := _LAYER.match(n))})
+    out, total = {}, 0
+    for key in sorted(counts):
+        out[key] = total
+        total += counts[key]
+    return out
+
+
+def _local_experts(chunks: Mapping[int, Mapping[str, Any]]) -> int:
+    idx = {m.group(2) for sd in chunks.values() for n in sd
+           if (m := _LOCAL_EXPERT.match(n) or _GROUPED_EXPERT.match(n))}
+    return len(idx)
+
+
+def _global_name(name: str, offset: int, ep: int, n_local: int) -> str | None:
+    """The name in the unsharded model; ``None`` for an expert rank's copy of a non-expert tensor."""
+    m = _LAYER.match(name)
+    if m is not None:
+        name = f"{m.group(1)}{offset + int(m.group(2))}{m.group(3)}"
+    if (m := _LOCAL_EXPERT.match(name)) is not None:
+        return f"{m.group(1)}{ep * n_local + int(m.group(2))}{m.group(3)}"
+    if (m := _GROUPED_EXPERT.match(name)) is not None:
+        return f"{m.group(1)}{ep * n_local + int(m.group(2))}"
+    return name if ep == 0 else None
+
+
+def partition_axis(name: str) -> int | None:
+    """The axis *name* is split along across tensor-parallel ranks, ``None`` when replicated."""
+    if (m := _DGRAD.match(name)) is not None:           # activation gradients: the partitioned side
+        leaf, side = m.groups()
+        split = (leaf in COLUMN_PARALLEL and side == "output") or (leaf in ROW_PARALLEL and side == "input")
+        return -1 if split else None
+    m = _PARAM.match(name)
+    if m is None:
+        return None
+    leaf, param = m.groups()
+    if leaf in COLUMN_PARALLEL:
+        return 0
+    if leaf in ROW_PARALLEL and param == "weight":
+        return 1
+    return None
+
+
+def _join(name: str, ranks: Mapping[int, tuple[torch.Tensor, Shard]], tps: int, spec: MegatronSpec,
+          where: Path) -> torch.Tensor:
+    import torch
+
+    missing = [t for t in range(tps) if t not in ranks]
+    if missing:
+        some = next(iter(ranks.values()))[1]
+        raise ShardMismatchError(f"{where}: {name} is in {some.path.name} but not in the file of tensor-parallel "
+                                 f"rank {missing[0]}; the rank files do not belong together.")
+    parts = [ranks[t][0] for t in range(tps)]
+    first = parts[0]
+    for t, p in enumerate(parts):
+        if tuple(p.shape) != tuple(first.shape) or p.dtype != first.dtype:
+            raise ShardMismatchError(f"{ranks[t][1].path}: {name} has shape {tuple(p.shape)} {p.dtype}; tensor-"
+                                     f"parallel rank 0 holds {tuple(first.shape)} {first.dtype} (Megatron splits "
+                                     "evenly: every rank's shard has one shape).")
+    axis = partition_axis(name)
+    if axis is None or tps == 1:
+        return first
+    if spec.gated_mlp and ".linear_fc1." in name and axis == 0:
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=axis)
+
+
+# ------------------------------------------------------------------ heads
+def qkv_heads(t: torch.Tensor, heads: int, groups: int, name: str) -> tuple[torch.Tensor, HeadSpec]:
+    """Megatron's fused QKV rows ``[group][q.. | k | v][d]`` as ``[q heads][k groups][v groups]``, and its spec."""
+    per = heads // groups
+    rows = t.shape[0]
+    if rows % (groups * (per + 2)):
+        raise SpecError(f"{name}: {rows} rows are not {groups} query groups x ({per} q + k + v) heads; check "
+                        "--num-heads and --num-query-groups.")
+    d = rows // (groups * (per + 2))
+    x = t.reshape(groups, per + 2, d, *t.shape[1:])
+    q = x[:, :per].reshape(heads * d, *t.shape[1:])
+    k = x[:, per].reshape(groups * d, *t.shape[1:])
+    v = x[:, per + 1].reshape(groups * d, *t.shape[1:])
+    import torch
+
+    out = torch.cat([q, k, v], dim=0)
+    spec = HeadSpec(heads, 0, "qkv", fused=3) if groups == heads else HeadSpec(heads + 2 * groups, 0, "qkv")
+    return out, spec
+
+
+def _apply_heads(merged: dict[str, torch.Tensor], spec: MegatronSpec, heads: Any) -> dict[str, HeadSpec]:
+    """Reorder the fused QKV tensors in place and return the head specs of every split tensor."""
+    from gradforensics.importing.heads import resolve
+
+    explicit = {k: v for k, v in heads.items() if k != "auto"} if isinstance(heads, Mapping) else {}
+    out = resolve({n: tuple(t.shape) for n, t in merged.items()}, explicit or None, None) if explicit else {}
+    auto = heads == "auto" or (isinstance(heads, Mapping) and bool(heads.get("auto")))
+    if not auto or spec.num_heads is None:
+        return out
+    h, g = spec.num_heads, spec.groups or spec.num_heads
+    for name in list(merged):
+        if name in out:
+            continue
+        if re.search(r"\.linear_qkv\.(weight|bias)$", name):
+            merged[name], out[name] = qkv_heads(merged[name], h, g, name)
+        elif re.search(r"\.self_attention\.linear_proj\.weight$", name):
+            out[name] = HeadSpec(h, 1, "o")
+            out[name].validate(name, tuple(merged[name].shape))
+    return out
+
+
+# ------------------------------------------------------------------ the import
+def _load_iteration(d: Path, spec: MegatronSpec, like: Path | None = None) -> dict[str, torch.Tensor]:
+    """One iteration merged; with *like*, its rank files must be those of iteration directory *like*."""
+    grid = shards(d)
+    if like is not None:
+        want = {s.path.name for s in shards(like)}
+        lost = sorted(want - {s.path.name for s in grid})
+        if lost:
+            raise MissingShardError(f"{d}: {lost[0]} is missing ({like.name} has it); every saved iteration is "
+                                    "written by the same ranks.")
+        extra = sorted({s.path.name for s in grid} - want)
+        if extra:
+            raise MissingShardError(f"{like}: {extra[0]} is missing ({d.name} has it); every saved iteration is "
+                                    "written by the same ranks.")
+    return merge({s: load_shard(s.path) for s in grid}, spec, d)
+
+
+def _select(merged: Mapping[str, torch.Tensor], tensors: Sequence[str] | None, where: Path) -> list[str]:
+    floating = [n for n, t in merged.items() if t.is_floating_point()]
+    if tensors:
+        unused = [g for g in tensors if not any(fnmatch.fnmatchcase(n, g) for n in floating)]
+        if unused:
+            raise ImportSourceError(f"--tensors: glob {unused[0]!r} matches no tensor of {where} "
+                                    f"(e.g. {', '.join(floating[:3])}).")
+        chosen = [n for n in floating if any(fnmatch.fnmatchcase(n, g) for g in tensors)]
+    else:
+        chosen = [n for n in floating if merged[n].ndim >= 2]
+    if not chosen:
+        raise ImportSourceError(f"{where}: no tensor of two or more axes to import; pass --tensors GLOB.")
+    return chosen
+
+
+def store_name(name: str) -> str:
+    """A dump's name as a store name: ``dgrads``' ``module/output0`` becomes ``module.output0``."""
+    return check_name(name.replace("/", "."), "tensor name")
+
+
+def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequence[str] | None, heads: Any,
+                    writer_options: Mapping[str, Any]) -> int:
+    """Import every saved iteration of ``spec.kind`` under *source* into *out*; returns the records written."""
+    iters = iterations(source, spec.kind)
+    params = iterations(source, "params") if spec.kind != "params" and (source / "params").is_dir() else {}
+    first_it, first_dir = next(iter(iters.items()))
+    merged = _load_iteration(first_dir, spec)
+    names = _select(merged, tensors, first_dir)
+    specs = _apply_heads(merged, spec, heads)
+    extra = {"import": {"format": "megatron", "source": str(source), "kind": spec.kind,
+                        "iterations": list(iters), "num_heads": spec.num_heads,
+                        "num_query_groups": spec.num_query_groups, "gated_mlp": spec.gated_mlp,
+                        "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron"}}
+    info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
+    store_specs = {store_name(n): s for n, s in specs.items() if n in names}
+    grads = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
+    per_record = {"grads": grads, "weights": grads * len(set(params) & set(iters)) // len(iters)}
+    with ImportWriter(out, heads=store_specs, total=len(iters), per_record=per_record, framework="megatron",
+                      model_info=info, extra=extra, **writer_options) as w:
+        for it, d in iters.items():
+            if it != first_it:
+                merged = _load_iteration(d, spec, first_dir)
+                _apply_heads(merged, spec, heads)
+            snaps = []
+            if it in params:
+                p = _load_iteration(params[it], spec, first_dir)
+                _apply_heads(p, spec, heads)
+                snaps = [{store_name(n): p[n] for n in names if n in p}]
+            missing = [n for n in names if n not in merged]
+            if missing:
+                raise ShardMismatchError(f"{d}: {missing[0]} is missing; iteration {first_it} has it.")
+            w.record(Interval(step=it, time=d.stat().st_mtime), {store_name(n): merged[n] for n in names}, snaps)
+    return len(iters)
