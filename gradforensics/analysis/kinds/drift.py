@@ -24,6 +24,12 @@ For each tensor and head, from its Gram matrix ``K`` only (see :mod:`~gradforens
 
 Severity = ``significance(p, n_units) × clip(rotation / 0.5, 0, 1)``: a
 Bonferroni-adjusted significance over every unit of the store, times the effect.
+In a ``training`` store the gradient of a model that learns turns as it learns, so
+drift alone is not trouble: when the recorded loss *fell* over the run (the mean of
+the last third of the records at least :data:`LEARNING_DROP` below the opening
+window's), the drift is ordinary learning and its severity is scaled by
+:data:`LEARNING_WEIGHT` (context, below 0.5).  Drift with a flat or rising loss, or
+with no loss recorded, keeps its severity (``loss_change`` in the table).
 Drift is a statement about training history: in a ``replay`` store (one fixed
 checkpoint) the table is produced but no flag is raised.
 """
@@ -66,6 +72,7 @@ __all__ = [
     "drift_unit",
     "flags",
     "hinge_changepoint",
+    "loss_change",
     "opening_cosines",
     "pd_int",
     "plot",
@@ -75,9 +82,11 @@ __all__ = [
 COLUMNS = [
     "tensor", "head", "layer", "n_records", "n_excluded", "window", "cos_early", "cos_late",
     "cos_late_debiased", "rotation", "rho", "p_value", "rho_windows", "since_record", "since_step",
-    "aligned_source", "aligned_cosine", "severity",
+    "aligned_source", "aligned_cosine", "loss_change", "severity",
 ]
 EFFECT_FULL = 0.5  # rotation at which the effect score saturates
+LEARNING_DROP = 0.05   # relative loss fall over the run that makes drift "ordinary learning"
+LEARNING_WEIGHT = 0.45  # severity weight of drift while the loss falls: context, never an alarm
 ALIGN_MIN, ALIGN_MARGIN = 0.3, 0.15
 
 
@@ -220,6 +229,20 @@ def compute(ctx: Context) -> AnalysisResult:
     return res
 
 
+def loss_change(loss: Any, step: np.ndarray, window: int | None = None) -> float:
+    """Relative change of the recorded loss: mean of the last third of the records (step order) over the
+    opening window's mean, minus 1; NaN when fewer than 8 records carry a finite loss."""
+    if loss is None:
+        return math.nan
+    y = np.asarray(loss, dtype=np.float64)[np.argsort(step, kind="stable")]
+    y = y[np.isfinite(y)]
+    if y.size < 8:
+        return math.nan
+    w = window or max(4, math.ceil(y.size / 16))
+    first, last = float(np.mean(y[:w])), float(np.mean(y[-max(y.size // 3, 1):]))
+    return last / first - 1.0 if first > 0 else math.nan
+
+
 def pd_int(values: list[int | None]) -> Any:
     import pandas as pd
 
@@ -256,8 +279,11 @@ def _compute(ctx: Context) -> AnalysisResult:
     for col in ("head", "layer", "since_record", "since_step"):
         table[col] = table[col].astype("Int64")
     n_tests = int(table["p_value"].notna().sum()) if len(table) else 0
+    change = loss_change(ctx.batches.get("loss"), step, opts.window)
+    table["loss_change"] = change
+    weight = LEARNING_WEIGHT if change <= -LEARNING_DROP else 1.0
     table["severity"] = [
-        0.0 if ctx.meta.mode == "replay" else fl.significance(p, n_tests) * fl.ramp(rot, EFFECT_FULL)
+        0.0 if ctx.meta.mode == "replay" else weight * fl.significance(p, n_tests) * fl.ramp(rot, EFFECT_FULL)
         for p, rot in zip(table["p_value"], table["rotation"])
     ]
     return AnalysisResult(table=table, series={**rec_pack.to_series("record_cosine"),
@@ -289,7 +315,8 @@ def _ok(x: Any) -> bool:
 
 def _evidence(r: Any) -> dict[str, Any]:
     return {"rotation": r.rotation, "cos_early": r.cos_early, "cos_late": r.cos_late, "rho": r.rho,
-            "p_value": r.p_value, "since_step": r.since_step, "aligned_cosine": r.aligned_cosine}
+            "p_value": r.p_value, "since_step": r.since_step, "aligned_cosine": r.aligned_cosine,
+            "loss_change": r.loss_change}
 
 
 def _summary(r: Any, head: int | None) -> str:
@@ -300,6 +327,9 @@ def _summary(r: Any, head: int | None) -> str:
          f"(rotation {r.rotation:.2f}, Spearman rho {r.rho:.2f}, {fl.fmt_p(r.p_value)})")
     if isinstance(r.aligned_source, str):
         s += f"; the new direction aligns with source '{r.aligned_source}' (cos {r.aligned_cosine:.2f})"
+    if np.isfinite(r.loss_change) and r.loss_change <= -LEARNING_DROP:
+        s += (f"; the loss fell {-r.loss_change:.0%} meanwhile, so this is the model learning (context, "
+              "not trouble)")
     return s + "."
 
 
