@@ -369,6 +369,7 @@ ADVICE = Advice(
     references=("Gur-Ari et al. 2018, Gradient Descent Happens in a Tiny Subspace",),
     time_axis=True,
     records_map="a drifting gradient walks away from its first records in the step panel",
+    cause="data",
 )
 
 ANALYSIS = Analysis(name="drift", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,

@@ -28,7 +28,11 @@ has a small mean gradient, so a low SNR everywhere is the normal state there.  S
 * **a source** is named on a flag only when it is *measurably noisier* there: the log
   ratio of its ``tr(Σ)`` to the other sources' median is an outlier (z ≥ ``outlier_z``)
   among the model's tensors, and its jackknife lower bound is still ``outlier_ratio``
-  times the ratio the model usually has.
+  times the ratio the model usually has;
+* **full-batch training** (every record the whole data set: ``n_samples`` equal to the
+  store's ``extra["dataset_size"]`` on every record, or ``extra["full_batch"]``) has no
+  sampling noise: what varies between records is the trajectory (curvature, learning
+  rate), not noise, so no flag is raised and the table's ``batch_note`` says so.
 
 References
 ----------
@@ -68,16 +72,20 @@ from gradforensics.analysis.toolkit.noisescale import (
     robust_z,
     summarize,
 )
+from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
-__all__ = ["COLUMNS", "MODEL", "NoiseOptions", "flags", "noise_estimate", "noise_rows", "noise_table", "severity"]
+__all__ = ["COLUMNS", "FULL_BATCH", "MODEL", "NoiseOptions", "flags", "noise_estimate", "noise_rows", "noise_table", "severity"]
 
 #: The ``tensor`` of the run-level rows and finding.
 MODEL = "whole model"
+#: The note of every row of a full-batch run: no flag, since there is no sampling noise to measure.
+FULL_BATCH = ("full batch (every record the whole data set of {} samples): no sampling noise; the spread "
+              "across records is the trajectory, not noise")
 COLUMNS = ("tensor", "head", "source", *FIELDS, "from_sketch")
 
 
@@ -201,6 +209,9 @@ def compute(ctx: Context) -> AnalysisResult:
         ctx = ctx.super_records()
     table = noise_table(ctx.grams, ctx.batches["n_samples"], ctx.source_of_record(), ctx.sources,
                         ctx.batches.get("mixture"), ctx.meta.mode)
+    size = full_batch(ctx.meta, ctx.batches)
+    if size is not None and len(table):
+        table["batch_note"] = FULL_BATCH.format(size)
     return AnalysisResult(table=table)
 
 
@@ -339,6 +350,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     t = result.table
     if t.empty:
         return []
+    if full_batch(ctx.meta, ctx.batches) is not None:
+        return []       # no sampling noise: the spread across records is the trajectory (the table's note says so)
     recs = t.to_dict("records")
     for r in recs:
         r["head"] = head_of(r["head"])
@@ -514,6 +527,7 @@ ADVICE = Advice(
         "Or lower the LR in proportion (the noise temperature is LR/B); gradient accumulation gets the batch "
         "without memory."),
     references=("McCandlish et al. 2018, An Empirical Model of Large-Batch Training",),
+    cause="data",
 )
 
 ANALYSIS = Analysis(name="noise", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,

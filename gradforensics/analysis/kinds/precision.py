@@ -636,6 +636,7 @@ ADVICE = Advice(
         "For fp16 gradient underflow/overflow: dynamic loss scaling."),
     references=("Micikevicius et al. 2018, Mixed Precision Training",
                 "Zamirai et al. 2020, Revisiting BFloat16 Training"),
+    cause="precision",
 )
 
 ANALYSIS = Analysis(name=NAME, needs=(Need.GRADS, Need.WEIGHTS), compute=compute, flags=flags, plot=plot,
