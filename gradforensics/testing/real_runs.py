@@ -148,7 +148,6 @@ def train(name: str, path: Path, *, seed: int = 0, steps: int | None = None, **o
 
 
 def _train_mlp(spec: RunSpec, path: Path, seed: int, steps: int, gf: Any) -> None:
-    import torch
 
     x, y = digits()
     model = _mlp(seed)

@@ -56,6 +56,7 @@ from gradforensics.analysis.contract.model import (
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
+from gradforensics.analysis.toolkit.batches import LEARNING_DROP, loss_change
 from gradforensics.analysis.toolkit.stats import finite_mean, rank_trend
 
 if TYPE_CHECKING:
@@ -72,7 +73,6 @@ __all__ = [
     "drift_unit",
     "flags",
     "hinge_changepoint",
-    "loss_change",
     "opening_cosines",
     "pd_int",
     "plot",
@@ -85,7 +85,6 @@ COLUMNS = [
     "aligned_source", "aligned_cosine", "loss_change", "severity",
 ]
 EFFECT_FULL = 0.5  # rotation at which the effect score saturates
-LEARNING_DROP = 0.05   # relative loss fall over the run that makes drift "ordinary learning"
 LEARNING_WEIGHT = 0.45  # severity weight of drift while the loss falls: context, never an alarm
 ALIGN_MIN, ALIGN_MARGIN = 0.3, 0.15
 
@@ -227,20 +226,6 @@ def compute(ctx: Context) -> AnalysisResult:
     res.series.pop("record_cosine", None)
     res.series.pop("record_cosine_units", None)
     return res
-
-
-def loss_change(loss: Any, step: np.ndarray, window: int | None = None) -> float:
-    """Relative change of the recorded loss: mean of the last third of the records (step order) over the
-    opening window's mean, minus 1; NaN when fewer than 8 records carry a finite loss."""
-    if loss is None:
-        return math.nan
-    y = np.asarray(loss, dtype=np.float64)[np.argsort(step, kind="stable")]
-    y = y[np.isfinite(y)]
-    if y.size < 8:
-        return math.nan
-    w = window or max(4, math.ceil(y.size / 16))
-    first, last = float(np.mean(y[:w])), float(np.mean(y[-max(y.size // 3, 1):]))
-    return last / first - 1.0 if first > 0 else math.nan
 
 
 def pd_int(values: list[int | None]) -> Any:

@@ -32,7 +32,10 @@ has a small mean gradient, so a low SNR everywhere is the normal state there.  S
 * **full-batch training** (every record the whole data set: ``n_samples`` equal to the
   store's ``extra["dataset_size"]`` on every record, or ``extra["full_batch"]``) has no
   sampling noise: what varies between records is the trajectory (curvature, learning
-  rate), not noise, so no flag is raised and the table's ``batch_note`` says so.
+  rate), not noise, so no flag is raised and the table's ``batch_note`` says so;
+* in a **training** store whose recorded loss falls over the run (by 5 % or more), a
+  tensor's or head's noise finding is weighted by :data:`LEARNING_WEIGHT` (context
+  below 0.5): the model learns through that noise.
 
 References
 ----------
@@ -61,6 +64,7 @@ from gradforensics.analysis.contract.model import (
     Need,
     Options,
 )
+from gradforensics.analysis.toolkit.batches import full_batch, learning
 from gradforensics.analysis.toolkit.noisescale import (
     BELOW_RESOLUTION,
     FIELDS,
@@ -72,7 +76,6 @@ from gradforensics.analysis.toolkit.noisescale import (
     robust_z,
     summarize,
 )
-from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
@@ -83,6 +86,9 @@ __all__ = ["COLUMNS", "FULL_BATCH", "MODEL", "NoiseOptions", "flags", "noise_est
 
 #: The ``tensor`` of the run-level rows and finding.
 MODEL = "whole model"
+#: Severity weight of a tensor's noise finding in a training run whose loss falls: the model learns through
+#: the noise, so it is context (below 0.5), not trouble.
+LEARNING_WEIGHT = 0.45
 #: The note of every row of a full-batch run: no flag, since there is no sampling noise to measure.
 FULL_BATCH = ("full batch (every record the whole data set of {} samples): no sampling noise; the spread "
               "across records is the trajectory, not noise")
@@ -368,9 +374,10 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     sev = {**_outliers(tensors, opts, ctx), **_outliers(heads, opts, ctx)}
     ref = {None: _median_snr(tensors), "head": _median_snr(heads)}
     out = [run_flag(recs, span, opts)] if any(r["tensor"] == MODEL for r in recs) else []
+    weight = LEARNING_WEIGHT if learning(ctx.meta, ctx.batches) else 1.0
     for row in every:
         srcs = noisy.get(row["tensor"], []) if row["head"] is None else []
-        s = max([sev.get(id(row), 0.0)] + [v for _, v in srcs])
+        s = weight * max([sev.get(id(row), 0.0)] + [v for _, v in srcs])
         if s > 0:
             out.append(_flag(row, s, ref[None if row["head"] is None else "head"], srcs, span))
     return [f for f in out if f is not None]

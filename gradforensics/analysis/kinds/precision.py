@@ -101,9 +101,9 @@ __all__ = [
     "slab_reductions",
     "swamped",
     "swamped_share",
-    "underflow_severity",
     "tensor_row",
     "ulp",
+    "underflow_severity",
 ]
 
 
