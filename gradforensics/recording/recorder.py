@@ -154,7 +154,14 @@ class ArrayRecorder:
     framework, model_info, extra
         The store's ``framework``, ``model`` and ``extra`` root attributes
         (``extra={"replicated": True}``: every rank records the same batches, the
-        input of the ``rankconsistency`` analysis).
+        input of the ``rankconsistency`` analysis; ``extra={"dataset_size": N}``:
+        the data set's size, so a run whose every record has ``n_samples == N`` is
+        known as full-batch training).
+    dtypes
+        The run's number formats, ``{"parameters": "bfloat16", "master": "float32"}``
+        (root attribute ``dtypes``; the PyTorch recorder fills it from the model, the
+        master format defaulting to the parameters'): the precision analysis speaks of
+        these formats, and of any other only as a what-if.
     ranks
         This rank's :class:`~gradforensics.store.ranks.RankPlan` in a multi-rank
         capture (the PyTorch recorder sets it under ``torch.distributed``).  While
@@ -196,6 +203,7 @@ class ArrayRecorder:
         storage_options: Mapping[str, Any] | None = None,
         ranks: RankPlan | None = None,
         extra: Mapping[str, Any] | None = None,
+        dtypes: Mapping[str, str] | None = None,
     ) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {DTYPES} or None; got {dtype!r}.")
@@ -209,7 +217,7 @@ class ArrayRecorder:
         self.compression = compression
         #: Tensors whose sketch arrives computed (:attr:`PendingRecord.sketches`).
         self.device_sketched: frozenset[str] = frozenset()
-        meta = new_meta(self.sources, mode, framework, dict(model_info or {}), dict(extra or {}))
+        meta = new_meta(self.sources, mode, framework, dict(model_info or {}), dict(extra or {}), dict(dtypes or {}))
         #: where the store is written: a path, or a Zarr store at an fsspec URL with its storage options
         self.location = locate(path, storage_options)
         self.path = self.location.path

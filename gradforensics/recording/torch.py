@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["CONFIG_KEYS", "N_BUFFER_SETS", "TorchRecorder", "model_info", "select_modules", "select_parameters",
+__all__ = ["CONFIG_KEYS", "N_BUFFER_SETS", "TorchRecorder", "model_info", "run_dtypes", "select_modules", "select_parameters",
            "to_numpy", "torch_float32"]
 
 
@@ -114,6 +114,17 @@ def model_info(model: nn.Module) -> dict[str, Any]:
         info["config"] = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                           for k, v in sub.items() if v is not None}
     return info
+
+
+def run_dtypes(model: nn.Module, given: Mapping[str, str] | None) -> dict[str, str]:
+    """``{"parameters": ..., "master": ...}``: the trainable parameters' dtype (the most common one), and the
+    master weights' (what *given* says, else the parameters' own: a torch optimizer steps the parameters)."""
+    names = [str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad]
+    out = {"parameters": max(set(names), key=names.count)} if names else {}
+    if out:
+        out["master"] = out["parameters"]
+    out.update(dict(given or {}))
+    return out
 
 
 def _bf16_numpy(t: torch.Tensor) -> np.ndarray:
@@ -262,6 +273,7 @@ class TorchRecorder(ArrayRecorder):
                   if type(m).__name__.lower() in BOUNDED}
         bounds.update(act_bounds or {})
         self.weights_every = weights_every
+        kwargs["dtypes"] = run_dtypes(named, kwargs.get("dtypes"))
         super().__init__(path, sources=sources, heads=specs, act_bounds=bounds, framework="torch",
                          model_info=model_info(named), **kwargs)
         self.head_specs = specs

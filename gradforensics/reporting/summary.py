@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gradforensics.analysis.contract.model import CAUSES
 from gradforensics.analysis.contract.registry import advice_of
 from gradforensics.reporting import advice, names
 from gradforensics.reporting.bands import band
@@ -28,12 +29,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_SENTENCES",
+    "Cause",
     "FlagGroup",
     "evidence_phrase",
     "fmt_value",
     "group",
+    "group_cause",
     "headline",
     "join_kinds",
+    "rank_causes",
     "records_phrase",
     "sentences",
     "verdict",
@@ -205,9 +209,12 @@ def verdict(findings: Findings, groups: list[FlagGroup] | None = None) -> str:
                  f"{join_kinds(groups)}." if groups else "")
         return (f"Nothing here needs action: no flag reaches 0.5 (the level a healthy run stays under) in "
                 f"{findings.n_records} records.{watch}")
-    top = act[0]
+    ranked = rank_causes(act)
+    top = ranked[0].lead
     text = f"What is wrong: {_finding_clause(top, findings.n_records)}"
-    others = [g for g in act[1:] if g.kind != top.kind]
+    text += " " + _causes_sentence(ranked)
+    leads = [c.lead for c in ranked[1:]] + [g for g in act if g is not top]
+    others = [g for g in leads if g.kind != top.kind]
     others = list({g.kind: g for g in reversed(others)}.values())[::-1][:2]
     if others:
         text += " Also: " + "; ".join(_finding_clause(g, findings.n_records).rstrip(".") for g in others) + "."
@@ -220,6 +227,75 @@ def verdict(findings: Findings, groups: list[FlagGroup] | None = None) -> str:
     if rest > 0:
         text += f" {rest} more finding(s) at or above 0.5 are listed below."
     return text
+
+
+@dataclass
+class Cause:
+    """One cause the findings point at: its key, the groups that agree on it, and its score."""
+
+    key: str
+    groups: list[FlagGroup]
+
+    @property
+    def label(self) -> str:
+        if self.key.startswith("kind:"):
+            return advice.info(self.key[5:]).title.lower()
+        return CAUSES.get(self.key, self.key.replace("_", " "))
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(dict.fromkeys(g.kind for g in self.groups))
+
+    @property
+    def score(self) -> float:
+        """The most severe agreeing finding, plus 0.05 for every other kind that agrees (at most 1.2)."""
+        return min(max(g.severity for g in self.groups) + 0.05 * (len(self.kinds) - 1), 1.2)
+
+    @property
+    def lead(self) -> FlagGroup:
+        """The most severe group of a kind that declares this cause itself (else the most severe group)."""
+        own = [g for g in self.groups if advice.info(g.kind).cause == self.key]
+        return max(own or self.groups, key=lambda g: g.severity)
+
+
+#: A gradient-norm / loss line within this many steps of 2 that co-occurs with a period-2 oscillation is it.
+PERIOD2_TOLERANCE = 0.35
+
+
+def group_cause(g: FlagGroup, groups: Sequence[FlagGroup]) -> str:
+    """The cause group *g* points at: its flags' (or kind's) declared cause, except that a periodic series at
+    2 steps while an oscillation of period 2 is found is that oscillation (learning rate vs curvature)."""
+    if g.kind == "loss_spectrum" and _near_two(g, "period_steps") and any(
+            o.kind == "oscillation" and _near_two(o, "period_records") for o in groups):
+        return "learning_rate"
+    info = advice.info(g.kind)
+    return info.cause_of(g.top) or f"kind:{g.kind}"
+
+
+def _near_two(g: FlagGroup, key: str) -> bool:
+    vals = [v for v in (f.evidence.get(key) for f in g.flags) if isinstance(v, (int, float))]
+    return any(math.isfinite(float(v)) and abs(float(v) - 2.0) <= PERIOD2_TOLERANCE for v in vals)
+
+
+def rank_causes(groups: Sequence[FlagGroup]) -> list[Cause]:
+    """Causes of *groups* (findings at or above 0.5), most likely first: the agreeing findings' severity."""
+    by: dict[str, list[FlagGroup]] = {}
+    for g in groups:
+        by.setdefault(group_cause(g, groups), []).append(g)
+    causes = [Cause(k, v) for k, v in by.items()]
+    causes.sort(key=lambda c: (-c.score, c.key))
+    return causes
+
+
+def _causes_sentence(causes: Sequence[Cause]) -> str:
+    def one(c: Cause) -> str:
+        ev = ", ".join(f"{k} {max(g.severity for g in c.groups if g.kind == k):.2f}" for k in c.kinds)
+        return f"{c.label} ({ev})"
+
+    text = f"Most likely cause: {one(causes[0])}"
+    if len(causes) > 1:
+        text += "; then " + "; ".join(one(c) for c in causes[1:3])
+    return text + "."
 
 
 def _finding_clause(g: FlagGroup, n_records: int | None) -> str:

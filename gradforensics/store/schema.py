@@ -84,9 +84,12 @@ class StoreMeta:
     schema: int = SCHEMA_VERSION
     #: Multi-rank capture only: ``{"world_size": R, "completed": [ranks that closed], "records": [per rank]}``.
     ranks: dict[str, Any] = field(default_factory=dict)
+    #: The run's number formats: ``{"parameters": "float32", "master": "float32"}`` (empty: not recorded).
+    dtypes: dict[str, str] = field(default_factory=dict)
 
     def to_attrs(self) -> dict[str, Any]:
         ranks = {"ranks": dict(self.ranks)} if self.ranks else {}
+        ranks.update({"dtypes": dict(self.dtypes)} if self.dtypes else {})
         return {
             "schema": self.schema,
             "created": self.created,
@@ -111,6 +114,7 @@ def new_meta(
     framework: str = "numpy",
     model: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    dtypes: dict[str, str] | None = None,
 ) -> StoreMeta:
     """Validate the user's choices and build the metadata of a new store."""
     srcs = tuple(check_name(s, "source") for s in sources)
@@ -124,8 +128,20 @@ def new_meta(
     created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     return StoreMeta(
         sources=srcs, mode=mode, framework=framework, model=dict(model or {}),
-        created=created, extra=dict(extra or {}),
+        created=created, extra=dict(extra or {}), dtypes=_dtypes(dtypes or {}),
     )
+
+
+#: Keys of the ``dtypes`` root attribute: the parameters' format and the optimizer's master weights'.
+DTYPE_KEYS: tuple[str, ...] = ("parameters", "master")
+
+
+def _dtypes(d: dict[str, Any]) -> dict[str, str]:
+    bad = [k for k, v in d.items() if k not in DTYPE_KEYS or not isinstance(v, str) or not v]
+    if bad:
+        raise SpecError(f"dtypes must map {list(DTYPE_KEYS)} to dtype names like 'float32' or 'bfloat16'; "
+                        f"got {d!r}.")
+    return {k: str(v) for k, v in d.items()}
 
 
 def parse_root_attrs(path: str, attrs: Any) -> StoreMeta:
@@ -163,8 +179,15 @@ def parse_root_attrs(path: str, attrs: Any) -> StoreMeta:
         n_records=n_records, n_weights=get.count("n_weights", 0),
         framework=get("framework", str, ""), model=get("model", dict, {}), created=get("created", str, ""),
         records_per_chunk=max(get.count("records_per_chunk", 1), 1), extra=get("extra", dict, {}),
-        ranks=_ranks(get, n_records),
+        ranks=_ranks(get, n_records), dtypes=_read_dtypes(get),
     )
+
+
+def _read_dtypes(get: _FieldReader) -> dict[str, str]:
+    d = get("dtypes", dict, {})
+    if not all(k in DTYPE_KEYS and isinstance(v, str) for k, v in d.items()):
+        raise get.error("dtypes", f"a mapping of {list(DTYPE_KEYS)} to dtype names")
+    return dict(d)
 
 
 def committed_prefix(per_rank: list[int]) -> int:

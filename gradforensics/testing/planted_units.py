@@ -143,8 +143,13 @@ def powerlaw_matrix(rows: int, cols: int, alpha: float, rng: np.random.Generator
 
 def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, collapse: bool = False,
                            n_records: int = 32, snapshot_every: int = 4, d: int = 96, heads: int = 4,
-                           growth: float = 4.0, alpha: float = 3.5, seed: int = 0) -> Planted:
+                           growth: float = 4.0, alpha: float = 3.5, seed: int = 0, logit: float = 0.0) -> Planted:
     """Two attention layers and an MLP; layer 0's q/k spectral norm grows *growth*-fold.
+
+    ``logit > 0``: layer 0's q and k grow along one shared rank-1 direction (``u_q v_qᵀ``) of
+    amplitude ``logit`` times the step, so ``W_Qᵀ W_K`` aligns and the attention-logit scale
+    grows large in absolute terms (what the q/k growth flag judges); with the default 0 the
+    growth of each is along its own top direction and the logit scale stays small.
 
     Weights are heavy-tailed (ESD exponent *alpha*) and drift slowly; in layer 0
     the top singular value of ``q_proj`` and ``k_proj`` is scaled from 1 to
@@ -162,6 +167,10 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
         u, sv, vt = np.linalg.svd(w0[n], full_matrices=False)
         top[n] = sv[0] * np.outer(u[:, 0], vt[0])
     growing = ("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight") if grow else ()
+    if logit > 0:
+        u, _, vt = np.linalg.svd(w0[growing[0]], full_matrices=False)
+        for n in growing:
+            top[n] = logit / max(growth - 1.0, 1e-9) * np.outer(u[:, 0], vt[0])
     collapsing = "layers.1.mlp.up.weight"
     means = {n: sum(np.outer(rng.normal(size=s[0]), rng.normal(size=s[1])) for _ in range(8)) / 8
              for n, s in shapes.items()}
@@ -183,7 +192,8 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
             for n, s in shapes.items():
                 drift[n] += 0.0005 * rng.normal(size=s)
             rec.record(step=i, loss=1.0, source="ab"[i % 2], grads=grads, weights=snap)
-    sick = growing + ((collapsing,) if collapse else ())
+    # a q/k pair's logit scale is judged on its q (the k side of the pair is read with it)
+    sick = (growing[:1] if logit > 0 else growing) + ((collapsing,) if collapse else ())
     return Planted(str(path), sick, tuple(n for n in shapes if n not in sick))
 
 

@@ -142,6 +142,16 @@ class Need(StrEnum):
     WEIGHTS = "weights"
 
 
+#: The causes the verdict ranks, and how each reads (a kind may declare another word: it reads as itself).
+CAUSES: Mapping[str, str] = MappingProxyType({
+    "learning_rate": "learning rate vs curvature",
+    "data": "data",
+    "optimizer": "optimizer state",
+    "attention": "attention",
+    "precision": "precision",
+})
+
+
 @dataclass(frozen=True)
 class Advice:
     """What a kind of flag means and what to try next: everything downstream knows of the kind.
@@ -183,6 +193,13 @@ class Advice:
         (default): the sources describe the finding (who sits at an oscillation's
         poles, which source a drift aligns with, which sources are noisier) and move
         from run to run with the trajectory; the finding is the unit's.  See :meth:`key`.
+    cause
+        The cause a finding of this kind points at, one of :data:`CAUSES` (``"learning_rate"``:
+        learning rate vs curvature; ``"data"``, ``"optimizer"``, ``"attention"``,
+        ``"precision"``) or another short word; the report's verdict ranks causes from the
+        findings that agree on one.  A flag may name its own in ``evidence["cause"]`` (a
+        gradient-norm line in full-batch training is the learning rate, not data order).
+        Empty (default): the kind is a cause of its own, named by its title.
     """
 
     title: str
@@ -193,6 +210,7 @@ class Advice:
     time_axis: bool = False
     records_map: str = ""
     keyed_by_sources: bool = False
+    cause: str = ""
     evidence_labels: Mapping[str, str] = field(init=False, repr=False, compare=False,
                                                default_factory=lambda: MappingProxyType({}))
 
@@ -215,6 +233,11 @@ class Advice:
         if not isinstance(self.records_map, str):
             raise SpecError(f"Advice {self.title!r}: records_map must be a sentence (empty: no map); "
                             f"got {self.records_map!r}.")
+
+    def cause_of(self, flag: Flag) -> str:
+        """The cause *flag* points at: its own ``evidence["cause"]``, else the kind's :attr:`cause` ("" for none)."""
+        own = flag.evidence.get("cause") if isinstance(flag.evidence, Mapping) else None
+        return own if isinstance(own, str) and own else self.cause
 
     def label(self, key: str) -> str:
         """How evidence *key* reads in a sentence (its declared label, else the key with spaces)."""
@@ -573,6 +596,7 @@ def regime_of(r: Any) -> dict[str, Any] | None:
 
 
 __all__ = [
+    "CAUSES",
     "REGIME_FIELDS",
     "Advice",
     "Analysis",

@@ -31,7 +31,11 @@ loss of source b to first order (Yu et al. 2020, "gradient surgery").  Severity
 = ``significance(p, n_tests) × clip(-cos / 0.3, 0, 1)`` with ``cos`` the debiased
 cosine (the raw one where the debiased is undefined) and ``n_tests`` the number
 of (unit, pair) tests in the store: two sources that merely differ (positive
-cosine) are reported in the table but not flagged.
+cosine) are reported in the table but not flagged.  The severity is then weighted by
+the unit's share of the gradient energy (``energy_share``: its mean ``‖g‖²`` over the
+records against the sum over the model's whole tensors): ``× min(1, share / 0.05)^½``,
+so a conflict confined to a unit with 0.5 % of the energy stays below 0.5 (it cannot
+move the training much), and one in 5 % of it or more keeps its full severity.
 """
 
 from __future__ import annotations
@@ -80,15 +84,18 @@ __all__ = [
     "segment_span",
     "severity_p",
     "unit_seed",
+    "weigh_by_energy",
 ]
 
 
 COLUMNS = [
     "tensor", "head", "layer", "source_a", "source_b", "cosine", "p_value", "cosine_debiased", "z",
-    "n_a", "n_b", "n_records", "n_excluded", "z_cross", "record_first", "record_last", "severity",
+    "n_a", "n_b", "n_records", "n_excluded", "z_cross", "record_first", "record_last", "energy", "energy_share",
+    "severity",
 ]
 SEGMENTS = 8           # long histories: stretches of the run a conflict is located in
 EFFECT_FULL = 0.3      # -cosine at which the effect score saturates
+ENERGY_FULL = 0.05     # a unit's share of the gradient energy at which a conflict keeps its full severity
 
 
 @dataclass(frozen=True)
@@ -282,7 +289,9 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
     for u in un.units(ctx):
         seed = unit_seed(opts.seed, u.tensor, u.head)
         pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training, seed)
+        energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
         for r in pairs:
+            r["energy"] = energy
             r["record_first"], r["record_last"] = 0, ctx.n_records - 1
             if spans is not None:           # long histories: rows are super-records, locate the stretch
                 first, last = spans[0][u.records], spans[1][u.records]
@@ -306,9 +315,23 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
         for p, z, zx, cdb, c in zip(table["p_value"], table["z"], table["z_cross"], table["cosine_debiased"],
                                     table["cosine"])
     ]
+    weigh_by_energy(table)
     series = {**pack.to_series("cosine_matrix"), **_depth_profiles(table),
               "source_names": un.encode_names(ctx.sources)}
     return AnalysisResult(table=table, series=series)
+
+
+def weigh_by_energy(table: Any) -> None:
+    """``energy_share`` of each row's unit (whole tensors sum to 1) and severity x min(1, share/ENERGY_FULL)^1/2."""
+    if not len(table):
+        table["energy_share"] = []
+        return
+    whole = table[table["head"].isna()].drop_duplicates("tensor")
+    total = float(np.nansum(whole["energy"].to_numpy(dtype=float)))
+    share = table["energy"].to_numpy(dtype=float) / total if total > 0 else np.full(len(table), np.nan)
+    table["energy_share"] = share
+    w = np.sqrt(np.clip(np.nan_to_num(share, nan=1.0) / ENERGY_FULL, 0.0, 1.0))
+    table["severity"] = table["severity"].to_numpy(dtype=float) * w
 
 
 def _depth_profiles(table: Any) -> dict[str, np.ndarray]:
@@ -338,7 +361,7 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         band = _band(hot["layer"])
         heads = sorted({int(h) for h in hot.loc[(hot.tensor == r.tensor) & hot["head"].notna(), "head"]})
         ev = {"cosine": r.cosine, "p_value": r.p_value, "cosine_debiased": r.cosine_debiased, "z": r.z,
-              "depth_band": band, "heads": heads, "n_a": r.n_a, "n_b": r.n_b}
+              "depth_band": band, "heads": heads, "n_a": r.n_a, "n_b": r.n_b, "energy_share": r.energy_share}
         out.append(Flag(kind="conflict", tensor=r.tensor, head=head, sources=(r.source_a, r.source_b),
                         severity=float(r.severity), records=span, evidence=ev,
                         summary=_summary(r, head, band, heads, len(hot), floor)))
@@ -412,6 +435,7 @@ ADVICE = Advice(
                 "Xie et al. 2023, DoReMi: Optimizing Data Mixtures Speeds Up LM Pretraining"),
     records_map="two sources pulling this unit opposite ways sit in two separate clouds",
     keyed_by_sources=True,
+    cause="data",
 )
 
 ANALYSIS = Analysis(name="conflict", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,

@@ -24,6 +24,12 @@ For each tensor and head, from its Gram matrix ``K`` only (see :mod:`~gradforens
 
 Severity = ``significance(p, n_units) × clip(rotation / 0.5, 0, 1)``: a
 Bonferroni-adjusted significance over every unit of the store, times the effect.
+In a ``training`` store the gradient of a model that learns turns as it learns, so
+drift alone is not trouble: when the recorded loss *fell* over the run (the mean of
+the last third of the records at least :data:`LEARNING_DROP` below the opening
+window's), the drift is ordinary learning and its severity is scaled by
+:data:`LEARNING_WEIGHT` (context, below 0.5).  Drift with a flat or rising loss, or
+with no loss recorded, keeps its severity (``loss_change`` in the table).
 Drift is a statement about training history: in a ``replay`` store (one fixed
 checkpoint) the table is produced but no flag is raised.
 """
@@ -50,6 +56,7 @@ from gradforensics.analysis.contract.model import (
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
+from gradforensics.analysis.toolkit.batches import LEARNING_DROP, loss_change
 from gradforensics.analysis.toolkit.stats import finite_mean, rank_trend
 
 if TYPE_CHECKING:
@@ -75,9 +82,10 @@ __all__ = [
 COLUMNS = [
     "tensor", "head", "layer", "n_records", "n_excluded", "window", "cos_early", "cos_late",
     "cos_late_debiased", "rotation", "rho", "p_value", "rho_windows", "since_record", "since_step",
-    "aligned_source", "aligned_cosine", "severity",
+    "aligned_source", "aligned_cosine", "loss_change", "severity",
 ]
 EFFECT_FULL = 0.5  # rotation at which the effect score saturates
+LEARNING_WEIGHT = 0.45  # severity weight of drift while the loss falls: context, never an alarm
 ALIGN_MIN, ALIGN_MARGIN = 0.3, 0.15
 
 
@@ -256,8 +264,11 @@ def _compute(ctx: Context) -> AnalysisResult:
     for col in ("head", "layer", "since_record", "since_step"):
         table[col] = table[col].astype("Int64")
     n_tests = int(table["p_value"].notna().sum()) if len(table) else 0
+    change = loss_change(ctx.batches.get("loss"), step, opts.window)
+    table["loss_change"] = change
+    weight = LEARNING_WEIGHT if change <= -LEARNING_DROP else 1.0
     table["severity"] = [
-        0.0 if ctx.meta.mode == "replay" else fl.significance(p, n_tests) * fl.ramp(rot, EFFECT_FULL)
+        0.0 if ctx.meta.mode == "replay" else weight * fl.significance(p, n_tests) * fl.ramp(rot, EFFECT_FULL)
         for p, rot in zip(table["p_value"], table["rotation"])
     ]
     return AnalysisResult(table=table, series={**rec_pack.to_series("record_cosine"),
@@ -289,7 +300,8 @@ def _ok(x: Any) -> bool:
 
 def _evidence(r: Any) -> dict[str, Any]:
     return {"rotation": r.rotation, "cos_early": r.cos_early, "cos_late": r.cos_late, "rho": r.rho,
-            "p_value": r.p_value, "since_step": r.since_step, "aligned_cosine": r.aligned_cosine}
+            "p_value": r.p_value, "since_step": r.since_step, "aligned_cosine": r.aligned_cosine,
+            "loss_change": r.loss_change}
 
 
 def _summary(r: Any, head: int | None) -> str:
@@ -300,6 +312,9 @@ def _summary(r: Any, head: int | None) -> str:
          f"(rotation {r.rotation:.2f}, Spearman rho {r.rho:.2f}, {fl.fmt_p(r.p_value)})")
     if isinstance(r.aligned_source, str):
         s += f"; the new direction aligns with source '{r.aligned_source}' (cos {r.aligned_cosine:.2f})"
+    if np.isfinite(r.loss_change) and r.loss_change <= -LEARNING_DROP:
+        s += (f"; the loss fell {-r.loss_change:.0%} meanwhile, so this is the model learning (context, "
+              "not trouble)")
     return s + "."
 
 
@@ -339,6 +354,7 @@ ADVICE = Advice(
     references=("Gur-Ari et al. 2018, Gradient Descent Happens in a Tiny Subspace",),
     time_axis=True,
     records_map="a drifting gradient walks away from its first records in the step panel",
+    cause="data",
 )
 
 ANALYSIS = Analysis(name="drift", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,

@@ -35,11 +35,13 @@ Benjamini, Y. & Hochberg, Y. (1995). Controlling the false discovery rate.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag
+from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.series import series_compute
 from gradforensics.analysis.toolkit.signal import MIN_POINTS, LineSpectrum, SpectrumOptions, line_spectrum
 
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.analysis.toolkit.series import Series, SeriesGroup
 
-__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "FREQ_UNITS", "NAME", "analyze_series", "family", "flags_from_table",
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "FREQ_UNITS", "NAME", "SpectrumAdvice", "analyze_series", "family", "flags_from_table",
            "plot", "plot_detrended", "plot_spectrum", "severity"]
 
 
@@ -264,7 +266,31 @@ def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     """
     if ctx.meta.mode == "replay":
         return []
-    return flags_from_table(result.table, ctx.options_for(NAME, SpectrumOptions))
+    out = flags_from_table(result.table, ctx.options_for(NAME, SpectrumOptions))
+    size = full_batch(ctx.meta, ctx.batches)
+    if size is None:
+        return out
+    note = (f" Every record is the whole data set ({size} samples): there is no data order, so the period is "
+            "the optimisation's own (a period of 2 steps is the step flipping across a sharp direction: see "
+            "oscillation).")
+    return [replace(f, evidence={**f.evidence, "cause": "learning_rate", "full_batch": True},
+                    summary=f.summary + note) for f in out]
+
+
+@dataclass(frozen=True)
+class SpectrumAdvice(Advice):
+    """Data-order advice only when the batches differ: a full-batch run's line is the learning rate's."""
+
+    #: First remedy of a line in full-batch training (no data order exists).
+    FULL_BATCH_REMEDY: ClassVar[str] = (
+        "Full-batch training has no data order: a line at 2 steps is the update overshooting a sharp direction "
+        "(edge of stability); lower the learning rate below 2/lambda_max, or warm it up.")
+
+    def remedies_for(self, flags: Sequence[Flag]) -> list[str]:
+        items = list(self.remedies)
+        if flags and all(f.evidence.get("full_batch") for f in flags):
+            return [self.FULL_BATCH_REMEDY, *items[1:]]
+        return items
 
 
 #: What a ``loss_spectrum`` flag means and what to try next (the report's advice).
@@ -272,7 +298,7 @@ def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
 #: References
 #: ----------
 #: .. [Welch1967] P. D. Welch, "The use of fast Fourier transform for the estimation of power spectra", 1967.
-ADVICE = Advice(
+ADVICE = SpectrumAdvice(
     title="Periodic loss / gradient norm",
     phrase="the per-record series (loss or gradient norm) is periodic",
     evidence_keys={"period_steps": "period", "power": "power", "p_value": "p"},
@@ -283,6 +309,7 @@ ADVICE = Advice(
         "A peak at the gradient-accumulation or logging interval is an artefact of how the loss was measured."),
     references=("Welch 1967, spectral estimation; peaks tested against an AR(1) red-noise background",),
     time_axis=True,
+    cause="data",
 )
 
 ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series), flags=_flags, plot=plot,

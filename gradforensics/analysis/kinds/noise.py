@@ -28,7 +28,14 @@ has a small mean gradient, so a low SNR everywhere is the normal state there.  S
 * **a source** is named on a flag only when it is *measurably noisier* there: the log
   ratio of its ``tr(Σ)`` to the other sources' median is an outlier (z ≥ ``outlier_z``)
   among the model's tensors, and its jackknife lower bound is still ``outlier_ratio``
-  times the ratio the model usually has.
+  times the ratio the model usually has;
+* **full-batch training** (every record the whole data set: ``n_samples`` equal to the
+  store's ``extra["dataset_size"]`` on every record, or ``extra["full_batch"]``) has no
+  sampling noise: what varies between records is the trajectory (curvature, learning
+  rate), not noise, so no flag is raised and the table's ``batch_note`` says so;
+* in a **training** store whose recorded loss falls over the run (by 5 % or more), a
+  tensor's or head's noise finding is weighted by :data:`LEARNING_WEIGHT` (context
+  below 0.5): the model learns through that noise.
 
 References
 ----------
@@ -57,6 +64,7 @@ from gradforensics.analysis.contract.model import (
     Need,
     Options,
 )
+from gradforensics.analysis.toolkit.batches import full_batch, learning
 from gradforensics.analysis.toolkit.noisescale import (
     BELOW_RESOLUTION,
     FIELDS,
@@ -74,10 +82,16 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
-__all__ = ["COLUMNS", "MODEL", "NoiseOptions", "flags", "noise_estimate", "noise_rows", "noise_table", "severity"]
+__all__ = ["COLUMNS", "FULL_BATCH", "MODEL", "NoiseOptions", "flags", "noise_estimate", "noise_rows", "noise_table", "severity"]
 
 #: The ``tensor`` of the run-level rows and finding.
 MODEL = "whole model"
+#: Severity weight of a tensor's noise finding in a training run whose loss falls: the model learns through
+#: the noise, so it is context (below 0.5), not trouble.
+LEARNING_WEIGHT = 0.45
+#: The note of every row of a full-batch run: no flag, since there is no sampling noise to measure.
+FULL_BATCH = ("full batch (every record the whole data set of {} samples): no sampling noise; the spread "
+              "across records is the trajectory, not noise")
 COLUMNS = ("tensor", "head", "source", *FIELDS, "from_sketch")
 
 
@@ -201,6 +215,9 @@ def compute(ctx: Context) -> AnalysisResult:
         ctx = ctx.super_records()
     table = noise_table(ctx.grams, ctx.batches["n_samples"], ctx.source_of_record(), ctx.sources,
                         ctx.batches.get("mixture"), ctx.meta.mode)
+    size = full_batch(ctx.meta, ctx.batches)
+    if size is not None and len(table):
+        table["batch_note"] = FULL_BATCH.format(size)
     return AnalysisResult(table=table)
 
 
@@ -339,6 +356,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     t = result.table
     if t.empty:
         return []
+    if full_batch(ctx.meta, ctx.batches) is not None:
+        return []       # no sampling noise: the spread across records is the trajectory (the table's note says so)
     recs = t.to_dict("records")
     for r in recs:
         r["head"] = head_of(r["head"])
@@ -355,9 +374,10 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     sev = {**_outliers(tensors, opts, ctx), **_outliers(heads, opts, ctx)}
     ref = {None: _median_snr(tensors), "head": _median_snr(heads)}
     out = [run_flag(recs, span, opts)] if any(r["tensor"] == MODEL for r in recs) else []
+    weight = LEARNING_WEIGHT if learning(ctx.meta, ctx.batches) else 1.0
     for row in every:
         srcs = noisy.get(row["tensor"], []) if row["head"] is None else []
-        s = max([sev.get(id(row), 0.0)] + [v for _, v in srcs])
+        s = weight * max([sev.get(id(row), 0.0)] + [v for _, v in srcs])
         if s > 0:
             out.append(_flag(row, s, ref[None if row["head"] is None else "head"], srcs, span))
     return [f for f in out if f is not None]
@@ -514,6 +534,7 @@ ADVICE = Advice(
         "Or lower the LR in proportion (the noise temperature is LR/B); gradient accumulation gets the batch "
         "without memory."),
     references=("McCandlish et al. 2018, An Empirical Model of Large-Batch Training",),
+    cause="data",
 )
 
 ANALYSIS = Analysis(name="noise", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,

@@ -37,7 +37,11 @@ Severity = ``significance(p, n_units) × clip(reversal / 0.5, 0, 1) ×
 (0.6 + 0.4 · bimodality)``, where ``reversal = min(|μ+|, |μ−|) / max(|μ+|, |μ−|)``
 when the poles' mean projections have opposite signs (else 0) and
 ``bimodality = clip((BC - 1/3) / (5/9 - 1/3), 0, 1)`` (0 for a Gaussian, 1 at the
-uniform's 5/9).
+uniform's 5/9).  Then the severity follows the tensor's share of the oscillating energy:
+a whole tensor's is weighted by ``0.4 + 0.6 · E / E_max`` (``E`` the energy of its
+oscillating direction, ``λ`` of the component, and ``E_max`` the largest among the
+model's tensors), a head's by its tensor's weight: the zig-zag is where the energy
+flips, not in a bias that merely follows.
 """
 
 from __future__ import annotations
@@ -89,14 +93,17 @@ __all__ = [
     "severity",
     "source_r2",
     "two_means_split",
+    "weigh_by_energy",
 ]
 
 
 COLUMNS = [
     "tensor", "head", "layer", "n_records", "n_excluded", "consec_cos", "component", "explained",
     "period_records", "period_steps", "p_value", "bimodality_coefficient", "pole_pos", "pole_neg",
-    "reversal", "source_r2", "sources_pos", "sources_neg", "record_first", "record_last", "severity",
+    "reversal", "source_r2", "sources_pos", "sources_neg", "record_first", "record_last", "energy",
+    "energy_share", "severity",
 ]
+ENERGY_FLOOR = 0.4        # severity weight of the tensor with the least oscillating energy (the largest: 1)
 POLE_SHARE = 0.6          # a source "sits at a pole" when it holds this share of the pole's records
 
 
@@ -227,7 +234,7 @@ def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: Osc
     if mu_pos < mu_neg:
         mu_pos, mu_neg, upper = mu_neg, mu_pos, ~upper
     rev = min(abs(mu_pos), abs(mu_neg)) / max(abs(mu_pos), abs(mu_neg), 1e-300) if mu_pos > 0 > mu_neg else 0.0
-    row.update(component=best.k + 1, explained=best.lam / max(float(np.trace(Kp)), 1e-300),
+    row.update(component=best.k + 1, explained=best.lam / max(float(np.trace(Kp)), 1e-300), energy=best.lam,
                period_records=best.period, p_value=min(1.0, best.p * len(comps)),
                bimodality_coefficient=bimodality_coefficient(best.scores), pole_pos=mu_pos, pole_neg=mu_neg,
                reversal=rev, source_r2=source_r2(best.scores, mixture),
@@ -270,8 +277,26 @@ def compute(ctx: Context) -> AnalysisResult:
     n_tests = int(table["p_value"].notna().sum())
     table["severity"] = [severity(p, n_tests, r, bc) for p, r, bc in
                          zip(table["p_value"], table["reversal"], table["bimodality_coefficient"])]
+    weigh_by_energy(table)
     return AnalysisResult(table=table, series={**proj_pack.to_series("projection"),
                                                **cc_pack.to_series("consecutive_cosine")})
+
+
+def weigh_by_energy(table: Any) -> None:
+    """Severity x (ENERGY_FLOOR + (1 - ENERGY_FLOOR) E/E_max) by the whole tensor's oscillating energy share."""
+    if "energy" not in table or not len(table):
+        return
+    whole = table["head"].isna()
+    energy = table.loc[whole].set_index("tensor")["energy"].astype(float)
+    ok = energy[np.isfinite(energy) & table.loc[whole].set_index("tensor")["severity"].gt(0).to_numpy()]
+    top = float(ok.max()) if len(ok) else math.nan
+    if not np.isfinite(top) or top <= 0:
+        table["energy_share"] = math.nan
+        return
+    share = table["tensor"].map(energy / top).astype(float)
+    table["energy_share"] = share
+    w = ENERGY_FLOOR + (1 - ENERGY_FLOOR) * np.clip(share.fillna(0.0).to_numpy(), 0.0, 1.0)
+    table["severity"] = table["severity"].to_numpy() * w
 
 
 def _frame(rows: list[dict[str, Any]]) -> Any:
@@ -498,6 +523,7 @@ ADVICE = Advice(
                 "Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities"),
     time_axis=True,
     records_map="a run flipping between two directions zig-zags between two clouds in the step panel",
+    cause="learning_rate",
 )
 
 ANALYSIS = Analysis(name="oscillation", needs=(Need.GRAM,), compute=compute, flags=flags, plot=plot,

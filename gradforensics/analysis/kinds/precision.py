@@ -97,10 +97,13 @@ __all__ = [
     "pair_counts",
     "plot",
     "round_to",
+    "run_format",
     "slab_reductions",
     "swamped",
+    "swamped_share",
     "tensor_row",
     "ulp",
+    "underflow_severity",
 ]
 
 
@@ -114,7 +117,14 @@ FORMATS: dict[str, tuple[int, int, float]] = {
 }
 FLAG_FORMATS = ("bf16", "fp16")     # formats option ``format`` may flag (FP8 is reported, never flagged)
 FP8 = ("fp8_e4m3", "fp8_e5m2")      # formats analysed after a per-tensor power-of-two amax scale
-COUNTS = ("n", "updated", "grad_nonzero", "lost", *(f"swamped_{f}" for f in FORMATS))
+COUNTS = ("n", "updated", "grad_nonzero", "lost", *(f"swamped_{f}" for f in FORMATS),
+          *(f"net_swamped_{f}" for f in FLAG_FORMATS))
+#: The ``dtypes`` root attribute's names -> the formats here (``fp32``/``fp64``: nothing is swamped).
+DTYPE_FORMATS = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}
+#: Severity weight of swamping in a format the run does not keep its weights in: a what-if, context below 0.5.
+WHATIF_WEIGHT = 0.45
+#: Share of the gradient energy (sum of g^2) carried by fp16-flushed values at which underflow counts in full.
+UNDERFLOW_ENERGY_FULL = 0.01
 MAX_PAIRS = 32                      # snapshot pairs analysed per tensor (evenly spaced)
 EXP_MIN, EXP_MAX = -160, 160        # base-2 exponent histogram range (frexp convention)
 ULP_EDGES = np.arange(-30.0, 20.5, 0.5)   # bins of log2(|Δ| / ULP_bf16(w))
@@ -131,14 +141,19 @@ class PrecisionOptions(Options):
         Scale the gradients are multiplied by before the fp16 cast (the run's
         recorded loss scale).  Default: ``extra["loss_scale"]`` of the store, else 1.
     format
-        ``"bf16"`` or ``"fp16"``: the training format whose swamped share raises the
-        flag.  With ``"fp16"`` the gradient underflow share is flagged too.
+        ``"bf16"`` or ``"fp16"``: the format whose swamped share is checked.  Default:
+        the run's own (the store's ``dtypes`` root attribute: the master weights'
+        dtype, else the parameters'); bf16 when the store records none (the summary
+        says so).  A format the run does not keep its weights in (an fp32 run checked
+        for bf16) is a what-if: its severity is weighted by :data:`WHATIF_WEIGHT`,
+        context below 0.5.  With ``"fp16"`` the gradient underflow is flagged too,
+        weighted by the flushed values' share of the gradient energy.
     min_severity
         Flags below this severity are not emitted.
     """
 
     loss_scale: float | None = None
-    format: str = "bf16"
+    format: str | None = None
     min_severity: float = 0.1
 
     analysis_name = NAME
@@ -146,7 +161,7 @@ class PrecisionOptions(Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.format not in FLAG_FORMATS:         # the message tests and users match: "format must be one of"
+        if self.format is not None and self.format not in FLAG_FORMATS:         # the message tests and users match: "format must be one of"
             raise SpecError(f"precision: format must be one of {FLAG_FORMATS}; got {self.format!r}.")
 
 
@@ -255,10 +270,13 @@ def fp16_gradient_shares(hist: np.ndarray, loss_scale: float = 1.0) -> dict[str,
     n = counts.sum()
     e = np.arange(EXP_MIN, EXP_MAX + 1) + np.log2(loss_scale)     # scaled |g| in [2^(e-1), 2^e)
     if n == 0:
-        return {"grad_underflow_fp16": np.nan, "grad_subnormal_fp16": np.nan, "grad_overflow_fp16": np.nan}
+        return {"grad_underflow_fp16": np.nan, "grad_subnormal_fp16": np.nan, "grad_overflow_fp16": np.nan,
+                "grad_underflow_fp16_energy": np.nan}
+    energy = counts * 4.0 ** (e - 0.5)                              # |g| ~ 2^(e-1/2) in its binade
     return {"grad_underflow_fp16": counts[e <= -24].sum() / n,
             "grad_subnormal_fp16": counts[(e > -24) & (e <= -14)].sum() / n,
-            "grad_overflow_fp16": counts[e - 1 >= 16].sum() / n}
+            "grad_overflow_fp16": counts[e - 1 >= 16].sum() / n,
+            "grad_underflow_fp16_energy": float(energy[e <= -24].sum() / energy.sum()) if energy.sum() > 0 else 0.0}
 
 
 def fp8_gradient_shares(hist: np.ndarray, amax: float | None) -> dict[str, float]:
@@ -303,6 +321,8 @@ def pair_counts(w0: np.ndarray, w1: np.ndarray, grad_nonzero: np.ndarray | None,
         out["updated"] += int((d != 0).sum())
         out["swamped_bf16"] += int(swamped(x0, step, "bf16").sum())
         out["swamped_fp16"] += int(swamped(x0, step, "fp16").sum())
+        for f in FLAG_FORMATS:           # the whole gap's update: what no cancellation inside the gap explains
+            out[f"net_swamped_{f}"] += int(swamped(x0, d, f).sum())
         for f in FP8:
             out[f"swamped_{f}"] += int(swamped(x0 * scale[f], step * scale[f], f).sum())
         nz = d != 0
@@ -446,6 +466,8 @@ def tensor_row(tensor: str, pairs: list[dict[str, Any]] | None, grad_hist: np.nd
         "swamped_bf16": _ratio(tot["swamped_bf16"], tot["updated"]),
         "swamped_fp16": _ratio(tot["swamped_fp16"], tot["updated"]),
         **{f"swamped_{f}": _ratio(tot[f"swamped_{f}"], tot["updated"]) for f in FP8},
+        **{f"net_swamped_{f}": _ratio(tot[f"net_swamped_{f}"], tot["updated"]) for f in FLAG_FORMATS},
+        "snapshot_gap": float(np.median([p["steps"] for p in pairs])) if pairs and "steps" in pairs[0] else 1.0,
         "lost_share": _ratio(tot["lost"], tot["grad_nonzero"]) if has_grad else float("nan"),
         "median_update_ulps_bf16": _median_ulps(pairs),
         "loss_scale": loss_scale,
@@ -489,32 +511,71 @@ def compute(ctx: Context) -> AnalysisResult:
             "swamped_fp16", "swamped_fp8_e4m3", "swamped_fp8_e5m2", "lost_share", "median_update_ulps_bf16",
             "grad_underflow_fp16", "grad_subnormal_fp16", "grad_overflow_fp16", "grad_underflow_fp8_e4m3",
             "grad_subnormal_fp8_e4m3", "grad_underflow_fp8_e5m2", "grad_subnormal_fp8_e5m2", "grad_zero_share",
-            "loss_scale"]
+            "loss_scale", "net_swamped_bf16", "net_swamped_fp16", "snapshot_gap", "grad_underflow_fp16_energy"]
     return AnalysisResult(table=pd.DataFrame(rows, columns=cols), series=series)
 
 
 # -------------------------------------------------------------------------- flags
+def run_format(meta: Any) -> str | None:
+    """The format the run keeps its weights in (``dtypes``: master, else parameters), or None when not recorded."""
+    d = getattr(meta, "dtypes", None) or {}
+    name = d.get("master") or d.get("parameters")
+    return DTYPE_FORMATS.get(name, name) if name else None
+
+
+def swamped_share(row: dict[str, Any], fmt: str) -> float:
+    """The swamped share severity reads: per step when snapshots are a step apart; between snapshots K steps
+    apart, the share whose whole K-step update is swamped (the per-step average ``Δ/K`` counts updates that
+    cancel inside the gap as swamped and over-counts; the table keeps both, and ``snapshot_gap``)."""
+    gap = _num(row.get("snapshot_gap", 1.0)) or 1.0
+    return _num(row[f"swamped_{fmt}"]) if gap <= 1.0 else _num(row.get(f"net_swamped_{fmt}"))
+
+
+def underflow_severity(row: dict[str, Any]) -> float:
+    """fp16 underflow share weighted by the flushed values' share of the gradient energy."""
+    share = _num(row["grad_underflow_fp16"])
+    energy = _num(row.get("grad_underflow_fp16_energy", 1.0))
+    return share * min(1.0, energy / UNDERFLOW_ENERGY_FULL)
+
+
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
-    """A flag per tensor whose updates are swamped (severity = swamped share), or lost."""
+    """A flag per tensor whose updates are swamped in the run's format (a what-if format: context), or lost."""
     opt = ctx.options_for(NAME, PrecisionOptions)
+    own = run_format(ctx.meta)
+    fmt = opt.format or (own if own in FLAG_FORMATS else "bf16")
+    whatif = own is not None and own != fmt
     out = []
     for row in result.table.to_dict("records"):
-        sw = _num(row[f"swamped_{opt.format}"])
+        sw = swamped_share(row, fmt)
         lost = _num(row["lost_share"])
-        under = _num(row["grad_underflow_fp16"]) if opt.format == "fp16" else 0.0
-        sev = max(sw, lost, under)
+        under = underflow_severity(row) if fmt == "fp16" else 0.0
+        sev = max(sw * (WHATIF_WEIGHT if whatif else 1.0), lost, under * (WHATIF_WEIGHT if whatif else 1.0))
         if sev < opt.min_severity:
             continue
         first = int(row["record_first"]) if row["n_pairs"] else 0
         last = int(row["record_last"]) if row["n_pairs"] else max(ctx.n_records - 1, 0)
+        text = _summary(row, fmt, sw, lost, under, first, last) + _format_note(own, fmt, row)
         out.append(Flag(
             kind="precision", tensor=row["tensor"], head=None, sources=(), severity=float(min(sev, 1.0)),
             records=(first, last),
-            evidence={k: row[k] for k in ("swamped_bf16", "swamped_fp16", "lost_share", "median_update_ulps_bf16",
-                                          "grad_underflow_fp16", "grad_overflow_fp16", "loss_scale")}
-            | {"format": opt.format},
-            summary=_summary(row, opt.format, sw, lost, under, first, last)))
+            evidence={k: row.get(k) for k in ("swamped_bf16", "swamped_fp16", "lost_share", "median_update_ulps_bf16",
+                                              "grad_underflow_fp16", "grad_overflow_fp16", "loss_scale",
+                                              "snapshot_gap", "grad_underflow_fp16_energy")}
+            | {"format": fmt, "run_format": own or "unknown", "whatif": whatif},
+            summary=text))
     return out
+
+
+def _format_note(own: str | None, fmt: str, row: dict[str, Any]) -> str:
+    gap = _num(row.get("snapshot_gap", 1.0)) or 1.0
+    note = (f" (snapshots {gap:g} steps apart: the share is of updates swamped over the whole gap; per step "
+            f"{_num(row[f'swamped_{fmt}']):.0%} at most)") if gap > 1 else ""
+    if own is None:
+        return note + f" The store records no dtypes (root attribute 'dtypes'): {fmt} weights assumed."
+    if own != fmt:
+        return note + (f" The run keeps its weights in {own}, so {fmt} is a what-if: context, not a "
+                       f"problem of this run.")
+    return note
 
 
 def _num(x: Any) -> float:
@@ -532,8 +593,9 @@ def _summary(row: dict[str, Any], fmt: str, sw: float, lost: float, under: float
                 f"did not change at all in the stored snapshots: updates are already rounded away; keep fp32 "
                 f"master weights or raise the learning rate for this tensor.")
     if under > sw:
-        return (f"{t}: {under:.0%} of its gradient values fall below fp16's smallest subnormal (2^-24) at loss "
-                f"scale {row['loss_scale']:g}: raise the loss scale or train in bf16.")
+        return (f"{t}: {_num(row['grad_underflow_fp16']):.0%} of its gradient values, "
+                f"{_num(row.get('grad_underflow_fp16_energy')):.2g} of its gradient energy, fall below fp16's "
+                f"smallest subnormal (2^-24) at loss scale {row['loss_scale']:g}: raise the loss scale or train in bf16.")
     return (f"{t}: {sw:.0%} of its weight updates between records {first} and {last} are smaller than half a "
             f"{fmt} ULP of the weight (median update {row['median_update_ulps_bf16']:.2g} bf16 ULP): without fp32 "
             f"master weights this tensor stops learning.")
@@ -574,6 +636,7 @@ ADVICE = Advice(
         "For fp16 gradient underflow/overflow: dynamic loss scaling."),
     references=("Micikevicius et al. 2018, Mixed Precision Training",
                 "Zamirai et al. 2020, Revisiting BFloat16 Training"),
+    cause="precision",
 )
 
 ANALYSIS = Analysis(name=NAME, needs=(Need.GRADS, Need.WEIGHTS), compute=compute, flags=flags, plot=plot,

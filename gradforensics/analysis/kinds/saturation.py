@@ -295,10 +295,15 @@ def compute(ctx: Context) -> AnalysisResult:
 
 # -------------------------------------------------------------------------- flags
 def severity(row: dict[str, Any], trend_p: float = 0.01) -> tuple[float, dict[str, float]]:
-    """max(level, trend, camps): 0.5 at 35 % polar units, at a +20-point significant rise, or at D = 2.5."""
+    """max(level, trend, camps): 0.5 at 35 % polar units, at a +20-point significant rise, or at D = 2.5 with
+    the outer camp at a pole.  Two camps count by how near the pole the outer one sits (its mean polarity
+    ``|p|``: 0 up to 0.5, in full from 0.9): two camps in the middle of the range are not saturation."""
     level = float(np.clip((row["polar_share"] - 0.10) / 0.5, 0, 1))
     trend = float(np.clip(row["rise"] / 0.4, 0, 1)) if _finite(row["trend_p"]) and row["trend_p"] < trend_p else 0.0
     camps = float(np.clip((row["separation"] - 1.0) / 3.0, 0, 1)) if row["two_camps"] else 0.0
+    if camps > 0:
+        extent = max(float(row["camp_high"]), -float(row["camp_low"])) if _finite(row["camp_high"]) else 1.0
+        camps *= float(np.clip((extent - 0.5) / 0.4, 0, 1))
     parts = {"level": level, "trend": trend, "camps": camps}
     return max(parts.values()), parts
 

@@ -50,6 +50,7 @@ Halko, N., Martinsson, P.-G. & Tropp, J. A. (2011). SIAM Review 53, 217–288.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -107,10 +108,14 @@ __all__ = [
     "flags",
     "growth_severity",
     "lazy",
+    "logit_columns",
+    "logit_severity",
     "matrix_row",
     "partner_of",
     "plot",
     "powerlaw_fit",
+    "qk_logit_scale",
+    "qk_severity",
     "role_of",
     "singular_values",
     "slab_reductions",
@@ -333,11 +338,70 @@ def lazy(store: Store) -> dict[str, Any]:
         idx = _snapshots(info.shape[0])
         out[f"weight|{tensor}"] = dask.delayed(list)([dask.delayed(_snapshot_spectra)(handle, t, spec) for t in idx])
         out[f"weight_records|{tensor}"] = dask.delayed(np.asarray)([int(wrec[t]) for t in idx])
+        qk = _qk_lazy(store, tensor, idx)
+        if qk is not None:
+            out[f"qk_logit|{tensor}"] = qk
     edges = window_edges(store.n_records, WINDOWS)
     for tensor, info in sorted(store.grads.items()):
         if _is_matrix(info.attrs, info.shape):
             out[f"gradient_records|{tensor}"] = dask.delayed(np.asarray)([int(b) - 1 for b in edges[1:]])
     return out
+
+
+def _head_rows(blocks: np.ndarray, axis: int) -> np.ndarray:
+    """Head blocks as ``(H, d_head, d_in)``: a split along axis 0 is ``(d_head, d_in)`` already."""
+    return blocks if axis == 0 else np.swapaxes(blocks, 1, 2)
+
+
+def qk_logit_scale(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Per query head ``h``: ``‖W_Qʰᵀ W_Kᵍ‖₂ · d_in / √d_head``, the largest attention logit its q/k weights
+    give two inputs of unit RMS (``‖x‖ = √d_in``, what the pre-attention norm makes of them at gain 1);
+    *q*, *k*: ``(H_q, d_head, d_in)``, ``(H_kv, d_head, d_in)``; query head ``h`` reads key head
+    ``g = h // (H_q / H_kv)`` (grouped-query attention).  ``σ₁(W_Qᵀ W_K)² = λ_max((W_K W_Kᵀ)(W_Q W_Qᵀ))``,
+    a ``d_head × d_head`` product."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    hq, d, d_in = q.shape
+    group = max(hq // max(k.shape[0], 1), 1)
+    out = np.empty(hq)
+    for h in range(hq):
+        kk = k[min(h // group, k.shape[0] - 1)]
+        m = (kk @ kk.T) @ (q[h] @ q[h].T)
+        out[h] = math.sqrt(max(float(np.max(np.linalg.eigvals(m).real)), 0.0)) * d_in / math.sqrt(d)
+    return out
+
+
+def _qk_point(qh: Any, kh: Any, t: int, qspec: Any, kspec: Any) -> np.ndarray:
+    """Logit scales of snapshot *t* (fused q|k|v: *kh* is None and the k blocks follow the q blocks)."""
+    rest = (slice(None),) * (len(qh.shape) - 1)
+    wq = np.asarray(qh[(slice(t, t + 1), *rest)][0])
+    blocks = qspec.split(wq)
+    if kh is None:
+        n = qspec.heads
+        return qk_logit_scale(_head_rows(blocks[:n], qspec.axis), _head_rows(blocks[n:2 * n], qspec.axis))
+    wk = np.asarray(kh[(slice(t, t + 1), *rest)][0])
+    return qk_logit_scale(_head_rows(blocks, qspec.axis), _head_rows(kspec.split(wk), kspec.axis))
+
+
+def _qk_lazy(store: Store, tensor: str, idx: list[int]) -> Any:
+    """The delayed per-snapshot logit scales of q tensor (or fused qkv) *tensor*, or None without its k."""
+    import dask
+
+    attrs = store.grads[tensor].attrs if tensor in store.grads else {}
+    qspec = HeadSpec.from_attrs(attrs)
+    role = role_of(tensor, str(attrs.get("role", "")))
+    if qspec is None or role not in ("q", "qkv") or (role == "qkv" and qspec.fused < 2):
+        return None
+    kh = kspec = None
+    if role == "q":
+        partner = partner_of(tensor)
+        if partner is None or partner not in store.weights or partner not in store.grads:
+            return None
+        kspec = HeadSpec.from_attrs(store.grads[partner].attrs)
+        if kspec is None or store.weights[partner].shape[0] != store.weights[tensor].shape[0]:
+            return None
+        kh = store.handle(store.weights[partner])
+    qh = store.handle(store.weights[tensor])
+    return dask.delayed(list)([dask.delayed(_qk_point)(qh, kh, t, qspec, kspec) for t in idx])
 
 
 def _snapshot_spectra(handle: Any, t: int, spec: Any) -> dict[int | None, Spectrum]:
@@ -484,6 +548,11 @@ def matrix_row(tensor: str, head: int | None, matrix: str, spectra: list[Spectru
     }
 
 
+#: Logit scale (largest attention logit the q/k weights give inputs of unit RMS) below which growth is no flag,
+#: and at which the severity is 1 (healthy tiny models trained at ordinary learning rates end near 3-10;
+#: their twins at 10x the learning rate at 80-150: docs/calibration.md).
+LOGIT_OK, LOGIT_FULL = 20.0, 200.0
+
 COLUMNS = ["tensor", "head", "matrix", "role", "exact", "n_points", "record_first", "record_last", "sigma_max",
            "sigma_max_first", "norm_growth", "stable_rank", "stable_rank_first", "stable_rank_trend",
            "stable_rank_trend_p", "stable_rank_drop", "effective_rank", "top_share", "alpha", "alpha_xmin", "alpha_ks", "alpha_n_tail"]
@@ -496,7 +565,7 @@ def compute(ctx: Context) -> AnalysisResult:
     lz = ctx.computed.get(NAME, {})
     rows: list[dict[str, Any]] = []
     series: dict[str, np.ndarray] = {}
-    for key in sorted(k for k in lz if "_records|" not in k):
+    for key in sorted(k for k in lz if "_records|" not in k and not k.startswith("qk_logit|")):
         matrix, tensor = key.split("|", 1)
         points: list[dict[int | None, Spectrum]] = lz[key]
         if not points:
@@ -514,7 +583,31 @@ def compute(ctx: Context) -> AnalysisResult:
             tag = "all" if head is None else head
             series[f"sv/{matrix}/{tensor}/{tag}"] = _stack([s.sv for s in spectra])
             series[f"fro2/{matrix}/{tensor}/{tag}"] = np.array([s.fro2 for s in spectra], dtype=np.float64)
-    return AnalysisResult(table=pd.DataFrame(rows, columns=COLUMNS), series=series)
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    logit_columns(table, {k.split("|", 1)[1]: lz[k] for k in lz if k.startswith("qk_logit|")}, series)
+    return AnalysisResult(table=table, series=series)
+
+
+def logit_columns(table: Any, scales: dict[str, list[np.ndarray]], series: dict[str, np.ndarray]) -> None:
+    """``logit_scale`` (last snapshot), ``logit_scale_first`` and ``logit_scale_mid`` of the q rows (whole
+    tensor: the largest head's); ``qk_pair``: the row's q/k pair has logit scales (k rows too)."""
+    for c in ("logit_scale", "logit_scale_first", "logit_scale_mid"):
+        table[c] = np.nan
+    table["qk_pair"] = False
+    for tensor, pts in scales.items():
+        arr = np.asarray(pts, dtype=np.float64)
+        if arr.ndim != 2 or not arr.size:
+            continue
+        series[f"logit_scale/{tensor}"] = arr
+        pair = {tensor, partner_of(tensor) or tensor}
+        table.loc[table["tensor"].isin(pair) & (table["matrix"] == "weight"), "qk_pair"] = True
+        for i in table.index[(table["tensor"] == tensor) & (table["matrix"] == "weight")]:
+            h = head_of(table.at[i, "head"])
+            if h is not None and h >= arr.shape[1]:
+                continue
+            vals = arr.max(axis=1) if h is None else arr[:, h]
+            table.loc[i, ["logit_scale", "logit_scale_first", "logit_scale_mid"]] = (
+                vals[-1], vals[0], vals[len(vals) // 2])
 
 
 def _stack(svs: list[np.ndarray]) -> np.ndarray:
@@ -531,6 +624,30 @@ def growth_severity(ratio: float, half: float = 3.0) -> float:
     if not np.isfinite(ratio) or ratio <= 1.0:
         return 0.0
     return float(min(1.0, 0.5 * np.log(ratio) / np.log(half)))
+
+
+def logit_severity(scale: float, first: float = math.nan, mid: float = math.nan) -> float:
+    """Severity of a q/k pair's logit scale: 0 up to :data:`LOGIT_OK`, 1 at :data:`LOGIT_FULL` (log scale),
+    times ``0.7 + 0.3 t`` with ``t`` the trend (1 when it still grew by 25 % or more over the second half of
+    the snapshots, 0 when it stopped growing)."""
+    if not np.isfinite(scale) or scale <= LOGIT_OK:
+        return 0.0
+    level = min(1.0, math.log(scale / LOGIT_OK) / math.log(LOGIT_FULL / LOGIT_OK))
+    trend = 1.0
+    if np.isfinite(mid) and mid > 0:
+        trend = float(np.clip(math.log(max(scale / mid, 1e-12)) / math.log(1.25), 0.0, 1.0))
+    return level * (0.7 + 0.3 * trend)
+
+
+def qk_severity(r: dict[str, Any], growth_half: float = 3.0) -> float:
+    """A q/k row's growth severity: on the absolute logit scale where its pair has one (the k side of such a
+    pair is judged with its q), else on the fold change of its spectral norm (a q/k without its partner)."""
+    if r["role"] not in ("q", "k", "qkv"):
+        return 0.0
+    if bool(r.get("qk_pair", False)):
+        return logit_severity(r.get("logit_scale", math.nan), r.get("logit_scale_first", math.nan),
+                              r.get("logit_scale_mid", math.nan))
+    return growth_severity(r["norm_growth"], growth_half)
 
 
 def collapse_severity(drop: float) -> float:
@@ -572,9 +689,9 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     weights = _rows(table, "weight")
     whole = {r["tensor"]: r for r in weights if _head(r) is None}
     for r in weights:
-        sev = growth_severity(r["norm_growth"], opt.growth_half) if r["role"] in ("q", "k", "qkv") else 0.0
+        sev = qk_severity(r, opt.growth_half)
         if _head(r) is not None:   # a head only when it grows clearly faster than its tensor
-            sev = sev if sev - growth_severity(whole[r["tensor"]]["norm_growth"], opt.growth_half) >= 0.15 else 0
+            sev = sev if sev - qk_severity(whole[r["tensor"]], opt.growth_half) >= 0.15 else 0
         if sev >= opt.min_severity:
             out.append(_growth_flag(r, sev, whole))
         a_sev = alpha_severity(r["alpha"], *opt.alpha_range) if r["alpha_n_tail"] >= MIN_TAIL else 0.0
@@ -610,10 +727,17 @@ def _growth_flag(r: dict[str, Any], sev: float, whole: dict[str, dict[str, Any]]
     where = r["tensor"] + (f" head {_head(r)}" if _head(r) is not None else "")
     text = (f"{where}: spectral norm grew x{r['norm_growth']:.2f} ({r['sigma_max_first']:.3g} -> {r['sigma_max']:.3g}) "
             f"between records {r['record_first']} and {r['record_last']}")
+    if np.isfinite(r.get("logit_scale", math.nan)):
+        text += (f"; its q/k weights can now give an attention logit of {r['logit_scale']:.3g} to inputs of unit RMS "
+                 f"(‖W_Qᵀ W_K‖₂ d/√d_head; {r['logit_scale_mid']:.3g} half-way, {r['logit_scale_first']:.3g} at "
+                 f"the start): softmax saturates there, watch for entropy collapse, consider QK-norm")
+        f = _flag(r, sev, "norm_growth", text + ".")
+        return replace(f, evidence={**f.evidence, "logit_scale": r["logit_scale"], "cause": "attention"})
     if pr is not None and np.isfinite(pr["norm_growth"]):
         text += (f"; with {partner} (x{pr['norm_growth']:.2f}) the attention logits can grow "
                  f"x{r['norm_growth'] * pr['norm_growth']:.2f}: watch for entropy collapse, consider QK-norm")
     f = _flag(r, sev, "norm_growth", text + ".")
+    f = replace(f, evidence={**f.evidence, "cause": "attention"})
     if pr is not None:
         return replace(f, evidence={**f.evidence, "partner": partner, "partner_growth": pr["norm_growth"]})
     return f

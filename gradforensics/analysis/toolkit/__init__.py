@@ -12,6 +12,7 @@ never the pass: a kind imports what it needs from here, never from another kind.
 * :mod:`~gradforensics.analysis.toolkit.stats`, :mod:`~gradforensics.analysis.toolkit.noisescale` -
   shared tests and the gradient noise scale estimators;
 * :mod:`~gradforensics.analysis.toolkit.series` - per-step series from a store's ``batches/*``;
+* :mod:`~gradforensics.analysis.toolkit.batches` - how the run drew its data (full batch);
 * :mod:`~gradforensics.analysis.toolkit.signal` - 1-D signal maths of the loss-curve analyses.
 
 Training logs are read by :mod:`gradforensics.logs` (input reading, not analysis).
