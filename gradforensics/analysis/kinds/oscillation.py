@@ -63,6 +63,7 @@ from gradforensics.analysis.contract.model import (
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
+from gradforensics.analysis.toolkit.parallel import map_units
 from gradforensics.analysis.toolkit.stats import bimodality_coefficient, finite_mean
 from gradforensics.store.names import layer_of
 
@@ -125,7 +126,7 @@ def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None =
     of freedom): a slowly turning mean gradient scores as a smooth ramp whose
     spectral leakage would otherwise reach ``min_cycles`` cycles (drift's business).
     """
-    from scipy.special import betaincc   # = scipy.stats.beta.sf(x, a, b), bit for bit, without its per-call checks
+    from scipy.special import betaincc  # = scipy.stats.beta.sf(x, a, b), bit for bit, without its per-call checks
 
     n = x.size
     nu = (n - 1 if dof_total is None else int(dof_total)) - 2
@@ -253,8 +254,9 @@ def compute(ctx: Context) -> AnalysisResult:
     replay = ctx.meta.mode == "replay"
     rows = []
     proj_pack, cc_pack = un.SeriesPack(), un.SeriesPack()
-    for u in un.units(ctx):
-        row, comp = oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources)
+    units = un.units(ctx)
+    done = map_units(lambda u: oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources), units)
+    for u, (row, comp) in zip(units, done, strict=True):
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
                    record_first=0, record_last=ctx.n_records - 1, period_steps=row.get("period_records", math.nan) * dstep if not replay else math.nan)
@@ -325,7 +327,7 @@ def band_oscillation(g: Any, edges: np.ndarray, min_records: int = 16) -> dict[s
     Student's t with ``n - 1`` degrees of freedom under no oscillation (Bonferroni
     over windows and periods).
     """
-    from scipy.special import stdtr     # stdtr(df, -t) = scipy.stats.t.sf(t, df), bit for bit
+    from scipy.special import stdtr  # stdtr(df, -t) = scipy.stats.t.sf(t, df), bit for bit
 
     band = g.band.shape[0] - 1
     periods = np.arange(2, band + 1)
