@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from gradforensics._format import fmt_bytes
 from gradforensics._text import terminal
-from gradforensics.store.reader import Store
+
+if TYPE_CHECKING:
+    from gradforensics.store.reader import Store
 
 __all__ = ["add_arguments", "run", "summarize"]
 
@@ -57,6 +60,7 @@ def summarize(store: Store) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from gradforensics.commands import storage as storage_flags
+    from gradforensics.store.reader import Store
 
     s = summarize(Store(storage_flags.location(args, args.store)))
     if args.json:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,9 +36,28 @@ __all__ = ["LossInput", "add_arguments", "findings_of", "load", "run", "series_o
 
 
 
+class _SignalChoices(Sequence[str]):
+    """The choices of a signal option, read from the toolkit on first use (``--help`` imports no analysis)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _values(self) -> tuple[str, ...]:
+        from gradforensics.analysis.toolkit import signal
+
+        return tuple(getattr(signal, self._name))
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._values()[i]
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gradforensics.analysis.toolkit.signal import CORRECTIONS, DETRENDERS
     from gradforensics.reporting.severity import add_fail_on_argument
+
+    DETRENDERS, CORRECTIONS = _SignalChoices("DETRENDERS"), _SignalChoices("CORRECTIONS")
 
     p.add_argument("inputs", nargs="+", metavar="FILE_OR_STORE",
                    help="a gradforensics store, or one or more CSV / JSON Lines logs (several = several ranks)")
@@ -48,10 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--columns", metavar="A,B", help="value columns to analyse (default: every numeric column)")
     p.add_argument("--axis", choices=("step", "time"), default="step",
                    help="for a store: sample by batches/step (default) or batches/time")
-    p.add_argument("--detrend", choices=DETRENDERS, default="savgol", help="trend removal (default: savgol)")
+    p.add_argument("--detrend", choices=DETRENDERS, default="savgol", metavar="METHOD",
+                   help="trend removal: %(choices)s (default: savgol)")
     p.add_argument("--alpha", type=float, default=0.01, help="significance after correction (default 0.01)")
-    p.add_argument("--correction", choices=CORRECTIONS, default="bh",
-                   help="multiple-testing correction over frequencies (default bh)")
+    p.add_argument("--correction", choices=CORRECTIONS, default="bh", metavar="METHOD",
+                   help="multiple-testing correction over frequencies: %(choices)s (default bh)")
     p.add_argument("--nperseg", type=int, default=None, help="Welch segment length (default: N/8, a power of 2)")
     p.add_argument("--quiet", action="store_true", help="do not print the repairs made to the series")
     add_fail_on_argument(p)

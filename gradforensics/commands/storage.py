@@ -12,10 +12,10 @@ travel to the dask workers inside the task graph.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from gradforensics.store import remote
-from gradforensics.store.backends import locate
-from gradforensics.store.location import Location
+if TYPE_CHECKING:
+    from gradforensics.store.location import Location
 
 __all__ = ["add_argument", "location"]
 
@@ -29,5 +29,8 @@ def add_argument(p: argparse.ArgumentParser) -> None:
 
 def location(args: argparse.Namespace, path: str) -> Location:
     """The store *path* of the command line, with the ``--storage-option`` flags when it is a URL."""
+    from gradforensics.store import remote
+    from gradforensics.store.backends import locate
+
     options = remote.parse_options(getattr(args, "storage_option", None))
     return locate(path, options if remote.is_url(path) else None)

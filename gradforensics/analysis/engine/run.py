@@ -68,6 +68,7 @@ from gradforensics.analysis.engine.longhistory import (
     threshold,
 )
 from gradforensics.analysis.engine.results import save_results
+from gradforensics.analysis.toolkit.parallel import unit_threads
 from gradforensics.errors import EmptyStoreError, SpecError
 from gradforensics.store import remote
 from gradforensics.store.backends import locate
@@ -247,10 +248,11 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
     ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, computed=computed,
                   options=per_analysis, long=long)
     results, flags = {}, []
-    for a in selected:
-        res = a.compute(ctx)
-        results[a.name] = res
-        flags.extend(_checked_flags(a, a.flags(res, ctx)))
+    with unit_threads(engine.num_workers):       # the per-unit statistics on the pass's threads
+        for a in selected:
+            res = a.compute(ctx)
+            results[a.name] = res
+            flags.extend(_checked_flags(a, a.flags(res, ctx)))
     header = _header(store, batches, client, engine, time.perf_counter() - t0, long)
     if writer is not None:
         # the writer holds the lock the results are saved under: they are returned, not saved (no warning)

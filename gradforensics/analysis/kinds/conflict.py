@@ -62,6 +62,7 @@ from gradforensics.analysis.contract.model import (
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
+from gradforensics.analysis.toolkit.parallel import map_units
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -286,9 +287,10 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
     training = ctx.meta.mode == "training"
     rows = []
     pack = un.SeriesPack()
-    for u in un.units(ctx):
-        seed = unit_seed(opts.seed, u.tensor, u.head)
-        pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training, seed)
+    units = un.units(ctx)
+    done = map_units(lambda u: conflict_unit(u.gram, mix[u.records], opts, training,
+                                             unit_seed(opts.seed, u.tensor, u.head)), units)
+    for u, (pairs, cos, idx) in zip(units, done, strict=True):
         energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
         for r in pairs:
             r["energy"] = energy

@@ -57,6 +57,7 @@ from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.batches import LEARNING_DROP, loss_change
+from gradforensics.analysis.toolkit.parallel import map_units
 from gradforensics.analysis.toolkit.stats import finite_mean, rank_trend
 
 if TYPE_CHECKING:
@@ -242,8 +243,9 @@ def _compute(ctx: Context) -> AnalysisResult:
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)))
     rows = []
     rec_pack, win_pack = un.SeriesPack(), un.SeriesPack()
-    for u in un.units(ctx):
-        res = drift_unit(u.gram, mix[u.records], opts.window)
+    units = un.units(ctx)
+    done = map_units(lambda u: drift_unit(u.gram, mix[u.records], opts.window), units)
+    for u, res in zip(units, done, strict=True):
         r = res.row
         pos = r.pop("since_pos", None)
         ai = r.pop("align_idx", None)

@@ -46,6 +46,7 @@ flips, not in a bias that merely follows.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -66,6 +67,7 @@ from gradforensics.analysis.contract.model import (
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
+from gradforensics.analysis.toolkit.parallel import map_units
 from gradforensics.analysis.toolkit.stats import bimodality_coefficient, finite_mean
 from gradforensics.store.names import layer_of
 
@@ -131,7 +133,7 @@ def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None =
     of freedom): a slowly turning mean gradient scores as a smooth ramp whose
     spectral leakage would otherwise reach ``min_cycles`` cycles (drift's business).
     """
-    from scipy.stats import beta
+    from scipy.special import betaincc  # = scipy.stats.beta.sf(x, a, b), bit for bit, without its per-call checks
 
     n = x.size
     nu = (n - 1 if dof_total is None else int(dof_total)) - 2
@@ -149,7 +151,7 @@ def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None =
     dof = np.where(2 * j == n, 1.0, 2.0)
     power = np.where(dof == 1.0, power, 2.0 * power) / n      # share of SS carried by each frequency
     share = np.clip(power / ss, 0.0, 1.0)
-    tail = beta.sf(share, dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0)
+    tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
     best = int(np.argmin(tail))
     return n / float(j[best]), float(min(1.0, tail[best] * j.size))
 
@@ -259,8 +261,9 @@ def compute(ctx: Context) -> AnalysisResult:
     replay = ctx.meta.mode == "replay"
     rows = []
     proj_pack, cc_pack = un.SeriesPack(), un.SeriesPack()
-    for u in un.units(ctx):
-        row, comp = oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources)
+    units = un.units(ctx)
+    done = map_units(lambda u: oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources), units)
+    for u, (row, comp) in zip(units, done, strict=True):
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
                    record_first=0, record_last=ctx.n_records - 1, period_steps=row.get("period_records", math.nan) * dstep if not replay else math.nan)
@@ -314,14 +317,21 @@ def lag_design(band: int, periods: np.ndarray) -> np.ndarray:
 
     The regression of the lagged products on ``[1, l, l², cos(2πl/P)]``: ``h_P · c`` is
     the cosine coefficient of ``c(l)``, orthogonal to a constant, linear and quadratic
-    trend in the lag (a mean gradient, a drifting one and a changing norm).
+    trend in the lag (a mean gradient, a drifting one and a changing norm).  Built once
+    per (band, periods) and shared by every unit (a read-only array).
     """
+    return _lag_design(int(band), tuple(int(P) for P in np.asarray(periods).ravel()))
+
+
+@functools.lru_cache(maxsize=16)
+def _lag_design(band: int, periods: tuple[int, ...]) -> np.ndarray:
     lag = np.arange(1, band + 1, dtype=np.float64)
     x = lag / band
-    out = np.zeros((periods.size, band))
+    out = np.zeros((len(periods), band))
     for k, P in enumerate(periods):
         X = np.c_[np.ones(band), x, x * x, np.cos(2 * np.pi * lag / P)]
         out[k] = np.linalg.pinv(X)[3]
+    out.flags.writeable = False
     return out
 
 
@@ -342,7 +352,7 @@ def band_oscillation(g: Any, edges: np.ndarray, min_records: int = 16) -> dict[s
     Student's t with ``n - 1`` degrees of freedom under no oscillation (Bonferroni
     over windows and periods).
     """
-    from scipy.stats import t as student
+    from scipy.special import stdtr  # stdtr(df, -t) = scipy.stats.t.sf(t, df), bit for bit
 
     band = g.band.shape[0] - 1
     periods = np.arange(2, band + 1)
@@ -361,7 +371,7 @@ def band_oscillation(g: Any, edges: np.ndarray, min_records: int = 16) -> dict[s
         mu, sd = Z.mean(axis=1), Z.std(axis=1, ddof=1)
         e0 = float(B[0].mean())
         t[w] = np.where(sd > 0, mu / np.where(sd > 0, sd, 1.0) * math.sqrt(B.shape[1]), 0.0)
-        tail[w] = student.sf(t[w], B.shape[1] - 1)
+        tail[w] = stdtr(B.shape[1] - 1, -t[w])
         amp[w] = 2.0 * mu / e0 if e0 > 0 else np.nan
     tested = int(np.isfinite(t).sum())
     if not tested:
