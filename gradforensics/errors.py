@@ -14,7 +14,7 @@ import errno
 __all__ = ["CaptureInterrupted", "CheckpointError", "CompareWarning", "CorruptChunkError", "CorruptStoreError",
            "DataError", "DataFileNotFoundError", "EmptyStoreError", "FlagsSchemaError", "GradforensicsError",
            "LogReadError", "MissingArrayError", "MissingExtraError", "ModelMismatchError", "NotACheckpointError",
-           "NotAStoreError", "OfflineError", "PlotBugWarning", "SchemaVersionError", "SpecError", "StoreClosedError",
+           "NotAStoreError", "OfflineError", "OutExistsError", "PlotBugWarning", "SchemaVersionError", "SpecError", "StoreClosedError",
            "StoreExistsError", "StoreLockedError", "StoreMismatchError", "StorePermissionError", "StoreUnreachableError",
            "Terminated", "UnsafeNameError", "WhatIfInterrupted", "WriteRefusedError", "refusal"]
 
@@ -60,6 +60,11 @@ class StoreClosedError(GradforensicsError, RuntimeError):
 
 class StoreExistsError(GradforensicsError, FileExistsError):
     """A new store was asked for at a path that already holds something."""
+
+
+class OutExistsError(GradforensicsError, FileExistsError):
+    """A command's ``--out`` holds something gradforensics may not replace (not its own, or recorded data
+    without ``--overwrite``)."""
 
 
 class StoreLockedError(GradforensicsError, BlockingIOError):
