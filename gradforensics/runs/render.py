@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Mapping
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,7 +72,7 @@ def _found(s: float | None) -> bool:
     return s is not None and not math.isnan(s) and s >= ACT
 
 
-def verdict(sev: dict[str, float | None], base: str) -> str:
+def verdict(sev: Mapping[str, float | None], base: str) -> str:
     """One sentence: which arms keep / resolve a finding (severity >= 0.5 is a finding; None: no flag)."""
     keep = [a for a, s in sev.items() if _found(s)]
     free = [a for a, s in sev.items() if not _found(s)]
