@@ -621,4 +621,4 @@ def test_the_size_estimate_is_printed_once(tmp_path, llama_dir, files, capsys):
     assert len(estimates) == 1 and estimates[0].startswith("estimate: 6 records x "), err
     assert cli.main([*argv, "--overwrite", "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert "estimate" not in err and "records/s" not in err and len(err.splitlines()) == 1   # the result only
+    assert "estimate:" not in err and "records/s" not in err and len(err.splitlines()) == 1   # the result only
