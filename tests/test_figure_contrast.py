@@ -106,3 +106,21 @@ def test_inspect_says_what_its_ratio_is(tmp_path):
     assert "bytes on disk for the bytes of data" in legend and "x: data / disk" in legend
     row = next(line for line in lines if line.strip().startswith("w "))
     assert re.search(r"\(4, 512, 1024\) float32  8\.0 MiB on disk for 8\.0 MiB, (0\.99|1\.00)x$", row), row
+
+
+def test_compare_panel_without_its_own_flag_is_titled_for_the_cells_it_shows(monkeypatch):
+    """A resolved row: the after run has no flag, so its panel must not carry the before flag's title."""
+    from gradforensics.reporting.compare_render import side_by_side
+    from gradforensics.reporting.comparison import compare_findings
+
+    data.install(monkeypatch)
+    sick, healthy = data.findings(), data.findings(healthy=True)
+    c = compare_findings(sick, healthy)
+    row = next(r for r in c.rows if r.status == "resolved" and r.kind == "conflict")
+    fig = side_by_side(row, sick, healthy, ("before", "after"))
+    left, right = (ax.get_title() for ax in fig.axes[:2])
+    assert left.startswith(f"before: severity {row.before.severity:.2f}") and "zh and en pull" in left
+    head = "" if row.head is None else f" head {row.head}"
+    assert right.splitlines()[0] == "after: no conflict flag here"
+    assert f"the same cells as the other run's flag: {row.tensor}{head}" in right.replace("\n", " ")
+    assert "pull opposite ways" not in right and "severity" not in right
