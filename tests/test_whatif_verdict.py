@@ -62,7 +62,7 @@ def test_the_report_opens_with_it_and_a_missing_flag_is_a_dash(tmp_path):
     res = _whatif(tmp_path)
     paths = write(res, tmp_path)
     md = paths["markdown"].read_text()
-    assert md.index("## Verdict") < md.index("## Arms") < md.index("## Findings across arms")
+    assert md.index("## Verdict") < md.index("## Arms") < md.index("## Flags across arms")
     assert "- nozh fixes conflict (en, zh) on 3 tensors" in md
     row = next(line for line in md.splitlines() if line.startswith("| conflict |") and TENSORS[1] in line)
     assert row.split(" | ")[4:7] == ["0.90", "0.85", "-"]                 # nozh has no conflict flag: '-'

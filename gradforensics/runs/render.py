@@ -211,7 +211,7 @@ def _headline(res: WhatIf, m: pd.DataFrame) -> str:
     every = int((m["verdict"].str.startswith("every")).sum())
     resolved = int((m["verdict"].str.startswith("resolved")).sum())
     new = int((m["verdict"].str.startswith("new")).sum())
-    return (f"{len(m)} finding(s) at or above {ACT} in some arm: {every} kept by every arm, {resolved} resolved "
+    return (f"{len(m)} flag(s) at or above {ACT} in some arm: {every} kept by every arm, {resolved} resolved "
             f"by some arm, {new} new in some arm (baseline: {res.baseline}).")
 
 
@@ -225,7 +225,7 @@ def render_markdown(res: WhatIf, m: pd.DataFrame) -> str:
     for a in arms:
         out.append(f"| {md_text(a['arm'])} | {a['optimizer']} | {md_text(_opts(a))} | {md_text(a['optimizer_state'])} "
                    f"| {a['steps']} | {_num(a['first_loss'])} | {_num(a['last_quarter_loss'])} | {_counts(a)} |")
-    out += ["", "## Loss", "", "![loss per step](figures/loss.png)", "", "## Findings across arms", "",
+    out += ["", "## Loss", "", "![loss per step](figures/loss.png)", "", "## Flags across arms", "",
             "| kind | tensor | head | sources | " + " | ".join(md_text(n) for n in names) + " | verdict |",
             "|" + "---|" * (5 + len(names))]
     for _, row in m.iterrows():
@@ -303,8 +303,9 @@ td.bad{{background:#fbe0cf}}td.ok{{background:#e6f4ea}}</style></head>
 <th>first loss</th><th>last-quarter loss</th><th>findings</th></tr></thead><tbody>{arm_tr}</tbody></table>
 <h2 id="loss">Loss</h2>
 <figure><img alt="loss per step" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}"></figure>
-<h2 id="findings">Findings across arms</h2>
-<p><i>Severity per arm of every finding at or above {ACT} in some arm; green: no finding in that arm.</i></p>
+<h2 id="findings">Flags across arms</h2>
+<p><i>Severity per arm of every flag (kind, tensor, head) at or above {ACT} in some arm; green: below {ACT} in
+that arm; -: that arm has no such flag.</i></p>
 <table id="findings-table"><thead><tr><th>kind</th><th>tensor</th><th>head</th><th>sources</th>{arm_th}<th>verdict</th>
 </tr></thead><tbody>{"".join(fin) or '<tr><td colspan=9>no finding at or above 0.5 in any arm</td></tr>'}</tbody></table>
 <h2 id="per-arm">Top findings per arm</h2>
