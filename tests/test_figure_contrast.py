@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis.toolkit.cells import ink, luminance
+from gradforensics._contrast import ink, luminance
 from gradforensics.reporting import figures
 
 

@@ -152,7 +152,7 @@ def overview(findings: Findings) -> Figure:
     """Analysis x layer depth (x head), coloured by the highest flag severity."""
     import matplotlib as mpl
 
-    from gradforensics.analysis.toolkit import cells
+    from gradforensics import _contrast as cells
 
     ov = overview_data(findings)
     n_cols = max(len(ov.layers), 1)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from gradforensics import _contrast as cells
 from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
@@ -55,7 +56,6 @@ from gradforensics.analysis.contract.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.toolkit import cells
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
