@@ -23,20 +23,33 @@ from gradforensics.errors import GradforensicsError, refusal
 __all__ = ["VERBS", "build_parser", "environment_error", "main"]
 
 
-#: verb -> (module under gradforensics.commands, one-line help)
+#: verb -> (module under gradforensics.commands, one-line help), in the order of the workflow
 VERBS: dict[str, tuple[str, str]] = {
-    "inspect": ("inspect", "what a store holds: schema, sources, records, tensors, sizes"),
-    "report": ("report", "re-render the report from a store's stored analysis results (no gradient reads)"),
     "demo": ("demo", "train a tiny transformer with planted trouble on CPU, capture, analyze, report"),
-    "analyze": ("analyze", "run the forensic pass over a store (Dask) and write the report"),
-    "loss": ("loss", "loss-curve forensics of a store or training logs: spectrum vs red noise, fractal dimension"),
-    "compare": ("compare", "compare two runs of one model finding by finding: resolved, new, persisting, worse"),
+    "capture": ("capture", "dump a problem checkpoint (HF directory or raw PyTorch) replaying batches per data source"),
     "import": ("import_", "import a run's history: a checkpoint series (updates between checkpoints) or Megatron-LM "
                           "gradient dumps"),
-    "capture": ("capture", "dump a problem checkpoint (HF directory or raw PyTorch) replaying batches per data source"),
+    "inspect": ("inspect", "what a store holds: schema, sources, records, tensors, sizes"),
+    "analyze": ("analyze", "run the forensic pass over a store (Dask) and write the report"),
+    "report": ("report", "re-render the report from a store's stored analysis results (no gradient reads)"),
+    "compare": ("compare", "compare two runs of one model finding by finding: resolved, new, persisting, worse"),
     "whatif": ("whatif", "replay the problem checkpoint under several optimizers / LRs / mixtures on identical batches, "
                          "side by side"),
+    "loss": ("loss", "loss-curve forensics of a store or training logs: spectrum vs red noise, fractal dimension"),
 }
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Help with each option's default shown, where it has one worth showing and the text does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False or default == []
+                or default == argparse.SUPPRESS or "default" in text.lower()):
+            return text
+        shown = " ".join(default) if isinstance(default, list) else default
+        return f"{text} (default: {str(shown).replace('%', '%%')})" if text else f"default: {shown}"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gradforensics {__version__}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB", parser_class=_Parser)
     for verb, (module, help_) in VERBS.items():
-        p = sub.add_parser(verb, help=help_, description=help_)
+        p = sub.add_parser(verb, help=help_, description=help_, formatter_class=_Formatter)
         mod = importlib.import_module(f"gradforensics.commands.{module}")
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)

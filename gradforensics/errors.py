@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import errno
 
-__all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CheckpointError", "CompareWarning", "CorruptChunkError", "CorruptStoreError",
-           "DataError", "DataFileNotFoundError", "EmptyStoreError", "FlagsSchemaError", "GradforensicsError",
-           "ImportSourceError", "LogReadError", "MissingArrayError", "MissingExtraError", "MissingShardError",
-           "ModelMismatchError", "NotACheckpointError", "NotAStoreError", "OfflineError", "PlotBugWarning",
-           "SchemaVersionError", "ShardMismatchError", "SpecError", "StoreClosedError", "StoreExistsError",
-           "StoreLockedError", "StoreMismatchError", "StorePermissionError", "StoreUnreachableError", "Terminated",
-           "UnsafeNameError", "WhatIfInterrupted", "WriteRefusedError", "refusal"]
+__all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CheckpointError", "CompareWarning",
+           "CorruptChunkError", "CorruptStoreError", "DataError", "DataFileNotFoundError", "EmptyStoreError",
+           "FlagsSchemaError", "GradforensicsError", "ImportSourceError", "LogReadError", "MissingArrayError",
+           "MissingExtraError", "MissingShardError", "ModelMismatchError", "NotACheckpointError", "NotAStoreError",
+           "OfflineError", "OutExistsError", "PlotBugWarning", "SchemaVersionError", "ShardMismatchError",
+           "SpecError", "StoreClosedError", "StoreExistsError", "StoreLockedError", "StoreMismatchError",
+           "StorePermissionError", "StoreUnreachableError", "Terminated", "UnsafeNameError", "WhatIfInterrupted",
+           "WriteRefusedError", "refusal"]
 
 
 class GradforensicsError(Exception):
@@ -65,6 +66,11 @@ class StoreClosedError(GradforensicsError, RuntimeError):
 
 class StoreExistsError(GradforensicsError, FileExistsError):
     """A new store was asked for at a path that already holds something."""
+
+
+class OutExistsError(GradforensicsError, FileExistsError):
+    """A command's ``--out`` holds something gradforensics may not replace (not its own, or recorded data
+    without ``--overwrite``)."""
 
 
 class StoreLockedError(GradforensicsError, BlockingIOError):

@@ -610,3 +610,15 @@ def test_absurd_batches_per_source_are_refused_by_the_estimate_before_any_batch(
     rc, err = capture(*args, "--force", capsys=capsys)          # past the disk check: the row cap
     assert rc == 2 and err.count("\n") == 1 and "beyond 100,000,000 rows" in err, err
     assert time.perf_counter() - t0 < 120 and not out.exists()
+
+
+def test_the_size_estimate_is_printed_once(tmp_path, llama_dir, files, capsys):
+    """Once, before any batch (issue 27: the replay's own line after the first record was a second)."""
+    argv = ["capture", *map(str, base_args(llama_dir, files, tmp_path / "once.zarr"))]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    estimates = [line for line in err.replace("\r", "\n").splitlines() if " records" in line and " x " in line]
+    assert len(estimates) == 1 and estimates[0].startswith("estimate: 6 records x "), err
+    assert cli.main([*argv, "--overwrite", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "estimate:" not in err and "records/s" not in err and len(err.splitlines()) == 1   # the result only

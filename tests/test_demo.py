@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,6 +85,33 @@ def test_lr_schedule_warms_up_then_decays():
     assert f[-1] == pytest.approx(0.1, abs=1e-3) and all(a >= b for a, b in zip(f[cfg.warmup:], f[cfg.warmup + 1:]))
 
 
+def _doc_examples():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "doc_examples.py"
+    spec = importlib.util.spec_from_file_location("doc_examples", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_doc_example_blocks_are_found_and_a_drifted_number_is_caught():
+    """The checker itself, on the page as it stands and on a page with one number moved."""
+    de = _doc_examples()
+    page = (Path(__file__).resolve().parents[1] / "docs" / "demo.md").read_text()
+    quoted = de.blocks(page)
+    assert {"demo-output", "demo-timing"} <= set(quoted)
+    line = de.top_lines(quoted["demo-output"], 1)[0]
+    assert de._numbers(line)["kind"] == "conflict"
+    printed = "\n".join(x for x in quoted["demo-output"].splitlines() if not x.startswith("```"))
+    size = float(re.search(r"(\d+) MiB", quoted["demo-timing"]).group(1))
+    assert de.check_demo(printed, size, page) == []
+    sev = line.split()[0]
+    drifted = printed.replace(f"  {sev} conflict", f"  {float(sev) - 0.2:.2f} conflict", 1)
+    assert any("severity" in p for p in de.check_demo(drifted, size, page))
+    assert any("store size" in p for p in de.check_demo(printed, size + 5, page))
+
+
 @pytest.mark.slow
 def test_demo_end_to_end_names_the_planted_pair_and_spares_code(tmp_path, capsys):
     from gradforensics.cli import main
@@ -94,6 +122,13 @@ def test_demo_end_to_end_names_the_planted_pair_and_spares_code(tmp_path, capsys
     assert main(["demo", "--out", str(out), "--seed", "0"]) == 0
     printed = capsys.readouterr().out
     assert "report:" in printed and "conflict" in printed
+    # docs/demo.md quotes this run's output: within the tolerances the page states (issue 27)
+    size = sum(p.stat().st_size for p in (out / "dump.zarr").rglob("*") if p.is_file()) / 2**20
+    assert _doc_examples().check_demo(printed, size) == []
+    # a second demo into the same --out would record again over the first: only with --overwrite
+    assert main(["demo", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds checkpoint, dump.zarr recorded by an earlier run; pass --overwrite" in err
 
     assert (out / "checkpoint" / "config.json").is_file()
     store = Store(out / "dump.zarr")

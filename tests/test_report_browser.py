@@ -89,3 +89,27 @@ def test_records_map_decodes_in_the_browser(tmp_path):
     n_img = len(re.findall(r"<img ", dom))
     assert 'data-js-errors="0"' in body and f'data-figures="{n_img}/{n_img}"' in body, body
     assert re.search(r'<div id="records-map"><figure><img id="fig-records-map-01-conflict"', dom)
+
+
+def test_layer_table_does_not_scroll_sideways_at_1400_px(tmp_path, monkeypatch):
+    """Every registered analysis a column, the longest tensor names: the table fits the page (issue 27)."""
+    from gradforensics.analysis import REGISTRY
+    from gradforensics.analysis.contract.model import Findings
+
+    data.install(monkeypatch)
+    base = data.findings()
+    wide = Findings(base.store, base.n_records, base.mode, base.sources, base.header,
+                    {**base.results, **{n: base.results["tnoise"] for n in REGISTRY}}, base.flags)
+    with pytest.warns(PlotBugWarning):
+        html = report(wide, tmp_path / "out")["html"].read_text()
+    measure = ("<script>window.addEventListener('load',function(){var w=document.querySelector("
+               "'#layer-table').parentNode;document.body.setAttribute('data-overflow',"
+               "String(w.scrollWidth-w.clientWidth));document.body.setAttribute('data-cols',"
+               "String(document.querySelectorAll('#layer-table th').length));});</script></body>")
+    harness = tmp_path / "wide.html"
+    harness.write_text(html.replace("</body>", measure))
+    dom = chromium(tmp_path, "--dump-dom", "--window-size=1400,1000", harness.as_uri())
+    body = re.search(r"<body[^>]*>", dom).group(0)
+    cols = int(re.search(r'data-cols="(\d+)"', body).group(1))
+    assert cols >= len(REGISTRY) + 5, body                       # layer, tensor, head, analyses, max, flags
+    assert re.search(r'data-overflow="0"', body), body

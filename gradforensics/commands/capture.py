@@ -32,13 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a Hugging Face model directory, or a state-dict file with --model-factory")
     p.add_argument("--data", action="append", required=True, metavar="NAME=FILE",
                    help="a data source: .txt (one document a line) or .jsonl; repeat for each source")
-    p.add_argument("--out", required=True, help="the store to write: *.zarr or *.h5, or a Zarr store at an fsspec "
-                                                "URL (s3://bucket/dump.zarr)")
+    from gradforensics.commands import output
     from gradforensics.commands import storage as storage_flags
 
+    output.add_out(p, "the store to write: *.zarr or *.h5, or a Zarr store at an fsspec URL (s3://bucket/dump.zarr)",
+                   kind="store")
     storage_flags.add_argument(p)
     g = p.add_argument_group("batches")
-    g.add_argument("--batches-per-source", type=int, default=64, metavar="N")
+    g.add_argument("--batches-per-source", type=int, default=64, metavar="N", help="batches replayed per source")
     g.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per batch")
     g.add_argument("--seq-len", type=int, default=512, metavar="T", help="tokens per sequence (packed)")
     g.add_argument("--text-field", default="text", help="the document field of .jsonl lines (default text)")
@@ -60,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="under torchrun: replay the same batches on every rank (whole model each) to find a rank "
                         "that computes a different gradient (the rankconsistency analysis)")
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
-    p.add_argument("--quiet", action="store_true", help="no estimate line, no progress bar")
+    output.add_overwrite(p, "the store")
+    output.add_quiet(p)
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -73,7 +74,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="builds the nn.Module of a raw PyTorch checkpoint (loaded with weights_only=True)")
     m.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: the checkpoint directory)")
     m.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    m.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    m.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the dtype the model runs in")
     m.add_argument("--step", type=int, help="optimizer step of the checkpoint (default: trainer_state.json, else 0)")
     from gradforensics.commands import threads
 
@@ -124,10 +126,12 @@ def run(args: argparse.Namespace) -> int:
 
     require_extra("torch", "gradforensics capture")
     require_extra("transformers", "gradforensics capture")
+    from gradforensics.commands import output
     from gradforensics.errors import CaptureInterrupted
     from gradforensics.replay.pipeline import capture_checkpoint
 
     batches, record, model = specs(args)
+    output.check_store(args.out, args.overwrite)
     ranks = launch(args.device, args.check_ranks)
     if ranks is not None:
         model = dataclasses.replace(model, device=ranks.device)

@@ -27,13 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("before", help="store captured before the fix (*.zarr or *.h5)")
     p.add_argument("after", help="store of the same model captured after the fix")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="directory for report.html, report.md, compare.json, tables/compare.csv, figures/")
-    p.add_argument("--quiet", action="store_true", help="no progress bar for a store analysed on the fly")
-    add_fail_on_argument(p)
+    from gradforensics.commands import output, workers
     from gradforensics.commands import storage as storage_flags
 
+    output.add_out(p, "directory for report.html, report.md, compare.json, tables/compare.csv, figures/")
     storage_flags.add_argument(p)
+    workers.add_arguments(p)
+    output.add_quiet(p)
+    add_fail_on_argument(p)
 
 
 def print_summary(c: Comparison, n: int = 10, file: IO[str] | None = None) -> None:
@@ -55,16 +56,18 @@ def print_summary(c: Comparison, n: int = 10, file: IO[str] | None = None) -> No
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradforensics.commands import output, workers
     from gradforensics.commands import storage as storage_flags
     from gradforensics.reporting.severity import exit_code
     from gradforensics.runs.compare import compare
 
     before, after = storage_flags.location(args, args.before), storage_flags.location(args, args.after)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, output.out_dir(args.out, "compare"), \
+            workers.client(args) as client:
         warnings.simplefilter("default")
-        c = compare(before, after, args.out, progress=not args.quiet)
+        c = compare(before, after, args.out, client=client, progress=not args.quiet)
     for w in caught:              # a note is one line; any other warning goes out as Python shows it
-        if issubclass(w.category, CompareWarning):
+        if issubclass(w.category, CompareWarning):     # it qualifies the result: printed even with --quiet
             print(terminal(f"gradforensics compare: note: {w.message}"), file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)

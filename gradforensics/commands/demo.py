@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["DEMO_RECORDED", "add_arguments", "run"]
+
+#: What the demo records into ``--out`` that costs a run to redo: replaced only with ``--overwrite``.
+DEMO_RECORDED = ("checkpoint", "dump.zarr")
 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="gradforensics-demo", metavar="DIR",
-                   help="directory for the checkpoint, the store and the report (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the replay (default: 0)")
-    from gradforensics.commands import threads
+    from gradforensics.commands import output, threads
 
+    output.add_out(p, "directory for the checkpoint, the data, the store and the report", default="gradforensics-demo")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the replay")
     threads.add_argument(p)
+    output.add_overwrite(p, "the checkpoint and the store (dump.zarr)")
+    output.add_quiet(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,10 +26,14 @@ def run(args: argparse.Namespace) -> int:
 
     require_extra("torch", "the demo")
     require_extra("transformers", "the demo")
+    import sys
+
     from gradforensics import demo
+    from gradforensics.commands import output
     from gradforensics.commands.report import print_top
 
-    res = demo.run(args.out, seed=args.seed, threads=args.threads)
+    with output.out_dir(args.out, "demo", stores=DEMO_RECORDED, overwrite=args.overwrite):
+        res = demo.run(args.out, seed=args.seed, threads=args.threads, log=None if args.quiet else sys.stdout)
     t = res.timings
     print(f"done in {t['total_s']:.0f} s (train {t['train_s']:.0f} s, capture {t['capture_s']:.0f} s, "
           f"analyze {t['analyze_s']:.0f} s, report {t['report_s']:.0f} s); store: {res.store}")

@@ -34,7 +34,7 @@ def summarize(store: Store) -> dict:
     def entry(info):
         return {"shape": list(info.shape), "dtype": info.attrs.get("source_dtype", info.dtype),
                 "encoding": info.encoding, "heads": info.heads, "role": info.attrs.get("role") or None,
-                "bytes_on_disk": info.nbytes_stored,
+                "bytes_on_disk": info.nbytes_stored, "bytes_of_data": info.nbytes,
                 "compression_ratio": round(info.compression_ratio, 3) if info.nbytes_stored else None}
 
     mix = store.batches()["mixture"] if store.n_records else None
@@ -85,14 +85,15 @@ def _lines(s: dict) -> list[str]:
     for title, group in (("tensors", s["tensors"]), ("sketches", s["sketches"])):
         if not group:
             continue
-        out.append(f"{title} ({len(group)}):")
+        out.append(f"{title} ({len(group)}): shape dtype, bytes on disk for the bytes of data they hold "
+                   f"(x: data / disk; above 1 compressed, below 1 partly filled chunks)")
         width = max(len(terminal(k)) for k in group)
         for name, e in group.items():
             heads = f" heads={e['heads']}" + (f" role={e['role']}" if e["role"] else "") if e["heads"] else ""
             extra = f" k={e['k']} {e['method']}" if "k" in e else ""
             ratio = "-" if e["compression_ratio"] is None else f"{e['compression_ratio']:.2f}x"
             out.append(f"  {terminal(name):<{width}}  {tuple(e['shape'])} {e['dtype']}{heads}{extra}  "
-                       f"{fmt_bytes(e['bytes_on_disk'])} on disk, {ratio}")
+                       f"{fmt_bytes(e['bytes_on_disk'])} on disk for {fmt_bytes(e['bytes_of_data'])}, {ratio}")
     if s["activations"]:
         out.append(f"activations ({len(s['activations'])}): " + ", ".join(s["activations"]))
     if s.get("curvature_rows") or s.get("optim_tensors"):

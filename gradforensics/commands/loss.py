@@ -61,7 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("inputs", nargs="+", metavar="FILE_OR_STORE",
                    help="a gradforensics store, or one or more CSV / JSON Lines logs (several = several ranks)")
-    p.add_argument("--out", required=True, help="directory for report.html, report.md, flags.json, tables/")
+    from gradforensics.commands import output
+    from gradforensics.commands import storage as storage_flags
+
+    output.add_out(p, "directory for report.html, report.md, flags.json, tables/")
+    storage_flags.add_argument(p)
     p.add_argument("--step-col", metavar="COL", help="step column (default: step, _step, global_step, iteration, …)")
     p.add_argument("--time-col", metavar="COL", help="wall-clock seconds column: sample by time, frequencies in Hz")
     p.add_argument("--rank-col", metavar="COL", help="data-parallel rank column: one series per rank + coherence")
@@ -74,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--correction", choices=CORRECTIONS, default="bh", metavar="METHOD",
                    help="multiple-testing correction over frequencies: %(choices)s (default bh)")
     p.add_argument("--nperseg", type=int, default=None, help="Welch segment length (default: N/8, a power of 2)")
-    p.add_argument("--quiet", action="store_true", help="do not print the repairs made to the series")
+    output.add_quiet(p)
     add_fail_on_argument(p)
 
 
@@ -112,9 +116,10 @@ def load(args: argparse.Namespace) -> LossInput:
     if stores and len(args.inputs) > 1:
         raise SpecError(f"loss: give one store, or one or more log files; got {args.inputs}.")
     if stores:
+        from gradforensics.commands import storage as storage_flags
         from gradforensics.store.reader import Store
 
-        st = Store(stores[0], check_chunks=False)
+        st = Store(storage_flags.location(args, stores[0]), check_chunks=False)
         batches = st.batches()
         groups = series.from_batches(batches, None, mode=st.mode, axis=args.axis)
         return LossInput(groups, st.path, st.meta, "store", st, batches)
@@ -153,18 +158,20 @@ def findings_of(inp: LossInput, options: dict[str, Options]) -> Findings:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradforensics.commands import output
     from gradforensics.reporting import report
     from gradforensics.reporting.severity import counts_phrase, exit_code
 
     options = series_options(args)
+    output.check_dir(args.out)
     inp = load(args)
-    if not args.quiet:
-        for g in inp.groups:
-            notes = g.combined.quality.notes()
-            if notes:
-                print(terminal(f"{g.name}: " + "; ".join(notes)), file=sys.stderr)
+    for g in inp.groups:                       # the repairs qualify the result: printed even with --quiet
+        notes = g.combined.quality.notes()
+        if notes:
+            print(terminal(f"{g.name}: " + "; ".join(notes)), file=sys.stderr)
     findings = findings_of(inp, options)
-    report(findings, args.out, store=inp.label if inp.kind == "store" else None)
+    with output.out_dir(args.out, "loss"):
+        report(findings, args.out, store=inp.store if inp.kind == "store" else None)
     print(terminal(f"{findings.store}: {len(inp.groups)} series, {counts_phrase(findings.flags)}; "
                    f"report in {args.out}"), file=sys.stderr)
     return exit_code(findings, args.fail_on, verb="loss")

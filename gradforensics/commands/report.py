@@ -27,11 +27,13 @@ __all__ = ["add_arguments", "load_findings", "print_top", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", help="a *.zarr directory or *.h5 file that `gradforensics analyze` has run on")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory for report.html, report.md, flags.json, tables/")
-    add_fail_on_argument(p)
+    from gradforensics.commands import output
     from gradforensics.commands import storage as storage_flags
 
+    output.add_out(p, "directory for report.html, report.md, flags.json, tables/")
     storage_flags.add_argument(p)
+    output.add_quiet(p)                    # nothing to silence but the same flag as every verb's
+    add_fail_on_argument(p)
 
 
 def load_findings(path: str | Location) -> tuple[Findings, Store]:
@@ -69,10 +71,13 @@ def print_top(findings: Findings, paths: dict[str, Path], n: int = 5, file: IO[s
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradforensics.commands import output
     from gradforensics.commands import storage as storage_flags
     from gradforensics.reporting import report
 
+    output.check_dir(args.out)
     findings, store = load_findings(storage_flags.location(args, args.store))
-    paths = report(findings, args.out, store=store)
+    with output.out_dir(args.out, "report"):
+        paths = report(findings, args.out, store=store)
     print_top(findings, paths)
     return exit_code(findings, args.fail_on, verb="report")

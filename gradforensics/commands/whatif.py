@@ -32,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixture", action="append", default=[], metavar="ARM=SRC:W,...",
                    help="source weights of an arm, e.g. nozh=en:1,code:1 (default: every source, round-robin)")
     p.add_argument("--steps", type=int, required=True, metavar="K", help="optimizer steps per arm")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory: <arm>.zarr per arm and the report")
+    from gradforensics.commands import output, workers
+
+    output.add_out(p, "directory: <arm>.zarr per arm and the report")
     p.add_argument("--baseline", metavar="ARM", help="the arm the others are compared with (default: the first)")
     p.add_argument("--only", metavar="A,B", help="run only these analyses on each arm (comma-separated)")
     p.add_argument("--no-compare", action="store_true",
@@ -55,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="on-disk gradient format (default: as computed)")
     add_model_options(p)
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
-    p.add_argument("--overwrite", action="store_true", help="replace existing <arm>.zarr stores in --out")
-    p.add_argument("--quiet", action="store_true", help="no estimate line, no progress bars")
+    output.add_overwrite(p, "the <arm>.zarr stores")
+    workers.add_arguments(p)
+    output.add_quiet(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,15 +75,17 @@ def run(args: argparse.Namespace) -> int:
     if args.sketch < 0:
         raise SpecError(f"--sketch must be >= 0; got {args.sketch}.")
     from gradforensics.analysis.engine import select_analyses
+    from gradforensics.commands import output, workers
 
     select_analyses(args.only, flag="--only")           # before any arm trains
     try:
-        res = whatif(args.checkpoint, args.data, args.arm, args.steps, args.out, mixtures=args.mixture,
-                     baseline=args.baseline, batches=flags_of(args, BatchSpec),
-                     record={**flags_of(args, RecordSpec), "sketch": args.sketch or None},
-                     model=flags_of(args, ModelSpec), optimizer_state=args.optimizer_state,
-                     overwrite=args.overwrite, force=args.force, compare_reports=not args.no_compare,
-                     only=args.only, progress=not args.quiet, threads=args.threads)
+        with output.out_dir(args.out, "whatif"), workers.client(args) as client:
+            res = whatif(args.checkpoint, args.data, args.arm, args.steps, args.out, mixtures=args.mixture,
+                         baseline=args.baseline, batches=flags_of(args, BatchSpec),
+                         record={**flags_of(args, RecordSpec), "sketch": args.sketch or None},
+                         model=flags_of(args, ModelSpec), optimizer_state=args.optimizer_state,
+                         overwrite=args.overwrite, force=args.force, compare_reports=not args.no_compare,
+                         only=args.only, client=client, progress=not args.quiet, threads=args.threads)
     except WhatIfInterrupted as exc:
         print(f"gradforensics whatif: {exc}", file=sys.stderr)
         return 130

@@ -151,6 +151,9 @@ class ArrayRecorder:
     records_per_chunk, layout, compression
         On-disk layout (see :mod:`gradforensics.store.layout`); the defaults
         were chosen by measurement (``docs/store-layout.md``).
+    expected_records
+        How many records will be written, if known: the chunks are then sized so
+        that the last one is not mostly padding (``replay`` and ``whatif`` pass it).
     framework, model_info, extra
         The store's ``framework``, ``model`` and ``extra`` root attributes
         (``extra={"replicated": True}``: every rank records the same batches, the
@@ -204,6 +207,7 @@ class ArrayRecorder:
         ranks: RankPlan | None = None,
         extra: Mapping[str, Any] | None = None,
         dtypes: Mapping[str, str] | None = None,
+        expected_records: int | None = None,
     ) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {DTYPES} or None; got {dtype!r}.")
@@ -229,7 +233,7 @@ class ArrayRecorder:
             self._term = TermGuard(on_signal=writer.hurry)   # SIGTERM closes the store: rank 0 commits
         else:
             self._writer = StoreWriter(self.location, meta, overwrite=overwrite, records_per_chunk=records_per_chunk,
-                                       policy=layout)
+                                       policy=layout, expected_records=expected_records)
         self._shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         self._head_specs: dict[str, HeadSpec | None] = {}
         self._ranges: dict[str, ActRange] = {}

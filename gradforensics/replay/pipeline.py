@@ -273,6 +273,7 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
         store = replay(ckpt.model, packed, loss_fn, where, n_per_source=batches.batches_per_source,
                        step=ckpt.step if model.step is None else model.step, progress=not quiet,
                        check_space=not force and not is_url(str(where)), overwrite=True,
+                       announce=False,                 # check_disk printed the estimate before any batch
                        **record.recorder_options(), **extra)
     return Captured(store, where, ckpt.loss_name, tuple(s.name for s in sources))
 

@@ -129,6 +129,7 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
            n_per_source: int | Mapping[str, int] = 32, step: int = 0,
            n_samples: Callable[[Any], int] | None = None, progress: bool = True,
            file: IO[str] | None = None, check_space: bool = True, probe: CheckpointProbe | None = None,
+           file: IO[str] | None = None, check_space: bool = True, announce: bool = True,
            **recorder_kwargs: Any) -> Store:
     """Capture per-batch gradients of *model* at a fixed checkpoint, per data source.
 
@@ -158,6 +159,9 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
         A :class:`~gradforensics.replay.probe.CheckpointProbe` (``--curvature``): it sees
         every batch after its backward, and writes ``curvature/`` and ``optim/`` once the
         records are committed.
+    announce
+        Print the size estimate measured on the first record (with *progress*); ``False``
+        when the caller printed its own estimate already (``gradforensics capture``).
     **recorder_kwargs
         Passed to :class:`~gradforensics.recording.torch.TorchRecorder`
         (``tensors``, ``heads``, ``activations``, ``sketch``, ``dtype``, ...).
@@ -186,6 +190,7 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
     out = (file or sys.stderr) if progress else None
     count = n_samples or batch_size
     bar = Progress(total, out)
+    recorder_kwargs.setdefault("expected_records", total)          # chunks sized for no padding at the end
     with TorchRecorder(path, model=model, sources=sources, mode="replay", **recorder_kwargs) as rec:
         for i, (source, batch) in enumerate(interleave(batches_by_source, quota)):
             model.zero_grad(set_to_none=True)
@@ -196,7 +201,8 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
             rec.record(step=step, loss=float(loss.detach()), source=source, n_samples=count(batch))
             if i == 0:
                 rec.drain()
-                _announce(size_estimate(rec.bytes_per_record or 0, total, path), str(path), out, check_space)
+                _announce(size_estimate(rec.bytes_per_record or 0, total, path), str(path),
+                          out if announce else None, check_space)
             bar.update(i + 1)
         model.zero_grad(set_to_none=True)
     bar.close()

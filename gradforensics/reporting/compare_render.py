@@ -53,7 +53,7 @@ RULE = (f"A flag at or above {ACT} is a finding (the report's action threshold).
 def _note(ax: Axes, text: str) -> None:
     ax.set_axis_off()
     ax.text(0.5, 0.5, "\n".join(textwrap.wrap(text, 60)), ha="center", va="center", fontsize=8,
-            color="#8a1c1c", transform=ax.transAxes)
+            color="#444444", transform=ax.transAxes)
 
 
 def _draw(ax: Axes, findings: Findings, flag: Flag, own: bool) -> None:
@@ -85,8 +85,13 @@ def side_by_side(row: Row, before: Findings, after: Findings, labels: tuple[str,
     axes = fig.subplots(1, 2)
     for ax, findings, own, label in ((axes[0], before, row.before, labels[0]), (axes[1], after, row.after, labels[1])):
         _draw(ax, findings, own or row.flag, own is not None)
-        sev = f"severity {own.severity:.2f}" if own is not None else "no flag (same unit drawn)"
-        lines = [f"{visible(label)}: {sev}"] + [textwrap.fill(t, 80) for t in ax.get_title().split("\n") if t]
+        if own is not None:
+            lines = [f"{visible(label)}: severity {own.severity:.2f}"]
+            lines += [textwrap.fill(t, 80) for t in ax.get_title().split("\n") if t]
+        else:   # the plot's own title speaks of the other run's flag: say what these cells are instead
+            head = "" if row.head is None else f" head {row.head}"
+            lines = [f"{visible(label)}: no {row.kind} flag here",
+                     textwrap.fill(visible(f"the same cells as the other run's flag: {row.tensor}{head}"), 80)]
         ax.set_title("\n".join(lines), fontsize=8)
     head = "" if row.head is None else f", head {row.head}"
     fig.suptitle(visible(f"{row.status}: {row.kind} on {row.tensor}{head}"), fontsize=10)
@@ -185,7 +190,7 @@ def render_html(c: Comparison, pngs: dict[int, bytes]) -> str:
                     f'<figure><img alt="{escape(r.status)} {escape(r.kind)}" '
                     f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}"></figure>'
                     f"<ul>{says}</ul></section>")
-    notes = "".join(f'<div class="note">{escape(visible(n))}</div>' for n in _notes(c))
+    notes = "".join(f'<div class="info">{escape(visible(n))}</div>' for n in _notes(c))    # information, not alarm
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>gradforensics compare</title>
 <style>{CSS}

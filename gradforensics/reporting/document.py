@@ -204,8 +204,11 @@ def build(findings: Findings, store: Store | None = None) -> Document:
 def _build(findings: Findings, store: Store | None) -> Document:
     groups = summary.group(findings.flags)
     shown, n_more = summary.sentences(findings, groups)
+    heads = figures.overview_data(findings).heads
+    split = f", each block split into heads 0–{heads - 1}" if heads > 1 else ""
     ov = _picture(figures.overview(findings), "overview",
-                  "Map of the highest flag severity per layer (columns) and analysis (rows).")
+                  f"Map of the highest flag severity per layer (columns{split}) and analysis (rows); "
+                  "the number in a block is its highest severity at or above 0.5; grey: not analysed.")
     problems: list[str] = []
     sections = []
     for g in groups:

@@ -120,6 +120,8 @@ def overview_data(findings: Findings) -> Overview:
         layers.append(OTHER)
     hs = [h for h in all_heads if h is not None]
     n_heads = max(hs) + 1 if hs else 1
+    if not any(f.head is not None for f in findings.flags):
+        n_heads = 1                          # no flag names a head: the head columns would all be equal
     if n_heads > MAX_HEAD_COLUMNS:          # no model has this many heads: one column per layer instead
         n_heads = 1
     col = {lay: j for j, lay in enumerate(layers)}
@@ -150,6 +152,8 @@ def overview(findings: Findings) -> Figure:
     """Analysis x layer depth (x head), coloured by the highest flag severity."""
     import matplotlib as mpl
 
+    from gradforensics import _contrast as cells
+
     ov = overview_data(findings)
     n_cols = max(len(ov.layers), 1)
     per_layer = 0.42 if ov.heads == 1 else min(0.12 * ov.heads, 0.9)     # room for head sub-columns
@@ -167,14 +171,14 @@ def overview(findings: Findings) -> Figure:
         ax.axvline(j * h - 0.5, color="white", lw=1.5 if h > 1 else 0.6)
     for r in range(1, len(ov.rows)):
         ax.axhline(r - 0.5, color="white", lw=0.6)
-    if n_cols <= 40:
+    if n_cols <= 40:                         # the highest severity of each block at or above 0.5
+        blocks = np.full((len(ov.rows), n_cols), np.nan)
         for r in range(len(ov.rows)):
             for j in range(n_cols):
                 block = ov.matrix[r, j * h:(j + 1) * h]
                 if np.any(block >= 0.5):
-                    v = np.nanmax(block)
-                    ax.text(j * h + (h - 1) / 2, r, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                            color="white" if v > 0.7 else "black")
+                    blocks[r, j] = np.nanmax(block)
+        cells.annotate(ax, blocks, cmap, 0.0, 1.0, where=lambda r, j: (j * h + (h - 1) / 2, r))
     xl = "layer depth (block index)"
     if h > 1:
         xl += f"\neach block split into heads 0–{h - 1}"

@@ -51,6 +51,11 @@ figcaption,.caption{font-size:13px;color:#555}
 section.finding{border-top:1px solid #e3e5e8;margin-top:1.4em}
 .tablewrap{max-height:640px;overflow:auto;border:1px solid #e3e5e8}
 .tablewrap table{margin:0}.tablewrap th{position:sticky;top:0}
+#layer-table{font-size:12px}#layer-table td,#layer-table th{padding:2px 4px}
+#layer-table th:nth-child(n+4):not(:last-child){writing-mode:vertical-rl;transform:rotate(180deg);
+white-space:nowrap;vertical-align:bottom;text-align:left}
+#layer-table td:nth-child(2) code{word-break:break-all}#layer-table td:last-child{min-width:8em}
+.info{background:#f4f6fb;border-left:4px solid #8a99b3;padding:.4em .8em;margin:.5em 0}
 details{margin:.4em 0}summary{cursor:pointer}code{font-size:.95em}
 """
 
@@ -190,7 +195,7 @@ def render(doc: Document) -> str:
 <p class="verdict" id="verdict">{escape(doc.verdict)}</p>
 {regime}{problems}
 <h2 id="at-a-glance">At a glance</h2>
-{_img(doc.overview)}
+{_img(doc.overview)}<p class="caption">{escape(doc.overview.alt)}</p>
 <h2 id="summary">Findings</h2>
 <p class="headline">{escape(doc.headline)}</p>
 <ol class="summary" id="summary-list">{summ}</ol>

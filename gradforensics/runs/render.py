@@ -1,6 +1,8 @@
 """The what-if report: ``report.html``, ``report.md``, ``whatif.json``, ``tables/``, ``figures/loss.png``.
 
-Sections: the arms (optimizer, options, mixture, whether the checkpoint's
+Sections: the verdict (per arm, which of the baseline's findings it fixes - severity
+below 0.5 or no flag - and what it brings; which findings every arm keeps); the arms
+(optimizer, options, mixture, whether the checkpoint's
 optimizer state was loaded, last losses); the loss curves overlaid; every
 finding at or above the action threshold (0.5) in any arm with its severity per
 arm and a verdict - kept by every arm (the data's, not the optimizer's),
@@ -17,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Mapping
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +40,8 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings, Flag, FlagKey
     from gradforensics.runs.result import WhatIf
 
-__all__ = ["finding_matrix", "key_of", "loss_figure", "render_html", "render_markdown", "verdict", "write"]
+__all__ = ["finding_matrix", "key_of", "loss_figure", "render_html", "render_markdown", "verdict", "verdict_lines",
+           "write"]
 
 TOP = 5
 
@@ -63,20 +67,26 @@ def _by_key(findings: Findings) -> dict[FlagKey, Flag]:
     return out
 
 
-def verdict(sev: dict[str, float], base: str) -> str:
-    """One sentence: which arms keep / resolve a finding (severity >= 0.5 is a finding)."""
-    keep = [a for a, s in sev.items() if s >= ACT]
-    free = [a for a, s in sev.items() if s < ACT]
+def _found(s: float | None) -> bool:
+    """A severity that is a finding (>= 0.5); ``None`` / NaN: the arm has no such flag."""
+    return s is not None and not math.isnan(s) and s >= ACT
+
+
+def verdict(sev: Mapping[str, float | None], base: str) -> str:
+    """One sentence: which arms keep / resolve a finding (severity >= 0.5 is a finding; None: no flag)."""
+    keep = [a for a, s in sev.items() if _found(s)]
+    free = [a for a, s in sev.items() if not _found(s)]
     if not free:
         return "every arm keeps it: the data's (or the checkpoint's), not the optimizer's"
-    if sev[base] >= ACT:
+    if _found(sev[base]):
         return f"resolved by {', '.join(free)}; kept by {', '.join(keep)}"
     return f"new in {', '.join(keep)} (not in the baseline {base})"
 
 
 def finding_matrix(res: WhatIf) -> pd.DataFrame:
     """A row per finding (:func:`key_of`) at or above 0.5 in any arm: ``kind, tensor, head, sources``,
-    a severity column per arm, ``verdict``; kept by every arm first, then resolved, then new."""
+    a severity column per arm (NaN where the arm has no such flag: shown ``-``, not 0), ``verdict``;
+    kept by every arm first, then resolved, then new."""
     import pandas as pd
 
     arms = [r.arm.name for r in res.runs]
@@ -84,10 +94,11 @@ def finding_matrix(res: WhatIf) -> pd.DataFrame:
     keys = {k for a in arms for k, f in keyed[a].items() if f.severity >= ACT}
     rows = []
     for k in keys:
-        sev = {a: round(float(keyed[a][k].severity), 4) if k in keyed[a] else 0.0 for a in arms}
+        sev = {a: round(float(keyed[a][k].severity), 4) if k in keyed[a] else math.nan for a in arms}
         srcs = sorted({s for a in arms if k in keyed[a] and keyed[a][k].severity >= ACT for s in keyed[a][k].sources})
         rows.append([k[0], k[1], k[2], ",".join(srcs), *sev.values(), verdict(sev, res.baseline)])
     t = pd.DataFrame(rows, columns=["kind", "tensor", "head", "sources", *arms, "verdict"])
+    t[arms] = t[arms].astype("float64")
     t["head"] = t["head"].astype("Int64")
     if len(t):
         group = t["verdict"].str.split().str[0].map({"every": 0, "resolved": 1, "new": 2})
@@ -110,13 +121,18 @@ def _last(losses: list[float]) -> float:
 
 
 def arm_rows(res: WhatIf) -> list[dict[str, Any]]:
+    """One dict per arm; ``n_findings`` counts its findings at or above 0.5 as the report groups them,
+    ``n_flags`` the flags they gather."""
+    from gradforensics.reporting.summary import group
+
     out = []
     for r in res.runs:
         out.append({"arm": r.arm.name, "optimizer": r.arm.optimizer, "options": dict(r.arm.options),
                     "mixture": None if r.arm.mixture is None else dict(r.arm.mixture), "store": str(r.store),
                     "steps": r.steps_done, "optimizer_state": r.state_note,
                     "first_loss": r.losses[0] if r.losses else None, "last_quarter_loss": _last(r.losses),
-                    "n_findings": sum(f.severity >= ACT for f in res.findings[r.arm.name].flags)})
+                    "n_findings": len(group(hits := [f for f in res.findings[r.arm.name].flags if f.severity >= ACT])),
+                    "n_flags": len(hits)})
     return out
 
 
@@ -153,30 +169,67 @@ def _cos_rows(res: WhatIf) -> pd.DataFrame:
     return c[(c["arm_a"] == res.baseline) | (c["arm_b"] == res.baseline)]
 
 
+def _gathered(rows: pd.DataFrame, before: str | None = None, after: str | None = None) -> str:
+    """Rows of the finding matrix told as findings: ``conflict (en, zh) on 8 tensors (1.00 -> -)``, one
+    per kind and sources; with *before* / *after* (arms) the highest severity in each."""
+    parts = []
+    for (kind, srcs), g in rows.groupby(["kind", "sources"], sort=False):
+        head = _head(g["head"].iloc[0])
+        where = (f"{g['tensor'].iloc[0]}" + (f" head {head}" if head else "")) if len(g) == 1 else f"{len(g)} tensors"
+        text = f"{kind}{' (' + srcs.replace(',', ', ') + ')' if srcs else ''} on {where}"
+        if before is not None and after is not None:
+            text += f" ({_sev(g[before].max())} -> {_sev(g[after].max())})"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def verdict_lines(res: WhatIf, m: pd.DataFrame) -> list[str]:
+    """What the report opens with: per arm, what it fixes (a finding of the baseline whose severity fell
+    below 0.5, or whose flag is gone) and what it brings; then what every arm keeps."""
+    arms = [r.arm.name for r in res.runs]
+    base = res.baseline
+    if not len(m):
+        return [f"No arm has a finding at or above {ACT}: nothing to fix."]
+    found = m[arms].ge(ACT)                      # NaN (no flag) is not a finding
+    lines = []
+    for a in arms:
+        if a == base:
+            continue
+        fixed, new = m[found[base] & ~found[a]], m[~found[base] & found[a]]
+        text = (f"{a} fixes {_gathered(fixed, base, a)}" if len(fixed)
+                else f"{a} fixes none of the baseline {base}'s findings")
+        lines.append(text + (f"; new in {a}: {_gathered(new, base, a)}." if len(new) else "."))
+    kept = m[found.all(axis=1)]
+    lines.append(f"Every arm keeps {_gathered(kept)}: the data's (or the checkpoint's), not the optimizer's."
+                 if len(kept) else "No finding is kept by every arm.")
+    return lines
+
+
 def _headline(res: WhatIf, m: pd.DataFrame) -> str:
     if not len(m):
         return f"No arm has a finding at or above {ACT}."
     every = int((m["verdict"].str.startswith("every")).sum())
     resolved = int((m["verdict"].str.startswith("resolved")).sum())
     new = int((m["verdict"].str.startswith("new")).sum())
-    return (f"{len(m)} finding(s) at or above {ACT} in some arm: {every} kept by every arm, {resolved} resolved "
+    return (f"{len(m)} flag(s) at or above {ACT} in some arm: {every} kept by every arm, {resolved} resolved "
             f"by some arm, {new} new in some arm (baseline: {res.baseline}).")
 
 
 def render_markdown(res: WhatIf, m: pd.DataFrame) -> str:
     arms = arm_rows(res)
     names = [a["arm"] for a in arms]
-    out = ["# gradforensics what-if", "", md_text(_headline(res, m)), "", "## Arms", "",
+    out = ["# gradforensics what-if", "", "## Verdict", "", *[f"- {md_text(line)}" for line in verdict_lines(res, m)],
+           "", md_text(_headline(res, m)), "", "## Arms", "",
            "| arm | optimizer | options | optimizer state | steps | first loss | last-quarter loss | findings |",
            "|" + "---|" * 8]
     for a in arms:
         out.append(f"| {md_text(a['arm'])} | {a['optimizer']} | {md_text(_opts(a))} | {md_text(a['optimizer_state'])} "
-                   f"| {a['steps']} | {_num(a['first_loss'])} | {_num(a['last_quarter_loss'])} | {a['n_findings']} |")
-    out += ["", "## Loss", "", "![loss per step](figures/loss.png)", "", "## Findings across arms", "",
+                   f"| {a['steps']} | {_num(a['first_loss'])} | {_num(a['last_quarter_loss'])} | {_counts(a)} |")
+    out += ["", "## Loss", "", "![loss per step](figures/loss.png)", "", "## Flags across arms", "",
             "| kind | tensor | head | sources | " + " | ".join(md_text(n) for n in names) + " | verdict |",
             "|" + "---|" * (5 + len(names))]
     for _, row in m.iterrows():
-        sev = " | ".join(f"{row[n]:.2f}" for n in names)
+        sev = " | ".join(_sev(row[n]) for n in names)
         out.append(f"| {md_text(row['kind'])} | {md_code(row['tensor'], table=True)} | {_head(row['head'])} | "
                    f"{md_text(row['sources'])} | {sev} | {md_text(row['verdict'])} |")
     out += ["", "## Top findings per arm", ""]
@@ -194,6 +247,15 @@ def render_markdown(res: WhatIf, m: pd.DataFrame) -> str:
     return "\n".join(out) + "\n"
 
 
+def _counts(a: dict[str, Any]) -> str:
+    return f"{a['n_findings']} ({a['n_flags']} flag{'s' if a['n_flags'] != 1 else ''})"
+
+
+def _sev(v: Any) -> str:
+    """A severity cell: ``-`` where the arm has no such flag (not ``0.00``: no flag is not a flag of 0)."""
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.2f}"
+
+
 def _head(v: Any) -> str:
     return "" if v is None or str(v) in ("<NA>", "nan") else str(int(v))
 
@@ -208,10 +270,10 @@ def render_html(res: WhatIf, m: pd.DataFrame, png: bytes) -> str:
     arm_tr = "".join(f"<tr><td><b>{_cell(a['arm'])}</b></td><td>{_cell(a['optimizer'])}</td><td>{_cell(_opts(a))}</td>"
                      f"<td>{_cell(a['optimizer_state'])}</td><td class=num>{a['steps']}</td>"
                      f"<td class=num>{_cell(a['first_loss'])}</td><td class=num>{_cell(a['last_quarter_loss'])}</td>"
-                     f"<td class=num>{a['n_findings']}</td></tr>" for a in arms)
+                     f"<td class=num>{_counts(a)}</td></tr>" for a in arms)
     fin = []
     for _, row in m.iterrows():
-        sev = "".join(f'<td class="num {"bad" if row[n] >= ACT else "ok"}">{row[n]:.2f}</td>' for n in names)
+        sev = "".join(f'<td class="num {"bad" if _found(row[n]) else "ok"}">{_sev(row[n])}</td>' for n in names)
         head = _head(row["head"])
         fin.append(f"<tr><td>{_cell(row['kind'])}</td><td><code>{_cell(row['tensor'])}</code></td><td>{head}</td>"
                    f"<td>{_cell(row['sources'])}</td>{sev}<td>{_cell(row['verdict'])}</td></tr>")
@@ -233,14 +295,17 @@ def render_html(res: WhatIf, m: pd.DataFrame, png: bytes) -> str:
 td.bad{{background:#fbe0cf}}td.ok{{background:#e6f4ea}}</style></head>
 <body><main>
 <h1>gradforensics what-if</h1>
+<h2 id="verdict">Verdict</h2>
+<ul id="whatif-verdict">{"".join(f"<li>{_cell(line)}</li>" for line in verdict_lines(res, m))}</ul>
 <p class="headline">{escape(_headline(res, m))}</p>
 <h2 id="arms">Arms</h2>
 <table id="arms-table"><thead><tr><th>arm</th><th>optimizer</th><th>options</th><th>optimizer state</th><th>steps</th>
 <th>first loss</th><th>last-quarter loss</th><th>findings</th></tr></thead><tbody>{arm_tr}</tbody></table>
 <h2 id="loss">Loss</h2>
 <figure><img alt="loss per step" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}"></figure>
-<h2 id="findings">Findings across arms</h2>
-<p><i>Severity per arm of every finding at or above {ACT} in some arm; green: no finding in that arm.</i></p>
+<h2 id="findings">Flags across arms</h2>
+<p><i>Severity per arm of every flag (kind, tensor, head) at or above {ACT} in some arm; green: below {ACT} in
+that arm; -: that arm has no such flag.</i></p>
 <table id="findings-table"><thead><tr><th>kind</th><th>tensor</th><th>head</th><th>sources</th>{arm_th}<th>verdict</th>
 </tr></thead><tbody>{"".join(fin) or '<tr><td colspan=9>no finding at or above 0.5 in any arm</td></tr>'}</tbody></table>
 <h2 id="per-arm">Top findings per arm</h2>
@@ -262,7 +327,7 @@ def _json(res: WhatIf, m: pd.DataFrame) -> dict[str, Any]:
         return v.item() if isinstance(v, np.generic) else v
 
     rows = [{k: clean(v) if str(v) != "<NA>" else None for k, v in r.items()} for r in m.to_dict("records")]
-    return {"schema": 1, "baseline": res.baseline, "rule": {"act": ACT},
+    return {"schema": 1, "baseline": res.baseline, "rule": {"act": ACT}, "verdict": verdict_lines(res, m),
             "arms": [{k: clean(v) for k, v in a.items()} for a in arm_rows(res)],
             "losses": {r.arm.name: [clean(x) for x in r.losses] for r in res.runs},
             "findings": rows,

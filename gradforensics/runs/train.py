@@ -130,6 +130,7 @@ def run_arm(arm: Arm, load: Callable[[], tuple[nn.Module, LossFn]], batches: Map
     vec = _Vectors()
     run = ArmRun(arm, store, note, list(plan), grads={n: [] for n in watched}, updates={n: [] for n in watched})
     clip = float(arm.options["clip"])
+    recorder = {"expected_records": len(plan), **recorder}       # one record a step: chunks without padding
     with TorchRecorder(store, model=model, sources=list(sources), mode="training", **recorder) as rec:
         for t, (src, j) in enumerate(plan):
             batch = batches[src][j]

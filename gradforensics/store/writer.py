@@ -60,7 +60,8 @@ class StoreWriter:
 
     def __init__(self, path: str | os.PathLike[str] | Location, meta: StoreMeta, *,
                  policy: LayoutPolicy | None = None, overwrite: bool = False,
-                 records_per_chunk: int | None = None, storage_options: Mapping[str, Any] | None = None) -> None:
+                 records_per_chunk: int | None = None, storage_options: Mapping[str, Any] | None = None,
+                 expected_records: int | None = None) -> None:
         #: where the store is written (path or URL, backend kind, storage options)
         self.location = locate(path, storage_options)
         self.path = self.location.path
@@ -69,6 +70,7 @@ class StoreWriter:
         self.meta = meta
         self.policy = policy or LayoutPolicy()
         self._fixed_r = records_per_chunk
+        self._expected = expected_records           # known in advance: chunks sized for no padding
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
         self._buffer: list[dict[str, Row]] = []
         self._blocks: dict[str, np.ndarray] = {}   # per array, the rows of one flush: filled in place, reused
@@ -183,7 +185,7 @@ class StoreWriter:
 
     def _plan(self, rows: dict[str, Row]) -> None:
         record_bytes = sum(r.data.nbytes for r in rows.values())
-        self._r = self._fixed_r or records_per_chunk(record_bytes, self.policy)
+        self._r = self._fixed_r or records_per_chunk(record_bytes, self.policy, self._expected)
         self.meta = replace(self.meta, records_per_chunk=self._r)
         for name, row in rows.items():
             self._create(name, row, self._r)

@@ -245,6 +245,9 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
     engine, per_analysis = split_options(options, selected)
     batches = store.batches()
     grams, computed, long = _compute(store, selected, engine, client, progress, batches=batches)
+    if progress:            # what follows the bar's 100 % takes a while on a big store: say what it is
+        print("gradient pass done; computing the findings ...", file=sys.stderr,
+              flush=True)
     ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, computed=computed,
                   options=per_analysis, long=long)
     results, flags = {}, []
