@@ -129,7 +129,7 @@ def replay(model: nn.Module, batches_by_source: Mapping[str, Iterable[Any]],
            n_per_source: int | Mapping[str, int] = 32, step: int = 0,
            n_samples: Callable[[Any], int] | None = None, progress: bool = True,
            file: IO[str] | None = None, check_space: bool = True, probe: CheckpointProbe | None = None,
-           file: IO[str] | None = None, check_space: bool = True, announce: bool = True,
+           announce: bool = True,
            **recorder_kwargs: Any) -> Store:
     """Capture per-batch gradients of *model* at a fixed checkpoint, per data source.
 
