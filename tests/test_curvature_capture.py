@@ -250,3 +250,31 @@ def test_optimizer_state_that_does_not_fit_is_refused(tmp_path):
     with pytest.raises(GradforensicsError, match="does not fit the model") as err:
         CheckpointProbe.from_checkpoint(tmp_path / "x.pt", net, CurvatureSpec())
     assert "\n" not in str(err.value)
+
+
+def test_mapping_by_shape_and_by_groups():
+    """Orders that shapes cannot tell apart: the Trainer's (decay, no decay) groups decide; else named order."""
+    from gradforensics.replay.optimstate import map_state
+
+    class Affine(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(4))       # named first, but in the Trainer's second group
+            self.gain = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.gain + self.bias
+
+    net = Affine()
+    opt = torch.optim.AdamW([{"params": [net.gain], "weight_decay": 0.1}, {"params": [net.bias], "weight_decay": 0.0}])
+    (net(torch.arange(4.0)) ** 2).sum().backward()
+    net.bias.grad.mul_(1000.0)                                 # tell the two apart by their moments
+    opt.step()
+    state = map_state(opt.state_dict(), net, "opt")
+    assert state.mapping.startswith("hf-trainer (parameters order fits by shape too")
+    for n, p in net.named_parameters():
+        assert torch.equal(state.per_tensor[n]["exp_avg"], opt.state[p]["exp_avg"])
+    plain = torch.optim.Adam(net.parameters())
+    (net(torch.arange(4.0)) ** 2).sum().backward()
+    plain.step()
+    assert map_state(plain.state_dict(), net, "opt").mapping.startswith("parameters (hf-trainer")

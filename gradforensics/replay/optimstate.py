@@ -14,7 +14,9 @@ parameters 0, 1, ... in the order of its ``param_groups``.  Two orders are tried
   then the rest, each in ``named_parameters()`` order.
 
 A mapping is taken only if every state entry's tensors have its parameter's
-shape; if neither fits, one line says which index and shapes disagree.
+shape; if neither fits, one line says which index and shapes disagree.  When both
+fit (shapes cannot tell them apart) the param groups decide: two groups, the second
+without weight decay, is the Trainer's; the mapping string says so.
 
 What is summarised (:func:`summarise`, Adam family with ``exp_avg``/``exp_avg_sq``,
 or SGD's ``momentum_buffer``), with ``m̂ = m/(1-β₁ᵗ)`` and ``v̂ = v/(1-β₂ᵗ)``:
@@ -154,16 +156,27 @@ def map_state(state_dict: Mapping[str, Any], model: nn.Module, where: str,
     indices = [int(i) for g in groups for i in g["params"]]
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     why: list[str] = []
+    fit: dict[str, list[str]] = {}
     for mapping, order in _orders(model).items():
         problem = _fits(order, indices, state_dict["state"], shapes)
         if problem is None:
-            names = dict(zip(indices, order))
-            per = {names[i]: dict(state_dict["state"].get(i) or {}) for i in indices}
-            lrs = {names[int(i)]: float(g.get("lr", 0.0)) for g in groups for i in g["params"]}
-            return OptimState(per, hyper_of(state_dict, hyper), mapping, where, lrs)
-        why.append(f"{mapping} order: {problem}")
-    raise CheckpointError(f"{where}: the optimizer state does not fit the model ({'; '.join(why)}); "
-                          "was it saved with this model?")
+            fit[mapping] = order
+        else:
+            why.append(f"{mapping} order: {problem}")
+    if not fit:
+        raise CheckpointError(f"{where}: the optimizer state does not fit the model ({'; '.join(why)}); "
+                              "was it saved with this model?")
+    mapping = next(iter(fit))
+    if len({tuple(o) for o in fit.values()}) > 1:      # shapes cannot tell: the groups' weight decay can
+        trainer = len(groups) == 2 and float(groups[1].get("weight_decay", 0) or 0) == 0.0
+        mapping = "hf-trainer" if trainer else "parameters"
+        other = next(m for m in fit if m != mapping)
+        mapping = f"{mapping} ({other} order fits by shape too; chosen by the param groups)"
+    order = fit[mapping.partition(" ")[0]]
+    names = dict(zip(indices, order))
+    per = {names[i]: dict(state_dict["state"].get(i) or {}) for i in indices}
+    lrs = {names[int(i)]: float(g.get("lr", 0.0)) for g in groups for i in g["params"]}
+    return OptimState(per, hyper_of(state_dict, hyper), mapping, where, lrs)
 
 
 def hyper_of(state_dict: Mapping[str, Any] | None, given: Mapping[str, Any] | None = None) -> Hyper:
