@@ -65,7 +65,7 @@ PLANTED: dict[str, PlantedCase] = {
     "nonfinite": PlantedCase(nonfinite_store),
     "saturation": PlantedCase(lambda path, seed: planted_saturation_store(
         path, "gelu", seed=seed, n_records=48, onset=16, tokens=64, units=40)),
-    "spectral": PlantedCase(lambda path, seed: planted_spectral_store(path, seed=seed, n_records=24)),
+    "spectral": PlantedCase(lambda path, seed: planted_spectral_store(path, seed=seed, n_records=24, logit=6.0)),
     "precision": PlantedCase(lambda path, seed: planted_precision_store(path, seed=seed)),
     "loss_spectrum": PlantedCase(planted_periodic_loss_store),
     "fractal": PlantedCase(rough_loss_store),

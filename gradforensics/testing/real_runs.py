@@ -125,8 +125,9 @@ def _transformer(arch: str, seed: int) -> Any:
         cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
         return transformers.LlamaForCausalLM(cfg)
-    cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-    return transformers.GPT2LMHeadModel(cfg)
+    gpt = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(gpt)
 
 
 def train(name: str, path: Path, *, seed: int = 0, steps: int | None = None, **override: Any) -> Path:
@@ -196,7 +197,9 @@ def truths(name: str, *, seed: int = 0, steps: int | None = None, iters: int = 3
     model = _mlp(seed)
     opt = _optimizer(model.parameters(), spec.optimizer, spec.lr)
     params = list(model.parameters())
-    prev, cosines, losses = None, [], []
+    prev = None
+    cosines: list[float] = []
+    losses: list[float] = []
     for _ in range(steps):
         loss = mse(model, x, y)
         loss.backward()

@@ -33,9 +33,11 @@ cosine (the raw one where the debiased is undefined) and ``n_tests`` the number
 of (unit, pair) tests in the store: two sources that merely differ (positive
 cosine) are reported in the table but not flagged.  The severity is then weighted by
 the unit's share of the gradient energy (``energy_share``: its mean ``‖g‖²`` over the
-records against the sum over the model's whole tensors): ``× min(1, share / 0.05)^½``,
-so a conflict confined to a unit with 0.5 % of the energy stays below 0.5 (it cannot
-move the training much), and one in 5 % of it or more keeps its full severity.
+records against the sum over the model's whole tensors):
+``× (ENERGY_FLOOR + (1 - ENERGY_FLOOR) min(1, share / ENERGY_FULL)^½)``, so a conflict
+confined to a unit with 0.5 % of the energy stays below 0.5 (it cannot move the training
+much) but is still listed (a clear one at 0.25, the report's floor), and one in 6 % of
+the energy or more keeps its full severity.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ COLUMNS = [
 ]
 SEGMENTS = 8           # long histories: stretches of the run a conflict is located in
 EFFECT_FULL = 0.3      # -cosine at which the effect score saturates
-ENERGY_FULL = 0.05     # a unit's share of the gradient energy at which a conflict keeps its full severity
+ENERGY_FULL = 0.06     # a unit's share of the gradient energy at which a conflict keeps its full severity
+ENERGY_FLOOR = 0.25    # the weight of a conflict in a unit with no energy: listed, never an alarm
 
 
 @dataclass(frozen=True)
@@ -325,7 +328,7 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
 
 
 def weigh_by_energy(table: Any) -> None:
-    """``energy_share`` of each row's unit (whole tensors sum to 1) and severity x min(1, share/ENERGY_FULL)^1/2."""
+    """``energy_share`` of each row's unit (whole tensors sum to 1); severity weighted by it (module docstring)."""
     if not len(table):
         table["energy_share"] = []
         return
@@ -333,7 +336,7 @@ def weigh_by_energy(table: Any) -> None:
     total = float(np.nansum(whole["energy"].to_numpy(dtype=float)))
     share = table["energy"].to_numpy(dtype=float) / total if total > 0 else np.full(len(table), np.nan)
     table["energy_share"] = share
-    w = np.sqrt(np.clip(np.nan_to_num(share, nan=1.0) / ENERGY_FULL, 0.0, 1.0))
+    w = ENERGY_FLOOR + (1 - ENERGY_FLOOR) * np.sqrt(np.clip(np.nan_to_num(share, nan=1.0) / ENERGY_FULL, 0.0, 1.0))
     table["severity"] = table["severity"].to_numpy(dtype=float) * w
 
 
