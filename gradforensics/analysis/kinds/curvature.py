@@ -170,6 +170,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 #:    Models", ICLR 2022 (warm-up lowers the sharpness the LR meets).
 ADVICE = Advice(
     title="Learning rate above the curvature's limit",
+    cause="learning_rate",
     phrase="lambda*lr reaches the optimizer's stability threshold (the LR is too high for this curvature)",
     evidence_keys={"ratio": "stability ratio", "lambda_max": "lambda_max", "lr": "lr", "threshold": "threshold"},
     remedies=(

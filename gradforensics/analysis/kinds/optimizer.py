@@ -161,6 +161,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 #:    instabilities", 2023 (epsilon, update RMS).
 ADVICE = Advice(
     title="Optimizer state out of line",
+    cause="optimizer",
     phrase="has an optimizer state out of line (stale preconditioner, eps-dominated, or outlying update)",
     evidence_keys={"ratio_q50": "median g^2/v_hat", "eps_share": "eps-dominated share",
                    "relative_update": "update/weight vs median"},
