@@ -33,6 +33,7 @@ def test_logit_level_and_onset_maths() -> None:
     assert rep["max_logit"] == 40.0 and np.isnan(rep["growth"]) and rep["since_record"] is None
 
 
+@pytest.mark.slow
 def test_planted_store_flags_only_the_planted_head(tmp_path) -> None:
     store = planted_attention_store(tmp_path / "p.zarr", seed=0)
     findings = gf.analyze(store, only="attention", progress=False, options=NO_PERSIST)
