@@ -33,7 +33,8 @@ def test_logit_level_and_onset_maths() -> None:
     assert rep["max_logit"] == 40.0 and np.isnan(rep["growth"]) and rep["since_record"] is None
 
 
-def test_planted_store_flags_only_the_planted_head(tmp_path) -> None:
+@pytest.mark.slow
+def test_planted_store_flags_only_the_planted_head(tmp_path, capsys) -> None:
     store = planted_attention_store(tmp_path / "p.zarr", seed=0)
     findings = gf.analyze(store, only="attention", progress=False, options=NO_PERSIST)
     assert loud(findings) == {(k, "layers.0.attn", 1) for k in KINDS}
@@ -50,6 +51,11 @@ def test_planted_store_flags_only_the_planted_head(tmp_path) -> None:
         header = next(csv.reader(fh))
     assert header[:6] == ["tensor", "head", "max_logit", "entropy", "growth", "since_record"]
     assert out is not None
+    from gradforensics import cli
+
+    capsys.readouterr()
+    assert cli.main(["inspect", str(store)]) == 0
+    assert "attention statistics (2 modules): layers.0.attn (4 heads), layers.1.attn (4 heads)" in capsys.readouterr().out
 
 
 def test_replay_out_of_line_head(tmp_path) -> None:

@@ -51,6 +51,8 @@ def summarize(store: Store) -> dict:
         "sketches": {k: {**entry(v), "k": v.attrs.get("k"), "method": v.attrs.get("method"),
                          "seed": v.attrs.get("seed")} for k, v in store.sketches.items()},
         "activations": store.act_modules,
+        "attention": {m: store.arrays[f"attn/{m}/max_logit"].shape[1] for m in store.attn_modules
+                      if f"attn/{m}/max_logit" in store.arrays},
         "analysis": sorted({n.split("/")[1] for n in store.arrays if n.startswith("analysis/")}),
         "analysis_note": store.analysis_note,
         "curvature_rows": store.arrays["curvature/eigenvalues"].shape[0] if store.has("curvature/eigenvalues") else 0,
@@ -99,6 +101,9 @@ def _lines(s: dict) -> list[str]:
     if s.get("curvature_rows") or s.get("optim_tensors"):
         out.append(f"curvature: {s['curvature_rows']} Lanczos rows; optimizer state: {s['optim_tensors']} tensors "
                    "(capture --curvature)")
+    if s.get("attention"):
+        out.append(f"attention statistics ({len(s['attention'])} modules): "
+                   + ", ".join(f"{terminal(m)} ({h} heads)" for m, h in s["attention"].items()))
     if s["analysis"]:
         out.append("analysis results: " + ", ".join(s["analysis"]))
     if s.get("analysis_note"):

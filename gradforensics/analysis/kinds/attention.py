@@ -307,6 +307,7 @@ _REFS = ("Dehghani et al. 2023, Scaling Vision Transformers to 22 Billion Parame
 #: A head whose attention went one-hot with large logits.
 ADVICE_COLLAPSE = Advice(
     title="Attention entropy collapse",
+    cause="attention",
     phrase="attention heads have collapsed to one-hot attention",
     evidence_keys={"entropy": "entropy", "max_logit": "max logit", "onehot_frac": "one-hot share",
                    "entropy_others": "other heads' entropy"},
@@ -315,6 +316,7 @@ ADVICE_COLLAPSE = Advice(
 #: A head whose max attention logit grows (training) or is out of line (replay).
 ADVICE_LOGITS = Advice(
     title="Attention logit growth",
+    cause="attention",
     phrase="attention logits grow without bound",
     evidence_keys={"max_logit": "max logit", "growth": "fold change", "logit_ratio": "x other heads",
                    "entropy": "entropy"},
