@@ -29,7 +29,7 @@ from pathlib import Path
 
 from gradforensics.errors import OutExistsError
 
-__all__ = ["MARKER", "add_out", "add_overwrite", "add_quiet", "check_dir", "check_store", "mark", "out_dir"]
+__all__ = ["DIR_RULE", "MARKER", "METAVARS", "STORE_RULE", "add_out", "add_overwrite", "add_quiet", "check_dir", "check_store", "mark", "out_dir"]
 
 #: The file gradforensics leaves in every directory ``--out`` it writes.
 MARKER = ".gradforensics"
@@ -37,14 +37,14 @@ MARKER = ".gradforensics"
 #: The one metavar of ``--out``: a directory, or for ``capture`` the store.
 METAVARS = {"dir": "DIR", "store": "STORE"}
 
-_DIR_RULE = ("; must be new, empty, or written by gradforensics before (its own files are replaced, "
+DIR_RULE = ("; must be new, empty, or written by gradforensics before (its own files are replaced, "
              "nothing else is)")
-_STORE_RULE = "; an existing store is replaced only with --overwrite, anything else never"
+STORE_RULE = "; an existing store is replaced only with --overwrite, anything else never"
 
 
 def add_out(p: argparse.ArgumentParser, what: str, *, kind: str = "dir", default: str | None = None) -> None:
     """``--out DIR`` (or ``--out STORE``), with *what* it receives and the rule above in its help."""
-    rule = _DIR_RULE if kind == "dir" else _STORE_RULE
+    rule = DIR_RULE if kind == "dir" else STORE_RULE
     p.add_argument("--out", required=default is None, default=default, metavar=METAVARS[kind],
                    help=what + rule + (" (default: %(default)s)" if default is not None else ""))
 
