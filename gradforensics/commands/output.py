@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from gradforensics.errors import OutExistsError
@@ -113,11 +113,18 @@ def check_store(path: str, overwrite: bool) -> None:
 def mark(path: str | os.PathLike[str], verb: str) -> None:
     """Leave the marker in *path* (if it is a directory): gradforensics wrote it, with this *verb*."""
     from gradforensics import __version__
+    from gradforensics.errors import WriteRefusedError, refusal
 
     out = Path(path)
     if out.is_dir() and not (out / MARKER).exists():
-        (out / MARKER).write_text(json.dumps({"written_by": f"gradforensics {__version__}", "verb": verb}) + "\n",
-                                  encoding="utf-8")
+        try:
+            (out / MARKER).write_text(json.dumps({"written_by": f"gradforensics {__version__}", "verb": verb})
+                                      + "\n", encoding="utf-8")
+        except OSError as exc:
+            why = refusal(exc)
+            if why is None:
+                raise
+            raise WriteRefusedError(f"{out / MARKER}: could not be written ({why}).") from exc
 
 
 @contextmanager
@@ -127,5 +134,8 @@ def out_dir(path: str | os.PathLike[str], verb: str, *, stores: Sequence[str] = 
     out = check_dir(path, stores=stores, overwrite=overwrite)
     try:
         yield out
-    finally:
-        mark(out, verb)
+    except BaseException:
+        with suppress(OSError):          # what the verb wrote is ours; a full disk must not hide its error
+            mark(out, verb)
+        raise
+    mark(out, verb)
