@@ -156,6 +156,24 @@ def run_whatif(demo_out: Path, out: Path) -> dict[str, object]:
             "cpus": os.cpu_count(), "load": os.getloadavg()[0]}
 
 
+def verdict_of(whatif_dir: Path) -> list[str]:
+    """The verdict of a finished what-if, recomputed by this gradforensics from its ``whatif.json``
+    (the flags' severities per arm), without training again."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from gradforensics.runs.render import verdict_lines
+
+    doc = json.loads((whatif_dir / "whatif.json").read_text())
+    arms = [a["arm"] for a in doc["arms"]]
+    m = pd.DataFrame(doc["findings"], columns=["kind", "tensor", "head", "sources", *arms, "verdict"])
+    m[arms] = m[arms].astype("float64")
+    m["sources"] = m["sources"].fillna("")
+    res = SimpleNamespace(baseline=doc["baseline"], runs=[SimpleNamespace(arm=SimpleNamespace(name=a)) for a in arms])
+    return verdict_lines(res, m)  # type: ignore[arg-type]
+
+
 def whatif_blocks(m: dict[str, object]) -> dict[str, str]:
     arms = m["arms"]
     assert isinstance(arms, dict)

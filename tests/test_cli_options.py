@@ -53,9 +53,13 @@ def _argv(verb: str, store, out) -> list[str]:
             "loss": ["loss", s, "--out", o]}[verb]
 
 
-def test_every_verb_with_out_is_listed():
-    has_out = {v for v, p in _parsers().items() if _option(p, "--out") is not None}
-    assert has_out == set(VERBS_WITH_OUT)
+def test_every_verb_with_out_takes_it_from_the_one_helper():
+    """Any verb with --out - these and any added later - states the one rule in its help."""
+    has_out = {v: _option(p, "--out") for v, p in _parsers().items() if _option(p, "--out") is not None}
+    assert set(VERBS_WITH_OUT) <= set(has_out)
+    for verb, action in has_out.items():
+        rule = output.STORE_RULE if action.metavar == "STORE" else output.DIR_RULE
+        assert rule in action.help, verb
 
 
 @pytest.mark.parametrize("verb", VERBS_WITH_OUT)
@@ -141,7 +145,7 @@ def test_capture_over_an_existing_store_needs_overwrite(store, tmp_path, capsys)
 def test_shared_options_are_on_every_verb_they_apply_to_with_one_meaning(flag, verbs):
     parsers = _parsers()
     assert {v for v, p in parsers.items() if _option(p, flag) is not None} >= verbs
-    helps = {_option(parsers[v], flag).help for v in verbs if flag != "--overwrite"}
+    helps = {_option(p, flag).help for p in parsers.values() if _option(p, flag) and flag != "--overwrite"}
     assert len(helps) <= 1, helps                         # one help text: one meaning
     if flag == "--overwrite":
         assert all("never anything else" in _option(parsers[v], flag).help for v in verbs)
@@ -149,7 +153,8 @@ def test_shared_options_are_on_every_verb_they_apply_to_with_one_meaning(flag, v
 
 def test_out_metavar_is_dir_everywhere_and_store_for_capture():
     metavars = {v: _option(p, "--out").metavar for v, p in _parsers().items() if _option(p, "--out")}
-    assert metavars == {v: "STORE" if v == "capture" else "DIR" for v in VERBS_WITH_OUT}
+    assert {v: metavars[v] for v in VERBS_WITH_OUT} == {v: "STORE" if v == "capture" else "DIR" for v in VERBS_WITH_OUT}
+    assert set(metavars.values()) <= {"DIR", "STORE"}
 
 
 def test_help_lists_verbs_in_workflow_order_with_defaults_shown():

@@ -54,6 +54,7 @@ def conflict_findings(tmp_path_factory):
     return gf.analyze(d / "dump.zarr", only="conflict", progress=False)
 
 
+@pytest.mark.slow
 def test_conflict_matrix_numbers_contrast_with_their_cells(conflict_findings):
     from gradforensics.analysis import REGISTRY
 
@@ -65,6 +66,7 @@ def test_conflict_matrix_numbers_contrast_with_their_cells(conflict_findings):
     assert "white" in inks and "black" in inks      # the diagonal (cos 1, dark blue) and a paler cell
 
 
+@pytest.mark.slow
 def test_overview_numbers_contrast_and_heads_are_claimed_only_when_drawn(conflict_findings):
     fig = figures.overview(conflict_findings)
     ax = fig.axes[0]
@@ -79,6 +81,7 @@ def test_overview_numbers_contrast_and_heads_are_claimed_only_when_drawn(conflic
     assert "heads" not in figures.overview(whole).axes[0].get_xlabel()
 
 
+@pytest.mark.slow
 def test_report_caption_says_what_the_overview_draws(tmp_path, monkeypatch):
     from gradforensics.reporting import document
 

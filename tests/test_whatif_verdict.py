@@ -7,6 +7,7 @@ tests/test_whatif.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -51,11 +52,22 @@ def test_the_verdict_names_what_each_arm_fixes_and_what_every_arm_keeps(tmp_path
     res = _whatif(tmp_path)
     lines = verdict_lines(res, finding_matrix(res))
     assert lines == [
-        f"lowlr fixes oscillation on {TENSORS[0]} (0.80 -> 0.20).",
-        "nozh fixes conflict (en, zh) on 3 tensors (0.90 -> -); "
-        f"new in nozh: drift on {TENSORS[2]} (- -> 0.55).",
-        "Every arm keeps noise on whole model: the data's (or the checkpoint's), not the optimizer's.",
+        f"lowlr fixes oscillation on {TENSORS[0]} (0.80 → 0.20). "
+        "Keeps noise on whole model (0.70 → 0.60); conflict (en, zh) on 3 tensors (0.90 → 0.85).",
+        "nozh fixes conflict (en, zh) on 3 tensors (0.90 → -). "
+        f"Keeps noise on whole model (0.70 → 0.65); oscillation on {TENSORS[0]} (0.80 → 0.75). "
+        f"New: drift on {TENSORS[2]} (- → 0.55).",
+        "Every arm keeps noise: the data's (or the checkpoint's), not the optimizer's.",
     ]
+
+
+def test_a_finding_moved_to_another_tensor_is_kept_not_fixed(tmp_path):
+    res = _whatif(tmp_path)
+    moved = [_flag("conflict", "lm_head.weight", 0.95, ("en", "zh")), _flag("noise", "whole model", 0.7)]
+    res.findings["nozh"] = dataclasses.replace(res.findings["nozh"], flags=moved)
+    lines = verdict_lines(res, finding_matrix(res))
+    assert lines[1] == ("nozh fixes oscillation on model.layers.0.mlp.down_proj.weight (0.80 → -). "
+                        "Keeps noise on whole model (0.70 → 0.70); conflict (en, zh) on lm_head.weight (0.90 → 0.95).")
 
 
 def test_the_report_opens_with_it_and_a_missing_flag_is_a_dash(tmp_path):
@@ -63,7 +75,7 @@ def test_the_report_opens_with_it_and_a_missing_flag_is_a_dash(tmp_path):
     paths = write(res, tmp_path)
     md = paths["markdown"].read_text()
     assert md.index("## Verdict") < md.index("## Arms") < md.index("## Flags across arms")
-    assert "- nozh fixes conflict (en, zh) on 3 tensors" in md
+    assert "- nozh fixes conflict (en, zh) on 3 tensors (0.90 → -)." in md
     row = next(line for line in md.splitlines() if line.startswith("| conflict |") and TENSORS[1] in line)
     assert row.split(" | ")[4:7] == ["0.90", "0.85", "-"]                 # nozh has no conflict flag: '-'
     assert "| 0.00 |" not in md
@@ -71,7 +83,7 @@ def test_the_report_opens_with_it_and_a_missing_flag_is_a_dash(tmp_path):
     assert html.index('id="whatif-verdict"') < html.index('id="arms-table"')
     assert re.search(r'<td class="num ok">-</td>', html) and ">0.00<" not in html
     doc = json.loads(paths["json"].read_text())
-    assert doc["verdict"][-1].startswith("Every arm keeps noise")
+    assert doc["verdict"][-1].startswith("Every arm keeps noise:")
     conflict = next(r for r in doc["findings"] if r["kind"] == "conflict")
     assert conflict["nozh"] is None and conflict["base"] == 0.9
     arms = {a["arm"]: (a["n_findings"], a["n_flags"]) for a in doc["arms"]}

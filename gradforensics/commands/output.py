@@ -24,12 +24,12 @@ import argparse
 import json
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from gradforensics.errors import OutExistsError
 
-__all__ = ["MARKER", "add_out", "add_overwrite", "add_quiet", "check_dir", "check_store", "mark", "out_dir"]
+__all__ = ["DIR_RULE", "MARKER", "METAVARS", "STORE_RULE", "add_out", "add_overwrite", "add_quiet", "check_dir", "check_store", "mark", "out_dir"]
 
 #: The file gradforensics leaves in every directory ``--out`` it writes.
 MARKER = ".gradforensics"
@@ -37,14 +37,14 @@ MARKER = ".gradforensics"
 #: The one metavar of ``--out``: a directory, or for ``capture`` the store.
 METAVARS = {"dir": "DIR", "store": "STORE"}
 
-_DIR_RULE = ("; must be new, empty, or written by gradforensics before (its own files are replaced, "
+DIR_RULE = ("; must be new, empty, or written by gradforensics before (its own files are replaced, "
              "nothing else is)")
-_STORE_RULE = "; an existing store is replaced only with --overwrite, anything else never"
+STORE_RULE = "; an existing store is replaced only with --overwrite, anything else never"
 
 
 def add_out(p: argparse.ArgumentParser, what: str, *, kind: str = "dir", default: str | None = None) -> None:
     """``--out DIR`` (or ``--out STORE``), with *what* it receives and the rule above in its help."""
-    rule = _DIR_RULE if kind == "dir" else _STORE_RULE
+    rule = DIR_RULE if kind == "dir" else STORE_RULE
     p.add_argument("--out", required=default is None, default=default, metavar=METAVARS[kind],
                    help=what + rule + (" (default: %(default)s)" if default is not None else ""))
 
@@ -113,11 +113,18 @@ def check_store(path: str, overwrite: bool) -> None:
 def mark(path: str | os.PathLike[str], verb: str) -> None:
     """Leave the marker in *path* (if it is a directory): gradforensics wrote it, with this *verb*."""
     from gradforensics import __version__
+    from gradforensics.errors import WriteRefusedError, refusal
 
     out = Path(path)
     if out.is_dir() and not (out / MARKER).exists():
-        (out / MARKER).write_text(json.dumps({"written_by": f"gradforensics {__version__}", "verb": verb}) + "\n",
-                                  encoding="utf-8")
+        try:
+            (out / MARKER).write_text(json.dumps({"written_by": f"gradforensics {__version__}", "verb": verb})
+                                      + "\n", encoding="utf-8")
+        except OSError as exc:
+            why = refusal(exc)
+            if why is None:
+                raise
+            raise WriteRefusedError(f"{out / MARKER}: could not be written ({why}).") from exc
 
 
 @contextmanager
@@ -127,5 +134,8 @@ def out_dir(path: str | os.PathLike[str], verb: str, *, stores: Sequence[str] = 
     out = check_dir(path, stores=stores, overwrite=overwrite)
     try:
         yield out
-    finally:
-        mark(out, verb)
+    except BaseException:
+        with suppress(OSError):          # what the verb wrote is ours; a full disk must not hide its error
+            mark(out, verb)
+        raise
+    mark(out, verb)

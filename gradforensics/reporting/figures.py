@@ -152,7 +152,7 @@ def overview(findings: Findings) -> Figure:
     """Analysis x layer depth (x head), coloured by the highest flag severity."""
     import matplotlib as mpl
 
-    from gradforensics import _contrast as cells
+    from gradforensics._contrast import annotate
 
     ov = overview_data(findings)
     n_cols = max(len(ov.layers), 1)
@@ -178,7 +178,7 @@ def overview(findings: Findings) -> Figure:
                 block = ov.matrix[r, j * h:(j + 1) * h]
                 if np.any(block >= 0.5):
                     blocks[r, j] = np.nanmax(block)
-        cells.annotate(ax, blocks, cmap, 0.0, 1.0, where=lambda r, j: (j * h + (h - 1) / 2, r))
+        annotate(ax, blocks, cmap, 0.0, 1.0, where=lambda r, j: (j * h + (h - 1) / 2, r))
     xl = "layer depth (block index)"
     if h > 1:
         xl += f"\neach block split into heads 0–{h - 1}"

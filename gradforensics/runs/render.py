@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics._text import md_code, md_text, visible
-from gradforensics.analysis.contract.registry import flag_key
+from gradforensics.analysis.contract.registry import advice_of, flag_key
 from gradforensics.reporting.comparison import ACT
 from gradforensics.reporting.figures import new_figure, to_png
 from gradforensics.reporting.html import CSS
@@ -169,39 +169,58 @@ def _cos_rows(res: WhatIf) -> pd.DataFrame:
     return c[(c["arm_a"] == res.baseline) | (c["arm_b"] == res.baseline)]
 
 
-def _gathered(rows: pd.DataFrame, before: str | None = None, after: str | None = None) -> str:
-    """Rows of the finding matrix told as findings: ``conflict (en, zh) on 8 tensors (1.00 -> -)``, one
-    per kind and sources; with *before* / *after* (arms) the highest severity in each."""
-    parts = []
-    for (kind, srcs), g in rows.groupby(["kind", "sources"], sort=False):
-        head = _head(g["head"].iloc[0])
-        where = (f"{g['tensor'].iloc[0]}" + (f" head {head}" if head else "")) if len(g) == 1 else f"{len(g)} tensors"
-        text = f"{kind}{' (' + srcs.replace(',', ', ') + ')' if srcs else ''} on {where}"
-        if before is not None and after is not None:
-            text += f" ({_sev(g[before].max())} -> {_sev(g[after].max())})"
-        parts.append(text)
-    return "; ".join(parts)
+def _finding_of(kind: str, sources: str) -> str:
+    """The finding a row of the matrix belongs to: its kind, with its sources where the kind's finding is
+    about them (a conflict is its pair; an oscillation's poles shift from arm to arm)."""
+    advice = advice_of(kind)
+    keyed = advice is not None and advice.keyed_by_sources
+    return f"{kind} ({sources.replace(',', ', ')})" if keyed and sources else kind
+
+
+def _told(finding: pd.DataFrame, where: pd.DataFrame, before: str, after: str) -> str:
+    """One finding as words: ``conflict (en, zh) on 8 tensors (1.00 → -)``: where it is (the rows *where*),
+    and its highest severity in the arm *before* and in *after* over all its rows."""
+    head = _head(where["head"].iloc[0])
+    at = (f"{where['tensor'].iloc[0]}" + (f" head {head}" if head else "")) if len(where) == 1 \
+        else f"{len(where)} tensors"
+    return f"{finding['finding'].iloc[0]} on {at} ({_sev(finding[before].max())} → {_sev(finding[after].max())})"
 
 
 def verdict_lines(res: WhatIf, m: pd.DataFrame) -> list[str]:
-    """What the report opens with: per arm, what it fixes (a finding of the baseline whose severity fell
-    below 0.5, or whose flag is gone) and what it brings; then what every arm keeps."""
+    """What the report opens with: per arm, which of the baseline's findings it fixes (no flag of it at or
+    above 0.5 left, anywhere), keeps, and brings; then the findings every arm keeps.
+
+    A finding here is a kind (with its sources for a conflict), wherever it sits: an arm that moves a
+    conflict from one layer to another keeps it.
+    """
     arms = [r.arm.name for r in res.runs]
     base = res.baseline
     if not len(m):
         return [f"No arm has a finding at or above {ACT}: nothing to fix."]
+    m = m.assign(finding=[_finding_of(k, s) for k, s in zip(m["kind"], m["sources"], strict=True)])
     found = m[arms].ge(ACT)                      # NaN (no flag) is not a finding
+    has = {a: set(m.loc[found[a], "finding"]) for a in arms}
+    order = list(dict.fromkeys(m["finding"]))
+
+    def told(names: list[str], side: str, a: str) -> str:
+        return "; ".join(_told(m[m["finding"] == n], m[(m["finding"] == n) & found[side]], base, a) for n in names)
+
     lines = []
     for a in arms:
         if a == base:
             continue
-        fixed, new = m[found[base] & ~found[a]], m[~found[base] & found[a]]
-        text = (f"{a} fixes {_gathered(fixed, base, a)}" if len(fixed)
-                else f"{a} fixes none of the baseline {base}'s findings")
-        lines.append(text + (f"; new in {a}: {_gathered(new, base, a)}." if len(new) else "."))
-    kept = m[found.all(axis=1)]
-    lines.append(f"Every arm keeps {_gathered(kept)}: the data's (or the checkpoint's), not the optimizer's."
-                 if len(kept) else "No finding is kept by every arm.")
+        fixed = [n for n in order if n in has[base] and n not in has[a]]
+        kept = [n for n in order if n in has[base] and n in has[a]]
+        new = [n for n in order if n not in has[base] and n in has[a]]
+        text = f"{a} fixes {told(fixed, base, a)}." if fixed else f"{a} fixes none of the baseline {base}'s findings."
+        if kept:
+            text += f" Keeps {told(kept, a, a)}."
+        if new:
+            text += f" New: {told(new, a, a)}."
+        lines.append(text)
+    every = [n for n in order if all(n in has[a] for a in arms)]
+    lines.append(f"Every arm keeps {', '.join(every)}: the data's (or the checkpoint's), not the optimizer's."
+                 if every else "No finding is kept by every arm.")
     return lines
 
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics import _contrast as cells
+from gradforensics._contrast import annotate
 from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
@@ -409,7 +409,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
         ax.imshow(sub, vmin=-1, vmax=1, cmap="RdBu")
         ax.set_xticks(range(keep.size), [names[i] for i in keep], rotation=45, fontsize=8)
         ax.set_yticks(range(keep.size), [names[i] for i in keep], fontsize=8)
-        cells.annotate(ax, sub, "RdBu", -1.0, 1.0)          # white on the dark ends, black in between
+        annotate(ax, sub, "RdBu", -1.0, 1.0)          # white on the dark ends, black in between
     ax.set_xlabel("source")
     ax.set_ylabel("source")
     where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
