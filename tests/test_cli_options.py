@@ -14,7 +14,9 @@ import pytest
 from gradforensics import cli
 from gradforensics.commands import output
 
-VERBS_WITH_OUT = ("demo", "capture", "analyze", "report", "compare", "whatif", "loss")
+#: Verbs whose --out is a store (the rest write a directory).
+STORE_VERBS = ("capture", "import")
+VERBS_WITH_OUT = ("demo", "capture", "import", "analyze", "report", "compare", "whatif", "loss")
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -50,7 +52,8 @@ def _argv(verb: str, store, out) -> list[str]:
             "compare": ["compare", s, s, "--out", o],
             "whatif": ["whatif", "no-checkpoint", "--data", "a=no.txt", "--arm", "a=sgd:lr=0.1", "--steps", "1",
                        "--out", o],
-            "loss": ["loss", s, "--out", o]}[verb]
+            "loss": ["loss", s, "--out", o],
+            "import": ["import", str(store.parent), "--out", o]}[verb]
 
 
 def test_every_verb_with_out_takes_it_from_the_one_helper():
@@ -64,7 +67,7 @@ def test_every_verb_with_out_takes_it_from_the_one_helper():
 
 @pytest.mark.parametrize("verb", VERBS_WITH_OUT)
 def test_out_never_replaces_what_gradforensics_did_not_write(verb, store, tmp_path, capsys):
-    mine = tmp_path / ("mine.zarr" if verb == "capture" else "mine")
+    mine = tmp_path / ("mine.zarr" if verb in STORE_VERBS else "mine")
     mine.mkdir()
     (mine / "report.md").write_text("my own notes\n")
     extra = ["--overwrite"] if _option(_parsers()[verb], "--overwrite") else []
@@ -73,7 +76,7 @@ def test_out_never_replaces_what_gradforensics_did_not_write(verb, store, tmp_pa
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1, err
         assert err[0].startswith(f"gradforensics {verb}: error: --out {mine} ")
-        if verb == "capture":
+        if verb in STORE_VERBS:
             assert "gradforensics does not replace it, even with --overwrite" in err[0]
         else:
             assert "holds files gradforensics did not write (report.md)" in err[0]
@@ -140,7 +143,7 @@ def test_capture_over_an_existing_store_needs_overwrite(store, tmp_path, capsys)
     ("--storage-option", {"capture", "inspect", "analyze", "report", "compare", "loss"}),
     ("--workers", {"analyze", "compare", "whatif"}),
     ("--scheduler", {"analyze", "compare", "whatif"}),
-    ("--overwrite", {"demo", "capture", "whatif"}),
+    ("--overwrite", {"demo", "capture", "import", "whatif"}),
 ])
 def test_shared_options_are_on_every_verb_they_apply_to_with_one_meaning(flag, verbs):
     parsers = _parsers()
@@ -153,13 +156,14 @@ def test_shared_options_are_on_every_verb_they_apply_to_with_one_meaning(flag, v
 
 def test_out_metavar_is_dir_everywhere_and_store_for_capture():
     metavars = {v: _option(p, "--out").metavar for v, p in _parsers().items() if _option(p, "--out")}
-    assert {v: metavars[v] for v in VERBS_WITH_OUT} == {v: "STORE" if v == "capture" else "DIR" for v in VERBS_WITH_OUT}
+    assert {v: metavars[v] for v in VERBS_WITH_OUT} == {v: "STORE" if v in STORE_VERBS else "DIR"
+                                                        for v in VERBS_WITH_OUT}
     assert set(metavars.values()) <= {"DIR", "STORE"}
 
 
 def test_help_lists_verbs_in_workflow_order_with_defaults_shown():
     order = list(cli.VERBS)
-    assert order[:8] == ["demo", "capture", "inspect", "analyze", "report", "compare", "whatif", "loss"]
+    assert order[:9] == ["demo", "capture", "import", "inspect", "analyze", "report", "compare", "whatif", "loss"]
     text = cli.build_parser().format_help()
     assert [text.index(f"    {v} ") for v in order] == sorted(text.index(f"    {v} ") for v in order)
     capture = " ".join(_parsers()["capture"].format_help().split())

@@ -1,7 +1,7 @@
 """``gradforensics import --format checkpoints``: a checkpoint series as a store, checked against the checkpoints.
 
 The series is made here: a tiny LLaMA trained on a copy task, calm (lr 1e-4) for 10
-steps and then at lr 3e-2, which drives the query/key projections' spectral norms up;
+steps and then at lr 6e-2, which drives the query/key projections' spectral norms up;
 saved every 10 steps in the Hugging Face Trainer layout (``checkpoint-N/`` with
 ``model.safetensors``, ``config.json``, ``optimizer.pt`` of an AdamW with the Trainer's two
 parameter groups, ``trainer_state.json``, and a
@@ -106,7 +106,7 @@ def train_series(root: Path, high_lr: float, marker: Path | None = None) -> Path
 def series(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("series")
     marker = root / "PWNED"
-    return train_series(root, 3e-2, marker), marker
+    return train_series(root, 6e-2, marker), marker
 
 
 def _steps() -> list[int]:

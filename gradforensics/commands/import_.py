@@ -16,6 +16,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gradforensics.commands import output
     from gradforensics.commands import storage as storage_flags
     from gradforensics.importing import FORMATS
 
@@ -24,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, default="auto",
                    help="what SOURCE holds (default auto: megatron for a --save directory with wgrads/, dgrads/ or "
                         "params/, else checkpoints)")
-    p.add_argument("--out", required=True, help="the store to write: *.zarr or *.h5, or a Zarr store at an fsspec "
-                                                "URL (s3://bucket/dump.zarr)")
+    output.add_out(p, "the store to write: *.zarr or *.h5, or a Zarr store at an fsspec URL (s3://bucket/dump.zarr)",
+                   kind="store")
     storage_flags.add_argument(p)
     r = p.add_argument_group("what to import")
     r.add_argument("--tensors", nargs="+", metavar="GLOB", help="tensor globs (default: every 2-D floating tensor)")
@@ -40,19 +41,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--gated-mlp", action="store_true", help="linear_fc1 is a gated pair (SwiGLU): each rank holds "
                                                             "its part of both halves")
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
-    p.add_argument("--quiet", action="store_true", help="no estimate line, no progress bar")
+    output.add_overwrite(p, "the store")
+    output.add_quiet(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from gradforensics._extras import require_extra
 
     require_extra("torch", "gradforensics import")
+    from gradforensics.commands import output
     from gradforensics.commands import storage as storage_flags
     from gradforensics.importing import import_run
     from gradforensics.replay.plan import parse_heads
     from gradforensics.store.remote import is_url
 
+    output.check_store(args.out, args.overwrite)
     options = storage_flags.location(args, args.out).storage_options if is_url(args.out) else None
     store = import_run(args.source, args.out, format=args.format, tensors=args.tensors,
                        heads=parse_heads(args.heads), kind=args.kind, num_heads=args.num_heads,

@@ -220,6 +220,8 @@ def verdict(findings: Findings, groups: list[FlagGroup] | None = None) -> str:
         text += " Also: " + "; ".join(_finding_clause(g, findings.n_records).rstrip(".") for g in others) + "."
     tips = advice.advice_for(top.kind, top.flags, findings.mode, len(findings.sources))
     first = next((t for t in tips if not t.startswith("Caveat")), tips[0] if tips else "")
+    first = first.removeprefix("Otherwise: ")          # the tip it follows did not apply to these flags
+    first = first[:1].upper() + first[1:]
     if first:
         text += f" Try first: {first}"
         text += "" if first.endswith(".") else "."
