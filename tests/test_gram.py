@@ -176,7 +176,7 @@ def test_graph_stays_small(tmp_path) -> None:
     n_blocks = int(np.prod([len(c) for c in store.grad("attn.q", slab_bytes=64 << 20).chunks]))
     # reads + chunk tasks + combine tree + aggregate: a few tasks per slab
     assert len(g.__dask_graph__()) <= 3 * n_blocks + 2
-    assert n_blocks == info.heads   # one slab per head here: everything fits
+    assert info.heads > 1 and n_blocks == 1   # all heads in one slab here: everything fits (issue 28: by bytes)
 
 
 def test_sketch_only_tensor(tmp_path) -> None:

@@ -65,7 +65,12 @@ def chunk_shape(row_shape: tuple[int, ...], itemsize: int, r: int, policy: Layou
                 head_split: bool = False) -> tuple[int, ...]:
     """On-disk chunk of an array whose rows (one per record) have *row_shape*.
 
-    For a head-split array (rows ``(H, ...)``) each chunk holds one head.
+    For a head-split array (rows ``(H, ...)``) a chunk holds whole heads - as many
+    as fit in ``chunk_bytes`` with its ``R`` records, balanced so the chunks are
+    alike - or, for a head larger than that, a slab of one head's rows.  Chunks are
+    sized by bytes, not by heads: 4,096 heads of 64 KiB are 32 chunks of 8 MiB, not
+    4,096 files.  (Stores written before this held one head a chunk; readers take
+    any chunking.)
     """
     row_shape = tuple(int(s) for s in row_shape)
     inner = list(row_shape)
@@ -77,14 +82,22 @@ def chunk_shape(row_shape: tuple[int, ...], itemsize: int, r: int, policy: Layou
         m = _pow2_floor(policy.small_chunk_bytes / max(r * inner_bytes, 1))
         m = min(m, max(1, 4096 // r))
         return (r * m, *row_shape)
-    if r * inner_bytes > policy.chunk_bytes:
+    if head_split and inner and r * inner_bytes <= policy.chunk_bytes:
+        inner[0] = _balanced(row_shape[0], max(1, policy.chunk_bytes // max(r * inner_bytes, 1)))
+    elif r * inner_bytes > policy.chunk_bytes:
         ax = 1 if head_split else 0
         if ax < len(inner):
             per_row = r * inner_bytes // inner[ax]
             rows = int(max(1, min(inner[ax], policy.chunk_bytes // max(per_row, 1))))
-            n_chunks = -(-inner[ax] // rows)
-            inner[ax] = -(-inner[ax] // n_chunks)  # balance the chunks: least padding at the edge
+            inner[ax] = _balanced(inner[ax], rows)
     return (r, *inner)
+
+
+def _balanced(size: int, most: int) -> int:
+    """Chunk length along an axis of *size*: at most *most*, the chunks as equal as can be (least edge padding)."""
+    most = int(max(1, min(size, most)))
+    n_chunks = -(-size // most)
+    return -(-size // n_chunks)
 
 
 # Axis names of the stored arrays (Zarr v3 ``dimension_names``; see docs/store-schema.md).

@@ -267,13 +267,16 @@ def _slab_chunks(info: ArrayInfo, slab_bytes: int) -> tuple[Any, ...]:
 
     The record axis is one chunk, unless even one on-disk feature chunk of all
     records exceeds *slab_bytes*; then it is split into multiples of the on-disk
-    record chunk.  The head axis of a head-split array keeps chunk 1.
+    record chunk.  A head-split array grows along its head axis when its on-disk
+    chunks hold whole heads (several heads a task: a store written one head a
+    chunk is read in slabs of many), else along the heads' own first split axis.
     """
     n = max(info.shape[0], 1)
     disk = [int(c) for c in info.chunks]
     shape = [int(s) for s in info.shape]
     chunks = list(disk)
-    first = 2 if info.heads else 1      # first feature axis we may grow along
+    # first axis we may grow along: the head axis where each chunk holds whole heads
+    first = 2 if info.heads and disk[2:] != shape[2:] else 1
     # smallest unit of one record: the on-disk chunk without its record axis
     unit = 4 * int(np.prod(disk[1:], dtype=np.int64))
     if n * unit > slab_bytes:

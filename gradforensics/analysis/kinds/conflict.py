@@ -225,10 +225,10 @@ def severity_p(p: float, z: float, B: int, z_cross: float = math.nan) -> float:
     null alone under-rates the strongest conflicts: when sources differ a lot, the
     permuted groups' cosines spread widely and ``z`` stays small (cos -0.92 scored 0.44).
     """
-    from scipy.stats import norm
+    from scipy.special import ndtr  # ndtr(-x) = scipy.stats.norm.sf(x), bit for bit, without its per-call checks
 
     if np.isfinite(p) and p <= 1.0 / (B + 1) + 1e-12:
-        tails = [norm.sf(x) for x in (z, z_cross) if np.isfinite(x)]
+        tails = [ndtr(-x) for x in (z, z_cross) if np.isfinite(x)]
         return float(min([p, *tails]))
     return p
 
@@ -358,14 +358,20 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     floor = 1.0 / (ctx.options_for("conflict", ConflictOptions).permutations + 1)
     out = []
     last = ctx.n_records - 1
+    per_pair: dict[tuple[str, str], tuple[Any, list[int] | None, dict[str, list[int]]]] = {}   # once a pair
     for r in t.itertuples(index=False):
         if not r.severity >= fl.REPORT_FLOOR:
             continue
         head = un.head_of(r.head)
         span = (int(r.record_first), int(r.record_last)) if un.head_of(getattr(r, "record_first", None)) is not None else (0, last)
-        hot = _hot_units(t[(t.source_a == r.source_a) & (t.source_b == r.source_b) & (t.severity > 0.5)])
-        band = _band(hot["layer"])
-        heads = sorted({int(h) for h in hot.loc[(hot.tensor == r.tensor) & hot["head"].notna(), "head"]})
+        if (r.source_a, r.source_b) not in per_pair:
+            hot = _hot_units(t[(t.source_a == r.source_a) & (t.source_b == r.source_b) & (t.severity > 0.5)])
+            with_head = hot[hot["head"].notna()]
+            per_pair[(r.source_a, r.source_b)] = hot, _band(hot["layer"]), {
+                str(tn): sorted({int(h) for h in hs}) for tn, hs in with_head.groupby("tensor")["head"]}
+        hot, band, heads_of = per_pair[(r.source_a, r.source_b)]
+        band = None if band is None else list(band)
+        heads = list(heads_of.get(r.tensor, []))
         ev = {"cosine": r.cosine, "p_value": r.p_value, "cosine_debiased": r.cosine_debiased, "z": r.z,
               "depth_band": band, "heads": heads, "n_a": r.n_a, "n_b": r.n_b, "energy_share": r.energy_share}
         out.append(Flag(kind="conflict", tensor=r.tensor, head=head, sources=(r.source_a, r.source_b),
