@@ -97,6 +97,7 @@ def test_old_layout_is_read_in_slabs_of_many_heads(pair) -> None:
         np.testing.assert_array_equal(ga.gram, gb.gram)
 
 
+@pytest.mark.slow
 def test_old_and_new_layouts_give_the_same_findings(pair) -> None:
     fa, fb = (gf.analyze(p, progress=False, only=["conflict", "drift", "oscillation", "noise"]) for p in pair)
     for name in fa.results:
