@@ -63,7 +63,7 @@ def test_specs_normalise_what_they_are_given_and_are_frozen():
     assert RecordSpec(heads="none").heads is None and RecordSpec().heads == "auto" == parse_heads(["auto"])
     assert RecordSpec(heads={"*.q": 4}).heads == {"*.q": 4}
     assert r.recorder_options() == {"tensors": ("*.q_proj.weight",), "heads": r.heads, "activations": None,
-                                    "sketch": 16, "full": ("*.q*",), "dtype": "bfloat16"}
+                                    "sketch": 16, "full": ("*.q*",), "dtype": "bfloat16", "attention": None}
     assert dataclasses.replace(r, dtype="bfloat16") == r           # a normalised spec re-validates to itself
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.sketch = 8  # type: ignore[misc]

@@ -78,10 +78,11 @@ def test_only_from_python_keeps_the_keyword():
         select_analyses("nose")
 
 
-class _Flag:
-    def __init__(self, kind, tensor, severity, sources=()):
-        self.kind, self.tensor, self.severity, self.sources, self.records, self.head = (
-            kind, tensor, severity, tuple(sources), (0, 1), None)
+def _Flag(kind, tensor, severity, sources=()):
+    from gradforensics.analysis.contract.model import Flag
+
+    return Flag(kind=kind, tensor=tensor, head=None, sources=tuple(sources), severity=severity, records=(0, 1),
+                evidence={}, summary="")
 
 
 def test_counts_phrase_counts_findings_as_the_report_groups_them():

@@ -410,11 +410,13 @@ def _damage_chunk(p: Path, tensor: str, first_record: int) -> None:
     """Overwrite the middle of the on-disk chunk of *tensor* holding *first_record* with garbage (incl. NaN bits)."""
     rng = np.random.default_rng(7)
     garbage = b"\xff" * 16 + rng.bytes(32) + b"\xff" * 16
+    head = () if tensor == "mlp.up" else (2,)             # the head-split tensor: damage the chunk holding head 2
     if p.suffix == ".zarr":
-        # records_per_chunk=4; the head-split tensor has one chunk per head: damage head 2
-        c = str(first_record // 4)
-        rel = ["c", c, "0", "0"] if tensor == "mlp.up" else ["c", c, "2", "0", "0"]
-        chunk = p.joinpath("grads", tensor, *rel)
+        import zarr
+
+        chunks = zarr.open_array(str(p / "grads" / tensor), mode="r").chunks
+        where = (first_record, *head) + (0,) * (len(chunks) - 1 - len(head))
+        chunk = p.joinpath("grads", tensor, "c", *(str(i // c) for i, c in zip(where, chunks, strict=True)))
         size = chunk.stat().st_size
         offset = size // 2 - len(garbage) // 2
     else:
@@ -423,7 +425,9 @@ def _damage_chunk(p: Path, tensor: str, first_record: int) -> None:
         with h5py.File(p, "r") as f:
             ds = f[f"grads/{tensor}"]
             infos = [ds.id.get_chunk_info(i) for i in range(ds.id.get_num_chunks())]
-        want = (first_record, 0, 0) if tensor == "mlp.up" else (first_record, 2, 0, 0)
+            chunks = ds.chunks
+        where = (first_record, *head) + (0,) * (len(chunks) - 1 - len(head))
+        want = tuple(i // c * c for i, c in zip(where, chunks, strict=True))
         info = next(i for i in infos if tuple(i.chunk_offset) == want)
         chunk, size = p, info.size
         offset = info.byte_offset + size // 2 - len(garbage) // 2

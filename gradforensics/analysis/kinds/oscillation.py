@@ -40,8 +40,10 @@ when the poles' mean projections have opposite signs (else 0) and
 uniform's 5/9).  Then the severity follows the tensor's share of the oscillating energy:
 a whole tensor's is weighted by ``0.4 + 0.6 · E / E_max`` (``E`` the energy of its
 oscillating direction, ``λ`` of the component, and ``E_max`` the largest among the
-model's tensors), a head's by its tensor's weight: the zig-zag is where the energy
-flips, not in a bias that merely follows.
+model's tensors oscillating at the same period, to the nearest record: one oscillation),
+a head's by its tensor's weight: the zig-zag is where the energy flips, not in a bias
+that merely follows.  Oscillations at other periods are other events and are not
+weighed against each other.
 """
 
 from __future__ import annotations
@@ -286,17 +288,19 @@ def compute(ctx: Context) -> AnalysisResult:
 
 
 def weigh_by_energy(table: Any) -> None:
-    """Severity x (ENERGY_FLOOR + (1 - ENERGY_FLOOR) E/E_max) by the whole tensor's oscillating energy share."""
+    """Severity x (ENERGY_FLOOR + (1 - ENERGY_FLOOR) E/E_max) by the whole tensor's oscillating energy share
+    among the tensors oscillating at its period (module docstring)."""
     if "energy" not in table or not len(table):
         return
-    whole = table["head"].isna()
-    energy = table.loc[whole].set_index("tensor")["energy"].astype(float)
-    ok = energy[np.isfinite(energy) & table.loc[whole].set_index("tensor")["severity"].gt(0).to_numpy()]
-    top = float(ok.max()) if len(ok) else math.nan
-    if not np.isfinite(top) or top <= 0:
+    whole = table.loc[table["head"].isna()].set_index("tensor")
+    energy = whole["energy"].astype(float)
+    period = np.round(whole["period_records"].astype(float)).fillna(-1.0)     # one oscillation = one period
+    live = np.isfinite(energy) & whole["severity"].gt(0)
+    top = energy.where(live).groupby(period).transform("max")
+    if not (np.isfinite(top) & (top > 0)).any():
         table["energy_share"] = math.nan
         return
-    share = table["tensor"].map(energy / top).astype(float)
+    share = table["tensor"].map(energy / top.where(top > 0)).astype(float)
     table["energy_share"] = share
     w = ENERGY_FLOOR + (1 - ENERGY_FLOOR) * np.clip(share.fillna(0.0).to_numpy(), 0.0, 1.0)
     table["severity"] = table["severity"].to_numpy() * w
