@@ -13,6 +13,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 
 import gradforensics as gf
@@ -122,3 +123,23 @@ def test_zero_committed_records_names_the_writer(writer, capsys, tmp_path):
     _kill(p)
     with pytest.raises(EmptyStoreError, match="holds no complete record; nothing to analyze"):
         gf.analyze(path)
+
+
+# ------------------------------------------------------------------ a failed first record blocks no retry
+@pytest.mark.parametrize("suffix", [".zarr", ".h5"])
+def test_a_recorder_that_fails_before_its_first_record_leaves_no_store(tmp_path, suffix):
+    path = tmp_path / f"s{suffix}"
+    with pytest.raises(TypeError), gf.Recorder(path, sources=["a"], background=False) as rec:
+        rec.record(step=0, source="a", loss=1.0, grads={"w": np.ones((3, 2), np.float32)}, bogus=1)
+    assert not path.exists()                                  # nothing committed: nothing left to block the retry
+    with gf.Recorder(path, sources=["a"], background=False) as rec:       # the retry, without overwrite=
+        rec.record(step=0, source="a", loss=1.0, grads={"w": np.ones((3, 2), np.float32)})
+    assert gf.open_store(path).n_records == 1
+
+
+def test_a_recorder_that_fails_after_a_record_keeps_what_it_committed(tmp_path):
+    path = tmp_path / "s.zarr"
+    with pytest.raises(RuntimeError, match="the loop broke"), gf.Recorder(path, sources=["a"], background=False) as rec:
+        rec.record(step=0, source="a", loss=1.0, grads={"w": np.ones((3, 2), np.float32)})
+        raise RuntimeError("the loop broke")
+    assert gf.open_store(path).n_records == 1

@@ -252,8 +252,14 @@ class ArrayRecorder:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """Close; a ``with`` block that fails before its first record is committed removes the empty store
+        (one process only), so the retry is not refused by it."""
+        try:
+            self.close()
+        finally:
+            if exc_type is not None and self.ranks is None:
+                self._writer.discard_if_empty()
 
     @property
     def n_records(self) -> int:

@@ -101,6 +101,22 @@ class StoreWriter:
         """Records committed to disk (buffered ones not included)."""
         return self._n
 
+    def discard_if_empty(self) -> bool:
+        """After :meth:`close`: remove the store if it committed no record (a run that failed before its first
+        record leaves nothing that blocks the retry); returns whether it was removed.  Nothing is lost: an
+        empty store holds only the metadata this writer made."""
+        if not self._closed or self._n or self._nw:
+            return False
+        lock = StoreLock(self.location).acquire()      # nobody else writes it while it goes
+        try:
+            if self.location.is_url:
+                clear_url(self.path, True, self.location.storage_options)
+            else:
+                _clear_path(Path(self.path), overwrite=True)
+        finally:
+            lock.release()
+        return True
+
     def append(self, rows: dict[str, Row], weights: dict[str, Row] | None = None) -> None:
         """Buffer one record; flush when ``R`` records are buffered."""
         if self._closed:
