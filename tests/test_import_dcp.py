@@ -88,6 +88,15 @@ def test_read_dcp_gives_every_model_tensor_exactly(series):
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
 
 
+def test_a_flat_state_dict_keeps_names_that_begin_with_model(tmp_path):
+    sd = {"model.embed.weight": torch.randn(4, 3), "lm_head.weight": torch.randn(2, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=str(tmp_path / "flat"))
+    got = read_dcp(tmp_path / "flat")
+    assert set(got) == set(sd) and all(torch.equal(got[n], sd[n]) for n in sd)
+
+
 def _chunked(d: Path, full: torch.Tensor) -> None:
     """Write ``d`` as DCP would for ``{"model": {"w": full}}`` saved in two row shards."""
     import io

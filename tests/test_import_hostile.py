@@ -4,8 +4,7 @@ A pickle payload (it would create a marker file if anything in it ran), a trunca
 file, an iteration with one rank's file missing, a shard of the wrong shape, a shard
 index pointing out of its directory, a series whose tensor changes shape, a torch
 distributed checkpoint whose metadata is a payload: the command refuses each in one line
-naming the file, runs
-nothing from it, and writes nothing outside ``--out``.
+naming the file, runs nothing from it, and writes nothing outside ``--out``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ resolves only the metadata classes, ``torch.Size``, torch dtypes and layouts and
 ``pathlib`` paths, and refuses any other global in one line.  Each chunk is read from its
 byte range (checked against the file) with ``torch.load(weights_only=True)``, checked to
 have its chunk's shape and dtype, and placed at its offsets in the full tensor; chunks
-must cover the tensor exactly.  Non-tensor entries (``BytesStorageMetadata``) are never read.
+must cover the tensor exactly.  The weights are the ``model`` entry's of a nested save
+(as a raw torch file's), or every tensor of a flat one.  Non-tensor entries (``BytesStorageMetadata``) are never read.
 """
 
 from __future__ import annotations
@@ -167,12 +168,27 @@ def read_dcp(d: Path) -> dict[str, torch.Tensor]:
     md = _metadata(d)
     tensors = {k: v for k, v in md.state_dict_metadata.items()
                if isinstance(k, str) and isinstance(v, TensorStorageMetadata)}
-    prefix = next((p + "." for p in _MODEL_KEYS if any(k.startswith(p + ".") for k in tensors)), "")
+    prefix = _model_prefix(tensors, md.planner_data)
     chosen = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     if not chosen:
         raise CheckpointError(f"{d / '.metadata'}: lists no tensor; not a DCP checkpoint of a model.")
-    storage = _storage(d, md)
     try:
+        storage = _storage(d, md)
         return {name: _assemble(prefix + name, tmd, storage, d) for name, tmd in chosen.items()}
     except (TypeError, ValueError, AttributeError) as e:    # metadata fields of the wrong type
         raise CheckpointError(f"{d / '.metadata'}: a tensor entry is malformed ({type(e).__name__}: {e}).") from None
+
+
+def _model_prefix(tensors: dict[str, Any], planner_data: Any) -> str:
+    """``"model."`` (or ``state_dict.`` ...) when the save nested the weights under that key, else ``""``.
+
+    DCP's ``planner_data`` gives each flattened key's path in the saved dict: ``("model",
+    "layers.0.weight")`` for ``{"model": sd, ...}``, ``("model.layers.0.weight",)`` for a flat
+    state dict whose names merely begin with ``model.`` (kept whole).  Without it, the
+    first of the model keys that some tensor name begins with.
+    """
+    paths = planner_data if isinstance(planner_data, dict) else {}
+    if all(isinstance(paths.get(k), (tuple, list)) and paths[k] for k in tensors):
+        tops = {str(paths[k][0]) for k in tensors if len(paths[k]) >= 2}
+        return next((p + "." for p in _MODEL_KEYS if p in tops), "")
+    return next((p + "." for p in _MODEL_KEYS if any(k.startswith(p + ".") for k in tensors)), "")
