@@ -38,13 +38,15 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def write_series(root: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """Train a tiny MLP, DCP-save ``root/step_N`` at STEPS; the saved model state dicts by step."""
+def write_series(root: Path) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict]]:
+    """Train a tiny MLP, DCP-save ``root/step_N`` at STEPS; the saved model and optimizer state dicts by step."""
+    import copy
+
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    saved = {}
+    saved, opts = {}, {}
     for step in range(STEPS[-1] + 1):
         if step in STEPS:
             with warnings.catch_warnings():
@@ -52,21 +54,22 @@ def write_series(root: Path) -> dict[int, dict[str, torch.Tensor]]:
                 dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
                          checkpoint_id=str(root / f"step_{step}"))
             saved[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            opts[step] = copy.deepcopy(opt.state_dict())
         x = torch.randn(16, 6)
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    return saved
+    return saved, opts
 
 
 @pytest.fixture(scope="module")
-def series(tmp_path_factory) -> tuple[Path, dict]:
+def series(tmp_path_factory) -> tuple[Path, dict, dict]:
     root = tmp_path_factory.mktemp("dcp")
-    return root / "run", write_series(root / "run")
+    return (root / "run", *write_series(root / "run"))
 
 
 def test_weights_bit_for_bit_and_updates_are_the_differences(series, tmp_path):
-    root, saved = series
+    root, saved, _ = series
     store = gf.import_run(root, tmp_path / "imp.zarr")
     assert store.n_records == len(STEPS) - 1 and store.batches()["step"].tolist() == list(STEPS[1:])
     assert set(store.grads) == {"0.weight", "2.weight"}
@@ -81,11 +84,35 @@ def test_weights_bit_for_bit_and_updates_are_the_differences(series, tmp_path):
 
 
 def test_read_dcp_gives_every_model_tensor_exactly(series):
-    root, saved = series
-    got = read_dcp(root / "step_3")
+    root, saved, opts = series
+    got, opt = read_dcp(root / "step_3")
     assert set(got) == set(saved[3])
     for n, t in saved[3].items():
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
+    want = opts[3]
+    assert [g["params"] for g in opt["param_groups"]] == [g["params"] for g in want["param_groups"]]
+    assert opt["param_groups"][0]["betas"] == want["param_groups"][0]["betas"]
+    assert opt["param_groups"][0]["eps"] == want["param_groups"][0]["eps"]
+    assert set(opt["state"]) == set(want["state"]) == {0, 1, 2, 3}
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            assert torch.equal(opt["state"][i][k], v), (i, k)
+
+
+def test_optimizer_summaries_from_the_dcp_optimizer_entry(series, tmp_path):
+    root, _, opts = series
+    store = gf.import_run(root, tmp_path / "imp.zarr")
+    table = store.meta.extra["import"]["optimizer"]
+    for pid, name in ((0, "0.weight"), (2, "2.weight")):
+        for j, s in enumerate(STEPS):
+            st = opts[s]["state"].get(pid)
+            if st is None:                     # step 0: no state yet
+                assert table[name]["exp_avg_norm"][j] is None
+                continue
+            v_hat = st["exp_avg_sq"].double() / (1 - 0.999 ** float(st["step"]))
+            assert table[name]["exp_avg_norm"][j] == pytest.approx(float(st["exp_avg"].double().norm()), rel=1e-9)
+            assert table[name]["sqrt_v_hat_norm"][j] == pytest.approx(float(v_hat.sqrt().norm()), rel=1e-9)
+            assert table[name]["step"][j] == s
 
 
 def test_a_flat_state_dict_keeps_names_that_begin_with_model(tmp_path):
@@ -93,7 +120,7 @@ def test_a_flat_state_dict_keeps_names_that_begin_with_model(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(sd, checkpoint_id=str(tmp_path / "flat"))
-    got = read_dcp(tmp_path / "flat")
+    got = read_dcp(tmp_path / "flat")[0]
     assert set(got) == set(sd) and all(torch.equal(got[n], sd[n]) for n in sd)
 
 
@@ -128,7 +155,7 @@ def _chunked(d: Path, full: torch.Tensor) -> None:
 def test_chunks_are_assembled_into_the_full_tensor(tmp_path):
     full = torch.arange(20, dtype=torch.float32).reshape(5, 4)
     _chunked(tmp_path / "s", full)
-    assert torch.equal(read_dcp(tmp_path / "s")["w"], full)
+    assert torch.equal(read_dcp(tmp_path / "s")[0]["w"], full)
 
 
 def _copy(root: Path, dst: Path) -> Path:

@@ -14,7 +14,7 @@ safetensors' own reader, nothing else in the directories opened:
 
 * torch distributed-checkpoint directories ``SOURCE/<name><step>/`` (a ``.metadata`` and
   ``*.distcp`` files), read by :mod:`gradforensics.importing.dcp` with a restricted
-  unpickler (torch's own reader would run a plain ``pickle.load``); the model entry only.
+  unpickler (torch's own reader would run a plain ``pickle.load``); the model and optimizer entries.
 
 Record ``i`` holds the update ``W(step_{i+1}) - W(step_i)`` of every selected tensor
 (in float32, half-precision weights widened first), ``batches/step`` the
@@ -152,7 +152,7 @@ def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
     if ck.kind == "torch":
         return load_checkpoint_file(ck.path)
     if ck.kind == "dcp":
-        return read_dcp(ck.path), None
+        return read_dcp(ck.path)
     sd: dict[str, torch.Tensor] = {}
     for f in _hf_files(ck.path):
         sd.update(load_checkpoint_file(f)[0])

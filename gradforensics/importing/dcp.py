@@ -9,7 +9,9 @@ resolves only the metadata classes, ``torch.Size``, torch dtypes and layouts and
 byte range (checked against the file) with ``torch.load(weights_only=True)``, checked to
 have its chunk's shape and dtype, and placed at its offsets in the full tensor; chunks
 must cover the tensor exactly.  The weights are the ``model`` entry's of a nested save
-(as a raw torch file's), or every tensor of a flat one.  Non-tensor entries (``BytesStorageMetadata``) are never read.
+(as a raw torch file's), or every tensor of a flat one; the ``optimizer`` entry is rebuilt
+into a torch optimizer state dict, its non-tensor values (``lr``, ``betas``, ``params``)
+read with ``torch.load(weights_only=True)`` too.  Other non-tensor entries are never read.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ _ALLOWED = {(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "ChunkStorag
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
     ("pathlib", "PureWindowsPath")}
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
+_OPTIM_KEYS = ("optimizer", "optimizer_state_dict", "optim")
 
 
 def is_dcp(d: Path) -> bool:
@@ -110,7 +113,7 @@ def _storage(d: Path, md: Any) -> dict[tuple[str, tuple[int, ...]], tuple[Path, 
     return out
 
 
-def _chunk(where: tuple[Path, int, int], fqn: str) -> torch.Tensor:
+def _chunk(where: tuple[Path, int, int], fqn: str, *, tensor: bool = True) -> Any:
     import torch
 
     file, off, n = where
@@ -122,7 +125,7 @@ def _chunk(where: tuple[Path, int, int], fqn: str) -> torch.Tensor:
     except Exception as e:
         raise CheckpointError(f"{file}: {fqn}: bytes {off}..{off + n} are not a torch tensor "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).") from None
-    if not isinstance(t, torch.Tensor):
+    if tensor and not isinstance(t, torch.Tensor):
         raise CheckpointError(f"{file}: {fqn}: bytes {off}..{off + n} hold {type(t).__name__}, not a tensor.")
     return t
 
@@ -161,8 +164,12 @@ def _assemble(fqn: str, tmd: Any, storage: dict, d: Path) -> torch.Tensor:
     return full
 
 
-def read_dcp(d: Path) -> dict[str, torch.Tensor]:
-    """The model weights of the DCP directory *d* (``model.`` & co. prefix stripped, as a raw torch file's)."""
+def read_dcp(d: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """``(model weights, optimizer state dict or None)`` of the DCP directory *d*.
+
+    The weights: the ``model`` entry's (prefix stripped, as a raw torch file's) or every tensor
+    of a flat save; the optimizer state rebuilt from the ``optimizer`` entry (see :func:`_optimizer`).
+    """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = _metadata(d)
@@ -174,9 +181,46 @@ def read_dcp(d: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{d / '.metadata'}: lists no tensor; not a DCP checkpoint of a model.")
     try:
         storage = _storage(d, md)
-        return {name: _assemble(prefix + name, tmd, storage, d) for name, tmd in chosen.items()}
+        sd = {name: _assemble(prefix + name, tmd, storage, d) for name, tmd in chosen.items()}
+        return sd, _optimizer(d, md, storage)
     except (TypeError, ValueError, AttributeError) as e:    # metadata fields of the wrong type
         raise CheckpointError(f"{d / '.metadata'}: a tensor entry is malformed ({type(e).__name__}: {e}).") from None
+
+
+def _optimizer(d: Path, md: Any, storage: dict) -> dict[str, Any] | None:
+    """The ``optimizer`` entry as a torch optimizer state dict (``state`` by int id, ``param_groups`` a list).
+
+    Rebuilt from ``planner_data``'s paths; its tensors assembled like the weights, its other
+    values (``lr``, ``betas``, ``params``, ...) read with ``torch.load(weights_only=True)``.
+    None where the save has no such entry or no planner_data.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+    top = next((k for k in _OPTIM_KEYS if any(isinstance(p, (tuple, list)) and len(p) >= 3 and p[0] == k
+                                              for p in paths.values())), None)
+    if top is None:
+        return None
+    nested: dict[Any, Any] = {}
+    for fqn, path in paths.items():
+        entry = md.state_dict_metadata.get(fqn)
+        if not isinstance(path, (tuple, list)) or len(path) < 3 or path[0] != top:
+            continue
+        if isinstance(entry, TensorStorageMetadata):
+            value = _assemble(fqn, entry, storage, d)
+        elif isinstance(entry, BytesStorageMetadata) and (fqn, ()) in storage:
+            value = _chunk(storage[(fqn, ())], fqn, tensor=False)
+        else:
+            continue
+        node = nested
+        for key in path[1:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise CheckpointError(f"{d / '.metadata'}: {fqn}: its path {tuple(path)} runs through a value.")
+        node[path[-1]] = value
+    state, groups = nested.get("state", {}), nested.get("param_groups", {})
+    return {"state": {int(k) if str(k).isdigit() else k: v for k, v in state.items()},
+            "param_groups": [groups[k] for k in sorted(groups, key=lambda k: int(k) if str(k).isdigit() else -1)] if isinstance(groups, dict) else []}
 
 
 def _model_prefix(tensors: dict[str, Any], planner_data: Any) -> str:
