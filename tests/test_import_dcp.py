@@ -218,3 +218,14 @@ def test_a_missing_distcp_and_a_wrong_chunk_shape_are_refused(tmp_path, series):
     (tmp_path / "b" / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointError, match=r"holds torch.float32 \(3, 4\); the metadata says torch.float32 \(2, 4\)"):
         read_dcp(tmp_path / "b")
+
+
+def test_bytes_that_are_not_a_tensor_are_refused(series, tmp_path, capsys):
+    src = _copy(series[0], tmp_path / "src")
+    md = pickle.loads((src / "step_3" / ".metadata").read_bytes())      # the test's own file: trusted here
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "model.2.weight")
+    f = src / "step_3" / info.relative_path
+    data = bytearray(f.read_bytes())
+    data[info.offset:info.offset + info.length] = b"\0" * info.length
+    f.write_bytes(bytes(data))
+    _refused(tmp_path, capsys, src, "step_3/__0_0.distcp", "model.2.weight", "are not a torch tensor")
