@@ -3,8 +3,8 @@
 A pickle payload (it would create a marker file if anything in it ran), a truncated
 file, an iteration with one rank's file missing, a shard of the wrong shape, a shard
 index pointing out of its directory, a series whose tensor changes shape, a torch
-distributed checkpoint: the command refuses each in one line naming the file, runs
-nothing from it, and writes nothing outside ``--out``.
+distributed checkpoint whose metadata is a payload: the command refuses each in one line
+naming the file, runs nothing from it, and writes nothing outside ``--out``.
 """
 
 from __future__ import annotations
@@ -144,13 +144,13 @@ def test_shard_index_pointing_outside_is_refused(tmp_path, capsys):
     _refused(tmp_path, capsys, [str(root)], "model.safetensors.index.json", "'../../secret.bin'", "refused")
 
 
-def test_distributed_checkpoint_is_refused_without_unpickling(tmp_path, capsys):
+def test_a_distributed_checkpoint_payload_is_refused_without_running(tmp_path, capsys):
     root = tmp_path / "dcp"
     marker = tmp_path / "PWNED"
     for s in (0, 10):
         (root / f"step_{s}").mkdir(parents=True)
         (root / f"step_{s}" / ".metadata").write_bytes(pickle.dumps(Payload(marker), protocol=2))
-    _refused(tmp_path, capsys, [str(root)], "torch distributed checkpoint", "dcp_to_torch_save")
+    _refused(tmp_path, capsys, [str(root)], "step_0/.metadata", "global posix.system", "refused without running it")
     assert not marker.exists()
 
 

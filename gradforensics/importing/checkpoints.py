@@ -12,8 +12,9 @@ safetensors' own reader, nothing else in the directories opened:
   with ``model`` (``state_dict``, ``model_state_dict``) and maybe ``optimizer``;
 * ``SOURCE/<name><step>.safetensors`` files.
 
-Torch distributed-checkpoint directories (a ``.metadata`` file) are refused: torch reads
-their metadata with a plain ``pickle.load``, which would run code from the source.
+* torch distributed-checkpoint directories ``SOURCE/<name><step>/`` (a ``.metadata`` and
+  ``*.distcp`` files), read by :mod:`gradforensics.importing.dcp` with a restricted
+  unpickler (torch's own reader would run a plain ``pickle.load``); the model and optimizer entries.
 
 Record ``i`` holds the update ``W(step_{i+1}) - W(step_i)`` of every selected tensor
 (in float32, half-precision weights widened first), ``batches/step`` the
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError, ImportSourceError, NotACheckpointError
+from gradforensics.importing.dcp import is_dcp, read_dcp
 from gradforensics.importing.records import ImportWriter, Interval
 from gradforensics.store.names import check_name
 
@@ -56,7 +58,7 @@ _OPTIM_KEYS = ("optimizer", "optimizer_state_dict", "optim")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One checkpoint of a series: its step, where it is and how it is laid out (``hf``, ``torch``)."""
+    """One checkpoint of a series: its step, where it is and how it is laid out (``hf``, ``torch``, ``dcp``)."""
 
     step: int
     path: Path
@@ -70,20 +72,17 @@ def discover(source: Path) -> list[Checkpoint]:
         raise NotACheckpointError(f"{source}: not a directory; --format checkpoints reads a directory of "
                                   "checkpoint-N/ directories or of <name><step>.pt / .safetensors files.")
     entries = sorted(source.iterdir())
-    dcp = [p for p in [source, *entries] if p.is_dir() and (p / ".metadata").is_file()]
-    if dcp:
-        raise ImportSourceError(f"{dcp[0]}: a torch distributed checkpoint; its .metadata is a plain pickle that "
-                                "torch reads without weights_only, so gradforensics does not open it. Convert each "
-                                "one where you trust it (torch.distributed.checkpoint.format_utils.dcp_to_torch_save)"
-                                " and import the .pt files.")
     found = [Checkpoint(int(m.group(1)), p, "hf") for p in entries if p.is_dir() and (m := _HF_DIR.match(p.name))]
+    if not found:
+        found = [Checkpoint(int(m.group(1)), p, "dcp") for p in entries
+                 if is_dcp(p) and (m := _LAST_INT.search(p.name))]
     if not found:
         found = [Checkpoint(int(m.group(1)), p, "torch") for p in entries
                  if p.is_file() and p.suffix in _RAW_SUFFIXES and (m := _LAST_INT.search(p.stem))]
     if len(found) < 2:
         raise ImportSourceError(f"{source}: {len(found)} checkpoint(s) found; an import needs at least two (an update "
-                                "is the difference of consecutive ones): checkpoint-N/ directories, or files named "
-                                "with their step (step_100.pt, model-200.safetensors).")
+                                "is the difference of consecutive ones): checkpoint-N/ directories, DCP directories "
+                                "or files named with their step (step_100/, step_100.pt, model-200.safetensors).")
     found.sort(key=lambda c: c.step)
     for a, b in itertools.pairwise(found):
         if a.step == b.step:
@@ -152,6 +151,8 @@ def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
 
     if ck.kind == "torch":
         return load_checkpoint_file(ck.path)
+    if ck.kind == "dcp":
+        return read_dcp(ck.path)
     sd: dict[str, torch.Tensor] = {}
     for f in _hf_files(ck.path):
         sd.update(load_checkpoint_file(f)[0])
