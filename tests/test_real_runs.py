@@ -139,3 +139,20 @@ def test_conflict_severity_follows_the_units_share_of_the_gradient_energy() -> N
     big_share, big = _conflict_at_share(0.8)
     assert small_share == pytest.approx(0.005, rel=1e-3) and big_share == pytest.approx(0.8, rel=1e-3)
     assert small < 0.5 and big >= 0.95
+
+
+def _flag(kind: str, severity: float, tensor: str = "model.layers.0.self_attn", **evidence) -> gf.Flag:
+    return gf.Flag(kind, tensor, None, (), severity, (0, 99), evidence, f"{kind} {severity}")
+
+
+def test_a_cause_findings_of_several_kinds_agree_on_outranks_a_more_severe_lone_symptom() -> None:
+    """The sick GPT-2's shape: MLP saturation 1.00 alone against collapse 0.63, logit growth 0.56 and
+    q/k spectra 0.81 that all say attention - attention leads; a lone named cause does not jump the queue."""
+    saturation = _flag("saturation", 1.0, "transformer.h.1.mlp.act")
+    attention = [_flag("attention_collapse", 0.63), _flag("attention_logits", 0.56),
+                 _flag("spectral", 0.81, "transformer.h.0.attn.c_attn.weight", cause="attention")]
+    ranked = summary.rank_causes(summary.group([saturation, *attention]))
+    assert [c.key for c in ranked] == ["attention", "kind:saturation"]
+    assert ranked[0].corroborated and ranked[0].lead.kind == "attention_collapse"
+    alone = summary.rank_causes(summary.group([saturation, attention[0]]))      # one kind says attention
+    assert [c.key for c in alone] == ["kind:saturation", "attention"]

@@ -123,12 +123,12 @@ def _transformer(arch: str, seed: int) -> Any:
 
     torch.manual_seed(seed)
     if arch == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                       attn_implementation="eager")
+        cfg = transformers.LlamaConfig(  # type: ignore[call-arg]
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
         return transformers.LlamaForCausalLM(cfg)
-    gpt = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    gpt = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4,  # type: ignore[call-arg]
+                                  n_positions=64, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     return transformers.GPT2LMHeadModel(gpt)
 
 
