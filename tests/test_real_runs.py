@@ -5,9 +5,10 @@ in training mode every step (:mod:`gradforensics.testing.real_runs`):
   lr 3e-3 on real text - no flag of any kind reaches 0.5;
 * sick twins: GD at eta 0.4, past the edge of stability (truth measured by plain torch: the
   consecutive-gradient cosine and lambda_max * eta) - the oscillation is >= 0.5, first in the
-  verdict, its cause named; the tiny LLaMA at 10x the learning rate - q/k growth on the absolute
-  attention-logit scale >= 0.5, the cause "attention" named, and ``compare`` sick -> healthy calls
-  it resolved;
+  verdict, its cause named; the tiny LLaMA at 10x the learning rate - its heads collapse (per-head
+  attention statistics, eager attention) and q/k grow on the absolute attention-logit scale, >= 0.5;
+  the verdict leads with the collapse, "Most likely cause: attention" with the agreeing findings,
+  and ``compare`` sick -> healthy calls them resolved;
 * the conflict energy share: one planted conflict whose unit carries 0.5 % of the gradient energy
   stays below 0.5, the same conflict carrying most of it reaches 1.
 
@@ -60,7 +61,7 @@ def run(tmp_path_factory):
 def test_healthy_real_training_raises_no_flag(run, name) -> None:
     f = run(name)
     assert f.mode == "training" and f.n_records == rr.RUNS[name].steps
-    assert set(f.results) >= RAN, set(f.results)
+    assert set(f.results) >= RAN | ({"attention"} if rr.RUNS[name].model != "mlp" else set()), set(f.results)
     assert _loud(f) == []
     assert summary.verdict(f).startswith("Nothing here needs action")
 
@@ -93,13 +94,27 @@ def test_tiny_llama_at_ten_times_the_lr_grows_its_attention_logits_and_compare_r
     assert qk, _loud(sick)
     assert min(x.evidence["logit_scale"] for x in qk) > 3 * max(
         healthy.table("spectral")["logit_scale"].dropna())                    # absolute scale, not fold change
+    # measured per-head attention (eager, attention="auto"): heads collapse to one-hot, logits far past healthy
+    att = sick.table("attention")
+    collapsed = [x for x in sick.flags if x.kind == "attention_collapse" and x.severity >= 0.5]
+    assert collapsed, _loud(sick)
+    assert att["max_logit"].max() > 10 * healthy.table("attention")["max_logit"].max()
+    assert min(x.evidence["entropy"] for x in collapsed) < 0.2 < healthy.table("attention")["entropy"].min()
     verdict = summary.verdict(sick)
-    assert "attention (spectral" in verdict
+    top = max(collapsed, key=lambda x: x.severity)
+    lead = verdict.split(" Most likely cause:", 1)[0]
+    assert lead.startswith("What is wrong: attention entropy collapse in ") and f"head {top.head}" in lead, lead
+    assert "Most likely cause: attention (attention_collapse" in verdict, verdict
+    cause = verdict.split("Most likely cause: ", 1)[1].split(";", 1)[0]
+    assert "attention_logits" in cause and "spectral" in cause, cause    # the agreeing findings add up
+    assert "Normalise queries and keys" in verdict.split("Try first:", 1)[1]
     cmp = compare_findings(sick, healthy)
     status = {(r.kind, r.tensor): r.status for r in cmp.rows if r.kind == "spectral" and r.head is None}
     for x in qk:
         if x.head is None:
             assert status[("spectral", x.tensor)] == "resolved"
+    heads = {(r.kind, r.tensor, r.head): r.status for r in cmp.rows if r.kind.startswith("attention")}
+    assert all(heads[(x.kind, x.tensor, x.head)] == "resolved" for x in collapsed), heads
     assert not [r for r in cmp.rows if r.status == "new"]          # nothing below 0.5 is called new trouble
 
 
@@ -124,3 +139,20 @@ def test_conflict_severity_follows_the_units_share_of_the_gradient_energy() -> N
     big_share, big = _conflict_at_share(0.8)
     assert small_share == pytest.approx(0.005, rel=1e-3) and big_share == pytest.approx(0.8, rel=1e-3)
     assert small < 0.5 and big >= 0.95
+
+
+def _flag(kind: str, severity: float, tensor: str = "model.layers.0.self_attn", **evidence) -> gf.Flag:
+    return gf.Flag(kind, tensor, None, (), severity, (0, 99), evidence, f"{kind} {severity}")
+
+
+def test_a_cause_findings_of_several_kinds_agree_on_outranks_a_more_severe_lone_symptom() -> None:
+    """The sick GPT-2's shape: MLP saturation 1.00 alone against collapse 0.63, logit growth 0.56 and
+    q/k spectra 0.81 that all say attention - attention leads; a lone named cause does not jump the queue."""
+    saturation = _flag("saturation", 1.0, "transformer.h.1.mlp.act")
+    attention = [_flag("attention_collapse", 0.63), _flag("attention_logits", 0.56),
+                 _flag("spectral", 0.81, "transformer.h.0.attn.c_attn.weight", cause="attention")]
+    ranked = summary.rank_causes(summary.group([saturation, *attention]))
+    assert [c.key for c in ranked] == ["attention", "kind:saturation"]
+    assert ranked[0].corroborated and ranked[0].lead.kind == "attention_collapse"
+    alone = summary.rank_causes(summary.group([saturation, attention[0]]))      # one kind says attention
+    assert [c.key for c in alone] == ["kind:saturation", "attention"]

@@ -254,6 +254,11 @@ class Cause:
         return min(max(g.severity for g in self.groups) + 0.05 * (len(self.kinds) - 1), 1.2)
 
     @property
+    def corroborated(self) -> bool:
+        """A named cause (one of :data:`CAUSES`) that findings of two or more kinds agree on: a diagnosis."""
+        return self.key in CAUSES and len(self.kinds) >= 2
+
+    @property
     def lead(self) -> FlagGroup:
         """The most severe group of a kind that declares this cause itself (else the most severe group)."""
         own = [g for g in self.groups if advice.info(g.kind).cause == self.key]
@@ -280,12 +285,18 @@ def _near_two(g: FlagGroup, key: str) -> bool:
 
 
 def rank_causes(groups: Sequence[FlagGroup]) -> list[Cause]:
-    """Causes of *groups* (findings at or above 0.5), most likely first: the agreeing findings' severity."""
+    """Causes of *groups* (findings at or above 0.5), most likely first.
+
+    A named cause that findings of two or more kinds agree on (collapsed heads, logit growth and q/k
+    spectra all saying "attention") comes before causes only one kind points at, and before symptoms
+    that name no cause (a heavy-tailed spectrum, saturated units), however severe; within each tier,
+    the agreeing findings' severity (:attr:`Cause.score`).
+    """
     by: dict[str, list[FlagGroup]] = {}
     for g in groups:
         by.setdefault(group_cause(g, groups), []).append(g)
     causes = [Cause(k, v) for k, v in by.items()]
-    causes.sort(key=lambda c: (-c.score, c.key))
+    causes.sort(key=lambda c: (not c.corroborated, -c.score, c.key))
     return causes
 
 

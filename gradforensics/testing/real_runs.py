@@ -12,7 +12,8 @@ train them and read what the report says of them.
 * **tiny transformer**: a LLaMA- or GPT-2-style model (transformers config; 2 layers, hidden 32,
   4 heads) trained with AdamW at lr 3e-3 on bytes of real text found on the machine (the Python
   standard library's sources; license texts when no sources are found).  Mini-batches of random
-  windows, so batches differ every step.
+  windows, so batches differ every step.  Eager attention, so the recorder takes per-head
+  attention statistics (``attention="auto"``: max logit, entropy, one-hot share).
 
 :func:`train` records one run by name (:data:`RUNS`); :func:`truths` gives what plain torch
 measured of it during training (lambda_max * eta of the MLP by power iteration on the full-batch
@@ -122,11 +123,12 @@ def _transformer(arch: str, seed: int) -> Any:
 
     torch.manual_seed(seed)
     if arch == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        cfg = transformers.LlamaConfig(  # type: ignore[call-arg]
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
         return transformers.LlamaForCausalLM(cfg)
-    gpt = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0)
+    gpt = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4,  # type: ignore[call-arg]
+                                  n_positions=64, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     return transformers.GPT2LMHeadModel(gpt)
 
 
@@ -173,7 +175,7 @@ def _train_text(spec: RunSpec, path: Path, seed: int, steps: int, gf: Any, batch
     rng = np.random.default_rng([seed, 5])
     act = "*.mlp.act_fn" if spec.model == "llama" else "*.mlp.act"
     model.train()
-    with gf.Recorder(path, model=model, sources=["text"], heads="auto", activations=[act],
+    with gf.Recorder(path, model=model, sources=["text"], heads="auto", attention="auto", activations=[act],
                      weights_every=spec.weights_every, overwrite=True) as rec:
         for step in range(steps):
             starts = rng.integers(len(data) - seq, size=batch)
