@@ -29,14 +29,16 @@ STATS = ("exp_avg_norm", "sqrt_v_hat_norm", "eps_share", "step")
 _NO_DECAY = ("bias", "norm", "ln_", "layernorm")
 
 
-def _orders(sd: Mapping[str, torch.Tensor], sizes: Sequence[int], hint: Sequence[str] | None) -> list[list[str]]:
+def _orders(sd: Mapping[str, torch.Tensor], n_groups: int, hint: Sequence[str] | None) -> dict[str, list[str]]:
+    """Candidate orders: the model's (*hint*) and the state dict's own, each also as the Trainer's two groups."""
     own = [n for n, t in sd.items() if t.is_floating_point()]
-    out = []
-    for names in ([n for n in hint if n in sd], own) if hint else (own,):
-        out.append(names)
-        if len(sizes) == 2:
+    out: dict[str, list[str]] = {}
+    for label, names in (("parameters", [n for n in hint if n in sd]), ("state-dict", own)) if hint \
+            else (("state-dict", own),):
+        out[label] = names
+        if n_groups == 2:
             rest = [n for n in names if any(k in n.lower() for k in _NO_DECAY)]
-            out.append([n for n in names if n not in rest] + rest)
+            out[f"{label} hf-trainer"] = [n for n in names if n not in rest] + rest
     return out
 
 
@@ -45,23 +47,25 @@ def name_states(opt: Any, sd: Mapping[str, torch.Tensor], hint: Sequence[str] | 
     """``{tensor name: (its optimizer state, its param group)}``, or ``{}`` when no order fits the shapes.
 
     *hint*: the model's ``named_parameters()`` order, where the series has a config to build it.
+    The order is chosen by :func:`gradforensics.replay.optimstate.fit_order`, the rule a
+    replayed model's state is named by.
     """
-    import torch
+    from gradforensics.replay.optimstate import fit_order
 
     if not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping) \
             or not isinstance(opt.get("param_groups"), list):
         return {}
     groups = [g for g in opt["param_groups"] if isinstance(g, Mapping) and isinstance(g.get("params"), list)]
+    if len(groups) != len(opt["param_groups"]) or \
+            not all(isinstance(i, int) and not isinstance(i, bool) for g in groups for i in g["params"]):
+        return {}
+    shapes = {n: tuple(t.shape) for n, t in sd.items()}
+    _, order, _ = fit_order({"state": opt["state"], "param_groups": groups}, _orders(sd, len(groups), hint), shapes)
+    if not order:
+        return {}
     ids = [(i, g) for g in groups for i in g["params"]]
     state = opt["state"]
-    for order in _orders(sd, [len(g["params"]) for g in groups], hint):
-        if len(order) != len(ids):
-            continue
-        pairs = {name: (state.get(i), g) for name, (i, g) in zip(order, ids, strict=True)}
-        if all(isinstance(s, Mapping) and isinstance(s.get("exp_avg"), torch.Tensor)
-               and tuple(s["exp_avg"].shape) == tuple(sd[n].shape) for n, (s, _) in pairs.items() if s):
-            return {n: (s, g) for n, (s, g) in pairs.items() if isinstance(s, Mapping)}
-    return {}
+    return {name: (state[i], g) for name, (i, g) in zip(order, ids, strict=True) if isinstance(state.get(i), Mapping)}
 
 
 def _scalar(v: Any, default: float) -> float:

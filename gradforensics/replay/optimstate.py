@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["FIELDS", "OPTIMIZERS", "RATIO_EDGES", "STATE_FILES", "Hyper", "OptimState", "RatioHistogram", "hyper_of", "map_state",
+__all__ = ["FIELDS", "OPTIMIZERS", "RATIO_EDGES", "STATE_FILES", "Hyper", "OptimState", "RatioHistogram", "fit_order", "hyper_of", "map_state",
            "preconditioner", "read_optimizer_state", "summarise"]
 
 #: log10(g²/v̂) bin edges: 10^-12 .. 10^12, 8 bins a decade; under- and overflow go to the end bins.
@@ -142,11 +142,52 @@ def _fits(order: list[str], indices: list[int], state: Mapping[Any, Any], shapes
     if len(indices) != len(order):
         return f"the state numbers {len(indices)} parameters, the model has {len(order)} trainable ones"
     for pos, idx in enumerate(indices):
-        for key, t in (state.get(idx) or {}).items():
+        entry = state.get(idx) or {}
+        if not isinstance(entry, Mapping):
+            return f"state[{idx}] is a {type(entry).__name__}, not a mapping of tensors"
+        for key, t in entry.items():
             if hasattr(t, "shape") and t.ndim > 0 and tuple(t.shape) != tuple(shapes[order[pos]]):
                 return (f"state[{idx}][{key!r}] has shape {tuple(t.shape)} but parameter {order[pos]} has "
                         f"{tuple(shapes[order[pos]])}")
     return None
+
+
+def fit_order(state_dict: Mapping[str, Any], orders: Mapping[str, list[str]],
+              shapes: Mapping[str, Any]) -> tuple[str, list[str], list[str]]:
+    """The first of *orders* (``{label: names}``) that fits every state entry by shape.
+
+    The one rule that names an ``opt.state_dict()``'s numbered parameters, for a
+    replayed model (:func:`map_state`) and for an imported series
+    (:func:`gradforensics.importing.optimizer.name_states`).  When orders with
+    different names fit (shapes cannot tell them apart) the param groups decide:
+    two groups, the second without weight decay, is the Hugging Face Trainer's (a
+    label containing ``hf-trainer``); the label then says so.
+
+    Returns
+    -------
+    label, order, why
+        The chosen label and order (``("", [], why)`` when none fits) and, per order
+        refused, what disagreed first.
+    """
+    groups = state_dict["param_groups"]
+    indices = [int(i) for g in groups for i in g["params"]]
+    why: list[str] = []
+    fit: dict[str, list[str]] = {}
+    for label, order in orders.items():
+        problem = _fits(order, indices, state_dict["state"], shapes)
+        if problem is None:
+            fit[label] = order
+        else:
+            why.append(f"{label} order: {problem}")
+    if not fit:
+        return "", [], why
+    label = next(iter(fit))
+    if len({tuple(o) for o in fit.values()}) > 1:      # shapes cannot tell: the groups' weight decay can
+        trainer = len(groups) == 2 and float(groups[1].get("weight_decay", 0) or 0) == 0.0
+        chosen = next((m for m in fit if ("hf-trainer" in m) == trainer), label)
+        other = next(m for m in fit if fit[m] != fit[chosen])
+        return f"{chosen} ({other} order fits by shape too; chosen by the param groups)", fit[chosen], why
+    return label, fit[label], why
 
 
 def map_state(state_dict: Mapping[str, Any], model: nn.Module, where: str,
@@ -155,24 +196,10 @@ def map_state(state_dict: Mapping[str, Any], model: nn.Module, where: str,
     groups = state_dict["param_groups"]
     indices = [int(i) for g in groups for i in g["params"]]
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    why: list[str] = []
-    fit: dict[str, list[str]] = {}
-    for mapping, order in _orders(model).items():
-        problem = _fits(order, indices, state_dict["state"], shapes)
-        if problem is None:
-            fit[mapping] = order
-        else:
-            why.append(f"{mapping} order: {problem}")
-    if not fit:
+    mapping, order, why = fit_order(state_dict, _orders(model), shapes)
+    if not order:
         raise CheckpointError(f"{where}: the optimizer state does not fit the model ({'; '.join(why)}); "
                               "was it saved with this model?")
-    mapping = next(iter(fit))
-    if len({tuple(o) for o in fit.values()}) > 1:      # shapes cannot tell: the groups' weight decay can
-        trainer = len(groups) == 2 and float(groups[1].get("weight_decay", 0) or 0) == 0.0
-        mapping = "hf-trainer" if trainer else "parameters"
-        other = next(m for m in fit if m != mapping)
-        mapping = f"{mapping} ({other} order fits by shape too; chosen by the param groups)"
-    order = fit[mapping.partition(" ")[0]]
     names = dict(zip(indices, order))
     per = {names[i]: dict(state_dict["state"].get(i) or {}) for i in indices}
     lrs = {names[int(i)]: float(g.get("lr", 0.0)) for g in groups for i in g["params"]}
