@@ -254,3 +254,26 @@ def test_optimizer_summaries_per_checkpoint(series, tmp_path, layout):
     for i in range(len(steps) - 1):
         want = float((ck[i + 1] - ck[i]).pow(2).mean().sqrt() / ck[i].pow(2).mean().sqrt())
         assert ratio[i] == pytest.approx(want, rel=1e-9)
+
+
+def test_last_optimizer_state_lands_in_optim_for_the_optimizer_analysis(series, tmp_path):
+    from gradforensics.store.probes import read_optim
+
+    root, _ = series
+    store = gf.import_run(root / "hf", tmp_path / "imp.zarr", tensors=["*.q_proj.weight", "*.mlp.up_proj.weight"])
+    data = read_optim(store)
+    assert data is not None and sorted(data.tensors) == sorted(store.tensors)
+    opt = torch.load(root / "hf" / f"checkpoint-{STEPS}" / "optimizer.pt", weights_only=True)
+    decay, no_decay = _groups(transformers.LlamaForCausalLM(_config()))
+    w = _checkpoint(root, STEPS)[Q].double()
+    st = opt["state"][(decay + no_decay).index(Q)]
+    t, lr = float(st["step"]), opt["param_groups"][0]["lr"]
+    m_hat, v_hat = st["exp_avg"].double() / (1 - 0.9 ** t), st["exp_avg_sq"].double() / (1 - 0.999 ** t)
+    upd = lr * float((m_hat / (v_hat.sqrt() + 1e-8)).pow(2).mean().sqrt())       # Adam's next step, by hand
+    row = data.summary[data.tensors.index(Q)]
+    assert data.column("update_rms")[data.tensors.index(Q)] == pytest.approx(upd, rel=1e-9)
+    assert row[data.fields.index("weight_rms")] == pytest.approx(float(w.pow(2).mean().sqrt()), rel=1e-9)
+    assert np.isnan(data.column("ratio_q50")).all() and data.ratio_hist.sum() == 0    # no batch was replayed
+    table = gf.analyze(store.path, only="optimizer", progress=False).table("optimizer")
+    assert sorted(table["tensor"]) == sorted(store.tensors)
+    assert table.loc[table["tensor"] == Q, "update_rms"].iloc[0] == pytest.approx(upd, rel=1e-9)

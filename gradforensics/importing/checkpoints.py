@@ -236,7 +236,8 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
                        heads: Any, writer_options: Mapping[str, Any]) -> int:
     """Import the series under *source* into the store *out*; returns the records written."""
     from gradforensics.importing.heads import meta_model, resolve
-    from gradforensics.importing.optimizer import STATS, summarize, update_ratio
+    from gradforensics.importing.optimizer import STATS, optim_group, summarize, update_ratio
+    from gradforensics.store.probes import write_probes
 
     ckpts = discover(source)
     log = trainer_log(ckpts)
@@ -271,6 +272,9 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
         table = {n: {k: [m.get(n, {}).get(k, math.nan) for m in moments] for k in STATS}
                  for n in names if any(n in m for m in moments)}
         w.annotate(update_weight_ratio=ratios, optimizer=table)
+    last = optim_group(opt, prev, names, str(ckpts[-1].path), order)
+    if last is not None:                      # the optimizer analysis reads it as a capture's
+        write_probes(w.location, None, last)
     return len(ckpts) - 1
 
 

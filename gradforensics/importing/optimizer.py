@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["STATS", "name_states", "summarize", "update_ratio"]
+    from gradforensics.store.probes import OptimData
+
+__all__ = ["STATS", "name_states", "optim_group", "summarize", "update_ratio"]
 
 
 STATS = ("exp_avg_norm", "sqrt_v_hat_norm", "eps_share", "step")
@@ -95,6 +97,32 @@ def summarize(opt: Any, sd: Mapping[str, torch.Tensor], names: Sequence[str],
         out[name] = {"exp_avg_norm": float(m.double().norm()), "sqrt_v_hat_norm": float(sqrt_v.norm()),
                      "eps_share": float((sqrt_v < eps).double().mean()), "step": step}
     return out
+
+
+def optim_group(opt: Any, sd: Mapping[str, torch.Tensor], names: Sequence[str], where: str,
+                hint: Sequence[str] | None = None) -> OptimData | None:
+    """The ``optim/`` group of the series' last checkpoint, as ``capture --curvature`` writes it, or None.
+
+    The same per-tensor summary (:func:`gradforensics.replay.optimstate.summarise`: next
+    update over weight RMS, ε share, ``‖m‖``, ``‖√v̂‖``, step) for the imported tensors
+    *names*, so the ``optimizer`` analysis reads an imported run.  No batch is replayed,
+    so the ``g²/v̂`` quantiles are NaN and the histograms empty: the stale-preconditioner
+    finding needs ``capture --curvature``.  None when no order names the state or it has
+    no learning rate.
+    """
+    from gradforensics.errors import SpecError
+    from gradforensics.replay.optimstate import OptimState, hyper_of, optim_data
+
+    named = {n: v for n, v in name_states(opt, sd, hint).items() if n in names}
+    if not named:
+        return None
+    try:
+        hyper = hyper_of(opt)
+    except SpecError:
+        return None
+    state = OptimState({n: dict(st) for n, (st, _) in named.items()}, hyper, "by shape and param groups", where,
+                       {n: _scalar(g.get("lr"), hyper.lr) for n, (_, g) in named.items()})
+    return optim_data(state, {n: sd[n] for n in named})
 
 
 def update_ratio(before: torch.Tensor, after: torch.Tensor) -> float:

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["FIELDS", "OPTIMIZERS", "RATIO_EDGES", "STATE_FILES", "Hyper", "OptimState", "RatioHistogram", "fit_order", "hyper_of", "map_state",
+    from gradforensics.store.probes import OptimData
+
+__all__ = ["FIELDS", "OPTIMIZERS", "RATIO_EDGES", "STATE_FILES", "Hyper", "OptimState", "RatioHistogram", "fit_order", "hyper_of", "map_state", "optim_data",
            "preconditioner", "read_optimizer_state", "summarise"]
 
 #: log10(g²/v̂) bin edges: 10^-12 .. 10^12, 8 bins a decade; under- and overflow go to the end bins.
@@ -258,9 +260,13 @@ def _rms(t: torch.Tensor) -> float:
     return float(t.double().pow(2).mean().sqrt()) if t.numel() else 0.0
 
 
-def summarise(state: OptimState, model: nn.Module, ratios: RatioHistogram | None = None) -> dict[str, list[float]]:
-    """Per tensor, the :data:`FIELDS` (NaN where the optimizer has no such quantity)."""
-    params = dict(model.named_parameters())
+def summarise(state: OptimState, model: nn.Module | Mapping[str, torch.Tensor],
+              ratios: RatioHistogram | None = None) -> dict[str, list[float]]:
+    """Per tensor, the :data:`FIELDS` (NaN where the optimizer has no such quantity).
+
+    *model*: the model, or its weights by name (an imported checkpoint's state dict).
+    """
+    params = dict(model.named_parameters()) if hasattr(model, "named_parameters") else dict(model)
     h = state.hyper
     rows: dict[str, list[float]] = {}
     for name, entry in state.per_tensor.items():
@@ -282,6 +288,23 @@ def summarise(state: OptimState, model: nn.Module, ratios: RatioHistogram | None
         q = ratios.quantiles(name) if ratios is not None else (nan,) * 4
         rows[name] = [upd, wr, upd / wr if wr > 0 else nan, eps_share, m_norm, v_norm, t, *q, float(w.numel())]
     return rows
+
+
+def optim_data(state: OptimState, model: nn.Module | Mapping[str, torch.Tensor],
+               ratios: RatioHistogram | None = None) -> OptimData:
+    """The ``optim/`` group of *state*: :func:`summarise`'s rows, the g²/v̂ histograms (zeros without *ratios*)."""
+    from gradforensics.store.probes import OptimData
+
+    weights = dict(model.named_parameters()) if hasattr(model, "named_parameters") else dict(model)
+    table = summarise(state, weights, ratios)
+    names = list(table)
+    bins = len(RATIO_EDGES) - 1
+    hist = np.stack([ratios.counts[n] if ratios is not None and n in ratios.counts else np.zeros(bins, dtype=np.int64)
+                     for n in names]) if names else np.zeros((0, bins), dtype=np.int64)
+    summary = np.array([table[n] for n in names], dtype=np.float64).reshape(len(names), len(FIELDS))
+    return OptimData(names, list(FIELDS), summary, hist,
+                     {"hyper": state.hyper.as_dict(), "mapping": state.mapping, "source": state.source,
+                      "edges": RATIO_EDGES.tolist(), "ndim": {n: int(weights[n].ndim) for n in names}})
 
 
 class RatioHistogram:

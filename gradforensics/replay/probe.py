@@ -25,16 +25,14 @@ import numpy as np
 from gradforensics.errors import SpecError
 from gradforensics.replay.curvature import blocks_of, top_eigenvalues
 from gradforensics.replay.optimstate import (
-    FIELDS,
-    RATIO_EDGES,
     Hyper,
     OptimState,
     RatioHistogram,
     hyper_of,
     map_state,
+    optim_data,
     preconditioner,
     read_optimizer_state,
-    summarise,
 )
 
 if TYPE_CHECKING:
@@ -181,20 +179,9 @@ class CheckpointProbe:
                                           self.hyper, blocks)})
 
     def optim(self, model: nn.Module) -> OptimData | None:
-        from gradforensics.store.probes import OptimData
-
         if self.state is None:
             return None
-        table = summarise(self.state, model, self.ratios)
-        names = list(table)
-        hist = np.stack([self.ratios.counts[n] if self.ratios is not None and n in self.ratios.counts
-                         else np.zeros(len(RATIO_EDGES) - 1, dtype=np.int64) for n in names]) if names else \
-            np.zeros((0, len(RATIO_EDGES) - 1), dtype=np.int64)
-        return OptimData(names, list(FIELDS), np.array([table[n] for n in names], dtype=np.float64).reshape(
-            len(names), len(FIELDS)), hist, {"hyper": self.hyper.as_dict(), "mapping": self.state.mapping,
-                                             "source": self.state.source, "edges": RATIO_EDGES.tolist(),
-                                             "ndim": {n: int(p.ndim) for n, p in model.named_parameters()
-                                                      if n in table}})
+        return optim_data(self.state, model, self.ratios)
 
 
 def _lrs(state: OptimState | None, hyper: Hyper, blocks: Mapping[str, list[str]]) -> dict[str, float]:
