@@ -36,6 +36,7 @@ checkpoint) the table is produced but no flag is raised.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -163,11 +164,10 @@ def drift_unit(K: np.ndarray, mixture: np.ndarray, window: int | None) -> UnitDr
     """All drift statistics of one unit (K in time order, mixture rows alike)."""
     n = K.shape[0]
     w = ks.window_size(n, window)
-    W = ks.window_coefficients(n, w) if n else np.zeros((0, 0))
+    W, rows_of = _windows(n, w)
     row: dict[str, Any] = {"n_records": n, "window": w}
     if W.shape[0] < 4:
         return UnitDrift(row, np.full(n, np.nan), np.zeros((0, 2)))
-    rows_of = [np.flatnonzero(W[i] > 0) for i in range(W.shape[0])]
     open_rows = rows_of[0]
     rec = opening_cosines(K, open_rows)
     wcos = ks.cosines(K, W, W[:1])[:, 0]
@@ -186,9 +186,20 @@ def drift_unit(K: np.ndarray, mixture: np.ndarray, window: int | None) -> UnitDr
     return UnitDrift(row, rec, np.c_[centres, wcos])
 
 
+@functools.lru_cache(maxsize=32)
+def _windows(n: int, w: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """The window-mean coefficients (W×n) of *n* records in windows of *w* and each window's rows, built once
+    per ``(n, w)`` for every unit (read-only)."""
+    W = ks.window_coefficients(n, w) if n else np.zeros((0, 0))
+    rows_of = tuple(np.flatnonzero(W[i] > 0) for i in range(W.shape[0]))
+    for a in (W, *rows_of):
+        a.flags.writeable = False
+    return W, rows_of
+
+
 def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray) -> dict[str, Any]:
     """Which source's mean gradient points most along the new direction *d*."""
-    fit = ks.fit_sources(mixture)
+    fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
     if fit.index.size < 2 or not fit.rank_ok:
         return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
     c = ks.cosines(K, fit.C, d[None, :])[:, 0]

@@ -139,23 +139,33 @@ def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None =
 
     n = x.size
     nu = (n - 1 if dof_total is None else int(dof_total)) - 2
-    t = np.linspace(-1.0, 1.0, n)
-    T = np.c_[t, t * t - (t * t).mean()]
+    T, j, dof = _periodogram_design(n, int(min_cycles))
     xc = x - x.mean()
     if n >= 8:
         xc = xc - T @ np.linalg.lstsq(T, xc, rcond=None)[0]
     ss = float(xc @ xc)
-    j = np.arange(min_cycles, n // 2 + 1)
     if n < 8 or j.size == 0 or ss <= 0:
         return math.nan, math.nan
     F = np.fft.rfft(xc)
     power = np.abs(F[j]) ** 2
-    dof = np.where(2 * j == n, 1.0, 2.0)
     power = np.where(dof == 1.0, power, 2.0 * power) / n      # share of SS carried by each frequency
     share = np.clip(power / ss, 0.0, 1.0)
     tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
     best = int(np.argmin(tail))
     return n / float(j[best]), float(min(1.0, tail[best] * j.size))
+
+
+@functools.lru_cache(maxsize=64)
+def _periodogram_design(n: int, min_cycles: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What :func:`periodogram_test` needs of the length alone, built once per ``(n, min_cycles)`` (read-only):
+    the quadratic trend's design ``T``, the tested frequencies ``j`` and their degrees of freedom."""
+    t = np.linspace(-1.0, 1.0, n)
+    T = np.c_[t, t * t - (t * t).mean()]
+    j = np.arange(min_cycles, n // 2 + 1)
+    dof = np.where(2 * j == n, 1.0, 2.0)
+    for a in (T, j, dof):
+        a.flags.writeable = False
+    return T, j, dof
 
 
 def two_means_split(x: np.ndarray) -> np.ndarray:
@@ -175,7 +185,7 @@ def two_means_split(x: np.ndarray) -> np.ndarray:
 
 def source_r2(scores: np.ndarray, mixture: np.ndarray) -> float:
     """R² of the scores regressed on the source mixture (least squares, sums to one: intercept included)."""
-    fit = ks.fit_sources(mixture)
+    fit = ks.shared_fit(mixture)
     if fit.index.size < 2:
         return 0.0
     resid = scores - fit.hat @ scores
@@ -225,7 +235,7 @@ def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: Osc
                            "consec_cos": finite_mean(ks.consecutive_cosines(K)) if n > 1 else math.nan}
     if n < 8:
         return row, None
-    fit = ks.fit_sources(mixture)
+    fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
     residualise = replay and fit.index.size >= 1
     Kp = ks.residual_gram(K, fit) if residualise else ks.centred(K)
     dof = n - (np.linalg.matrix_rank(fit.A) if residualise else 1)

@@ -21,6 +21,7 @@ statistics into flags is :mod:`gradforensics.analysis.toolkit.flagging`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from gradforensics.errors import SpecError
 
 __all__ = ["LANCZOS_MIN", "SourceFit", "centred", "consecutive_cosines", "cosines", "debiased_cosine", "fit_sources",
            "gram_to_cos", "inner", "mean_coefficients", "noise_energy", "record_cosines", "residual_gram", "safe_div",
+           "shared_fit",
            "source_gram", "top_components", "u_statistic_norm2", "window_coefficients", "window_edges", "window_size"]
 
 
@@ -155,8 +157,9 @@ class SourceFit:
     weight: np.ndarray    # S' total share of each kept source (effective records)
     rank_ok: bool
 
-    @property
+    @functools.cached_property
     def hat(self) -> np.ndarray:
+        """``A C``, the records' projection on the source means (computed once per fit)."""
         return self.A @ self.C
 
 
@@ -171,6 +174,28 @@ def fit_sources(mixture: np.ndarray) -> SourceFit:
     rank_ok = bool(present.size and np.linalg.matrix_rank(G) == present.size)
     C = np.linalg.pinv(G) @ A.T
     return SourceFit(A=A, C=C, index=present, weight=A.sum(axis=0), rank_ok=rank_ok)
+
+
+def shared_fit(mixture: np.ndarray) -> SourceFit:
+    """:func:`fit_sources` of these rows, computed once for every unit that has the same rows.
+
+    A store's units (a tensor's heads, and usually every tensor) share their records, so
+    the per-unit statistics fit the same mixture hundreds of times; this returns the one
+    fit (the same numbers: the same function on the same float64 rows), its arrays
+    read-only.  A few distinct row sets are kept (least recently used dropped).
+    """
+    A = np.ascontiguousarray(mixture, dtype=np.float64)
+    if A.ndim != 2:
+        raise SpecError(f"batches/mixture must be (N, S); got shape {A.shape}.")
+    return _shared_fit(A.shape, A.tobytes())
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_fit(shape: tuple[int, int], raw: bytes) -> SourceFit:
+    fit = fit_sources(np.frombuffer(raw, dtype=np.float64).reshape(shape))
+    for arr in (fit.A, fit.C, fit.index, fit.weight):
+        arr.flags.writeable = False
+    return fit
 
 
 def residual_gram(K: np.ndarray, fit: SourceFit) -> np.ndarray:
