@@ -248,7 +248,7 @@ def cross_inner_z(K: np.ndarray, mixture: np.ndarray, a: int, b: int) -> float:
     ib = np.flatnonzero(pure & (mixture.argmax(axis=1) == b))
     if ia.size < 3 or ib.size < 3:
         return math.nan
-    C = K[np.ix_(ia, ib)]
+    C = ks.block(K, ia, ib)
     t = float(C.mean())
     var = np.var(C.mean(axis=1), ddof=1) / ia.size + np.var(C.mean(axis=0), ddof=1) / ib.size
     return -t / math.sqrt(var) if var > 0 else math.nan

@@ -230,9 +230,14 @@ def components(Kp: np.ndarray, K: np.ndarray, n_comp: int, min_cycles: int, dof_
 def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
                      names: tuple[str, ...]) -> tuple[dict[str, Any], Component | None]:
     """Oscillation statistics of one unit (K and mixture rows in time order)."""
+    return _oscillation_unit(K, mixture, replay, opts, names, ks.consecutive_cosines(K) if K.shape[0] > 1 else None)
+
+
+def _oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
+                      names: tuple[str, ...], cc: np.ndarray | None) -> tuple[dict[str, Any], Component | None]:
+    """:func:`oscillation_unit` given the unit's consecutive cosines *cc* (None below 2 records)."""
     n = K.shape[0]
-    row: dict[str, Any] = {"n_records": n,
-                           "consec_cos": finite_mean(ks.consecutive_cosines(K)) if n > 1 else math.nan}
+    row: dict[str, Any] = {"n_records": n, "consec_cos": finite_mean(cc) if cc is not None else math.nan}
     if n < 8:
         return row, None
     fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
@@ -274,8 +279,12 @@ def compute(ctx: Context) -> AnalysisResult:
     rows = []
     proj_pack, cc_pack = un.SeriesPack(), un.SeriesPack()
     units = un.units(ctx)
-    done = map_units(lambda u: oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources), units)
-    for u, (row, comp) in zip(units, done, strict=True):
+    def one(u: un.Unit) -> tuple[dict[str, Any], Component | None, np.ndarray | None]:
+        cc = ks.consecutive_cosines(u.gram) if u.n > 1 else None        # the row's mean and the series: once
+        return (*_oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources, cc), cc)
+
+    done = map_units(one, units)
+    for u, (row, comp, ucc) in zip(units, done, strict=True):
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
                    record_first=0, record_last=ctx.n_records - 1, period_steps=row.get("period_records", math.nan) * dstep if not replay else math.nan)
@@ -284,9 +293,9 @@ def compute(ctx: Context) -> AnalysisResult:
             proj = np.full(ctx.n_records, np.nan)
             proj[u.records] = comp.proj
             proj_pack.add(u.tensor, u.head, proj)
-        if u.n > 1:
+        if ucc is not None:
             cc = np.full(ctx.n_records, np.nan)
-            cc[u.records[1:]] = ks.consecutive_cosines(u.gram)
+            cc[u.records[1:]] = ucc
             cc_pack.add(u.tensor, u.head, cc)
     table = _frame(rows)
     n_tests = int(table["p_value"].notna().sum())

@@ -29,7 +29,7 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 
-__all__ = ["LANCZOS_MIN", "SourceFit", "centred", "consecutive_cosines", "cosines", "debiased_cosine", "fit_sources",
+__all__ = ["LANCZOS_MIN", "SourceFit", "block", "centred", "consecutive_cosines", "cosines", "debiased_cosine", "fit_sources",
            "gram_to_cos", "inner", "mean_coefficients", "noise_energy", "record_cosines", "residual_gram", "safe_div",
            "shared_fit",
            "source_gram", "top_components", "u_statistic_norm2", "window_coefficients", "window_edges", "window_size"]
@@ -66,6 +66,11 @@ def consecutive_cosines(K: np.ndarray) -> np.ndarray:
     """``cos(g_i, g_{i+1})`` for consecutive rows of K (length N-1)."""
     d = np.sqrt(np.maximum(np.diag(K), 0.0))
     return safe_div(np.diag(K, 1), d[:-1] * d[1:])
+
+
+def block(K: np.ndarray, rows: np.ndarray, cols: np.ndarray | None = None) -> np.ndarray:
+    """``K[np.ix_(rows, cols)]`` (*cols* None: *rows*) as two one-axis takes: the same C-ordered copy, cheaper."""
+    return np.take(np.take(K, rows, axis=0), rows if cols is None else cols, axis=1)
 
 
 def safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -122,7 +127,7 @@ def u_statistic_norm2(K: np.ndarray, rows: np.ndarray) -> float:
     n = rows.size
     if n < 2:
         return math.nan
-    sub = K[np.ix_(rows, rows)]
+    sub = block(K, rows)
     return float((sub.sum() - np.trace(sub)) / (n * (n - 1)))
 
 
@@ -136,7 +141,7 @@ def debiased_cosine(K: np.ndarray, rows_a: np.ndarray, rows_b: np.ndarray) -> fl
     ua, ub = u_statistic_norm2(K, rows_a), u_statistic_norm2(K, rows_b)
     if not (ua > 0 and ub > 0):
         return math.nan
-    cross = float(K[np.ix_(rows_a, rows_b)].mean())
+    cross = float(block(K, rows_a, rows_b).mean())
     return float(np.clip(cross / math.sqrt(ua * ub), -1.0, 1.0))
 
 
