@@ -54,6 +54,19 @@ def test_permuted_source_grams_is_the_fancy_indexed_reference() -> None:
         assert np.array_equal(got, _reference_grams(X @ X.T, A, Q, perms, chunk=chunk)), trial
 
 
+def test_permutations_are_the_reference_draws() -> None:
+    """The block offsets are added as cached floats: the same keys, the same argsort."""
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        n, B = int(rng.integers(2, 600)), int(rng.integers(1, 40))
+        block = None if trial % 3 == 0 else int(rng.integers(2, 40))
+        draw = np.random.default_rng([trial, 5, 2, n, block or 0])
+        keys = draw.random((B, n))
+        if block:
+            keys += (np.arange(n) // block)[None, :]
+        assert np.array_equal(cf.permutations(n, B, (trial, 5, 2), block), np.argsort(keys, axis=1)), trial
+
+
 def test_shared_fit_and_block_are_their_references() -> None:
     rng = np.random.default_rng(3)
     A = rng.dirichlet(np.ones(3), 40)

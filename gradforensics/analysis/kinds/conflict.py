@@ -42,6 +42,7 @@ the energy or more keeps its full severity.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -132,8 +133,16 @@ def permutations(n: int, B: int, seed: int | tuple[int, ...], block: int | None)
     rng = np.random.default_rng([*parts, n, block or 0])
     keys = rng.random((B, n))
     if block:
-        keys += (np.arange(n) // block)[None, :]
+        keys += _block_offsets(n, block)[None, :]
     return np.argsort(keys, axis=1)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_offsets(n: int, block: int) -> np.ndarray:
+    """``arange(n) // block`` as float64 (exact integers: the same sums as adding the integers), built once."""
+    out = (np.arange(n) // block).astype(np.float64)
+    out.flags.writeable = False
+    return out
 
 
 def unit_seed(seed: int, tensor: str, head: int | None) -> tuple[int, int, int]:
