@@ -162,9 +162,9 @@ class SourceFit:
     weight: np.ndarray    # S' total share of each kept source (effective records)
     rank_ok: bool
 
-    @functools.cached_property
+    @property
     def hat(self) -> np.ndarray:
-        """``A C``, the records' projection on the source means (computed once per fit)."""
+        """``A C`` (N×N), the records' projection on the source means (not kept: a shared fit stays small)."""
         return self.A @ self.C
 
 
