@@ -11,6 +11,14 @@ Stores (built once under ``--dir``, reused when present):
   full gradients (``sk-heads`` / ``sk-flat``);
 * ``small``: ``--small`` tensors of 32 floats, 32 records (``analyze`` and ``report`` wall).
 
+The heads of the ``heads`` store are ``d/8`` rows of ``d`` floats: at the default ``--d 32``
+a head holds 128 floats, far fewer than conflict's ``B·S = 1,998`` permuted mixture columns,
+so the per-unit statistics dominate; a real model's heads (128 x 4,096 in a 7B LLaMA) hold
+more floats than that, and the pass's bytes dominate.  ``--layers 4 --d 256`` (heads of
+32 x 256 = 8,192 floats, 1.3 GB a store at 128 records) is the pair at a real head width.
+``--breakdown`` adds each analysis's own CPU seconds (its ``compute`` and ``flags``, timed
+inside ``gf.analyze``), min over the repeats, per store and code.
+
 Each measurement runs ``gf.analyze`` in its own process (peak RSS is its own) and
 prints CPU seconds (user + system, every thread), wall seconds and peak RSS.  With
 ``--before DIR`` (a copy of an older ``gradforensics`` package, e.g. ``git archive
@@ -22,6 +30,7 @@ shared machine: min and median over ``--repeat``.
     python benchmarks/shape.py --records 256 --before /tmp/old          # full gradients
     python benchmarks/shape.py --records 1024 --sketch 256 --before /tmp/old
     python benchmarks/shape.py --small 2000 --before /tmp/old
+    python benchmarks/shape.py --layers 4 --d 256 --records 128 --breakdown --before /tmp/old   # real head width
 """
 
 from __future__ import annotations
@@ -100,8 +109,9 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "analyze":
         import gradforensics as gf
 
+        spent = _time_analyses() if args.breakdown else {}
         f = gf.analyze(args.store, progress=False)
-        out = {"flags": len(f.flags), "digest": _digest(f)}
+        out = {"flags": len(f.flags), "digest": _digest(f), "analyses": spent}
     elif args.child == "report":
         from gradforensics.cli import main
 
@@ -113,9 +123,33 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def run_child(verb: str, store: Path, pythonpath: str) -> dict:
+def _time_analyses() -> dict[str, float]:
+    """Wrap every registered analysis's ``compute`` and ``flags`` with a CPU clock (the process's, every
+    thread); returns the dict the seconds accumulate in, by analysis name, as ``gf.analyze`` runs them."""
+    import dataclasses
+
+    from gradforensics.analysis.contract.registry import REGISTRY
+
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn):
+        def wrapper(*a, **k):
+            t = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.process_time() - t
+        return wrapper
+
+    for name, a in list(REGISTRY.items()):
+        REGISTRY[name] = dataclasses.replace(a, compute=timed(name, a.compute), flags=timed(name, a.flags))
+    return spent
+
+
+def run_child(verb: str, store: Path, pythonpath: str, breakdown: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    p = subprocess.run([sys.executable, __file__, "--child", verb, "--store", str(store)], env=env,
+    p = subprocess.run([sys.executable, __file__, "--child", verb, "--store", str(store),
+                        *(["--breakdown"] if breakdown else [])], env=env,
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
         raise SystemExit(f"{verb} {store} failed:\n{p.stderr[-3000:]}")
@@ -134,13 +168,15 @@ def compare(args: argparse.Namespace, stores: list[tuple[str, Path]], verbs: tup
         for verb in verbs:
             for label, path in stores:
                 for code, pp in codes:
-                    res.setdefault((verb, label, code), []).append(run_child(verb, path, pp))
+                    res.setdefault((verb, label, code), []).append(run_child(verb, path, pp, args.breakdown))
     print(f"{'verb':8} {'store':9} {'code':7} {'cpu min':>8} {'cpu med':>8} {'wall min':>8} {'wall med':>8} "
           f"{'rss MB':>7}  findings")
     for (verb, label, code), rows in res.items():
         extra = f"{rows[0].get('flags', '')} flags, {rows[0].get('digest', '')}" if verb == "analyze" else ""
         print(f"{verb:8} {label:9} {code:7} {_stats([r['cpu_s'] for r in rows])} "
               f"{_stats([r['wall_s'] for r in rows])} {max(r['rss_mb'] for r in rows):7.0f}  {extra}")
+    if args.breakdown:
+        _print_breakdown(res)
     for verb in verbs:
         for label, _ in stores:
             if args.before:
@@ -159,6 +195,20 @@ def compare(args: argparse.Namespace, stores: list[tuple[str, Path]], verbs: tup
                       f"rss {max(r['rss_mb'] for r in a) / max(r['rss_mb'] for r in b):.2f}")
 
 
+def _print_breakdown(res: dict[tuple[str, str, str], list[dict]]) -> None:
+    """Each analysis's CPU seconds (compute + flags; min over the repeats), a column per store and code."""
+    cells = [(k, rows) for k, rows in res.items() if k[0] == "analyze"]
+    names = sorted({n for _, rows in cells for r in rows for n in r.get("analyses", {})},
+                   key=lambda n: -max(r.get("analyses", {}).get(n, 0.0) for _, rows in cells for r in rows))
+    print("\nCPU s per analysis (compute + flags), min over repeats")
+    print(f"{'analysis':16}" + "".join(f" {label + '/' + code:>16}" for (_, label, code), _ in cells))
+    for n in names:
+        print(f"{n:16}" + "".join(f" {min(r['analyses'].get(n, 0.0) for r in rows):16.2f}" for _, rows in cells))
+    print(f"{'(all analyses)':16}" + "".join(f" {min(sum(r['analyses'].values()) for r in rows):16.2f}"
+                                            for _, rows in cells))
+    print(f"{'(analyze)':16}" + "".join(f" {min(r['cpu_s'] for r in rows):16.2f}" for _, rows in cells))
+
+
 def _ratio(a: list[dict], b: list[dict], key: str) -> str:
     return (f"{min(r[key] for r in a) / min(r[key] for r in b):.2f} (min) / "
             f"{statistics.median(r[key] for r in a) / statistics.median(r[key] for r in b):.2f} (median)")
@@ -168,12 +218,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/tmp/gf-shape")
     ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--d", type=int, default=32, help="model width of the heads store (default 32: 8 heads of 4)")
+    ap.add_argument("--d", type=int, default=32,
+                    help="model width (default 32: heads of 4 x 32 floats; 256: 32 x 256, a real head's width)")
     ap.add_argument("--records", type=int, default=256)
     ap.add_argument("--sketch", type=int, default=None, metavar="K")
     ap.add_argument("--small", type=int, default=None, metavar="T", help="the store of T tensors of 32 floats")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--before", default=None, metavar="DIR", help="a directory holding an older gradforensics/")
+    ap.add_argument("--breakdown", action="store_true", help="CPU seconds of each analysis as well")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

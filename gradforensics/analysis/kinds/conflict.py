@@ -42,6 +42,7 @@ the energy or more keeps its full severity.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ __all__ = [
     "EFFECT_FULL",
     "SEGMENTS",
     "ConflictOptions",
+    "SourceDesign",
     "compute",
     "conflict_unit",
     "cross_inner_z",
@@ -87,6 +89,7 @@ __all__ = [
     "plot",
     "segment_span",
     "severity_p",
+    "source_design",
     "unit_seed",
     "weigh_by_energy",
 ]
@@ -130,8 +133,16 @@ def permutations(n: int, B: int, seed: int | tuple[int, ...], block: int | None)
     rng = np.random.default_rng([*parts, n, block or 0])
     keys = rng.random((B, n))
     if block:
-        keys += (np.arange(n) // block)[None, :]
+        keys += _block_offsets(n, block)[None, :]
     return np.argsort(keys, axis=1)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_offsets(n: int, block: int) -> np.ndarray:
+    """``arange(n) // block`` as float64 (exact integers: the same sums as adding the integers), built once."""
+    out = (np.arange(n) // block).astype(np.float64)
+    out.flags.writeable = False
+    return out
 
 
 def unit_seed(seed: int, tensor: str, head: int | None) -> tuple[int, int, int]:
@@ -144,33 +155,69 @@ def permuted_source_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np
     """``Q A_πᵀ K A_π Q`` for every permutation π (rows of *perms*): B×S×S.
 
     ``Q = (AᵀA)⁺`` is the same for every π.  One BLAS product ``K [A_π1 … A_πc]``
-    per *chunk* permutations.
+    per *chunk* permutations.  The permuted mixtures are gathered with ``np.take``
+    straight into the layouts the two products read (``n×c×S`` for ``K``'s, ``c×n×S``
+    for the small one), which are the arrays the fancy-indexed gather and its
+    transposed copy gave: the same products on the same operands, bit for bit, at a
+    third of the gathering cost.
     """
     n, S = A.shape
     out = np.empty((perms.shape[0], S, S))
     for s in range(0, perms.shape[0], chunk):
-        P = A[perms[s:s + chunk]]                          # c×n×S
-        c = P.shape[0]
-        KP = (K @ P.transpose(1, 0, 2).reshape(n, c * S)).reshape(n, c, S).transpose(1, 0, 2)
+        idx = perms[s:s + chunk]
+        c = idx.shape[0]
+        wide = np.take(A, idx.T, axis=0).reshape(n, c * S)          # [A_π1 … A_πc], C-contiguous
+        KP = (K @ wide).reshape(n, c, S).transpose(1, 0, 2)
+        P = np.take(A, idx, axis=0)                                  # c×n×S
         G = np.matmul(P.transpose(0, 2, 1), KP)
         out[s:s + c] = Q @ G @ Q
     return out
 
 
-def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, training: bool,
-                  seed: int | tuple[int, ...] | None = None
-                  ) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
-    """Per-pair rows (store source indices ``a``, ``b``), the S'×S' cosine matrix, kept source indices."""
-    n = K.shape[0]
+@dataclass(frozen=True)
+class SourceDesign:
+    """What the test of a unit needs from its mixture rows alone: the units with the same records share it.
+
+    ``fit`` (:func:`~gradforensics.analysis.toolkit.kspace.fit_sources`), ``Q = (AᵀA)⁺``, the
+    permutation ``block`` (None: over all records), and ``testable``: two or more sources of full
+    rank and enough records.  A head-split tensor's heads (and usually every unit of a store) have
+    the same finite records, so :func:`compute` builds one design per distinct record set.
+    """
+
+    fit: ks.SourceFit
+    Q: np.ndarray | None
+    block: int | None
+    testable: bool
+
+
+def source_design(mixture: np.ndarray, opts: ConflictOptions, training: bool) -> SourceDesign:
+    """The :class:`SourceDesign` of these mixture rows (in the units' record order)."""
+    n = mixture.shape[0]
     fit = ks.fit_sources(mixture)
     if fit.index.size < 2 or not fit.rank_ok or n < fit.index.size + 2:
+        return SourceDesign(fit, None, None, False)
+    block = (opts.block or ks.window_size(n)) if training else None
+    return SourceDesign(fit, np.linalg.pinv(fit.A.T @ fit.A), block, True)
+
+
+def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, training: bool,
+                  seed: int | tuple[int, ...] | None = None, design: SourceDesign | None = None,
+                  ) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
+    """Per-pair rows (store source indices ``a``, ``b``), the S'×S' cosine matrix, kept source indices.
+
+    *design*: :func:`source_design` of *mixture* when the caller shares it between units (the same
+    numbers as building it here).
+    """
+    n = K.shape[0]
+    d = source_design(mixture, opts, training) if design is None else design
+    fit = d.fit
+    if not d.testable or d.Q is None:
         return [], None, fit.index
     G = ks.source_gram(K, fit)
     cos = ks.gram_to_cos(G)
     cos_db = ks.gram_to_cos(ks.source_gram(K, fit, debias=True))
-    Q = np.linalg.pinv(fit.A.T @ fit.A)
-    block = (opts.block or ks.window_size(n)) if training else None
-    null = permuted_source_grams(K, fit.A, Q, permutations(n, opts.permutations, opts.seed if seed is None else seed, block))
+    null = permuted_source_grams(K, fit.A, d.Q,
+                                 permutations(n, opts.permutations, opts.seed if seed is None else seed, d.block))
     rows = []
     tie = 1e-12 * float(np.abs(np.diagonal(G)).max(initial=0.0))
     for i, j in combinations(range(fit.index.size), 2):
@@ -210,7 +257,7 @@ def cross_inner_z(K: np.ndarray, mixture: np.ndarray, a: int, b: int) -> float:
     ib = np.flatnonzero(pure & (mixture.argmax(axis=1) == b))
     if ia.size < 3 or ib.size < 3:
         return math.nan
-    C = K[np.ix_(ia, ib)]
+    C = ks.block(K, ia, ib)
     t = float(C.mean())
     var = np.var(C.mean(axis=1), ddof=1) / ia.size + np.var(C.mean(axis=0), ddof=1) / ib.size
     return -t / math.sqrt(var) if var > 0 else math.nan
@@ -292,8 +339,13 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
     rows = []
     pack = un.SeriesPack()
     units = un.units(ctx)
+    designs: dict[bytes, SourceDesign] = {}         # one per distinct record set (a tensor's heads share theirs)
+    for u in units:
+        if u.records.tobytes() not in designs:
+            designs[u.records.tobytes()] = source_design(mix[u.records], opts, training)
     done = map_units(lambda u: conflict_unit(u.gram, mix[u.records], opts, training,
-                                             unit_seed(opts.seed, u.tensor, u.head)), units)
+                                             unit_seed(opts.seed, u.tensor, u.head),
+                                             designs[u.records.tobytes()]), units)
     for u, (pairs, cos, idx) in zip(units, done, strict=True):
         energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
         for r in pairs:

@@ -36,6 +36,7 @@ checkpoint) the table is produced but no flag is raised.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -101,6 +102,9 @@ class DriftOptions(Options):
 
 
 # ---------------------------------------------------------------- statistics
+_ZERO = np.zeros(1)
+
+
 def hinge_changepoint(y: np.ndarray) -> tuple[int | None, float]:
     """Least-squares fit of ``y_t = a`` (t < k), ``a + b (t - k)`` (t ≥ k), ``b < 0``.
 
@@ -117,7 +121,7 @@ def hinge_changepoint(y: np.ndarray) -> tuple[int | None, float]:
         return None, math.nan
 
     def suffix(a: np.ndarray) -> np.ndarray:          # Σ_{j > k} a_j for every k
-        return np.r_[np.cumsum(a[::-1])[::-1][1:], 0.0]
+        return np.concatenate((np.cumsum(a[::-1])[::-1][1:], _ZERO))      # np.r_[..., 0.0], cheaper
 
     m, st, stt, sy, sty = suffix(np.ones(n)), suffix(t), suffix(t * t), suffix(v), suffix(t * v)
     sz = st - m * t
@@ -146,7 +150,7 @@ def opening_cosines(K: np.ndarray, open_rows: np.ndarray) -> np.ndarray:
     n = K.shape[0]
     cos = ks.record_cosines(K, ks.mean_coefficients(n, open_rows))
     if open_rows.size > 1:
-        sub = K[np.ix_(open_rows, open_rows)]
+        sub = ks.block(K, open_rows)
         S, T, d = sub.sum(axis=1), sub.sum(), np.diag(sub)
         cos[open_rows] = ks.safe_div(S - d, np.sqrt(np.maximum(d * (T - 2 * S + d), 0.0)))
     return cos
@@ -163,11 +167,10 @@ def drift_unit(K: np.ndarray, mixture: np.ndarray, window: int | None) -> UnitDr
     """All drift statistics of one unit (K in time order, mixture rows alike)."""
     n = K.shape[0]
     w = ks.window_size(n, window)
-    W = ks.window_coefficients(n, w) if n else np.zeros((0, 0))
+    W, rows_of = _windows(n, w)
     row: dict[str, Any] = {"n_records": n, "window": w}
     if W.shape[0] < 4:
         return UnitDrift(row, np.full(n, np.nan), np.zeros((0, 2)))
-    rows_of = [np.flatnonzero(W[i] > 0) for i in range(W.shape[0])]
     open_rows = rows_of[0]
     rec = opening_cosines(K, open_rows)
     wcos = ks.cosines(K, W, W[:1])[:, 0]
@@ -183,12 +186,23 @@ def drift_unit(K: np.ndarray, mixture: np.ndarray, window: int | None) -> UnitDr
                p_value=p, rho_windows=rank_trend(wcos[1:], min_n=4, alternative="less", skip_nonfinite=True)[0], since_pos=since)
     row.update(_alignment(K, mixture, ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)))
     centres = np.array([r.mean() for r in rows_of])
-    return UnitDrift(row, rec, np.c_[centres, wcos])
+    return UnitDrift(row, rec, np.column_stack((centres, wcos)))
+
+
+@functools.lru_cache(maxsize=32)
+def _windows(n: int, w: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """The window-mean coefficients (W×n) of *n* records in windows of *w* and each window's rows, built once
+    per ``(n, w)`` for every unit (read-only)."""
+    W = ks.window_coefficients(n, w) if n else np.zeros((0, 0))
+    rows_of = tuple(np.flatnonzero(W[i] > 0) for i in range(W.shape[0]))
+    for a in (W, *rows_of):
+        a.flags.writeable = False
+    return W, rows_of
 
 
 def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray) -> dict[str, Any]:
     """Which source's mean gradient points most along the new direction *d*."""
-    fit = ks.fit_sources(mixture)
+    fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
     if fit.index.size < 2 or not fit.rank_ok:
         return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
     c = ks.cosines(K, fit.C, d[None, :])[:, 0]
@@ -261,7 +275,7 @@ def _compute(ctx: Context) -> AnalysisResult:
         rec_pack.add(u.tensor, u.head, full)
         if res.window_cos.size:
             centre = u.records[np.round(res.window_cos[:, 0]).astype(int)]
-            win_pack.add(u.tensor, u.head, np.c_[centre, res.window_cos[:, 1]])
+            win_pack.add(u.tensor, u.head, np.column_stack((centre, res.window_cos[:, 1])))
     table = pd.DataFrame(rows, columns=COLUMNS)
     for col in ("head", "layer", "since_record", "since_step"):
         table[col] = table[col].astype("Int64")

@@ -64,6 +64,7 @@ from gradforensics.analysis.contract.model import (
     Need,
     Options,
 )
+from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit.batches import full_batch, learning
 from gradforensics.analysis.toolkit.noisescale import (
     BELOW_RESOLUTION,
@@ -148,7 +149,7 @@ def design(n_samples: np.ndarray, mixture: np.ndarray | None, source_index: np.n
 
 def _estimate(gram: np.ndarray, mask: np.ndarray, d: Design, source: int | None) -> tuple[Parts, str]:
     rows = np.flatnonzero(mask if source is None else mask & (d.source_index == source))
-    k, b = gram[np.ix_(rows, rows)], d.n_samples[rows]
+    k, b = ks.block(gram, rows), d.n_samples[rows]
     if source is None and d.within:
         present = np.unique(d.source_index[rows])
         if present.size >= 2 and min(np.sum(d.source_index[rows] == s) for s in present) >= 2:

@@ -139,23 +139,33 @@ def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None =
 
     n = x.size
     nu = (n - 1 if dof_total is None else int(dof_total)) - 2
-    t = np.linspace(-1.0, 1.0, n)
-    T = np.c_[t, t * t - (t * t).mean()]
+    T, j, dof = _periodogram_design(n, int(min_cycles))
     xc = x - x.mean()
     if n >= 8:
         xc = xc - T @ np.linalg.lstsq(T, xc, rcond=None)[0]
     ss = float(xc @ xc)
-    j = np.arange(min_cycles, n // 2 + 1)
     if n < 8 or j.size == 0 or ss <= 0:
         return math.nan, math.nan
     F = np.fft.rfft(xc)
     power = np.abs(F[j]) ** 2
-    dof = np.where(2 * j == n, 1.0, 2.0)
     power = np.where(dof == 1.0, power, 2.0 * power) / n      # share of SS carried by each frequency
     share = np.clip(power / ss, 0.0, 1.0)
     tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
     best = int(np.argmin(tail))
     return n / float(j[best]), float(min(1.0, tail[best] * j.size))
+
+
+@functools.lru_cache(maxsize=64)
+def _periodogram_design(n: int, min_cycles: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What :func:`periodogram_test` needs of the length alone, built once per ``(n, min_cycles)`` (read-only):
+    the quadratic trend's design ``T``, the tested frequencies ``j`` and their degrees of freedom."""
+    t = np.linspace(-1.0, 1.0, n)
+    T = np.c_[t, t * t - (t * t).mean()]
+    j = np.arange(min_cycles, n // 2 + 1)
+    dof = np.where(2 * j == n, 1.0, 2.0)
+    for a in (T, j, dof):
+        a.flags.writeable = False
+    return T, j, dof
 
 
 def two_means_split(x: np.ndarray) -> np.ndarray:
@@ -175,7 +185,7 @@ def two_means_split(x: np.ndarray) -> np.ndarray:
 
 def source_r2(scores: np.ndarray, mixture: np.ndarray) -> float:
     """R² of the scores regressed on the source mixture (least squares, sums to one: intercept included)."""
-    fit = ks.fit_sources(mixture)
+    fit = ks.shared_fit(mixture)
     if fit.index.size < 2:
         return 0.0
     resid = scores - fit.hat @ scores
@@ -220,12 +230,17 @@ def components(Kp: np.ndarray, K: np.ndarray, n_comp: int, min_cycles: int, dof_
 def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
                      names: tuple[str, ...]) -> tuple[dict[str, Any], Component | None]:
     """Oscillation statistics of one unit (K and mixture rows in time order)."""
+    return _oscillation_unit(K, mixture, replay, opts, names, ks.consecutive_cosines(K) if K.shape[0] > 1 else None)
+
+
+def _oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
+                      names: tuple[str, ...], cc: np.ndarray | None) -> tuple[dict[str, Any], Component | None]:
+    """:func:`oscillation_unit` given the unit's consecutive cosines *cc* (None below 2 records)."""
     n = K.shape[0]
-    row: dict[str, Any] = {"n_records": n,
-                           "consec_cos": finite_mean(ks.consecutive_cosines(K)) if n > 1 else math.nan}
+    row: dict[str, Any] = {"n_records": n, "consec_cos": finite_mean(cc) if cc is not None else math.nan}
     if n < 8:
         return row, None
-    fit = ks.fit_sources(mixture)
+    fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
     residualise = replay and fit.index.size >= 1
     Kp = ks.residual_gram(K, fit) if residualise else ks.centred(K)
     dof = n - (np.linalg.matrix_rank(fit.A) if residualise else 1)
@@ -264,8 +279,12 @@ def compute(ctx: Context) -> AnalysisResult:
     rows = []
     proj_pack, cc_pack = un.SeriesPack(), un.SeriesPack()
     units = un.units(ctx)
-    done = map_units(lambda u: oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources), units)
-    for u, (row, comp) in zip(units, done, strict=True):
+    def one(u: un.Unit) -> tuple[dict[str, Any], Component | None, np.ndarray | None]:
+        cc = ks.consecutive_cosines(u.gram) if u.n > 1 else None        # the row's mean and the series: once
+        return (*_oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources, cc), cc)
+
+    done = map_units(one, units)
+    for u, (row, comp, ucc) in zip(units, done, strict=True):
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
                    record_first=0, record_last=ctx.n_records - 1, period_steps=row.get("period_records", math.nan) * dstep if not replay else math.nan)
@@ -274,9 +293,9 @@ def compute(ctx: Context) -> AnalysisResult:
             proj = np.full(ctx.n_records, np.nan)
             proj[u.records] = comp.proj
             proj_pack.add(u.tensor, u.head, proj)
-        if u.n > 1:
+        if ucc is not None:
             cc = np.full(ctx.n_records, np.nan)
-            cc[u.records[1:]] = ks.consecutive_cosines(u.gram)
+            cc[u.records[1:]] = ucc
             cc_pack.add(u.tensor, u.head, cc)
     table = _frame(rows)
     n_tests = int(table["p_value"].notna().sum())

@@ -21,6 +21,7 @@ statistics into flags is :mod:`gradforensics.analysis.toolkit.flagging`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -28,8 +29,9 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 
-__all__ = ["LANCZOS_MIN", "SourceFit", "centred", "consecutive_cosines", "cosines", "debiased_cosine", "fit_sources",
+__all__ = ["LANCZOS_MIN", "SourceFit", "block", "centred", "consecutive_cosines", "cosines", "debiased_cosine", "fit_sources",
            "gram_to_cos", "inner", "mean_coefficients", "noise_energy", "record_cosines", "residual_gram", "safe_div",
+           "shared_fit",
            "source_gram", "top_components", "u_statistic_norm2", "window_coefficients", "window_edges", "window_size"]
 
 
@@ -64,6 +66,11 @@ def consecutive_cosines(K: np.ndarray) -> np.ndarray:
     """``cos(g_i, g_{i+1})`` for consecutive rows of K (length N-1)."""
     d = np.sqrt(np.maximum(np.diag(K), 0.0))
     return safe_div(np.diag(K, 1), d[:-1] * d[1:])
+
+
+def block(K: np.ndarray, rows: np.ndarray, cols: np.ndarray | None = None) -> np.ndarray:
+    """``K[np.ix_(rows, cols)]`` (*cols* None: *rows*) as two one-axis takes: the same C-ordered copy, cheaper."""
+    return np.take(np.take(K, rows, axis=0), rows if cols is None else cols, axis=1)
 
 
 def safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -120,7 +127,7 @@ def u_statistic_norm2(K: np.ndarray, rows: np.ndarray) -> float:
     n = rows.size
     if n < 2:
         return math.nan
-    sub = K[np.ix_(rows, rows)]
+    sub = block(K, rows)
     return float((sub.sum() - np.trace(sub)) / (n * (n - 1)))
 
 
@@ -134,7 +141,7 @@ def debiased_cosine(K: np.ndarray, rows_a: np.ndarray, rows_b: np.ndarray) -> fl
     ua, ub = u_statistic_norm2(K, rows_a), u_statistic_norm2(K, rows_b)
     if not (ua > 0 and ub > 0):
         return math.nan
-    cross = float(K[np.ix_(rows_a, rows_b)].mean())
+    cross = float(block(K, rows_a, rows_b).mean())
     return float(np.clip(cross / math.sqrt(ua * ub), -1.0, 1.0))
 
 
@@ -157,6 +164,7 @@ class SourceFit:
 
     @property
     def hat(self) -> np.ndarray:
+        """``A C`` (N×N), the records' projection on the source means (not kept: a shared fit stays small)."""
         return self.A @ self.C
 
 
@@ -171,6 +179,28 @@ def fit_sources(mixture: np.ndarray) -> SourceFit:
     rank_ok = bool(present.size and np.linalg.matrix_rank(G) == present.size)
     C = np.linalg.pinv(G) @ A.T
     return SourceFit(A=A, C=C, index=present, weight=A.sum(axis=0), rank_ok=rank_ok)
+
+
+def shared_fit(mixture: np.ndarray) -> SourceFit:
+    """:func:`fit_sources` of these rows, computed once for every unit that has the same rows.
+
+    A store's units (a tensor's heads, and usually every tensor) share their records, so
+    the per-unit statistics fit the same mixture hundreds of times; this returns the one
+    fit (the same numbers: the same function on the same float64 rows), its arrays
+    read-only.  A few distinct row sets are kept (least recently used dropped).
+    """
+    A = np.ascontiguousarray(mixture, dtype=np.float64)
+    if A.ndim != 2:
+        raise SpecError(f"batches/mixture must be (N, S); got shape {A.shape}.")
+    return _shared_fit(A.shape, A.tobytes())
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_fit(shape: tuple[int, int], raw: bytes) -> SourceFit:
+    fit = fit_sources(np.frombuffer(raw, dtype=np.float64).reshape(shape))
+    for arr in (fit.A, fit.C, fit.index, fit.weight):
+        arr.flags.writeable = False
+    return fit
 
 
 def residual_gram(K: np.ndarray, fit: SourceFit) -> np.ndarray:

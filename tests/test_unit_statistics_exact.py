@@ -1,0 +1,138 @@
+"""Issue 28: the shared and re-laid-out per-unit paths give the per-unit reference numbers, bit for bit.
+
+``compute`` of conflict, oscillation and drift shares what depends on the records alone
+(one source fit and design per distinct record set, one periodogram design and window
+set per length) and gathers conflict's permuted mixtures with ``np.take``.  The
+oracles: the fancy-indexed gather the permutation test used before (written out here),
+:func:`~gradforensics.analysis.toolkit.kspace.fit_sources` run afresh for every unit,
+and ``K[np.ix_(rows, cols)]``.  Equality is ``==`` on every float, not a tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gradforensics.analysis.kinds import conflict as cf
+from gradforensics.analysis.kinds import drift as dr
+from gradforensics.analysis.kinds import oscillation as osc
+from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit import units as un
+from gradforensics.testing import planted_directions as P
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def _reference_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np.ndarray, chunk: int = 128) -> np.ndarray:
+    """The permutation null as it was computed before issue 28: fancy-indexed gather, transposed copy."""
+    n, S = A.shape
+    out = np.empty((perms.shape[0], S, S))
+    for s in range(0, perms.shape[0], chunk):
+        Pm = A[perms[s:s + chunk]]
+        c = Pm.shape[0]
+        KP = (K @ Pm.transpose(1, 0, 2).reshape(n, c * S)).reshape(n, c, S).transpose(1, 0, 2)
+        out[s:s + c] = Q @ np.matmul(Pm.transpose(0, 2, 1), KP) @ Q
+    return out
+
+
+def test_permuted_source_grams_is_the_fancy_indexed_reference() -> None:
+    rng = np.random.default_rng(28)
+    for trial in range(24):
+        n, S, B = int(rng.integers(6, 160)), int(rng.integers(2, 5)), int(rng.integers(19, 400))
+        X = rng.standard_normal((n, int(rng.integers(2, 90))))
+        A = np.eye(S)[rng.integers(0, S, n)] if trial % 2 else rng.dirichlet(np.ones(S), n)
+        Q = np.linalg.pinv(A.T @ A)
+        perms = cf.permutations(n, B, (trial, 7, 1), None if trial % 3 == 0 else int(rng.integers(2, 12)))
+        chunk = (128, 37, 1)[trial % 3]
+        got = cf.permuted_source_grams(X @ X.T, A, Q, perms, chunk=chunk)
+        assert np.array_equal(got, _reference_grams(X @ X.T, A, Q, perms, chunk=chunk)), trial
+
+
+def test_permutations_are_the_reference_draws() -> None:
+    """The block offsets are added as cached floats: the same keys, the same argsort."""
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        n, B = int(rng.integers(2, 600)), int(rng.integers(1, 40))
+        block = None if trial % 3 == 0 else int(rng.integers(2, 40))
+        draw = np.random.default_rng([trial, 5, 2, n, block or 0])
+        keys = draw.random((B, n))
+        if block:
+            keys += (np.arange(n) // block)[None, :]
+        assert np.array_equal(cf.permutations(n, B, (trial, 5, 2), block), np.argsort(keys, axis=1)), trial
+
+
+def test_shared_fit_and_block_are_their_references() -> None:
+    rng = np.random.default_rng(3)
+    A = rng.dirichlet(np.ones(3), 40)
+    A[:, 2] = 0.0                                    # an absent source is dropped, as fit_sources does
+    A /= A.sum(axis=1, keepdims=True)
+    fit, ref = ks.shared_fit(A), ks.fit_sources(A)
+    assert ks.shared_fit(A.copy()) is fit            # the same rows: the one fit
+    for name in ("A", "C", "index", "weight"):
+        assert np.array_equal(getattr(fit, name), getattr(ref, name))
+        assert not getattr(fit, name).flags.writeable
+    assert fit.rank_ok == ref.rank_ok and np.array_equal(fit.hat, ref.A @ ref.C)
+    K = rng.standard_normal((40, 40))
+    rows, cols = rng.permutation(40)[:17], rng.permutation(40)[:9]
+    assert np.array_equal(ks.block(K, rows, cols), K[np.ix_(rows, cols)])
+    assert np.array_equal(ks.block(K, rows), K[np.ix_(rows, rows)])
+    for n, w in ((64, 4), (37, 5), (3, 4)):
+        W, rows_of = dr._windows(n, w)
+        ref_w = ks.window_coefficients(n, w)
+        assert np.array_equal(W, ref_w)
+        assert all(np.array_equal(r, np.flatnonzero(ref_w[i] > 0)) for i, r in enumerate(rows_of))
+
+
+def _context(mode: str):
+    p = P.planted_conflict(seed=2, n=40, n_layers=2, where={P.q_name(1): (1, 2)}, mode=mode)
+    p = P.with_nonfinite(p, P.q_name(0), [3, 17])       # a tensor with other records: two record sets
+    return p.context()
+
+
+def _units_afresh(ctx):
+    """Every unit with the source fits forgotten before it: its own per-unit arithmetic."""
+    for u in un.units(ctx):
+        ks._shared_fit.cache_clear()
+        yield u
+
+
+@pytest.mark.parametrize("mode", ["training", "replay"])
+def test_conflict_table_is_the_per_unit_reference(mode: str) -> None:
+    ctx = _context(mode)
+    table = cf.compute(ctx).table
+    opts, mix = cf.ConflictOptions(), np.asarray(ctx.batches["mixture"], dtype=np.float64)
+    assert len({u.records.tobytes() for u in un.units(ctx)}) == 2
+    ref = []
+    for u in _units_afresh(ctx):
+        rows, _, _ = cf.conflict_unit(u.gram, mix[u.records], opts, mode == "training",
+                                      cf.unit_seed(opts.seed, u.tensor, u.head))
+        ref += [(u.tensor, u.head, r) for r in rows]
+    assert len(ref) == len(table) > 0
+    for (tensor, head, r), got in zip(ref, table.itertuples(index=False), strict=True):
+        assert (got.tensor, un.head_of(got.head)) == (tensor, head)
+        for key in ("cosine", "p_value", "cosine_debiased", "z", "z_cross", "n_a", "n_b"):
+            assert _same(float(getattr(got, key)), r[key]), (tensor, head, key)
+
+
+@pytest.mark.parametrize("mode", ["training", "replay"])
+def test_oscillation_and_drift_tables_are_the_per_unit_reference(mode: str) -> None:
+    ctx = _context(mode)
+    mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
+    osc_t, drift_t = osc.compute(ctx).table, dr.compute(ctx).table
+    units = list(_units_afresh(ctx))
+    assert len(osc_t) == len(drift_t) == len(units)
+    for u, o, d in zip(_units_afresh(ctx), osc_t.to_dict("records"), drift_t.to_dict("records"), strict=True):
+        row, _ = osc.oscillation_unit(u.gram, mix[u.records], mode == "replay", osc.OscillationOptions(), ctx.sources)
+        for key, want in row.items():
+            assert _same(o[key], want), (u.where(), "oscillation", key)
+        ks._shared_fit.cache_clear()
+        want_d = dr.drift_unit(u.gram, mix[u.records], None).row
+        for key in ("cos_early", "cos_late", "cos_late_debiased", "rotation", "rho", "p_value", "rho_windows",
+                    "aligned_cosine"):
+            assert _same(float(d[key]), float(want_d[key])), (u.where(), "drift", key)
