@@ -24,8 +24,12 @@ feature axis, as dask's own reductions are (``mean_chunk`` / ``mean_combine``
   extra read), and the rows/columns of records holding any non-finite value are
   zeroed (they are excluded from direction statistics and counted instead).
 
-When the record axis of a slab is split (huge records), the chunk step works on
-pairs of record blocks ``(a, b)``, ``a <= b``.
+When all records of one on-disk feature chunk exceed ``slab_bytes`` (many records),
+the slabs are narrowed instead of the record axis split (:func:`slab_chunks`): every
+record x a part of each on-disk chunk's features, so the tasks grow with bytes / slab
+size, linearly in N.  Only where one feature of all records exceeds ``slab_bytes`` is the
+record axis split; the chunk step then works on pairs of record blocks ``(a, b)``,
+``a <= b``.
 
 Analyses fold their own per-slab gradient reductions into the same read
 (:class:`SlabReduction`, :func:`slab_graph`): the task that reads a slab also
@@ -74,6 +78,7 @@ __all__ = [
     "head_blocks",
     "reduce_chunk",
     "reduction_tree",
+    "slab_chunks",
     "slab_graph",
 ]
 
@@ -381,6 +386,48 @@ def reduction_tree(layer: dict[Any, Any], name: str, parts: list[Any], split_eve
 
 
 # ------------------------------------------------------------------ the store
+def slab_chunks(store: Store, name: str, slab_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Dask chunks of the Gram pass over stored array *name*: all records x about *slab_bytes* of features.
+
+    Where all records of one on-disk chunk's features fit in *slab_bytes*, these are
+    the reader's slabs (whole on-disk feature chunks, grown to *slab_bytes*:
+    ``Store.lazy``).  Where they do not (many records), the on-disk chunks are cut
+    along their feature axes, outermost first (heads, then a head's rows, ...), into
+    pieces of which all records fit: the record axis stays whole, a task reads a
+    narrower feature range, and K is a sum over feature ranges with no pairs of
+    record blocks - tasks grow with bytes / slab size, linearly in N, where the
+    pairs grew quadratically.  Only where a single feature of all records exceeds
+    *slab_bytes* is the record axis split (the reader's choice, pairs of blocks).
+    """
+    chunks = store.lazy(name, slab_bytes).chunks
+    info = store.arrays[name]
+    budget = slab_bytes // (4 * max(int(info.shape[0]), 1))       # float32 features per record in one slab
+    if len(chunks[0]) == 1 or budget < 1 or len(info.shape) < 2:
+        return tuple(tuple(int(c) for c in ax) for ax in chunks)
+    shape, disk = [int(s) for s in info.shape], [int(c) for c in info.chunks]
+    out: list[tuple[int, ...]] = [(shape[0],)]
+    for ax in range(1, len(shape)):
+        inner = int(np.prod(disk[ax + 1:], dtype=np.int64))       # features of one on-disk chunk past axis ax
+        if inner > budget:
+            out.append((1,) * shape[ax])                          # one element a piece here, split further in
+            continue
+        out.append(_pieces(shape[ax], disk[ax], budget // inner))
+        out += [_pieces(shape[j], disk[j], disk[j]) for j in range(ax + 1, len(shape))]
+        break
+    return tuple(out)
+
+
+def _pieces(size: int, chunk: int, most: int) -> tuple[int, ...]:
+    """Chunk sizes along an axis of *size* stored in chunks of *chunk*: each on-disk chunk cut into
+    balanced pieces of at most *most* (a piece never straddles two on-disk chunks)."""
+    out: list[int] = []
+    for start in range(0, size, chunk):
+        extent = min(chunk, size - start)
+        n = -(-extent // max(1, min(most, extent)))
+        out += [extent // n + (1 if i < extent % n else 0) for i in range(n)]
+    return tuple(out)
+
+
 def gram_sources(store: Store) -> dict[str, str]:
     """Which stored array each tensor's K is computed from: ``grads/<t>`` or, failing that, ``sketch/<t>``."""
     return {t: (f"grads/{t}" if t in store.grads else f"sketch/{t}") for t in store.tensors}
@@ -391,7 +438,8 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
     """Lazy Gram matrices of one stored tensor (whole, and per head where split).
 
     Reads ``grads/<tensor>`` in slabs of about *slab_bytes* (all records x whole
-    on-disk feature chunks), or ``sketch/<tensor>`` where no full gradient is stored.
+    on-disk feature chunks, or parts of them: :func:`slab_chunks`), or
+    ``sketch/<tensor>`` where no full gradient is stored.
     """
     if tensor in store.grads:
         info, from_sketch = store.grads[tensor], False
@@ -400,7 +448,7 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
     else:
         raise MissingArrayError(f"{store.path}: no grads/{tensor} or sketch/{tensor} in the store; "
                                 f"tensors are {store.tensors[:5]}{'...' if len(store.tensors) > 5 else ''}.")
-    chunks = store.lazy(info.name, slab_bytes).chunks       # all records x whole on-disk feature chunks
+    chunks = slab_chunks(store, info.name, slab_bytes)      # all records x a feature range of ~slab_bytes
     return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None,
                           from_sketch=from_sketch, split_every=split_every, precision=precision)
 
@@ -421,7 +469,7 @@ def slab_graph(store: Store, tensor: str, reductions: Sequence[SlabReduction], *
     if not reductions:
         raise SpecError(f"{store.path}: slab_graph of {tensor} needs at least one slab reduction.")
     info = store.grads[tensor]
-    chunks = store.lazy(info.name, slab_bytes).chunks
+    chunks = slab_chunks(store, info.name, slab_bytes)
     return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None, from_sketch=False,
                           split_every=split_every, precision=precision, reductions=tuple(reductions), gram=gram)
 
