@@ -391,7 +391,9 @@ def slab_chunks(store: Store, name: str, slab_bytes: int) -> tuple[tuple[int, ..
 
     Where all records of one on-disk chunk's features fit in *slab_bytes*, these are
     the reader's slabs (whole on-disk feature chunks, grown to *slab_bytes*:
-    ``Store.lazy``).  Where they do not (many records), the on-disk chunks are cut
+    ``Store.lazy``).  Where they do not (many records) but are no larger than the Gram
+    matrices they feed (N x N float64 per head of the chunk), one task reads all
+    records of one on-disk chunk's features.  Otherwise the on-disk chunks are cut
     along their feature axes, outermost first (heads, then a head's rows, ...), into
     pieces of which all records fit: the record axis stays whole, a task reads a
     narrower feature range, and K is a sum over feature ranges with no pairs of
@@ -405,7 +407,13 @@ def slab_chunks(store: Store, name: str, slab_bytes: int) -> tuple[tuple[int, ..
     if len(chunks[0]) == 1 or budget < 1 or len(info.shape) < 2:
         return tuple(tuple(int(c) for c in ax) for ax in chunks)
     shape, disk = [int(s) for s in info.shape], [int(c) for c in info.chunks]
-    out: list[tuple[int, ...]] = [(shape[0],)]
+    n = shape[0]
+    out: list[tuple[int, ...]] = [(n,)]
+    if 4 * n * int(np.prod(disk[1:], dtype=np.int64)) <= 8 * n * n * (disk[1] if info.heads else 1):
+        # all records of one on-disk chunk's features are no larger than the Gram matrices they give
+        # (N x N float64 per head): read whole chunks, one task each - cutting them would decode each
+        # chunk several times and add an N x N partial per piece, to save less memory than K takes
+        return tuple(out + [_pieces(shape[j], disk[j], disk[j]) for j in range(1, len(shape))])
     for ax in range(1, len(shape)):
         inner = int(np.prod(disk[ax + 1:], dtype=np.int64))       # features of one on-disk chunk past axis ax
         if inner > budget:
