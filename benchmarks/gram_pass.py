@@ -1,7 +1,9 @@
 """The exact Gram pass over many records: narrow slabs against pairs of record blocks, side by side.
 
-A store of ``--records`` records (default 4,096; ~300 MB) holding one head-split tensor
-(4 heads of 32 x 128, 64 KiB a record) and one small tensor is built once under ``--dir``
+A store of ``--records`` records (default 4,096; ~340 MB) holding one head-split tensor
+(4 heads of 16 x 128, 32 KiB a record) and one of 48 x 256 (48 KiB a record, chunks of
+whole rows wider than 2N floats: at N = 4,096 all records of a chunk exceed both the slab
+and the K they feed, so they are cut in feature ranges) is built once under ``--dir``
 by the current code; then the Gram matrices of every tensor and head are computed
 (``gram_graphs`` + ``dask.compute``, threads) by the current code and, with ``--before
 DIR`` (an older ``gradforensics`` package, ``git archive <commit> gradforensics | tar -x
@@ -31,7 +33,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402  (after the BLAS thread limits)
 
-SHAPES = {"l0.attn.q": (128, 128), "l0.mlp": (16, 128)}
+SHAPES = {"l0.attn.q": (64, 128), "l0.mlp": (48, 256)}
 
 
 def build(path: Path, records: int) -> None:
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     root = args.dir or Path(tempfile.mkdtemp(prefix="gf-grampass-"))
     root.mkdir(parents=True, exist_ok=True)
-    store = root / f"gram-N{args.records}.zarr"
+    store = root / f"gram2-N{args.records}.zarr"
     if not store.exists():
         build(store, args.records)
     codes = {"after": os.environ.get("PYTHONPATH", ""), **({"before": str(args.before)} if args.before else {})}

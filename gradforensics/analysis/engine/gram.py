@@ -395,20 +395,22 @@ def slab_chunks(store: Store, name: str, slab_bytes: int) -> tuple[tuple[int, ..
     matrices they feed (N x N float64 per head of the chunk), one task reads all
     records of one on-disk chunk's features.  Otherwise the on-disk chunks are cut
     along their feature axes, outermost first (heads, then a head's rows, ...), into
-    pieces of which all records fit: the record axis stays whole, a task reads a
+    pieces of which all records fit the slab or, if larger, one K (a task's input is
+    never more than its output): the record axis stays whole, a task reads a
     narrower feature range, and K is a sum over feature ranges with no pairs of
-    record blocks - tasks grow with bytes / slab size, linearly in N, where the
-    pairs grew quadratically.  Only where a single feature of all records exceeds
+    record blocks - tasks grow at most with bytes / slab size, linearly in N, where
+    the pairs grew quadratically.  Only where a single feature of all records exceeds
     *slab_bytes* is the record axis split (the reader's choice, pairs of blocks).
     """
     chunks = store.lazy(name, slab_bytes).chunks
     info = store.arrays[name]
-    budget = slab_bytes // (4 * max(int(info.shape[0]), 1))       # float32 features per record in one slab
-    if len(chunks[0]) == 1 or budget < 1 or len(info.shape) < 2:
-        return tuple(tuple(int(c) for c in ax) for ax in chunks)
     shape, disk = [int(s) for s in info.shape], [int(c) for c in info.chunks]
-    n = shape[0]
-    out: list[tuple[int, ...]] = [(n,)]
+    n = max(shape[0], 1)
+    # float32 features per record in one task: the slab, or the N x N float64 K the task gives if larger
+    budget = max(slab_bytes, 8 * n * n) // (4 * n)
+    if len(chunks[0]) == 1 or slab_bytes < 4 * n or len(shape) < 2:
+        return tuple(tuple(int(c) for c in ax) for ax in chunks)
+    out: list[tuple[int, ...]] = [(shape[0],)]
     if 4 * n * int(np.prod(disk[1:], dtype=np.int64)) <= 8 * n * n * (disk[1] if info.heads else 1):
         # all records of one on-disk chunk's features are no larger than the Gram matrices they give
         # (N x N float64 per head): read whole chunks, one task each - cutting them would decode each
