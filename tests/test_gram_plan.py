@@ -1,9 +1,10 @@
 """Issue 28: the exact Gram pass over many records plans tasks in proportion to bytes / slab size.
 
-When all records of one on-disk feature chunk exceed ``slab_bytes``, the pass used to
-split the record axis and run one task per pair of record blocks - tasks grew
-quadratically in N.  Now the slab narrows instead (every record x fewer features,
-:func:`slab_chunks`), and K is a sum over feature ranges.  Oracles: the task count of the
+When all records of one on-disk feature chunk exceed ``slab_bytes``, the pass split the
+record axis and ran one task per pair of record blocks - tasks grew quadratically in N.
+Now a chunk whose records are no larger than the K they feed is read whole
+(:func:`slab_chunks`), and a split record axis runs one task per block, pairing it with
+every later block (:func:`row_partial`).  Oracles: the task count of the
 graph for N and 2N (structural, no timing), and K = X Xᵀ computed directly by NumPy.
 """
 
@@ -43,24 +44,19 @@ def _tasks(store: Store, tensor: str) -> int:
 def test_tasks_grow_linearly_in_records(tmp_path):
     small, big = _store(tmp_path / "n128.zarr", 128), _store(tmp_path / "n256.zarr", 256)
     for tensor in SHAPES:
-        for s in (small, big):                  # the record axis stays whole: no pairs of record blocks
-            chunks = slab_chunks(s, f"grads/{tensor}", SLAB)
-            assert chunks[0] == (s.n_records,), chunks
-            slab = int(np.prod([max(c) for c in chunks[1:]])) * 4 * s.n_records
-            heads = max(chunks[1]) if tensor == "l0.q" else 1
-            assert slab <= max(SLAB, 8 * s.n_records ** 2 * heads)     # the slab, or the K it feeds
         a, b = _tasks(small, tensor), _tasks(big, tensor)
-        assert b <= 2.2 * a, (tensor, a, b)     # the pairs of record blocks gave 2.8x (4 -> 8 blocks)
-    # where all records of a chunk (16 x 64 floats, 1 MiB at N = 256) outgrow both the slab and
-    # the K they feed (0.5 MiB), the chunk is cut in feature ranges
-    assert len(slab_chunks(big, "grads/l0.mlp", SLAB)[1]) == 2
-    # a head-split chunk of 4 heads: all records of it (512 KiB at N = 256) are less than its
-    # 4 heads' K (4 x 0.5 MiB): one task reads it whole
-    assert slab_chunks(big, "grads/l0.q", SLAB)[1] == (4,)
+        assert b <= 2.2 * a, (tensor, a, b)     # one task per pair of record blocks gave 2.8x (4 -> 8 blocks)
+    # all records of an on-disk chunk of 16 x 64 floats (1 MiB at N = 256) exceed the slab and the K they
+    # feed (0.5 MiB): the record axis is split in 8 blocks of 32, one task per block pairs it with the later ones
+    assert slab_chunks(big, "grads/l0.mlp", SLAB)[0] == (32,) * 8
+    assert sum(1 for k in gram_graph(big, "l0.mlp", slab_bytes=SLAB).__dask_graph__() if "chunk" in k) == 8
+    # a head-split chunk of 4 heads: all records of it (512 KiB at N = 256) are less than its 4 heads'
+    # K (4 x 0.5 MiB): one task reads it whole, the record axis unsplit
+    assert slab_chunks(big, "grads/l0.q", SLAB)[:2] == ((256,), (4,))
 
 
 @pytest.mark.parametrize("precision", ["float64", "float32"])
-def test_narrow_slabs_give_x_xt(tmp_path, precision):
+def test_split_record_axis_gives_x_xt(tmp_path, precision):
     store = _store(tmp_path / "s.zarr", 256, nan_at=(17, 200))
     for tensor in SHAPES:
         (res,) = dask.compute(gram_graph(store, tensor, slab_bytes=SLAB, precision=precision))

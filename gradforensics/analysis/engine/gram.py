@@ -24,12 +24,12 @@ feature axis, as dask's own reductions are (``mean_chunk`` / ``mean_combine``
   extra read), and the rows/columns of records holding any non-finite value are
   zeroed (they are excluded from direction statistics and counted instead).
 
-When all records of one on-disk feature chunk exceed ``slab_bytes`` (many records),
-the slabs are narrowed instead of the record axis split (:func:`slab_chunks`): every
-record x a part of each on-disk chunk's features, so the tasks grow with bytes / slab
-size, linearly in N.  Only where one feature of all records exceeds ``slab_bytes`` is the
-record axis split; the chunk step then works on pairs of record blocks ``(a, b)``,
-``a <= b``.
+When all records of one on-disk feature chunk exceed ``slab_bytes`` (many records) but
+not the Gram matrices they feed, a task reads them whole (:func:`slab_chunks`).  Beyond
+that the record axis is split in blocks, and the chunk step works on pairs of record
+blocks ``(a, b)``, ``a <= b``: one task per block ``a`` computes its whole row of pairs
+(:func:`row_partial`), so the tasks grow with the blocks (bytes / slab size), linearly in
+N, not with their pairs.
 
 Analyses fold their own per-slab gradient reductions into the same read
 (:class:`SlabReduction`, :func:`slab_graph`): the task that reads a slab also
@@ -78,6 +78,7 @@ __all__ = [
     "head_blocks",
     "reduce_chunk",
     "reduction_tree",
+    "row_partial",
     "slab_chunks",
     "slab_graph",
 ]
@@ -359,12 +360,25 @@ def _chunk_layer(name: str, chunks: tuple[tuple[int, ...], ...], heads: bool, pr
                 key = (name, "chunk", len(parts))
                 layer[key] = (reduce_chunk, refs[a], sel((a, *col)), reductions)
                 parts.append(key)
-        for a in range(n_rec_blocks if gram else 0):
-            for b in range(a, n_rec_blocks):
-                key = (name, "chunk", len(parts))
-                layer[key] = (chunk_partial, refs[a], None if a == b else refs[b], a, b, head0, heads, precision)
-                parts.append(key)
+        for a in range(n_rec_blocks if gram else 0):    # one task per row of pairs (a, b >= a): tasks linear in N
+            key = (name, "chunk", len(parts))
+            layer[key] = (row_partial, refs[a], list(refs[a + 1:]), a, head0, heads, precision)
+            parts.append(key)
     return layer, parts
+
+
+def row_partial(xa: np.ndarray, later: Sequence[np.ndarray], a: int, head0: int, split: bool,
+                precision: str = "float32") -> Partial:
+    """Chunk step of record block *a* against itself and every later block ``a + 1, ...`` (*later*).
+
+    The pairs ``(a, b)``, ``b >= a``, of one slab in one task: each product is the
+    :func:`chunk_partial` of that pair (the same numbers as one task a pair), and the
+    tasks of a split record axis grow with its blocks, not with their pairs.
+    """
+    out = chunk_partial(xa, None, a, a, head0, split, precision)
+    for j, xb in enumerate(later):
+        out.update(chunk_partial(xa, xb, a, a + 1 + j, head0, split, precision))
+    return out
 
 
 def reduction_tree(layer: dict[Any, Any], name: str, parts: list[Any], split_every: int,
@@ -392,39 +406,21 @@ def slab_chunks(store: Store, name: str, slab_bytes: int) -> tuple[tuple[int, ..
     Where all records of one on-disk chunk's features fit in *slab_bytes*, these are
     the reader's slabs (whole on-disk feature chunks, grown to *slab_bytes*:
     ``Store.lazy``).  Where they do not (many records) but are no larger than the Gram
-    matrices they feed (N x N float64 per head of the chunk), one task reads all
-    records of one on-disk chunk's features.  Otherwise the on-disk chunks are cut
-    along their feature axes, outermost first (heads, then a head's rows, ...), into
-    pieces of which all records fit the slab or, if larger, one K (a task's input is
-    never more than its output): the record axis stays whole, a task reads a
-    narrower feature range, and K is a sum over feature ranges with no pairs of
-    record blocks - tasks grow at most with bytes / slab size, linearly in N, where
-    the pairs grew quadratically.  Only where a single feature of all records exceeds
-    *slab_bytes* is the record axis split (the reader's choice, pairs of blocks).
+    matrices they feed (N x N float64 for each head of the chunk, which the exact
+    regime holds anyway), one task reads all records of one on-disk chunk's features:
+    the record axis stays whole.  Only beyond that is the record axis split in blocks
+    of whole on-disk chunks (the reader's choice); the graph then pairs the blocks one
+    task per block (:func:`row_partial`), not one per pair.
     """
     chunks = store.lazy(name, slab_bytes).chunks
     info = store.arrays[name]
     shape, disk = [int(s) for s in info.shape], [int(c) for c in info.chunks]
     n = max(shape[0], 1)
-    # float32 features per record in one task: the slab, or the N x N float64 K the task gives if larger
-    budget = max(slab_bytes, 8 * n * n) // (4 * n)
-    if len(chunks[0]) == 1 or slab_bytes < 4 * n or len(shape) < 2:
+    whole = 4 * n * int(np.prod(disk[1:], dtype=np.int64)) <= 8 * n * n * (disk[1] if info.heads else 1)
+    if len(chunks[0]) == 1 or len(shape) < 2 or not whole:
         return tuple(tuple(int(c) for c in ax) for ax in chunks)
-    out: list[tuple[int, ...]] = [(shape[0],)]
-    if 4 * n * int(np.prod(disk[1:], dtype=np.int64)) <= 8 * n * n * (disk[1] if info.heads else 1):
-        # all records of one on-disk chunk's features are no larger than the Gram matrices they give
-        # (N x N float64 per head): read whole chunks, one task each - cutting them would decode each
-        # chunk several times and add an N x N partial per piece, to save less memory than K takes
-        return tuple(out + [_pieces(shape[j], disk[j], disk[j]) for j in range(1, len(shape))])
-    for ax in range(1, len(shape)):
-        inner = int(np.prod(disk[ax + 1:], dtype=np.int64))       # features of one on-disk chunk past axis ax
-        if inner > budget:
-            out.append((1,) * shape[ax])                          # one element a piece here, split further in
-            continue
-        out.append(_pieces(shape[ax], disk[ax], budget // inner))
-        out += [_pieces(shape[j], disk[j], disk[j]) for j in range(ax + 1, len(shape))]
-        break
-    return tuple(out)
+    # all records of one on-disk chunk's features are no larger than the K they give: whole chunks, one task each
+    return ((shape[0],), *[_pieces(shape[j], disk[j], disk[j]) for j in range(1, len(shape))])
 
 
 def _pieces(size: int, chunk: int, most: int) -> tuple[int, ...]:
