@@ -1,9 +1,9 @@
-"""The exact Gram pass over many records: narrow slabs against pairs of record blocks, side by side.
+"""The exact Gram pass over many records: one task per record block against one per pair, side by side.
 
 A store of ``--records`` records (default 4,096; ~340 MB) holding one head-split tensor
 (4 heads of 16 x 128, 32 KiB a record) and one of 48 x 256 (48 KiB a record, chunks of
 whole rows wider than 2N floats: at N = 4,096 all records of a chunk exceed both the slab
-and the K they feed, so they are cut in feature ranges) is built once under ``--dir``
+and the K they feed, so the record axis is split in blocks) is built once under ``--dir``
 by the current code; then the Gram matrices of every tensor and head are computed
 (``gram_graphs`` + ``dask.compute``, threads) by the current code and, with ``--before
 DIR`` (an older ``gradforensics`` package, ``git archive <commit> gradforensics | tar -x
