@@ -8,6 +8,14 @@ access pattern (all records x a slab of features); timings are side by side in
 one run.  Output: a table of write MB/s, read MB/s, size ratio, per layout.
 
     python benchmarks/store_layout.py --records 32 --json out.json
+
+``--short N`` measures instead the bytes on disk of a short capture (N records, fewer
+than one chunk of records): a 24-layer LLaMA-shaped block stack (q/k/v/o in 8 heads, d =
+128) captured through :class:`gradforensics.Recorder` as per-head sketches (k = 256) and
+as full gradients, Zarr and HDF5; with ``--before DIR`` (an older ``gradforensics``
+package) the same stores are written by both codes, side by side:
+
+    python benchmarks/store_layout.py --short 32 --before /tmp/old
 """
 
 from __future__ import annotations
@@ -76,12 +84,78 @@ def read_pass(path: Path) -> float:
     return time.perf_counter() - t0
 
 
+def _on_disk(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+
+
+def short_sizes(records: int, root: Path) -> dict[str, list[float]]:
+    """``{"sketch .zarr": [MB on disk, MB of data], ...}`` of a short capture of *records* records."""
+    import gradforensics as gf
+
+    heads = {"*.q_proj.weight": 8, "*.k_proj.weight": 8, "*.v_proj.weight": 8,
+             "*.o_proj.weight": {"heads": 8, "axis": 1}}
+    d, shapes = 128, {}
+    for L in range(24):
+        shapes.update({f"model.layers.{L}.self_attn.{p}_proj.weight": (d, d) for p in "qkvo"})
+        shapes.update({f"model.layers.{L}.mlp.{p}_proj.weight": (2 * d, d) for p in ("gate", "up")})
+        shapes[f"model.layers.{L}.mlp.down_proj.weight"] = (d, 2 * d)
+    out = {}
+    for kind, kw in (("sketch", {"sketch": 256}), ("full", {})):
+        for suffix in (".zarr", ".h5"):
+            rng = np.random.default_rng(0)
+            p = root / f"{kind}{suffix}"
+            with gf.Recorder(p, sources=["a", "b"], heads=heads, overwrite=True, **kw) as rec:
+                for i in range(records):
+                    rec.record(step=i, loss=2.0, source="ab"[i % 2], n_samples=32,
+                               grads={n: rng.standard_normal(s, dtype=np.float32) for n, s in shapes.items()})
+            store = Store(p)
+            group = "sketch/" if kind == "sketch" else "grads/"
+            data = sum(int(np.prod(a.shape)) * 4 for n, a in store.arrays.items() if n.startswith(group))
+            out[f"{kind} {suffix}"] = [_on_disk(p) / 1e6, data / 1e6]
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return out
+
+
+def short_main(args: argparse.Namespace) -> None:
+    import subprocess
+    import sys
+
+    root = Path(tempfile.mkdtemp(prefix="gf-short-"))
+    try:
+        codes = {"after": None, **({"before": args.before} if args.before else {})}
+        got = {}
+        for code, pkg in codes.items():
+            env = dict(os.environ, PYTHONPATH=str(pkg) if pkg else os.environ.get("PYTHONPATH", ""))
+            cmd = [sys.executable, __file__, "--short-child", str(args.short), "--dir", str(root / code)]
+            got[code] = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
+        print(f"{args.short} records: MB on disk (MB of data)")
+        for key in got["after"]:
+            cells = "   ".join(f"{code} {v[key][0]:7.1f} ({v[key][1]:.1f}, {v[key][0] / v[key][1]:.2f}x)"
+                               for code, v in got.items())
+            print(f"{key:<14} {cells}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(got, indent=2))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json")
+    ap.add_argument("--short", type=int, default=None, metavar="N", help="bytes on disk of an N-record capture")
+    ap.add_argument("--before", type=Path, default=None, help="with --short: an older package's directory")
+    ap.add_argument("--short-child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.short_child is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(short_sizes(args.short_child, args.dir)))
+        return
+    if args.short is not None:
+        short_main(args)
+        return
     recs = real_gradients(args.records)
     raw = sum(a.nbytes for g in recs for a in g.values())
     zeros = np.mean([np.mean(a == 0) for g in recs for a in g.values()])

@@ -1,6 +1,8 @@
 """A store takes about the bytes of its data (issue 27): 24 records in chunks of 64 took 2.7x, since
 both formats store the last, partly filled chunk whole; a writer that knows how many records come
-(``expected_records``: replay, whatif) sizes the chunks so that they fill evenly."""
+(``expected_records``: replay, whatif) sizes the chunks so that they fill evenly, and (issue 28) a
+capture that closes before its first flush gets chunks of its records whatever it announced; one
+that flushed before (``Recorder.flush()``) keeps its chunks of R."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def _on_disk(path: Path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def _write(path: Path, expected: int | None) -> np.ndarray:
+def _write(path: Path, expected: int | None, flush_at: int | None = None) -> np.ndarray:
     rng = np.random.default_rng(0)
     first = None
     with Recorder(path, sources=["a", "b", "c"], background=False, expected_records=expected) as rec:
@@ -32,19 +34,24 @@ def _write(path: Path, expected: int | None) -> np.ndarray:
             g = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
             first = g["l2.w"] if i == 23 else first
             rec.record(step=i, source="abc"[i % 3], loss=1.0, grads=g)
+            if i == flush_at:
+                rec.flush()
     return first
 
 
 @pytest.mark.parametrize("suffix", [".h5", ".zarr"])
 def test_bytes_on_disk_are_the_bytes_of_the_data_when_the_count_is_known(tmp_path, suffix):
-    padded, even = tmp_path / f"padded{suffix}", tmp_path / f"even{suffix}"
-    _write(padded, None)
+    padded, even, unknown = tmp_path / f"padded{suffix}", tmp_path / f"even{suffix}", tmp_path / f"unknown{suffix}"
+    _write(padded, None, flush_at=9)            # flushed before close: chunks of R = 64 on disk from then on
     last = _write(even, 24)
+    assert _write(unknown, None) is not None    # no count given, closed before the first flush
     assert _on_disk(padded) > 2.5 * DATA_BYTES                       # the bug, measured: one 64-record chunk
     assert _on_disk(even) < 1.05 * DATA_BYTES + (256 << 10)          # now: the data and a little metadata
-    store = Store(even)
-    assert store.n_records == 24 and store.meta.records_per_chunk == 24
-    np.testing.assert_array_equal(store.grad("l2.w")[23].compute(), last)        # the data, unchanged
+    assert _on_disk(unknown) < 1.05 * DATA_BYTES + (256 << 10)       # chunks fitted at close
+    for p in (even, unknown):
+        store = Store(p)
+        assert store.n_records == 24 and store.meta.records_per_chunk == 24
+        np.testing.assert_array_equal(store.grad("l2.w")[23].compute(), last)        # the data, unchanged
 
 
 @pytest.mark.parametrize(("n", "want"), [(24, 24), (64, 64), (65, 33), (100, 50), (192, 64), (1, 1), (7, 7)])

@@ -72,6 +72,7 @@ class StoreWriter:
         self._fixed_r = records_per_chunk
         self._expected = expected_records           # known in advance: chunks sized for no padding
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+        self._protos: dict[str, Row] = {}           # per array, how it was created (no data): for _fit_chunks
         self._buffer: list[dict[str, Row]] = []
         self._blocks: dict[str, np.ndarray] = {}   # per array, the rows of one flush: filled in place, reused
         self._rows = 0                              # rows the arrays are grown to (ahead of the records)
@@ -167,6 +168,8 @@ class StoreWriter:
         if self._closed:
             return
         try:
+            if self._n == 0 and self._fixed_r is None and 0 < len(self._buffer) < self._r:
+                self._fit_chunks(len(self._buffer))
             self.flush()
             if self._rows > self._n:      # arrays grown ahead: back to the records written
                 for name in self._layout:
@@ -179,6 +182,22 @@ class StoreWriter:
                 self._lock.release()
 
     # ------------------------------------------------------------- internals
+    def _fit_chunks(self, m: int) -> None:
+        """Closing before the first flush, with *m* < R records: chunks of *m* records, not R.
+
+        Both formats store an edge chunk at its full size, so a capture shorter than one
+        chunk would be mostly padding (a 32-record HDF5 sketch store took 2x its data).
+        Nothing is on disk yet but empty arrays (no record is committed, no chunk written):
+        they are created again with the chunks records_per_chunk(expected=m) gives, then the
+        one flush writes them.  A kill in between leaves a store of no record, as a kill
+        before the first record does.
+        """
+        self._lock.check()
+        for name, row in self._protos.items():
+            self._backend.delete(name)
+            self._create(name, row, m)
+        self.meta = replace(self.meta, records_per_chunk=m)
+
     def _block(self, name: str) -> np.ndarray:
         block = self._blocks.get(name)
         if block is None:
@@ -205,6 +224,9 @@ class StoreWriter:
         self.meta = replace(self.meta, records_per_chunk=self._r)
         for name, row in rows.items():
             self._create(name, row, self._r)
+            # the array's description without its data (a broadcast view: no memory)
+            self._protos[name] = Row(np.broadcast_to(np.zeros((), row.data.dtype), row.data.shape), row.attrs,
+                                     row.head_split, row.compression)
 
     def _create(self, name: str, row: Row, r: int) -> None:
         data = row.data

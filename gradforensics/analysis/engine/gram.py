@@ -24,8 +24,12 @@ feature axis, as dask's own reductions are (``mean_chunk`` / ``mean_combine``
   extra read), and the rows/columns of records holding any non-finite value are
   zeroed (they are excluded from direction statistics and counted instead).
 
-When the record axis of a slab is split (huge records), the chunk step works on
-pairs of record blocks ``(a, b)``, ``a <= b``.
+When all records of one on-disk feature chunk exceed ``slab_bytes`` (many records) but
+not the Gram matrices they feed, a task reads them whole (:func:`slab_chunks`).  Beyond
+that the record axis is split in blocks, and the chunk step works on pairs of record
+blocks ``(a, b)``, ``a <= b``: one task per block ``a`` computes its whole row of pairs
+(:func:`row_partial`), so the tasks grow with the blocks (bytes / slab size), linearly in
+N, not with their pairs.
 
 Analyses fold their own per-slab gradient reductions into the same read
 (:class:`SlabReduction`, :func:`slab_graph`): the task that reads a slab also
@@ -74,6 +78,8 @@ __all__ = [
     "head_blocks",
     "reduce_chunk",
     "reduction_tree",
+    "row_partial",
+    "slab_chunks",
     "slab_graph",
 ]
 
@@ -354,12 +360,25 @@ def _chunk_layer(name: str, chunks: tuple[tuple[int, ...], ...], heads: bool, pr
                 key = (name, "chunk", len(parts))
                 layer[key] = (reduce_chunk, refs[a], sel((a, *col)), reductions)
                 parts.append(key)
-        for a in range(n_rec_blocks if gram else 0):
-            for b in range(a, n_rec_blocks):
-                key = (name, "chunk", len(parts))
-                layer[key] = (chunk_partial, refs[a], None if a == b else refs[b], a, b, head0, heads, precision)
-                parts.append(key)
+        for a in range(n_rec_blocks if gram else 0):    # one task per row of pairs (a, b >= a): tasks linear in N
+            key = (name, "chunk", len(parts))
+            layer[key] = (row_partial, refs[a], list(refs[a + 1:]), a, head0, heads, precision)
+            parts.append(key)
     return layer, parts
+
+
+def row_partial(xa: np.ndarray, later: Sequence[np.ndarray], a: int, head0: int, split: bool,
+                precision: str = "float32") -> Partial:
+    """Chunk step of record block *a* against itself and every later block ``a + 1, ...`` (*later*).
+
+    The pairs ``(a, b)``, ``b >= a``, of one slab in one task: each product is the
+    :func:`chunk_partial` of that pair (the same numbers as one task a pair), and the
+    tasks of a split record axis grow with its blocks, not with their pairs.
+    """
+    out = chunk_partial(xa, None, a, a, head0, split, precision)
+    for j, xb in enumerate(later):
+        out.update(chunk_partial(xa, xb, a, a + 1 + j, head0, split, precision))
+    return out
 
 
 def reduction_tree(layer: dict[Any, Any], name: str, parts: list[Any], split_every: int,
@@ -381,6 +400,40 @@ def reduction_tree(layer: dict[Any, Any], name: str, parts: list[Any], split_eve
 
 
 # ------------------------------------------------------------------ the store
+def slab_chunks(store: Store, name: str, slab_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Dask chunks of the Gram pass over stored array *name*: all records x about *slab_bytes* of features.
+
+    Where all records of one on-disk chunk's features fit in *slab_bytes*, these are
+    the reader's slabs (whole on-disk feature chunks, grown to *slab_bytes*:
+    ``Store.lazy``).  Where they do not (many records) but are no larger than the Gram
+    matrices they feed (N x N float64 for each head of the chunk, which the exact
+    regime holds anyway), one task reads all records of one on-disk chunk's features:
+    the record axis stays whole.  Only beyond that is the record axis split in blocks
+    of whole on-disk chunks (the reader's choice); the graph then pairs the blocks one
+    task per block (:func:`row_partial`), not one per pair.
+    """
+    chunks = store.lazy(name, slab_bytes).chunks
+    info = store.arrays[name]
+    shape, disk = [int(s) for s in info.shape], [int(c) for c in info.chunks]
+    n = max(shape[0], 1)
+    whole = 4 * n * int(np.prod(disk[1:], dtype=np.int64)) <= 8 * n * n * (disk[1] if info.heads else 1)
+    if len(chunks[0]) == 1 or len(shape) < 2 or not whole:
+        return tuple(tuple(int(c) for c in ax) for ax in chunks)
+    # all records of one on-disk chunk's features are no larger than the K they give: whole chunks, one task each
+    return ((shape[0],), *[_pieces(shape[j], disk[j], disk[j]) for j in range(1, len(shape))])
+
+
+def _pieces(size: int, chunk: int, most: int) -> tuple[int, ...]:
+    """Chunk sizes along an axis of *size* stored in chunks of *chunk*: each on-disk chunk cut into
+    balanced pieces of at most *most* (a piece never straddles two on-disk chunks)."""
+    out: list[int] = []
+    for start in range(0, size, chunk):
+        extent = min(chunk, size - start)
+        n = -(-extent // max(1, min(most, extent)))
+        out += [extent // n + (1 if i < extent % n else 0) for i in range(n)]
+    return tuple(out)
+
+
 def gram_sources(store: Store) -> dict[str, str]:
     """Which stored array each tensor's K is computed from: ``grads/<t>`` or, failing that, ``sketch/<t>``."""
     return {t: (f"grads/{t}" if t in store.grads else f"sketch/{t}") for t in store.tensors}
@@ -391,7 +444,8 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
     """Lazy Gram matrices of one stored tensor (whole, and per head where split).
 
     Reads ``grads/<tensor>`` in slabs of about *slab_bytes* (all records x whole
-    on-disk feature chunks), or ``sketch/<tensor>`` where no full gradient is stored.
+    on-disk feature chunks, or parts of them: :func:`slab_chunks`), or
+    ``sketch/<tensor>`` where no full gradient is stored.
     """
     if tensor in store.grads:
         info, from_sketch = store.grads[tensor], False
@@ -400,7 +454,7 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
     else:
         raise MissingArrayError(f"{store.path}: no grads/{tensor} or sketch/{tensor} in the store; "
                                 f"tensors are {store.tensors[:5]}{'...' if len(store.tensors) > 5 else ''}.")
-    chunks = store.lazy(info.name, slab_bytes).chunks       # all records x whole on-disk feature chunks
+    chunks = slab_chunks(store, info.name, slab_bytes)      # all records x a feature range of ~slab_bytes
     return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None,
                           from_sketch=from_sketch, split_every=split_every, precision=precision)
 
@@ -421,7 +475,7 @@ def slab_graph(store: Store, tensor: str, reductions: Sequence[SlabReduction], *
     if not reductions:
         raise SpecError(f"{store.path}: slab_graph of {tensor} needs at least one slab reduction.")
     info = store.grads[tensor]
-    chunks = store.lazy(info.name, slab_bytes).chunks
+    chunks = slab_chunks(store, info.name, slab_bytes)
     return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None, from_sketch=False,
                           split_every=split_every, precision=precision, reductions=tuple(reductions), gram=gram)
 
