@@ -76,6 +76,7 @@ def _grow(path: Path, records: int, names: list[str], base: np.ndarray, rng: np.
     """Grow the copied base store to *records* records in place: chunk-aligned writes, then ``n_records``."""
     import zarr
 
+    zarr.config.set({"array.write_empty_chunks": True})       # a chunk of zeros (batches/rank) is a chunk too
     root = zarr.open_group(str(path), mode="r+")
     arrays = {f"grads/{n}": root[f"grads/{n}"] for n in names}
     batches = {k: a for k, a in root["batches"].arrays()}
@@ -103,13 +104,13 @@ def child(args: argparse.Namespace) -> None:
 
     f = gf.analyze(args.store, only=tuple(args.only.split(",")), progress=False,
                    options={"engine": {"persist": False}})
-    t = f.table("oscillation")
+    t = f.table("oscillation") if "oscillation" in f.results else None
     r = resource.getrusage(resource.RUSAGE_SELF)
     out = {"cpu_s": r.ru_utime + r.ru_stime - t0.ru_utime - t0.ru_stime, "wall_s": time.perf_counter() - w0,
            "rss_mb": r.ru_maxrss / 1024, "regime": f.header["regime"]["name"],
            "flags": sorted([fl.kind, fl.tensor, -1 if fl.head is None else fl.head] for fl in f.flags),
-           "p": [None if not np.isfinite(v) else float(v) for v in t["p_value"]],
-           "cc": [None if not np.isfinite(v) else float(v) for v in t["consec_cos"]]}
+           "p": [] if t is None else [None if not np.isfinite(v) else float(v) for v in t["p_value"]],
+           "cc": [] if t is None else [None if not np.isfinite(v) else float(v) for v in t["consec_cos"]]}
     print(json.dumps(out))
 
 

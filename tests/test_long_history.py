@@ -101,8 +101,14 @@ def test_long_pass_matches_numpy(small_store: str, slab_bytes: int, split_every:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
         if key[1] is None:
             np.testing.assert_allclose(lg.norms2(), np.where(bad, np.nan, np.diag(K)), rtol=1e-5)
-        Y = R @ x
-        np.testing.assert_allclose(lg.sums, Y @ Y.T, rtol=1e-5, atol=1e-5 * np.abs(Y @ Y.T).max())
+        # the super-records' Gram: window-source sums over their finite weights
+        Y, keep = R @ x, R.sum(axis=1) > 0
+        c = (R @ (~bad).astype(float))[keep]
+        G = (Y @ Y.T)[np.ix_(keep, keep)] / np.outer(np.where(c > 0, c, 1.0), np.where(c > 0, c, 1.0))
+        G[c == 0] = 0.0
+        G[:, c == 0] = 0.0
+        np.testing.assert_allclose(lg.super_gram, G, rtol=1e-5, atol=1e-5 * np.abs(G).max())
+        np.testing.assert_array_equal(lg.super_bad, (c == 0).astype(np.int64))
     assert long.grams[("b.weight", None)].nonfinite[7] == 1 and long.grams[("b.weight", 0)].nonfinite[7] == 0
 
 

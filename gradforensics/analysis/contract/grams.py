@@ -106,6 +106,24 @@ class Design:
         a = self.mixture if finite is None else self.mixture * np.asarray(finite, dtype=np.float64)[:, None]
         return np.add.reduceat(a, self.edges[:-1], axis=0).reshape(-1) if self.n else np.zeros(0)
 
+    def super_gram(self, sums: np.ndarray, finite: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The kept super-records' Gram matrix from the window-source sums' ``Y Yᵀ``, and which have no weight.
+
+        ``K_rs = (Y Yᵀ)_rs / (c_r c_s)`` over the super-records holding any weight
+        (``c`` over the *finite* records; all when None); a super-record with no
+        finite record is 0 and flagged 1.  Read-only.
+        """
+        w = self.weights()
+        keep = np.flatnonzero(w > 0)
+        c = (w if finite is None else self.weights(finite))[keep]
+        ok = c > 0
+        cs = np.where(ok, c, 1.0)
+        K = np.asarray(sums, dtype=np.float64)[np.ix_(keep, keep)] / np.outer(cs, cs)
+        K[~ok, :] = 0.0
+        K[:, ~ok] = 0.0
+        K.flags.writeable = False
+        return K, (~ok).astype(np.int64)
+
 
 @dataclass(frozen=True)
 class WindowMoments:
@@ -163,7 +181,10 @@ class WindowMoments:
 class LongGram:
     """What the long-history pass keeps of one tensor (or head): no N×N matrix, nothing of size N per head.
 
-    ``sums``: the Gram matrix of the window-source sums ``Y Yᵀ``; ``moments``: the band
+    ``super_gram``: the Gram matrix of the kept super-records (the window-source sums
+    ``Y Yᵀ`` divided by their finite weights, :meth:`Design.super_gram`; read-only, shared
+    by every reader) and ``super_bad`` (1 where a super-record has no finite record);
+    ``moments``: the band
     test's window statistics (:class:`WindowMoments`); ``bad`` / ``bad_counts``: the
     records holding non-finite values (sorted) and their counts (every other record
     has none); ``norms``: the per-record squared norms ``K_ii`` of a whole tensor (the
@@ -172,7 +193,8 @@ class LongGram:
 
     tensor: str
     head: int | None
-    sums: np.ndarray
+    super_gram: np.ndarray
+    super_bad: np.ndarray
     moments: WindowMoments
     n_records: int
     bad: np.ndarray
@@ -277,16 +299,6 @@ class LongHistory:
         return out
 
     def super_grams(self) -> dict[tuple[str, int | None], GramResult]:
-        """Gram matrices of the kept super-records (per-window, per-source mean gradients)."""
-        keep = self.kept()
-        every = self.design.weights()[keep]          # a unit with no non-finite record: the same weights
-        out = {}
-        for key, g in self.grams.items():
-            c = self.design.weights(g.finite)[keep] if g.bad.size else every
-            ok = c > 0
-            cs = np.where(ok, c, 1.0)
-            K = g.sums[np.ix_(keep, keep)] / np.outer(cs, cs)
-            K[~ok, :] = 0.0
-            K[:, ~ok] = 0.0
-            out[key] = GramResult(g.tensor, g.head, K, (~ok).astype(np.int64), g.n_features, g.from_sketch)
-        return out
+        """Gram matrices of the kept super-records (per-window, per-source mean gradients): the pass's, not copies."""
+        return {key: GramResult(g.tensor, g.head, g.super_gram, g.super_bad, g.n_features, g.from_sketch)
+                for key, g in self.grams.items()}

@@ -401,7 +401,7 @@ def close_sums(part: Partial) -> Partial:
 
 def aggregate_long(part: Partial, tensor: str, n: int, n_heads: int | None, n_features: int,
                    from_sketch: bool, d: Design) -> list[LongGram]:
-    """Aggregate step: per unit its moments, the sums' Gram and the non-finite records; whole tensor first."""
+    """Aggregate step: per unit its moments, its super-records' Gram and its non-finite records; whole tensor first."""
     heads = [] if n_heads is None else list(range(n_heads))
     empty = WindowMoments.zeros(oscillation_edges(d.n, d.band, d.edges).size - 1, d.band - 1)
     bad: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -425,7 +425,12 @@ def aggregate_long(part: Partial, tensor: str, n: int, n_heads: int | None, n_fe
         rec, inv = np.unique(idx.astype(np.int64), return_inverse=True)
         counts = np.bincount(inv, weights=cnt, minlength=rec.size).astype(np.int64) if rec.size else rec
         s = sums if h == -1 else np.asarray(part.get(("g", h), 0.0), dtype=np.float64)
-        out.append(LongGram(tensor, None if h == -1 else h, s, part.get(("os", h), empty), int(n), rec, counts,
+        finite = None
+        if rec.size:
+            finite = np.ones(n, dtype=bool)
+            finite[rec] = False
+        K, K_bad = d.super_gram(s, finite)
+        out.append(LongGram(tensor, None if h == -1 else h, K, K_bad, part.get(("os", h), empty), int(n), rec, counts,
                             int(n_features if h == -1 else n_features // max(1, len(heads))), from_sketch,
                             norms if h == -1 else None))
     return out
