@@ -265,20 +265,24 @@ def block_moments(blk: BandBlock, r0: int, d: Design) -> WindowMoments:
         cc = np.clip(np.where(cc_ok, band[1] / np.where(cc_ok, den, 1.0), 0.0), -1.0, 1.0)
     nw = edges.size - 1
     out = WindowMoments.zeros(nw, H.shape[0])
-    count, mean, m2, e0 = out.count.copy(), out.mean, out.m2, out.e0.copy()
-    cc_sum, cc_n = out.cc_sum.copy(), out.cc_n.copy()
+    count, mean, m2, e0 = out.count.copy(), out.mean.copy(), out.m2.copy(), out.e0.copy()
     first = int(np.searchsorted(edges, r0, side="right")) - 1
-    for w in range(first, nw):
-        a, b = max(int(edges[w]), r0) - r0, min(int(edges[w + 1]), r0 + n) - r0
-        if a >= b:
-            break
-        cols = a + np.flatnonzero(ok[a:b])
-        if cols.size:
-            Z = H @ band[1:, cols]
-            mu = Z.mean(axis=1)
-            count[w], mean[w], m2[w] = cols.size, mu, ((Z - mu[:, None]) ** 2).sum(axis=1)
-            e0[w] = band[0, cols].sum()
-        cc_sum[w], cc_n[w] = cc[a:b][cc_ok[a:b]].sum(), np.count_nonzero(cc_ok[a:b])
+    rel = np.searchsorted(edges, rec, side="right") - 1 - first        # window of each record, from *first*
+    here = int(rel[-1]) + 1
+    cc_sum, cc_n = out.cc_sum.copy(), out.cc_n.copy()
+    cc_sum[first:first + here] = np.bincount(rel, weights=np.where(cc_ok, cc, 0.0), minlength=here)
+    cc_n[first:first + here] = np.bincount(rel, weights=cc_ok.astype(np.float64), minlength=here)
+    cols = np.flatnonzero(ok)
+    if cols.size:                       # per window: two-pass mean and centred sum of squares of z
+        present, starts = np.unique(rel[cols], return_index=True)
+        k = np.diff(np.r_[starts, cols.size])
+        Z = H @ band[1:, cols]
+        mu = np.add.reduceat(Z, starts, axis=1) / k
+        D = Z - np.repeat(mu, k, axis=1)
+        at = first + present
+        count[at], mean[at] = k, mu.T
+        m2[at] = np.add.reduceat(D * D, starts, axis=1).T
+        e0[at] = np.add.reduceat(band[0, cols], starts)
     return WindowMoments(count, mean, m2, e0, cc_sum, cc_n)
 
 
@@ -344,18 +348,30 @@ def long_chunk(x: np.ndarray, prev: np.ndarray | None, r0: int, head0: int, spli
     last: dict[int, float] = {}
     for s0 in range(0, n, SUB_RECORDS):
         s1 = min(n, s0 + SUB_RECORDS)
-        total: BandBlock | None = None
+        blocks = []
         for h, xf, nf, pvf, pnf in units:
             blk = _band_block(xf, nf, pvf, pnf, s0, s1, L, last.get(h))
             last[h] = float(blk.band[0, -1])
-            total = blk if total is None else total + blk
             if split:
                 _emit(out, h, r0 + s0, blk, d, complete[0])
-        assert total is not None
+            blocks.append(blk)
+        total = blocks[0] if len(blocks) == 1 else _sum_blocks(blocks)
         norms[s0:s1] = total.band[0]
         _emit(out, -1, r0 + s0, total, d, complete[1])
     out[("n2", r0)] = norms
     return out
+
+
+def _sum_blocks(blocks: list[BandBlock]) -> BandBlock:
+    """The whole tensor's block: its heads' blocks added in place, in head order."""
+    band, nf, nf_prev = blocks[0].band.copy(), blocks[0].nf.copy(), blocks[0].nf_prev.copy()
+    b0 = blocks[0].b0_prev
+    for b in blocks[1:]:
+        band += b.band
+        nf += b.nf
+        nf_prev += b.nf_prev
+        b0 += b.b0_prev
+    return BandBlock(band, nf, nf_prev, b0)
 
 
 def _emit(out: Partial, h: int, r: int, blk: BandBlock, d: Design, complete: bool) -> None:

@@ -343,13 +343,15 @@ def band_oscillation(m: WindowMoments | Any, edges: np.ndarray, min_records: int
     t = np.full((nw, periods.size), np.nan)
     tail = np.full((nw, periods.size), np.nan)
     amp = np.full((nw, periods.size), np.nan)
-    for j in np.flatnonzero(use):
-        mu = m.mean[j]
-        sd = np.sqrt(m.m2[j] / (n[j] - 1))
-        e0 = float(m.e0[j] / n[j])
-        t[j] = np.where(sd > 0, mu / np.where(sd > 0, sd, 1.0) * math.sqrt(n[j]), 0.0)
-        tail[j] = stdtr(n[j] - 1, -t[j])
-        amp[j] = 2.0 * mu / e0 if e0 > 0 else np.nan
+    if use.any():                       # every tested window at once
+        k = n[use][:, None]
+        mu = m.mean[use]
+        sd = np.sqrt(m.m2[use] / (k - 1))
+        e0 = m.e0[use][:, None] / k
+        t[use] = np.where(sd > 0, mu / np.where(sd > 0, sd, 1.0) * np.sqrt(k), 0.0)
+        tail[use] = stdtr(k - 1, -t[use])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            amp[use] = np.where(e0 > 0, 2.0 * mu / np.where(e0 > 0, e0, 1.0), np.nan)
     tested = int(np.isfinite(t).sum())
     if not tested:
         return {"p_value": math.nan}
