@@ -92,7 +92,8 @@ def _p_oracle(o: dict[str, np.ndarray], min_records: int = 16) -> float:
     return float(min(1.0, tails.min() * tails.size))
 
 
-@pytest.mark.parametrize("slab_bytes", [1 << 16, 128 << 20])   # record blocks x feature columns / one slab
+@pytest.mark.parametrize("slab_bytes", [pytest.param(1 << 16, marks=pytest.mark.slow),   # blocks x columns
+                                        128 << 20])                                       # one slab
 def test_window_moments_match_the_per_record_oracle(store: str, slab_bytes: int) -> None:
     st = Store(store)
     eng = EngineOptions(long_history=0, band=8, windows=10, slab_bytes=slab_bytes, split_every=3)
