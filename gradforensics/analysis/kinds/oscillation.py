@@ -66,7 +66,7 @@ from gradforensics.analysis.contract.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.engine.longhistory import lag_design, oscillation_edges
+from gradforensics.analysis.engine.bandstats import lag_design, oscillation_edges
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
