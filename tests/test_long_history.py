@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis.engine.longhistory import LongGram, band_products, threshold, window_edges_for
+from gradforensics.analysis.contract.grams import Design, WindowMoments
+from gradforensics.analysis.engine.longhistory import band_products, dense_moments, threshold, window_edges_for
 from gradforensics.analysis.engine.results import load_grams
 from gradforensics.analysis.engine.run import EngineOptions, _compute, select_analyses
 from gradforensics.analysis.kinds.oscillation import band_oscillation, lag_design
@@ -86,25 +87,39 @@ def test_long_pass_matches_numpy(small_store: str, slab_bytes: int, split_every:
         x = (x if key[1] is None else x[:, key[1]]).reshape(300, -1).astype(np.float64)
         bad = ~np.isfinite(x).all(axis=1)
         np.testing.assert_array_equal(lg.nonfinite > 0, bad)
+        np.testing.assert_array_equal(lg.bad, np.flatnonzero(bad))
         x = np.where(np.isfinite(x), x, 0.0)
         K = x @ x.T
+        want = np.zeros((6, 300))
         for lag in range(6):
-            want = np.full(300, np.nan)
-            want[lag:] = np.diag(K, -lag)
-            want[lag:][bad[lag:] | bad[:300 - lag]] = np.nan
-            np.testing.assert_allclose(lg.band[lag], want, rtol=1e-5, atol=1e-4 * np.nanmax(np.abs(want)))
-        Y = R @ x
-        np.testing.assert_allclose(lg.sums, Y @ Y.T, rtol=1e-5, atol=1e-5 * np.abs(Y @ Y.T).max())
+            want[lag, lag:] = np.diag(K, -lag)
+        # the band test's window moments = those of the NumPy band (float32 products: to 1e-5)
+        m, w = lg.moments, dense_moments(want, bad.astype(np.int64), d)
+        np.testing.assert_array_equal(m.count, w.count)
+        np.testing.assert_array_equal(m.cc_n, w.cc_n)
+        for a, b in ((m.mean, w.mean), (m.e0, w.e0), (m.cc_sum, w.cc_sum)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+        if key[1] is None:
+            np.testing.assert_allclose(lg.norms2(), np.where(bad, np.nan, np.diag(K)), rtol=1e-5)
+        # the super-records' Gram: window-source sums over their finite weights
+        Y, keep = R @ x, R.sum(axis=1) > 0
+        c = (R @ (~bad).astype(float))[keep]
+        G = (Y @ Y.T)[np.ix_(keep, keep)] / np.outer(np.where(c > 0, c, 1.0), np.where(c > 0, c, 1.0))
+        G[c == 0] = 0.0
+        G[:, c == 0] = 0.0
+        np.testing.assert_allclose(lg.super_gram, G, rtol=1e-5, atol=1e-5 * np.abs(G).max())
+        np.testing.assert_array_equal(lg.super_bad, (c == 0).astype(np.int64))
     assert long.grams[("b.weight", None)].nonfinite[7] == 1 and long.grams[("b.weight", 0)].nonfinite[7] == 0
 
 
-def _long_gram(x: np.ndarray, band: int) -> LongGram:
+def _long_gram(x: np.ndarray, band: int, window: int = 200) -> WindowMoments:
     n = x.shape[0]
     K = x @ x.T
-    b = np.full((band + 1, n), np.nan)
+    b = np.zeros((band + 1, n))
     for lag in range(band + 1):
         b[lag, lag:] = np.diag(K, -lag)
-    return LongGram("t", None, b, np.zeros((1, 1)), np.zeros(n, dtype=np.int64), x.shape[1])
+    d = Design(n=n, edges=np.arange(0, n + 1, window), mixture=np.ones((n, 1)), band=band)
+    return dense_moments(b, np.zeros(n, dtype=np.int64), d)
 
 
 def test_band_test_locates_a_middle_stretch_and_ignores_a_drift() -> None:

@@ -3,20 +3,20 @@
 Contract types (the pass builds them, analyses read them): :class:`GramResult` (the
 N×N Gram matrix of one tensor or head), :class:`SlabReduction` (a per-slab
 reduction an analysis declares, run inside the pass's one read of each slab), and
-the long-history regime's :class:`Design`, :class:`LongGram` and
-:class:`LongHistory` (banded Gram and window-source sums instead of N×N; how they
+the long-history regime's :class:`Design`, :class:`LongGram`, :class:`WindowMoments` and
+:class:`LongHistory` (band-test window moments and window-source sums instead of N×N; how they
 are computed: :mod:`gradforensics.analysis.engine.longhistory`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Design", "GramResult", "LongGram", "LongHistory", "SlabReduction"]
+__all__ = ["Design", "GramResult", "LongGram", "LongHistory", "SlabReduction", "WindowMoments"]
 
 
 @dataclass(frozen=True)
@@ -106,40 +106,136 @@ class Design:
         a = self.mixture if finite is None else self.mixture * np.asarray(finite, dtype=np.float64)[:, None]
         return np.add.reduceat(a, self.edges[:-1], axis=0).reshape(-1) if self.n else np.zeros(0)
 
+    def super_gram(self, sums: np.ndarray, finite: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The kept super-records' Gram matrix from the window-source sums' ``Y Yᵀ``, and which have no weight.
+
+        ``K_rs = (Y Yᵀ)_rs / (c_r c_s)`` over the super-records holding any weight
+        (``c`` over the *finite* records; all when None); a super-record with no
+        finite record is 0 and flagged 1.  Read-only.
+        """
+        w = self.weights()
+        keep = np.flatnonzero(w > 0)
+        c = (w if finite is None else self.weights(finite))[keep]
+        ok = c > 0
+        cs = np.where(ok, c, 1.0)
+        K = np.asarray(sums, dtype=np.float64)[np.ix_(keep, keep)] / np.outer(cs, cs)
+        K[~ok, :] = 0.0
+        K[:, ~ok] = 0.0
+        K.flags.writeable = False
+        return K, (~ok).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class WindowMoments:
+    """What the band test and the consecutive cosines need of one unit, per window of the band test.
+
+    Per window *w* (``oscillation_edges``) over the records whose lags ``0..band`` are
+    all finite: ``count[w]``, the mean ``mean[w, k]`` and the centred sum of squares
+    ``m2[w, k]`` of ``z_i = h_P · B[1:, i]`` for each period ``P = k + 2``, and
+    ``e0[w] = Σ B[0, i]``; over the records whose lag-1 cosine is defined:
+    ``cc_sum[w]`` and ``cc_n[w]``.  Partial moments of disjoint record sets combine
+    with ``+`` (Chan, Golub & LeVeque 1979's pairwise update; a window seen by one
+    part only is taken as is), so a window split between record blocks is exact to
+    rounding.  Immutable: ``+`` returns a new object.
+    """
+
+    count: np.ndarray       # (n_w,) float64
+    mean: np.ndarray        # (n_w, P)
+    m2: np.ndarray          # (n_w, P)
+    e0: np.ndarray          # (n_w,)
+    cc_sum: np.ndarray      # (n_w,)
+    cc_n: np.ndarray        # (n_w,)
+
+    @classmethod
+    def zeros(cls, n_windows: int, n_periods: int) -> WindowMoments:
+        z = np.zeros(n_windows)
+        return cls(z, np.zeros((n_windows, n_periods)), np.zeros((n_windows, n_periods)), z, z, z)
+
+    def __add__(self, other: WindowMoments) -> WindowMoments:
+        na, nb = self.count[:, None], other.count[:, None]
+        n = na + nb
+        with np.errstate(invalid="ignore", divide="ignore"):
+            delta = other.mean - self.mean
+            mean = self.mean + delta * (nb / n)
+            m2 = self.m2 + other.m2 + delta * delta * (na * nb / n)
+        mean = np.where(na == 0, other.mean, np.where(nb == 0, self.mean, mean))
+        m2 = np.where(na == 0, other.m2, np.where(nb == 0, self.m2, m2))
+        return WindowMoments(self.count + other.count, mean, m2, self.e0 + other.e0,
+                             self.cc_sum + other.cc_sum, self.cc_n + other.cc_n)
+
+    def copy(self) -> WindowMoments:
+        return self
+
+    def consecutive_cosine(self) -> float:
+        """Mean lag-1 cosine over every record where it is defined (NaN if none)."""
+        n = float(self.cc_n.sum())
+        return float(self.cc_sum.sum()) / n if n > 0 else float("nan")
+
+    def window_cosines(self) -> np.ndarray:
+        """Mean lag-1 cosine per window (NaN where none is defined)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.cc_n > 0, self.cc_sum / np.where(self.cc_n > 0, self.cc_n, 1.0), np.nan)
+
 
 @dataclass(frozen=True)
 class LongGram:
-    """What the long-history pass keeps of one tensor (or head): no N×N matrix.
+    """What the long-history pass keeps of one tensor (or head): no N×N matrix, nothing of size N per head.
 
-    ``band[l, i] = <g_i, g_{i-l}>`` (NaN where either record is non-finite or
-    ``i < l``); ``sums`` the Gram matrix of the window-source sums ``Y Yᵀ``;
-    ``nonfinite`` per record.
+    ``super_gram``: the Gram matrix of the kept super-records (the window-source sums
+    ``Y Yᵀ`` divided by their finite weights, :meth:`Design.super_gram`; read-only, shared
+    by every reader) and ``super_bad`` (1 where a super-record has no finite record);
+    ``moments``: the band
+    test's window statistics (:class:`WindowMoments`); ``bad`` / ``bad_counts``: the
+    records holding non-finite values (sorted) and their counts (every other record
+    has none); ``norms``: the per-record squared norms ``K_ii`` of a whole tensor (the
+    gradient-norm series; None for a head).
     """
 
     tensor: str
     head: int | None
-    band: np.ndarray
-    sums: np.ndarray
-    nonfinite: np.ndarray
+    super_gram: np.ndarray
+    super_bad: np.ndarray
+    moments: WindowMoments
+    n_records: int
+    bad: np.ndarray
+    bad_counts: np.ndarray
     n_features: int
     from_sketch: bool = False
+    norms: np.ndarray | None = None
+
+    @property
+    def nonfinite(self) -> np.ndarray:
+        """Per-record non-finite counts (built on demand: ``n_records`` int64)."""
+        out = np.zeros(self.n_records, dtype=np.int64)
+        out[self.bad] = self.bad_counts
+        return out
 
     @property
     def finite(self) -> np.ndarray:
-        return self.nonfinite == 0
+        out = np.ones(self.n_records, dtype=bool)
+        out[self.bad] = False
+        return out
 
-    def norms2(self) -> np.ndarray:
-        """Per-record squared norms ``K_ii`` (NaN for non-finite records)."""
-        return np.where(self.finite, self.band[0], np.nan)
+    def norms2(self) -> np.ndarray | None:
+        """Per-record squared norms ``K_ii`` of a whole tensor (NaN for non-finite records); None for a head."""
+        if self.norms is None:
+            return None
+        return np.where(self.finite, self.norms, np.nan)
 
-    def lag_cosines(self, lag: int) -> np.ndarray:
-        """``cos(g_i, g_{i-lag})`` for every record (NaN for ``i < lag`` and non-finite records)."""
-        d = np.sqrt(np.maximum(self.norms2(), 0.0))
-        out = np.full(d.size, np.nan)
-        den = d[lag:] * d[:d.size - lag]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out[lag:] = np.where(den > 1e-300, self.band[lag, lag:] / den, np.nan)
-        return np.clip(out, -1.0, 1.0)
+
+class _RecordGrams(Mapping[tuple[str, int | None], GramResult]):
+    def __init__(self, grams: dict[tuple[str, int | None], LongGram]) -> None:
+        self._grams = grams
+
+    def __getitem__(self, key: tuple[str, int | None]) -> GramResult:
+        g = self._grams[key]
+        return GramResult(g.tensor, g.head, np.zeros((0, 0)), g.nonfinite, g.n_features, g.from_sketch)
+
+    def __iter__(self) -> Iterator[tuple[str, int | None]]:
+        return iter(self._grams)
+
+    def __len__(self) -> int:
+        return len(self._grams)
 
 
 @dataclass(frozen=True)
@@ -155,10 +251,13 @@ class LongHistory:
         return {"name": "long-history", "n0": int(self.n0), "window": self.design.window_size,
                 "windows": self.design.n_windows, "band": self.design.band}
 
-    def record_grams(self) -> dict[tuple[str, int | None], GramResult]:
-        """Per-record results without K (``gram`` is 0×0): non-finite counts and sizes only."""
-        return {k: GramResult(g.tensor, g.head, np.zeros((0, 0)), g.nonfinite, g.n_features, g.from_sketch)
-                for k, g in self.grams.items()}
+    def record_grams(self) -> Mapping[tuple[str, int | None], GramResult]:
+        """Per-record results without K (``gram`` is 0×0): non-finite counts and sizes only.
+
+        A read-only mapping that builds each unit's ``N`` counts when it is looked up
+        (one unit at a time in memory, not units × records).
+        """
+        return _RecordGrams(self.grams)
 
     # ------------------------------------------------------------ super-records
     def kept(self) -> np.ndarray:
@@ -200,15 +299,6 @@ class LongHistory:
         return out
 
     def super_grams(self) -> dict[tuple[str, int | None], GramResult]:
-        """Gram matrices of the kept super-records (per-window, per-source mean gradients)."""
-        keep = self.kept()
-        out = {}
-        for key, g in self.grams.items():
-            c = self.design.weights(g.finite)[keep]
-            ok = c > 0
-            cs = np.where(ok, c, 1.0)
-            K = g.sums[np.ix_(keep, keep)] / np.outer(cs, cs)
-            K[~ok, :] = 0.0
-            K[:, ~ok] = 0.0
-            out[key] = GramResult(g.tensor, g.head, K, (~ok).astype(np.int64), g.n_features, g.from_sketch)
-        return out
+        """Gram matrices of the kept super-records (per-window, per-source mean gradients): the pass's, not copies."""
+        return {key: GramResult(g.tensor, g.head, g.super_gram, g.super_bad, g.n_features, g.from_sketch)
+                for key, g in self.grams.items()}

@@ -328,7 +328,8 @@ class Context:
     and ``store`` None (``batches`` empty) when the series come from a log.
 
     Above ``N₀`` records (the long-history regime) ``grams`` is empty and ``long``
-    holds the banded Gram and the window-source sums of every tensor and head
+    holds, per tensor and head, the band test's window moments, the super-record Gram
+    matrix and the non-finite records
     (:class:`~gradforensics.analysis.engine.longhistory.LongHistory`).
     """
 
@@ -470,7 +471,8 @@ class Analysis:
         that has one, then its ``flags`` (see :class:`Context`).
     long_history
         It runs in the long-history regime: above ``N₀`` records ``ctx.grams`` is
-        empty and ``ctx.long`` holds the banded Gram and the window-source sums
+        empty and ``ctx.long`` holds the band test's window moments and the
+        super-record Gram matrices
         (:class:`~gradforensics.analysis.engine.longhistory.LongHistory`), and its
         ``compute`` reads them.  False (default): above ``N₀`` the engine refuses to
         run it (one ``SpecError`` line naming it and ``N₀``) rather than hand it a

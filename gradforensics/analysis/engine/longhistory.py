@@ -7,22 +7,31 @@ Gram matrix ``K`` (N×N) is never formed.  The same single streaming read of eac
 slab computes, per tensor and head:
 
 * the **banded Gram** ``B[l, i] = <g_i, g_{i-l}>`` for lags ``0 ≤ l ≤ L``
-  (``L`` = :data:`BAND`): the per-record squared norms (``l = 0``), consecutive
-  cosines (``l = 1``) and every lag an oscillation of period up to ``L`` needs;
+  (``L`` = :data:`BAND`), formed :data:`SUB_RECORDS` records at a time inside the
+  task that read them and reduced there to what its readers need, per window of
+  the band test (:func:`oscillation_edges`): the count, mean and centred sum of
+  squares of the lag statistics ``z = h_P · B[1:]`` of every period, ``Σ B[0]``,
+  and the sum and count of the consecutive-record cosines
+  (:class:`~gradforensics.analysis.contract.grams.WindowMoments`; windows split
+  between record blocks combine with Chan's pairwise update).  Only a whole
+  tensor's per-record squared norms ``B[0]`` are kept (its gradient-norm series);
 * the **Gram of window-source sums**: the records are cut into ``n_w``
   contiguous windows (:func:`window_edges_for`, ``W ≈ N / n_w`` records each) and
   each window's records are summed per source with their mixture shares as
   weights, ``Y_{(w,s)} = Σ_{i∈w} A_is g_i``; ``Y Yᵀ`` (``m × m``, ``m = n_w S``) is
   summed over slabs.  Divided by the (finite) weights these are the Gram matrix
   of *super-records*: the per-window, per-source mean gradients;
-* the per-record non-finite counts.
+* the records holding non-finite values and their counts (sparse: the others hold none).
 
 Drift, conflict and noise then run their exact K-space statistics on the
 super-records (means of disjoint record sets are independent, so the
 U-statistics stay unbiased; a super-record of ``n`` batches of ``b`` samples is
-one batch of ``n·b``); oscillation reads the band
-(:mod:`gradforensics.analysis.kinds.oscillation`).  Memory is
-``O(N·L + m²)`` per tensor and head instead of ``O(N²)``.
+one batch of ``n·b``); oscillation reads the window moments
+(:mod:`gradforensics.analysis.kinds.oscillation`).  What a tensor or head keeps is
+``O(m² + n_w L)``, independent of N (a whole tensor adds its N norms); the band
+itself lives only in the task that read the records (``SUB_RECORDS × (L+1)``
+float64 per unit at a time); with a feature axis split into columns, a unit's
+band blocks of one record block meet in one task (:func:`band_partials`).
 
 The record axis is read in store order (for a training store: capture order,
 i.e. step order).
@@ -40,7 +49,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.contract.grams import Design, LongGram, LongHistory
+from gradforensics.analysis.contract.grams import Design, LongGram, LongHistory, WindowMoments
+from gradforensics.analysis.engine.bandstats import (
+    SUB_RECORDS,
+    BandBlock,
+    band_block,
+    band_products,
+    block_moments,
+    dense_moments,
+    lag_design,
+    oscillation_edges,
+    periods_of,
+)
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -48,8 +68,10 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import Analysis
 
-__all__ = ["BAND", "GRAM_BUDGET", "N0", "N_WINDOWS", "Design", "LongGram", "LongHistory", "band_products",
-           "check_supported", "design", "threshold", "window_edges_for", "window_sums"]
+__all__ = ["BAND", "GRAM_BUDGET", "N0", "N_WINDOWS", "SUB_RECORDS", "BandBlock", "Design", "LongGram", "LongHistory",
+           "WindowMoments", "band_partials", "band_products", "block_moments", "check_supported", "dense_moments",
+           "design", "lag_design", "only_bands", "oscillation_edges", "periods_of", "threshold", "window_edges_for",
+           "window_sums", "without_bands"]
 
 N0 = 4096
 """Most records the exact regime takes (engine option ``long_history``; see :func:`threshold`)."""
@@ -59,7 +81,6 @@ BAND = 32
 """Lags of the banded Gram (engine option ``band``): oscillation periods up to ``BAND`` records."""
 N_WINDOWS = 128
 """Windows of the window-source sums (engine option ``windows``); ``W = ceil(N / N_WINDOWS)`` records each."""
-_ROW_BLOCK = 64
 
 
 def threshold(n_units: int, requested: int | None = None) -> int:
@@ -106,46 +127,6 @@ def design(mixture: np.ndarray, band: int = BAND, n_windows: int = N_WINDOWS) ->
 
 
 # --------------------------------------------------------------------- kernels
-def band_products(x: np.ndarray, prev: np.ndarray | None, band: int) -> np.ndarray:
-    """``B[l, j] = <x_j, x_{j-l}>`` (``0 ≤ l ≤ band``) in float64; rows before ``x`` come from *prev*.
-
-    *x* is ``(n, f)``; *prev* the ``p ≤ band`` records just before it (or None);
-    entries whose partner precedes both are 0.  Narrow rows use shifted products;
-    wide rows BLAS products of ``_ROW_BLOCK`` rows against the band before them.
-    """
-    n = x.shape[0]
-    z = x if prev is None or prev.shape[0] == 0 else np.concatenate([prev, x])
-    p = z.shape[0] - n
-    out = np.zeros((band + 1, n))
-    if z.shape[1] <= 64:
-        zz = z.astype(np.float64)
-        for lag in range(band + 1):
-            lo = max(0, lag - p)            # first j whose partner j - lag is in z
-            if lo < n:
-                out[lag, lo:] = np.einsum("ij,ij->i", zz[p + lo:], zz[p + lo - lag:p + n - lag])
-        return out
-    for j0 in range(0, n, _ROW_BLOCK):
-        j1 = min(n, j0 + _ROW_BLOCK)
-        c0 = max(0, p + j0 - band)
-        P = _product(z[p + j0:p + j1], z[c0:p + j1])        # rows j0..j1 against z[c0 : p+j1]
-        rows = np.arange(j0, j1)
-        for lag in range(band + 1):
-            cols = rows + p - lag - c0
-            ok = cols >= 0
-            out[lag, rows[ok]] = P[rows[ok] - j0, cols[ok]]
-    return out
-
-
-def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ bᵀ`` in float32 over feature blocks, accumulated in float64."""
-    from gradforensics.analysis.engine.gram import SUB_BLOCK
-
-    acc = np.zeros((a.shape[0], b.shape[0]))
-    for s in range(0, a.shape[1], SUB_BLOCK):
-        acc += a[:, s:s + SUB_BLOCK] @ b[:, s:s + SUB_BLOCK].T
-    return acc
-
-
 def window_sums(x: np.ndarray, r0: int, d: Design) -> np.ndarray:
     """``Y`` (m × f, float64): the rows of *x* (records ``r0 ..``) summed per window and source."""
     n, f = x.shape
@@ -170,36 +151,97 @@ def finite_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(ok, x, 0).astype(np.float32), counts
 
 
-# --------------------------------------------------------------------- results
 # ----------------------------------------------------------------------- graph
 Partial = dict[tuple[Any, ...], Any]
 
 
 def long_chunk(x: np.ndarray, prev: np.ndarray | None, r0: int, head0: int, split: bool, d: Design,
-               close: bool) -> Partial:
-    """Chunk step of the long-history pass: band, window-source sums (or their Gram) and non-finite counts.
+               close: bool, complete: tuple[bool, bool] = (True, True)) -> Partial:
+    """Chunk step of the long-history pass: band-test moments, window-source sums (or their Gram), norms, counts.
 
     *x* holds records ``r0 ..`` of one slab, *prev* the ``≤ band`` records before
     them (a split record axis).  With *close* (the slab holds every record) the
-    window-source sums become their Gram matrix at once.
+    window-source sums become their Gram matrix at once.  The banded Gram is
+    formed :data:`SUB_RECORDS` records at a time and reduced at once to the
+    moments of every unit the slab holds whole (*complete*: the heads, the whole
+    tensor); a unit split between feature columns leaves its band block
+    (``("bp", head, record)``) for :func:`band_partials`.  The whole tensor is head
+    ``-1``; its per-record squared norms are ``("n2", r0)``.
     """
     from gradforensics.analysis.engine.gram import head_blocks
 
     out: Partial = {}
+    L = d.band
     before = dict(head_blocks(prev, head0, split)) if prev is not None and prev.shape[0] else {}
+    units = []
     for h, xh in head_blocks(x, head0, split):
         xf, nf = finite_rows(np.asarray(xh, dtype=np.float32))
         pv = before.get(h)
-        if pv is not None:
-            pv = finite_rows(np.asarray(pv, dtype=np.float32))[0]
-        out[("band", h, r0)] = band_products(xf, pv, d.band)
-        out[("nf", h, r0)] = nf
+        pvf, pnf = finite_rows(np.asarray(pv, dtype=np.float32)) if pv is not None else (xf[:0], nf[:0])
+        units.append((h, xf, nf, pvf, pnf))
+        if nf.any():
+            out[("nf", h, r0)] = nf
         y = window_sums(xf, r0, d)
-        if close:
-            out[("g", h)] = y @ y.T
-        else:
-            out[("y", h)] = y
+        out[("g", h) if close else ("y", h)] = y @ y.T if close else y
+    n = x.shape[0]
+    norms = np.zeros(n)
+    last: dict[int, float] = {}
+    for s0 in range(0, n, SUB_RECORDS):
+        s1 = min(n, s0 + SUB_RECORDS)
+        blocks = []
+        for h, xf, nf, pvf, pnf in units:
+            blk = band_block(xf, nf, pvf, pnf, s0, s1, L, last.get(h))
+            last[h] = float(blk.band[0, -1])
+            if split:
+                _emit(out, h, r0 + s0, blk, d, complete[0])
+            blocks.append(blk)
+        total = blocks[0] if len(blocks) == 1 else _sum_blocks(blocks)
+        norms[s0:s1] = total.band[0]
+        _emit(out, -1, r0 + s0, total, d, complete[1])
+    out[("n2", r0)] = norms
     return out
+
+
+def _sum_blocks(blocks: list[BandBlock]) -> BandBlock:
+    """The whole tensor's block: its heads' blocks added in place, in head order."""
+    band, nf, nf_prev = blocks[0].band.copy(), blocks[0].nf.copy(), blocks[0].nf_prev.copy()
+    b0 = blocks[0].b0_prev
+    for b in blocks[1:]:
+        band += b.band
+        nf += b.nf
+        nf_prev += b.nf_prev
+        b0 += b.b0_prev
+    return BandBlock(band, nf, nf_prev, b0)
+
+
+def _emit(out: Partial, h: int, r: int, blk: BandBlock, d: Design, complete: bool) -> None:
+    if not complete:
+        out[("bp", h, r)] = blk
+        return
+    m = block_moments(blk, r, d)
+    out[("os", h)] = m if ("os", h) not in out else out[("os", h)] + m
+
+
+def band_partials(parts: list[Partial], d: Design) -> Partial:
+    """One record block's band blocks of every feature column, added per unit and reduced to moments."""
+    from gradforensics.analysis.engine.gram import combine_partials
+
+    out: Partial = {}
+    summed = combine_partials(parts)
+    for (_, h, r), blk in sorted(summed.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        m = block_moments(blk, r, d)
+        out[("os", h)] = m if ("os", h) not in out else out[("os", h)] + m
+    return out
+
+
+def only_bands(part: Partial) -> Partial:
+    """A chunk's band blocks (units split between feature columns)."""
+    return {k: v for k, v in part.items() if k[0] == "bp"}
+
+
+def without_bands(part: Partial) -> Partial:
+    """A chunk's result less its band blocks (they go to :func:`band_partials`)."""
+    return {k: v for k, v in part.items() if k[0] != "bp"}
 
 
 def close_sums(part: Partial) -> Partial:
@@ -214,43 +256,40 @@ def close_sums(part: Partial) -> Partial:
 
 
 def aggregate_long(part: Partial, tensor: str, n: int, n_heads: int | None, n_features: int,
-                   from_sketch: bool, band: int) -> list[LongGram]:
-    """Aggregate step: per head, the band (NaN-masked), the sums' Gram and the counts; whole tensor first."""
-    heads = [-1] if n_heads is None else list(range(n_heads))
-    raw: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    for h in heads:
-        b = np.zeros((band + 1, n))
-        nf = np.zeros(n, dtype=np.int64)
-        g: np.ndarray | float = 0.0
-        for key, val in part.items():
-            if key[1] != h:
-                continue
-            if key[0] == "band":
-                b[:, key[2]:key[2] + val.shape[1]] += val
-            elif key[0] == "nf":
-                nf[key[2]:key[2] + val.size] += val
-            elif key[0] == "g":
-                g = g + val
-        raw[h] = (b, np.asarray(g, dtype=np.float64), nf)
-    if n_heads is None:
-        b, g, nf = raw[-1]
-        return [_long_result(tensor, None, b, g, nf, n_features, from_sketch)]
-    out = [_long_result(tensor, None, sum(raw[h][0] for h in heads), sum(raw[h][1] for h in heads),
-                        sum(raw[h][2] for h in heads), n_features, from_sketch)]
-    out += [_long_result(tensor, h, *raw[h], n_features // n_heads, from_sketch) for h in heads]
+                   from_sketch: bool, d: Design) -> list[LongGram]:
+    """Aggregate step: per unit its moments, its super-records' Gram and its non-finite records; whole tensor first."""
+    heads = [] if n_heads is None else list(range(n_heads))
+    empty = WindowMoments.zeros(oscillation_edges(d.n, d.band, d.edges).size - 1, d.band - 1)
+    bad: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    norms = np.zeros(n)
+    for key, val in part.items():
+        if key[0] == "nf":
+            idx = np.flatnonzero(val)
+            prev = bad.get(key[1], (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            bad[key[1]] = (np.r_[prev[0], key[2] + idx], np.r_[prev[1], val[idx]])
+        elif key[0] == "n2":
+            norms[key[1]:key[1] + val.size] = val
+    if heads:
+        bad[-1] = (np.concatenate([bad[h][0] for h in heads if h in bad] + [np.zeros(0, np.int64)]),
+                   np.concatenate([bad[h][1] for h in heads if h in bad] + [np.zeros(0, np.int64)]))
+        sums = np.asarray(sum(np.asarray(part.get(("g", h), 0.0), dtype=np.float64) for h in heads), dtype=np.float64)
+    else:
+        sums = np.asarray(part.get(("g", -1), 0.0), dtype=np.float64)
+    out = []
+    for h in [-1, *heads]:
+        idx, cnt = bad.get(h, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        rec, inv = np.unique(idx.astype(np.int64), return_inverse=True)
+        counts = np.bincount(inv, weights=cnt, minlength=rec.size).astype(np.int64) if rec.size else rec
+        s = sums if h == -1 else np.asarray(part.get(("g", h), 0.0), dtype=np.float64)
+        finite = None
+        if rec.size:
+            finite = np.ones(n, dtype=bool)
+            finite[rec] = False
+        K, K_bad = d.super_gram(s, finite)
+        out.append(LongGram(tensor, None if h == -1 else h, K, K_bad, part.get(("os", h), empty), int(n), rec, counts,
+                            int(n_features if h == -1 else n_features // max(1, len(heads))), from_sketch,
+                            norms if h == -1 else None))
     return out
-
-
-def _long_result(tensor: str, head: int | None, band: Any, sums: Any, nf: Any, n_features: int,
-                 from_sketch: bool) -> LongGram:
-    band = np.array(band, dtype=np.float64)
-    bad = np.asarray(nf) > 0
-    for lag in range(band.shape[0]):
-        band[lag, :lag] = np.nan
-        if bad.any():
-            band[lag, lag:][bad[lag:] | bad[:bad.size - lag]] = np.nan
-    return LongGram(tensor, head, band, np.asarray(sums, dtype=np.float64), np.asarray(nf, dtype=np.int64),
-                    int(n_features), from_sketch)
 
 
 def long_graph(store: Any, tensor: str, d: Design, reductions: tuple[Any, ...] = (), *,
@@ -275,11 +314,14 @@ def long_graph(store: Any, tensor: str, d: Design, reductions: tuple[Any, ...] =
     handle = store.handle(info)
     chunks = store.lazy(info.name, slab_bytes).chunks
     heads = info.heads is not None
+    whole_features = all(len(c) == 1 for c in chunks[2 if heads else 1:])
+    complete = (whole_features, whole_features and (not heads or len(chunks[1]) == 1))
     name = f"longgram-{tokenize(handle, chunks, tensor, d.band, d.edges, d.mixture, reductions)}"
     starts = [np.concatenate([[0], np.cumsum(c)]).astype(int) for c in chunks]
     layer: dict[Any, Any] = {}
     parts: list[Any] = []
     blocks = len(chunks[0])
+    by_block: list[list[Any]] = [[] for _ in range(blocks)]
     for col in itertools.product(*[range(len(c)) for c in chunks[1:]]):
         fsel = tuple(slice(int(starts[ax + 1][i]), int(starts[ax + 1][i + 1])) for ax, i in enumerate(col))
         head0 = int(starts[1][col[0]]) if heads else 0
@@ -287,7 +329,12 @@ def long_graph(store: Any, tensor: str, d: Design, reductions: tuple[Any, ...] =
         for a in range(blocks):
             r0, r1 = int(starts[0][a]), int(starts[0][a + 1])
             key = (name, "chunk", len(parts), a)
-            layer[key] = (_read_long, handle, r0, r1, fsel, head0, heads, d, blocks == 1, reductions)
+            layer[key] = (_read_long, handle, r0, r1, fsel, head0, heads, d, blocks == 1, reductions, complete)
+            if not all(complete):              # the band blocks leave by band_partials, the rest by the tree
+                layer[(name, "bp", len(parts), a)] = (only_bands, key)
+                layer[(name, "rest", len(parts), a)] = (without_bands, key)
+                by_block[a].append((name, "bp", len(parts), a))
+                key = (name, "rest", len(parts), a)
             col_parts.append(key)
         if blocks == 1:
             parts.append(col_parts[0])
@@ -296,24 +343,28 @@ def long_graph(store: Any, tensor: str, d: Design, reductions: tuple[Any, ...] =
         closed = (name, "close", len(parts))
         layer[closed] = (close_sums, top)
         parts.append(closed)
+    if not all(complete):                      # units split between feature columns: their bands meet per block
+        for a, keys in enumerate(by_block):
+            layer[(name, "bands", a)] = (band_partials, keys, d)
+            parts.append((name, "bands", a))
     top = reduction_tree(layer, name, parts, split_every, reductions)
     final = (name, "agg")
     layer[final] = (_aggregate_long_all, top, reductions, tensor, int(info.shape[0]),
                     int(info.shape[1]) if heads else None, int(np.prod(info.shape[1:], dtype=np.int64)),
-                    from_sketch, d.band)
+                    from_sketch, d)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[])
     return Delayed(final, graph, layer=name)
 
 
 def _read_long(handle: Any, r0: int, r1: int, fsel: tuple[slice, ...], head0: int, split: bool, d: Design,
-               close: bool, reductions: tuple[Any, ...]) -> Partial:
+               close: bool, reductions: tuple[Any, ...], complete: tuple[bool, bool]) -> Partial:
     """Read records ``r0:r1`` of one feature column (and the band before them) and reduce them in one task."""
     from gradforensics.analysis.engine.gram import reduce_chunk
 
     sel = (slice(r0, r1), *fsel)
     x = handle[sel]
     prev = handle[(slice(max(0, r0 - d.band), r0), *fsel)] if r0 > 0 else None
-    out = long_chunk(x, prev, r0, head0, split, d, close)
+    out = long_chunk(x, prev, r0, head0, split, d, close, complete)
     if reductions:
         out.update(reduce_chunk(x, sel, reductions))
     return out

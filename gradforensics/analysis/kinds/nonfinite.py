@@ -22,6 +22,8 @@ import numpy as np
 from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag, GramResult, Need
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import pandas as pd
     from matplotlib.axes import Axes
 
@@ -64,7 +66,7 @@ def _row(g: GramResult, source: str, mask: np.ndarray, bad: np.ndarray, mixture:
     }
 
 
-def nonfinite_table(grams: dict[tuple[str, int | None], GramResult], mixture: np.ndarray, steps: np.ndarray,
+def nonfinite_table(grams: Mapping[tuple[str, int | None], GramResult], mixture: np.ndarray, steps: np.ndarray,
                     sources: tuple[str, ...]) -> pd.DataFrame:
     """The ``nonfinite.csv`` table (columns ``tensor``, ``head``, ``source`` first)."""
     import pandas as pd
@@ -80,7 +82,8 @@ def nonfinite_table(grams: dict[tuple[str, int | None], GramResult], mixture: np
 
 def compute(ctx: Context) -> AnalysisResult:
     b = ctx.batches
-    grams = ctx.long.record_grams() if ctx.long is not None else ctx.grams     # counts only above N0
+    # above N0: counts only, each unit's N counts built when it is read (sparse in the pass)
+    grams = ctx.long.record_grams() if ctx.long is not None else ctx.grams
     table = nonfinite_table(grams, b["mixture"], b["step"], ctx.sources)
     series = {f"counts/{g.tensor}": g.nonfinite for (t, h), g in grams.items()
               if h is None and g.nonfinite.any()}

@@ -48,13 +48,13 @@ weighed against each other.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from gradforensics.analysis.contract.grams import WindowMoments
 from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
@@ -66,6 +66,7 @@ from gradforensics.analysis.contract.model import (
     Need,
     Options,
 )
+from gradforensics.analysis.engine.bandstats import lag_design, oscillation_edges
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
@@ -335,37 +336,8 @@ def _frame(rows: list[dict[str, Any]]) -> Any:
 
 
 # ------------------------------------------------------- long histories (band)
-def lag_design(band: int, periods: np.ndarray) -> np.ndarray:
-    """Rows ``h_P`` (one per period) of the least-squares weights of ``cos(2πl/P)`` over lags ``l = 1..band``.
-
-    The regression of the lagged products on ``[1, l, l², cos(2πl/P)]``: ``h_P · c`` is
-    the cosine coefficient of ``c(l)``, orthogonal to a constant, linear and quadratic
-    trend in the lag (a mean gradient, a drifting one and a changing norm).  Built once
-    per (band, periods) and shared by every unit (a read-only array).
-    """
-    return _lag_design(int(band), tuple(int(P) for P in np.asarray(periods).ravel()))
-
-
-@functools.lru_cache(maxsize=16)
-def _lag_design(band: int, periods: tuple[int, ...]) -> np.ndarray:
-    lag = np.arange(1, band + 1, dtype=np.float64)
-    x = lag / band
-    out = np.zeros((len(periods), band))
-    for k, P in enumerate(periods):
-        X = np.c_[np.ones(band), x, x * x, np.cos(2 * np.pi * lag / P)]
-        out[k] = np.linalg.pinv(X)[3]
-    out.flags.writeable = False
-    return out
-
-
-def oscillation_edges(n: int, band: int, edges: np.ndarray) -> np.ndarray:
-    """Windows of the band test: the pass's windows, merged to at least ``4 · band`` records each."""
-    size = max(int(edges[1] - edges[0]) if edges.size > 1 else n, 4 * band)
-    return np.unique(np.r_[np.arange(0, n, size), n]).astype(np.int64)
-
-
-def band_oscillation(g: Any, edges: np.ndarray, min_records: int = 16) -> dict[str, Any]:
-    """Windowed test for a periodic lag structure in the banded Gram of one unit.
+def band_oscillation(m: WindowMoments | Any, edges: np.ndarray, min_records: int = 16) -> dict[str, Any]:
+    """Windowed test for a periodic lag structure in the banded Gram of one unit, from its window moments.
 
     For each window and period ``P`` (2 .. band), each record's lagged products
     ``B[l, i] = <g_i, g_{i-l}>`` give ``z_i = Σ_l h_P(l) B[l, i]`` (:func:`lag_design`);
@@ -373,29 +345,32 @@ def band_oscillation(g: Any, edges: np.ndarray, min_records: int = 16) -> dict[s
     mean gradient, a drift or noise adds nothing to ``E z``.  The ``z_i`` of distinct
     records are sums of distinct products, so ``t = mean z / (sd z / √n)`` is
     Student's t with ``n - 1`` degrees of freedom under no oscillation (Bonferroni
-    over windows and periods).
+    over windows and periods).  *m* is the unit's
+    :class:`~gradforensics.analysis.contract.grams.WindowMoments` over *edges* (the
+    pass reduces each window's ``n``, mean and sum of squares of ``z`` and ``Σ B[0]``;
+    or a :class:`~gradforensics.analysis.contract.grams.LongGram` holding them).
     """
     from scipy.special import stdtr  # stdtr(df, -t) = scipy.stats.t.sf(t, df), bit for bit
 
-    band = g.band.shape[0] - 1
-    periods = np.arange(2, band + 1)
-    H = lag_design(band, periods)
+    m = getattr(m, "moments", m)
     nw = edges.size - 1
+    if m.count.size != nw:
+        raise ValueError(f"band_oscillation: moments of {m.count.size} windows for {nw} windows of edges.")
+    periods = np.arange(2, m.mean.shape[1] + 2)
+    n = m.count
+    use = n >= min_records
     t = np.full((nw, periods.size), np.nan)
     tail = np.full((nw, periods.size), np.nan)
     amp = np.full((nw, periods.size), np.nan)
-    for w in range(nw):
-        B = g.band[:, edges[w]:edges[w + 1]]
-        ok = np.isfinite(B).all(axis=0)
-        if ok.sum() < min_records:
-            continue
-        B = B[:, ok]
-        Z = H @ B[1:]
-        mu, sd = Z.mean(axis=1), Z.std(axis=1, ddof=1)
-        e0 = float(B[0].mean())
-        t[w] = np.where(sd > 0, mu / np.where(sd > 0, sd, 1.0) * math.sqrt(B.shape[1]), 0.0)
-        tail[w] = stdtr(B.shape[1] - 1, -t[w])
-        amp[w] = 2.0 * mu / e0 if e0 > 0 else np.nan
+    if use.any():                       # every tested window at once
+        k = n[use][:, None]
+        mu = m.mean[use]
+        sd = np.sqrt(m.m2[use] / (k - 1))
+        e0 = m.e0[use][:, None] / k
+        t[use] = np.where(sd > 0, mu / np.where(sd > 0, sd, 1.0) * np.sqrt(k), 0.0)
+        tail[use] = stdtr(k - 1, -t[use])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            amp[use] = np.where(e0 > 0, 2.0 * mu / np.where(e0 > 0, e0, 1.0), np.nan)
     tested = int(np.isfinite(t).sum())
     if not tested:
         return {"p_value": math.nan}
@@ -415,7 +390,11 @@ def band_oscillation(g: Any, edges: np.ndarray, min_records: int = 16) -> dict[s
 
 
 def compute_long(ctx: Context) -> AnalysisResult:
-    """Oscillation above ``N₀`` records: the windowed band test of every tensor and head."""
+    """Oscillation above ``N₀`` records: the windowed band test of every tensor and head.
+
+    The consecutive-record cosines are kept per window of the band test (series
+    ``window_consecutive_cosine``: window centre, mean cosine), not per record.
+    """
     assert ctx.long is not None
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)), dtype=np.float64)
     edges = oscillation_edges(ctx.n_records, ctx.long.design.band, ctx.long.design.edges)
@@ -424,16 +403,15 @@ def compute_long(ctx: Context) -> AnalysisResult:
     cc_pack, win_pack = un.SeriesPack(), un.SeriesPack()
     dstep = float(np.median(np.diff(step))) if step.size > 1 else math.nan
     for (tensor, head), g in sorted(ctx.long.grams.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
-        cc = g.lag_cosines(1)
-        res = band_oscillation(g, edges)
-        n_ok = int(g.finite.sum())
+        res = band_oscillation(g.moments, edges)
+        n_ok = g.n_records - int(g.bad.size)
         row = {"tensor": tensor, "head": head, "layer": layer_of(tensor), "n_records": n_ok,
-               "n_excluded": ctx.n_records - n_ok, "consec_cos": finite_mean(cc),
+               "n_excluded": ctx.n_records - n_ok, "consec_cos": g.moments.consecutive_cosine(),
                **{k: v for k, v in res.items() if not k.startswith("window_")}}
         row["period_steps"] = row.get("period_records", math.nan) * dstep
         row["reversal"] = math.nan
         rows.append(row)
-        cc_pack.add(tensor, head, cc)
+        cc_pack.add(tensor, head, np.c_[centre, g.moments.window_cosines()])
         if "window_t" in res:
             win_pack.add(tensor, head, np.c_[centre, res["window_t"], res["window_share"]])
     table = _frame(rows)
@@ -441,7 +419,7 @@ def compute_long(ctx: Context) -> AnalysisResult:
     replay = ctx.meta.mode == "replay"
     table["severity"] = [0.0 if replay else fl.significance(p, n_tests) * fl.ramp(share, SHARE_FULL)
                          for p, share in zip(table["p_value"], table["explained"])]
-    return AnalysisResult(table=table, series={**cc_pack.to_series("consecutive_cosine"),
+    return AnalysisResult(table=table, series={**cc_pack.to_series("window_consecutive_cosine"),
                                                **win_pack.to_series("window_oscillation")})
 
 

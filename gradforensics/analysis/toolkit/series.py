@@ -154,7 +154,7 @@ def from_batches(batches: Mapping[str, np.ndarray], grams: Mapping[tuple[str, in
         The store's ``batches/*`` arrays (``loss`` and ``step`` at least).
     grams
         ``Context.grams`` (or ``Context.long.grams``: lag 0 of the banded Gram
-        above N₀ records); the norm of record i is ``sqrt(K_ii)`` of the whole
+        above N₀ records, kept per record for whole tensors); the norm of record i is ``sqrt(K_ii)`` of the whole
         tensor (the sum over heads when only heads were computed); records with
         a non-finite gradient are missing values.
     mode
@@ -195,10 +195,14 @@ def _grad_norms(grams: Mapping[tuple[str, int | None], Any]) -> dict[str, np.nda
     sq: dict[str, np.ndarray] = {}
     whole: set[str] = set()
     for (tensor, head), g in sorted(grams.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
-        # K_ii: the Gram matrix's diagonal, or lag 0 of the banded Gram (long histories)
-        d = (np.asarray(g.band[0], dtype=float).copy() if hasattr(g, "band")
-             else np.diag(np.asarray(g.gram, dtype=float)).copy())
-        d[~np.asarray(g.finite)] = np.nan
+        # K_ii: the Gram matrix's diagonal, or lag 0 of the banded Gram (long histories: whole tensors only)
+        if hasattr(g, "norms2"):
+            if head is not None:
+                continue
+            d = np.asarray(g.norms2(), dtype=float)
+        else:
+            d = np.diag(np.asarray(g.gram, dtype=float)).copy()
+            d[~np.asarray(g.finite)] = np.nan
         if head is None:
             sq[tensor] = d
             whole.add(tensor)
