@@ -22,6 +22,8 @@ import numpy as np
 from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag, GramResult, Need
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import pandas as pd
     from matplotlib.axes import Axes
 
@@ -64,7 +66,7 @@ def _row(g: GramResult, source: str, mask: np.ndarray, bad: np.ndarray, mixture:
     }
 
 
-def nonfinite_table(grams: dict[tuple[str, int | None], GramResult], mixture: np.ndarray, steps: np.ndarray,
+def nonfinite_table(grams: Mapping[tuple[str, int | None], GramResult], mixture: np.ndarray, steps: np.ndarray,
                     sources: tuple[str, ...]) -> pd.DataFrame:
     """The ``nonfinite.csv`` table (columns ``tensor``, ``head``, ``source`` first)."""
     import pandas as pd
