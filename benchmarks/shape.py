@@ -22,6 +22,7 @@ shared machine: min and median over ``--repeat``.
     python benchmarks/shape.py --records 256 --before /tmp/old          # full gradients
     python benchmarks/shape.py --records 1024 --sketch 256 --before /tmp/old
     python benchmarks/shape.py --small 2000 --before /tmp/old
+    python benchmarks/shape.py --records 512 --engine '{"long_history": 512}' --before /tmp/old   # exact in both
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "analyze":
         import gradforensics as gf
 
-        f = gf.analyze(args.store, progress=False)
+        f = gf.analyze(args.store, progress=False, options={"engine": json.loads(args.engine)} if args.engine else None)
         out = {"flags": len(f.flags), "digest": _digest(f)}
     elif args.child == "report":
         from gradforensics.cli import main
@@ -113,9 +114,10 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
-def run_child(verb: str, store: Path, pythonpath: str) -> dict:
+def run_child(verb: str, store: Path, pythonpath: str, engine: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    p = subprocess.run([sys.executable, __file__, "--child", verb, "--store", str(store)], env=env,
+    p = subprocess.run([sys.executable, __file__, "--child", verb, "--store", str(store),
+                        *(["--engine", engine] if engine else [])], env=env,
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
         raise SystemExit(f"{verb} {store} failed:\n{p.stderr[-3000:]}")
@@ -134,7 +136,7 @@ def compare(args: argparse.Namespace, stores: list[tuple[str, Path]], verbs: tup
         for verb in verbs:
             for label, path in stores:
                 for code, pp in codes:
-                    res.setdefault((verb, label, code), []).append(run_child(verb, path, pp))
+                    res.setdefault((verb, label, code), []).append(run_child(verb, path, pp, args.engine))
     print(f"{'verb':8} {'store':9} {'code':7} {'cpu min':>8} {'cpu med':>8} {'wall min':>8} {'wall med':>8} "
           f"{'rss MB':>7}  findings")
     for (verb, label, code), rows in res.items():
@@ -174,6 +176,8 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=None, metavar="T", help="the store of T tensors of 32 floats")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--before", default=None, metavar="DIR", help="a directory holding an older gradforensics/")
+    ap.add_argument("--engine", default=None, metavar="JSON",
+                    help='engine options for every analyze, e.g. \'{"long_history": 512}\' (the exact regime for both codes)')
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

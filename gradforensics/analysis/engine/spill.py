@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from gradforensics._format import fmt_bytes
 from gradforensics.analysis.contract.grams import GramResult
 from gradforensics.errors import WriteRefusedError, refusal
 from gradforensics.store.layout import MiB
@@ -188,8 +189,8 @@ class GramSpill:
         free = shutil.disk_usage(base).free
         if need + SPILL_RESERVE > free:
             return (f"the exact regime's Gram matrices ({n_units:,} tensors and heads x {n_records:,}² records x 8 "
-                    f"bytes = {need / 2**30:.1f} GiB) do not fit the {free / 2**30:.1f} GiB free under {base} "
-                    "(TMPDIR)", fits_on_disk(n_units, free))
+                    f"bytes = {fmt_bytes(need)}) do not fit the {fmt_bytes(free)} free under {base} (TMPDIR)",
+                    fits_on_disk(n_units, free))
         with self._lock:
             if self.directory is None:
                 self.directory = tempfile.mkdtemp(prefix="gradforensics-grams-", dir=base)
