@@ -14,7 +14,9 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +29,13 @@ from gradforensics.analysis import registered
 from gradforensics.analysis.contract.grams import GramResult
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Findings, Need
 from gradforensics.analysis.engine.longhistory import threshold
-from gradforensics.analysis.engine.results import load_grams
+from gradforensics.analysis.engine.results import gram_arrays, load_grams
 from gradforensics.analysis.engine.run import EngineOptions, compute_pass, n_units, select_analyses, units_at_once
 from gradforensics.analysis.engine.spill import SPILL_RESERVE, GramSpill, SpilledGrams, fits_on_disk, write_spilled
+from gradforensics.analysis.kinds.noise import noise_table
+from gradforensics.analysis.toolkit.parallel import map_units, unit_threads
+from gradforensics.analysis.toolkit.series import from_batches
+from gradforensics.analysis.toolkit.units import Units as units_of
 from gradforensics.errors import SpecError, WriteRefusedError
 from gradforensics.store.reader import Store
 
@@ -121,6 +127,7 @@ def test_spilled_mapping_gives_the_grams_held_in_memory(tmp_root: Path) -> None:
     assert list(tmp_root.iterdir()) == []
 
 
+@pytest.mark.slow                   # about 4 s warm; up to 10 s cold on a loaded machine (first analyze imports)
 def test_spilled_pass_matches_the_pass_in_memory_and_leaves_nothing_behind(heads_store: str, tmp_root: Path) -> None:
     seen: list[Any] = []
     with registered(_probe(seen)):
@@ -204,3 +211,58 @@ def test_under_a_distributed_client_the_client_spills_as_results_arrive(heads_st
     assert seen == [("dict", 0), ("SpilledGrams", 11)] and disk.header["scheduler"] == "distributed"
     _same(mem, disk)
     assert _spills(tmp_root) == []           # (the cluster leaves its own scratch space there)
+
+
+class _Counted(SpilledGrams):
+    """The spilled mapping, counting the Gram matrices alive at once (each loaded one, until freed)."""
+
+    def __init__(self, entries: Any) -> None:
+        super().__init__(entries)
+        self.live = self.most = 0
+        self._lock = threading.Lock()
+
+    def __getitem__(self, key: Any) -> GramResult:
+        g = super().__getitem__(key)
+        with self._lock:
+            self.live += 1
+            self.most = max(self.most, self.live)
+        weakref.finalize(g.gram, self._freed)
+        return g
+
+    def _freed(self) -> None:
+        with self._lock:
+            self.live -= 1
+
+
+def test_the_consumers_take_one_unit_at_a_time(tmp_root: Path) -> None:
+    rng = np.random.default_rng(2)
+    n, results = 24, []
+    for t in range(10):
+        parts = [rng.standard_normal((n, 5)) for _ in range(3)]
+        bad = np.zeros(n, np.int64)
+        bad[t] = 1
+        whole = np.hstack(parts)
+        results.append(GramResult(f"layers.{t}.w", None, whole @ whole.T, bad, 15))
+        results += [GramResult(f"layers.{t}.w", h, p @ p.T, bad, 5) for h, p in enumerate(parts)]
+    held = {(r.tensor, r.head): r for r in results}
+    n_samples, src = np.full(n, 8), np.arange(n) % 2
+    with GramSpill() as spill:
+        assert spill.start(len(results), n, True) is None and spill.directory is not None
+        grams = _Counted(write_spilled(spill.directory, 0, results))
+        with unit_threads(2):
+            got = map_units(lambda u: (u.where(), float(u.gram.sum()), u.n), units_of(grams, np.arange(n)))
+        assert got == [(u.where(), float(u.gram.sum()), u.n) for u in units_of(held, np.arange(n))]
+        assert grams.most <= 2                   # one a thread, of 40
+        for label, fn in (("series", lambda g: from_batches({"loss": np.ones(n)}, g)[1:]),
+                          ("noise", lambda g: noise_table(g, n_samples, src, ("a", "b"))),
+                          ("saving", lambda g: [a.sum() for a in gram_arrays(g, n).k])):
+            grams.most = 0
+            a, b = fn(grams), fn(held)
+            if label == "noise":
+                pd.testing.assert_frame_equal(a, b, check_exact=True)
+            elif label == "series":
+                assert [(x.name, x.combined.y.tolist()) for x in a] == [(x.name, x.combined.y.tolist()) for x in b]
+                assert len(a) == 10
+            else:
+                assert a == b
+            assert grams.most <= 2, label          # the one in hand and the next, of 40
