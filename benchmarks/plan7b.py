@@ -124,9 +124,11 @@ def plan(path: Path, n0: int | None = None) -> tuple[int, float, dict[str, Any]]
             keys.update(c.__dask_graph__().keys())
         store = Store(path, check_chunks=False)
         units = engine_run.n_units(store)
+        # N0 counts the largest tensor's units (whole + heads); a package before that counted them all
+        at_once = getattr(engine_run, "units_at_once", engine_run.n_units)(store)
         engine = engine_run.EngineOptions(long_history=n0)
-        regime = f"long-history (N0 {engine.n0(units):,} at {units:,} units)" if engine.long_regime(
-            store.n_records, units) else f"exact (N0 {engine.n0(units):,} at {units:,} units)"
+        name = "long-history" if engine.long_regime(store.n_records, at_once) else "exact"
+        regime = f"{name} (N0 {engine.n0(at_once):,} at {at_once:,} units at once, {units:,} in all)"
         return len(keys), seconds, {"records": store.n_records, "tensors": len(store.tensors), "regime": regime}
     finally:
         engine_run._run = real

@@ -31,6 +31,7 @@ shared machine: min and median over ``--repeat``.
     python benchmarks/shape.py --records 1024 --sketch 256 --before /tmp/old
     python benchmarks/shape.py --small 2000 --before /tmp/old
     python benchmarks/shape.py --layers 4 --d 256 --records 128 --breakdown --before /tmp/old   # real head width
+    python benchmarks/shape.py --records 512 --engine '{"long_history": 512}' --before /tmp/old   # exact in both
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def child(args: argparse.Namespace) -> None:
         import gradforensics as gf
 
         spent = _time_analyses() if args.breakdown else {}
-        f = gf.analyze(args.store, progress=False)
+        f = gf.analyze(args.store, progress=False, options={"engine": json.loads(args.engine)} if args.engine else None)
         out = {"flags": len(f.flags), "digest": _digest(f), "analyses": spent}
     elif args.child == "report":
         from gradforensics.cli import main
@@ -146,10 +147,12 @@ def _time_analyses() -> dict[str, float]:
     return spent
 
 
-def run_child(verb: str, store: Path, pythonpath: str, breakdown: bool = False) -> dict:
+def run_child(verb: str, store: Path, pythonpath: str, breakdown: bool = False,
+              engine: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath}
     p = subprocess.run([sys.executable, __file__, "--child", verb, "--store", str(store),
-                        *(["--breakdown"] if breakdown else [])], env=env,
+                        *(["--breakdown"] if breakdown else []),
+                        *(["--engine", engine] if engine else [])], env=env,
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
         raise SystemExit(f"{verb} {store} failed:\n{p.stderr[-3000:]}")
@@ -168,7 +171,8 @@ def compare(args: argparse.Namespace, stores: list[tuple[str, Path]], verbs: tup
         for verb in verbs:
             for label, path in stores:
                 for code, pp in codes:
-                    res.setdefault((verb, label, code), []).append(run_child(verb, path, pp, args.breakdown))
+                    res.setdefault((verb, label, code), []).append(run_child(verb, path, pp, args.breakdown,
+                                                                                 args.engine))
     print(f"{'verb':8} {'store':9} {'code':7} {'cpu min':>8} {'cpu med':>8} {'wall min':>8} {'wall med':>8} "
           f"{'rss MB':>7}  findings")
     for (verb, label, code), rows in res.items():
@@ -226,6 +230,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--before", default=None, metavar="DIR", help="a directory holding an older gradforensics/")
     ap.add_argument("--breakdown", action="store_true", help="CPU seconds of each analysis as well")
+    ap.add_argument("--engine", default=None, metavar="JSON",
+                    help='engine options for every analyze, e.g. \'{"long_history": 512}\' (the exact regime for both codes)')
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

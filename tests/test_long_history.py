@@ -168,7 +168,8 @@ def test_planted_truths_above_n0_with_their_records(long_store: object) -> None:
     f = gf.analyze(path, only=DIRECTIONS, progress=False)
     assert f.header["regime"]["name"] == "long-history"
     w = f.header["regime"]["window"]
-    assert f.header["regime"] == {"name": "long-history", "n0": 3344, "window": w, "windows": 128, "band": 32}
+    # N₀ = 4,096: six plain tensors, one Gram matrix at a time each (threshold(1); it was 3,344 for all six)
+    assert f.header["regime"] == {"name": "long-history", "n0": 4096, "window": w, "windows": 128, "band": 32}
     got = _flags(f)
     for name in OSC:
         lo, hi = truth["oscillation"][name]["records"]
@@ -196,7 +197,7 @@ def test_same_truths_at_2000_exact_and_long_agree(store_2000: str) -> None:
     exact = gf.analyze(store_2000, only=DIRECTIONS, progress=False, options=opts)
     long = gf.analyze(store_2000, only=DIRECTIONS, progress=False,
                       options={"engine": {"persist": False, "long_history": 0}})
-    assert exact.header["regime"] == {"name": "exact", "n0": 3344} and long.header["regime"]["name"] == "long-history"
+    assert exact.header["regime"] == {"name": "exact", "n0": 4096} and long.header["regime"]["name"] == "long-history"
     want = {("oscillation", OSC[0]), ("oscillation", OSC[1]), ("drift", DRIFT), ("conflict", CONFLICT)}
     for f in (exact, long):
         got = _flags(f)

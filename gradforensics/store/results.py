@@ -62,8 +62,10 @@ GROUP = "analysis"
 GRAM_INDEX = "gram_index"
 GRAM_ARRAY = f"{GROUP}/gram/k"
 NONFINITE_ARRAY = f"{GROUP}/gram/nonfinite"
-#: Gram matrices written per call (bounds the memory of one stacked write).
+#: Gram matrices written per call (bounds the memory of one stacked write) ...
 GRAM_BATCH = 64
+#: ... and their bytes: fewer per call for big N (a spilled pass streams them from disk).
+GRAM_BATCH_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -227,8 +229,9 @@ def _write_grams(b: StoreBackend, grams: GramArrays, into: generations.Selection
     k_at, nf_at = into.physical(GRAM_ARRAY), into.physical(NONFINITE_ARRAY)
     b.create(k_at, (m, n, n), "<f8", (1, max(n, 1), max(n, 1)), {}, "none")
     b.create(nf_at, (m, n), "<i8", (max(m, 1), max(n, 1)), {}, "none")
-    for start in range(0, m, GRAM_BATCH):
-        b.write_rows(k_at, start, np.stack(grams.k[start:start + GRAM_BATCH]))
+    step = max(1, min(GRAM_BATCH, GRAM_BATCH_BYTES // max(1, 8 * n * n)))
+    for start in range(0, m, step):
+        b.write_rows(k_at, start, np.stack(grams.k[start:start + step]))
     if m:
         b.write_rows(nf_at, 0, np.stack(grams.nonfinite))
     return {GRAM_ARRAY, NONFINITE_ARRAY, _write_document(b, GRAM_INDEX, grams.index, into)}

@@ -318,7 +318,11 @@ class Context:
     """Everything an analysis's ``compute`` and ``flags`` may use; built once per pass.
 
     ``grams`` holds the Gram matrices (when a selected analysis needs
-    :attr:`Need.GRAM`); ``computed[name]`` the values of analysis *name*'s
+    :attr:`Need.GRAM`): a read-only mapping ``{(tensor, head): GramResult}``.  On a
+    big pass its matrices wait on disk and each ``grams[key]`` reads one back
+    (:mod:`~gradforensics.analysis.engine.spill`), so take one unit at a time
+    (``for key in grams: g = grams[key]``) and do not keep them all in a list;
+    ``computed[name]`` the values of analysis *name*'s
     ``lazy`` graphs and ``slab_reductions`` (by their keys); ``options[name]`` its
     parsed options (read them with :meth:`options_for`).
 
@@ -336,7 +340,7 @@ class Context:
     store: Store | None
     meta: StoreMeta
     batches: dict[str, np.ndarray]
-    grams: dict[tuple[str, int | None], GramResult]
+    grams: Mapping[tuple[str, int | None], GramResult]
     computed: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     long: LongHistory | None = None

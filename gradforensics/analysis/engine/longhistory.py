@@ -1,7 +1,7 @@
 """Long histories: what the Gram pass computes when N×N would not fit.
 
-Above ``N₀`` records (:func:`threshold`: at most :data:`N0`, fewer when many tensors
-and heads would make the exact Gram matrices exceed :data:`GRAM_BUDGET`; engine
+Above ``N₀`` records (:func:`threshold`: at most :data:`N0`, fewer when one tensor's
+Gram matrices - its whole K and one per head - would exceed :data:`GRAM_BUDGET`; engine
 option ``long_history``) the per-record
 Gram matrix ``K`` (N×N) is never formed.  The same single streaming read of each
 slab computes, per tensor and head:
@@ -76,21 +76,28 @@ __all__ = ["BAND", "GRAM_BUDGET", "N0", "N_WINDOWS", "SUB_RECORDS", "BandBlock",
 N0 = 4096
 """Most records the exact regime takes (engine option ``long_history``; see :func:`threshold`)."""
 GRAM_BUDGET = 512 * 2**20
-"""Bytes the exact regime's Gram matrices may take together: ``N₀`` shrinks below :data:`N0` for many units."""
+"""Bytes one tensor's exact Gram matrices (whole + heads) may take: ``N₀`` shrinks below :data:`N0` for many heads."""
 BAND = 32
 """Lags of the banded Gram (engine option ``band``): oscillation periods up to ``BAND`` records."""
 N_WINDOWS = 128
 """Windows of the window-source sums (engine option ``windows``); ``W = ceil(N / N_WINDOWS)`` records each."""
 
 
-def threshold(n_units: int, requested: int | None = None) -> int:
-    """``N₀``: *requested*, or ``min(N0, ⌊√(GRAM_BUDGET / (8 · units))⌋)`` so the exact Gram matrices fit the budget.
+def threshold(units: int, requested: int | None = None) -> int:
+    """``N₀``: *requested*, or ``min(N0, ⌊√(GRAM_BUDGET / (8 · units))⌋)``, *units* the Gram matrices held at once.
 
-    Six units keep 3,344 records exact; a model with 1,000 tensors and heads keeps 259.
+    The exact regime's Gram matrices are spilled to disk as the pass computes them
+    (:mod:`~gradforensics.analysis.engine.spill`), so what is in memory at once is
+    one tensor's (its whole-tensor K and one per head) per thread, never the
+    whole store's: *units* is the largest tensor's, ``1 + heads``.  A plain tensor
+    keeps 4,096 records exact, a tensor of 8 heads 2,730, of 32 heads (a 7B-shaped
+    store) 1,426, whatever the number of tensors.  The core count does not enter:
+    the same store gets the same regime on every machine (memory is about
+    ``GRAM_BUDGET`` per thread, as it is ``slab_bytes`` per thread for the reads).
     """
     if requested is not None:
         return int(requested)
-    return int(min(N0, math.isqrt(GRAM_BUDGET // (8 * max(1, int(n_units))))))
+    return int(min(N0, math.isqrt(GRAM_BUDGET // (8 * max(1, int(units))))))
 
 
 def check_supported(selected: Iterable[Analysis], n_records: int, n0: int) -> None:

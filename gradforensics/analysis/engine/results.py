@@ -29,8 +29,8 @@ import json
 import math
 import os
 import zipfile
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -307,17 +307,41 @@ def findings_documents(findings: Findings) -> tuple[dict[str, np.ndarray], dict[
 
 
 # ------------------------------------------------------------------ grams
-def _ordered(grams: Mapping[tuple[str, int | None], GramResult]) -> list[GramResult]:
-    return [grams[k] for k in sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
+class _Column(Sequence[np.ndarray]):
+    """``grams[key].<field>`` for *keys*, taken one at a time (a spilled pass streams from disk, holding few)."""
+
+    def __init__(self, grams: Mapping[tuple[str, int | None], GramResult], keys: list[tuple[str, int | None]],
+                 field: str) -> None:
+        self._grams, self._keys, self._field = grams, keys, field
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @overload
+    def __getitem__(self, i: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[np.ndarray]: ...
+
+    def __getitem__(self, i: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return getattr(self._grams[self._keys[i]], self._field)
 
 
 def gram_arrays(grams: Mapping[tuple[str, int | None], GramResult], n_records: int) -> GramArrays:
-    """The Gram matrices of a pass, in the order and with the index entries they are saved with."""
-    entries = _ordered(grams)
-    index = [{"i": i, "tensor": g.tensor, "head": g.head, "n_features": g.n_features, "from_sketch": g.from_sketch}
-             for i, g in enumerate(entries)]
-    return GramArrays(n_records=int(n_records), index=index, k=[g.gram for g in entries],
-                      nonfinite=[g.nonfinite for g in entries])
+    """The Gram matrices of a pass, in the order and with the index entries they are saved with.
+
+    ``k`` and ``nonfinite`` read ``grams`` when they are taken, so saving a spilled
+    pass streams its matrices (:mod:`gradforensics.analysis.engine.spill`).
+    """
+    keys = sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    index = []
+    for i, key in enumerate(keys):
+        g = grams[key]
+        index.append({"i": i, "tensor": g.tensor, "head": g.head, "n_features": g.n_features,
+                      "from_sketch": g.from_sketch})
+    return GramArrays(n_records=int(n_records), index=index, k=_Column(grams, keys, "gram"),
+                      nonfinite=_Column(grams, keys, "nonfinite"))
 
 
 def save_results(path: str | os.PathLike[str] | Location, findings: Findings | None = None,

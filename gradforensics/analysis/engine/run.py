@@ -68,8 +68,9 @@ from gradforensics.analysis.engine.longhistory import (
     threshold,
 )
 from gradforensics.analysis.engine.results import save_results
+from gradforensics.analysis.engine.spill import GramSpill
 from gradforensics.analysis.toolkit.parallel import unit_threads
-from gradforensics.errors import EmptyStoreError, SpecError
+from gradforensics.errors import EmptyStoreError, SpecError, WriteRefusedError
 from gradforensics.store import remote
 from gradforensics.store.backends import locate
 from gradforensics.store.location import Location
@@ -105,12 +106,18 @@ class EngineOptions(Options):
         ``N₀``: above this many records the pass never forms the N×N Gram matrix
         and computes the banded Gram and window-source sums instead
         (:mod:`~gradforensics.analysis.engine.longhistory`); 0 forces that regime.
-        Default (None): ``min(4096, √(512 MiB / (8 · units)))``, units = tensors + heads,
-        so the exact regime's Gram matrices fit 512 MiB.
+        Default (None): ``min(4096, √(512 MiB / (8 · units)))``, units = the largest
+        tensor's whole + heads (the Gram matrices held at once: the others are spilled,
+        see ``spill``), so one tensor's Gram matrices fit 512 MiB.
     band
         Lags ``L`` of the banded Gram (long-history regime).
     windows
         Windows of the window-source sums (long-history regime): ``W = ceil(N / windows)``.
+    spill
+        Where the exact regime's Gram matrices wait for the analyses: True on disk (a
+        private directory under ``TMPDIR``, removed when the pass ends), False in memory,
+        None (default) on disk when they exceed 64 MiB in all
+        (:mod:`~gradforensics.analysis.engine.spill`).
     """
 
     slab_bytes: int = DEFAULT_SLAB_BYTES
@@ -121,6 +128,7 @@ class EngineOptions(Options):
     long_history: int | None = None
     band: int = BAND
     windows: int = N_WINDOWS
+    spill: bool | None = None
 
     def __post_init__(self) -> None:
         if int(self.slab_bytes) < 1 << 16:
@@ -137,13 +145,15 @@ class EngineOptions(Options):
             raise SpecError(f"engine option band must be in [1, 1024]; got {self.band}.")
         if not 4 <= int(self.windows) <= 4096:
             raise SpecError(f"engine option windows must be in [4, 4096]; got {self.windows}.")
+        if self.spill is not None and not isinstance(self.spill, bool):
+            raise SpecError(f"engine option spill must be true, false or null; got {self.spill!r}.")
 
     def n0(self, n_units: int) -> int:
-        """``N₀`` of a store with *n_units* tensors and heads (:func:`~gradforensics.analysis.engine.longhistory.threshold`)."""
+        """``N₀`` of a store whose largest tensor has *n_units* units, whole + heads (:func:`~gradforensics.analysis.engine.longhistory.threshold`)."""
         return threshold(n_units, self.long_history)
 
     def long_regime(self, n_records: int, n_units: int = 1) -> bool:
-        """Whether a pass over *n_records* records of *n_units* tensors and heads runs in the long-history regime."""
+        """Whether a pass over *n_records* records, largest tensor of *n_units* units, runs in the long-history regime."""
         return int(n_records) > self.n0(n_units)
 
 
@@ -232,7 +242,19 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
         An unknown analysis or option, or *storage_options* with a local path or an open :class:`Store`.
     EmptyStoreError
         The store holds no committed record.
+    WriteRefusedError
+        The exact regime was asked for (engine option ``long_history``), or an analysis
+        that runs in no other is selected, and its Gram matrices do not fit the free
+        space under ``TMPDIR`` (otherwise the pass falls back to the long-history regime
+        then, with a one-line warning).
     """
+    with GramSpill() as spill:      # the exact regime's Gram matrices on disk until the pass ends, error or not
+        return _analyze(path, client, only, options, progress, storage_options, spill)
+
+
+def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | None,
+             only: str | Iterable[str] | None, options: Mapping[str, Any] | None, progress: bool,
+             storage_options: Mapping[str, Any] | None, spill: GramSpill) -> Findings:
     t0 = time.perf_counter()
     store = _open(path, storage_options)
     writer = store.writer        # a store being written: analyse the committed prefix, say so in the header
@@ -244,7 +266,7 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
     selected = select_analyses(only)
     engine, per_analysis = split_options(options, selected)
     batches = store.batches()
-    grams, computed, long = _compute(store, selected, engine, client, progress, batches=batches)
+    grams, computed, long = _compute(store, selected, engine, client, progress, batches=batches, spill=spill)
     if progress:            # what follows the bar's 100 % takes a while on a big store: say what it is
         print("gradient pass done; computing the findings ...", file=sys.stderr,
               flush=True)
@@ -360,21 +382,32 @@ def compute_pass(store: Store, selected: list[Analysis], engine: EngineOptions, 
         An analysis returns the same key from ``lazy`` and ``slab_reductions``.
     """
     g, lazy, _ = _compute(store, selected, engine, client, progress, grams)
-    return g, lazy
+    return dict(g), lazy
 
 
 def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, client: Client | None,
              progress: bool, grams: bool = True, batches: dict[str, np.ndarray] | None = None,
-             ) -> tuple[dict[tuple[str, int | None], GramResult], dict[str, Any], LongHistory | None]:
-    """:func:`compute_pass`, plus the long-history results above ``N₀`` records (then no Gram matrix)."""
+             spill: GramSpill | None = None,
+             ) -> tuple[Mapping[tuple[str, int | None], GramResult], dict[str, Any], LongHistory | None]:
+    """:func:`compute_pass`, plus the long-history results above ``N₀`` records (then no Gram matrix).
+
+    With *spill* the exact regime's Gram matrices go to its directory as they are
+    computed (:mod:`~gradforensics.analysis.engine.spill`) and the mapping returned
+    reads them back one unit at a time.
+    """
     keys: list[tuple[str, ...]] = []
     collections: list[Any] = []
     want_gram = grams and any(Need.GRAM in a.needs for a in selected)
     reductions = _slab_reductions(store, selected)
     opts: dict[str, Any] = {"slab_bytes": engine.slab_bytes, "split_every": engine.split_every, "precision": engine.precision}
     long_design = None
-    if want_gram and engine.long_regime(store.n_records, n_units(store)):
-        check_supported(selected, store.n_records, engine.n0(n_units(store)))    # before anything is read
+    n0 = engine.n0(units_at_once(store))
+    if want_gram and store.n_records <= n0 and spill is not None:
+        n0 = _start_spill(store, selected, engine, spill, n0)     # below N records: no room on disk
+    where = client if client is not None else _default_client()
+    sink = spill if spill is not None and spill.on_disk else None
+    if want_gram and store.n_records > n0:
+        check_supported(selected, store.n_records, n0)    # before anything is read
         mix = (batches if batches is not None else store.batches())["mixture"]
         long_design = design(mix, engine.band, engine.windows)
     for tensor in store.tensors if want_gram else sorted(reductions):
@@ -392,12 +425,12 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
             continue
         if not mine:
             keys.append(("gram", tensor))
-            collections.append(gram_graph(store, tensor, **opts))
+            collections.append(_spilled(gram_graph(store, tensor, **opts), sink, len(keys) - 1, where))
             continue
         out: Any = slab_graph(store, tensor, [r for _, _, r in mine], gram=want_gram, **opts)
         if want_gram:
             keys.append(("gram", tensor))
-            collections.append(out[0])
+            collections.append(_spilled(out[0], sink, len(keys) - 1, where))
         for j, (aname, rkey, r) in enumerate(mine):
             keys.append(("lazy", aname, rkey))
             collections.append(out[1][j] if r.finish is None else r.finish(out[1][j]))
@@ -409,7 +442,9 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
                 raise SpecError(f"{a.name}: key {name!r} is returned by both lazy and slab_reductions.")
             keys.append(("lazy", a.name, name))
             collections.append(coll)
-    values = _run(collections, client, progress, engine.num_workers) if collections else []
+    arrive = {i: sink for i, k in enumerate(keys) if k[0] == "gram"} if sink is not None and where is not None \
+        else None                                   # under a client: spilled as they come back
+    values = _run(collections, client, progress, engine.num_workers, arrive) if collections else []
     gram_lists: dict[str, list[Any]] = {}
     lazy: dict[str, dict[str, Any]] = {a.name: {} for a in selected
                                        if a.lazy is not None or a.slab_reductions is not None}
@@ -420,17 +455,49 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
             lazy[key[1]][key[2]] = val
     if long_design is not None:
         longs = {(g.tensor, g.head): g for res in gram_lists.values() for g in res}
-        return {}, lazy, LongHistory(long_design, longs, engine.n0(n_units(store)))
-    return flatten_grams(gram_lists), lazy, None
+        return {}, lazy, LongHistory(long_design, longs, n0)
+    return (flatten_grams(gram_lists) if sink is None else sink.grams(gram_lists)), lazy, None
+
+
+def _spilled(collection: Any, sink: GramSpill | None, slot: int, client: Client | None) -> Any:
+    """One tensor's Gram collection, written to *sink* by a task of its own under the local scheduler."""
+    return collection if sink is None or client is not None else sink.wrap(collection, slot)
+
+
+def _start_spill(store: Store, selected: list[Analysis], engine: EngineOptions, spill: GramSpill, n0: int) -> int:
+    """``N₀`` of the pass: *n0*, or - ``TMPDIR`` lacks room for the exact Gram matrices - the records it has room for.
+
+    Falls back (with a one-line warning) only where nothing asked for the exact regime and
+    every selected analysis runs in the long one; otherwise refuses in one line.
+    """
+    short = spill.start(n_units(store), store.n_records, engine.spill)
+    if short is None:
+        return n0
+    what, fit = short
+    bad = [a.name for a in selected if not a.long_history]
+    if engine.long_history is not None or bad:
+        why = (f"{', '.join(bad)} cannot run in the long-history regime" if bad
+               else f"the exact regime was asked for (engine option long_history = {engine.long_history:,})")
+        raise WriteRefusedError(f"{store.path}: {what}, and {why}; point TMPDIR at a disk with room, or hold "
+                                "them in memory with options={'engine': {'spill': False}}.")
+    warnings.warn(f"{store.path}: {what}: running the long-history regime instead (N₀ = {fit:,} for this "
+                  "pass); point TMPDIR at a disk with room for the exact one.", stacklevel=5)
+    return min(n0, fit)
 
 
 def n_units(store: Store) -> int:
     """Tensors and heads of *store* the Gram pass covers (one Gram matrix each in the exact regime)."""
-    total = 0
-    for t in store.tensors:
-        info = store.grads[t] if t in store.grads else store.sketches[t]
-        total += 1 + (int(info.shape[1]) if info.heads is not None else 0)
-    return total
+    return sum(_units_of(store, t) for t in store.tensors)
+
+
+def units_at_once(store: Store) -> int:
+    """Units (whole + heads) of *store*'s largest tensor: the Gram matrices the exact regime holds at once per thread."""
+    return max((_units_of(store, t) for t in store.tensors), default=1)
+
+
+def _units_of(store: Store, tensor: str) -> int:
+    info = store.grads[tensor] if tensor in store.grads else store.sketches[tensor]
+    return 1 + (int(info.shape[1]) if info.heads is not None else 0)
 
 
 def _slab_reductions(store: Store, selected: list[Analysis]) -> dict[str, list[tuple[str, str, SlabReduction]]]:
@@ -444,8 +511,13 @@ def _slab_reductions(store: Store, selected: list[Analysis]) -> dict[str, list[t
     return out
 
 
-def _run(collections: list[Any], client: Client | None, progress: bool, num_workers: int | None) -> list[Any]:
-    """One compute of all *collections*, on *client* or the local scheduler."""
+def _run(collections: list[Any], client: Client | None, progress: bool, num_workers: int | None,
+         arrive: Mapping[int, GramSpill] | None = None) -> list[Any]:
+    """One compute of all *collections*, on *client* or the local scheduler.
+
+    Under a client, the results of the collections in *arrive* are handed to their
+    spill as each comes back (one at a time), never gathered all together.
+    """
     import dask
 
     client = client if client is not None else _default_client()
@@ -460,6 +532,8 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
             from distributed import progress as dprogress
 
             dprogress(futures)
+        if arrive:
+            return _gather_spilling(futures, arrive)
         return list(client.gather(futures))
     from threadpoolctl import threadpool_limits
 
@@ -470,6 +544,23 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
             kwargs["num_workers"] = int(num_workers)
     with threadpool_limits(limits=1), _progress_bar(progress):
         return list(dask.compute(*collections, optimize_graph=optimize, **kwargs))
+
+
+def _gather_spilling(futures: list[Any], arrive: Mapping[int, GramSpill]) -> list[Any]:
+    """The values of *futures* as they complete; those in *arrive* written to their spill first."""
+    from distributed import as_completed
+
+    at: dict[str, list[int]] = {}
+    for i, f in enumerate(futures):
+        at.setdefault(f.key, []).append(i)
+    values: list[Any] = [None] * len(futures)
+    for fut in as_completed(futures):
+        val = fut.result()
+        for i in at.pop(fut.key, []):
+            values[i] = arrive[i].arrive(i, val) if i in arrive else val
+            futures[i] = None          # the worker may drop it now
+        del fut, val
+    return values
 
 
 def _progress_bar(progress: bool) -> AbstractContextManager[Any]:
@@ -514,7 +605,7 @@ def _header(store: Store, batches: dict[str, np.ndarray], client: Client | None,
         "bytes": int(sum(i.nbytes for i in store.grads.values())),
         "scheduler": "distributed" if client is not None else "threads",
         "engine": {"slab_bytes": engine.slab_bytes, "split_every": engine.split_every, "precision": engine.precision},
-        "regime": long.header() if long is not None else {"name": "exact", "n0": engine.n0(n_units(store))},
+        "regime": long.header() if long is not None else {"name": "exact", "n0": engine.n0(units_at_once(store))},
         "seconds": round(seconds, 3), "versions": _versions(),
     }
 
@@ -530,7 +621,7 @@ def _versions() -> dict[str, str]:
             "dask": dask.__version__, "zarr": zarr.__version__, "h5py": h5py.__version__}
 
 
-def _persist(store: Store, findings: Findings, grams: dict[tuple[str, int | None], GramResult],
+def _persist(store: Store, findings: Findings, grams: Mapping[tuple[str, int | None], GramResult],
              long: bool = False) -> None:
     """Save findings and Gram matrices under ``analysis/``, holding the store's writer lock.
 

@@ -80,6 +80,8 @@ from gradforensics.analysis.toolkit.noisescale import (
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import pandas as pd
     from matplotlib.axes import Axes
 
@@ -179,25 +181,28 @@ def noise_rows(g: GramResult, d: Design, mask: np.ndarray | None = None) -> tupl
     return rows, parts
 
 
-def model_rows(grams: dict[tuple[str, int | None], GramResult], d: Design) -> list[dict[str, Any]]:
+def model_rows(grams: Mapping[tuple[str, int | None], GramResult], d: Design) -> list[dict[str, Any]]:
     """The ``whole model`` rows: |G|² and tr(Σ) summed over the whole tensors, on records usable in all."""
-    whole = [g for (_, h), g in grams.items() if h is None]
+    whole = [k for k in grams if k[1] is None]          # keys: a spilled pass reads each K when taken
     if not whole:
         return []
-    mask = np.logical_and.reduce([g.finite for g in whole]) & (d.n_samples > 0)
+    mask = np.logical_and.reduce([grams[k].finite for k in whole]) & (d.n_samples > 0)
     total: dict[str, Parts] = {}
-    for g in whole:
+    sketch = False
+    for k in whole:
+        g = grams[k]
+        sketch = sketch or g.from_sketch
         for label, p in noise_rows(g, d, mask)[1].items():
             total[label] = p if label not in total else total[label] + p
     out = []
     for label, p in total.items():
         sel = mask if label == "" else mask & (d.source_index == d.sources.index(label))
         how = "within sources" if label == "" and d.within else "pooled"
-        out.append(_row(MODEL, None, label, p, how, d.n_samples[sel], any(g.from_sketch for g in whole)))
+        out.append(_row(MODEL, None, label, p, how, d.n_samples[sel], sketch))
     return out
 
 
-def noise_table(grams: dict[tuple[str, int | None], GramResult], n_samples: np.ndarray, source_index: np.ndarray,
+def noise_table(grams: Mapping[tuple[str, int | None], GramResult], n_samples: np.ndarray, source_index: np.ndarray,
                 sources: tuple[str, ...], mixture: np.ndarray | None = None, mode: str = "training") -> pd.DataFrame:
     """The ``noise.csv`` table: the ``whole model`` rows, then a row per tensor, head and source (``source`` empty = all)."""
     import pandas as pd

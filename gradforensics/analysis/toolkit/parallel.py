@@ -13,7 +13,7 @@ bit for bit (each unit's permutations are seeded by its own name).  Outside
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -53,10 +53,15 @@ def unit_threads(n: int | None) -> Iterator[int]:
 
 
 def map_units(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """``[fn(x) for x in items]``, on the threads of :func:`unit_threads`; the first error is raised."""
-    todo = list(items)
+    """``[fn(x) for x in items]``, on the threads of :func:`unit_threads`; the first error is raised.
+
+    A :class:`~collections.abc.Sequence` (such as :func:`~gradforensics.analysis.toolkit.units.units`,
+    which reads each unit's Gram matrix when it is taken) is indexed in the thread that
+    runs ``fn``, so only the items in work are built at once.
+    """
+    todo: Sequence[T] = items if isinstance(items, Sequence) else list(items)
     threads = min(_THREADS.get(), len(todo))
     if threads <= 1:
         return [fn(x) for x in todo]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gradforensics-unit") as pool:
-        return list(pool.map(fn, todo))
+        return list(pool.map(lambda i: fn(todo[i]), range(len(todo))))

@@ -194,7 +194,10 @@ def _replay_axis(ranks: Any, n: int) -> np.ndarray:
 def _grad_norms(grams: Mapping[tuple[str, int | None], Any]) -> dict[str, np.ndarray]:
     sq: dict[str, np.ndarray] = {}
     whole: set[str] = set()
-    for (tensor, head), g in sorted(grams.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
+    for tensor, head in sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
+        if head is not None and tensor in whole:
+            continue                        # the whole tensor's norms are there: no head is read
+        g = grams[(tensor, head)]           # one at a time: a spilled pass reads each from disk
         # K_ii: the Gram matrix's diagonal, or lag 0 of the banded Gram (long histories: whole tensors only)
         if hasattr(g, "norms2"):
             if head is not None:

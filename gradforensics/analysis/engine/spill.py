@@ -1,0 +1,218 @@
+"""The exact regime's Gram matrices on disk as the pass computes them, read back one unit at a time.
+
+Below ``N₀`` records the pass computes one N×N float64 Gram matrix per tensor and head
+(a *unit*): ``units × N² × 8`` bytes, 1.9 GB for 936 units at N = 512, 70 GB for a
+7B-shaped store (4,320 units) at N = 1,426.  Held in memory together, they made
+the pass's memory grow with the unit count, and ``N₀`` had to fall with it.
+:class:`GramSpill` keeps them out of memory instead:
+
+* under the local scheduler each tensor's results are written (``numpy.save``) by a
+  task of the pass itself, right after the task that computes them, so the pass
+  holds the Gram matrices of the tensors in flight only; under a
+  ``dask.distributed`` client they are written by the client as each tensor's
+  result arrives (``as_completed``), so it never holds them all;
+* ``Context.grams`` is then a read-only mapping, :class:`SpilledGrams`, whose
+  ``grams[(tensor, head)]`` memory-maps that unit's matrix (copy-on-write: an
+  analysis may scribble on it, the file is never changed): memory is bounded by
+  the units in use (the threads of :func:`~gradforensics.analysis.toolkit.parallel.map_units`),
+  not by all units, and reading only ``nonfinite`` or the diagonal touches little;
+* saving them into the store streams them from the files (a few at a time).
+
+The files go to a private directory made with :func:`tempfile.mkdtemp` under the
+platform's temporary directory (``TMPDIR``), not the store's ``analysis/`` group:
+the store may be read-only, at a URL or on a slow network file system, and a
+private directory is local, writable and removed as a whole when the pass ends,
+also when an analysis raises.  Before anything is read :meth:`GramSpill.start`
+checks that the directory's file system has room (:func:`shutil.disk_usage`);
+when it has not, it says so in one line and the pass falls back to the
+long-history regime (or refuses, when the exact regime was asked for).
+
+Small passes (Gram matrices of at most :data:`SPILL_ABOVE` bytes in all) keep them in
+memory, as before; the engine option ``spill`` forces either way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gradforensics._format import fmt_bytes
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.errors import WriteRefusedError, refusal
+from gradforensics.store.layout import MiB
+
+__all__ = ["SPILL_ABOVE", "SPILL_RESERVE", "GramSpill", "Spilled", "SpilledGrams", "fits_on_disk", "spill_bytes",
+           "write_spilled"]
+
+SPILL_ABOVE = 64 * MiB
+"""Gram bytes of a pass (``units × N² × 8``) up to which they stay in memory (engine option ``spill`` None)."""
+SPILL_RESERVE = 256 * MiB
+"""Free bytes the spill leaves on its file system."""
+_NPY_HEADER = 128
+
+Key = tuple[str, int | None]
+
+
+def spill_bytes(n_units: int, n_records: int) -> int:
+    """Bytes the Gram matrices of *n_units* tensors and heads over *n_records* records take on disk."""
+    return int(n_units) * (int(n_records) ** 2 * 8 + _NPY_HEADER)
+
+
+def fits_on_disk(n_units: int, free: int) -> int:
+    """The most records whose Gram matrices of *n_units* units fit in *free* bytes (keeping :data:`SPILL_RESERVE`)."""
+    room = max(0, int(free) - SPILL_RESERVE) // max(1, int(n_units)) - _NPY_HEADER
+    return math.isqrt(max(0, room) // 8)
+
+
+@dataclass(frozen=True)
+class Spilled:
+    """One unit's Gram matrix in a file: what :class:`GramResult` holds, ``gram`` replaced by its path."""
+
+    tensor: str
+    head: int | None
+    path: str
+    nonfinite: np.ndarray
+    n_features: int
+    from_sketch: bool = False
+
+    def load(self) -> GramResult:
+        """The :class:`GramResult`, its ``gram`` memory-mapped copy-on-write (the file is never changed)."""
+        gram = np.load(self.path, mmap_mode="c", allow_pickle=False)
+        return GramResult(self.tensor, self.head, gram, self.nonfinite, self.n_features, self.from_sketch)
+
+
+def write_spilled(directory: str, slot: int, results: Sequence[GramResult]) -> list[Spilled]:
+    """Write the Gram matrices of one tensor's *results* (whole, heads) to *directory*; their :class:`Spilled`.
+
+    A task of the pass under the local scheduler, and the client's arrival hook
+    under ``dask.distributed``; *slot* (the tensor's place in the pass) names the
+    files, so they are distinct without any shared state.
+
+    Raises
+    ------
+    WriteRefusedError
+        The disk refused a write (full, read-only): it names the directory and what to do.
+    """
+    out = []
+    for j, g in enumerate(results):
+        path = os.path.join(directory, f"{int(slot)}-{j}.npy")
+        try:
+            np.save(path, np.ascontiguousarray(g.gram, dtype=np.float64), allow_pickle=False)
+        except OSError as exc:
+            why = refusal(exc)
+            if why is None:
+                raise
+            raise WriteRefusedError(f"{directory}: the Gram matrix of {g.tensor}"
+                                    f"{'' if g.head is None else f' head {g.head}'} could not be spilled ({why}); "
+                                    "point TMPDIR at a disk with room, or pass options={'engine': "
+                                    "{'long_history': 0}} (no per-record Gram matrix).") from exc
+        out.append(Spilled(g.tensor, g.head, path, np.asarray(g.nonfinite), int(g.n_features), bool(g.from_sketch)))
+    return out
+
+
+class SpilledGrams(Mapping[Key, GramResult]):
+    """``Context.grams`` of a spilled pass: ``{(tensor, head): GramResult}``, read-only, each loaded on access.
+
+    Iteration order is the pass's (tensors in store order, each whole then its
+    heads), as the in-memory dict's was.  Entries held in memory (a small pass)
+    are returned as they are.  Safe to read from several threads.
+    """
+
+    def __init__(self, entries: Sequence[GramResult | Spilled]) -> None:
+        self._entries: dict[Key, GramResult | Spilled] = {(e.tensor, e.head): e for e in entries}
+
+    def __getitem__(self, key: Key) -> GramResult:
+        e = self._entries[key]
+        return e.load() if isinstance(e, Spilled) else e
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        on_disk = sum(isinstance(e, Spilled) for e in self._entries.values())
+        return f"SpilledGrams({len(self)} units, {on_disk} on disk)"
+
+
+class GramSpill:
+    """Where one pass's Gram matrices go: memory, or a private directory under ``TMPDIR`` (a context manager).
+
+    :meth:`start` decides (before anything is read), :meth:`wrap` makes a tensor's
+    Gram collection write its results there, :meth:`arrive` writes results that
+    came back to the client, :meth:`grams` is the ``Context.grams`` mapping; leaving
+    the ``with`` block removes the directory and everything in it.
+    """
+
+    def __init__(self) -> None:
+        self.directory: str | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> GramSpill:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the spill directory (nothing happens for a pass held in memory)."""
+        with self._lock:
+            where, self.directory = self.directory, None
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
+
+    def start(self, n_units: int, n_records: int, spill: bool | None) -> tuple[str, int] | None:
+        """Get ready for the Gram matrices of *n_units* units over *n_records* records.
+
+        *spill*: True spills, False holds them in memory, None spills above
+        :data:`SPILL_ABOVE` bytes.  Returns None when ready, or - the temporary
+        directory's file system lacks the room - one line saying how much is
+        needed, where, and how much is free, and the most records that would fit
+        (below *n_records*; nothing is created then).
+        """
+        need = spill_bytes(n_units, n_records)
+        if spill is False or (spill is None and need <= SPILL_ABOVE):
+            return None
+        base = tempfile.gettempdir()
+        free = shutil.disk_usage(base).free
+        if need + SPILL_RESERVE > free:
+            return (f"the exact regime's Gram matrices ({n_units:,} tensors and heads x {n_records:,}² records x 8 "
+                    f"bytes = {fmt_bytes(need)}) do not fit the {fmt_bytes(free)} free under {base} (TMPDIR)",
+                    fits_on_disk(n_units, free))
+        with self._lock:
+            if self.directory is None:
+                self.directory = tempfile.mkdtemp(prefix="gradforensics-grams-", dir=base)
+        return None
+
+    @property
+    def on_disk(self) -> bool:
+        return self.directory is not None
+
+    def wrap(self, collection: Any, slot: int) -> Any:
+        """*collection* (one tensor's ``list[GramResult]``) followed by the task writing it to disk, when spilling."""
+        if self.directory is None:
+            return collection
+        import dask
+
+        return dask.delayed(write_spilled, pure=False)(self.directory, slot, collection)
+
+    def arrive(self, slot: int, results: Sequence[GramResult]) -> list[Spilled] | Sequence[GramResult]:
+        """Results of one tensor that came back to the client: written to disk when spilling."""
+        return results if self.directory is None else write_spilled(self.directory, slot, results)
+
+    @staticmethod
+    def grams(lists: Mapping[str, Sequence[GramResult | Spilled]]) -> SpilledGrams:
+        """``Context.grams`` from ``{tensor: [whole, head0, ...]}`` of results or :class:`Spilled` entries."""
+        return SpilledGrams([e for res in lists.values() for e in res])
