@@ -355,8 +355,11 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
                 first, last = spans[0][u.records], spans[1][u.records]
                 seg = np.minimum((first * SEGMENTS) // max(int(spans[1].max()) + 1, 1), SEGMENTS - 1)
                 where = segment_span(u.gram, mix[u.records], seg, r["a"], r["b"])
-                lo, hi = (0, SEGMENTS - 1) if where is None else where
-                r["record_first"], r["record_last"] = int(first[seg == lo].min()), int(last[seg == hi].max())
+                if where is None:           # no segment points apart: the whole history (some segments may be empty)
+                    r["record_first"], r["record_last"] = int(first.min()), int(last.max())
+                else:
+                    lo, hi = where
+                    r["record_first"], r["record_last"] = int(first[seg == lo].min()), int(last[seg == hi].max())
             r.update(tensor=u.tensor, head=u.head, layer=u.layer, source_a=ctx.sources[r.pop("a")],
                      source_b=ctx.sources[r.pop("b")], n_records=u.n, n_excluded=u.n_excluded)
             rows.append(r)
