@@ -400,7 +400,7 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
     else:
         raise MissingArrayError(f"{store.path}: no grads/{tensor} or sketch/{tensor} in the store; "
                                 f"tensors are {store.tensors[:5]}{'...' if len(store.tensors) > 5 else ''}.")
-    chunks = store.lazy(info.name, slab_bytes).chunks       # all records x whole on-disk feature chunks
+    chunks = store.chunks(info.name, slab_bytes)       # all records x whole on-disk feature chunks
     return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None,
                           from_sketch=from_sketch, split_every=split_every, precision=precision)
 
@@ -421,7 +421,7 @@ def slab_graph(store: Store, tensor: str, reductions: Sequence[SlabReduction], *
     if not reductions:
         raise SpecError(f"{store.path}: slab_graph of {tensor} needs at least one slab reduction.")
     info = store.grads[tensor]
-    chunks = store.lazy(info.name, slab_bytes).chunks
+    chunks = store.chunks(info.name, slab_bytes)
     return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None, from_sketch=False,
                           split_every=split_every, precision=precision, reductions=tuple(reductions), gram=gram)
 

@@ -453,6 +453,12 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
     # Array / Delayed collections grouped by type, not in the order given, when it
     # optimizes the graph; keep the order by not optimizing a mixed list.
     optimize = len({type(c) for c in collections}) <= 1
+    # Delayed graphs (the Gram and slab passes) are built with exactly the tasks they need:
+    # culling thousands of their layers cost more than running a small store's pass.
+    from dask.delayed import Delayed
+
+    if all(isinstance(c, Delayed) for c in collections):
+        optimize = False
     if client is not None:
         client.run(_pin_blas)
         futures = client.compute(collections, optimize_graph=optimize)

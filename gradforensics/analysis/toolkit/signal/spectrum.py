@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradforensics.analysis.contract.model import Options
-from gradforensics.analysis.toolkit.signal.background import expected_welch, filtered_ar1_acov, fit_ar1, hann, welch_dof
+from gradforensics.analysis.toolkit.signal.background import GainGrid, expected_welch, fit_ar1, hann, welch_dof
 from gradforensics.analysis.toolkit.signal.detrending import DETRENDERS, Detrended, default_nperseg, detrend, winsorize
 from gradforensics.errors import SpecError
 
@@ -275,12 +275,12 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> Line
     dof = np.full(freq.size, welch_dof(nper, n_seg))
     if nper % 2 == 0:
         dof[-1] /= 2.0
-    grid = det.gain_grid(max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
+    grid = _gain_grid(det, max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
     tested = (freq > 0) & ((det.method == "diff") | (det.gain(freq) >= 0.5))
     fit = r
     for _ in range(2):   # second pass: background refitted with the significant sinusoids removed
         a, s2 = fit_ar1(fit, grid)
-        bg = s2 * expected_welch(filtered_ar1_acov(a, grid, nper), nper)
+        bg = s2 * expected_welch(grid.acov(a, nper), nper)
         ok = tested & (bg > 0)
         p = np.ones(freq.size)
         p[ok] = chi2.sf(dof[ok] * power[ok] / bg[ok], dof[ok])
@@ -295,6 +295,24 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> Line
     return LineSpectrum(freq, power, bg, p, p_adj, ok, _chi2_line(bg, dof, opt.alpha / m),
                         _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), nper,
                         n_seg, a, s2, det, n_clipped, peaks, n_sig, opt)
+
+
+_GRIDS: dict[tuple[str, bytes, int], GainGrid] = {}
+
+
+def _gain_grid(det: Detrended, m: int) -> GainGrid:
+    """The gain grid of *det*'s filter on *m* points, shared by every series detrended alike.
+
+    A store's gradient-norm series all have the store's length, hence one detrender:
+    its grid, cosine and AR(1) autocovariances are computed once, not once a series.
+    """
+    key = (det.method, np.asarray(det.coeffs, dtype=float).tobytes(), int(m))
+    grid = _GRIDS.get(key)
+    if grid is None:
+        if len(_GRIDS) >= 16:
+            _GRIDS.clear()
+        grid = _GRIDS[key] = GainGrid(det.gain_grid(m))
+    return grid
 
 
 def sinusoid_fit(r: np.ndarray, freqs: Sequence[float]) -> np.ndarray:
