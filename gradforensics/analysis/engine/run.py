@@ -56,7 +56,7 @@ from gradforensics.analysis.engine.gram import (
     SlabReduction,
     flatten_grams,
     gram_graph,
-    slab_graph,
+    slab_outputs,
 )
 from gradforensics.analysis.engine.longhistory import (
     BAND,
@@ -394,13 +394,13 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
             keys.append(("gram", tensor))
             collections.append(gram_graph(store, tensor, **opts))
             continue
-        out: Any = slab_graph(store, tensor, [r for _, _, r in mine], gram=want_gram, **opts)
-        if want_gram:
+        g, parts = slab_outputs(store, tensor, [r for _, _, r in mine], gram=want_gram, **opts)
+        if g is not None:
             keys.append(("gram", tensor))
-            collections.append(out[0])
+            collections.append(g)
         for j, (aname, rkey, r) in enumerate(mine):
             keys.append(("lazy", aname, rkey))
-            collections.append(out[1][j] if r.finish is None else r.finish(out[1][j]))
+            collections.append(parts[j] if r.finish is None else r.finish(parts[j]))
     for a in selected:
         if a.lazy is None:
             continue
