@@ -254,9 +254,10 @@ def thin_ticks(ax: Axes, limit: int = MAX_TICK_LABELS) -> None:
     from matplotlib.ticker import FixedFormatter, FixedLocator
 
     for axis in (ax.xaxis, ax.yaxis):
-        if not isinstance(axis.get_major_locator(), FixedLocator):
+        loc = axis.get_major_locator()
+        if not isinstance(loc, FixedLocator):
             continue
-        locs = list(axis.get_major_locator().locs)
+        locs = list(loc.tick_values(0, 0))           # a FixedLocator returns its own locations
         if len(locs) <= limit:
             continue
         fmt = axis.get_major_formatter()

@@ -296,8 +296,10 @@ def _gram_graph(shape: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], ten
         raise SpecError(f"{tensor}: a head-split array needs a head axis; got shape {shape}.")
     # the handle by what it reads; reductions (closures over stores, arrays) by a fresh token: tokenizing
     # them cost milliseconds a tensor, and no two slab passes of one compute may share a name anyway
-    source = dep.name if dep is not None else (handle.location.path, handle.location.kind, handle.name,
-                                               handle.shape, handle.encoding, handle.chunks)
+    source: Any = dep.name if dep is not None else None
+    if handle is not None:
+        source = (handle.location.path, handle.location.kind, handle.name, handle.shape, handle.encoding,
+                  handle.chunks)
     if not gram and not reductions:
         raise SpecError(f"{tensor}: a slab pass needs the Gram matrix or at least one slab reduction.")
     once = uuid.uuid4().hex if reductions else None
