@@ -90,8 +90,6 @@ def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) ->
         Savitzky–Golay window (odd; default ``2 * default_nperseg(len(y)) + 1``,
         capped at the largest odd number ≤ len(y)).
     """
-    from scipy.signal import savgol_filter
-
     y = np.asarray(y, dtype=float)
     if method == "diff":
         return Detrended(np.diff(y), y[:-1], "diff", 0, 1)
@@ -105,16 +103,37 @@ def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) ->
     base = log_time_fit(y)
     z, shifts = remove_level_shifts(y - base, max(8, w // 8))
     coeffs = _savgol_coeffs(w).copy()
-    smooth = savgol_filter(z, w, 3, mode="interp") if w <= 1025 else _savgol_fft(z, coeffs)
+    smooth = _savgol_interp(z, w) if w <= 1025 else _savgol_fft(z, coeffs)
     return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, coeffs, tuple(shifts))
 
 
 @lru_cache(maxsize=64)
 def _savgol_coeffs(w: int) -> np.ndarray:
-    """``scipy.signal.savgol_coeffs(w, 3)``, once per window (every series of a store shares it)."""
+    """``scipy.signal.savgol_coeffs(w, 3)``, once per window (every series of a store shares it; read-only)."""
     from scipy.signal import savgol_coeffs
 
-    return savgol_coeffs(w, 3)
+    c = np.asarray(savgol_coeffs(w, 3))
+    c.setflags(write=False)
+    return c
+
+
+def _savgol_interp(z: np.ndarray, w: int) -> np.ndarray:
+    """``scipy.signal.savgol_filter(z, w, 3, mode="interp")`` with the window's coefficients computed once.
+
+    The same two steps SciPy takes (the convolution, then the cubic fitted to each edge) on
+    the same coefficients, so the same values bit for bit; SciPy alone where its edge fit
+    is not importable.
+    """
+    try:
+        from scipy.ndimage import convolve1d
+        from scipy.signal._savitzky_golay import _fit_edges_polyfit
+    except ImportError:          # a SciPy that moved its private helper: the public filter
+        from scipy.signal import savgol_filter
+
+        return np.asarray(savgol_filter(z, w, 3, mode="interp"))
+    y = convolve1d(z, _savgol_coeffs(w), axis=-1, mode="constant")
+    out = _fit_edges_polyfit(z, w, 3, 0, 1.0, -1, y)
+    return np.asarray(y if out is None else out)      # older SciPy fills y in place and returns None
 
 
 def _savgol_fft(z: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
