@@ -186,6 +186,10 @@ def test_series_image_read_in_place_equals_np_load() -> None:
         assert (got[k].dtype, got[k].shape, got[k].tobytes()) == (v.dtype, v.shape, v.tobytes()), k
         assert got[k].flags.f_contiguous == v.flags.f_contiguous and got[k].flags.writeable
     got["a/x"][0] = 1.0                                            # writable, and its own
+    old = io.BytesIO()                                             # an image as np.savez wrote it (stores before)
+    np.savez(old, **{f"s{i}": v for i, v in enumerate(series.values())}, __keys__=np.asarray(list(series), dtype=str))
+    before = parse_series(np.frombuffer(old.getvalue(), np.uint8))
+    assert all(before[k].tobytes() == v.tobytes() and before[k].shape == v.shape for k, v in ref.items())
     assert parse_series(raw)["a/x"][0] == series["a/x"][0]
 
 

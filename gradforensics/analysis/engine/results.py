@@ -181,8 +181,29 @@ def pack_series(series: Mapping[str, Any]) -> np.ndarray:
     buf = io.BytesIO()
     arrays: dict[str, Any] = {f"s{i}": np.asarray(v) for i, v in enumerate(series.values())}
     arrays["__keys__"] = np.asarray(list(series.keys()), dtype=str)
-    np.savez(buf, **arrays)
+    headers: dict[tuple[str, tuple[int, ...], bool], bytes] = {}
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for key, arr in arrays.items():      # what np.savez writes, one header built per distinct shape
+            zf.writestr(f"{key}.npy", _npy_bytes(arr, headers))
     return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+
+def _npy_bytes(arr: np.ndarray, headers: dict[tuple[str, tuple[int, ...], bool], bytes]) -> bytes:
+    """The ``.npy`` file of *arr* (as ``np.save`` writes it), its header memoised in *headers*."""
+    fortran = bool(arr.flags.f_contiguous and not arr.flags.c_contiguous)
+    key = (arr.dtype.str, arr.shape, fortran)
+    if key not in headers:
+        out = io.BytesIO()
+        try:
+            if arr.dtype.hasobject or arr.dtype.names is not None:
+                raise ValueError("not a plain array")
+            np.lib.format.write_array_header_1_0(out, np.lib.format.header_data_from_array_1_0(arr))
+        except ValueError:       # anything unusual: NumPy's own writer, whole (and its refusals)
+            out = io.BytesIO()
+            np.lib.format.write_array(out, arr, allow_pickle=False)
+            return out.getvalue()
+        headers[key] = out.getvalue()
+    return headers[key] + (arr.T.tobytes() if fortran else arr.tobytes())
 
 
 def parse_series(raw: Any, where: str = "series") -> dict[str, np.ndarray]:
