@@ -151,6 +151,7 @@ def test_gram_matrices_many_a_chunk_and_the_old_layout_still_loads(tmp_path, mon
     assert raw.gram_chunk_rows(3, 4096) == 1 and raw.gram_chunk_rows(0, 8) == 1
 
 
+@pytest.mark.slow
 def test_old_layout_results_still_report(tmp_path, monkeypatch) -> None:
     """A store analysed with one Gram matrix a chunk (the layout before) renders with the same flags."""
     import json
