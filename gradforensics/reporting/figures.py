@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.reporting.summary import FlagGroup
 
-__all__ = ["DPI", "MAX_HEAD_COLUMNS", "MAX_LAYER_SPAN", "MAX_SEPARATORS", "OTHER", "Overview", "analysis_name",
-           "evidence", "new_figure", "overview", "overview_data", "plain_log_ticks", "to_png"]
+__all__ = ["DPI", "MAX_HEAD_COLUMNS", "MAX_LAYER_SPAN", "MAX_SEPARATORS", "MAX_TICK_LABELS", "OTHER", "Overview",
+           "analysis_name", "evidence", "new_figure", "overview", "overview_data", "plain_log_ticks", "thin_ticks",
+           "to_png"]
 
 
 DPI = 110
@@ -43,6 +44,9 @@ MAX_LAYER_SPAN = 1024
 MAX_HEAD_COLUMNS = 256
 #: Column separators are drawn up to this many layer columns.
 MAX_SEPARATORS = 200
+#: An evidence figure labels at most this many ticks per axis (every k-th beyond): a plot with a
+#: label per tensor of a 2,000-tensor model cost 20 s to render, unreadable at any size.
+MAX_TICK_LABELS = 64
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -233,7 +237,34 @@ def evidence(findings: Findings, finding: FlagGroup) -> tuple[Figure, str | None
         fig.clear()
         fig.set_size_inches(7.2, 1.1)
         _note(fig.add_subplot(), note)
-    elif not ax.get_title():
-        head = "" if flag.head is None else f", head {flag.head}"
-        ax.set_title(visible(f"{finding.title}: {flag.tensor}{head}"), fontsize=10)
+    else:
+        for a in fig.axes:
+            thin_ticks(a)
+        if not ax.get_title():
+            head = "" if flag.head is None else f", head {flag.head}"
+            ax.set_title(visible(f"{finding.title}: {flag.tensor}{head}"), fontsize=10)
     return fig, note
+
+
+def thin_ticks(ax: Axes, limit: int = MAX_TICK_LABELS) -> None:
+    """Keep every k-th fixed tick (and its label) of an axis that has more than *limit*.
+
+    Labels keep their text, rotation and size; the data drawn are untouched.
+    """
+    from matplotlib.ticker import FixedFormatter, FixedLocator
+
+    for axis in (ax.xaxis, ax.yaxis):
+        loc = axis.get_major_locator()
+        if not isinstance(loc, FixedLocator):
+            continue
+        locs = list(loc.tick_values(0, 0))           # a FixedLocator returns its own locations
+        if len(locs) <= limit:
+            continue
+        fmt = axis.get_major_formatter()
+        texts = list(fmt.seq) if isinstance(fmt, FixedFormatter) and len(fmt.seq) == len(locs) else None
+        first = axis.majorTicks[0].label1          # one tick, not thousands: its label's style
+        step = math.ceil(len(locs) / limit)
+        if texts is None:
+            axis.set_ticks(locs[::step])
+        else:
+            axis.set_ticks(locs[::step], texts[::step], rotation=first.get_rotation(), fontsize=first.get_fontsize())

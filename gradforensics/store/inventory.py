@@ -276,10 +276,23 @@ def _zarr_parse(path: str, where: str, meta: dict[str, Any]) -> None:
     fill value, ...) are one line naming the file, not a traceback at the first read."""
     from zarr.core.metadata.v3 import ArrayV3Metadata
 
+    # hundreds of arrays share their metadata but for the attributes (any JSON object, which zarr
+    # keeps as given): parse each distinct rest once per process
+    key = json.dumps({k: v for k, v in meta.items() if k != "attributes"}, sort_keys=True, default=repr)
+    if key in _PARSED:
+        return
     try:
         ArrayV3Metadata.from_dict(dict(meta))
     except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
         raise _corrupt(path, where, f"zarr cannot parse it ({type(exc).__name__}: {exc})") from exc
+    if len(_PARSED) >= _MAX_PARSED:
+        _PARSED.clear()
+    _PARSED.add(key)
+
+
+#: Array metadata (without attributes) zarr has parsed without complaint, as canonical JSON.
+_PARSED: set[str] = set()
+_MAX_PARSED = 4096
 
 
 def _exact_chunk_bytes(path: str, where: str, codecs: Any, nbytes: int) -> int | None:

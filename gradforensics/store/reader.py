@@ -223,11 +223,20 @@ class Store:
         import dask.array as da
 
         info = self.arrays[name]
-        chunks: tuple[Any, ...] = info.chunks
-        if slab_bytes is not None:
-            chunks = _slab_chunks(info, slab_bytes)
-        return da.from_array(self.handle(info), chunks=chunks, asarray=True, fancy=False,
-                             lock=False, name=f"gf-{_token(self.path, name, info.shape, chunks)}")
+        chunks = self.chunks(name, slab_bytes)
+        # meta given: dask would otherwise read an empty slice (open the array) to learn the type
+        return da.from_array(self.handle(info), chunks=chunks, asarray=True, fancy=False, lock=False,
+                             name=f"gf-{_token(self.path, name, info.shape, chunks)}",
+                             meta=np.empty((0,) * len(info.shape), dtype=np.float32))
+
+    def chunks(self, name: str, slab_bytes: int | None = None) -> tuple[tuple[int, ...], ...]:
+        """The dask chunks :meth:`lazy` gives *name* (block sizes per axis), without building the array.
+
+        The Gram pass needs only these to plan its tasks: no dask array, no read.
+        """
+        info = self.arrays[name]
+        per_axis = info.chunks if slab_bytes is None else _slab_chunks(info, slab_bytes)
+        return tuple(_blocks(int(n), int(c)) for n, c in zip(info.shape, per_axis, strict=True))
 
     def grad(self, tensor: str, head: int | None = None, slab_bytes: int | None = None) -> da.Array:
         """Per-record gradient of *tensor* (of one head, if given) as float32 dask array."""
@@ -290,6 +299,14 @@ def _slab_chunks(info: ArrayInfo, slab_bytes: int) -> tuple[Any, ...]:
             chunks[ax] = min(shape[ax], disk[ax] * max(1, int(budget)))
             break
     return tuple(chunks)
+
+
+def _blocks(n: int, c: int) -> tuple[int, ...]:
+    """Block sizes of an axis of length *n* in chunks of *c* (as ``dask.array.normalize_chunks``)."""
+    if n == 0:
+        return (0,)
+    c = max(1, min(c, n))
+    return (c,) * (n // c) + ((n % c,) if n % c else ())
 
 
 def _token(*parts: Any) -> str:

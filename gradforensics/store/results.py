@@ -14,7 +14,8 @@ path                           dtype, shape (chunks)               what
                                                                    ``gram_index``)
 ``analysis/<key>`` (array)     as given, one chunk                 a plain array (``series/<name>``)
 ``analysis/gram/k``            float64 ``(M, N, N)``,              M Gram matrices over the N
-                               chunks ``(1, N, N)``                records, one chunk each
+                               chunks ``(c, N, N)``                records, ``c`` of them a chunk
+                                                                   (about 4 MiB; at least one)
 ``analysis/gram/nonfinite``    int64 ``(M, N)``, one chunk         non-finite count per record
 =============================  ==================================  ================================
 
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
-__all__ = ["GRAM_ARRAY", "GRAM_INDEX", "GROUP", "NONFINITE_ARRAY", "GramArrays", "has_result", "read_document",
+__all__ = ["GRAM_ARRAY", "GRAM_CHUNK_BYTES", "GRAM_INDEX", "GROUP", "NONFINITE_ARRAY", "GramArrays", "gram_chunk_rows",
+           "has_result", "read_document",
            "read_grams", "read_result", "write_results"]
 
 #: The group every analysis result lives in.
@@ -66,6 +68,8 @@ NONFINITE_ARRAY = f"{GROUP}/gram/nonfinite"
 GRAM_BATCH = 64
 #: ... and their bytes: fewer per call for big N (a spilled pass streams them from disk).
 GRAM_BATCH_BYTES = 64 * 2**20
+#: Bytes of one chunk of ``analysis/gram/k`` (several matrices a chunk when they are small).
+GRAM_CHUNK_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -227,14 +231,27 @@ def _write_document(b: StoreBackend, key: str, doc: Any, into: generations.Selec
 def _write_grams(b: StoreBackend, grams: GramArrays, into: generations.Selection) -> set[str]:
     m, n = len(grams.k), int(grams.n_records)
     k_at, nf_at = into.physical(GRAM_ARRAY), into.physical(NONFINITE_ARRAY)
-    b.create(k_at, (m, n, n), "<f8", (1, max(n, 1), max(n, 1)), {}, "none")
+    per_chunk = gram_chunk_rows(m, n)
+    b.create(k_at, (m, n, n), "<f8", (per_chunk, max(n, 1), max(n, 1)), {}, "none")
     b.create(nf_at, (m, n), "<i8", (max(m, 1), max(n, 1)), {}, "none")
-    step = max(1, min(GRAM_BATCH, GRAM_BATCH_BYTES // max(1, 8 * n * n)))
+    most = max(1, min(GRAM_BATCH, GRAM_BATCH_BYTES // max(1, 8 * n * n)))   # matrices per write, by bytes
+    step = per_chunk * max(1, most // per_chunk)                             # in whole chunks
     for start in range(0, m, step):
         b.write_rows(k_at, start, np.stack(grams.k[start:start + step]))
     if m:
         b.write_rows(nf_at, 0, np.stack(grams.nonfinite))
     return {GRAM_ARRAY, NONFINITE_ARRAY, _write_document(b, GRAM_INDEX, grams.index, into)}
+
+
+def gram_chunk_rows(m: int, n: int) -> int:
+    """Gram matrices per chunk of ``analysis/gram/k``: as many (N, N) matrices as fill
+    :data:`GRAM_CHUNK_BYTES` (at least one, at most all *m*).
+
+    A store of thousands of small tensors gets a few chunk files, not one per matrix
+    (writing those dominated saving the results).  Readers read the array whole, so a
+    store written with one matrix a chunk (before) reads the same.
+    """
+    return int(max(1, min(max(m, 1), GRAM_CHUNK_BYTES // (8 * max(n, 1) ** 2))))
 
 
 # ----------------------------------------------------------------------- read

@@ -44,6 +44,7 @@ products are then unbiased estimates (``GramResult.from_sketch``).
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,7 @@ __all__ = [
     "row_partial",
     "slab_chunks",
     "slab_graph",
+    "slab_outputs",
 ]
 
 
@@ -280,13 +282,14 @@ def gram_of_handle(handle: ArrayHandle, chunks: tuple[tuple[int, ...], ...], ten
     """
     return _gram_graph(handle.shape, chunks, tensor, kwargs.pop("heads", False), kwargs.pop("from_sketch", False),
                        kwargs.pop("split_every", DEFAULT_SPLIT_EVERY), kwargs.pop("precision", "float32"),
-                       handle=handle, reductions=tuple(kwargs.pop("reductions", ())), gram=kwargs.pop("gram", True))
+                       handle=handle, reductions=tuple(kwargs.pop("reductions", ())), gram=kwargs.pop("gram", True),
+                       outputs=kwargs.pop("outputs", False))
 
 
 def _gram_graph(shape: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], tensor: str, heads: bool,
                 from_sketch: bool, split_every: int, precision: str, dep: Any = None,
                 handle: ArrayHandle | None = None, reductions: tuple[SlabReduction, ...] = (),
-                gram: bool = True) -> Delayed:
+                gram: bool = True, outputs: bool = False) -> Delayed:
     from dask.base import tokenize
     from dask.delayed import Delayed
     from dask.highlevelgraph import HighLevelGraph
@@ -297,10 +300,16 @@ def _gram_graph(shape: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], ten
         raise SpecError(f"precision must be one of {PRECISIONS}; got {precision!r}.")
     if heads and len(shape) < 2:
         raise SpecError(f"{tensor}: a head-split array needs a head axis; got shape {shape}.")
-    source = dep.name if dep is not None else handle
+    # the handle by what it reads; reductions (closures over stores, arrays) by a fresh token: tokenizing
+    # them cost milliseconds a tensor, and no two slab passes of one compute may share a name anyway
+    source: Any = dep.name if dep is not None else None
+    if handle is not None:
+        source = (handle.location.path, handle.location.kind, handle.name, handle.shape, handle.encoding,
+                  handle.chunks)
     if not gram and not reductions:
         raise SpecError(f"{tensor}: a slab pass needs the Gram matrix or at least one slab reduction.")
-    name = f"gram-{tokenize(source, chunks, tensor, heads, from_sketch, split_every, precision, gram, reductions)}"
+    once = uuid.uuid4().hex if reductions else None
+    name = f"gram-{tokenize(source, chunks, tensor, heads, from_sketch, split_every, precision, gram, once)}"
     layer, parts = _chunk_layer(name, chunks, heads, precision, xname=None if dep is None else dep.name,
                                 handle=handle, reductions=reductions, gram=gram)
     top = reduction_tree(layer, name, parts, split_every, reductions)
@@ -312,8 +321,16 @@ def _gram_graph(shape: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], ten
         layer[final] = (_aggregate_all, top, reductions, gram, *args)
     else:
         layer[final] = (aggregate_partial, top, *args)
+    if outputs:         # one key per output: no Delayed indexing (a tokenized task each) afterwards
+        layer[(name, "out", "gram")] = (_pick, final, 0, None)
+        for j in range(len(reductions)):
+            layer[(name, "out", j)] = (_pick, final, 1, j)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[] if dep is None else [dep])
     return Delayed(final, graph, layer=name)
+
+
+def _pick(value: Any, i: int, j: int | None) -> Any:
+    return value[i] if j is None else value[i][j]
 
 
 def _read(handle: ArrayHandle, sel: tuple[slice, ...]) -> np.ndarray:
@@ -412,7 +429,7 @@ def slab_chunks(store: Store, name: str, slab_bytes: int) -> tuple[tuple[int, ..
     of whole on-disk chunks (the reader's choice); the graph then pairs the blocks one
     task per block (:func:`row_partial`), not one per pair.
     """
-    chunks = store.lazy(name, slab_bytes).chunks
+    chunks = store.chunks(name, slab_bytes)
     info = store.arrays[name]
     shape, disk = [int(s) for s in info.shape], [int(c) for c in info.chunks]
     n = max(shape[0], 1)
@@ -461,7 +478,7 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
 
 def slab_graph(store: Store, tensor: str, reductions: Sequence[SlabReduction], *, gram: bool = True,
                slab_bytes: int = DEFAULT_SLAB_BYTES, split_every: int = DEFAULT_SPLIT_EVERY,
-               precision: str = "float32") -> Delayed:
+               precision: str = "float32", outputs: bool = False) -> Delayed:
     """One read of ``grads/<tensor>`` feeding its Gram matrices and the given slab reductions.
 
     Computes to ``(list[GramResult] | None, [aggregate of each reduction])``; the
@@ -477,7 +494,23 @@ def slab_graph(store: Store, tensor: str, reductions: Sequence[SlabReduction], *
     info = store.grads[tensor]
     chunks = slab_chunks(store, info.name, slab_bytes)
     return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None, from_sketch=False,
-                          split_every=split_every, precision=precision, reductions=tuple(reductions), gram=gram)
+                          split_every=split_every, precision=precision, reductions=tuple(reductions), gram=gram,
+                          outputs=outputs)
+
+
+def slab_outputs(store: Store, tensor: str, reductions: Sequence[SlabReduction], *, gram: bool = True,
+                 **kwargs: Any) -> tuple[Delayed | None, list[Delayed]]:
+    """:func:`slab_graph` split into its outputs: ``(Gram results or None, [each reduction's aggregate])``.
+
+    The same graph and values as ``slab_graph(...)[0]`` and ``slab_graph(...)[1][j]``,
+    without a task (and a tokenization) per indexing: what the engine uses.
+    """
+    from dask.delayed import Delayed
+
+    whole = slab_graph(store, tensor, reductions, gram=gram, outputs=True, **kwargs)
+    name = whole.key[0]
+    g = Delayed((name, "out", "gram"), whole.dask, layer=name) if gram else None
+    return g, [Delayed((name, "out", j), whole.dask, layer=name) for j in range(len(reductions))]
 
 
 def gram_graphs(store: Store, tensors: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Delayed]:

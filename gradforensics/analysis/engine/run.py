@@ -56,7 +56,7 @@ from gradforensics.analysis.engine.gram import (
     SlabReduction,
     flatten_grams,
     gram_graph,
-    slab_graph,
+    slab_outputs,
 )
 from gradforensics.analysis.engine.longhistory import (
     BAND,
@@ -427,13 +427,13 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
             keys.append(("gram", tensor))
             collections.append(_spilled(gram_graph(store, tensor, **opts), sink, len(keys) - 1, where))
             continue
-        out: Any = slab_graph(store, tensor, [r for _, _, r in mine], gram=want_gram, **opts)
-        if want_gram:
+        g, parts = slab_outputs(store, tensor, [r for _, _, r in mine], gram=want_gram, **opts)
+        if g is not None:
             keys.append(("gram", tensor))
-            collections.append(_spilled(out[0], sink, len(keys) - 1, where))
+            collections.append(_spilled(g, sink, len(keys) - 1, where))
         for j, (aname, rkey, r) in enumerate(mine):
             keys.append(("lazy", aname, rkey))
-            collections.append(out[1][j] if r.finish is None else r.finish(out[1][j]))
+            collections.append(parts[j] if r.finish is None else r.finish(parts[j]))
     for a in selected:
         if a.lazy is None:
             continue
@@ -525,6 +525,12 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
     # Array / Delayed collections grouped by type, not in the order given, when it
     # optimizes the graph; keep the order by not optimizing a mixed list.
     optimize = len({type(c) for c in collections}) <= 1
+    # Delayed graphs (the Gram and slab passes) are built with exactly the tasks they need:
+    # culling thousands of their layers cost more than running a small store's pass.
+    from dask.delayed import Delayed
+
+    if all(isinstance(c, Delayed) for c in collections):
+        optimize = False
     if client is not None:
         client.run(_pin_blas)
         futures = client.compute(collections, optimize_graph=optimize)

@@ -19,9 +19,11 @@ Percival, D. B. & Walden, A. T. (1993). Spectral Analysis for Physical
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
-__all__ = ["expected_welch", "filtered_ar1_acov", "fit_ar1", "hann", "lag1", "welch_dof"]
+__all__ = ["GainGrid", "expected_welch", "filtered_ar1_acov", "fit_ar1", "gain_grid_of", "hann", "lag1", "welch_dof"]
 
 
 
@@ -38,6 +40,39 @@ def filtered_ar1_acov(alpha: float, gain: np.ndarray, n_lags: int) -> np.ndarray
     return np.fft.irfft(spec, n=m)[:n_lags]
 
 
+class GainGrid:
+    """A detrender's power gain on the FFT grid, with :func:`filtered_ar1_acov` on it memoised.
+
+    Series of one length share their detrender, so their AR(1) fits evaluate the
+    same grid: the cosine of the grid is computed once, and every autocovariance
+    once per ``alpha`` (the bracket ends of the root search are the same for every
+    series; the root's own autocovariance serves the background too).  The values
+    are those of :func:`filtered_ar1_acov`, bit for bit (same operations, same order).
+    """
+
+    MAX_MEMO = 64
+
+    def __init__(self, gain: np.ndarray) -> None:
+        self.gain = np.asarray(gain)
+        self.m = 2 * (self.gain.size - 1)
+        self.cos = np.cos(2 * np.pi * (np.arange(self.gain.size) / self.m))
+        self._memo: dict[float, np.ndarray] = {}
+
+    def acov(self, alpha: float, n_lags: int) -> np.ndarray:
+        """``filtered_ar1_acov(alpha, self.gain, n_lags)`` (a fresh copy)."""
+        full = self._memo.get(alpha)
+        if full is None:
+            full = np.fft.irfft(self.gain / (1.0 + alpha * alpha - 2.0 * alpha * self.cos), n=self.m)
+            if len(self._memo) >= self.MAX_MEMO:
+                self._memo.clear()
+            self._memo[alpha] = full
+        return full[:n_lags].copy()
+
+
+def gain_grid_of(gain: np.ndarray | GainGrid) -> GainGrid:
+    return gain if isinstance(gain, GainGrid) else GainGrid(gain)
+
+
 def lag1(r: np.ndarray) -> float:
     """Sample lag-1 autocorrelation (biased estimator, Box & Jenkins)."""
     d = r - r.mean()
@@ -45,7 +80,7 @@ def lag1(r: np.ndarray) -> float:
     return float(d[1:] @ d[:-1]) / den if den > 0 else 0.0
 
 
-def fit_ar1(r: np.ndarray, gain: np.ndarray) -> tuple[float, float]:
+def fit_ar1(r: np.ndarray, gain: np.ndarray | GainGrid) -> tuple[float, float]:
     """AR(1) coefficient and innovation variance of the noise behind residual *r*.
 
     α solves ``ρ_model(1; α) = ρ̂(1)`` where ρ_model is the lag-1 autocorrelation
@@ -56,9 +91,10 @@ def fit_ar1(r: np.ndarray, gain: np.ndarray) -> tuple[float, float]:
     from scipy.optimize import brentq
 
     rho = lag1(r)
+    grid = gain_grid_of(gain)
 
     def model(a: float) -> float:
-        g = filtered_ar1_acov(a, gain, 2)
+        g = grid.acov(a, 2)
         return float(g[1] / g[0])
 
     lo, hi = -0.95, 0.995
@@ -69,17 +105,24 @@ def fit_ar1(r: np.ndarray, gain: np.ndarray) -> tuple[float, float]:
         a = hi
     else:
         a = float(brentq(lambda x: model(x) - rho, lo, hi, xtol=1e-6))
-    g0 = filtered_ar1_acov(a, gain, 1)[0]
+    g0 = grid.acov(a, 1)[0]
     return a, float(np.var(r)) / float(g0)
 
 
 # ------------------------------------------------------------------- Welch + dof
 def hann(n: int) -> np.ndarray:
+    """SciPy's periodic Hann window of *n* points (computed once per *n*; a fresh copy)."""
+    return _hann(int(n)).copy()
+
+
+@lru_cache(maxsize=64)
+def _hann(n: int) -> np.ndarray:
     from scipy.signal import get_window
 
     return get_window("hann", n)
 
 
+@lru_cache(maxsize=256)
 def welch_dof(nperseg: int, n_segments: int) -> float:
     """Equivalent degrees of freedom of a 50 %-overlap Hann Welch average.
 

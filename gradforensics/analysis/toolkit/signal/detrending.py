@@ -19,6 +19,7 @@ Savitzky, A. & Golay, M. J. E. (1964). Anal. Chem. 36, 1627–1639; Schafer, R. 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -89,8 +90,6 @@ def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) ->
         Savitzky–Golay window (odd; default ``2 * default_nperseg(len(y)) + 1``,
         capped at the largest odd number ≤ len(y)).
     """
-    from scipy.signal import savgol_coeffs, savgol_filter
-
     y = np.asarray(y, dtype=float)
     if method == "diff":
         return Detrended(np.diff(y), y[:-1], "diff", 0, 1)
@@ -103,9 +102,38 @@ def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) ->
         raise SpecError(f"detrend: need at least 5 points for a Savitzky–Golay window; got {n}.")
     base = log_time_fit(y)
     z, shifts = remove_level_shifts(y - base, max(8, w // 8))
-    coeffs = savgol_coeffs(w, 3)
-    smooth = savgol_filter(z, w, 3, mode="interp") if w <= 1025 else _savgol_fft(z, coeffs)
+    coeffs = _savgol_coeffs(w).copy()
+    smooth = _savgol_interp(z, w) if w <= 1025 else _savgol_fft(z, coeffs)
     return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, coeffs, tuple(shifts))
+
+
+@lru_cache(maxsize=64)
+def _savgol_coeffs(w: int) -> np.ndarray:
+    """``scipy.signal.savgol_coeffs(w, 3)``, once per window (every series of a store shares it; read-only)."""
+    from scipy.signal import savgol_coeffs
+
+    c = np.asarray(savgol_coeffs(w, 3))
+    c.setflags(write=False)
+    return c
+
+
+def _savgol_interp(z: np.ndarray, w: int) -> np.ndarray:
+    """``scipy.signal.savgol_filter(z, w, 3, mode="interp")`` with the window's coefficients computed once.
+
+    The same two steps SciPy takes (the convolution, then the cubic fitted to each edge) on
+    the same coefficients, so the same values bit for bit; SciPy alone where its edge fit
+    is not importable.
+    """
+    try:
+        from scipy.ndimage import convolve1d
+        from scipy.signal._savitzky_golay import _fit_edges_polyfit
+    except ImportError:          # a SciPy that moved its private helper: the public filter
+        from scipy.signal import savgol_filter
+
+        return np.asarray(savgol_filter(z, w, 3, mode="interp"))
+    y = convolve1d(z, _savgol_coeffs(w), axis=-1, mode="constant")
+    out = _fit_edges_polyfit(z, w, 3, 0, 1.0, -1, y)
+    return np.asarray(y if out is None else out)      # older SciPy fills y in place and returns None
 
 
 def _savgol_fft(z: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
@@ -135,17 +163,27 @@ def log_time_fit(y: np.ndarray, degree: int = 3) -> np.ndarray:
     ``{0.1, 0.3, 1, 3, 10} % of N`` by residual sum of squares.
     """
     n = y.size
-    i = np.arange(n, dtype=float)
     best, best_rss = np.full(n, y.mean()), np.inf
-    for frac in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1):
-        u = np.log(i + max(frac * n, 1.0))
-        basis = np.vander((u - u.mean()) / u.std(), degree + 1)
+    for basis in _log_time_bases(n, degree):
         coef, *_ = np.linalg.lstsq(basis, y, rcond=None)
         fit = basis @ coef
         rss = float(((y - fit) ** 2).sum())
         if rss < best_rss:
             best, best_rss = fit, rss
     return best
+
+
+@lru_cache(maxsize=32)
+def _log_time_bases(n: int, degree: int) -> tuple[np.ndarray, ...]:
+    """The design matrices of :func:`log_time_fit` for series of *n* points (read-only, shared)."""
+    i = np.arange(n, dtype=float)
+    out = []
+    for frac in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1):
+        u = np.log(i + max(frac * n, 1.0))
+        basis = np.vander((u - u.mean()) / u.std(), degree + 1)
+        basis.setflags(write=False)
+        out.append(basis)
+    return tuple(out)
 
 
 def remove_level_shifts(z: np.ndarray, k: int, threshold: float = 8.0,

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from gradforensics.analysis.contract.model import Options
-from gradforensics.analysis.toolkit.signal.background import expected_welch, filtered_ar1_acov, fit_ar1, hann, welch_dof
+from gradforensics.analysis.toolkit.signal.background import GainGrid, expected_welch, fit_ar1, hann, welch_dof
 from gradforensics.analysis.toolkit.signal.detrending import DETRENDERS, Detrended, default_nperseg, detrend, winsorize
 from gradforensics.errors import SpecError
 
@@ -229,9 +230,23 @@ class LineSpectrum:
 
 
 def _chi2_line(bg: np.ndarray, dof: np.ndarray, level: float) -> np.ndarray:
-    from scipy.stats import chi2
+    from scipy.special import chdtri
 
-    return bg * chi2.isf(level, dof) / dof
+    return bg * _chi2_isf(level, dof, chdtri) / dof
+
+
+def _chi2_isf(level: float, dof: np.ndarray, chdtri: Any) -> np.ndarray:
+    """``scipy.stats.chi2.isf(level, dof)`` for 0 < level < 1, dof > 0: SciPy's own ``chdtri``
+    without the distribution machinery around it (milliseconds a series)."""
+    return np.asarray(chdtri(np.asarray(dof, dtype=float), float(level)), dtype=float)
+
+
+def _chi2_sf(x: np.ndarray, dof: np.ndarray) -> np.ndarray:
+    """``scipy.stats.chi2.sf(x, dof)`` for x >= 0, dof > 0: ``chdtrc``, and exactly 1 at x = 0 as SciPy gives."""
+    from scipy.special import chdtrc
+
+    x = np.asarray(x, dtype=float)
+    return np.where(x <= 0, 1.0, chdtrc(np.asarray(dof, dtype=float), x))
 
 
 def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> LineSpectrum:
@@ -259,7 +274,6 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> Line
     global null).
     """
     from scipy.signal import find_peaks, welch
-    from scipy.stats import chi2
 
     opt = options or SpectrumOptions()
     y = np.asarray(y, dtype=float)
@@ -275,15 +289,15 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> Line
     dof = np.full(freq.size, welch_dof(nper, n_seg))
     if nper % 2 == 0:
         dof[-1] /= 2.0
-    grid = det.gain_grid(max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
+    grid = _gain_grid(det, max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
     tested = (freq > 0) & ((det.method == "diff") | (det.gain(freq) >= 0.5))
     fit = r
     for _ in range(2):   # second pass: background refitted with the significant sinusoids removed
         a, s2 = fit_ar1(fit, grid)
-        bg = s2 * expected_welch(filtered_ar1_acov(a, grid, nper), nper)
+        bg = s2 * expected_welch(grid.acov(a, nper), nper)
         ok = tested & (bg > 0)
         p = np.ones(freq.size)
-        p[ok] = chi2.sf(dof[ok] * power[ok] / bg[ok], dof[ok])
+        p[ok] = _chi2_sf(dof[ok] * power[ok] / bg[ok], dof[ok])
         p_adj = np.ones(freq.size)
         p_adj[ok] = adjust_pvalues(p[ok], opt.correction)
         peaks, n_sig = _peaks(r, freq, power, bg, p, p_adj, ok, det, nper, opt, find_peaks)
@@ -295,6 +309,24 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> Line
     return LineSpectrum(freq, power, bg, p, p_adj, ok, _chi2_line(bg, dof, opt.alpha / m),
                         _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), nper,
                         n_seg, a, s2, det, n_clipped, peaks, n_sig, opt)
+
+
+_GRIDS: dict[tuple[str, bytes, int], GainGrid] = {}
+
+
+def _gain_grid(det: Detrended, m: int) -> GainGrid:
+    """The gain grid of *det*'s filter on *m* points, shared by every series detrended alike.
+
+    A store's gradient-norm series all have the store's length, hence one detrender:
+    its grid, cosine and AR(1) autocovariances are computed once, not once a series.
+    """
+    key = (det.method, np.asarray(det.coeffs, dtype=float).tobytes(), int(m))
+    grid = _GRIDS.get(key)
+    if grid is None:
+        if len(_GRIDS) >= 16:
+            _GRIDS.clear()
+        grid = _GRIDS[key] = GainGrid(det.gain_grid(m))
+    return grid
 
 
 def sinusoid_fit(r: np.ndarray, freqs: Sequence[float]) -> np.ndarray:
