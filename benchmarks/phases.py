@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from _timing import cpu_timed
+
 
 def main(src: str) -> None:
     t_start = time.process_time()
@@ -30,13 +32,7 @@ def main(src: str) -> None:
     acc: dict[str, float] = {}
 
     def timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*a: Any, **k: Any) -> Any:
-            t = time.process_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[key] = acc.get(key, 0.0) + time.process_time() - t
-        return wrapped
+        return cpu_timed(acc, key, fn)
 
     run._compute = timed("pass", run._compute)               # type: ignore[method-assign]
     run._persist = timed("persist", run._persist)            # type: ignore[method-assign]

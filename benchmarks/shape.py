@@ -129,21 +129,15 @@ def _time_analyses() -> dict[str, float]:
     thread); returns the dict the seconds accumulate in, by analysis name, as ``gf.analyze`` runs them."""
     import dataclasses
 
+    from _timing import cpu_timed
+
     from gradforensics.analysis.contract.registry import REGISTRY
 
     spent: dict[str, float] = {}
 
-    def timed(name: str, fn):
-        def wrapper(*a, **k):
-            t = time.process_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.process_time() - t
-        return wrapper
-
     for name, a in list(REGISTRY.items()):
-        REGISTRY[name] = dataclasses.replace(a, compute=timed(name, a.compute), flags=timed(name, a.flags))
+        REGISTRY[name] = dataclasses.replace(a, compute=cpu_timed(spent, name, a.compute),
+                                             flags=cpu_timed(spent, name, a.flags))
     return spent
 
 
