@@ -65,3 +65,18 @@ def test_no_order_fits_says_why_and_import_keeps_nothing():
     other = {n: torch.zeros(4, 4) for n in shapes}
     assert name_states(sd, other) == {}
     assert name_states({"state": {}, "param_groups": [{"params": ["x"]}]}, other) == {}
+
+
+@pytest.mark.parametrize("group", [{"lr": "x"}, {"lr": 1e-3, "betas": "ab"}, {"lr": 1e-3, "betas": (0.9,)},
+                                   {"lr": float("nan")}, {"lr": 1e-3, "eps": [1]}])
+def test_malformed_hyper_parameters_are_one_line_and_import_keeps_no_summary(group):
+    from gradforensics.errors import SpecError
+    from gradforensics.importing.optimizer import optim_group
+    from gradforensics.replay.optimstate import hyper_of
+
+    state = {0: {"exp_avg": torch.zeros(3, 3), "exp_avg_sq": torch.ones(3, 3), "step": torch.tensor(3.0)}}
+    opt = {"state": state, "param_groups": [{"params": [0], **group}]}
+    with pytest.raises(SpecError) as err:
+        hyper_of(opt)
+    assert "\n" not in str(err.value)
+    assert optim_group(opt, {"w": torch.zeros(3, 3)}, ["w"], "x") is None

@@ -214,13 +214,17 @@ def hyper_of(state_dict: Mapping[str, Any] | None, given: Mapping[str, Any] | No
     if state_dict is not None and state_dict["param_groups"]:
         g = state_dict["param_groups"][0]
         keys = {k for s in state_dict["state"].values() if isinstance(s, Mapping) for k in s}
-        kind = "adam" if "exp_avg_sq" in keys or "betas" in g else (
-            "sgd-momentum" if float(g.get("momentum", 0.0) or 0.0) > 0 else "sgd")
-        out = {"optimizer": kind, "lr": float(g.get("lr", 0.0)), "eps": float(g.get("eps", 1e-8)),
-               "weight_decay": float(g.get("weight_decay", 0.0) or 0.0),
-               "momentum": float(g.get("momentum", 0.0) or 0.0)}
-        if "betas" in g:
-            out["beta1"], out["beta2"] = (float(b) for b in g["betas"])
+        try:        # numbers from a file: anything else is one line, not a traceback
+            kind = "adam" if "exp_avg_sq" in keys or "betas" in g else (
+                "sgd-momentum" if float(g.get("momentum", 0.0) or 0.0) > 0 else "sgd")
+            out = {"optimizer": kind, "lr": float(g.get("lr", 0.0)), "eps": float(g.get("eps", 1e-8)),
+                   "weight_decay": float(g.get("weight_decay", 0.0) or 0.0),
+                   "momentum": float(g.get("momentum", 0.0) or 0.0)}
+            if "betas" in g:
+                out["beta1"], out["beta2"] = (float(b) for b in g["betas"])
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"the optimizer state's first param group has a malformed hyper-parameter ({exc}); "
+                            "give them (--optimizer adam --lr ...).") from None
     out.update({k: v for k, v in dict(given or {}).items() if v is not None})
     if "optimizer" not in out or "lr" not in out:
         raise SpecError("the checkpoint holds no optimizer state: give the optimizer and its learning rate "
