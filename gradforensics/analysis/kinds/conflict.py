@@ -42,7 +42,6 @@ the energy or more keeps its full severity.
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.parallel import map_units
+from gradforensics.analysis.toolkit.permtest import permutations, permuted_source_grams
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -121,57 +121,9 @@ class ConflictOptions(Options):
 
 
 # ---------------------------------------------------------------- statistics
-def permutations(n: int, B: int, seed: int | tuple[int, ...], block: int | None) -> np.ndarray:
-    """B×n seeded permutations of ``range(n)``, within consecutive blocks of *block* (None: one block).
-
-    *seed* may be a tuple: :func:`compute` seeds each tensor and head with
-    ``(seed, crc32(tensor), head + 1)`` (0 for the whole tensor), so every test draws its own permutations
-    (a Monte-Carlo permutation p-value is valid over independent draws; one draw
-    shared by every unit would bias them all the same way) and stays reproducible.
-    """
-    parts = [int(x) for x in (seed if isinstance(seed, tuple) else (seed,))]
-    rng = np.random.default_rng([*parts, n, block or 0])
-    keys = rng.random((B, n))
-    if block:
-        keys += _block_offsets(n, block)[None, :]
-    return np.argsort(keys, axis=1)
-
-
-@functools.lru_cache(maxsize=32)
-def _block_offsets(n: int, block: int) -> np.ndarray:
-    """``arange(n) // block`` as float64 (exact integers: the same sums as adding the integers), built once."""
-    out = (np.arange(n) // block).astype(np.float64)
-    out.flags.writeable = False
-    return out
-
-
 def unit_seed(seed: int, tensor: str, head: int | None) -> tuple[int, int, int]:
     """The permutation seed of one unit: stable across runs and platforms (crc32 of the name)."""
     return (int(seed), zlib.crc32(tensor.encode()), 0 if head is None else int(head) + 1)
-
-
-def permuted_source_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np.ndarray,
-                          chunk: int = 128) -> np.ndarray:
-    """``Q A_πᵀ K A_π Q`` for every permutation π (rows of *perms*): B×S×S.
-
-    ``Q = (AᵀA)⁺`` is the same for every π.  One BLAS product ``K [A_π1 … A_πc]``
-    per *chunk* permutations.  The permuted mixtures are gathered with ``np.take``
-    straight into the layouts the two products read (``n×c×S`` for ``K``'s, ``c×n×S``
-    for the small one), which are the arrays the fancy-indexed gather and its
-    transposed copy gave: the same products on the same operands, bit for bit, at a
-    third of the gathering cost.
-    """
-    n, S = A.shape
-    out = np.empty((perms.shape[0], S, S))
-    for s in range(0, perms.shape[0], chunk):
-        idx = perms[s:s + chunk]
-        c = idx.shape[0]
-        wide = np.take(A, idx.T, axis=0).reshape(n, c * S)          # [A_π1 … A_πc], C-contiguous
-        KP = (K @ wide).reshape(n, c, S).transpose(1, 0, 2)
-        P = np.take(A, idx, axis=0)                                  # c×n×S
-        G = np.matmul(P.transpose(0, 2, 1), KP)
-        out[s:s + c] = Q @ G @ Q
-    return out
 
 
 @dataclass(frozen=True)
@@ -213,9 +165,8 @@ def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, tra
     fit = d.fit
     if not d.testable or d.Q is None:
         return [], None, fit.index
-    G = ks.source_gram(K, fit)
-    cos = ks.gram_to_cos(G)
-    cos_db = ks.gram_to_cos(ks.source_gram(K, fit, debias=True))
+    G, G_db = ks.source_grams(K, fit)
+    cos, cos_db = ks.gram_to_cos(G), ks.gram_to_cos(G_db)
     null = permuted_source_grams(K, fit.A, d.Q,
                                  permutations(n, opts.permutations, opts.seed if seed is None else seed, d.block))
     rows = []
@@ -339,27 +290,26 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
     rows = []
     pack = un.SeriesPack()
     units = un.units(ctx)
+    infos = [units.info(i) for i in range(len(units))]        # names and records, no K copied
     designs: dict[bytes, SourceDesign] = {}         # one per distinct record set (a tensor's heads share theirs)
-    for u in units:
+    for u in infos:
         if u.records.tobytes() not in designs:
             designs[u.records.tobytes()] = source_design(mix[u.records], opts, training)
-    done = map_units(lambda u: conflict_unit(u.gram, mix[u.records], opts, training,
-                                             unit_seed(opts.seed, u.tensor, u.head),
-                                             designs[u.records.tobytes()]), units)
-    for u, (pairs, cos, idx) in zip(units, done, strict=True):
+
+    def one(u: un.Unit) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
+        pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training,
+                                        unit_seed(opts.seed, u.tensor, u.head), designs[u.records.tobytes()])
         energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
         for r in pairs:
             r["energy"] = energy
             r["record_first"], r["record_last"] = 0, ctx.n_records - 1
             if spans is not None:           # long histories: rows are super-records, locate the stretch
-                first, last = spans[0][u.records], spans[1][u.records]
-                seg = np.minimum((first * SEGMENTS) // max(int(spans[1].max()) + 1, 1), SEGMENTS - 1)
-                where = segment_span(u.gram, mix[u.records], seg, r["a"], r["b"])
-                if where is None:           # no segment points apart: the whole history (some segments may be empty)
-                    r["record_first"], r["record_last"] = int(first.min()), int(last.max())
-                else:
-                    lo, hi = where
-                    r["record_first"], r["record_last"] = int(first[seg == lo].min()), int(last[seg == hi].max())
+                r["record_first"], r["record_last"] = _stretch(u, mix, spans, r["a"], r["b"])
+        return pairs, cos, idx
+
+    done = map_units(one, units)
+    for u, (pairs, cos, idx) in zip(infos, done, strict=True):
+        for r in pairs:
             r.update(tensor=u.tensor, head=u.head, layer=u.layer, source_a=ctx.sources[r.pop("a")],
                      source_b=ctx.sources[r.pop("b")], n_records=u.n, n_excluded=u.n_excluded)
             rows.append(r)
@@ -380,6 +330,17 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
     series = {**pack.to_series("cosine_matrix"), **_depth_profiles(table),
               "source_names": un.encode_names(ctx.sources)}
     return AnalysisResult(table=table, series=series)
+
+
+def _stretch(u: un.Unit, mix: np.ndarray, spans: tuple[np.ndarray, np.ndarray], a: int, b: int) -> tuple[int, int]:
+    """Long histories: the first and last record of the stretch where sources *a*, *b* point apart in unit *u*."""
+    first, last = spans[0][u.records], spans[1][u.records]
+    seg = np.minimum((first * SEGMENTS) // max(int(spans[1].max()) + 1, 1), SEGMENTS - 1)
+    where = segment_span(u.gram, mix[u.records], seg, a, b)
+    if where is None:           # no segment points apart: the whole history (some segments may be empty)
+        return int(first.min()), int(last.max())
+    lo, hi = where
+    return int(first[seg == lo].min()), int(last[seg == hi].max())
 
 
 def weigh_by_energy(table: Any) -> None:

@@ -259,7 +259,7 @@ def _compute(ctx: Context) -> AnalysisResult:
     rec_pack, win_pack = un.SeriesPack(), un.SeriesPack()
     units = un.units(ctx)
     done = map_units(lambda u: drift_unit(u.gram, mix[u.records], opts.window), units)
-    for u, res in zip(units, done, strict=True):
+    for u, res in zip(map(units.info, range(len(units))), done, strict=True):
         r = res.row
         pos = r.pop("since_pos", None)
         ai = r.pop("align_idx", None)

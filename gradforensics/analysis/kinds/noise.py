@@ -77,6 +77,7 @@ from gradforensics.analysis.toolkit.noisescale import (
     robust_z,
     summarize,
 )
+from gradforensics.analysis.toolkit.parallel import map_units
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
@@ -181,18 +182,27 @@ def noise_rows(g: GramResult, d: Design, mask: np.ndarray | None = None) -> tupl
     return rows, parts
 
 
-def model_rows(grams: Mapping[tuple[str, int | None], GramResult], d: Design) -> list[dict[str, Any]]:
-    """The ``whole model`` rows: |G|² and tr(Σ) summed over the whole tensors, on records usable in all."""
+def model_rows(grams: Mapping[tuple[str, int | None], GramResult], d: Design,
+               done: Mapping[tuple[str, int | None], tuple[list[dict[str, Any]], dict]] | None = None,
+               ) -> list[dict[str, Any]]:
+    """The ``whole model`` rows: |G|² and tr(Σ) summed over the whole tensors, on records usable in all.
+
+    *done*: :func:`noise_rows` of some units on their own usable records; a whole tensor whose own
+    usable records are the model's (no non-finite record of its own) takes its parts from there (the
+    same function of the same numbers) instead of estimating them again.
+    """
     whole = [k for k in grams if k[1] is None]          # keys: a spilled pass reads each K when taken
     if not whole:
         return []
-    mask = np.logical_and.reduce([grams[k].finite for k in whole]) & (d.n_samples > 0)
+    finite = {k: grams[k].finite for k in whole}
+    mask = np.logical_and.reduce(list(finite.values())) & (d.n_samples > 0)
     total: dict[str, Parts] = {}
     sketch = False
     for k in whole:
         g = grams[k]
         sketch = sketch or g.from_sketch
-        for label, p in noise_rows(g, d, mask)[1].items():
+        own = done is not None and k in done and np.array_equal(finite[k] & (d.n_samples > 0), mask)
+        for label, p in (done[k][1] if own and done is not None else noise_rows(g, d, mask)[1]).items():
             total[label] = p if label not in total else total[label] + p
     out = []
     for label, p in total.items():
@@ -208,9 +218,11 @@ def noise_table(grams: Mapping[tuple[str, int | None], GramResult], n_samples: n
     import pandas as pd
 
     d = design(np.asarray(n_samples), mixture, source_index, sources, mode)
-    rows = model_rows(grams, d)
-    for key in sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
-        rows += noise_rows(grams[key], d)[0]
+    keys = sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    done = dict(zip(keys, map_units(lambda key: noise_rows(grams[key], d), keys), strict=True))
+    rows = model_rows(grams, d, done)
+    for key in keys:
+        rows += done[key][0]
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     table["head"] = table["head"].astype("Int64")
     return table
@@ -272,14 +284,12 @@ def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions, ctx: Context | Non
         return {}
     ref = math.exp(float(np.median(levels[ok])))
     excess = _noise_excess(rows, ctx)
+    todo = [r for r in rows if r["n"] >= opts.min_records and math.isfinite(_upper(r))
+            and excess.get(id(r), math.inf) >= math.log(opts.outlier_ratio)]   # else quiet (small mean, ordinary noise)
+    zs = np.atleast_1d(robust_z(levels, np.array([math.log(max(_upper(r), 1e-12)) for r in todo])))   # one median
     out = {}
-    for r in rows:
+    for r, z in zip(todo, zs, strict=True):
         hi = _upper(r)
-        if r["n"] < opts.min_records or not math.isfinite(hi):
-            continue
-        if not excess.get(id(r), math.inf) >= math.log(opts.outlier_ratio):
-            continue                  # a quiet tensor (small mean, ordinary noise), not a noisy one
-        z = robust_z(levels, math.log(max(hi, 1e-12)))
         sev = severity(float(r["snr"]), hi, ref, opts.outlier_ratio, float(z), opts.outlier_z)
         if sev > 0:
             out[id(r)] = sev
@@ -319,13 +329,13 @@ def _noise_excess(rows: list[dict[str, Any]], ctx: Context | None) -> dict[int, 
         if r["head"] is not None and id(r) in per:
             groups.setdefault(r["tensor"], []).append(r)
     model = [v for v, _ in per.values()]
+    model_median = float(np.median(model)) if model else math.nan      # the same median for every row: once
     out = {}
     for r in rows:
         if id(r) not in per:
             continue
         sib = [per[id(o)][0] for o in groups.get(r["tensor"], []) if o is not r] if r["head"] is not None else []
-        peers = sib if len(sib) >= 2 else model
-        out[id(r)] = per[id(r)][1] - float(np.median(peers))
+        out[id(r)] = per[id(r)][1] - (float(np.median(sib)) if len(sib) >= 2 else model_median)
     return out
 
 

@@ -286,7 +286,7 @@ def compute(ctx: Context) -> AnalysisResult:
         return (*_oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources, cc), cc)
 
     done = map_units(one, units)
-    for u, (row, comp, ucc) in zip(units, done, strict=True):
+    for u, (row, comp, ucc) in zip(map(units.info, range(len(units))), done, strict=True):
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
                    record_first=0, record_last=ctx.n_records - 1, period_steps=row.get("period_records", math.nan) * dstep if not replay else math.nan)

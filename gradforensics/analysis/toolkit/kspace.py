@@ -32,7 +32,7 @@ from gradforensics.errors import SpecError
 __all__ = ["LANCZOS_MIN", "SourceFit", "block", "centred", "consecutive_cosines", "cosines", "debiased_cosine", "fit_sources",
            "gram_to_cos", "inner", "mean_coefficients", "noise_energy", "record_cosines", "residual_gram", "safe_div",
            "shared_fit",
-           "source_gram", "top_components", "u_statistic_norm2", "window_coefficients", "window_edges", "window_size"]
+           "source_gram", "source_grams", "top_components", "u_statistic_norm2", "window_coefficients", "window_edges", "window_size"]
 
 
 
@@ -237,6 +237,19 @@ def source_gram(K: np.ndarray, fit: SourceFit, debias: bool = False) -> np.ndarr
         r = np.where(np.isfinite(r), r, 0.0)
         G = G - (fit.C * r) @ fit.C.T
     return G
+
+
+def source_grams(K: np.ndarray, fit: SourceFit) -> tuple[np.ndarray, np.ndarray]:
+    """``(source_gram(K, fit), source_gram(K, fit, debias=True))`` with ``C K`` and ``C K Cᵀ`` formed once: the
+    same products in the same order (``C @ K @ Cᵀ`` is ``(C K) Cᵀ``), so the same floats."""
+    A, C = fit.A, fit.C
+    CK = C @ K
+    G = CK @ C.T
+    resid = np.diag(K) - 2.0 * np.einsum("is,si->i", A, CK) + np.einsum("is,st,it->i", A, G, A)
+    h = np.einsum("is,si->i", A, C)
+    r = np.where(h < 1.0 - 1e-9, resid / np.maximum(1.0 - h, 1e-9), np.nan)
+    r = np.where(np.isfinite(r), r, 0.0)
+    return G, G - (C * r) @ C.T
 
 
 def gram_to_cos(G: np.ndarray) -> np.ndarray:

@@ -117,6 +117,23 @@ class Units(Sequence[Unit]):
             g = _sum_heads([self._grams[(tensor, h)] for h in heads])
         return _unit(tensor, head, g, self._order, len(heads) if head is None and heads else None)
 
+    def info(self, i: int) -> Unit:
+        """Unit *i* without its restricted K (``gram`` 0×0): its names, records and exclusions, as ``self[i]``
+        gives them, for the tables after the statistics (no copy of K; a whole tensor the engine gave no
+        Gram matrix of is built from its heads, as ``self[i]`` does)."""
+        tensor, head, heads = self._plan[i]
+        g = self._grams.get((tensor, head))
+        if g is None:
+            return dataclasses.replace(self[i], gram=_NO_GRAM)
+        keep = _kept(g, self._order)
+        return Unit(tensor=tensor, head=head, gram=_NO_GRAM, records=keep.astype(np.int64),
+                    n_excluded=int(self._order.size - keep.size), from_sketch=bool(getattr(g, "from_sketch", False)),
+                    n_heads=len(heads) if head is None and heads else None)
+
+
+_NO_GRAM = np.zeros((0, 0))
+_NO_GRAM.flags.writeable = False
+
 
 def _sum_heads(parts: list[Any]) -> Any:
     first = parts[0]
@@ -126,10 +143,15 @@ def _sum_heads(parts: list[Any]) -> Any:
                                n_features=sum(int(p.n_features) for p in parts))
 
 
-def _unit(tensor: str, head: int | None, g: Any, order: np.ndarray, n_heads: int | None) -> Unit:
+def _kept(g: Any, order: np.ndarray) -> np.ndarray:
+    """The records of *g* usable for direction statistics (no non-finite element, finite diagonal), in *order*."""
     finite = np.asarray(g.nonfinite) == 0
+    return order[finite[order] & np.isfinite(np.diagonal(np.asarray(g.gram)))[order]]
+
+
+def _unit(tensor: str, head: int | None, g: Any, order: np.ndarray, n_heads: int | None) -> Unit:
     K = np.asarray(g.gram, dtype=np.float64)
-    keep = order[finite[order] & np.isfinite(np.diag(K))[order]]
+    keep = _kept(g, order)
     sub = K.take(keep, axis=0).take(keep, axis=1)         # = K[np.ix_(keep, keep)], 2-3x faster
     return Unit(tensor=tensor, head=head, gram=sub, records=keep.astype(np.int64),
                 n_excluded=int(order.size - keep.size), from_sketch=bool(getattr(g, "from_sketch", False)),
