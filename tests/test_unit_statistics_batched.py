@@ -202,4 +202,4 @@ def test_noise_table_and_outliers_are_the_reference(n: int, S: int, mode: str, p
         r["trace_sigma"] = float(r["trace_sigma"]) * (40.0 if r["tensor"].endswith("4.w.weight") else 1.0)
     opts = nz.NoiseOptions(outlier_z=0.5, outlier_ratio=1.01)
     got_o, want_o = nz._outliers(rows, opts), _reference_outliers(rows, opts)
-    assert got_o == want_o
+    assert got_o == want_o and want_o          # some rows flagged: the rule ran, not only its early exits
