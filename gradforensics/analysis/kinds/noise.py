@@ -219,7 +219,11 @@ def noise_table(grams: Mapping[tuple[str, int | None], GramResult], n_samples: n
 
     d = design(np.asarray(n_samples), mixture, source_index, sources, mode)
     keys = sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
-    done = dict(zip(keys, map_units(lambda key: noise_rows(grams[key], d), keys), strict=True))
+    def one(key: tuple[str, int | None]) -> tuple[list[dict[str, Any]], dict]:
+        rows, parts = noise_rows(grams[key], d)
+        return rows, parts if key[1] is None else {}        # a whole tensor's parts may serve the model's rows
+
+    done = dict(zip(keys, map_units(one, keys), strict=True))
     rows = model_rows(grams, d, done)
     for key in keys:
         rows += done[key][0]
