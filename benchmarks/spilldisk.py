@@ -17,6 +17,7 @@ every table and flag says whether they found the same.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -55,10 +56,8 @@ def _disk(*roots: str) -> int:
     for root in roots:
         for d, _, files in os.walk(root):
             for f in files:
-                try:
+                with contextlib.suppress(FileNotFoundError):      # removed while walking
                     total += os.stat(os.path.join(d, f)).st_blocks * 512
-                except FileNotFoundError:         # removed while walking
-                    pass
     return total
 
 

@@ -13,6 +13,7 @@ copy and a batch, not two copies.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -114,6 +115,24 @@ def test_a_spilled_long_gram_is_the_one_held_in_memory(tmp_root: Path) -> None:
     assert list(tmp_root.iterdir()) == []
     with pytest.raises(ValueError, match="neither its super-record Gram matrix nor its file"):
         LongGram("w", None, None, K, None, 1, K, K, 1).super_matrix()  # type: ignore[arg-type]
+
+
+def test_a_full_disk_while_spilling_is_one_line_naming_the_unit(tmp_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    K = np.eye(4)
+    g = LongGram("w", 2, K, np.zeros(4, np.int64), None, 8, np.zeros(0, np.int64), np.zeros(0, np.int64), 4)  # type: ignore[arg-type]
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with GramSpill() as spill:
+        assert spill.start(1, 4, True) is None and spill.directory is not None
+        monkeypatch.setattr(np, "save", full)             # the disk filling up between the check and the write
+        with pytest.raises(WriteRefusedError) as info:
+            write_spilled(spill.directory, 0, [g])
+    msg = str(info.value)
+    assert "\n" not in msg and "the Gram matrix of w head 2 could not be spilled (No space left on device)" in msg
+    assert msg.endswith("point TMPDIR at a disk with room, or pass options={'engine': {'spill': False}} "
+                        "(hold them in memory).")
 
 
 @pytest.mark.slow                   # about 6 s: four long-history passes of 11 units

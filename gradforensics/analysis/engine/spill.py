@@ -122,15 +122,16 @@ def write_spilled(directory: str, slot: int,
     for j, g in enumerate(results):
         path = os.path.join(directory, f"{int(slot)}-{j}.npy")
         if isinstance(g, LongGram):
-            _save(path, g.super_matrix(), g.tensor, g.head, directory, "{'spill': False} (hold them in memory)")
+            _save(path, g.super_matrix(), g.tensor, g.head, directory, "{'spill': False}", "hold them in memory")
             out.append(dataclasses.replace(g, super_gram=None, super_path=path))
             continue
-        _save(path, g.gram, g.tensor, g.head, directory, "{'long_history': 0} (no per-record Gram matrix)")
+        _save(path, g.gram, g.tensor, g.head, directory, "{'long_history': 0}", "no per-record Gram matrix")
         out.append(Spilled(g.tensor, g.head, path, np.asarray(g.nonfinite), int(g.n_features), bool(g.from_sketch)))
     return out
 
 
-def _save(path: str, matrix: np.ndarray, tensor: str, head: int | None, directory: str, instead: str) -> None:
+def _save(path: str, matrix: np.ndarray, tensor: str, head: int | None, directory: str, instead: str,
+          why_instead: str) -> None:
     """``numpy.save`` of one unit's matrix (float64), a refused write one line naming the unit and what to do."""
     try:
         np.save(path, np.ascontiguousarray(matrix, dtype=np.float64), allow_pickle=False)
@@ -140,7 +141,7 @@ def _save(path: str, matrix: np.ndarray, tensor: str, head: int | None, director
             raise
         raise WriteRefusedError(f"{directory}: the Gram matrix of {tensor}{'' if head is None else f' head {head}'} "
                                 f"could not be spilled ({why}); point TMPDIR at a disk with room, or pass "
-                                f"options={{'engine': {instead}}}.") from exc
+                                f"options={{'engine': {instead}}} ({why_instead}).") from exc
 
 
 class SpilledGrams(Mapping[Key, GramResult]):
