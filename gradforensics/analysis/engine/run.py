@@ -61,6 +61,7 @@ from gradforensics.analysis.engine.gram import (
 from gradforensics.analysis.engine.longhistory import (
     BAND,
     N_WINDOWS,
+    Design,
     LongHistory,
     check_supported,
     design,
@@ -250,7 +251,7 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
         for (engine option ``spill = true``) and its super-record Gram matrices do not fit
         there (otherwise they are held in memory, with a one-line warning).
     """
-    with GramSpill() as spill:      # the exact regime's Gram matrices on disk until the pass ends, error or not
+    with GramSpill() as spill:      # the Gram matrices spilled (either regime) on disk until the pass ends, error or not
         return _analyze(path, client, only, options, progress, storage_options, spill)
 
 
@@ -489,7 +490,7 @@ def _start_spill(store: Store, selected: list[Analysis], engine: EngineOptions, 
     return min(n0, fit)
 
 
-def _start_long_spill(store: Store, engine: EngineOptions, spill: GramSpill, d: Any, fell_back: bool) -> None:
+def _start_long_spill(store: Store, engine: EngineOptions, spill: GramSpill, d: Design, fell_back: bool) -> None:
     """Spill the long-history regime's super-record Gram matrices (``m²`` float64 a unit) where they are large.
 
     Where ``TMPDIR`` lacks the room they stay in memory, with a one-line warning
