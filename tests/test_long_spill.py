@@ -29,6 +29,7 @@ import gradforensics as gf
 from gradforensics.analysis import registered
 from gradforensics.analysis.contract.grams import LongGram
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Findings, Need
+from gradforensics.analysis.engine import spill as spill_mod
 from gradforensics.analysis.engine.results import load_grams
 from gradforensics.analysis.engine.spill import SPILL_RESERVE, GramSpill, write_spilled
 from gradforensics.errors import WriteRefusedError
@@ -121,12 +122,22 @@ def test_a_full_disk_while_spilling_is_one_line_naming_the_unit(tmp_root: Path, 
     K = np.eye(4)
     g = LongGram("w", 2, K, np.zeros(4, np.int64), None, 8, np.zeros(0, np.int64), np.zeros(0, np.int64), 4)  # type: ignore[arg-type]
 
-    def full(*args: Any, **kwargs: Any) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    class Full:                                           # a file on a disk that fills up at the first write
+        def __init__(self, path: str, mode: str) -> None:
+            self._f = open(path, mode)                     # noqa: SIM115
+
+        def __enter__(self) -> Full:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self._f.close()
+
+        def write(self, data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
 
     with GramSpill() as spill:
         assert spill.start(1, 4, True) is None and spill.directory is not None
-        monkeypatch.setattr(np, "save", full)             # the disk filling up between the check and the write
+        monkeypatch.setattr(spill_mod, "open", Full, raising=False)   # between the room check and the write
         with pytest.raises(WriteRefusedError) as info:
             write_spilled(spill.directory, 0, [g])
     msg = str(info.value)
@@ -178,8 +189,6 @@ def test_no_room_under_tmpdir_holds_them_in_memory_or_refuses_in_one_line(heads_
     assert "and spilling them was asked for (engine option spill = true); point TMPDIR at a disk with room" in msg
     assert list(tmp_root.iterdir()) == []
     # by default (above the size kept in memory anyway): held in memory, said in one line
-    from gradforensics.analysis.engine import spill as spill_mod
-
     monkeypatch.setattr(spill_mod, "SPILL_ABOVE", 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

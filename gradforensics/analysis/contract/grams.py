@@ -183,7 +183,7 @@ class LongGram:
 
     ``super_gram``: the Gram matrix of the kept super-records (the window-source sums
     ``Y Yᵀ`` divided by their finite weights, :meth:`Design.super_gram`; read-only, shared
-    by every reader), or None when the pass spilled it to the ``.npy`` file ``super_path``
+    by every reader), or None when the pass spilled it to the file ``super_path`` (raw float64)
     (:mod:`~gradforensics.analysis.engine.spill`): read it with :meth:`super_matrix`;
     ``super_bad`` (1 where a super-record has no finite record);
     ``moments``: the band
@@ -212,7 +212,10 @@ class LongGram:
             return self.super_gram
         if self.super_path is None:
             raise ValueError(f"{self.tensor}: a LongGram holds neither its super-record Gram matrix nor its file.")
-        return np.load(self.super_path, mmap_mode="r", allow_pickle=False)
+        n = int(self.super_bad.size)
+        if n == 0:
+            return np.zeros((0, 0))
+        return np.memmap(self.super_path, dtype=np.float64, mode="r", shape=(n, n))
 
     @property
     def nonfinite(self) -> np.ndarray:
