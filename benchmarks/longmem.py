@@ -18,6 +18,12 @@ interleaved, and the oscillation p-values and the flags of the two are compared.
 unit: 17 GB at 65,536 records).
 
     python benchmarks/longmem.py --before /tmp/old-longmem --before-max 32768
+
+``--tensors`` takes a list: the units sweep at one record count (each store's
+super-record Gram matrices are 512 KiB a unit, whatever N; spilled under ``TMPDIR`` when
+they exceed 64 MiB in all):
+
+    python benchmarks/longmem.py --records 4096 --tensors 100,200,400 --before /tmp/old
 """
 
 from __future__ import annotations
@@ -110,8 +116,23 @@ def child(args: argparse.Namespace) -> None:
            "rss_mb": r.ru_maxrss / 1024, "regime": f.header["regime"]["name"],
            "flags": sorted([fl.kind, fl.tensor, -1 if fl.head is None else fl.head] for fl in f.flags),
            "p": [] if t is None else [None if not np.isfinite(v) else float(v) for v in t["p_value"]],
-           "cc": [] if t is None else [None if not np.isfinite(v) else float(v) for v in t["consec_cos"]]}
+           "cc": [] if t is None else [None if not np.isfinite(v) else float(v) for v in t["consec_cos"]],
+           "digest": _digest(f)}
     print(json.dumps(out))
+
+
+def _digest(f: object) -> str:
+    """SHA-256 of every table (CSV, full precision), every series' bytes and every flag of the findings."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(f.results):                        # type: ignore[attr-defined]
+        res = f.results[name]                             # type: ignore[attr-defined]
+        h.update(name.encode() + res.table.to_csv(index=False, float_format="%.17g").encode())
+        for k in sorted(res.series):
+            h.update(k.encode() + np.ascontiguousarray(res.series[k]).tobytes())
+    h.update(json.dumps([fl.to_dict() for fl in f.flags], sort_keys=True, default=str).encode())  # type: ignore[attr-defined]
+    return h.hexdigest()[:16]
 
 
 def run_child(store: Path, pythonpath: str, only: str) -> dict:
@@ -136,7 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/tmp/gf-longmem")
     ap.add_argument("--records", default="16384,32768,65536")
-    ap.add_argument("--tensors", type=int, default=100)
+    ap.add_argument("--tensors", default="100", help="tensors (a comma list: the units sweep), 10 units each")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--only", default="oscillation,drift,nonfinite",
                     help="analyses run (default: the long-history Gram analyses whose per-record state this bounds)")
@@ -151,33 +172,37 @@ def main() -> None:
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     stores = []
-    for n in (int(v) for v in args.records.split(",")):
-        p = root / f"lm-T{args.tensors}-H{args.heads}-N{n}.zarr"
-        if not p.exists():
-            t = time.perf_counter()
-            build(p, n, args.tensors, args.heads)
-            print(f"built {p} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-        stores.append((n, p))
+    for tensors in (int(v) for v in args.tensors.split(",")):
+        for n in (int(v) for v in args.records.split(",")):
+            p = root / f"lm-T{tensors}-H{args.heads}-N{n}.zarr"
+            if not p.exists():
+                t = time.perf_counter()
+                build(p, n, tensors, args.heads)
+                print(f"built {p} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+            stores.append(((tensors * (args.heads + 1), n), p))
     codes = [("after", str(HERE.parent))] + ([("before", str(Path(args.before).resolve()))] if args.before else [])
-    res: dict[tuple[int, str], list[dict]] = {}
+    res: dict[tuple[tuple[int, int], str], list[dict]] = {}
     for _ in range(args.repeat):                      # interleaved: load drift hits every cell alike
         for n, p in stores:
             for code, pp in codes:
-                if code == "before" and args.before_max is not None and n > args.before_max:
+                if code == "before" and args.before_max is not None and n[1] > args.before_max:
                     continue
                 res.setdefault((n, code), []).append(run_child(p, pp, args.only))
                 print(f"  {n} {code}: {json.dumps({k: v for k, v in res[(n, code)][-1].items() if k in ('cpu_s', 'wall_s', 'rss_mb')})}",
                       file=sys.stderr)
-    print(f"{'records':>8} {'code':7} {'cpu min':>8} {'cpu med':>8} {'wall min':>8} {'rss MB':>7}  regime / flags")
-    for (n, code), rows in sorted(res.items()):
-        print(f"{n:8d} {code:7} {min(r['cpu_s'] for r in rows):8.1f} {statistics.median(r['cpu_s'] for r in rows):8.1f} "
+    print(f"{'units':>6} {'records':>8} {'code':7} {'cpu min':>8} {'cpu med':>8} {'wall min':>8} {'rss MB':>7}  "
+          "regime / flags")
+    for ((units, n), code), rows in sorted(res.items()):
+        print(f"{units:6d} {n:8d} {code:7} {min(r['cpu_s'] for r in rows):8.1f} "
+              f"{statistics.median(r['cpu_s'] for r in rows):8.1f} "
               f"{min(r['wall_s'] for r in rows):8.1f} {max(r['rss_mb'] for r in rows):7.0f}  "
               f"{rows[0]['regime']}, {len(rows[0]['flags'])} flags")
     for n, _ in stores:
         if (n, "before") in res:
             a, b = res[(n, "after")][0], res[(n, "before")][0]
-            print(f"{n}: flags {'same' if a['flags'] == b['flags'] else 'DIFFER'}, oscillation p max rel diff "
-                  f"{_rel(a['p'], b['p']):.2e}, consec_cos max rel diff {_rel(a['cc'], b['cc']):.2e}")
+            print(f"{n[0]} units, {n[1]} records: flags {'same' if a['flags'] == b['flags'] else 'DIFFER'}, "
+                  f"oscillation p max rel diff {_rel(a['p'], b['p']):.2e}, consec_cos max rel diff "
+                  f"{_rel(a['cc'], b['cc']):.2e}, digest {'same' if a['digest'] == b['digest'] else 'DIFFERS'}")
     after = [max(r["rss_mb"] for r in res[(n, "after")]) for n, _ in stores]
     print(f"after: peak RSS {min(after):.0f} - {max(after):.0f} MB, spread {100 * (max(after) / min(after) - 1):.1f} %")
 

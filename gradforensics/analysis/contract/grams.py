@@ -183,7 +183,9 @@ class LongGram:
 
     ``super_gram``: the Gram matrix of the kept super-records (the window-source sums
     ``Y Yᵀ`` divided by their finite weights, :meth:`Design.super_gram`; read-only, shared
-    by every reader) and ``super_bad`` (1 where a super-record has no finite record);
+    by every reader), or None when the pass spilled it to the file ``super_path`` (raw float64)
+    (:mod:`~gradforensics.analysis.engine.spill`): read it with :meth:`super_matrix`;
+    ``super_bad`` (1 where a super-record has no finite record);
     ``moments``: the band
     test's window statistics (:class:`WindowMoments`); ``bad`` / ``bad_counts``: the
     records holding non-finite values (sorted) and their counts (every other record
@@ -193,7 +195,7 @@ class LongGram:
 
     tensor: str
     head: int | None
-    super_gram: np.ndarray
+    super_gram: np.ndarray | None
     super_bad: np.ndarray
     moments: WindowMoments
     n_records: int
@@ -202,6 +204,18 @@ class LongGram:
     n_features: int
     from_sketch: bool = False
     norms: np.ndarray | None = None
+    super_path: str | None = None
+
+    def super_matrix(self) -> np.ndarray:
+        """The super-records' Gram matrix: the one held, or its spill file memory-mapped read-only (each call)."""
+        if self.super_gram is not None:
+            return self.super_gram
+        if self.super_path is None:
+            raise ValueError(f"{self.tensor}: a LongGram holds neither its super-record Gram matrix nor its file.")
+        n = int(self.super_bad.size)
+        if n == 0:
+            return np.zeros((0, 0))
+        return np.memmap(self.super_path, dtype=np.float64, mode="r", shape=(n, n))
 
     @property
     def nonfinite(self) -> np.ndarray:
@@ -221,6 +235,26 @@ class LongGram:
         if self.norms is None:
             return None
         return np.where(self.finite, self.norms, np.nan)
+
+
+class _SuperGrams(Mapping[tuple[str, int | None], GramResult]):
+    """``{(tensor, head): GramResult}`` of the super-records, each built when taken (a spilled matrix read then)."""
+
+    def __init__(self, grams: dict[tuple[str, int | None], LongGram]) -> None:
+        self._grams = grams
+
+    def __getitem__(self, key: tuple[str, int | None]) -> GramResult:
+        g = self._grams[key]
+        return GramResult(g.tensor, g.head, g.super_matrix(), g.super_bad, g.n_features, g.from_sketch)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._grams
+
+    def __iter__(self) -> Iterator[tuple[str, int | None]]:
+        return iter(self._grams)
+
+    def __len__(self) -> int:
+        return len(self._grams)
 
 
 class _RecordGrams(Mapping[tuple[str, int | None], GramResult]):
@@ -298,7 +332,11 @@ class LongHistory:
                                     / np.diff(d.edges), S)[keep]
         return out
 
-    def super_grams(self) -> dict[tuple[str, int | None], GramResult]:
-        """Gram matrices of the kept super-records (per-window, per-source mean gradients): the pass's, not copies."""
-        return {key: GramResult(g.tensor, g.head, g.super_gram, g.super_bad, g.n_features, g.from_sketch)
-                for key, g in self.grams.items()}
+    def super_grams(self) -> Mapping[tuple[str, int | None], GramResult]:
+        """Gram matrices of the kept super-records (per-window, per-source mean gradients): the pass's, not copies.
+
+        A read-only mapping that builds each unit's :class:`GramResult` when it is
+        looked up: a spilled pass reads that unit's matrix from disk then (memory-mapped),
+        so the readers hold the units in hand, not all of them.
+        """
+        return _SuperGrams(self.grams)

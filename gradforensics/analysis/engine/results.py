@@ -30,7 +30,7 @@ import math
 import os
 import zipfile
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
@@ -364,11 +364,17 @@ def findings_documents(findings: Findings) -> tuple[dict[str, np.ndarray], dict[
 
 # ------------------------------------------------------------------ grams
 class _Column(Sequence[np.ndarray]):
-    """``grams[key].<field>`` for *keys*, taken one at a time (a spilled pass streams from disk, holding few)."""
+    """``grams[key].<field>`` for *keys*, taken one at a time (a spilled pass streams from disk, holding few).
+
+    With *release*, taking a batch (a slice) first releases the keys of the batch taken
+    before it: the writer takes the next batch only once the last one is written.
+    """
 
     def __init__(self, grams: Mapping[tuple[str, int | None], GramResult], keys: list[tuple[str, int | None]],
-                 field: str) -> None:
+                 field: str, release: Callable[[list[tuple[str, int | None]]], None] | None = None) -> None:
         self._grams, self._keys, self._field = grams, keys, field
+        self._release = release
+        self._taken: list[tuple[str, int | None]] = []
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -380,41 +386,51 @@ class _Column(Sequence[np.ndarray]):
 
     def __getitem__(self, i: int | slice) -> np.ndarray | list[np.ndarray]:
         if isinstance(i, slice):
+            if self._release is not None:
+                done, self._taken = self._taken, [self._keys[j] for j in range(*i.indices(len(self)))]
+                self._release(done)
             return [self[j] for j in range(*i.indices(len(self)))]
         return getattr(self._grams[self._keys[i]], self._field)
 
 
-def gram_arrays(grams: Mapping[tuple[str, int | None], GramResult], n_records: int) -> GramArrays:
+def gram_arrays(grams: Mapping[tuple[str, int | None], GramResult], n_records: int,
+                release: Callable[[list[tuple[str, int | None]]], None] | None = None) -> GramArrays:
     """The Gram matrices of a pass, in the order and with the index entries they are saved with.
 
-    ``k`` and ``nonfinite`` read ``grams`` when they are taken, so saving a spilled
-    pass streams its matrices (:mod:`gradforensics.analysis.engine.spill`).
+    ``k`` reads ``grams`` when it is taken, so saving a spilled pass streams its
+    matrices (:mod:`gradforensics.analysis.engine.spill`); the non-finite counts are
+    taken with the index.  With *release* (a spilled pass's
+    :meth:`~gradforensics.analysis.engine.spill.SpilledGrams.release`), each batch of
+    ``k`` the writer has written is released when it takes the next one.
     """
     keys = sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
-    index = []
+    index, nonfinite = [], []
     for i, key in enumerate(keys):
         g = grams[key]
         index.append({"i": i, "tensor": g.tensor, "head": g.head, "n_features": g.n_features,
                       "from_sketch": g.from_sketch})
-    return GramArrays(n_records=int(n_records), index=index, k=_Column(grams, keys, "gram"),
-                      nonfinite=_Column(grams, keys, "nonfinite"))
+        nonfinite.append(g.nonfinite)
+    return GramArrays(n_records=int(n_records), index=index, k=_Column(grams, keys, "gram", release),
+                      nonfinite=nonfinite)
 
 
 def save_results(path: str | os.PathLike[str] | Location, findings: Findings | None = None,
                  grams: Mapping[tuple[str, int | None], GramResult] | None = None, *, n_records: int = 0,
-                 empty_grams: bool = False) -> None:
+                 empty_grams: bool = False,
+                 release: Callable[[list[tuple[str, int | None]]], None] | None = None) -> None:
     """Save *findings* and/or the Gram matrices *grams* (over *n_records* records) in the store at *path*.
 
     One write under the store's writer lock (:func:`gradforensics.store.results.write_results`);
     a :class:`~gradforensics.store.reader.Store` opened before does not see them.  With
     *empty_grams* (the long-history regime: no per-record K exists) an empty Gram index
-    replaces any saved before, so :func:`load_grams` returns ``{}``.
+    replaces any saved before, so :func:`load_grams` returns ``{}``.  *release*: see
+    :func:`gram_arrays` (a spilled pass frees each file once its matrix is in the store).
     """
     arrays, docs = findings_documents(findings) if findings is not None else ({}, {})
     if empty_grams:
         saved: GramArrays | None = GramArrays(n_records=0)
     else:
-        saved = gram_arrays(grams, n_records) if grams else None
+        saved = gram_arrays(grams, n_records, release) if grams else None
     write_results(path, arrays=arrays, documents=docs, grams=saved)
 
 

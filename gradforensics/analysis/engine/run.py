@@ -61,6 +61,7 @@ from gradforensics.analysis.engine.gram import (
 from gradforensics.analysis.engine.longhistory import (
     BAND,
     N_WINDOWS,
+    Design,
     LongHistory,
     check_supported,
     design,
@@ -68,7 +69,7 @@ from gradforensics.analysis.engine.longhistory import (
     threshold,
 )
 from gradforensics.analysis.engine.results import save_results
-from gradforensics.analysis.engine.spill import GramSpill
+from gradforensics.analysis.engine.spill import GramSpill, SpilledGrams
 from gradforensics.analysis.toolkit.parallel import unit_threads
 from gradforensics.errors import EmptyStoreError, SpecError, WriteRefusedError
 from gradforensics.store import remote
@@ -114,10 +115,10 @@ class EngineOptions(Options):
     windows
         Windows of the window-source sums (long-history regime): ``W = ceil(N / windows)``.
     spill
-        Where the exact regime's Gram matrices wait for the analyses: True on disk (a
-        private directory under ``TMPDIR``, removed when the pass ends), False in memory,
-        None (default) on disk when they exceed 64 MiB in all
-        (:mod:`~gradforensics.analysis.engine.spill`).
+        Where the Gram matrices wait for the analyses (the exact regime's N×N ones, or the
+        long-history regime's super-record ones): True on disk (a private directory under
+        ``TMPDIR``, removed when the pass ends), False in memory, None (default) on disk
+        when they exceed 64 MiB in all (:mod:`~gradforensics.analysis.engine.spill`).
     """
 
     slab_bytes: int = DEFAULT_SLAB_BYTES
@@ -246,9 +247,11 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
         The exact regime was asked for (engine option ``long_history``), or an analysis
         that runs in no other is selected, and its Gram matrices do not fit the free
         space under ``TMPDIR`` (otherwise the pass falls back to the long-history regime
-        then, with a one-line warning).
+        then, with a one-line warning); or, in the long-history regime, spilling was asked
+        for (engine option ``spill = true``) and its super-record Gram matrices do not fit
+        there (otherwise they are held in memory, with a one-line warning).
     """
-    with GramSpill() as spill:      # the exact regime's Gram matrices on disk until the pass ends, error or not
+    with GramSpill() as spill:      # the Gram matrices spilled (either regime) on disk until the pass ends, error or not
         return _analyze(path, client, only, options, progress, storage_options, spill)
 
 
@@ -401,15 +404,17 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
     reductions = _slab_reductions(store, selected)
     opts: dict[str, Any] = {"slab_bytes": engine.slab_bytes, "split_every": engine.split_every, "precision": engine.precision}
     long_design = None
-    n0 = engine.n0(units_at_once(store))
+    n0 = first_n0 = engine.n0(units_at_once(store))
     if want_gram and store.n_records <= n0 and spill is not None:
         n0 = _start_spill(store, selected, engine, spill, n0)     # below N records: no room on disk
     where = client if client is not None else _default_client()
-    sink = spill if spill is not None and spill.on_disk else None
     if want_gram and store.n_records > n0:
         check_supported(selected, store.n_records, n0)    # before anything is read
         mix = (batches if batches is not None else store.batches())["mixture"]
         long_design = design(mix, engine.band, engine.windows)
+        if spill is not None:
+            _start_long_spill(store, engine, spill, long_design, fell_back=n0 < first_n0)
+    sink = spill if spill is not None and spill.on_disk else None
     for tensor in store.tensors if want_gram else sorted(reductions):
         mine = reductions.get(tensor, [])
         if long_design is not None:
@@ -418,7 +423,7 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
             out_l: Any = long_graph(store, tensor, long_design, tuple(r for _, _, r in mine),
                                     slab_bytes=engine.slab_bytes, split_every=engine.split_every)
             keys.append(("gram", tensor))
-            collections.append(out_l[0])
+            collections.append(_spilled(out_l[0], sink, len(keys) - 1, where))
             for j, (aname, rkey, r) in enumerate(mine):
                 keys.append(("lazy", aname, rkey))
                 collections.append(out_l[1][j] if r.finish is None else r.finish(out_l[1][j]))
@@ -483,6 +488,28 @@ def _start_spill(store: Store, selected: list[Analysis], engine: EngineOptions, 
     warnings.warn(f"{store.path}: {what}: running the long-history regime instead (N₀ = {fit:,} for this "
                   "pass); point TMPDIR at a disk with room for the exact one.", stacklevel=5)
     return min(n0, fit)
+
+
+def _start_long_spill(store: Store, engine: EngineOptions, spill: GramSpill, d: Design, fell_back: bool) -> None:
+    """Spill the long-history regime's super-record Gram matrices (``m²`` float64 a unit) where they are large.
+
+    Where ``TMPDIR`` lacks the room they stay in memory, with a one-line warning
+    (silently where the pass just fell back from the exact regime for the same lack,
+    and said so); where spilling was asked for (engine option ``spill = true``) the
+    pass refuses in one line instead, before anything is read.
+    """
+    kept = int(np.count_nonzero(d.weights() > 0))
+    short = spill.start(n_units(store), kept, engine.spill, what="the long-history regime's super-record Gram "
+                        "matrices", rows="super-records")
+    if short is None or fell_back:
+        return
+    what = short[0]
+    if engine.spill:
+        raise WriteRefusedError(f"{store.path}: {what}, and spilling them was asked for (engine option spill = "
+                                "true); point TMPDIR at a disk with room, or hold them in memory with "
+                                "options={'engine': {'spill': False}}.")
+    warnings.warn(f"{store.path}: {what}: holding them in memory instead; point TMPDIR at a disk with room.",
+                  stacklevel=5)
 
 
 def n_units(store: Store) -> int:
@@ -633,7 +660,9 @@ def _persist(store: Store, findings: Findings, grams: Mapping[tuple[str, int | N
 
     In the long-history regime no per-record Gram matrix exists: an empty Gram
     index is saved (``load_grams`` then returns ``{}``) so none from an earlier
-    pass is left behind.
+    pass is left behind.  A spilled pass's files are removed as their matrices are
+    written into the store (the pass's disk holds one copy of them at a time; the
+    analyses are done by then).
 
     A store that is read-only, or that a live writer still holds, only warns: the
     findings are returned and reported either way.
@@ -641,7 +670,8 @@ def _persist(store: Store, findings: Findings, grams: Mapping[tuple[str, int | N
     from gradforensics.errors import StoreLockedError
 
     try:
-        save_results(store.location, findings, grams, n_records=store.n_records, empty_grams=long)
+        save_results(store.location, findings, grams, n_records=store.n_records, empty_grams=long,
+                     release=grams.release if isinstance(grams, SpilledGrams) else None)
     except (PermissionError, StoreLockedError) as exc:
         warnings.warn(f"{store.path}: analysis results not saved in the store ({exc}); "
                       "`gradforensics report` will need a re-analysis.", stacklevel=3)

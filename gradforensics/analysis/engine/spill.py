@@ -6,7 +6,7 @@ Below ``N₀`` records the pass computes one N×N float64 Gram matrix per tensor
 the pass's memory grow with the unit count, and ``N₀`` had to fall with it.
 :class:`GramSpill` keeps them out of memory instead:
 
-* under the local scheduler each tensor's results are written (``numpy.save``) by a
+* under the local scheduler each tensor's results are written (raw float64) by a
   task of the pass itself, right after the task that computes them, so the pass
   holds the Gram matrices of the tensors in flight only; under a
   ``dask.distributed`` client they are written by the client as each tensor's
@@ -29,10 +29,23 @@ long-history regime (or refuses, when the exact regime was asked for).
 
 Small passes (Gram matrices of at most :data:`SPILL_ABOVE` bytes in all) keep them in
 memory, as before; the engine option ``spill`` forces either way.
+
+The long-history regime spills the same way what it keeps of size ``m²`` per unit: the
+super-records' Gram matrix (``m = windows × sources``, 256 × 256 float64 = 512 KiB a unit
+by default, whatever N; 2.2 GB for a 7B store's 4,320 units).  :func:`write_spilled`
+writes it and returns the :class:`~gradforensics.analysis.contract.grams.LongGram` without
+it (``super_path`` instead); the band moments, norms and non-finite records stay in memory.
+
+Saving the exact regime's matrices into the store (``analysis/gram/k``) frees each
+spilled file once its bytes have been written there (:meth:`SpilledGrams.release`), so
+the spill and the saved copy do not both hold every matrix at once: the peak disk use of
+a pass is one copy and a batch, not two copies.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -45,18 +58,18 @@ from typing import Any
 import numpy as np
 
 from gradforensics._format import fmt_bytes
-from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.grams import GramResult, LongGram
 from gradforensics.errors import WriteRefusedError, refusal
 from gradforensics.store.layout import MiB
 
-__all__ = ["SPILL_ABOVE", "SPILL_RESERVE", "GramSpill", "Spilled", "SpilledGrams", "fits_on_disk", "spill_bytes",
-           "write_spilled"]
+__all__ = ["SPILL_ABOVE", "SPILL_RESERVE", "GramSpill", "Spilled", "SpilledGrams", "fits_on_disk", "read_matrix",
+           "spill_bytes", "write_spilled"]
 
 SPILL_ABOVE = 64 * MiB
 """Gram bytes of a pass (``units × N² × 8``) up to which they stay in memory (engine option ``spill`` None)."""
 SPILL_RESERVE = 256 * MiB
 """Free bytes the spill leaves on its file system."""
-_NPY_HEADER = 128
+_NPY_HEADER = 128          # room counted per file beyond its matrix (the files are raw now: a margin)
 
 Key = tuple[str, int | None]
 
@@ -85,37 +98,63 @@ class Spilled:
 
     def load(self) -> GramResult:
         """The :class:`GramResult`, its ``gram`` memory-mapped copy-on-write (the file is never changed)."""
-        gram = np.load(self.path, mmap_mode="c", allow_pickle=False)
+        gram = read_matrix(self.path, int(self.nonfinite.size), "c")
         return GramResult(self.tensor, self.head, gram, self.nonfinite, self.n_features, self.from_sketch)
 
 
-def write_spilled(directory: str, slot: int, results: Sequence[GramResult]) -> list[Spilled]:
-    """Write the Gram matrices of one tensor's *results* (whole, heads) to *directory*; their :class:`Spilled`.
+def read_matrix(path: str, n: int, mode: str = "r") -> np.ndarray:
+    """The ``n × n`` float64 matrix a spill file holds, memory-mapped (*mode* ``"r"`` read-only, ``"c"`` copy-on-write).
 
-    A task of the pass under the local scheduler, and the client's arrival hook
-    under ``dask.distributed``; *slot* (the tensor's place in the pass) names the
-    files, so they are distinct without any shared state.
+    The files are raw (no ``.npy`` header): parsing one cost about 0.7 ms an access
+    (``numpy.load``), four times the mapping itself, and a unit is taken several times.
+    """
+    if n == 0:
+        return np.zeros((0, 0))
+    return np.memmap(path, dtype=np.float64, mode=mode, shape=(int(n), int(n)))
+
+
+def write_spilled(directory: str, slot: int,
+                  results: Sequence[GramResult | LongGram]) -> list[Spilled | LongGram]:
+    """Write the Gram matrices of one tensor's *results* (whole, heads) to *directory*; what stands in for them.
+
+    A :class:`GramResult` (the exact regime) becomes its :class:`Spilled`; a
+    :class:`~gradforensics.analysis.contract.grams.LongGram` (the long-history regime)
+    the same LongGram with its super-record Gram matrix in a file (``super_gram`` None,
+    ``super_path`` set).  A task of the pass under the local scheduler, and the client's
+    arrival hook under ``dask.distributed``; *slot* (the tensor's place in the pass)
+    names the files, so they are distinct without any shared state.
 
     Raises
     ------
     WriteRefusedError
         The disk refused a write (full, read-only): it names the directory and what to do.
     """
-    out = []
+    out: list[Spilled | LongGram] = []
     for j, g in enumerate(results):
-        path = os.path.join(directory, f"{int(slot)}-{j}.npy")
-        try:
-            np.save(path, np.ascontiguousarray(g.gram, dtype=np.float64), allow_pickle=False)
-        except OSError as exc:
-            why = refusal(exc)
-            if why is None:
-                raise
-            raise WriteRefusedError(f"{directory}: the Gram matrix of {g.tensor}"
-                                    f"{'' if g.head is None else f' head {g.head}'} could not be spilled ({why}); "
-                                    "point TMPDIR at a disk with room, or pass options={'engine': "
-                                    "{'long_history': 0}} (no per-record Gram matrix).") from exc
+        path = os.path.join(directory, f"{int(slot)}-{j}.f8")
+        if isinstance(g, LongGram):
+            _save(path, g.super_matrix(), g.tensor, g.head, directory, "{'spill': False}", "hold them in memory")
+            out.append(dataclasses.replace(g, super_gram=None, super_path=path))
+            continue
+        _save(path, g.gram, g.tensor, g.head, directory, "{'long_history': 0}", "no per-record Gram matrix")
         out.append(Spilled(g.tensor, g.head, path, np.asarray(g.nonfinite), int(g.n_features), bool(g.from_sketch)))
     return out
+
+
+def _save(path: str, matrix: np.ndarray, tensor: str, head: int | None, directory: str, instead: str,
+          why_instead: str) -> None:
+    """One unit's matrix as raw float64 (C order, no header: :func:`read_matrix` knows its shape), a refused
+    write one line naming the unit and what to do."""
+    try:
+        with open(path, "wb") as fh:
+            fh.write(np.ascontiguousarray(matrix, dtype=np.float64).data)
+    except OSError as exc:
+        why = refusal(exc)
+        if why is None:
+            raise
+        raise WriteRefusedError(f"{directory}: the Gram matrix of {tensor}{'' if head is None else f' head {head}'} "
+                                f"could not be spilled ({why}); point TMPDIR at a disk with room, or pass "
+                                f"options={{'engine': {instead}}} ({why_instead}).") from exc
 
 
 class SpilledGrams(Mapping[Key, GramResult]):
@@ -128,10 +167,29 @@ class SpilledGrams(Mapping[Key, GramResult]):
 
     def __init__(self, entries: Sequence[GramResult | Spilled]) -> None:
         self._entries: dict[Key, GramResult | Spilled] = {(e.tensor, e.head): e for e in entries}
+        self._released: set[Key] = set()
 
     def __getitem__(self, key: Key) -> GramResult:
         e = self._entries[key]
+        if key in self._released:
+            raise ValueError(f"the Gram matrix of {key[0]}{'' if key[1] is None else f' head {key[1]}'} was released "
+                             "(its spill file removed) once it was saved into the store; load_grams() reads it there.")
         return e.load() if isinstance(e, Spilled) else e
+
+    def release(self, keys: Sequence[Key]) -> None:
+        """Remove the spill files of *keys* (their bytes are saved elsewhere now); a later read of them is refused.
+
+        Saving a spilled pass calls it batch by batch as each is written into the
+        store (:func:`~gradforensics.analysis.engine.results.save_results`), so the pass's
+        disk holds one copy of the Gram matrices, not the spill and the store's both.
+        Entries held in memory are left as they are.
+        """
+        for key in keys:
+            e = self._entries[key]
+            if isinstance(e, Spilled) and key not in self._released:
+                self._released.add(key)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -173,13 +231,14 @@ class GramSpill:
         if where is not None:
             shutil.rmtree(where, ignore_errors=True)
 
-    def start(self, n_units: int, n_records: int, spill: bool | None) -> tuple[str, int] | None:
-        """Get ready for the Gram matrices of *n_units* units over *n_records* records.
+    def start(self, n_units: int, n_records: int, spill: bool | None,
+              what: str = "the exact regime's Gram matrices", rows: str = "records") -> tuple[str, int] | None:
+        """Get ready for the Gram matrices of *n_units* units over *n_records* records (*rows*).
 
         *spill*: True spills, False holds them in memory, None spills above
         :data:`SPILL_ABOVE` bytes.  Returns None when ready, or - the temporary
-        directory's file system lacks the room - one line saying how much is
-        needed, where, and how much is free, and the most records that would fit
+        directory's file system lacks the room - one line saying *what* needs how
+        much, where, and how much is free, and the most records that would fit
         (below *n_records*; nothing is created then).
         """
         need = spill_bytes(n_units, n_records)
@@ -188,7 +247,7 @@ class GramSpill:
         base = tempfile.gettempdir()
         free = shutil.disk_usage(base).free
         if need + SPILL_RESERVE > free:
-            return (f"the exact regime's Gram matrices ({n_units:,} tensors and heads x {n_records:,}² records x 8 "
+            return (f"{what} ({n_units:,} tensors and heads x {n_records:,}² {rows} x 8 "
                     f"bytes = {fmt_bytes(need)}) do not fit the {fmt_bytes(free)} free under {base} (TMPDIR)",
                     fits_on_disk(n_units, free))
         with self._lock:
@@ -201,14 +260,16 @@ class GramSpill:
         return self.directory is not None
 
     def wrap(self, collection: Any, slot: int) -> Any:
-        """*collection* (one tensor's ``list[GramResult]``) followed by the task writing it to disk, when spilling."""
+        """*collection* (one tensor's ``list[GramResult]`` or ``list[LongGram]``) followed by the task writing it to
+        disk, when spilling."""
         if self.directory is None:
             return collection
         import dask
 
         return dask.delayed(write_spilled, pure=False)(self.directory, slot, collection)
 
-    def arrive(self, slot: int, results: Sequence[GramResult]) -> list[Spilled] | Sequence[GramResult]:
+    def arrive(self, slot: int, results: Sequence[GramResult | LongGram]
+               ) -> list[Spilled | LongGram] | Sequence[GramResult | LongGram]:
         """Results of one tensor that came back to the client: written to disk when spilling."""
         return results if self.directory is None else write_spilled(self.directory, slot, results)
 
