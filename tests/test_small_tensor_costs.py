@@ -193,3 +193,25 @@ def test_line_spectra_are_the_per_series_line_spectra() -> None:
             assert (got.ar1, got.sigma2, got.dof, got.n_significant) == (want.ar1, want.sigma2, want.dof,
                                                                           want.n_significant)
             assert got.peaks == want.peaks
+
+
+# ------------------------------------------------------------------ saving without listing the store again
+def test_saving_lists_only_the_results_and_carries_over_what_it_does_not_replace(tmp_path) -> None:
+    from gradforensics.store import results as sr
+
+    p = tmp_path / "s.zarr"
+    _store(p, 1.0)
+    sr.write_results(p, documents={"first": {"x": 1}}, arrays={"series/a": np.arange(5.0)})
+    listed = sr._committed(p)                                 # the root and analysis/ only
+    store = Store(p, check_chunks=False)                      # the whole store, as before
+    assert listed is not None
+    assert listed.analysis_selection == store.analysis_selection
+    want = {n: a for n, a in store.arrays.items() if n.startswith("analysis/")}
+    assert sorted(listed.arrays) == sorted(want)
+    for n, a in want.items():
+        got = listed.arrays[n]
+        assert (tuple(got.shape), tuple(got.chunks), got.dtype, got.attrs) == (a.shape, a.chunks, a.dtype, a.attrs)
+    sr.write_results(p, documents={"second": {"y": 2}})
+    again = Store(p)
+    assert sr.read_document(again, "first") == {"x": 1} and sr.read_document(again, "second") == {"y": 2}
+    np.testing.assert_array_equal(sr.read_result(again, "series/a"), np.arange(5.0))
