@@ -12,8 +12,11 @@ analyses in :mod:`gradforensics.analysis.kinds` (``loss_spectrum``, ``fractal``,
   the detrender, and its expected Welch estimate and degrees of freedom;
 * :mod:`~gradforensics.analysis.toolkit.signal.spectrum` - :func:`line_spectrum`: the
   Welch periodogram tested against that background, multiple-testing
-  corrections, refined and harmonic-grouped peaks; :class:`SpectrumOptions`,
-  the options the three loss-curve analyses share.
+  corrections, refined and harmonic-grouped peaks (:func:`line_spectra`: many series,
+  their AR(1) fits side by side, the same numbers); :class:`SpectrumOptions`,
+  the options the three loss-curve analyses share;
+* :mod:`~gradforensics.analysis.toolkit.signal.rootsearch` - SciPy's ``brentq``
+  stepped for many functions at once (behind :func:`fit_ar1_many`).
 """
 
 from gradforensics.analysis.toolkit.signal.background import (
