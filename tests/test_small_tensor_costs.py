@@ -128,7 +128,6 @@ def _residuals(n: int, k: int, seed: int):
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("n", [32, 97, 512])
 def test_batched_ar1_fit_is_the_per_series_fit_bit_for_bit(n) -> None:
     from gradforensics.analysis.toolkit.signal import detrend, fit_ar1, fit_ar1_many
@@ -170,7 +169,6 @@ def test_batched_root_search_is_scipy_brentq_on_other_functions() -> None:
         brentq_many(f, -1.0, 1.0, np.ones(1), np.ones(1), np.zeros((1, 2)), np.zeros((1, 2)), xtol=1e-9)
 
 
-@pytest.mark.slow
 def test_line_spectra_are_the_per_series_line_spectra() -> None:
     from gradforensics.analysis.toolkit.signal import SpectrumOptions, line_spectra, line_spectrum
 
