@@ -135,11 +135,11 @@ class ZarrBackend:
 
     @classmethod
     def read_array(cls, location: Location, name: str, sel: Any) -> np.ndarray:
-        import zarr
+        from gradforensics.store.handles import open_zarr_array
 
         if location.is_url:
             return read_url_array(location.path, name, sel, location.storage_options)
-        return np.asarray(zarr.open_array(os.path.join(location.path, name), mode="r")[sel])
+        return np.asarray(open_zarr_array(location.path, name)[sel])     # opened once while its zarr.json holds
 
     @classmethod
     def not_a_store(cls, path: Path) -> str | None:

@@ -144,8 +144,13 @@ def _corrupt(path: str, where: str, what: str) -> CorruptStoreError:
 
 
 # ------------------------------------------------------------------ Zarr v3
-def zarr_inventory(path: str) -> Inventory:
-    """Every array of the Zarr v3 store at *path*, from its own ``zarr.json`` files."""
+def zarr_inventory(path: str, only: str | None = None) -> Inventory:
+    """Every array of the Zarr v3 store at *path*, from its own ``zarr.json`` files.
+
+    With *only* (a top-level group, e.g. ``"analysis"``), the root and that group alone
+    are walked: what saving analysis results needs under the writer's lock, without
+    listing the thousands of gradient arrays again.
+    """
     root = Path(path)
     if root.is_symlink() and not root.is_dir():
         raise NotAStoreError(f"{path}: a symbolic link to nothing; expected a gradforensics store.")
@@ -180,6 +185,8 @@ def zarr_inventory(path: str) -> Inventory:
             dirs.clear()            # an array's directory holds only its chunk tree
         elif meta is not None and not rel:
             root_attrs = meta.get("attributes") or {}
+            if only is not None:
+                dirs[:] = [d for d in dirs if d == only]
         elif meta is not None and rel == generations.GROUP:
             current = generations.pointer(meta.get("attributes"))[0]
             sel = Selection(current)     # walk only the generation readers see

@@ -167,18 +167,38 @@ def _write_generation(path: str | os.PathLike[str] | Location, arrays: Mapping[s
             b.close()
 
 
-def _committed(path: str | os.PathLike[str] | Location) -> Store | None:
-    """The store as readers see it now (its committed results), or None if they cannot be listed."""
+@dataclass(frozen=True)
+class _Committed:
+    """The committed results as readers see them now: ``analysis/`` arrays by logical name, and where they lie."""
+
+    arrays: Mapping[str, Any]
+    analysis_selection: generations.Selection
+
+
+def _committed(path: str | os.PathLike[str] | Location) -> _Committed | None:
+    """The store's committed results as readers see them now, or None if they cannot be listed.
+
+    A local Zarr store lists its root and ``analysis/`` alone (the pass that saves has
+    just read the rest; a store of 2,000 tensors took 0.5-0.9 s to list again); other
+    stores are opened whole.
+    """
     from gradforensics.errors import GradforensicsError
+    from gradforensics.store.backends import locate
+    from gradforensics.store.inventory import zarr_inventory
     from gradforensics.store.reader import Store
 
+    where = locate(path)
     try:
-        return Store(path, check_chunks=False)
+        if where.kind == "zarr" and not where.is_url:
+            inv = zarr_inventory(where.path, only=GROUP)
+            return _Committed({n: a for n, a in inv.arrays.items() if n.startswith(GROUP + "/")}, inv.selection)
+        store = Store(path, check_chunks=False)
     except GradforensicsError:
         return None
+    return _Committed(store.arrays, store.analysis_selection)
 
 
-def _carry_over(b: StoreBackend, store: Store, written: set[str], into: generations.Selection) -> None:
+def _carry_over(b: StoreBackend, store: _Committed, written: set[str], into: generations.Selection) -> None:
     """Copy the committed results this write does not replace into the new generation."""
     for name, info in store.arrays.items():
         if not name.startswith(GROUP + "/") or name in written:

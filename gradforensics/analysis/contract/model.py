@@ -344,6 +344,9 @@ class Context:
     computed: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     long: LongHistory | None = None
+    #: what several analyses derive alike from this context, computed once (the loss-curve
+    #: analyses' series, by axis: :func:`~gradforensics.analysis.toolkit.series.from_context`)
+    shared: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def options_for(self, name: str, cls: type[OptionsT]) -> OptionsT:
         """The options of analysis *name*: what the engine parsed, or *cls*'s defaults.

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import AnalysisResult, Context
 
-__all__ = ["MAX_GRID_FACTOR", "from_batches", "from_context", "group", "regularize", "series_compute"]
+__all__ = ["MAX_GRID_FACTOR", "from_batches", "from_context", "group", "regularize", "series_compute", "shared_series"]
 
 
 MAX_GRID_FACTOR = 20
@@ -235,6 +235,29 @@ def series_compute(name: str, analyze: Callable[[Sequence[SeriesGroup], Any], An
 
     def compute(ctx: Context) -> AnalysisResult:
         opt = ctx.options_for(name, SpectrumOptions)
-        return analyze(from_context(ctx, opt.axis), opt)
+        return analyze(shared_series(ctx, opt.axis), opt)
 
     return compute
+
+
+def shared_series(ctx: Context, axis: str = "step") -> list[SeriesGroup]:
+    """:func:`from_context`, built once per context and axis for every loss-curve analysis.
+
+    The three series analyses used to build the same series each (a store of 2,000
+    tensors: 2,000 gradient-norm series read and regularised three times).  The
+    arrays of the shared series are read-only, so no analysis can change what the
+    next one reads.
+    """
+    key = ("series", axis)
+    got = ctx.shared.get(key)
+    if got is None:
+        got = ctx.shared[key] = [_frozen(g) for g in from_context(ctx, axis)]
+    return list(got)
+
+
+def _frozen(g: SeriesGroup) -> SeriesGroup:
+    for s in (g.combined, *g.ranks):
+        for v in vars(s).values():
+            if isinstance(v, np.ndarray):
+                v.setflags(write=False)
+    return g

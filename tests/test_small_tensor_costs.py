@@ -1,0 +1,215 @@
+"""Issue 28, many small tensors (second part): each shortcut against the code it replaces.
+
+* Zarr arrays opened on metadata parsed once read what ``zarr.open_array`` reads, also
+  after the store is written again (new data, new shape, same metadata and new chunks);
+* the series analyses share one set of series per pass (the same series they built each);
+* the AR(1) background fitted to many series at once is the per-series fit, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradforensics.store import handles
+from gradforensics.store.reader import Store
+from gradforensics.testing.planted import write_store
+
+
+def _store(path, scale: float, shape=(4, 3), n=8, overwrite=False):
+    def grads(i, src, rng):
+        return {"w": np.full(shape, scale * (i + 1), dtype=np.float32)}
+
+    return write_store(path, grads, n, ("a", "b"), overwrite=overwrite)
+
+
+# ------------------------------------------------------------------ Zarr arrays opened on parsed metadata
+def _fresh(p, name):
+    import zarr
+
+    return np.asarray(zarr.open_array(str(p / name), mode="r")[:])
+
+
+def test_opened_arrays_read_what_zarr_open_array_reads_and_parse_shared_metadata_once(tmp_path) -> None:
+    handles.clear()
+    p = tmp_path / "s.zarr"
+
+    def grads(i, src, rng):
+        return {f"t{k}": rng.standard_normal((3, 4)).astype(np.float32) for k in range(5)}
+
+    write_store(p, grads, 10, ("a", "b"))
+    store = Store(p)
+    for name in store.arrays:
+        if name.startswith("grads/"):
+            got = np.asarray(handles.open_zarr_array(str(p), name)[:])
+            want = _fresh(p, name)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name
+    assert len(handles._PARSED) == 1          # five arrays, names and attributes aside one metadata: parsed once
+
+
+@pytest.mark.parametrize("change", ["data", "shape", "records"])
+def test_an_array_after_the_store_is_written_again_reads_the_new_store(tmp_path, change) -> None:
+    handles.clear()
+    p = tmp_path / "s.zarr"
+    _store(p, 1.0)
+    old = Store(p)
+    before = old.handle(old.grads["w"])[:]             # a read task of a first pass
+    kw = {"data": {}, "shape": {"shape": (5, 2)}, "records": {"n": 12}}[change]
+    _store(p, 7.0, overwrite=True, **kw)
+    new = Store(p)
+    got = new.handle(new.grads["w"])[:]
+    np.testing.assert_array_equal(got, _fresh(p, "grads/w"))     # what a fresh open reads now
+    assert got.shape == new.grads["w"].shape
+    assert not np.array_equal(got[:1], before[:1])
+    np.testing.assert_array_equal(got[:, 0, 0], 7.0 * np.arange(1, got.shape[0] + 1, dtype=np.float32))
+
+
+def test_an_array_follows_chunks_rewritten_under_the_same_metadata(tmp_path) -> None:
+    """Same zarr.json, new chunk files: the array reads the chunks on disk (zarr keeps no chunk data)."""
+    import zarr
+
+    handles.clear()
+    p = tmp_path / "s.zarr"
+    _store(p, 1.0)
+    first = np.asarray(handles.open_zarr_array(str(p), "grads/w")[:]).copy()
+    zarr.open_array(str(p / "grads" / "w"), mode="r+")[:] = first * 3
+    np.testing.assert_array_equal(np.asarray(handles.open_zarr_array(str(p), "grads/w")[:]), first * 3)
+
+
+def test_unreadable_metadata_goes_to_zarr_and_its_error(tmp_path) -> None:
+    handles.clear()
+    p = tmp_path / "s.zarr"
+    _store(p, 1.0)
+    (p / "grads" / "w" / "zarr.json").write_text("{not json")
+    with pytest.raises(Exception) as got:
+        handles.open_zarr_array(str(p), "grads/w")
+    import zarr
+
+    with pytest.raises(type(got.value)):
+        zarr.open_array(str(p / "grads" / "w"), mode="r")
+    assert not handles._PARSED
+
+
+# ------------------------------------------------------------------ series shared by the loss-curve analyses
+def test_series_analyses_share_one_read_only_set_of_series(tmp_path) -> None:
+    from gradforensics.analysis.contract.model import Context
+    from gradforensics.analysis.toolkit.series import from_context, shared_series
+
+    p = tmp_path / "s.zarr"
+    _store(p, 1.0, n=40)
+
+    store = Store(p)
+    ctx = Context(store=store, meta=store.meta, batches=store.batches(), grams={})
+    a, b = shared_series(ctx), shared_series(ctx)
+    assert [g.combined for g in a] == [g.combined for g in b] and a[0] is b[0]       # built once
+    fresh = from_context(ctx)
+    for g, h in zip(a, fresh, strict=True):
+        np.testing.assert_array_equal(g.combined.y, h.combined.y)
+        assert not g.combined.y.flags.writeable                                      # no analysis can change it
+    assert shared_series(ctx, "time") is not a                                      # by axis
+
+
+# ------------------------------------------------------------------ AR(1) fits side by side
+def _residuals(n: int, k: int, seed: int):
+    from gradforensics.analysis.toolkit.signal import detrend
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(k):
+        t = np.arange(n)
+        y = rng.uniform(0, 2) * np.cumsum(rng.standard_normal(n)) + rng.standard_normal(n)
+        if i % 3 == 0:
+            y = y + rng.uniform(0.5, 3) * np.sin(2 * np.pi * t / rng.uniform(2.5, 12))
+        if i % 7 == 0:                                  # strongly alternating: rho at the lower bracket end
+            y = np.where(t % 2, 1.0, -1.0) * (1 + 0.01 * rng.standard_normal(n))
+        if i % 11 == 0:                                 # a smooth curve: rho near the upper end
+            y = np.cumsum(np.cumsum(rng.standard_normal(n)))
+        out.append(detrend(y).residual)
+    return out
+
+
+@pytest.mark.parametrize("n", [32, 97, 512])
+def test_batched_ar1_fit_is_the_per_series_fit_bit_for_bit(n) -> None:
+    from gradforensics.analysis.toolkit.signal import detrend, fit_ar1, fit_ar1_many
+    from gradforensics.analysis.toolkit.signal.background import FIT_BLOCK, GainGrid
+
+    rs = _residuals(n, FIT_BLOCK + 8, seed=n)             # more than one block of searches
+    det = detrend(np.cumsum(np.random.default_rng(0).standard_normal(n)))
+    grid = GainGrid(det.gain_grid(1 << 14))
+    many = fit_ar1_many(rs, grid, n_lags=16)
+    alone = GainGrid(det.gain_grid(1 << 14))                 # its own memo: nothing shared with the batch
+    for r, (a, s2, acov) in zip(rs, many, strict=True):
+        assert (a, s2) == fit_ar1(r, alone)                  # == on floats: bit for bit
+        assert acov.tobytes() == grid.acov(a, 16).tobytes()
+
+
+def test_batched_root_search_is_scipy_brentq_on_other_functions() -> None:
+    """The transcription against SciPy itself on cubics with known roots (interpolation and bisection steps)."""
+    from scipy.optimize import brentq
+
+    from gradforensics.analysis.toolkit.signal.rootsearch import brentq_many
+
+    rng = np.random.default_rng(3)
+    roots = rng.uniform(-0.9, 0.9, 300)
+    scale = rng.uniform(0.1, 10, 300)
+
+    def fk(x, k):
+        return scale[k] * (x - roots[k]) ** 3 + 0.3 * (x - roots[k])
+
+    def f(x, which):
+        return fk(x, which), x[:, None] * np.ones((1, 2))
+
+    ks = np.arange(300)
+    got, extra = brentq_many(f, -1.0, 1.0, fk(np.full(300, -1.0), ks), fk(np.full(300, 1.0), ks),
+                             np.full((300, 2), -1.0), np.full((300, 2), 1.0), xtol=1e-9)
+    want = np.array([brentq(lambda x, k=k: fk(x, k), -1.0, 1.0, xtol=1e-9) for k in ks])
+    assert got.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(extra[:, 0], got)          # each root's own evaluation
+    with pytest.raises(ValueError, match="different signs"):
+        brentq_many(f, -1.0, 1.0, np.ones(1), np.ones(1), np.zeros((1, 2)), np.zeros((1, 2)), xtol=1e-9)
+
+
+def test_line_spectra_are_the_per_series_line_spectra() -> None:
+    from gradforensics.analysis.toolkit.signal import SpectrumOptions, line_spectra, line_spectrum
+
+    rng = np.random.default_rng(5)
+    ys = []
+    for i in range(60):
+        n = (32, 64, 200)[i % 3]                             # three lengths: three gain grids in one call
+        t = np.arange(n)
+        y = 3 * np.exp(-t / 20) + 0.3 * np.cumsum(rng.standard_normal(n)) / np.sqrt(n) + rng.standard_normal(n)
+        if i % 4 == 0:
+            y = y + 2.5 * np.sin(2 * np.pi * t / 5.0)       # significant: the second pass refits
+        ys.append(y)
+    for opt in (SpectrumOptions(), SpectrumOptions(detrend="diff")):
+        many = line_spectra(ys, opt)
+        assert any(r.significant for r in many)
+        for y, got in zip(ys, many, strict=True):
+            want = line_spectrum(y, opt)
+            for field in ("freq", "power", "background", "p_value", "p_adjusted", "threshold", "threshold_nominal"):
+                assert getattr(got, field).tobytes() == getattr(want, field).tobytes(), field
+            assert (got.ar1, got.sigma2, got.dof, got.n_significant) == (want.ar1, want.sigma2, want.dof,
+                                                                          want.n_significant)
+            assert got.peaks == want.peaks
+
+
+# ------------------------------------------------------------------ saving without listing the store again
+def test_saving_lists_only_the_results_and_carries_over_what_it_does_not_replace(tmp_path) -> None:
+    from gradforensics.store import results as sr
+
+    p = tmp_path / "s.zarr"
+    _store(p, 1.0)
+    sr.write_results(p, documents={"first": {"x": 1}}, arrays={"series/a": np.arange(5.0)})
+    listed = sr._committed(p)                                 # the root and analysis/ only
+    store = Store(p, check_chunks=False)                      # the whole store, as before
+    assert listed is not None
+    assert listed.analysis_selection.current == store.analysis_selection.current is not None
+    want = {n: a for n, a in store.arrays.items() if n.startswith("analysis/")}
+    assert sorted(listed.arrays) == sorted(want)
+    for n, a in want.items():
+        got = listed.arrays[n]
+        assert (tuple(got.shape), tuple(got.chunks), got.dtype, got.attrs) == (a.shape, a.chunks, a.dtype, a.attrs)
+    sr.write_results(p, documents={"second": {"y": 2}})
+    again = Store(p)
+    assert sr.read_document(again, "first") == {"x": 1} and sr.read_document(again, "second") == {"y": 2}
+    np.testing.assert_array_equal(sr.read_result(again, "series/a"), np.arange(5.0))
