@@ -43,7 +43,7 @@ import numpy as np
 from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag
 from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.series import series_compute
-from gradforensics.analysis.toolkit.signal import MIN_POINTS, LineSpectrum, SpectrumOptions, line_spectra, line_spectrum
+from gradforensics.analysis.toolkit.signal import MIN_POINTS, LineSpectrum, SpectrumOptions, line_spectrum
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -79,11 +79,8 @@ def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | Non
     opt = options or SpectrumOptions()
     rows: list[dict[str, Any]] = []
     arrays: dict[str, np.ndarray] = {}
-    series = [g.combined for g in groups]
-    todo = [s for s in series if s.n >= MIN_POINTS and np.ptp(s.y) > 0]
-    spectra = dict(zip(map(id, todo), line_spectra([s.y for s in todo], opt), strict=True))  # fits side by side
-    for s in series:
-        rows += _series_rows(s, opt, arrays, spectra.get(id(s)))
+    for g in groups:
+        rows += _series_rows(g.combined, opt, arrays)
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
 
 
@@ -95,15 +92,13 @@ def _base_row(s: Series) -> dict[str, Any]:
             "record_last": s.records[1], "note": "; ".join(q.notes())}
 
 
-def _series_rows(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray],
-                 res: LineSpectrum | None = None) -> list[dict[str, Any]]:
-    """The rows of series *s*; *res* its spectrum when computed already (:func:`line_spectra`)."""
+def _series_rows(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     base = _base_row(s)
     if s.n < MIN_POINTS:
         return [{**base, "note": _join(f"too short: {s.n} usable points, needs {MIN_POINTS}", base["note"])}]
     if not np.ptp(s.y) > 0:
         return [{**base, "note": _join("constant series", base["note"])}]
-    res = res if res is not None else line_spectrum(s.y, opt)
+    res = line_spectrum(s.y, opt)
     _store_arrays(s, res, arrays)
     var = float(np.var(res.detrended.residual)) or 1.0
     more = res.n_significant - len(res.significant)

@@ -12,18 +12,14 @@ analyses in :mod:`gradforensics.analysis.kinds` (``loss_spectrum``, ``fractal``,
   the detrender, and its expected Welch estimate and degrees of freedom;
 * :mod:`~gradforensics.analysis.toolkit.signal.spectrum` - :func:`line_spectrum`: the
   Welch periodogram tested against that background, multiple-testing
-  corrections, refined and harmonic-grouped peaks (:func:`line_spectra`: many series,
-  their AR(1) fits side by side, the same numbers); :class:`SpectrumOptions`,
-  the options the three loss-curve analyses share;
-* :mod:`~gradforensics.analysis.toolkit.signal.rootsearch` - SciPy's ``brentq``
-  stepped for many functions at once (behind :func:`fit_ar1_many`).
+  corrections, refined and harmonic-grouped peaks; :class:`SpectrumOptions`,
+  the options the three loss-curve analyses share.
 """
 
 from gradforensics.analysis.toolkit.signal.background import (
     expected_welch,
     filtered_ar1_acov,
     fit_ar1,
-    fit_ar1_many,
     hann,
     lag1,
     welch_dof,
@@ -45,7 +41,6 @@ from gradforensics.analysis.toolkit.signal.spectrum import (
     SpectrumOptions,
     adjust_pvalues,
     group_harmonics,
-    line_spectra,
     line_spectrum,
     refine_frequency,
     sinusoid_fit,
@@ -65,11 +60,9 @@ __all__ = [
     "expected_welch",
     "filtered_ar1_acov",
     "fit_ar1",
-    "fit_ar1_many",
     "group_harmonics",
     "hann",
     "lag1",
-    "line_spectra",
     "line_spectrum",
     "log_time_fit",
     "refine_frequency",

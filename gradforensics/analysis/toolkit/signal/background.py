@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["FIT_BLOCK", "GainGrid", "expected_welch", "filtered_ar1_acov", "fit_ar1", "fit_ar1_many", "gain_grid_of", "hann", "lag1", "welch_dof"]
+__all__ = ["GainGrid", "expected_welch", "filtered_ar1_acov", "fit_ar1", "gain_grid_of", "hann", "lag1", "welch_dof"]
 
 
 
@@ -68,12 +68,6 @@ class GainGrid:
             self._memo[alpha] = full
         return full[:n_lags].copy()
 
-    def acov_many(self, alphas: np.ndarray, n_lags: int) -> np.ndarray:
-        """``acov(a, n_lags)`` for every *a* in *alphas*, as rows: one batched inverse FFT (the same
-        numbers row by row: the same elementwise operations, and NumPy's FFT transforms each row alone)."""
-        a = np.asarray(alphas, dtype=float)[:, None]
-        return np.fft.irfft(self.gain / (1.0 + a * a - 2.0 * a * self.cos), n=self.m)[:, :n_lags]
-
 
 def gain_grid_of(gain: np.ndarray | GainGrid) -> GainGrid:
     return gain if isinstance(gain, GainGrid) else GainGrid(gain)
@@ -113,46 +107,6 @@ def fit_ar1(r: np.ndarray, gain: np.ndarray | GainGrid) -> tuple[float, float]:
         a = float(brentq(lambda x: model(x) - rho, lo, hi, xtol=1e-6))
     g0 = grid.acov(a, 1)[0]
     return a, float(np.var(r)) / float(g0)
-
-
-#: AR(1) root searches run side by side by :func:`fit_ar1_many` (bounds its batched FFTs: 16 MiB a step).
-FIT_BLOCK = 128
-
-
-def fit_ar1_many(rs: list[np.ndarray], gain: np.ndarray | GainGrid,
-                 n_lags: int = 2) -> list[tuple[float, float, np.ndarray]]:
-    """:func:`fit_ar1` of every residual in *rs* (all seen through one filter), the root searches stepped together.
-
-    Returns ``(alpha, sigma2, acov)`` per residual: ``fit_ar1(r, gain)`` bit for bit, and
-    ``acov`` the filtered AR(1) autocovariance at ``alpha``, lags ``0 .. n_lags - 1``
-    (``gain_grid_of(gain).acov(alpha, n_lags)``: the background needs it next).
-    """
-    from gradforensics.analysis.toolkit.signal.rootsearch import brentq_many
-
-    grid = gain_grid_of(gain)
-    lags = max(int(n_lags), 2)
-    lo, hi = -0.95, 0.995
-    g_lo, g_hi = grid.acov(lo, lags), grid.acov(hi, lags)
-    m_lo, m_hi = float(g_lo[1] / g_lo[0]), float(g_hi[1] / g_hi[0])
-    rho = np.array([lag1(r) for r in rs], dtype=float)
-    alpha, acov = np.empty(rho.size), np.empty((rho.size, lags))
-    low, high = rho <= m_lo, (rho > m_lo) & (rho >= m_hi)
-    alpha[low], acov[low] = lo, g_lo
-    alpha[high], acov[high] = hi, g_hi
-    inside = np.flatnonzero(~low & ~high)
-    for start in range(0, inside.size, FIT_BLOCK):
-        sel = inside[start:start + FIT_BLOCK]
-        r_sel = rho[sel]
-
-        def f(x: np.ndarray, which: np.ndarray, r_sel: np.ndarray = r_sel) -> tuple[np.ndarray, np.ndarray]:
-            g = grid.acov_many(x, lags)
-            return g[:, 1] / g[:, 0] - r_sel[which], g
-
-        k = sel.size
-        alpha[sel], acov[sel] = brentq_many(f, lo, hi, m_lo - r_sel, m_hi - r_sel, np.tile(g_lo, (k, 1)),
-                                            np.tile(g_hi, (k, 1)), xtol=1e-6)
-    return [(float(alpha[i]), float(np.var(r)) / float(acov[i, 0]), acov[i, :n_lags].copy())
-            for i, r in enumerate(rs)]
 
 
 # ------------------------------------------------------------------- Welch + dof

@@ -41,14 +41,7 @@ from typing import Any
 import numpy as np
 
 from gradforensics.analysis.contract.model import Options
-from gradforensics.analysis.toolkit.signal.background import (
-    GainGrid,
-    expected_welch,
-    fit_ar1,
-    fit_ar1_many,
-    hann,
-    welch_dof,
-)
+from gradforensics.analysis.toolkit.signal.background import GainGrid, expected_welch, fit_ar1, hann, welch_dof
 from gradforensics.analysis.toolkit.signal.detrending import DETRENDERS, Detrended, default_nperseg, detrend, winsorize
 from gradforensics.errors import SpecError
 
@@ -60,7 +53,6 @@ __all__ = [
     "SpectrumOptions",
     "adjust_pvalues",
     "group_harmonics",
-    "line_spectra",
     "line_spectrum",
     "refine_frequency",
     "sinusoid_fit",
@@ -281,69 +273,9 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> Line
     peak in a pure red-noise series (BH controls the family-wise rate under the
     global null).
     """
+    from scipy.signal import find_peaks, welch
+
     opt = options or SpectrumOptions()
-    prep = _prepare(y, opt)
-    fit = prep.r
-    for _ in range(2):   # second pass: background refitted with the significant sinusoids removed
-        a, s2 = fit_ar1(fit, prep.grid)
-        test = _test(prep, a, s2, prep.grid.acov(a, prep.nper), opt)
-        if not test.sig or fit is not prep.r:
-            break
-        fit = prep.r - sinusoid_fit(prep.r, test.sig)
-    return _result(prep, test, opt)
-
-
-def line_spectra(ys: Sequence[np.ndarray], options: SpectrumOptions | None = None) -> list[LineSpectrum]:
-    """:func:`line_spectrum` of every series in *ys*, the AR(1) root searches of series detrended alike
-    run side by side (:func:`~gradforensics.analysis.toolkit.signal.background.fit_ar1_many`).
-
-    The same results, bit for bit, as ``[line_spectrum(y, options) for y in ys]``: every
-    other step is that function's, series by series.
-    """
-    opt = options or SpectrumOptions()
-    preps = [_prepare(y, opt) for y in ys]
-    tests = [_test(p, *f, opt) for p, f in zip(preps, _fits(preps, [p.r for p in preps]), strict=True)]
-    again = [i for i, t in enumerate(tests) if t.sig]
-    refits = _fits([preps[i] for i in again], [preps[i].r - sinusoid_fit(preps[i].r, tests[i].sig) for i in again])
-    for i, f in zip(again, refits, strict=True):
-        tests[i] = _test(preps[i], *f, opt)
-    return [_result(p, t, opt) for p, t in zip(preps, tests, strict=True)]
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """What :func:`line_spectrum` computes of a series before its AR(1) fit."""
-
-    det: Detrended
-    r: np.ndarray
-    n_clipped: int
-    freq: np.ndarray
-    power: np.ndarray
-    dof: np.ndarray
-    nper: int
-    n_seg: int
-    grid: GainGrid
-    tested: np.ndarray
-
-
-@dataclass(frozen=True)
-class _Tested:
-    """One pass of the test against a fitted background."""
-
-    a: float
-    s2: float
-    bg: np.ndarray
-    p: np.ndarray
-    p_adj: np.ndarray
-    ok: np.ndarray
-    peaks: list[Peak]
-    n_sig: int
-    sig: list[float]
-
-
-def _prepare(y: np.ndarray, opt: SpectrumOptions) -> _Prepared:
-    from scipy.signal import welch
-
     y = np.asarray(y, dtype=float)
     if y.size < MIN_POINTS or not np.all(np.isfinite(y)):
         raise SpecError(f"line_spectrum: need at least {MIN_POINTS} finite values; got {y.size} "
@@ -359,43 +291,24 @@ def _prepare(y: np.ndarray, opt: SpectrumOptions) -> _Prepared:
         dof[-1] /= 2.0
     grid = _gain_grid(det, max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
     tested = (freq > 0) & ((det.method == "diff") | (det.gain(freq) >= 0.5))
-    return _Prepared(det, r, n_clipped, freq, power, dof, nper, n_seg, grid, tested)
-
-
-def _fits(preps: list[_Prepared], rs: list[np.ndarray]) -> list[tuple[float, float, np.ndarray]]:
-    """``(alpha, sigma2, acov)`` of each residual in *rs*: one batched fit per shared gain grid."""
-    out: list[tuple[float, float, np.ndarray]] = [(0.0, 0.0, np.zeros(0))] * len(rs)
-    by_grid: dict[int, list[int]] = {}
-    for i, p in enumerate(preps):
-        by_grid.setdefault(id(p.grid), []).append(i)
-    for idx in by_grid.values():
-        lags = max(preps[i].nper for i in idx)
-        fits = fit_ar1_many([rs[i] for i in idx], preps[idx[0]].grid, lags)
-        for i, (a, s2, acov) in zip(idx, fits, strict=True):
-            out[i] = (a, s2, acov[:preps[i].nper])
-    return out
-
-
-def _test(prep: _Prepared, a: float, s2: float, acov: np.ndarray, opt: SpectrumOptions) -> _Tested:
-    from scipy.signal import find_peaks
-
-    freq, power, dof = prep.freq, prep.power, prep.dof
-    bg = s2 * expected_welch(acov, prep.nper)
-    ok = prep.tested & (bg > 0)
-    p = np.ones(freq.size)
-    p[ok] = _chi2_sf(dof[ok] * power[ok] / bg[ok], dof[ok])
-    p_adj = np.ones(freq.size)
-    p_adj[ok] = adjust_pvalues(p[ok], opt.correction)
-    peaks, n_sig = _peaks(prep.r, freq, power, bg, p, p_adj, ok, prep.det, prep.nper, opt, find_peaks)
-    return _Tested(a, s2, bg, p, p_adj, ok, peaks, n_sig, [q.frequency for q in peaks if q.significant])
-
-
-def _result(prep: _Prepared, t: _Tested, opt: SpectrumOptions) -> LineSpectrum:
-    dof, bg = prep.dof, t.bg
-    m = max(int(t.ok.sum()), 1)
-    return LineSpectrum(prep.freq, prep.power, bg, t.p, t.p_adj, t.ok, _chi2_line(bg, dof, opt.alpha / m),
-                        _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), prep.nper,
-                        prep.n_seg, t.a, t.s2, prep.det, prep.n_clipped, t.peaks, t.n_sig, opt)
+    fit = r
+    for _ in range(2):   # second pass: background refitted with the significant sinusoids removed
+        a, s2 = fit_ar1(fit, grid)
+        bg = s2 * expected_welch(grid.acov(a, nper), nper)
+        ok = tested & (bg > 0)
+        p = np.ones(freq.size)
+        p[ok] = _chi2_sf(dof[ok] * power[ok] / bg[ok], dof[ok])
+        p_adj = np.ones(freq.size)
+        p_adj[ok] = adjust_pvalues(p[ok], opt.correction)
+        peaks, n_sig = _peaks(r, freq, power, bg, p, p_adj, ok, det, nper, opt, find_peaks)
+        sig = [q.frequency for q in peaks if q.significant]
+        if not sig or fit is not r:
+            break
+        fit = r - sinusoid_fit(r, sig)
+    m = max(int(ok.sum()), 1)
+    return LineSpectrum(freq, power, bg, p, p_adj, ok, _chi2_line(bg, dof, opt.alpha / m),
+                        _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), nper,
+                        n_seg, a, s2, det, n_clipped, peaks, n_sig, opt)
 
 
 _GRIDS: dict[tuple[str, bytes, int], GainGrid] = {}
