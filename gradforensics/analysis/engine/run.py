@@ -273,7 +273,8 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
     ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, computed=computed,
                   options=per_analysis, long=long)
     results, flags = {}, []
-    with unit_threads(engine.num_workers):       # the per-unit statistics on the pass's threads
+    # the per-unit statistics on the pass's threads, or on the workers of the pass's client
+    with unit_threads(engine.num_workers, client if client is not None else _default_client()):
         for a in selected:
             res = a.compute(ctx)
             results[a.name] = res

@@ -330,6 +330,13 @@ def compute(ctx: Context) -> AnalysisResult:
     return res
 
 
+def _conflict_of(u: un.Unit, mix: np.ndarray, opts: ConflictOptions, training: bool,
+                 designs: dict[bytes, SourceDesign]) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
+    """:func:`conflict_unit` of one unit, seeded by its name (module-level: it runs on dask workers too)."""
+    return conflict_unit(u.gram, mix[u.records], opts, training, unit_seed(opts.seed, u.tensor, u.head),
+                         designs[u.records.tobytes()])
+
+
 def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> AnalysisResult:
     import pandas as pd
 
@@ -343,9 +350,7 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
     for u in units:
         if u.records.tobytes() not in designs:
             designs[u.records.tobytes()] = source_design(mix[u.records], opts, training)
-    done = map_units(lambda u: conflict_unit(u.gram, mix[u.records], opts, training,
-                                             unit_seed(opts.seed, u.tensor, u.head),
-                                             designs[u.records.tobytes()]), units)
+    done = map_units(functools.partial(_conflict_of, mix=mix, opts=opts, training=training, designs=designs), units)
     for u, (pairs, cos, idx) in zip(units, done, strict=True):
         energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
         for r in pairs:
