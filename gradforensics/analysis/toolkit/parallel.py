@@ -161,8 +161,10 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
             try:
                 res = fut.result()
             except KilledWorker as exc:
-                raise WorkerLostError(f"a dask worker died running the per-unit statistics of {where} ({exc}); "
-                                      f"{_ADVICE}") from None
+                last = getattr(exc.last_worker, "address", exc.last_worker)
+                raise WorkerLostError(f"a dask worker died running the per-unit statistics of {where} "
+                                      f"({exc.allowed_failures + 1} attempts, the last on {last}; its log says "
+                                      f"why); {_ADVICE}") from None
             except MemoryError:
                 raise WorkerLostError(f"a dask worker ran out of memory running the per-unit statistics of {where}; "
                                       f"{_ADVICE}") from None
