@@ -12,7 +12,7 @@ the pass's memory grow with the unit count, and ``N₀`` had to fall with it.
   ``dask.distributed`` client they are written by the client as each tensor's
   result arrives (``as_completed``), so it never holds them all;
 * ``Context.grams`` is then a read-only mapping, :class:`SpilledGrams`, whose
-  ``grams[(tensor, head)]`` memory-maps that unit's matrix (copy-on-write: an
+  ``grams[(tensor, head)]`` reads that unit's matrix (memory-mapped copy-on-write above 1 MiB: an
   analysis may scribble on it, the file is never changed): memory is bounded by
   the units in use (the threads of :func:`~gradforensics.analysis.toolkit.parallel.map_units`),
   not by all units, and reading only ``nonfinite`` or the diagonal touches little;
@@ -84,9 +84,24 @@ class Spilled:
     from_sketch: bool = False
 
     def load(self) -> GramResult:
-        """The :class:`GramResult`, its ``gram`` memory-mapped copy-on-write (the file is never changed)."""
-        gram = np.load(self.path, mmap_mode="c", allow_pickle=False)
+        """The :class:`GramResult`, its ``gram`` read (memory-mapped copy-on-write above 1 MiB: the file is never changed)."""
+        gram = _read_square(self.path, int(np.shape(self.nonfinite)[0]))
         return GramResult(self.tensor, self.head, gram, self.nonfinite, self.n_features, self.from_sketch)
+
+
+def _read_square(path: str, n: int) -> np.ndarray:
+    """The ``n × n`` float64 matrix :func:`write_spilled` saved at *path*, without parsing its ``.npy`` header
+    (the data are the file's last ``8 n²`` bytes; parsing it was most of a unit's load): read into memory
+    up to :data:`READ_WHOLE_BELOW` bytes, else memory-mapped copy-on-write."""
+    nbytes = 8 * n * n
+    offset = os.path.getsize(path) - nbytes
+    if nbytes <= READ_WHOLE_BELOW:
+        return np.fromfile(path, dtype=np.float64, count=n * n, offset=offset).reshape(n, n)
+    return np.memmap(path, dtype=np.float64, mode="c", shape=(n, n), offset=offset)
+
+
+READ_WHOLE_BELOW = 1 * MiB
+"""A spilled Gram matrix of at most this many bytes (N ≤ 362) is read whole, not memory-mapped."""
 
 
 def write_spilled(directory: str, slot: int, results: Sequence[GramResult]) -> list[Spilled]:
