@@ -29,6 +29,7 @@ The big store is deleted at the end unless ``--keep``.
 
     python benchmarks/workers.py --records 128 --repeat 2
     python benchmarks/workers.py --only big --big-gb 3.5 --worker-mb 1024 --threads-mb 2048 --repeat 2
+    python benchmarks/workers.py --only heads --before /tmp/old     # both codes (git archive <commit> gradforensics)
 """
 
 from __future__ import annotations
@@ -156,12 +157,14 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_child(mode: str, store: Path, args: argparse.Namespace) -> dict:
+    mode, _, code = mode.partition("@")
+    env = {**os.environ, "PYTHONPATH": str(Path(args.before).resolve()) if code == "before" else str(HERE.parent)}
     cmd = [sys.executable, __file__, "--child", mode, "--store", str(store)]
     if args.worker_mb:
         cmd += ["--worker-mb", str(args.worker_mb)]
     if args.threads_mb:
         cmd += ["--threads-mb", str(args.threads_mb)]
-    p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     lines = [ln for ln in p.stdout.strip().splitlines() if ln.startswith("{")]
     if lines and "killed" in json.loads(lines[-1]):
         return {**json.loads(lines[-1]), "cpu_s": float("nan"), "wall_s": float("nan")}
@@ -179,18 +182,18 @@ def compare(args: argparse.Namespace, stores: list[tuple[str, Path]]) -> None:
     res: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeat):                  # interleaved: a change in machine load hits both alike
         for label, path in stores:
-            for mode in ("threads", "workers"):
+            for mode in ("threads", "workers", *(("threads@before", "workers@before") if args.before else ())):
                 res.setdefault((label, mode), []).append(run_child(mode, path, args))
-    print(f"{'store':6} {'mode':8} {'cpu min':>8} {'cpu med':>8} {'wall min':>8} {'wall med':>8} "
+    print(f"{'store':6} {'mode':14} {'cpu min':>8} {'cpu med':>8} {'wall min':>8} {'wall med':>8} "
           f"{'post min':>8} {'post med':>8} {'start':>6} {'client MB':>9} {'worker MB':>9}  findings;  "
           "CPU client / workers (of which in analyze) min")
     for (label, mode), rows in res.items():
         killed = [r["killed"] for r in rows if "killed" in r]
         ok = [r for r in rows if "killed" not in r]
         if not ok:
-            print(f"{label:6} {mode:8} killed: {killed[0]}")
+            print(f"{label:6} {mode:14} killed: {killed[0]}")
             continue
-        print(f"{label:6} {mode:8} {_mm(ok, 'cpu_s')} {_mm(ok, 'wall_s')} {_mm(ok, 'post_s')} "
+        print(f"{label:6} {mode:14} {_mm(ok, 'cpu_s')} {_mm(ok, 'wall_s')} {_mm(ok, 'post_s')} "
               f"{min(r['start_s'] for r in ok):6.2f} {max(r['client_rss_mb'] for r in ok):9.0f} "
               f"{max(r['worker_rss_mb'] for r in ok):9.0f}  {ok[0]['flags']} flags, {ok[0]['digest']}"
               + (f"  ({len(killed)} killed)" if killed else "")
@@ -200,9 +203,14 @@ def compare(args: argparse.Namespace, stores: list[tuple[str, Path]]) -> None:
         a, b = res[(label, "workers")], res[(label, "threads")]
         if any("killed" in r for r in a + b):
             continue
-        same = "same" if len({r["digest"] for r in a + b}) == 1 else "DIFFER"
+        every = [r for (lab, _), rows in res.items() if lab == label for r in rows]
+        same = "same" if len({r["digest"] for r in every}) == 1 else "DIFFER"
         print(f"{label}: workers/threads cpu {_ratio(a, b, 'cpu_s')}, wall {_ratio(a, b, 'wall_s')}, "
-              f"post-pass wall {_ratio(a, b, 'post_s')}; findings {same}")
+              f"post-pass wall {_ratio(a, b, 'post_s')}; findings {same} (every mode and code)")
+        for mode in ("threads", "workers") if args.before else ():
+            a, b = res[(label, mode)], res[(label, f"{mode}@before")]
+            print(f"{label} {mode}: after/before cpu {_ratio(a, b, 'cpu_s')}, wall {_ratio(a, b, 'wall_s')}, "
+                  f"client rss {max(r['client_rss_mb'] for r in a) / max(r['client_rss_mb'] for r in b):.2f}")
 
 
 def _ratio(a: list[dict], b: list[dict], key: str) -> str:
@@ -221,6 +229,8 @@ def main() -> None:
     ap.add_argument("--only", choices=("heads", "big"), default=None)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the big store")
+    ap.add_argument("--before", default=None, metavar="DIR",
+                    help="a directory holding an older gradforensics/: both modes of both codes, interleaved")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
