@@ -13,7 +13,7 @@ When the pass ran on a ``dask.distributed`` client (``--workers``, ``--scheduler
 :func:`unit_threads` is given it and :func:`map_units` runs on its workers instead:
 the units are built on the client (a spilled pass reads each Gram matrix from its
 file there), shipped in batches of at most :data:`BATCH_BYTES` of Gram matrices and
-:data:`BATCH_UNITS` units, one task a batch, at most two batches a worker in flight,
+:data:`BATCH_UNITS` units, one task a batch, at most two batches a worker thread in flight,
 and the results are gathered in the units' order.  The arrays travel with the tasks:
 the workers need no file system shared with the client.  The function must pickle
 (a module-level function, or a :func:`functools.partial` of one over small, frozen
@@ -139,7 +139,7 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
     from distributed import as_completed
     from distributed.scheduler import KilledWorker
 
-    n_workers = max(1, len(client.scheduler_info().get("workers", {})))
+    slots = max(1, sum(client.nthreads().values()))         # threads of every worker
     out: list[Any] = [None] * len(todo)
     at: dict[str, tuple[int, str]] = {}
     done = as_completed()
@@ -153,7 +153,7 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
             at[fut.key] = (start, _where(batch))
             done.add(fut)
 
-    for _ in range(2 * n_workers):      # two batches a worker in flight: the client holds that many
+    for _ in range(2 * slots):          # two batches a worker thread in flight: the client holds that many
         ship()
     try:
         for fut in done:
