@@ -18,7 +18,7 @@ __all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CheckpointError",
            "OfflineError", "OutExistsError", "PlotBugWarning", "SchemaVersionError", "ShardMismatchError",
            "SpecError", "StoreClosedError", "StoreExistsError", "StoreLockedError", "StoreMismatchError",
            "StorePermissionError", "StoreUnreachableError", "Terminated", "UnsafeNameError", "WhatIfInterrupted",
-           "WriteRefusedError", "refusal"]
+           "WorkerLostError", "WriteRefusedError", "refusal"]
 
 
 class GradforensicsError(Exception):
@@ -99,6 +99,10 @@ class StorePermissionError(GradforensicsError, PermissionError):
 
 class StoreUnreachableError(GradforensicsError, ConnectionError):
     """The storage service holding a store (``s3://``, ...) could not be reached after retries."""
+
+
+class WorkerLostError(GradforensicsError, RuntimeError):
+    """A ``dask.distributed`` worker died (killed for memory, say) or ran out of memory running part of the analysis."""
 
 
 class WriteRefusedError(GradforensicsError, OSError):

@@ -70,7 +70,7 @@ from gradforensics.analysis.engine.longhistory import (
 )
 from gradforensics.analysis.engine.results import save_results
 from gradforensics.analysis.engine.spill import GramSpill, SpilledGrams
-from gradforensics.analysis.toolkit.parallel import unit_threads
+from gradforensics.analysis.toolkit.parallel import unit_threads, workers_add_cores
 from gradforensics.errors import EmptyStoreError, SpecError, WriteRefusedError
 from gradforensics.store import remote
 from gradforensics.store.backends import locate
@@ -119,6 +119,11 @@ class EngineOptions(Options):
         long-history regime's super-record ones): True on disk (a private directory under
         ``TMPDIR``, removed when the pass ends), False in memory, None (default) on disk
         when they exceed 64 MiB in all (:mod:`~gradforensics.analysis.engine.spill`).
+    unit_statistics
+        Under a ``dask.distributed`` client, where the per-unit statistics of conflict,
+        oscillation and drift run: ``"workers"`` (shipped in batches), ``"client"`` (the
+        client's threads), ``"auto"`` (default: on the workers when they bring cores the
+        client lacks, :func:`~gradforensics.analysis.toolkit.parallel.workers_add_cores`).
     """
 
     slab_bytes: int = DEFAULT_SLAB_BYTES
@@ -130,6 +135,7 @@ class EngineOptions(Options):
     band: int = BAND
     windows: int = N_WINDOWS
     spill: bool | None = None
+    unit_statistics: str = "auto"
 
     def __post_init__(self) -> None:
         if int(self.slab_bytes) < 1 << 16:
@@ -148,6 +154,9 @@ class EngineOptions(Options):
             raise SpecError(f"engine option windows must be in [4, 4096]; got {self.windows}.")
         if self.spill is not None and not isinstance(self.spill, bool):
             raise SpecError(f"engine option spill must be true, false or null; got {self.spill!r}.")
+        if self.unit_statistics not in UNIT_PLACES:
+            raise SpecError(f"engine option unit_statistics must be one of {UNIT_PLACES}; "
+                            f"got {self.unit_statistics!r}.")
 
     def n0(self, n_units: int) -> int:
         """``N₀`` of a store whose largest tensor has *n_units* units, whole + heads (:func:`~gradforensics.analysis.engine.longhistory.threshold`)."""
@@ -276,7 +285,8 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
     ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, computed=computed,
                   options=per_analysis, long=long)
     results, flags = {}, []
-    with unit_threads(engine.num_workers):       # the per-unit statistics on the pass's threads
+    # the per-unit statistics on the pass's threads, or on the workers of the pass's client
+    with unit_threads(engine.num_workers, _units_client(engine, client if client is not None else _default_client())):
         for a in selected:
             res = a.compute(ctx)
             results[a.name] = res
@@ -602,6 +612,17 @@ def _progress_bar(progress: bool) -> AbstractContextManager[Any]:
     from dask.diagnostics import ProgressBar
 
     return ProgressBar(minimum=1.0, out=sys.stderr)
+
+
+UNIT_PLACES = ("auto", "workers", "client")
+"""Values of the engine option ``unit_statistics``."""
+
+
+def _units_client(engine: EngineOptions, client: Client | None) -> Client | None:
+    """The client :func:`map_units` ships the per-unit statistics to, or None (the client's threads)."""
+    if client is None or engine.unit_statistics == "client":
+        return None
+    return client if engine.unit_statistics == "workers" or workers_add_cores(client) else None
 
 
 def _default_client() -> Client | None:

@@ -12,7 +12,7 @@ the pass's memory grow with the unit count, and ``N₀`` had to fall with it.
   ``dask.distributed`` client they are written by the client as each tensor's
   result arrives (``as_completed``), so it never holds them all;
 * ``Context.grams`` is then a read-only mapping, :class:`SpilledGrams`, whose
-  ``grams[(tensor, head)]`` memory-maps that unit's matrix (copy-on-write: an
+  ``grams[(tensor, head)]`` reads that unit's matrix (memory-mapped copy-on-write above 1 MiB: an
   analysis may scribble on it, the file is never changed): memory is bounded by
   the units in use (the threads of :func:`~gradforensics.analysis.toolkit.parallel.map_units`),
   not by all units, and reading only ``nonfinite`` or the diagonal touches little;

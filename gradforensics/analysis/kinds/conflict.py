@@ -42,6 +42,7 @@ the energy or more keeps its full severity.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -281,6 +282,22 @@ def compute(ctx: Context) -> AnalysisResult:
     return res
 
 
+def _conflict_of(u: un.Unit, mix: np.ndarray, opts: ConflictOptions, training: bool,
+                 designs: dict[bytes, SourceDesign], spans: tuple[np.ndarray, np.ndarray] | None, n_records: int,
+                 ) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
+    """One unit's rows (with its energy and stretch), cosine matrix and kept sources (module-level: it runs on
+    dask workers too); :func:`conflict_unit` seeded by the unit's name."""
+    pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training,
+                                    unit_seed(opts.seed, u.tensor, u.head), designs[u.records.tobytes()])
+    energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
+    for r in pairs:
+        r["energy"] = energy
+        r["record_first"], r["record_last"] = 0, n_records - 1
+        if spans is not None:           # long histories: rows are super-records, locate the stretch
+            r["record_first"], r["record_last"] = _stretch(u, mix, spans, r["a"], r["b"])
+    return pairs, cos, idx
+
+
 def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> AnalysisResult:
     import pandas as pd
 
@@ -295,19 +312,8 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
     for u in infos:
         if u.records.tobytes() not in designs:
             designs[u.records.tobytes()] = source_design(mix[u.records], opts, training)
-
-    def one(u: un.Unit) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
-        pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training,
-                                        unit_seed(opts.seed, u.tensor, u.head), designs[u.records.tobytes()])
-        energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
-        for r in pairs:
-            r["energy"] = energy
-            r["record_first"], r["record_last"] = 0, ctx.n_records - 1
-            if spans is not None:           # long histories: rows are super-records, locate the stretch
-                r["record_first"], r["record_last"] = _stretch(u, mix, spans, r["a"], r["b"])
-        return pairs, cos, idx
-
-    done = map_units(one, units)
+    done = map_units(functools.partial(_conflict_of, mix=mix, opts=opts, training=training, designs=designs,
+                                       spans=spans, n_records=ctx.n_records), units)
     for u, (pairs, cos, idx) in zip(infos, done, strict=True):
         for r in pairs:
             r.update(tensor=u.tensor, head=u.head, layer=u.layer, source_a=ctx.sources[r.pop("a")],

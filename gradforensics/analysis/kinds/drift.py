@@ -249,6 +249,11 @@ def pd_int(values: list[int | None]) -> Any:
     return pd.array(values, dtype="Int64")
 
 
+def _drift_of(u: un.Unit, mix: np.ndarray, window: int | None) -> UnitDrift:
+    """:func:`drift_unit` of one unit (module-level: it runs on dask workers too)."""
+    return drift_unit(u.gram, mix[u.records], window)
+
+
 def _compute(ctx: Context) -> AnalysisResult:
     import pandas as pd
 
@@ -258,7 +263,7 @@ def _compute(ctx: Context) -> AnalysisResult:
     rows = []
     rec_pack, win_pack = un.SeriesPack(), un.SeriesPack()
     units = un.units(ctx)
-    done = map_units(lambda u: drift_unit(u.gram, mix[u.records], opts.window), units)
+    done = map_units(functools.partial(_drift_of, mix=mix, window=opts.window), units)
     for u, res in zip(map(units.info, range(len(units))), done, strict=True):
         r = res.row
         pos = r.pop("since_pos", None)

@@ -270,6 +270,13 @@ def severity(p: float, n_tests: int, reversal: float, bc: float) -> float:
 
 
 # ------------------------------------------------------------------ analysis
+def _one_unit(u: un.Unit, mix: np.ndarray, replay: bool, opts: OscillationOptions, sources: tuple[str, ...],
+              ) -> tuple[dict[str, Any], Component | None, np.ndarray | None]:
+    """One unit's row, component and consecutive cosines (module-level: it runs on dask workers too)."""
+    cc = ks.consecutive_cosines(u.gram) if u.n > 1 else None        # the row's mean and the series: once
+    return (*_oscillation_unit(u.gram, mix[u.records], replay, opts, sources, cc), cc)
+
+
 def compute(ctx: Context) -> AnalysisResult:
     """The oscillation table, projection and consecutive-cosine series of every tensor and head."""
     if ctx.long is not None:
@@ -281,11 +288,7 @@ def compute(ctx: Context) -> AnalysisResult:
     rows = []
     proj_pack, cc_pack = un.SeriesPack(), un.SeriesPack()
     units = un.units(ctx)
-    def one(u: un.Unit) -> tuple[dict[str, Any], Component | None, np.ndarray | None]:
-        cc = ks.consecutive_cosines(u.gram) if u.n > 1 else None        # the row's mean and the series: once
-        return (*_oscillation_unit(u.gram, mix[u.records], replay, opts, ctx.sources, cc), cc)
-
-    done = map_units(one, units)
+    done = map_units(functools.partial(_one_unit, mix=mix, replay=replay, opts=opts, sources=ctx.sources), units)
     for u, (row, comp, ucc) in zip(map(units.info, range(len(units))), done, strict=True):
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
