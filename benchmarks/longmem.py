@@ -42,6 +42,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import numpy as np  # noqa: E402  (after the BLAS thread limits)
+from _common import findings_digest, parse_or_child  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BASE = 4096
@@ -117,22 +118,8 @@ def child(args: argparse.Namespace) -> None:
            "flags": sorted([fl.kind, fl.tensor, -1 if fl.head is None else fl.head] for fl in f.flags),
            "p": [] if t is None else [None if not np.isfinite(v) else float(v) for v in t["p_value"]],
            "cc": [] if t is None else [None if not np.isfinite(v) else float(v) for v in t["consec_cos"]],
-           "digest": _digest(f)}
+           "digest": findings_digest(f)}
     print(json.dumps(out))
-
-
-def _digest(f: object) -> str:
-    """SHA-256 of every table (CSV, full precision), every series' bytes and every flag of the findings."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in sorted(f.results):                        # type: ignore[attr-defined]
-        res = f.results[name]                             # type: ignore[attr-defined]
-        h.update(name.encode() + res.table.to_csv(index=False, float_format="%.17g").encode())
-        for k in sorted(res.series):
-            h.update(k.encode() + np.ascontiguousarray(res.series[k]).tobytes())
-    h.update(json.dumps([fl.to_dict() for fl in f.flags], sort_keys=True, default=str).encode())  # type: ignore[attr-defined]
-    return h.hexdigest()[:16]
 
 
 def run_child(store: Path, pythonpath: str, only: str) -> dict:
@@ -164,13 +151,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--before", default=None, metavar="DIR", help="a directory holding an older gradforensics/")
     ap.add_argument("--before-max", type=int, default=None, metavar="N", help="old code only up to N records")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
-    root = Path(args.dir)
-    root.mkdir(parents=True, exist_ok=True)
+    parsed = parse_or_child(ap, child)
+    if parsed is None:
+        return None
+    args, root = parsed
     stores = []
     for tensors in (int(v) for v in args.tensors.split(",")):
         for n in (int(v) for v in args.records.split(",")):

@@ -51,6 +51,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import numpy as np  # noqa: E402  (after the BLAS thread limits)
+from _common import parse_or_child  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 HEADS = {"*.q_proj.weight": 8, "*.k_proj.weight": 8, "*.v_proj.weight": 8,
@@ -226,13 +227,10 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="CPU seconds of each analysis as well")
     ap.add_argument("--engine", default=None, metavar="JSON",
                     help='engine options for every analyze, e.g. \'{"long_history": 512}\' (the exact regime for both codes)')
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
-    root = Path(args.dir)
-    root.mkdir(parents=True, exist_ok=True)
+    parsed = parse_or_child(ap, child, verb=True)
+    if parsed is None:
+        return None
+    args, root = parsed
     if args.small:
         p = root / f"small-{args.small}.zarr"
         if not p.exists():

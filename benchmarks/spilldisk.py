@@ -33,6 +33,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
 import numpy as np  # noqa: E402  (after the BLAS thread limits)
+from _common import findings_digest, parse_or_child  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -83,20 +84,7 @@ def child(args: argparse.Namespace) -> None:
     r = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({"peak_disk": peak[0], "saved": _disk(store) - base, "wall_s": time.perf_counter() - w0,
                       "rss_mb": r.ru_maxrss / 1024, "regime": f.header["regime"]["name"],
-                      "flags": len(f.flags), "digest": _digest(f)}))
-
-
-def _digest(f: object) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in sorted(f.results):                        # type: ignore[attr-defined]
-        res = f.results[name]                             # type: ignore[attr-defined]
-        h.update(name.encode() + res.table.to_csv(index=False, float_format="%.17g").encode())
-        for k in sorted(res.series):
-            h.update(k.encode() + np.ascontiguousarray(res.series[k]).tobytes())
-    h.update(json.dumps([fl.to_dict() for fl in f.flags], sort_keys=True, default=str).encode())  # type: ignore[attr-defined]
-    return h.hexdigest()[:16]
+                      "flags": len(f.flags), "digest": findings_digest(f)}))
 
 
 def run_child(base: Path, work: Path, pythonpath: str, only: str) -> dict:
@@ -122,13 +110,10 @@ def main() -> None:
     ap.add_argument("--only", default="drift,nonfinite")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--before", default=None, metavar="DIR", help="a directory holding an older gradforensics/")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
-    root = Path(args.dir)
-    root.mkdir(parents=True, exist_ok=True)
+    parsed = parse_or_child(ap, child)
+    if parsed is None:
+        return None
+    args, root = parsed
     base = root / f"base-T{args.tensors}-H{args.heads}-N{args.records}.zarr"
     if not base.exists():
         build(base, args.records, args.tensors, args.heads)

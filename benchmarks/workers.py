@@ -51,6 +51,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _common import parse_or_child  # noqa: E402
 from shape import _digest, build  # noqa: E402
 
 
@@ -231,13 +232,10 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the big store")
     ap.add_argument("--before", default=None, metavar="DIR",
                     help="a directory holding an older gradforensics/: both modes of both codes, interleaved")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
-    root = Path(args.dir)
-    root.mkdir(parents=True, exist_ok=True)
+    parsed = parse_or_child(ap, child, verb=True)
+    if parsed is None:
+        return None
+    args, root = parsed
     stores, made = [], []
     if args.only in (None, "heads"):
         p = root / f"heads-L24-d32-N{args.records}.zarr"

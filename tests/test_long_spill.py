@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+from _exact import same_findings, spill_heads_store, use_tmp_root
 
 import gradforensics as gf
 from gradforensics.analysis import registered
 from gradforensics.analysis.contract.grams import LongGram
-from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Findings, Need
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Need
 from gradforensics.analysis.engine import spill as spill_mod
 from gradforensics.analysis.engine.results import load_grams
 from gradforensics.analysis.engine.spill import SPILL_RESERVE, GramSpill, write_spilled
@@ -38,7 +39,6 @@ from gradforensics.store import results as store_results
 from gradforensics.store.reader import Store
 from gradforensics.testing.planted_long import CONFLICT, DRIFT, HEALTHY, OSC, long_history_store
 
-SHAPES = {"l0.q_proj.weight": (16, 8), "l0.mlp.weight": (12, 8), "l1.q_proj.weight": (16, 8)}
 N = 512
 READERS = "drift,oscillation,conflict,noise,nonfinite,toy_long_probe"
 FEW = {"conflict": {"permutations": 99}}
@@ -48,39 +48,15 @@ LONG = {"long_history": 0, "persist": False}
 @pytest.fixture(scope="module")
 def heads_store(tmp_path_factory: pytest.TempPathFactory) -> str:
     """3 tensors, two in 4 heads (11 units), 512 records; source b's mean opposes a's; one non-finite record."""
-    path = tmp_path_factory.mktemp("longspill") / "heads.zarr"
-    rng = np.random.default_rng(0)
-    base = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
-    with gf.Recorder(path, sources=["a", "b"], mode="training", heads={"*.q_proj.weight": 4},
-                     background=False) as rec:
-        for i in range(N):
-            sign = 1.0 if i % 2 else -1.0
-            g = {n: (sign * base[n] + 2 * rng.standard_normal(s)).astype(np.float32) for n, s in SHAPES.items()}
-            if i == 200:
-                g["l0.mlp.weight"][0, 0] = np.nan
-            rec.record(step=i, loss=2.0 + 0.1 * np.sin(i), source="ab"[i % 2], n_samples=32, grads=g)
-    return str(path)
+    return spill_heads_store(tmp_path_factory.mktemp("spill") / "heads.zarr", N, 200)
 
 
 @pytest.fixture
 def tmp_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fresh temporary directory for the pass (what TMPDIR sets), to see what is left in it."""
-    d = tmp_path / "tmp"
-    d.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(d))
-    return d
+    return use_tmp_root(tmp_path, monkeypatch)
 
 
-def _same(a: Findings, b: Findings) -> None:
-    assert sorted(a.results) == sorted(b.results)
-    for name in a.results:
-        pd.testing.assert_frame_equal(a.results[name].table, b.results[name].table, check_exact=True)
-        sa, sb = a.results[name].series, b.results[name].series
-        assert sorted(sa) == sorted(sb), name
-        for k in sa:
-            np.testing.assert_array_equal(np.asarray(sa[k]), np.asarray(sb[k]), err_msg=f"{name}: {k}")
-    assert [f.to_dict() for f in a.flags] == [f.to_dict() for f in b.flags]
-
+_same = same_findings
 
 def _files(root: Path) -> int:
     return sum(len(list(d.iterdir())) for d in root.glob("gradforensics-grams-*"))

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 import pytest
+from _exact import reference_null, same
 
 from gradforensics.analysis.contract.model import Context, GramResult
 from gradforensics.analysis.kinds import conflict as cf
@@ -26,24 +27,6 @@ from gradforensics.analysis.toolkit import noisescale as nsc
 from gradforensics.analysis.toolkit import permtest as pt
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.store.schema import StoreMeta
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return a == b or (math.isnan(a) and math.isnan(b))
-    return a == b
-
-
-def _reference_null(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np.ndarray, chunk: int) -> np.ndarray:
-    """The permutation null as the first version computed it: fancy-indexed gathers, ``Q @ G @ Q`` per chunk."""
-    n, S = A.shape
-    out = np.empty((perms.shape[0], S, S))
-    for s in range(0, perms.shape[0], chunk):
-        Pm = A[perms[s:s + chunk]]
-        c = Pm.shape[0]
-        KP = (K @ Pm.transpose(1, 0, 2).reshape(n, c * S)).reshape(n, c, S).transpose(1, 0, 2)
-        out[s:s + c] = Q @ np.matmul(Pm.transpose(0, 2, 1), KP) @ Q
-    return out
 
 
 def _mixture(rng: np.random.Generator, n: int, S: int, pure: bool) -> np.ndarray:
@@ -68,7 +51,7 @@ def test_permutation_null_is_the_reference(pure: bool) -> None:
         perms = pt.permutations(n, B, (trial, 3), None if trial % 3 == 0 else int(rng.integers(2, 12)))
         chunk = (128, 37, 1)[trial % 3]
         with np.errstate(invalid="ignore"):
-            got, want = pt.permuted_source_grams(K, A, Q, perms, chunk), _reference_null(K, A, Q, perms, chunk)
+            got, want = pt.permuted_source_grams(K, A, Q, perms, chunk), reference_null(K, A, Q, perms, chunk)
         assert np.array_equal(got, want, equal_nan=True), trial
     assert (shortcut > 20) == pure                       # pure batches took the shortcut, mixed ones never
 
@@ -130,9 +113,9 @@ def test_conflict_table_is_each_units_own_function(n: int, S: int, mode: str, pu
     for (u, energy, r), got in zip(ref, res.table.itertuples(index=False), strict=True):
         assert (got.tensor, un.head_of(got.head), got.n_records, got.n_excluded) == (u.tensor, u.head, u.n,
                                                                                      u.n_excluded)
-        assert _same(float(got.energy), energy)
+        assert same(float(got.energy), energy)
         for key in ("cosine", "p_value", "cosine_debiased", "z", "z_cross", "n_a", "n_b"):
-            assert _same(float(getattr(got, key)), r[key]), (u.where(), key)
+            assert same(float(getattr(got, key)), r[key]), (u.where(), key)
     assert np.array_equal(res.series["cosine_matrix"], np.stack(cosm), equal_nan=True)
 
 
@@ -150,11 +133,11 @@ def test_oscillation_and_drift_tables_are_each_units_own_function(n: int, S: int
         row, _ = osc.oscillation_unit(u.gram, mix[u.records], mode == "replay", osc.OscillationOptions(),
                                       ctx.sources)
         for key, want in row.items():
-            assert _same(o[key], want), (u.where(), "oscillation", key)
+            assert same(o[key], want), (u.where(), "oscillation", key)
         ks._shared_fit.cache_clear()
         want_d = dr.drift_unit(u.gram, mix[u.records], None).row
         for key in ("cos_early", "cos_late", "cos_late_debiased", "rotation", "rho", "p_value", "rho_windows"):
-            assert _same(float(d[key]), float(want_d.get(key, math.nan))), (u.where(), "drift", key)
+            assert same(float(d[key]), float(want_d.get(key, math.nan))), (u.where(), "drift", key)
         assert (d["n_excluded"], d["n_records"]) == (u.n_excluded, u.n)
 
 
@@ -196,7 +179,7 @@ def test_noise_table_and_outliers_are_the_reference(n: int, S: int, mode: str, p
     assert len(got) == len(want) > 0
     for g, w in zip(got, want, strict=True):
         for key, v in w.items():
-            assert _same(un.head_of(g[key]) if key == "head" else g[key], v), (w["tensor"], w["source"], key)
+            assert same(un.head_of(g[key]) if key == "head" else g[key], v), (w["tensor"], w["source"], key)
     rows = [dict(r) for r in want if r["source"] == "" and r["tensor"] != nz.MODEL]
     for r in rows:                                      # a quiet tensor and ordinary ones: some pass the noise rule
         r["trace_sigma"] = float(r["trace_sigma"]) * (40.0 if r["tensor"].endswith("4.w.weight") else 1.0)

@@ -10,10 +10,9 @@ and ``K[np.ix_(rows, cols)]``.  Equality is ``==`` on every float, not a toleran
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
+from _exact import reference_null, same
 
 from gradforensics.analysis.kinds import conflict as cf
 from gradforensics.analysis.kinds import drift as dr
@@ -21,24 +20,6 @@ from gradforensics.analysis.kinds import oscillation as osc
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.testing import planted_directions as P
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return a == b or (math.isnan(a) and math.isnan(b))
-    return a == b
-
-
-def _reference_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np.ndarray, chunk: int = 128) -> np.ndarray:
-    """The permutation null as it was computed before issue 28: fancy-indexed gather, transposed copy."""
-    n, S = A.shape
-    out = np.empty((perms.shape[0], S, S))
-    for s in range(0, perms.shape[0], chunk):
-        Pm = A[perms[s:s + chunk]]
-        c = Pm.shape[0]
-        KP = (K @ Pm.transpose(1, 0, 2).reshape(n, c * S)).reshape(n, c, S).transpose(1, 0, 2)
-        out[s:s + c] = Q @ np.matmul(Pm.transpose(0, 2, 1), KP) @ Q
-    return out
 
 
 def test_permuted_source_grams_is_the_fancy_indexed_reference() -> None:
@@ -51,7 +32,7 @@ def test_permuted_source_grams_is_the_fancy_indexed_reference() -> None:
         perms = cf.permutations(n, B, (trial, 7, 1), None if trial % 3 == 0 else int(rng.integers(2, 12)))
         chunk = (128, 37, 1)[trial % 3]
         got = cf.permuted_source_grams(X @ X.T, A, Q, perms, chunk=chunk)
-        assert np.array_equal(got, _reference_grams(X @ X.T, A, Q, perms, chunk=chunk)), trial
+        assert np.array_equal(got, reference_null(X @ X.T, A, Q, perms, chunk=chunk)), trial
 
 
 def test_permutations_are_the_reference_draws() -> None:
@@ -117,7 +98,7 @@ def test_conflict_table_is_the_per_unit_reference(mode: str) -> None:
     for (tensor, head, r), got in zip(ref, table.itertuples(index=False), strict=True):
         assert (got.tensor, un.head_of(got.head)) == (tensor, head)
         for key in ("cosine", "p_value", "cosine_debiased", "z", "z_cross", "n_a", "n_b"):
-            assert _same(float(getattr(got, key)), r[key]), (tensor, head, key)
+            assert same(float(getattr(got, key)), r[key]), (tensor, head, key)
 
 
 @pytest.mark.parametrize("mode", ["training", "replay"])
@@ -130,9 +111,9 @@ def test_oscillation_and_drift_tables_are_the_per_unit_reference(mode: str) -> N
     for u, o, d in zip(_units_afresh(ctx), osc_t.to_dict("records"), drift_t.to_dict("records"), strict=True):
         row, _ = osc.oscillation_unit(u.gram, mix[u.records], mode == "replay", osc.OscillationOptions(), ctx.sources)
         for key, want in row.items():
-            assert _same(o[key], want), (u.where(), "oscillation", key)
+            assert same(o[key], want), (u.where(), "oscillation", key)
         ks._shared_fit.cache_clear()
         want_d = dr.drift_unit(u.gram, mix[u.records], None).row
         for key in ("cos_early", "cos_late", "cos_late_debiased", "rotation", "rho", "p_value", "rho_windows",
                     "aligned_cosine"):
-            assert _same(float(d[key]), float(want_d[key])), (u.where(), "drift", key)
+            assert same(float(d[key]), float(want_d[key])), (u.where(), "drift", key)
