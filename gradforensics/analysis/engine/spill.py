@@ -53,7 +53,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -102,7 +102,7 @@ class Spilled:
         return GramResult(self.tensor, self.head, gram, self.nonfinite, self.n_features, self.from_sketch)
 
 
-def read_matrix(path: str, n: int, mode: str = "r") -> np.ndarray:
+def read_matrix(path: str, n: int, mode: Literal["r", "c"] = "r") -> np.ndarray:
     """The ``n × n`` float64 matrix a spill file holds, memory-mapped (*mode* ``"r"`` read-only, ``"c"`` copy-on-write).
 
     The files are raw (no ``.npy`` header): parsing one cost about 0.7 ms an access

@@ -115,7 +115,7 @@ def workers_add_cores(client: Any) -> bool:
         return False
     here = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
     with suppress(OSError):
-        here |= {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+        here |= {str(a[4][0]) for a in socket.getaddrinfo(socket.gethostname(), None)}
     hosts = {str(w.get("host") or addr.split("://")[-1].rsplit(":", 1)[0]) for addr, w in workers.items()}
     threads = sum(int(w.get("nthreads", 1)) for w in workers.values())
     return bool(hosts - here) or threads > available_cores()
