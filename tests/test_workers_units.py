@@ -151,3 +151,16 @@ def _fail_at(bad: int, x: _Item) -> int:
     if x.i == bad:
         raise SpecError(f"unit {bad} is malformed")
     return x.i
+
+
+@pytest.mark.slow
+def test_a_worker_dying_in_the_gram_pass_is_one_line(client) -> None:
+    import dask
+
+    from gradforensics.analysis.engine.run import _run
+
+    with pytest.raises(WorkerLostError) as exc:
+        _run([dask.delayed(os._exit)(3)], client, False, None)     # a task of the pass whose worker exits
+    line = str(exc.value)
+    assert "\n" not in line and "a dask worker died running the Gram pass" in line and "more memory" in line
+    client.wait_for_workers(2, timeout=60)

@@ -42,7 +42,7 @@ def client(args: argparse.Namespace) -> Iterator[Any]:
         if args.workers < 1:
             raise SpecError(f"--workers must be >= 1; got {args.workers}.")
         with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                          dashboard_address=None) as cluster, Client(cluster) as c:
+                          dashboard_address=":0") as cluster, Client(cluster) as c:
             yield c
         return
     address = args.scheduler

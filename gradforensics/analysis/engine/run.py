@@ -70,7 +70,7 @@ from gradforensics.analysis.engine.longhistory import (
 )
 from gradforensics.analysis.engine.results import save_results
 from gradforensics.analysis.engine.spill import GramSpill, SpilledGrams
-from gradforensics.analysis.toolkit.parallel import unit_threads, workers_add_cores
+from gradforensics.analysis.toolkit.parallel import unit_threads, worker_lost, workers_add_cores
 from gradforensics.errors import EmptyStoreError, SpecError, WriteRefusedError
 from gradforensics.store import remote
 from gradforensics.store.backends import locate
@@ -575,9 +575,14 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
             from distributed import progress as dprogress
 
             dprogress(futures)
-        if arrive:
-            return _gather_spilling(futures, arrive)
-        return list(client.gather(futures))
+        from distributed.scheduler import KilledWorker
+
+        try:
+            if arrive:
+                return _gather_spilling(futures, arrive)
+            return list(client.gather(futures))
+        except KilledWorker as exc:            # killed past its memory limit, say: one line, not dask's traceback
+            raise worker_lost(exc, "the Gram pass") from None
     from threadpoolctl import threadpool_limits
 
     kwargs: dict[str, Any] = {}

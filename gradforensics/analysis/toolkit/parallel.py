@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 
 from gradforensics.errors import WorkerLostError
 
-__all__ = ["BATCH_BYTES", "BATCH_UNITS", "available_cores", "map_units", "unit_threads", "workers_add_cores"]
+__all__ = ["BATCH_BYTES", "BATCH_UNITS", "available_cores", "map_units", "unit_threads", "worker_lost",
+           "workers_add_cores"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -182,10 +183,7 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
             try:
                 res = fut.result()
             except KilledWorker as exc:
-                last = getattr(exc.last_worker, "address", exc.last_worker)
-                raise WorkerLostError(f"a dask worker died running the per-unit statistics of {where} "
-                                      f"({exc.allowed_failures + 1} attempts, the last on {last}; its log says "
-                                      f"why); {_ADVICE}") from None
+                raise worker_lost(exc, f"the per-unit statistics of {where}") from None
             except MemoryError:
                 raise WorkerLostError(f"a dask worker ran out of memory running the per-unit statistics of {where}; "
                                       f"{_ADVICE}") from None
@@ -200,3 +198,10 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
 
 _ADVICE = ("give the workers more memory (fewer of them, or a larger memory limit), or run on threads "
            "(without --workers / --scheduler).")
+
+
+def worker_lost(exc: Any, what: str) -> WorkerLostError:
+    """The one-line :class:`WorkerLostError` for dask's ``KilledWorker`` *exc*, raised while running *what*."""
+    last = getattr(exc.last_worker, "address", exc.last_worker)
+    return WorkerLostError(f"a dask worker died running {what} ({exc.allowed_failures + 1} attempts, the last on "
+                           f"{last}; its log says why); {_ADVICE}")
