@@ -160,14 +160,19 @@ def test_graph_has_few_tasks(stores, monkeypatch) -> None:
 @pytest.mark.slow
 def test_local_cluster_processes_both_backends(stores) -> None:
     distributed = pytest.importorskip("distributed")
+    opts = {"engine": {"persist": False}}
+    local = {suffix: analyze(planted.path, only=ONLY, progress=False, options=opts) for suffix, planted in stores.items()}
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as client:
         for suffix, planted in stores.items():
-            on_cluster = analyze(planted.path, client=client, only=ONLY, progress=True,
-                                 options={"engine": {"persist": False}})
-            local = analyze(planted.path, only=ONLY, progress=False, options={"engine": {"persist": False}})
-            _tables_equal(on_cluster, local)
-            assert on_cluster.header["scheduler"] == "distributed", suffix
+            on_cluster = analyze(planted.path, client=client, only=ONLY, progress=True, options=opts)
+            # the client of the with-block is dask's default one: analyze without a client runs there too,
+            # and its header says so (the pass, the per-unit statistics and the header resolve it once)
+            by_default = analyze(planted.path, only=ONLY, progress=False, options=opts)
+            _tables_equal(on_cluster, local[suffix])
+            _tables_equal(by_default, local[suffix])
+            assert local[suffix].header["scheduler"] == "threads", suffix
+            assert on_cluster.header["scheduler"] == by_default.header["scheduler"] == "distributed", suffix
             assert on_cluster.flags[0].tensor == "layers.0.attn.q.weight"
 
 

@@ -268,6 +268,7 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
              only: str | Iterable[str] | None, options: Mapping[str, Any] | None, progress: bool,
              storage_options: Mapping[str, Any] | None, spill: GramSpill) -> Findings:
     t0 = time.perf_counter()
+    client = client if client is not None else _default_client()    # resolved once: the pass, units and header agree
     store = _open(path, storage_options)
     writer = store.writer        # a store being written: analyse the committed prefix, say so in the header
     if store.n_records == 0:
@@ -286,7 +287,7 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
                   options=per_analysis, long=long)
     results, flags = {}, []
     # the per-unit statistics on the pass's threads, or on the workers of the pass's client
-    with unit_threads(engine.num_workers, _units_client(engine, client if client is not None else _default_client())):
+    with unit_threads(engine.num_workers, _units_client(engine, client)):
         for a in selected:
             res = a.compute(ctx)
             results[a.name] = res
@@ -394,7 +395,7 @@ def compute_pass(store: Store, selected: list[Analysis], engine: EngineOptions, 
     SpecError
         An analysis returns the same key from ``lazy`` and ``slab_reductions``.
     """
-    g, lazy, _ = _compute(store, selected, engine, client, progress, grams)
+    g, lazy, _ = _compute(store, selected, engine, client if client is not None else _default_client(), progress, grams)
     return dict(g), lazy
 
 
@@ -406,7 +407,8 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
 
     With *spill* the exact regime's Gram matrices go to its directory as they are
     computed (:mod:`~gradforensics.analysis.engine.spill`) and the mapping returned
-    reads them back one unit at a time.
+    reads them back one unit at a time.  *client* is the one the pass runs on, already
+    resolved (None: the local threads; dask's default client is looked up once, by the caller).
     """
     keys: list[tuple[str, ...]] = []
     collections: list[Any] = []
@@ -417,7 +419,6 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
     n0 = first_n0 = engine.n0(units_at_once(store))
     if want_gram and store.n_records <= n0 and spill is not None:
         n0 = _start_spill(store, selected, engine, spill, n0)     # below N records: no room on disk
-    where = client if client is not None else _default_client()
     if want_gram and store.n_records > n0:
         check_supported(selected, store.n_records, n0)    # before anything is read
         mix = (batches if batches is not None else store.batches())["mixture"]
@@ -433,19 +434,19 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
             out_l: Any = long_graph(store, tensor, long_design, tuple(r for _, _, r in mine),
                                     slab_bytes=engine.slab_bytes, split_every=engine.split_every)
             keys.append(("gram", tensor))
-            collections.append(_spilled(out_l[0], sink, len(keys) - 1, where))
+            collections.append(_spilled(out_l[0], sink, len(keys) - 1, client))
             for j, (aname, rkey, r) in enumerate(mine):
                 keys.append(("lazy", aname, rkey))
                 collections.append(out_l[1][j] if r.finish is None else r.finish(out_l[1][j]))
             continue
         if not mine:
             keys.append(("gram", tensor))
-            collections.append(_spilled(gram_graph(store, tensor, **opts), sink, len(keys) - 1, where))
+            collections.append(_spilled(gram_graph(store, tensor, **opts), sink, len(keys) - 1, client))
             continue
         g, parts = slab_outputs(store, tensor, [r for _, _, r in mine], gram=want_gram, **opts)
         if g is not None:
             keys.append(("gram", tensor))
-            collections.append(_spilled(g, sink, len(keys) - 1, where))
+            collections.append(_spilled(g, sink, len(keys) - 1, client))
         for j, (aname, rkey, r) in enumerate(mine):
             keys.append(("lazy", aname, rkey))
             collections.append(parts[j] if r.finish is None else r.finish(parts[j]))
@@ -457,7 +458,7 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
                 raise SpecError(f"{a.name}: key {name!r} is returned by both lazy and slab_reductions.")
             keys.append(("lazy", a.name, name))
             collections.append(coll)
-    arrive = {i: sink for i, k in enumerate(keys) if k[0] == "gram"} if sink is not None and where is not None \
+    arrive = {i: sink for i, k in enumerate(keys) if k[0] == "gram"} if sink is not None and client is not None \
         else None                                   # under a client: spilled as they come back
     values = _run(collections, client, progress, engine.num_workers, arrive) if collections else []
     gram_lists: dict[str, list[Any]] = {}
@@ -557,7 +558,6 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
     """
     import dask
 
-    client = client if client is not None else _default_client()
     # dask 2026.8 (dask.compute and Client.compute alike) returns the results of mixed
     # Array / Delayed collections grouped by type, not in the order given, when it
     # optimizes the graph; keep the order by not optimizing a mixed list.
@@ -631,10 +631,16 @@ def _units_client(engine: EngineOptions, client: Client | None) -> Client | None
 
 
 def _default_client() -> Client | None:
-    """The client dask would use anyway (one set as default), if distributed is loaded."""
+    """The client dask would use anyway (one set as default), if distributed is loaded.
+
+    A ``Client`` made the default sets dask's ``scheduler`` to ``"dask.distributed"``; any
+    other scheduler set in dask's config (``"synchronous"``, ``"threads"``, a callable) is
+    respected: no client then.
+    """
     import dask
 
-    if "distributed" not in sys.modules or dask.config.get("scheduler", None) is not None:
+    if "distributed" not in sys.modules or dask.config.get("scheduler", None) not in (None, "dask.distributed",
+                                                                                       "distributed"):
         return None
     from distributed import default_client
 
