@@ -32,7 +32,8 @@ import numpy as np
 
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
 from gradforensics.analysis.toolkit.series import series_compute
-from gradforensics.analysis.toolkit.signal import MIN_POINTS, SpectrumOptions, default_nperseg, detrend, winsorize
+from gradforensics.analysis.toolkit.signal import (MIN_POINTS, DetrendCache, SpectrumOptions, default_nperseg, detrend,
+                                                   winsorize)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -192,15 +193,17 @@ def box_counting(y: np.ndarray, min_width: int = 4, max_width: int | None = None
 
 
 # ------------------------------------------------------------- series -> table
-def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None) -> AnalysisResult:
+def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None,
+                   cache: DetrendCache | None = None) -> AnalysisResult:
     """``fractal`` table (one row per series) of every group's all-ranks series,
     detrended as :func:`~gradforensics.analysis.toolkit.signal.detrend` does for
-    the spectrum (and winsorised the same way)."""
+    the spectrum (and winsorised the same way); through *cache* the residuals
+    ``loss_spectrum`` computed where the windows agree (the same values)."""
     import pandas as pd
 
     opt = options or SpectrumOptions()
     arrays: dict[str, np.ndarray] = {}
-    rows = [_row(g.combined, opt, arrays) for g in groups]
+    rows = [_row(g.combined, opt, arrays, cache) for g in groups]
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
 
 
@@ -211,13 +214,17 @@ def fractal_window(n: int, opt: SpectrumOptions) -> int:
     return int(max(2 * (opt.nperseg or default_nperseg(n)) + 1, n // 2) | 1)
 
 
-def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: DetrendCache | None = None
+         ) -> dict[str, Any]:
     row: dict[str, Any] = {"tensor": s.tensor, "head": None, "series": s.name, "n_points": s.n,
                            "detrend": "savgol", "note": ""}
     if s.n < MIN_POINTS or not np.ptp(s.y) > 0:
         return {**row, "note": f"too short or constant ({s.n} usable points, needs {MIN_POINTS})"}
     w = fractal_window(s.n, opt)
-    r, _ = winsorize(detrend(s.y, "savgol", w).residual, opt.clip_mad)
+    if cache is None:
+        r, _ = winsorize(detrend(s.y, "savgol", w).residual, opt.clip_mad)
+    else:
+        _, r, _ = cache.get(s.y, "savgol", w, opt.clip_mad)
     if not np.std(r) > 1e-9 * max(float(np.std(s.y)), 1e-300):
         return {**row, "note": "nothing left after detrending (the curve is its trend: smooth)"}
     h, b = higuchi(r, kmax=max(8, w // 16)), box_counting(r, max_width=max(32, w // 8))
@@ -255,5 +262,6 @@ def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     return []
 
 
-ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series), flags=_flags, plot=plot, options=SpectrumOptions,
+ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series, shares_detrending=True),
+                    flags=_flags, plot=plot, options=SpectrumOptions,
                     series=analyze_series, long_history=True)

@@ -25,7 +25,8 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 
-__all__ = ["DETRENDERS", "Detrended", "default_nperseg", "detrend", "log_time_fit", "remove_level_shifts", "winsorize"]
+__all__ = ["DETRENDERS", "DetrendCache", "Detrended", "default_nperseg", "detrend", "log_time_fit", "remove_level_shifts",
+           "savgol_window", "winsorize"]
 
 
 DETRENDERS = ("savgol", "diff")
@@ -95,16 +96,22 @@ def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) ->
         return Detrended(np.diff(y), y[:-1], "diff", 0, 1)
     if method != "savgol":
         raise SpecError(f"detrend: method must be one of {DETRENDERS}; got {method!r}.")
-    n = y.size
-    w = 2 * default_nperseg(n) + 1 if window is None else int(window)
-    w = min(w | 1, n if n % 2 else n - 1)
-    if w < 5:
-        raise SpecError(f"detrend: need at least 5 points for a Savitzky–Golay window; got {n}.")
+    w = savgol_window(y.size, window)
     base = log_time_fit(y)
     z, shifts = remove_level_shifts(y - base, max(8, w // 8))
     coeffs = _savgol_coeffs(w).copy()
     smooth = _savgol_interp(z, w) if w <= 1025 else _savgol_fft(z, coeffs)
     return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, coeffs, tuple(shifts))
+
+
+def savgol_window(n: int, window: int | None = None) -> int:
+    """The Savitzky–Golay window :func:`detrend` uses on *n* points: *window* (default
+    ``2 * default_nperseg(n) + 1``) made odd and capped at the largest odd number ≤ n."""
+    w = 2 * default_nperseg(n) + 1 if window is None else int(window)
+    w = min(w | 1, n if n % 2 else n - 1)
+    if w < 5:
+        raise SpecError(f"detrend: need at least 5 points for a Savitzky–Golay window; got {n}.")
+    return w
 
 
 @lru_cache(maxsize=64)
@@ -230,3 +237,63 @@ def winsorize(r: np.ndarray, clip_mad: float) -> tuple[np.ndarray, int]:
     n = int(np.count_nonzero((r < lo) | (r > hi)))
     return np.clip(r, lo, hi), n
 
+
+
+class DetrendCache:
+    """Each series' :func:`detrend` and :func:`winsorize`, computed once for every analysis of a run.
+
+    ``loss_spectrum`` and ``fractal`` detrend the same series with the same filter
+    whenever their windows agree (every series of up to 65 points: both windows are capped
+    at the series' length), and winsorise it at the same ``clip_mad``.  :meth:`get` returns what
+    the direct calls return, bit for bit (it *is* those calls, made once); the arrays it hands
+    out are read-only, so no analysis can change what the next one reads.
+
+    Only read-only series are remembered (the run's shared series,
+    :func:`~gradforensics.analysis.toolkit.series.shared_series`): a writable array could
+    change between two calls.  A series is known by its array's identity (the entry keeps
+    the array, so the identity cannot be reused) and the filter's effective parameters.
+    At most *max_bytes* of arrays are held (residual, trend, clipped residual and the
+    filter's coefficients, counted per entry); past it a series is detrended again by each
+    analysis, as without the cache.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = int(max_bytes)
+        self.nbytes = 0
+        self.hits = 0
+        self._entries: dict[tuple[int, str, int, float], tuple[np.ndarray, Detrended, np.ndarray, int]] = {}
+
+    def get(self, y: np.ndarray, method: str, window: int | None, clip_mad: float
+            ) -> tuple[Detrended, np.ndarray, int]:
+        """``det = detrend(y, method, window)`` and ``winsorize(det.residual, clip_mad)``: ``(det, r, n_clipped)``."""
+        y = np.asarray(y, dtype=float)
+        w = 0 if method == "diff" else savgol_window(y.size, window) if method == "savgol" else -1
+        key = (id(y), method, w, float(clip_mad))
+        got = self._entries.get(key)
+        if got is not None and got[0] is y:
+            self.hits += 1
+            return got[1], got[2], got[3]
+        det = detrend(y, method, window)
+        r, n = winsorize(det.residual, clip_mad)
+        if _immutable(y):
+            size = sum(a.nbytes for a in {id(a): a for a in (det.residual, det.trend, det.coeffs, r)}.values())
+            if self.nbytes + size <= self.max_bytes:
+                det, r = _read_only(det, r)
+                self._entries[key] = (y, det, r, n)
+                self.nbytes += size
+        return det, r, n
+
+
+def _immutable(a: np.ndarray) -> bool:
+    """*a* and every array it is a view of are read-only (bytes below them count as read-only)."""
+    while isinstance(a, np.ndarray):
+        if a.flags.writeable:
+            return False
+        a = a.base
+    return a is None or isinstance(a, bytes)
+
+
+def _read_only(det: Detrended, r: np.ndarray) -> tuple[Detrended, np.ndarray]:
+    for a in (det.residual, det.trend, det.coeffs, r):
+        a.setflags(write=False)
+    return det, r
