@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -109,7 +110,15 @@ def fit_range(scales: np.ndarray, values: np.ndarray, min_points: int = MIN_FIT_
 
 
 def _scales(lo: int, hi: int, count: int = 24) -> np.ndarray:
-    return np.unique(np.round(np.geomspace(lo, max(hi, lo), count)).astype(int))
+    """About *count* integer scales from *lo* to *hi*, geometrically spaced (read-only: shared by every series)."""
+    return _scales_of(int(lo), int(hi), int(count))
+
+
+@lru_cache(maxsize=256)
+def _scales_of(lo: int, hi: int, count: int) -> np.ndarray:
+    out = np.unique(np.round(np.geomspace(lo, max(hi, lo), count)).astype(int))
+    out.setflags(write=False)
+    return out
 
 
 def higuchi_lengths(x: np.ndarray, ks: np.ndarray) -> np.ndarray:
@@ -122,12 +131,13 @@ def higuchi_lengths(x: np.ndarray, ks: np.ndarray) -> np.ndarray:
     n = x.size
     out = np.empty(ks.size)
     for a, k in enumerate(ks):
+        steps = np.abs(x[k:] - x[:-k])      # |x(j+k) − x(j)| for every j: offset m's terms are steps[m::k]
         lm = []
         for m in range(int(k)):
-            seg = x[m::k]
-            if seg.size < 2:
+            terms = steps[m::k]
+            if terms.size < 1:
                 continue
-            lm.append(np.abs(np.diff(seg)).sum() * (n - 1) / ((seg.size - 1) * k) / k)
+            lm.append(terms.sum() * (n - 1) / (terms.size * k) / k)
         out[a] = np.mean(lm)
     return out
 

@@ -266,20 +266,20 @@ class DetrendCache:
     def get(self, y: np.ndarray, method: str, window: int | None, clip_mad: float
             ) -> tuple[Detrended, np.ndarray, int]:
         """``det = detrend(y, method, window)`` and ``winsorize(det.residual, clip_mad)``: ``(det, r, n_clipped)``."""
-        y = np.asarray(y, dtype=float)
+        src, y = y, np.asarray(y, dtype=float)          # known by the caller's array (asarray may copy)
         w = 0 if method == "diff" else savgol_window(y.size, window) if method == "savgol" else -1
-        key = (id(y), method, w, float(clip_mad))
+        key = (id(src), method, w, float(clip_mad))
         got = self._entries.get(key)
-        if got is not None and got[0] is y:
+        if got is not None and got[0] is src:
             self.hits += 1
             return got[1], got[2], got[3]
         det = detrend(y, method, window)
         r, n = winsorize(det.residual, clip_mad)
-        if _immutable(y):
+        if isinstance(src, np.ndarray) and _immutable(src):           # y: src itself or a private copy
             size = sum(a.nbytes for a in {id(a): a for a in (det.residual, det.trend, det.coeffs, r)}.values())
             if self.nbytes + size <= self.max_bytes:
                 det, r = _read_only(det, r)
-                self._entries[key] = (y, det, r, n)
+                self._entries[key] = (src, det, r, n)
                 self.nbytes += size
         return det, r, n
 

@@ -281,7 +281,7 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None, cache: 
     from scipy.signal import find_peaks, welch
 
     opt = options or SpectrumOptions()
-    y = np.asarray(y, dtype=float)
+    src, y = y, np.asarray(y, dtype=float)
     if y.size < MIN_POINTS or not np.all(np.isfinite(y)):
         raise SpecError(f"line_spectrum: need at least {MIN_POINTS} finite values; got {y.size} "
                         f"({int(np.count_nonzero(~np.isfinite(y)))} non-finite).")
@@ -291,7 +291,7 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None, cache: 
         det = detrend(y, opt.detrend, window)
         r, n_clipped = winsorize(det.residual, opt.clip_mad)
     else:
-        det, r, n_clipped = cache.get(y, opt.detrend, window, opt.clip_mad)
+        det, r, n_clipped = cache.get(src, opt.detrend, window, opt.clip_mad)
     nper = min(nper, r.size)
     freq, power = welch(r, fs=1.0, window="hann", nperseg=nper, noverlap=nper // 2, detrend=False)
     n_seg = 1 + (r.size - nper) // (nper - nper // 2)
