@@ -293,7 +293,8 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None, cache: 
     else:
         det, r, n_clipped = cache.get(src, opt.detrend, window, opt.clip_mad)
     nper = min(nper, r.size)
-    freq, power = welch(r, fs=1.0, window="hann", nperseg=nper, noverlap=nper // 2, detrend=False)
+    # the Hann window as an array: the one SciPy makes of "hann" (get_window), made once per length
+    freq, power = welch(r, fs=1.0, window=hann(nper), nperseg=nper, noverlap=nper // 2, detrend=False)
     n_seg = 1 + (r.size - nper) // (nper - nper // 2)
     dof = np.full(freq.size, welch_dof(nper, n_seg))
     if nper % 2 == 0:
