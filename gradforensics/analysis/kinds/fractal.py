@@ -33,8 +33,14 @@ import numpy as np
 
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
 from gradforensics.analysis.toolkit.series import series_compute
-from gradforensics.analysis.toolkit.signal import (MIN_POINTS, DetrendCache, SpectrumOptions, default_nperseg, detrend,
-                                                   winsorize)
+from gradforensics.analysis.toolkit.signal import (
+    MIN_POINTS,
+    DetrendCache,
+    SpectrumOptions,
+    default_nperseg,
+    detrend,
+    winsorize,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

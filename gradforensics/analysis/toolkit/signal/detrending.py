@@ -289,9 +289,9 @@ class DetrendCache:
     """Each series' :func:`detrend` and :func:`winsorize`, computed once for every analysis of a run.
 
     ``loss_spectrum`` and ``fractal`` detrend the same series with the same filter
-    whenever their windows agree (every series of up to 65 points: both windows are capped
-    at the series' length), and winsorise it at the same ``clip_mad``.  :meth:`get` returns what
-    the direct calls return, bit for bit (it *is* those calls, made once); the arrays it hands
+    whenever their windows agree (every series of 32 to 67 points at the default options: both
+    windows are then 2·16 + 1, capped at the series' length), and winsorise it at the same
+    ``clip_mad``.  :meth:`get` returns what the direct calls return, bit for bit (it *is* those calls, made once); the arrays it hands
     out are read-only, so no analysis can change what the next one reads.
 
     Only read-only series are remembered (the run's shared series,

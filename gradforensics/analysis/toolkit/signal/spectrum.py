@@ -42,7 +42,14 @@ import numpy as np
 
 from gradforensics.analysis.contract.model import Options
 from gradforensics.analysis.toolkit.signal.background import GainGrid, expected_welch, fit_ar1, hann, welch_dof
-from gradforensics.analysis.toolkit.signal.detrending import DETRENDERS, DetrendCache, Detrended, default_nperseg, detrend, winsorize
+from gradforensics.analysis.toolkit.signal.detrending import (
+    DETRENDERS,
+    DetrendCache,
+    Detrended,
+    default_nperseg,
+    detrend,
+    winsorize,
+)
 from gradforensics.errors import SpecError
 
 __all__ = [
