@@ -26,13 +26,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
 from gradforensics.analysis.toolkit.series import series_compute
-from gradforensics.analysis.toolkit.signal import MIN_POINTS, SpectrumOptions, default_nperseg, detrend, winsorize
+from gradforensics.analysis.toolkit.signal import (
+    MIN_POINTS,
+    DetrendCache,
+    SpectrumOptions,
+    default_nperseg,
+    detrend,
+    winsorize,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -108,7 +116,15 @@ def fit_range(scales: np.ndarray, values: np.ndarray, min_points: int = MIN_FIT_
 
 
 def _scales(lo: int, hi: int, count: int = 24) -> np.ndarray:
-    return np.unique(np.round(np.geomspace(lo, max(hi, lo), count)).astype(int))
+    """About *count* integer scales from *lo* to *hi*, geometrically spaced (read-only: shared by every series)."""
+    return _scales_of(int(lo), int(hi), int(count))
+
+
+@lru_cache(maxsize=256)
+def _scales_of(lo: int, hi: int, count: int) -> np.ndarray:
+    out = np.unique(np.round(np.geomspace(lo, max(hi, lo), count)).astype(int))
+    out.setflags(write=False)
+    return out
 
 
 def higuchi_lengths(x: np.ndarray, ks: np.ndarray) -> np.ndarray:
@@ -121,12 +137,13 @@ def higuchi_lengths(x: np.ndarray, ks: np.ndarray) -> np.ndarray:
     n = x.size
     out = np.empty(ks.size)
     for a, k in enumerate(ks):
+        steps = np.abs(x[k:] - x[:-k])      # |x(j+k) − x(j)| for every j: offset m's terms are steps[m::k]
         lm = []
         for m in range(int(k)):
-            seg = x[m::k]
-            if seg.size < 2:
+            terms = steps[m::k]
+            if terms.size < 1:
                 continue
-            lm.append(np.abs(np.diff(seg)).sum() * (n - 1) / ((seg.size - 1) * k) / k)
+            lm.append(terms.sum() * (n - 1) / (terms.size * k) / k)
         out[a] = np.mean(lm)
     return out
 
@@ -192,15 +209,17 @@ def box_counting(y: np.ndarray, min_width: int = 4, max_width: int | None = None
 
 
 # ------------------------------------------------------------- series -> table
-def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None) -> AnalysisResult:
+def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None,
+                   cache: DetrendCache | None = None) -> AnalysisResult:
     """``fractal`` table (one row per series) of every group's all-ranks series,
     detrended as :func:`~gradforensics.analysis.toolkit.signal.detrend` does for
-    the spectrum (and winsorised the same way)."""
+    the spectrum (and winsorised the same way); through *cache* the residuals
+    ``loss_spectrum`` computed where the windows agree (the same values)."""
     import pandas as pd
 
     opt = options or SpectrumOptions()
     arrays: dict[str, np.ndarray] = {}
-    rows = [_row(g.combined, opt, arrays) for g in groups]
+    rows = [_row(g.combined, opt, arrays, cache) for g in groups]
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
 
 
@@ -211,13 +230,17 @@ def fractal_window(n: int, opt: SpectrumOptions) -> int:
     return int(max(2 * (opt.nperseg or default_nperseg(n)) + 1, n // 2) | 1)
 
 
-def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: DetrendCache | None = None
+         ) -> dict[str, Any]:
     row: dict[str, Any] = {"tensor": s.tensor, "head": None, "series": s.name, "n_points": s.n,
                            "detrend": "savgol", "note": ""}
     if s.n < MIN_POINTS or not np.ptp(s.y) > 0:
         return {**row, "note": f"too short or constant ({s.n} usable points, needs {MIN_POINTS})"}
     w = fractal_window(s.n, opt)
-    r, _ = winsorize(detrend(s.y, "savgol", w).residual, opt.clip_mad)
+    if cache is None:
+        r, _ = winsorize(detrend(s.y, "savgol", w).residual, opt.clip_mad)
+    else:
+        _, r, _ = cache.get(s.y, "savgol", w, opt.clip_mad)
     if not np.std(r) > 1e-9 * max(float(np.std(s.y)), 1e-300):
         return {**row, "note": "nothing left after detrending (the curve is its trend: smooth)"}
     h, b = higuchi(r, kmax=max(8, w // 16)), box_counting(r, max_width=max(32, w // 8))
@@ -255,5 +278,6 @@ def _flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     return []
 
 
-ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series), flags=_flags, plot=plot, options=SpectrumOptions,
+ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series, shares_detrending=True),
+                    flags=_flags, plot=plot, options=SpectrumOptions,
                     series=analyze_series, long_history=True)

@@ -43,7 +43,7 @@ import numpy as np
 from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag
 from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.series import series_compute
-from gradforensics.analysis.toolkit.signal import MIN_POINTS, LineSpectrum, SpectrumOptions, line_spectrum
+from gradforensics.analysis.toolkit.signal import MIN_POINTS, DetrendCache, LineSpectrum, SpectrumOptions, line_spectrum
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -68,11 +68,13 @@ COLUMNS = ("tensor", "head", "series", "period_steps", "power", "p_value", "p_ad
 FREQ_UNITS = {"step": "1/step", "s": "Hz", "record": "1/record"}
 
 
-def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None) -> AnalysisResult:
+def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | None = None,
+                   cache: DetrendCache | None = None) -> AnalysisResult:
     """The ``loss_spectrum`` table and figure series of every group's all-ranks series.
 
     One row per reported peak (significant ones; else the strongest candidate,
-    ``significant`` False; else one row with a ``note``).
+    ``significant`` False; else one row with a ``note``).  *cache* shares each
+    series' detrended residual with ``fractal`` (the same values, read-only).
     """
     import pandas as pd
 
@@ -80,7 +82,7 @@ def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | Non
     rows: list[dict[str, Any]] = []
     arrays: dict[str, np.ndarray] = {}
     for g in groups:
-        rows += _series_rows(g.combined, opt, arrays)
+        rows += _series_rows(g.combined, opt, arrays, cache)
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
 
 
@@ -92,13 +94,14 @@ def _base_row(s: Series) -> dict[str, Any]:
             "record_last": s.records[1], "note": "; ".join(q.notes())}
 
 
-def _series_rows(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+def _series_rows(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: DetrendCache | None = None
+                 ) -> list[dict[str, Any]]:
     base = _base_row(s)
     if s.n < MIN_POINTS:
         return [{**base, "note": _join(f"too short: {s.n} usable points, needs {MIN_POINTS}", base["note"])}]
     if not np.ptp(s.y) > 0:
         return [{**base, "note": _join("constant series", base["note"])}]
-    res = line_spectrum(s.y, opt)
+    res = line_spectrum(s.y, opt, cache)
     _store_arrays(s, res, arrays)
     var = float(np.var(res.detrended.residual)) or 1.0
     more = res.n_significant - len(res.significant)
@@ -312,6 +315,7 @@ ADVICE = SpectrumAdvice(
     cause="data",
 )
 
-ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series), flags=_flags, plot=plot,
+ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series, shares_detrending=True),
+                    flags=_flags, plot=plot,
                     kinds={"loss_spectrum": ADVICE}, options=SpectrumOptions, series=analyze_series,
                     long_history=True)

@@ -19,7 +19,7 @@ give one series per rank plus their per-step mean.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +31,10 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import AnalysisResult, Context
+    from gradforensics.analysis.toolkit.signal.detrending import DetrendCache
 
-__all__ = ["MAX_GRID_FACTOR", "from_batches", "from_context", "group", "regularize", "series_compute", "shared_series"]
+__all__ = ["MAX_GRID_FACTOR", "from_batches", "from_context", "group", "regularize", "series_compute", "shared_detrending",
+           "shared_series"]
 
 
 MAX_GRID_FACTOR = 20
@@ -224,20 +226,39 @@ def from_context(ctx: Context, axis: str = "step") -> list[SeriesGroup]:
     return from_batches(ctx.batches, grams, mode=str(ctx.meta.mode), axis=axis)
 
 
-def series_compute(name: str, analyze: Callable[[Sequence[SeriesGroup], Any], AnalysisResult]
+def series_compute(name: str, analyze: Callable[..., AnalysisResult], shares_detrending: bool = False
                    ) -> Callable[[Context], AnalysisResult]:
     """The ``compute`` of a series analysis: its options, the store's series, then *analyze*.
 
     The loss-curve analyses differ only in *analyze*; each declares
-    ``compute=series_compute(NAME, analyze_series)``.
+    ``compute=series_compute(NAME, analyze_series)``.  With *shares_detrending*,
+    *analyze* takes a third argument, the run's
+    :class:`~gradforensics.analysis.toolkit.signal.detrending.DetrendCache`
+    (:func:`shared_detrending`).
     """
     from gradforensics.analysis.toolkit.signal.spectrum import SpectrumOptions
 
     def compute(ctx: Context) -> AnalysisResult:
         opt = ctx.options_for(name, SpectrumOptions)
+        if shares_detrending:
+            return analyze(shared_series(ctx, opt.axis), opt, shared_detrending(ctx))
         return analyze(shared_series(ctx, opt.axis), opt)
 
     return compute
+
+
+def shared_detrending(ctx: Context) -> DetrendCache:
+    """The run's :class:`~gradforensics.analysis.toolkit.signal.detrending.DetrendCache`, one per context.
+
+    ``loss_spectrum`` and ``fractal`` detrend and winsorise the same shared series alike
+    (at N = 32 both windows are 31): the second reads what the first computed.
+    """
+    from gradforensics.analysis.toolkit.signal.detrending import DetrendCache
+
+    got = ctx.shared.get("detrending")
+    if got is None:
+        got = ctx.shared["detrending"] = DetrendCache()
+    return got
 
 
 def shared_series(ctx: Context, axis: str = "step") -> list[SeriesGroup]:

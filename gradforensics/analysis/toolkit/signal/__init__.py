@@ -26,6 +26,7 @@ from gradforensics.analysis.toolkit.signal.background import (
 )
 from gradforensics.analysis.toolkit.signal.detrending import (
     DETRENDERS,
+    DetrendCache,
     Detrended,
     default_nperseg,
     detrend,
@@ -50,6 +51,7 @@ __all__ = [
     "CORRECTIONS",
     "DETRENDERS",
     "MIN_POINTS",
+    "DetrendCache",
     "Detrended",
     "LineSpectrum",
     "Peak",

@@ -62,7 +62,10 @@ class GainGrid:
         """``filtered_ar1_acov(alpha, self.gain, n_lags)`` (a fresh copy)."""
         full = self._memo.get(alpha)
         if full is None:
-            full = np.fft.irfft(self.gain / (1.0 + alpha * alpha - 2.0 * alpha * self.cos), n=self.m)
+            # gain / (1 + α² − 2α cos), the same three operations in place in one buffer
+            den = np.multiply(2.0 * alpha, self.cos)
+            np.subtract(1.0 + alpha * alpha, den, out=den)
+            full = np.fft.irfft(np.divide(self.gain, den, out=den), n=self.m)
             if len(self._memo) >= self.MAX_MEMO:
                 self._memo.clear()
             self._memo[alpha] = full

@@ -25,7 +25,8 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 
-__all__ = ["DETRENDERS", "Detrended", "default_nperseg", "detrend", "log_time_fit", "remove_level_shifts", "winsorize"]
+__all__ = ["DETRENDERS", "DetrendCache", "Detrended", "default_nperseg", "detrend", "log_time_fit", "median",
+           "remove_level_shifts", "savgol_window", "winsorize"]
 
 
 DETRENDERS = ("savgol", "diff")
@@ -95,16 +96,22 @@ def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) ->
         return Detrended(np.diff(y), y[:-1], "diff", 0, 1)
     if method != "savgol":
         raise SpecError(f"detrend: method must be one of {DETRENDERS}; got {method!r}.")
-    n = y.size
-    w = 2 * default_nperseg(n) + 1 if window is None else int(window)
-    w = min(w | 1, n if n % 2 else n - 1)
-    if w < 5:
-        raise SpecError(f"detrend: need at least 5 points for a Savitzky–Golay window; got {n}.")
+    w = savgol_window(y.size, window)
     base = log_time_fit(y)
     z, shifts = remove_level_shifts(y - base, max(8, w // 8))
     coeffs = _savgol_coeffs(w).copy()
     smooth = _savgol_interp(z, w) if w <= 1025 else _savgol_fft(z, coeffs)
     return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, coeffs, tuple(shifts))
+
+
+def savgol_window(n: int, window: int | None = None) -> int:
+    """The Savitzky–Golay window :func:`detrend` uses on *n* points: *window* (default
+    ``2 * default_nperseg(n) + 1``) made odd and capped at the largest odd number ≤ n."""
+    w = 2 * default_nperseg(n) + 1 if window is None else int(window)
+    w = min(w | 1, n if n % 2 else n - 1)
+    if w < 5:
+        raise SpecError(f"detrend: need at least 5 points for a Savitzky–Golay window; got {n}.")
+    return w
 
 
 @lru_cache(maxsize=64)
@@ -164,13 +171,46 @@ def log_time_fit(y: np.ndarray, degree: int = 3) -> np.ndarray:
     """
     n = y.size
     best, best_rss = np.full(n, y.mean()), np.inf
-    for basis in _log_time_bases(n, degree):
-        coef, *_ = np.linalg.lstsq(basis, y, rcond=None)
+    for basis, coef in zip(_log_time_bases(n, degree), _log_time_coefs(y, degree)):
         fit = basis @ coef
         rss = float(((y - fit) ** 2).sum())
         if rss < best_rss:
             best, best_rss = fit, rss
     return best
+
+
+def _log_time_coefs(y: np.ndarray, degree: int) -> list[np.ndarray]:
+    """``np.linalg.lstsq(basis, y, rcond=None)[0]`` for each basis of :func:`_log_time_bases`, bit for bit.
+
+    One call of the LAPACK least-squares gufunc behind ``np.linalg.lstsq`` on the stack
+    of bases: the same LAPACK call on the same operands per basis (shown identical over
+    random series in the tests), without four of the five wrappers' overheads.  Where
+    that private gufunc is missing, or the stacked solve is not finite (a failed SVD:
+    the public call raises its own error then), the public call per basis.
+    """
+    n = y.size
+    if _LSTSQ is not None and y.ndim == 1 and y.dtype == np.float64:
+        stack = _stacked_bases(n, degree)
+        rcond = np.finfo(np.float64).eps * max(stack.shape[1:])
+        with np.errstate(all="ignore"):
+            x = _LSTSQ(stack, np.broadcast_to(y[:, None], (stack.shape[0], n, 1)), rcond, signature="ddd->ddid")[0]
+        if np.all(np.isfinite(x)):
+            return list(np.ascontiguousarray(x[..., 0]))
+    return [np.linalg.lstsq(basis, y, rcond=None)[0] for basis in _log_time_bases(n, degree)]
+
+
+try:                                  # the gufunc np.linalg.lstsq calls (private: optional)
+    from numpy.linalg._umath_linalg import lstsq as _LSTSQ
+except ImportError:                   # pragma: no cover - a NumPy without it: the public call
+    _LSTSQ = None
+
+
+@lru_cache(maxsize=32)
+def _stacked_bases(n: int, degree: int) -> np.ndarray:
+    """:func:`_log_time_bases` as one read-only ``(5, n, degree + 1)`` stack."""
+    out = np.stack(_log_time_bases(n, degree))
+    out.setflags(write=False)
+    return out
 
 
 @lru_cache(maxsize=32)
@@ -204,14 +244,27 @@ def remove_level_shifts(z: np.ndarray, k: int, threshold: float = 8.0,
     for _ in range(max_shifts):
         c = np.concatenate([[0.0], np.cumsum(z)])
         d = (c[t + k] - 2 * c[t] + c[t - k]) / k
-        dev = np.abs(d - np.median(d))
-        scale = 1.4826 * float(np.median(dev))
+        dev = np.abs(d - median(d))
+        scale = 1.4826 * median(dev)
         j = int(np.argmax(dev))
         if not scale > 0 or dev[j] < threshold * scale:
             break
         z[t[j]:] -= d[j]
         shifts.append((int(t[j]), float(d[j])))
     return z, shifts
+
+
+def median(a: np.ndarray) -> float:
+    """``float(np.median(a))`` of a 1-D float array, bit for bit (NaN when *a* holds one), without
+    its general machinery: the middle order statistics by one partition and the mean of the two
+    (or of the one) as ``np.median`` takes it (a few microseconds instead of tens, per call)."""
+    n = a.size
+    if n == 0:
+        return float(np.median(a))
+    k = n // 2
+    lo = k - 1 + n % 2
+    part = np.partition(a, (lo, k, -1) if lo != k else (k, -1))
+    return float("nan") if np.isnan(part[-1]) else float(np.mean(part[lo:k + 1]))
 
 
 def winsorize(r: np.ndarray, clip_mad: float) -> tuple[np.ndarray, int]:
@@ -222,11 +275,71 @@ def winsorize(r: np.ndarray, clip_mad: float) -> tuple[np.ndarray, int]:
     """
     if clip_mad <= 0 or r.size == 0:
         return r, 0
-    med = float(np.median(r))
-    scale = 1.4826 * float(np.median(np.abs(r - med)))
+    med = median(r)
+    scale = 1.4826 * median(np.abs(r - med))
     if not scale > 0.25 * float(np.std(r)):
         return r, 0
     lo, hi = med - clip_mad * scale, med + clip_mad * scale
     n = int(np.count_nonzero((r < lo) | (r > hi)))
     return np.clip(r, lo, hi), n
 
+
+
+class DetrendCache:
+    """Each series' :func:`detrend` and :func:`winsorize`, computed once for every analysis of a run.
+
+    ``loss_spectrum`` and ``fractal`` detrend the same series with the same filter
+    whenever their windows agree (every series of 32 to 67 points at the default options: both
+    windows are then 2·16 + 1, capped at the series' length), and winsorise it at the same
+    ``clip_mad``.  :meth:`get` returns what the direct calls return, bit for bit (it *is* those calls, made once); the arrays it hands
+    out are read-only, so no analysis can change what the next one reads.
+
+    Only read-only series are remembered (the run's shared series,
+    :func:`~gradforensics.analysis.toolkit.series.shared_series`): a writable array could
+    change between two calls.  A series is known by its array's identity (the entry keeps
+    the array, so the identity cannot be reused) and the filter's effective parameters.
+    At most *max_bytes* of arrays are held (residual, trend, clipped residual and the
+    filter's coefficients, counted per entry); past it a series is detrended again by each
+    analysis, as without the cache.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = int(max_bytes)
+        self.nbytes = 0
+        self.hits = 0
+        self._entries: dict[tuple[int, str, int, float], tuple[np.ndarray, Detrended, np.ndarray, int]] = {}
+
+    def get(self, y: np.ndarray, method: str, window: int | None, clip_mad: float
+            ) -> tuple[Detrended, np.ndarray, int]:
+        """``det = detrend(y, method, window)`` and ``winsorize(det.residual, clip_mad)``: ``(det, r, n_clipped)``."""
+        src, y = y, np.asarray(y, dtype=float)          # known by the caller's array (asarray may copy)
+        w = 0 if method == "diff" else savgol_window(y.size, window) if method == "savgol" else -1
+        key = (id(src), method, w, float(clip_mad))
+        got = self._entries.get(key)
+        if got is not None and got[0] is src:
+            self.hits += 1
+            return got[1], got[2], got[3]
+        det = detrend(y, method, window)
+        r, n = winsorize(det.residual, clip_mad)
+        if isinstance(src, np.ndarray) and _immutable(src):           # y: src itself or a private copy
+            size = sum(a.nbytes for a in {id(a): a for a in (det.residual, det.trend, det.coeffs, r)}.values())
+            if self.nbytes + size <= self.max_bytes:
+                det, r = _read_only(det, r)
+                self._entries[key] = (src, det, r, n)
+                self.nbytes += size
+        return det, r, n
+
+
+def _immutable(a: np.ndarray) -> bool:
+    """*a* and every array it is a view of are read-only (bytes below them count as read-only)."""
+    while isinstance(a, np.ndarray):
+        if a.flags.writeable:
+            return False
+        a = a.base
+    return a is None or isinstance(a, bytes)
+
+
+def _read_only(det: Detrended, r: np.ndarray) -> tuple[Detrended, np.ndarray]:
+    for a in (det.residual, det.trend, det.coeffs, r):
+        a.setflags(write=False)
+    return det, r

@@ -42,7 +42,14 @@ import numpy as np
 
 from gradforensics.analysis.contract.model import Options
 from gradforensics.analysis.toolkit.signal.background import GainGrid, expected_welch, fit_ar1, hann, welch_dof
-from gradforensics.analysis.toolkit.signal.detrending import DETRENDERS, Detrended, default_nperseg, detrend, winsorize
+from gradforensics.analysis.toolkit.signal.detrending import (
+    DETRENDERS,
+    DetrendCache,
+    Detrended,
+    default_nperseg,
+    detrend,
+    winsorize,
+)
 from gradforensics.errors import SpecError
 
 __all__ = [
@@ -249,7 +256,8 @@ def _chi2_sf(x: np.ndarray, dof: np.ndarray) -> np.ndarray:
     return np.where(x <= 0, 1.0, chdtrc(np.asarray(dof, dtype=float), x))
 
 
-def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> LineSpectrum:
+def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None, cache: DetrendCache | None = None
+                  ) -> LineSpectrum:
     """Detrend *y*, estimate its Welch spectrum and test it against AR(1) red noise.
 
     Parameters
@@ -258,6 +266,10 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> Line
         Uniformly sampled, finite values (at least :data:`MIN_POINTS`).
     options
         See :class:`SpectrumOptions`.
+    cache
+        Where the run's analyses share each series' detrended and winsorised residual
+        (:class:`~gradforensics.analysis.toolkit.signal.detrending.DetrendCache`; the same
+        values as without it, read-only).
 
     Returns
     -------
@@ -276,15 +288,20 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None) -> Line
     from scipy.signal import find_peaks, welch
 
     opt = options or SpectrumOptions()
-    y = np.asarray(y, dtype=float)
+    src, y = y, np.asarray(y, dtype=float)
     if y.size < MIN_POINTS or not np.all(np.isfinite(y)):
         raise SpecError(f"line_spectrum: need at least {MIN_POINTS} finite values; got {y.size} "
                         f"({int(np.count_nonzero(~np.isfinite(y)))} non-finite).")
     nper = min(opt.nperseg or default_nperseg(y.size), y.size)
-    det = detrend(y, opt.detrend, None if opt.detrend == "diff" else 2 * nper + 1)
-    r, n_clipped = winsorize(det.residual, opt.clip_mad)
+    window = None if opt.detrend == "diff" else 2 * nper + 1
+    if cache is None:
+        det = detrend(y, opt.detrend, window)
+        r, n_clipped = winsorize(det.residual, opt.clip_mad)
+    else:
+        det, r, n_clipped = cache.get(src, opt.detrend, window, opt.clip_mad)
     nper = min(nper, r.size)
-    freq, power = welch(r, fs=1.0, window="hann", nperseg=nper, noverlap=nper // 2, detrend=False)
+    # the Hann window as an array: the one SciPy makes of "hann" (get_window), made once per length
+    freq, power = welch(r, fs=1.0, window=hann(nper), nperseg=nper, noverlap=nper // 2, detrend=False)
     n_seg = 1 + (r.size - nper) // (nper - nper // 2)
     dof = np.full(freq.size, welch_dof(nper, n_seg))
     if nper % 2 == 0:
