@@ -23,12 +23,16 @@ at a URL are not handled here (their reads open by URL).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MAX_PARSED", "clear", "open_zarr_array"]
+import numpy as np
+
+__all__ = ["MAX_PARSED", "clear", "open_zarr_array", "read_zarr_many"]
 
 #: Distinct array metadata kept parsed per process (all dropped when full).
 MAX_PARSED = 4096
@@ -64,6 +68,24 @@ def open_zarr_array(path: str, name: str) -> Any:
         return _build(os.path.abspath(path), name, meta)
     except Exception:                     # zarr's own open says what is wrong, in its words
         return zarr.open_array(os.path.join(path, name), mode="r")
+
+
+def read_zarr_many(reads: Sequence[tuple[str, str, Any]]) -> list[np.ndarray]:
+    """``open_zarr_array(path, name)[sel]`` of every ``(path, name, sel)``, in one call into zarr's event loop.
+
+    Each array is opened as :func:`open_zarr_array` opens it and read with its own basic
+    selection (``AsyncArray.getitem``, what ``Array.__getitem__`` runs for slices); the
+    reads run concurrently on zarr's loop, one thread hand-off for all of them.
+    """
+    from zarr.core.sync import sync
+
+    arrays = [open_zarr_array(path, name) for path, name, _ in reads]
+
+    async def gather() -> list[Any]:
+        return list(await asyncio.gather(*(a.async_array.getitem(sel) for a, (_, _, sel) in
+                                           zip(arrays, reads, strict=True))))
+
+    return [np.asarray(x) for x in sync(gather())]
 
 
 def _build(root: str, name: str, meta: dict[str, Any]) -> Any:

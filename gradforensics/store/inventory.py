@@ -160,37 +160,38 @@ def zarr_inventory(path: str, only: str | None = None) -> Inventory:
     root_attrs: dict[str, Any] = {}
     current: str | None = None
     damaged: list[str] = []
-    for top, dirs, files in os.walk(root):
-        here = Path(top)
-        rel = here.relative_to(root).as_posix()
-        rel = "" if rel == "." else rel
-        for entry in sorted([*dirs, *files]):
-            if (here / entry).is_symlink():
-                raise CorruptStoreError(
-                    f"{path}: {'/'.join(filter(None, (rel, entry)))} is a symbolic link; a store is data and may not "
-                    "point outside itself. Copy the store with the link resolved (cp -rL) if you trust it."
-                )
+    stack = [""]
+    while stack:                    # top-down, as os.walk; one scandir a directory, no stat per entry
+        rel = stack.pop()
+        here = root / rel if rel else root
+        dirs, files, links = _entries(here)
+        if links:
+            raise CorruptStoreError(
+                f"{path}: {'/'.join(filter(None, (rel, links[0])))} is a symbolic link; a store is data and may not "
+                "point outside itself. Copy the store with the link resolved (cp -rL) if you trust it."
+            )
         try:
-            meta = _zarr_node(path, rel, here, files)
+            meta = _zarr_node(path, rel, here, [f.name for f in files])
             arr = _zarr_array(path, rel, meta) if meta is not None and meta.get("node_type") == "array" else None
         except CorruptStoreError:
             if not _in_analysis(rel):
                 raise
             damaged.append(rel)         # analysis results are derived data: ignored, never fatal
-            dirs.clear()
             continue
         if arr is not None:
-            _scan_chunks(path, arr, here / "c")
+            if "c" in dirs:
+                _scan_chunks(path, arr, here / "c")
             arrays.append(arr)
-            dirs.clear()            # an array's directory holds only its chunk tree
-        elif meta is not None and not rel:
+            continue                # an array's directory holds only its chunk tree
+        if meta is not None and not rel:
             root_attrs = meta.get("attributes") or {}
             if only is not None:
-                dirs[:] = [d for d in dirs if d == only]
+                dirs = [d for d in dirs if d == only]
         elif meta is not None and rel == generations.GROUP:
             current = generations.pointer(meta.get("attributes"))[0]
             sel = Selection(current)     # walk only the generation readers see
-            dirs[:] = [d for d in dirs if sel.visible(f"{rel}/{d}")]
+            dirs = [d for d in dirs if sel.visible(f"{rel}/{d}")]
+        stack.extend(f"{rel}/{d}" if rel else d for d in reversed(dirs))
     return _finish(path, root_attrs, {a.name: a for a in arrays}, current, damaged)
 
 
@@ -216,12 +217,38 @@ def refuse_links(path: str) -> None:
     replaces an array by deleting its directory, which through a link would delete
     and write files outside the store.
     """
-    for top, dirs, files in os.walk(path):
-        for entry in [*dirs, *files]:
-            p = Path(top) / entry
-            if p.is_symlink():
-                raise CorruptStoreError(f"{path}: {p.relative_to(path).as_posix()} is a symbolic link; "
-                                        "gradforensics never writes through a link inside a store.")
+    stack = [Path(path)]
+    while stack:
+        here = stack.pop()
+        dirs, _, links = _entries(here)
+        if links:
+            raise CorruptStoreError(f"{path}: {(here / links[0]).relative_to(path).as_posix()} is a symbolic link; "
+                                    "gradforensics never writes through a link inside a store.")
+        stack.extend(here / d for d in dirs)
+
+
+def _entries(here: Path) -> tuple[list[str], list[os.DirEntry[str]], list[str]]:
+    """``(directories, files, symbolic links)`` directly inside *here*, sorted by name, from one ``scandir``.
+
+    A link is never followed (nor counted as a directory or a file); the types come with the
+    listing, so a store of thousands of arrays costs no ``lstat`` per entry.  A directory that
+    cannot be listed gives nothing, as ``os.walk`` skips it.
+    """
+    dirs: list[str] = []
+    files: list[os.DirEntry[str]] = []
+    links: list[str] = []
+    try:
+        with os.scandir(here) as it:
+            for e in it:
+                if e.is_symlink():
+                    links.append(e.name)
+                elif e.is_dir(follow_symlinks=False):
+                    dirs.append(e.name)
+                else:
+                    files.append(e)
+    except OSError:             # what os.walk does with a directory it cannot list: nothing below it
+        return [], [], []
+    return sorted(dirs), sorted(files, key=lambda e: e.name), sorted(links)
 
 
 def _read_json(path: str, rel: str, file: Path) -> dict[str, Any]:
@@ -281,15 +308,24 @@ def _zarr_array(path: str, rel: str, meta: dict[str, Any]) -> StoredArray:
 def _zarr_parse(path: str, where: str, meta: dict[str, Any]) -> None:
     """Let zarr parse the array metadata now, so its complaints (codec configuration,
     fill value, ...) are one line naming the file, not a traceback at the first read."""
-    from zarr.core.metadata.v3 import ArrayV3Metadata
+    from zarr.core.metadata.v3 import ArrayV3Metadata, parse_dimension_names
 
     # hundreds of arrays share their metadata but for the attributes (any JSON object, which zarr
     # keeps as given): parse each distinct rest once per process
-    key = json.dumps({k: v for k, v in meta.items() if k != "attributes"}, sort_keys=True, default=repr)
-    if key in _PARSED:
-        return
+    # nor the dimension names (one per tensor: they name it): zarr checks only their type and number,
+    # which are checked here with zarr's own parser, the rest parsed with neutral names in their place
+    rest = {k: v for k, v in meta.items() if k != "attributes"}
     try:
-        ArrayV3Metadata.from_dict(dict(meta))
+        if rest.get("dimension_names") is not None:
+            names = parse_dimension_names(rest["dimension_names"])
+            rest["dimension_names"] = [None] * len(names or ())
+            if isinstance(meta.get("shape"), list) and len(names or ()) != len(meta["shape"]):
+                raise ValueError("`dimension_names` and `shape` need to have the same number of dimensions.")
+        key = json.dumps(rest, sort_keys=True, default=repr)
+        if key in _PARSED:
+            return
+        ArrayV3Metadata.from_dict(dict(rest, attributes=meta.get("attributes", {})) if "attributes" in meta
+                                  else dict(rest))
     except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
         raise _corrupt(path, where, f"zarr cannot parse it ({type(exc).__name__}: {exc})") from exc
     if len(_PARSED) >= _MAX_PARSED:
@@ -320,20 +356,22 @@ def _scan_chunks(path: str, arr: StoredArray, cdir: Path) -> None:
     """Chunk files under an array's ``c/``: their indices and sizes (symbolic links refused)."""
     total = 0
     ndim = len(arr.shape)
-    for top, dirs, files in os.walk(cdir):
-        here = Path(top)
-        for entry in [*dirs, *files]:
-            if (here / entry).is_symlink():
-                rel = (here / entry).relative_to(Path(path)).as_posix()
-                raise CorruptStoreError(f"{path}: {rel} is a symbolic link; a store is data and may not point "
-                                        "outside itself.")
-        parts = here.relative_to(cdir).parts
+    stack: list[tuple[str, ...]] = [()]
+    while stack:
+        parts = stack.pop()
+        here = cdir.joinpath(*parts)
+        dirs, files, links = _entries(here)
+        if links:
+            rel = (here / links[0]).relative_to(Path(path)).as_posix()
+            raise CorruptStoreError(f"{path}: {rel} is a symbolic link; a store is data and may not point "
+                                    "outside itself.")
         for f in files:
-            idx = _chunk_index((*parts, f), ndim)
-            size = (here / f).stat().st_size
+            idx = _chunk_index((*parts, f.name), ndim)
+            size = f.stat(follow_symlinks=False).st_size
             total += size
             if idx is not None:
                 arr.chunk_files[idx] = size
+        stack.extend((*parts, d) for d in reversed(dirs))
     arr.nbytes_stored = total
 
 

@@ -67,6 +67,7 @@ __all__ = [
     "PRECISIONS",
     "SUB_BLOCK",
     "Partial",
+    "aggregate_all",
     "aggregate_partial",
     "chunk_partial",
     "combine_partials",
@@ -111,7 +112,7 @@ def _combine_all(parts: Sequence[Partial], reductions: Sequence[SlabReduction]) 
     return out
 
 
-def _aggregate_all(part: Partial, reductions: Sequence[SlabReduction], gram: bool,
+def aggregate_all(part: Partial, reductions: Sequence[SlabReduction], gram: bool,
                    *args: Any) -> tuple[list[GramResult] | None, list[Any]]:
     """Aggregate step with reductions: ``(Gram results or None, [aggregate of each reduction])``."""
     grams = aggregate_partial({k: v for k, v in part.items() if k[0] != "r"}, *args) if gram else None
@@ -318,7 +319,7 @@ def _gram_graph(shape: tuple[int, ...], chunks: tuple[tuple[int, ...], ...], ten
     final = (name, "agg")
     args = (tensor, tuple(int(c) for c in chunks[0]), n_heads, n_features, from_sketch)
     if reductions or not gram:
-        layer[final] = (_aggregate_all, top, reductions, gram, *args)
+        layer[final] = (aggregate_all, top, reductions, gram, *args)
     else:
         layer[final] = (aggregate_partial, top, *args)
     if outputs:         # one key per output: no Delayed indexing (a tokenized task each) afterwards

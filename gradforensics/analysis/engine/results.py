@@ -28,6 +28,9 @@ import io
 import json
 import math
 import os
+import struct
+import sys
+import time
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +51,7 @@ if TYPE_CHECKING:
     from gradforensics.store.reader import Store
 
 __all__ = ["FLAG_FIELDS", "findings_documents", "load_grams", "pack_series", "parse_flag", "parse_series",
-           "parse_table", "read_findings", "save_grams", "save_results"]
+           "parse_table", "read_findings", "save_grams", "save_results", "stored_zip"]
 
 #: Fields of a flag (the flags.json contract); every one is required.
 FLAG_FIELDS = ("kind", "tensor", "head", "sources", "severity", "records", "evidence", "summary")
@@ -178,14 +181,60 @@ def pack_series(series: Mapping[str, Any]) -> np.ndarray:
     metadata dominated the time of writing the results.  :func:`parse_series`
     reads it back.
     """
-    buf = io.BytesIO()
     arrays: dict[str, Any] = {f"s{i}": np.asarray(v) for i, v in enumerate(series.values())}
     arrays["__keys__"] = np.asarray(list(series.keys()), dtype=str)
     headers: dict[tuple[str, tuple[int, ...], bool], bytes] = {}
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for key, arr in arrays.items():      # what np.savez writes, one header built per distinct shape
-            zf.writestr(f"{key}.npy", _npy_bytes(arr, headers))
-    return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+    # what np.savez writes, one header built per distinct shape
+    members = [(f"{key}.npy", _npy_bytes(arr, headers)) for key, arr in arrays.items()]
+    date_time = time.localtime(time.time())[:6]
+    image = stored_zip(members, date_time)
+    if image is None:               # past the plain zip format's limits: zipfile's own writer (zip64)
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name, data in members:
+                zf.writestr(zipfile.ZipInfo(name, date_time), data)
+        image = buf.getvalue()
+    return np.frombuffer(image, dtype=np.uint8)
+
+
+_LOCAL = struct.Struct("<4s2B4HL2L2H")          # zipfile's structFileHeader
+_CENTRAL = struct.Struct("<4s4B4HL2L5H2L")      # structCentralDir
+_END = struct.Struct("<4s4H2LH")                # structEndArchive
+_ZIP_LIMIT = (1 << 31) - 1                      # zipfile.ZIP64_LIMIT
+_CREATE_SYSTEM = 0 if sys.platform == "win32" else 3
+
+
+def stored_zip(members: Sequence[tuple[str, bytes]], date_time: tuple[int, ...]) -> bytes | None:
+    """The uncompressed zip of *members* (name, bytes) that ``zipfile`` writes for them, built in one piece.
+
+    Byte for byte what ``zipfile.ZipFile(buf, "w", ZIP_STORED).writestr(ZipInfo(name, date_time),
+    data)`` gives member by member (the same local headers, CRC-32s, central directory and end
+    record), without its per-member file object, seeks and header rewrite: a store of 2,000
+    tensors writes 32,000 members.  None where the plain format does not reach (a name that is
+    not ASCII, more than 65,535 members, a member or archive near 2 GiB: zip64): zipfile then.
+    """
+    if len(members) > 0xFFFF:
+        return None
+    dos_date = (date_time[0] - 1980) << 9 | date_time[1] << 5 | date_time[2]
+    dos_time = date_time[3] << 11 | date_time[4] << 5 | (date_time[5] // 2)
+    parts: list[bytes] = []
+    central: list[bytes] = []
+    offset = 0
+    for name, data in members:
+        if not name.isascii() or len(data) * 1.05 > _ZIP_LIMIT or offset > _ZIP_LIMIT:
+            return None
+        raw_name, crc, size = name.encode("ascii"), zlib.crc32(data), len(data)
+        parts += [_LOCAL.pack(b"PK\x03\x04", 20, 0, 0, zipfile.ZIP_STORED, dos_time, dos_date, crc, size, size,
+                              len(raw_name), 0), raw_name, data]
+        central += [_CENTRAL.pack(b"PK\x01\x02", 20, _CREATE_SYSTEM, 20, 0, 0, zipfile.ZIP_STORED, dos_time,
+                                  dos_date, crc, size, size, len(raw_name), 0, 0, 0, 0, 0o600 << 16, offset),
+                    raw_name]
+        offset += _LOCAL.size + len(raw_name) + size
+    directory = b"".join(central)
+    if offset > _ZIP_LIMIT or len(directory) > _ZIP_LIMIT:
+        return None
+    end = _END.pack(b"PK\x05\x06", 0, 0, len(members), len(members), len(directory), offset, 0)
+    return b"".join([*parts, directory, end])
 
 
 def _npy_bytes(arr: np.ndarray, headers: dict[tuple[str, tuple[int, ...], bool], bytes]) -> bytes:

@@ -68,6 +68,7 @@ from gradforensics.analysis.engine.longhistory import (
     long_graph,
     threshold,
 )
+from gradforensics.analysis.engine.plan_small import OneSlab, fused_outputs, one_slab
 from gradforensics.analysis.engine.results import save_results
 from gradforensics.analysis.engine.spill import GramSpill, SpilledGrams
 from gradforensics.analysis.toolkit.parallel import unit_threads, worker_lost, workers_add_cores
@@ -426,8 +427,15 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
         if spill is not None:
             _start_long_spill(store, engine, spill, long_design, fell_back=n0 < first_n0)
     sink = spill if spill is not None and spill.on_disk else None
+    small: list[tuple[int, OneSlab]] = []      # one-slab tensors: read and reduced many a task (plan_small)
     for tensor in store.tensors if want_gram else sorted(reductions):
         mine = reductions.get(tensor, [])
+        one = None if long_design is not None or sink is not None or any(r.finish is not None for _, _, r in mine) \
+            else one_slab(store, tensor, [r for _, _, r in mine], want_gram, engine.slab_bytes)
+        if one is not None:
+            small.append((len(keys), one))
+            keys += ([("gram", tensor)] if want_gram else []) + [("lazy", a, k) for a, k, _ in mine]
+            continue
         if long_design is not None:
             if mine and tensor not in store.grads:
                 raise SpecError(f"{store.path}: slab reductions of {tensor} need grads/{tensor}.")
@@ -460,7 +468,11 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
             collections.append(coll)
     arrive = {i: sink for i, k in enumerate(keys) if k[0] == "gram"} if sink is not None and client is not None \
         else None                                   # under a client: spilled as they come back
-    values = _run(collections, client, progress, engine.num_workers, arrive) if collections else []
+    fused = {first + j for first, one in small for j in range(one.n_outputs)}
+    slots: list[int | list[int]] = [i for i in range(len(keys)) if i not in fused]   # one collection each
+    slots, collections = _with_fused(small, slots, collections, engine.precision)
+    values = _spread(_run(collections, client, progress, engine.num_workers, arrive) if collections else [],
+                     slots, len(keys))
     gram_lists: dict[str, list[Any]] = {}
     lazy: dict[str, dict[str, Any]] = {a.name: {} for a in selected
                                        if a.lazy is not None or a.slab_reductions is not None}
@@ -473,6 +485,29 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
         longs = {(g.tensor, g.head): g for res in gram_lists.values() for g in res}
         return {}, lazy, LongHistory(long_design, longs, n0)
     return (flatten_grams(gram_lists) if sink is None else sink.grams(gram_lists)), lazy, None
+
+
+def _with_fused(small: list[tuple[int, OneSlab]], slots: list[int | list[int]], collections: list[Any],
+                precision: str) -> tuple[list[int | list[int]], list[Any]]:
+    """*collections* with the fused tasks of the one-slab tensors *small* appended; *slots*: where each
+    collection's value goes among the pass's keys (a fused task's list of values: one key each)."""
+    where = dict((id(one), first) for first, one in small)
+    for coll, group in fused_outputs([one for _, one in small], precision):
+        collections.append(coll)
+        slots.append([where[id(one)] + j for one in group for j in range(one.n_outputs)])
+    return slots, collections
+
+
+def _spread(values: list[Any], slots: list[int | list[int]], n: int) -> list[Any]:
+    """The value of each of the pass's *n* keys from the collections' *values* (placed by *slots*)."""
+    out: list[Any] = [None] * n
+    for slot, val in zip(slots, values, strict=True):
+        if isinstance(slot, list):
+            for i, v in zip(slot, val, strict=True):
+                out[i] = v
+        else:
+            out[slot] = val
+    return out
 
 
 def _spilled(collection: Any, sink: GramSpill | None, slot: int, client: Client | None) -> Any:
