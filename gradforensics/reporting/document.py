@@ -204,17 +204,19 @@ def build(findings: Findings, store: Store | None = None) -> Document:
 def _build(findings: Findings, store: Store | None) -> Document:
     groups = summary.group(findings.flags)
     shown, n_more = summary.sentences(findings, groups)
-    heads = figures.overview_data(findings).heads
+    data = figures.overview_data(findings)
+    heads = data.heads
     split = f", each block split into heads 0–{heads - 1}" if heads > 1 else ""
-    ov = _picture(figures.overview(findings), "overview",
+    ov = _picture(figures.overview(findings, data), "overview",
                   f"Map of the highest flag severity per layer (columns{split}) and analysis (rows); "
                   "the number in a block is its highest severity at or above 0.5; grey: not analysed.")
     problems: list[str] = []
     sections = []
+    canvas = figures.new_figure(*figures.EVIDENCE_SIZE)     # one figure for every finding: its renderer is reused
     for g in groups:
         pic = None
         if g.index < MAX_FIGURES:
-            fig, note = figures.evidence(findings, g)
+            fig, note = figures.evidence(findings, g, canvas)
             stem = f"finding-{g.index + 1:02d}-{g.kind}"
             pic = _picture(fig, stem, f"Evidence for finding {g.index + 1}: {g.kind} on {g.top.tensor}.", note)
             if note:
