@@ -188,20 +188,21 @@ def _picture(fig: Any, stem: str, alt: str, note: str | None = None) -> Picture:
     return Picture(stem, png, alt, note)
 
 
-def build(findings: Findings, store: Store | None = None) -> Document:
+def build(findings: Findings, store: Store | None = None, ordered: dict[str, Any] | None = None) -> Document:
     """Everything the renderers need, figures included.
 
     Figures are drawn with matplotlib's mathtext off: a name from a store that
     holds ``$`` is drawn as written, never parsed (a malformed ``$...$`` would
-    otherwise fail the whole report).
+    otherwise fail the whole report).  *ordered*: the results' tables in
+    :func:`~gradforensics.reporting.tables.contract_order`, by analysis name, when made already.
     """
     import matplotlib as mpl
 
     with mpl.rc_context({"text.parse_math": False}):
-        return _build(findings, store)
+        return _build(findings, store, ordered or {})
 
 
-def _build(findings: Findings, store: Store | None) -> Document:
+def _build(findings: Findings, store: Store | None, ordered: dict[str, Any]) -> Document:
     groups = summary.group(findings.flags)
     shown, n_more = summary.sentences(findings, groups)
     data = figures.overview_data(findings)
@@ -236,7 +237,8 @@ def _build(findings: Findings, store: Store | None) -> Document:
         sections=sections,
         layer_columns=cols,
         layer_rows=rows,
-        analysis_tables={n: tables.contract_order(r.table) for n, r in findings.results.items()},
+        analysis_tables={n: ordered[n] if n in ordered else tables.contract_order(r.table)
+                         for n, r in findings.results.items()},
         problems=problems,
         regime=regime_sentence(findings) if is_long_history(findings) else None,
     )
