@@ -284,8 +284,13 @@ def _zarr_parse(path: str, where: str, meta: dict[str, Any]) -> None:
     from zarr.core.metadata.v3 import ArrayV3Metadata
 
     # hundreds of arrays share their metadata but for the attributes (any JSON object, which zarr
-    # keeps as given): parse each distinct rest once per process
-    key = json.dumps({k: v for k, v in meta.items() if k != "attributes"}, sort_keys=True, default=repr)
+    # keeps as given) and their dimension names (strings, qualified per tensor): parse each
+    # distinct rest once per process
+    rest = {k: v for k, v in meta.items() if k != "attributes"}
+    names = rest.get("dimension_names")
+    if isinstance(names, list) and all(isinstance(x, str) for x in names):
+        rest["dimension_names"] = [""] * len(names)     # zarr checks only that each is a string: one parse for all
+    key = json.dumps(rest, sort_keys=True, default=repr)
     if key in _PARSED:
         return
     try:
