@@ -92,8 +92,9 @@ def _write(findings: Findings, store: Store | None, out: Path) -> dict[str, Path
 
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {"flags": flagsjson.write(findings, under(out, "flags.json"))}
-    paths.update(tables.write_csvs(findings, out))
-    doc = document.build(findings, store)
+    ordered = {n: tables.contract_order(r.table) for n, r in findings.results.items()}   # once, for CSVs and HTML
+    paths.update(tables.write_csvs(findings, out, ordered))
+    doc = document.build(findings, store, ordered)
     figdir = under(out, "figures")
     figdir.mkdir(exist_ok=True)
     for old in [*figdir.glob("finding-*.png"), *figdir.glob("records-map-*.png"), figdir / "overview.png"]:   # stale figures of an earlier render

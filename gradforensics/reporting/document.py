@@ -188,33 +188,36 @@ def _picture(fig: Any, stem: str, alt: str, note: str | None = None) -> Picture:
     return Picture(stem, png, alt, note)
 
 
-def build(findings: Findings, store: Store | None = None) -> Document:
+def build(findings: Findings, store: Store | None = None, ordered: dict[str, Any] | None = None) -> Document:
     """Everything the renderers need, figures included.
 
     Figures are drawn with matplotlib's mathtext off: a name from a store that
     holds ``$`` is drawn as written, never parsed (a malformed ``$...$`` would
-    otherwise fail the whole report).
+    otherwise fail the whole report).  *ordered*: the results' tables in
+    :func:`~gradforensics.reporting.tables.contract_order`, by analysis name, when made already.
     """
     import matplotlib as mpl
 
     with mpl.rc_context({"text.parse_math": False}):
-        return _build(findings, store)
+        return _build(findings, store, ordered or {})
 
 
-def _build(findings: Findings, store: Store | None) -> Document:
+def _build(findings: Findings, store: Store | None, ordered: dict[str, Any]) -> Document:
     groups = summary.group(findings.flags)
     shown, n_more = summary.sentences(findings, groups)
-    heads = figures.overview_data(findings).heads
+    data = figures.overview_data(findings)
+    heads = data.heads
     split = f", each block split into heads 0–{heads - 1}" if heads > 1 else ""
-    ov = _picture(figures.overview(findings), "overview",
+    ov = _picture(figures.overview(findings, data), "overview",
                   f"Map of the highest flag severity per layer (columns{split}) and analysis (rows); "
                   "the number in a block is its highest severity at or above 0.5; grey: not analysed.")
     problems: list[str] = []
     sections = []
+    canvas = figures.new_figure(*figures.EVIDENCE_SIZE)     # one figure for every finding: its renderer is reused
     for g in groups:
         pic = None
         if g.index < MAX_FIGURES:
-            fig, note = figures.evidence(findings, g)
+            fig, note = figures.evidence(findings, g, canvas)
             stem = f"finding-{g.index + 1:02d}-{g.kind}"
             pic = _picture(fig, stem, f"Evidence for finding {g.index + 1}: {g.kind} on {g.top.tensor}.", note)
             if note:
@@ -234,7 +237,8 @@ def _build(findings: Findings, store: Store | None) -> Document:
         sections=sections,
         layer_columns=cols,
         layer_rows=rows,
-        analysis_tables={n: tables.contract_order(r.table) for n, r in findings.results.items()},
+        analysis_tables={n: ordered[n] if n in ordered else tables.contract_order(r.table)
+                         for n, r in findings.results.items()},
         problems=problems,
         regime=regime_sentence(findings) if is_long_history(findings) else None,
     )

@@ -31,12 +31,14 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.reporting.summary import FlagGroup
 
-__all__ = ["DPI", "MAX_HEAD_COLUMNS", "MAX_LAYER_SPAN", "MAX_SEPARATORS", "MAX_TICK_LABELS", "OTHER", "Overview",
+__all__ = ["DPI", "EVIDENCE_SIZE", "MAX_HEAD_COLUMNS", "MAX_LAYER_SPAN", "MAX_SEPARATORS", "MAX_TICK_LABELS", "OTHER", "Overview",
            "analysis_name", "evidence", "new_figure", "overview", "overview_data", "plain_log_ticks", "thin_ticks",
            "to_png"]
 
 
 DPI = 110
+#: Width and height (inches) of an evidence figure.
+EVIDENCE_SIZE = (7.2, 3.6)
 OTHER = "other"
 #: The overview draws every layer between the first and the last up to this span, only the present ones beyond.
 MAX_LAYER_SPAN = 1024
@@ -73,11 +75,34 @@ def plain_log_ticks(fig: Figure) -> None:
 
 
 def to_png(fig: Figure) -> bytes:
-    """PNG bytes of *fig* (Agg canvas; no display needed), log axes labelled in plain text."""
+    """PNG bytes of *fig* (Agg canvas; no display needed), log axes labelled in plain text.
+
+    Printed by the figure's own Agg canvas (made here once per figure and kept): the layout
+    runs in the one draw that renders, where ``savefig`` drew the figure twice (once without
+    rendering, for the layout) - the same pixels and PNG bytes (``tests/test_report_cost.py``)
+    at about two thirds of the drawing.  A reused figure keeps its canvas and renderer, so
+    matplotlib's text-size cache carries over between the report's figures.
+    """
+    import matplotlib as mpl
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     plain_log_ticks(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
+    if fig.dpi != DPI or any(mpl.rcParams[k] != v for k, v in _SAVEFIG_DEFAULTS.items()):
+        fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})    # what savefig's settings change
+        return buf.getvalue()
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    canvas._is_saving = True                 # as savefig: animated artists are drawn too
+    try:
+        canvas.print_png(buf, metadata={"Software": None})
+    finally:
+        canvas._is_saving = False
     return buf.getvalue()
+
+
+#: The ``savefig.*`` settings under which ``savefig`` prints the figure as its canvas does (else it is used).
+_SAVEFIG_DEFAULTS = {"savefig.facecolor": "auto", "savefig.edgecolor": "auto", "savefig.transparent": False,
+                     "savefig.bbox": None, "savefig.orientation": "portrait"}
 
 
 def analysis_name(flag: Flag, findings: Findings) -> str:
@@ -152,13 +177,13 @@ def overview_data(findings: Findings) -> Overview:
     return Overview(rows, layers, n_heads, m)
 
 
-def overview(findings: Findings) -> Figure:
-    """Analysis x layer depth (x head), coloured by the highest flag severity."""
+def overview(findings: Findings, ov: Overview | None = None) -> Figure:
+    """Analysis x layer depth (x head), coloured by the highest flag severity (*ov*: its matrix, if made already)."""
     import matplotlib as mpl
 
     from gradforensics._contrast import annotate
 
-    ov = overview_data(findings)
+    ov = overview_data(findings) if ov is None else ov
     n_cols = max(len(ov.layers), 1)
     per_layer = 0.42 if ov.heads == 1 else min(0.12 * ov.heads, 0.9)     # room for head sub-columns
     fig = new_figure(min(13.0, max(6.5, 3.2 + per_layer * n_cols)), 1.7 + 0.3 * max(len(ov.rows), 1))
@@ -209,13 +234,21 @@ def _drew_something(fig: Figure) -> bool:
     return any(a.has_data() or a.images or a.texts or a.tables for a in fig.axes)
 
 
-def evidence(findings: Findings, finding: FlagGroup) -> tuple[Figure, str | None]:
-    """The evidence figure of *finding* (its most severe flag) and a note if the plot failed."""
+def evidence(findings: Findings, finding: FlagGroup, fig: Figure | None = None) -> tuple[Figure, str | None]:
+    """The evidence figure of *finding* (its most severe flag) and a note if the plot failed.
+
+    Drawn on *fig* when given (cleared and sized first: the report reuses one figure, and so
+    its canvas, for every finding), else on a new figure.
+    """
     from gradforensics.analysis import REGISTRY
 
     flag = finding.top
     name = analysis_name(flag, findings)
-    fig = new_figure(7.2, 3.6)
+    if fig is None:
+        fig = new_figure(*EVIDENCE_SIZE)
+    else:
+        fig.clear()
+        fig.set_size_inches(*EVIDENCE_SIZE)
     ax = fig.add_subplot()
     an, res = REGISTRY.get(name), findings.results.get(name)
     note: str | None = None

@@ -170,9 +170,38 @@ def _errors(doc: Any, schema: dict[str, Any], where: str) -> Iterator[str]:
                 yield from _errors(item, schema["items"], f"{where}[{i}]")
 
 
+_FIELDS = frozenset(_FLAG_SCHEMA["required"]) | {"kind"}
+
+
+def _plainly_valid(f: Any, kinds: frozenset[str]) -> bool:
+    """Whether flag *f* meets :func:`flag_schema` by a direct check, at most as lenient as the schema.
+
+    A flag this accepts the schema accepts; one it does not is checked keyword by keyword
+    (:func:`_errors`), which says what is wrong - so a document of thousands of flags is
+    checked at a few microseconds a flag, with the same result and the same messages.
+    """
+    if type(f) is not dict or f.keys() != _FIELDS:
+        return False
+    kind, tensor, head, sources, sev, rec = (f["kind"], f["tensor"], f["head"], f["sources"], f["severity"],
+                                             f["records"])
+    return (type(kind) is str and kind in kinds and type(tensor) is str and tensor != ""
+            and (head is None or (type(head) is int and head >= 0))
+            and type(sources) is list and all(type(x) is str for x in sources) and len(set(sources)) == len(sources)
+            and type(sev) in (int, float) and 0 <= sev <= 1
+            and type(rec) is list and len(rec) == 2 and all(type(r) is int and r >= 0 for r in rec)
+            and type(f["evidence"]) is dict and type(f["summary"]) is str)
+
+
 def errors(doc: Any) -> list[str]:
     """Every way *doc* departs from the flags.json contract (empty list = valid)."""
-    out = list(_errors(doc, flags_schema(), "flags.json"))
+    schema = flags_schema()
+    flags = doc.get("flags") if isinstance(doc, dict) else None
+    if isinstance(flags, list):
+        kinds = frozenset(k for k in schema["properties"]["flags"]["items"]["properties"]["kind"]["enum"]
+                          if isinstance(k, str))
+        if all(_plainly_valid(f, kinds) for f in flags):     # every flag valid: the rest of the document alone
+            del schema["properties"]["flags"]["items"]
+    out = list(_errors(doc, schema, "flags.json"))
     if out:
         return out
     sev = [f["severity"] for f in doc["flags"]]

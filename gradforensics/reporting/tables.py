@@ -57,20 +57,28 @@ def csv_safe(table: pd.DataFrame) -> pd.DataFrame:
     return t
 
 
-def write_csv(table: pd.DataFrame, path: Path) -> Path:
-    """The one way gradforensics writes a CSV: contract column order, formula-safe cells, empty NA."""
-    csv_safe(contract_order(table)).to_csv(path, index=False, na_rep="")
+def write_csv(table: pd.DataFrame, path: Path, ordered: bool = False) -> Path:
+    """The one way gradforensics writes a CSV: contract column order, formula-safe cells, empty NA.
+
+    *ordered*: *table* is :func:`contract_order`'s already (it is not ordered again).
+    """
+    csv_safe(table if ordered else contract_order(table)).to_csv(path, index=False, na_rep="")
     return path
 
 
-def write_csvs(findings: Findings, out_dir: Path) -> dict[str, Path]:
-    """``out_dir/tables/<name>.csv`` for every analysis result (names checked, paths kept under *out_dir*)."""
+def write_csvs(findings: Findings, out_dir: Path, ordered: dict[str, pd.DataFrame] | None = None) -> dict[str, Path]:
+    """``out_dir/tables/<name>.csv`` for every analysis result (names checked, paths kept under *out_dir*).
+
+    *ordered*: the results' tables in :func:`contract_order` by analysis name, when made already.
+    """
     d = under(out_dir, "tables")
     d.mkdir(parents=True, exist_ok=True)
     out: dict[str, Path] = {}
     for name, res in findings.results.items():
         check_analysis_name(name, "report: tables")
-        out[f"tables/{name}"] = write_csv(res.table, under(out_dir, "tables", f"{name}.csv"))
+        table = ordered.get(name) if ordered is not None else None
+        out[f"tables/{name}"] = write_csv(res.table if table is None else table,
+                                          under(out_dir, "tables", f"{name}.csv"), ordered=table is not None)
     return out
 
 

@@ -271,8 +271,11 @@ def parse_series(raw: Any, where: str = "series") -> dict[str, np.ndarray]:
     try:
         if blob[:4] not in _NPZ_MAGIC:
             raise ValueError("not a zip archive")
-        with zipfile.ZipFile(io.BytesIO(blob)) as zf:
-            members = {_npz_name(info.filename): _member_array(blob, info) for info in zf.infolist()}
+        entries = _plain_directory(blob)
+        if entries is None:                  # not the plain layout pack_series writes: zipfile's own reader
+            with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+                entries = [(i.filename, i.header_offset, i.file_size, i.CRC, i.compress_type) for i in zf.infolist()]
+        members = {_npz_name(e[0]): _member_array(blob, *e) for e in entries}
         keys = members.get("__keys__")
         if keys is None:
             raise KeyError("__keys__ is not a member of the archive")
@@ -290,7 +293,44 @@ def _npz_name(filename: str) -> str:
     return filename[:-4] if filename.endswith(".npy") else filename
 
 
-def _member_array(blob: bytearray, info: zipfile.ZipInfo) -> np.ndarray:
+_EOCD = struct.Struct("<4s4H2LH")            # end of central directory record (22 bytes)
+_CENTRAL = struct.Struct("<4s6H3L5H2L")       # central directory file header (46 bytes)
+
+
+def _plain_directory(blob: bytearray) -> list[tuple[str, int, int, int, int]] | None:
+    """``(name, header offset, size, CRC-32, compression)`` of each member, read from the central
+    directory of a zip laid out as :func:`pack_series` writes it, else None.
+
+    The plain layout: one disk, no archive comment, no prepended data, no zip64, no extra
+    fields or comments, ASCII names.  Anything else goes to :mod:`zipfile` (None here),
+    so this is a shorter way through the same archives, not a more lenient one; every
+    member is then checked by :func:`_member_array` either way.  ``zipfile`` builds an
+    object per member: 32,000 series cost a third of a second.
+    """
+    end = len(blob) - _EOCD.size
+    if end < 0 or blob[end:end + 4] != b"PK\x05\x06":
+        return None
+    _, disk, cd_disk, n_here, n, cd_size, cd_start, comment = _EOCD.unpack_from(blob, end)
+    if disk or cd_disk or n_here != n or comment or cd_start + cd_size != end:
+        return None
+    out, pos = [], cd_start
+    for _ in range(n):
+        if pos + _CENTRAL.size > end:
+            return None
+        sig, _, _, flags, method, _, _, crc, csize, size, n_name, n_extra, n_comment, _, _, _, offset = \
+            _CENTRAL.unpack_from(blob, pos)
+        if sig != b"PK\x01\x02" or n_extra or n_comment or flags & 0x1 or csize != size:
+            return None
+        raw = bytes(blob[pos + _CENTRAL.size:pos + _CENTRAL.size + n_name])
+        if len(raw) != n_name or not raw.isascii():
+            return None
+        out.append((raw.decode("ascii"), offset, size, crc, method))
+        pos += _CENTRAL.size + n_name
+    return out if pos == end else None
+
+
+def _member_array(blob: bytearray, filename: str, header_offset: int, file_size: int, crc: int,
+                  compress_type: int) -> np.ndarray:
     """One ``.npy`` member of a stored (uncompressed) zip image, read in place.
 
     What ``np.load`` and a member-by-member check did, without a file object per member:
@@ -298,25 +338,25 @@ def _member_array(blob: bytearray, info: zipfile.ZipInfo) -> np.ndarray:
     per distinct header: a store's series share a few shapes); no objects; no more data
     declared than held.  A store with thousands of series read them at milliseconds each.
     """
-    if info.compress_type != zipfile.ZIP_STORED:
-        raise ValueError(f"member {info.filename!r} is compressed; gradforensics stores series uncompressed")
-    local = bytes(blob[info.header_offset:info.header_offset + 30])
+    if compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"member {filename!r} is compressed; gradforensics stores series uncompressed")
+    local = bytes(blob[header_offset:header_offset + 30])
     if len(local) < 30 or local[:4] != b"PK\x03\x04":
-        raise ValueError(f"member {info.filename!r} has no local header")
-    start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
-    data = memoryview(blob)[start:start + info.file_size]
-    if len(data) != info.file_size or zlib.crc32(data) != info.CRC:
-        raise ValueError(f"member {info.filename!r} is truncated or fails its CRC-32")
+        raise ValueError(f"member {filename!r} has no local header")
+    start = header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+    data = memoryview(blob)[start:start + file_size]
+    if len(data) != file_size or zlib.crc32(data) != crc:
+        raise ValueError(f"member {filename!r} is truncated or fails its CRC-32")
     head = bytes(data[:12])
     if head[:6] != b"\x93NUMPY" or head[6:8] not in (b"\x01\x00", b"\x02\x00"):
-        raise ValueError(f"member {info.filename!r} has .npy version {tuple(head[6:8])}")
+        raise ValueError(f"member {filename!r} has .npy version {tuple(head[6:8])}")
     size = 2 if head[6] == 1 else 4
     end = 8 + size + int.from_bytes(head[8:8 + size], "little")
-    shape, fortran, dtype = _npy_header(bytes(data[:end]), info.filename)
+    shape, fortran, dtype = _npy_header(bytes(data[:end]), filename)
     count = math.prod(shape)
-    if count * dtype.itemsize > info.file_size:
-        raise ValueError(f"member {info.filename!r} declares shape {shape} of {dtype}, more than its "
-                         f"{info.file_size} bytes")
+    if count * dtype.itemsize > file_size:
+        raise ValueError(f"member {filename!r} declares shape {shape} of {dtype}, more than its "
+                         f"{file_size} bytes")
     flat = np.frombuffer(blob, dtype=dtype, count=count, offset=start + end)
     return flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
 
