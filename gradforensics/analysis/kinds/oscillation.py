@@ -70,6 +70,7 @@ from gradforensics.analysis.contract.model import (
 from gradforensics.analysis.engine.bandstats import lag_design, oscillation_edges
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit import stacked as st
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.parallel import map_units
 from gradforensics.analysis.toolkit.stats import bimodality_coefficient, finite_mean
@@ -95,6 +96,7 @@ __all__ = [
     "oscillation_edges",
     "oscillation_unit",
     "periodogram_test",
+    "periodogram_tests",
     "plot",
     "severity",
     "source_r2",
@@ -137,24 +139,39 @@ def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None =
     of freedom): a slowly turning mean gradient scores as a smooth ramp whose
     spectral leakage would otherwise reach ``min_cycles`` cycles (drift's business).
     """
+    period, p = periodogram_tests(np.asarray(x, dtype=np.float64)[None, :], min_cycles, dof_total)
+    return float(period[0]), float(p[0])
+
+
+def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None = None,
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`periodogram_test` of every row of *X* (``(m, n)``): ``(periods, ps)``, each row's floats those of
+    the call on that row alone (the stacked means, least squares, dots and FFT of
+    :mod:`~gradforensics.analysis.toolkit.stacked`; the rest is elementwise)."""
     from scipy.special import betaincc  # = scipy.stats.beta.sf(x, a, b), bit for bit, without its per-call checks
 
-    n = x.size
+    X = np.ascontiguousarray(X, dtype=np.float64)
+    m, n = X.shape
+    nan = np.full(m, math.nan)
     nu = (n - 1 if dof_total is None else int(dof_total)) - 2
     T, j, dof = _periodogram_design(n, int(min_cycles))
-    xc = x - x.mean()
+    xc = X - st.row_means(X)[:, None]
     if n >= 8:
-        xc = xc - T @ np.linalg.lstsq(T, xc, rcond=None)[0]
-    ss = float(xc @ xc)
-    if n < 8 or j.size == 0 or ss <= 0:
-        return math.nan, math.nan
-    F = np.fft.rfft(xc)
-    power = np.abs(F[j]) ** 2
+        xc = xc - st.matvec_each(T, st.lstsq_each(T, xc))
+    ss = st.row_dots(xc)
+    if n < 8 or j.size == 0 or not m:
+        return nan, nan.copy()
+    F = np.fft.rfft(xc, axis=-1)
+    power = np.abs(F[:, j]) ** 2
     power = np.where(dof == 1.0, power, 2.0 * power) / n      # share of SS carried by each frequency
-    share = np.clip(power / ss, 0.0, 1.0)
+    ok = ~(ss <= 0)                  # the single call goes on with a NaN sum of squares
+    share = np.clip(power / np.where(ok, ss, 1.0)[:, None], 0.0, 1.0)
     tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
-    best = int(np.argmin(tail))
-    return n / float(j[best]), float(min(1.0, tail[best] * j.size))
+    best = np.argmin(tail, axis=1)
+    period = np.where(ok, n / j[best].astype(np.float64), math.nan)
+    low = tail[np.arange(m), best] * j.size
+    p = np.where(ok, np.where(low < 1.0, low, 1.0), math.nan)        # min(1.0, low), NaN to 1.0 as min() does
+    return period, p
 
 
 @functools.lru_cache(maxsize=64)
@@ -219,14 +236,14 @@ def components(Kp: np.ndarray, K: np.ndarray, n_comp: int, min_cycles: int, dof_
     *K* (uncentred) gives the records' projections ``(K u) / √λ`` on each direction.
     """
     lam, U = ks.top_components(Kp, n_comp)
-    out = []
-    for k in range(lam.size):
-        if lam[k] <= 1e-12 * max(np.trace(Kp), 1e-300):
-            continue
-        scores = U[:, k] * math.sqrt(lam[k])
-        period, p = periodogram_test(scores, min_cycles, dof_total)
-        out.append(Component(k, float(lam[k]), scores, K @ U[:, k] / math.sqrt(lam[k]), period, p))
-    return out
+    floor = 1e-12 * max(np.trace(Kp), 1e-300)
+    kept = [k for k in range(lam.size) if not lam[k] <= floor]
+    if not kept:
+        return []
+    scores = [U[:, k] * math.sqrt(lam[k]) for k in kept]
+    period, p = periodogram_tests(np.stack(scores), min_cycles, dof_total)      # the three tests in one
+    return [Component(k, float(lam[k]), sc, K @ U[:, k] / math.sqrt(lam[k]), float(per), float(pk))
+            for k, sc, per, pk in zip(kept, scores, period, p, strict=True)]
 
 
 def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
