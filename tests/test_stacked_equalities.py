@@ -198,3 +198,27 @@ def test_map_slabs_is_the_loop_in_order() -> None:
     assert par.map_slabs(twice, [], size=8) == []
     with pytest.raises(RuntimeError, match="results for"):
         par.map_slabs(lambda s: s[:1], items, size=8)
+
+
+def _safe_div_reference(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``kspace.safe_div`` as it was: the selected entries divided through boolean indexing."""
+    num = np.asarray(num, dtype=np.float64)
+    den = np.broadcast_to(np.asarray(den, dtype=np.float64), num.shape)
+    out = np.full(num.shape, np.nan)
+    ok = den > 1e-300
+    out[ok] = num[ok] / den[ok]
+    return np.clip(out, -1.0, 1.0)
+
+
+def test_safe_div_is_the_indexed_division() -> None:
+    rng = np.random.default_rng(8)
+    for trial in range(200):
+        shape = [(), (7,), (5, 3), (1, 4)][trial % 4]
+        num = rng.standard_normal(shape) * 10.0 ** rng.integers(-300, 300)
+        den = np.abs(rng.standard_normal(shape)) * 10.0 ** rng.integers(-310, 300)
+        if trial % 3 == 0 and np.ndim(den):
+            den.flat[0], num.flat[-1] = 0.0, np.nan
+        with np.errstate(over="ignore"):           # both overflow alike where the quotient does
+            assert _same(ks.safe_div(num, den), _safe_div_reference(num, den)), trial
+            if np.ndim(num) == 2:
+                assert _same(ks.safe_div(num, den[:1]), _safe_div_reference(num, den[:1]))
