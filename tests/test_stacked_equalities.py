@@ -43,7 +43,7 @@ def _stacks(seed: int, trials: int = 120):
 def test_numpy_stacked_calls_are_the_single_calls() -> None:
     """Row means and sums (pairwise along the contiguous axis), row dots, ``rfft`` rows, ``lstsq`` per item
     and ``A @ c`` per item: each row's floats those of the 1-d call."""
-    for rng, n, X in _stacks(1):
+    for _, n, X in _stacks(1):
         t = np.linspace(-1.0, 1.0, n)
         T = np.c_[t, t * t - (t * t).mean()]
         coef = st.lstsq_each(T, X)
