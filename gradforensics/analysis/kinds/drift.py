@@ -58,8 +58,8 @@ from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.batches import LEARNING_DROP, loss_change
-from gradforensics.analysis.toolkit.parallel import map_units
-from gradforensics.analysis.toolkit.stats import finite_mean, rank_trend
+from gradforensics.analysis.toolkit.parallel import map_slabs
+from gradforensics.analysis.toolkit.stats import finite_mean, rank_trends
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -72,6 +72,7 @@ __all__ = [
     "DriftOptions",
     "UnitDrift",
     "compute",
+    "drift_slab",
     "drift_unit",
     "flags",
     "hinge_changepoint",
@@ -165,28 +166,46 @@ class UnitDrift:
 
 def drift_unit(K: np.ndarray, mixture: np.ndarray, window: int | None) -> UnitDrift:
     """All drift statistics of one unit (K in time order, mixture rows alike)."""
+    return drift_slab([(K, mixture)], window)[0]
+
+
+def drift_slab(slab: list[tuple[np.ndarray, np.ndarray]], window: int | None) -> list[UnitDrift]:
+    """:func:`drift_unit` of every ``(K, mixture)`` of *slab*: the rank trends of all its units in one
+    :func:`~gradforensics.analysis.toolkit.stats.rank_trends` call per series kind (each unit's floats its own
+    call's), the rest unit by unit."""
+    started = [_drift_start(K, mix, window) for K, mix in slab]
+    live = [i for i, (_, trends) in enumerate(started) if trends is not None]
+    rec = rank_trends([started[i][1][0] for i in live], min_n=4, alternative="less", skip_nonfinite=True)  # type: ignore[index]
+    win = rank_trends([started[i][1][1] for i in live], min_n=4, alternative="less", skip_nonfinite=True)  # type: ignore[index]
+    for i, (rho, p), (rho_w, _) in zip(live, rec, win, strict=True):
+        started[i][0].row.update(rho=rho, p_value=p, rho_windows=rho_w)
+    return [res for res, _ in started]
+
+
+def _drift_start(K: np.ndarray, mixture: np.ndarray, window: int | None,
+                 ) -> tuple[UnitDrift, tuple[np.ndarray, np.ndarray] | None]:
+    """A unit's drift statistics but its rank trends (their places in the row held), and the two series they test."""
     n = K.shape[0]
     w = ks.window_size(n, window)
     W, rows_of = _windows(n, w)
     row: dict[str, Any] = {"n_records": n, "window": w}
     if W.shape[0] < 4:
-        return UnitDrift(row, np.full(n, np.nan), np.zeros((0, 2)))
+        return UnitDrift(row, np.full(n, np.nan), np.zeros((0, 2))), None
     open_rows = rows_of[0]
     rec = opening_cosines(K, open_rows)
     wcos = ks.cosines(K, W, W[:1])[:, 0]
     wcos[0] = np.nan
-    rho, p = rank_trend(rec[open_rows.size:], min_n=4, alternative="less", skip_nonfinite=True)
     k = max(1, (W.shape[0] - 1) // 3)
     late = np.concatenate(rows_of[-k:])
     c_early, c_late = finite_mean(wcos[1:1 + k]), finite_mean(wcos[-k:])
     c_db = ks.debiased_cosine(K, late, open_rows)
     rotation = 1.0 - c_db if np.isfinite(c_db) else (1.0 - c_late / c_early if c_early > 0.1 else math.nan)
     since, _ = hinge_changepoint(rec)
-    row.update(cos_early=c_early, cos_late=c_late, cos_late_debiased=c_db, rotation=rotation, rho=rho,
-               p_value=p, rho_windows=rank_trend(wcos[1:], min_n=4, alternative="less", skip_nonfinite=True)[0], since_pos=since)
+    row.update(cos_early=c_early, cos_late=c_late, cos_late_debiased=c_db, rotation=rotation, rho=math.nan,
+               p_value=math.nan, rho_windows=math.nan, since_pos=since)
     row.update(_alignment(K, mixture, ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)))
     centres = np.array([r.mean() for r in rows_of])
-    return UnitDrift(row, rec, np.column_stack((centres, wcos)))
+    return UnitDrift(row, rec, np.column_stack((centres, wcos))), (rec[open_rows.size:], wcos[1:])
 
 
 @functools.lru_cache(maxsize=32)
@@ -249,9 +268,9 @@ def pd_int(values: list[int | None]) -> Any:
     return pd.array(values, dtype="Int64")
 
 
-def _drift_of(u: un.Unit, mix: np.ndarray, window: int | None) -> UnitDrift:
-    """:func:`drift_unit` of one unit (module-level: it runs on dask workers too)."""
-    return drift_unit(u.gram, mix[u.records], window)
+def _drift_of(slab: list[un.Unit], mix: np.ndarray, window: int | None) -> list[UnitDrift]:
+    """:func:`drift_slab` of a slab of units (module-level: it runs on dask workers too)."""
+    return drift_slab([(u.gram, mix[u.records]) for u in slab], window)
 
 
 def _compute(ctx: Context) -> AnalysisResult:
@@ -263,7 +282,7 @@ def _compute(ctx: Context) -> AnalysisResult:
     rows = []
     rec_pack, win_pack = un.SeriesPack(), un.SeriesPack()
     units = un.units(ctx)
-    done = map_units(functools.partial(_drift_of, mix=mix, window=opts.window), units)
+    done = map_slabs(functools.partial(_drift_of, mix=mix, window=opts.window), units)
     for u, res in zip(map(units.info, range(len(units))), done, strict=True):
         r = res.row
         pos = r.pop("since_pos", None)

@@ -70,8 +70,9 @@ from gradforensics.analysis.contract.model import (
 from gradforensics.analysis.engine.bandstats import lag_design, oscillation_edges
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit import stacked as st
 from gradforensics.analysis.toolkit import units as un
-from gradforensics.analysis.toolkit.parallel import map_units
+from gradforensics.analysis.toolkit.parallel import map_slabs
 from gradforensics.analysis.toolkit.stats import bimodality_coefficient, finite_mean
 from gradforensics.store.names import layer_of
 
@@ -95,6 +96,7 @@ __all__ = [
     "oscillation_edges",
     "oscillation_unit",
     "periodogram_test",
+    "periodogram_tests",
     "plot",
     "severity",
     "source_r2",
@@ -137,24 +139,39 @@ def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None =
     of freedom): a slowly turning mean gradient scores as a smooth ramp whose
     spectral leakage would otherwise reach ``min_cycles`` cycles (drift's business).
     """
+    period, p = periodogram_tests(np.asarray(x, dtype=np.float64)[None, :], min_cycles, dof_total)
+    return float(period[0]), float(p[0])
+
+
+def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None = None,
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`periodogram_test` of every row of *X* (``(m, n)``): ``(periods, ps)``, each row's floats those of
+    the call on that row alone (the stacked means, least squares, dots and FFT of
+    :mod:`~gradforensics.analysis.toolkit.stacked`; the rest is elementwise)."""
     from scipy.special import betaincc  # = scipy.stats.beta.sf(x, a, b), bit for bit, without its per-call checks
 
-    n = x.size
+    X = np.ascontiguousarray(X, dtype=np.float64)
+    m, n = X.shape
+    nan = np.full(m, math.nan)
     nu = (n - 1 if dof_total is None else int(dof_total)) - 2
     T, j, dof = _periodogram_design(n, int(min_cycles))
-    xc = x - x.mean()
+    xc = X - st.row_means(X)[:, None]
     if n >= 8:
-        xc = xc - T @ np.linalg.lstsq(T, xc, rcond=None)[0]
-    ss = float(xc @ xc)
-    if n < 8 or j.size == 0 or ss <= 0:
-        return math.nan, math.nan
-    F = np.fft.rfft(xc)
-    power = np.abs(F[j]) ** 2
+        xc = xc - st.matvec_each(T, st.lstsq_each(T, xc))
+    ss = st.row_dots(xc)
+    if n < 8 or j.size == 0 or not m:
+        return nan, nan.copy()
+    F = np.fft.rfft(xc, axis=-1)
+    power = np.abs(F[:, j]) ** 2
     power = np.where(dof == 1.0, power, 2.0 * power) / n      # share of SS carried by each frequency
-    share = np.clip(power / ss, 0.0, 1.0)
+    ok = ~(ss <= 0)                  # the single call goes on with a NaN sum of squares
+    share = np.clip(power / np.where(ok, ss, 1.0)[:, None], 0.0, 1.0)
     tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
-    best = int(np.argmin(tail))
-    return n / float(j[best]), float(min(1.0, tail[best] * j.size))
+    best = np.argmin(tail, axis=1)
+    period = np.where(ok, n / j[best].astype(np.float64), math.nan)
+    low = tail[np.arange(m), best] * j.size
+    p = np.where(ok, np.where(low < 1.0, low, 1.0), math.nan)        # min(1.0, low), NaN to 1.0 as min() does
+    return period, p
 
 
 @functools.lru_cache(maxsize=64)
@@ -218,44 +235,115 @@ def components(Kp: np.ndarray, K: np.ndarray, n_comp: int, min_cycles: int, dof_
 
     *K* (uncentred) gives the records' projections ``(K u) / √λ`` on each direction.
     """
+    part = _principal(Kp, K, n_comp)
+    return _tested(part, *periodogram_tests(part.scores, min_cycles, dof_total)) if part.kept else []
+
+
+@dataclass
+class _Principal:
+    """A unit's kept principal directions before their periodogram tests (scores stacked ``(k, n)``)."""
+
+    kept: list[int]
+    lam: np.ndarray
+    scores: np.ndarray
+    proj: list[np.ndarray]
+
+
+def _principal(Kp: np.ndarray, K: np.ndarray, n_comp: int) -> _Principal:
     lam, U = ks.top_components(Kp, n_comp)
-    out = []
-    for k in range(lam.size):
-        if lam[k] <= 1e-12 * max(np.trace(Kp), 1e-300):
-            continue
-        scores = U[:, k] * math.sqrt(lam[k])
-        period, p = periodogram_test(scores, min_cycles, dof_total)
-        out.append(Component(k, float(lam[k]), scores, K @ U[:, k] / math.sqrt(lam[k]), period, p))
-    return out
+    floor = 1e-12 * max(np.trace(Kp), 1e-300)
+    kept = [k for k in range(lam.size) if not lam[k] <= floor]
+    scores = np.stack([U[:, k] * math.sqrt(lam[k]) for k in kept]) if kept else np.zeros((0, Kp.shape[0]))
+    return _Principal(kept, lam, scores, [K @ U[:, k] / math.sqrt(lam[k]) for k in kept])
+
+
+def _tested(part: _Principal, period: np.ndarray, p: np.ndarray) -> list[Component]:
+    return [Component(k, float(part.lam[k]), part.scores[i], part.proj[i], float(period[i]), float(p[i]))
+            for i, k in enumerate(part.kept)]
 
 
 def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
                      names: tuple[str, ...]) -> tuple[dict[str, Any], Component | None]:
     """Oscillation statistics of one unit (K and mixture rows in time order)."""
-    return _oscillation_unit(K, mixture, replay, opts, names, ks.consecutive_cosines(K) if K.shape[0] > 1 else None)
+    cc = ks.consecutive_cosines(K) if K.shape[0] > 1 else None
+    return _oscillation_slab([(K, mixture, cc)], replay, opts, names)[0]
 
 
-def _oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
-                      names: tuple[str, ...], cc: np.ndarray | None) -> tuple[dict[str, Any], Component | None]:
-    """:func:`oscillation_unit` given the unit's consecutive cosines *cc* (None below 2 records)."""
+@dataclass
+class _Started:
+    """One unit of a slab between its eigendecomposition and its periodogram tests."""
+
+    row: dict[str, Any]
+    Kp: np.ndarray | None = None
+    fit: ks.SourceFit | None = None
+    dof: int = 0
+    part: _Principal | None = None
+
+
+def _oscillation_slab(slab: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], replay: bool,
+                      opts: OscillationOptions, names: tuple[str, ...],
+                      ) -> list[tuple[dict[str, Any], Component | None]]:
+    """:func:`oscillation_unit` of every ``(K, mixture, consecutive cosines)`` of *slab*: the periodogram tests of
+    all units with the same record count and degrees of freedom in one :func:`periodogram_tests` call (each
+    row's floats its own call's), the rest unit by unit."""
+    ranks: dict[int, int] = {}
+    started = [_start(K, mix, replay, opts, cc, ranks) for K, mix, cc in slab]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, s in enumerate(started):
+        if s.part is not None and s.part.kept:
+            groups.setdefault((s.part.scores.shape[1], s.dof), []).append(i)
+    tested: dict[int, list[Component]] = {}
+    for (_, dof), members in groups.items():
+        period, p = periodogram_tests(np.concatenate([started[i].part.scores for i in members]),  # type: ignore[union-attr]
+                                      opts.min_cycles, dof)
+        at = 0
+        for i in members:
+            part = started[i].part
+            assert part is not None
+            k = len(part.kept)
+            tested[i] = _tested(part, period[at:at + k], p[at:at + k])
+            at += k
+    return [_finish(s, mix, names, tested.get(i, [])) for i, (s, (_, mix, _)) in enumerate(zip(started, slab))]
+
+
+def _start(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
+           cc: np.ndarray | None, ranks: dict[int, int]) -> _Started:
     n = K.shape[0]
-    row: dict[str, Any] = {"n_records": n, "consec_cos": finite_mean(cc) if cc is not None else math.nan}
+    out = _Started({"n_records": n, "consec_cos": finite_mean(cc) if cc is not None else math.nan})
     if n < 8:
-        return row, None
+        return out
     fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
     residualise = replay and fit.index.size >= 1
-    Kp = ks.residual_gram(K, fit) if residualise else ks.centred(K)
-    dof = n - (np.linalg.matrix_rank(fit.A) if residualise else 1)
-    comps = [c for c in components(Kp, K, opts.components, opts.min_cycles, dof) if np.isfinite(c.p)]
+    out.Kp = ks.residual_gram(K, fit) if residualise else ks.centred(K)
+    out.fit = fit
+    out.dof = n - (_rank(fit, ranks) if residualise else 1)
+    out.part = _principal(out.Kp, K, opts.components)
+    return out
+
+
+def _rank(fit: ks.SourceFit, ranks: dict[int, int]) -> int:
+    """``np.linalg.matrix_rank(fit.A)``, once per fit of a slab (*ranks*, by the fit's id: the slab holds each fit)."""
+    got = ranks.get(id(fit))
+    if got is None:
+        got = ranks[id(fit)] = int(np.linalg.matrix_rank(fit.A))
+    return got
+
+
+def _finish(s: _Started, mixture: np.ndarray, names: tuple[str, ...], tested: list[Component],
+            ) -> tuple[dict[str, Any], Component | None]:
+    row = s.row
+    comps = [c for c in tested if np.isfinite(c.p)]
     if not comps:
         return row, None
+    assert s.Kp is not None and s.fit is not None
+    fit = s.fit
     best = min(comps, key=lambda c: c.p)
     upper = two_means_split(best.scores)
     mu_pos, mu_neg = float(best.proj[upper].mean()), float(best.proj[~upper].mean())
     if mu_pos < mu_neg:
         mu_pos, mu_neg, upper = mu_neg, mu_pos, ~upper
     rev = min(abs(mu_pos), abs(mu_neg)) / max(abs(mu_pos), abs(mu_neg), 1e-300) if mu_pos > 0 > mu_neg else 0.0
-    row.update(component=best.k + 1, explained=best.lam / max(float(np.trace(Kp)), 1e-300), energy=best.lam,
+    row.update(component=best.k + 1, explained=best.lam / max(float(np.trace(s.Kp)), 1e-300), energy=best.lam,
                period_records=best.period, p_value=min(1.0, best.p * len(comps)),
                bimodality_coefficient=bimodality_coefficient(best.scores), pole_pos=mu_pos, pole_neg=mu_neg,
                reversal=rev, source_r2=source_r2(best.scores, mixture),
@@ -270,11 +358,13 @@ def severity(p: float, n_tests: int, reversal: float, bc: float) -> float:
 
 
 # ------------------------------------------------------------------ analysis
-def _one_unit(u: un.Unit, mix: np.ndarray, replay: bool, opts: OscillationOptions, sources: tuple[str, ...],
-              ) -> tuple[dict[str, Any], Component | None, np.ndarray | None]:
-    """One unit's row, component and consecutive cosines (module-level: it runs on dask workers too)."""
-    cc = ks.consecutive_cosines(u.gram) if u.n > 1 else None        # the row's mean and the series: once
-    return (*_oscillation_unit(u.gram, mix[u.records], replay, opts, sources, cc), cc)
+def _slab_of(slab: list[un.Unit], mix: np.ndarray, replay: bool, opts: OscillationOptions, sources: tuple[str, ...],
+             ) -> list[tuple[dict[str, Any], Component | None, np.ndarray | None]]:
+    """The rows, components and consecutive cosines of a slab of units (module-level: it runs on dask workers
+    too)."""
+    ccs = [ks.consecutive_cosines(u.gram) if u.n > 1 else None for u in slab]    # the row's mean and the series
+    done = _oscillation_slab([(u.gram, mix[u.records], cc) for u, cc in zip(slab, ccs)], replay, opts, sources)
+    return [(*rc, cc) for rc, cc in zip(done, ccs, strict=True)]
 
 
 def compute(ctx: Context) -> AnalysisResult:
@@ -288,7 +378,7 @@ def compute(ctx: Context) -> AnalysisResult:
     rows = []
     proj_pack, cc_pack = un.SeriesPack(), un.SeriesPack()
     units = un.units(ctx)
-    done = map_units(functools.partial(_one_unit, mix=mix, replay=replay, opts=opts, sources=ctx.sources), units)
+    done = map_slabs(functools.partial(_slab_of, mix=mix, replay=replay, opts=opts, sources=ctx.sources), units)
     for u, (row, comp, ucc) in zip(map(units.info, range(len(units))), done, strict=True):
         dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,

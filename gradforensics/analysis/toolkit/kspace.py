@@ -74,12 +74,15 @@ def block(K: np.ndarray, rows: np.ndarray, cols: np.ndarray | None = None) -> np
 
 
 def safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``num / den`` clipped to [-1, 1] where ``den > 1e-300``, NaN elsewhere (*den* broadcast to *num*'s shape):
+    one masked ``np.divide`` into a NaN-filled array, the same quotients as dividing the selected entries."""
     num = np.asarray(num, dtype=np.float64)
-    den = np.broadcast_to(np.asarray(den, dtype=np.float64), num.shape)
+    den = np.asarray(den, dtype=np.float64)
+    if np.broadcast_shapes(num.shape, den.shape) != num.shape:
+        den = np.broadcast_to(den, num.shape)          # its error: den must broadcast to num
     out = np.full(num.shape, np.nan)
-    ok = den > 1e-300
-    out[ok] = num[ok] / den[ok]
-    return np.clip(out, -1.0, 1.0)
+    np.divide(num, den, out=out, where=den > 1e-300)
+    return np.clip(out, -1.0, 1.0, out=out)
 
 
 # ------------------------------------------------------------------- windows

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from gradforensics.errors import WorkerLostError
 
-__all__ = ["BATCH_BYTES", "BATCH_UNITS", "available_cores", "map_units", "unit_threads", "worker_lost",
+__all__ = ["BATCH_BYTES", "BATCH_UNITS", "SLAB_UNITS", "available_cores", "map_slabs", "map_units", "unit_threads", "worker_lost",
            "workers_add_cores"]
 
 T = TypeVar("T")
@@ -100,6 +100,41 @@ def map_units(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         return list(pool.map(lambda i: fn(todo[i]), range(len(todo))))
 
 
+SLAB_UNITS = 64
+"""Units one call of :func:`map_slabs`'s function gets (the last slab may hold fewer)."""
+
+
+class _Slabs(Sequence[list[T]]):
+    """Consecutive slabs of *todo*, each built (its items taken from *todo*) when it is indexed."""
+
+    def __init__(self, todo: Sequence[T], size: int) -> None:
+        self._todo, self._size = todo, size
+
+    def __len__(self) -> int:
+        return -(-len(self._todo) // self._size)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return [self._todo[j] for j in range(i * self._size, min(len(self._todo), (i + 1) * self._size))]
+
+
+def map_slabs(fn: Callable[[list[T]], list[R]], items: Iterable[T], size: int = SLAB_UNITS) -> list[R]:
+    """:func:`map_units` over slabs of at most *size* consecutive items: ``fn(slab)`` returns one result per item
+    of its slab, in order; the results of all slabs, in the items' order.
+
+    For per-unit statistics that stack the same small calls over the units of a slab
+    (one call where there were *size*); each slab is built in the thread that runs it.
+    """
+    todo: Sequence[T] = items if isinstance(items, Sequence) else list(items)
+    out: list[R] = []
+    for part in map_units(fn, _Slabs(todo, max(1, int(size)))):
+        out.extend(part)
+    if len(out) != len(todo):
+        raise RuntimeError(f"map_slabs: {len(out)} results for {len(todo)} items")
+    return out
+
+
 # ------------------------------------------------------------------ on a cluster
 def workers_add_cores(client: Any) -> bool:
     """Whether *client*'s workers bring cores this process lacks: a worker on another host, or more worker
@@ -137,7 +172,7 @@ def _batches(todo: Sequence[T]) -> Iterator[tuple[int, list[T]]]:
     batch: list[T] = []
     for i in range(len(todo)):
         x = todo[i]
-        nbytes = int(getattr(getattr(x, "gram", None), "nbytes", 0))
+        nbytes = _nbytes(x)
         if batch and (len(batch) >= BATCH_UNITS or size + nbytes > BATCH_BYTES):
             yield start, batch
             start, size, batch = i, 0, []
@@ -147,7 +182,15 @@ def _batches(todo: Sequence[T]) -> Iterator[tuple[int, list[T]]]:
         yield start, batch
 
 
+def _nbytes(x: Any) -> int:
+    """Bytes of Gram matrices an item carries (a slab of :func:`map_slabs`: its units')."""
+    if isinstance(x, list):
+        return sum(_nbytes(y) for y in x)
+    return int(getattr(getattr(x, "gram", None), "nbytes", 0))
+
+
 def _where(batch: Sequence[Any]) -> str:
+    batch = [y for x in batch for y in (x if isinstance(x, list) else [x])]        # slabs: their units
     names = [x.where() if callable(getattr(x, "where", None)) else repr(x)[:60] for x in (batch[0], batch[-1])]
     return names[0] if len(batch) == 1 else f"{len(batch)} units, {names[0]} to {names[1]}"
 

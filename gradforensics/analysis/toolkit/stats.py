@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bimodality_coefficient", "rank_trend"]
+__all__ = ["bimodality_coefficient", "rank_trend", "rank_trends"]
 
 
 def rank_trend(y: Any, *, min_n: int = 3, alternative: str = "two-sided",
@@ -44,6 +44,71 @@ def rank_trend(y: Any, *, min_n: int = 3, alternative: str = "two-sided",
     if y.size < max(int(min_n), 2) or np.ptp(y) == 0:
         return math.nan, math.nan
     return _spearman_with_position(y, alternative)
+
+
+def rank_trends(ys: list[Any], *, min_n: int = 3, alternative: str = "two-sided",
+                skip_nonfinite: bool = False) -> list[tuple[float, float]]:
+    """``[rank_trend(y, ...) for y in ys]``, each pair bit for bit, with the series of one length tested in one
+    stacked pass (the ranks sorted row by row, ``corrcoef``'s arithmetic over the stack: its
+    means along each row and its ``dot`` per item, as ``np.matmul`` runs them; the rest elementwise)."""
+    out: list[tuple[float, float]] = [(math.nan, math.nan)] * len(ys)
+    by_len: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for i, y in enumerate(ys):
+        y = np.asarray(y, dtype=float).ravel()
+        ok = np.isfinite(y)
+        if skip_nonfinite:
+            y = y[ok]
+        elif not ok.all():
+            continue
+        if y.size < max(int(min_n), 2) or np.ptp(y) == 0:
+            continue
+        by_len.setdefault(y.size, []).append((i, y))
+    for members in by_len.values():
+        rho, p = _spearman_stack(np.stack([y for _, y in members]), alternative)
+        for (i, _), r, q in zip(members, rho.tolist(), p.tolist(), strict=True):
+            out[i] = (r, q)
+    return out
+
+
+def _stack_ranks(Y: np.ndarray) -> np.ndarray:
+    """:func:`_average_ranks` of every row of *Y*: rows without ties by one stacked sort, the others one by one."""
+    U, n = Y.shape
+    j = np.argsort(Y, axis=1, kind="stable")
+    s = np.take_along_axis(Y, j, axis=1)
+    ties = (s[:, :-1] == s[:, 1:]).any(axis=1)
+    out = np.empty((U, n), dtype=np.float64)
+    np.put_along_axis(out, j, np.broadcast_to(np.arange(1, n + 1, dtype=np.float64), (U, n)), axis=1)
+    for u in np.flatnonzero(ties):
+        out[u] = _average_ranks(Y[u])
+    return out
+
+
+def _spearman_stack(Y: np.ndarray, alternative: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_spearman_with_position` of every row of *Y* (finite, non-constant, one length)."""
+    from scipy.special import stdtr
+
+    U, n = Y.shape
+    ranked = np.empty((U, n, 2), dtype=np.float64)          # each item the (n, 2) column stack corrcoef gets
+    ranked[:, :, 0] = np.arange(1, n + 1, dtype=np.float64)
+    ranked[:, :, 1] = _stack_ranks(Y)
+    X = ranked.transpose(0, 2, 1)                            # corrcoef's X = m.T (rowvar=False)
+    X = X - X.mean(axis=2)[:, :, None]
+    c = np.matmul(X, X.transpose(0, 2, 1))
+    c *= np.true_divide(1, n - 1)
+    stddev = np.sqrt(np.diagonal(c, axis1=1, axis2=2))
+    rs = np.clip(c[:, 1, 0] / stddev[:, 1] / stddev[:, 0], -1, 1)
+    dof = n - 2
+    with np.errstate(divide="ignore"):
+        t = rs * np.sqrt((dof / ((rs + 1.0) * (1.0 - rs))).clip(0))
+    if alternative == "less":
+        prob = stdtr(dof, t)
+    elif alternative == "greater":
+        prob = stdtr(dof, -t)
+    elif alternative == "two-sided":
+        prob = 2 * stdtr(dof, -np.abs(t))
+    else:
+        raise ValueError("`alternative` must be 'less', 'greater', or 'two-sided'.")
+    return rs, prob
 
 
 def _average_ranks(y: np.ndarray) -> np.ndarray:

@@ -1,0 +1,76 @@
+"""Small NumPy calls over a stack of equal-shaped items, each item's floats those of the single call.
+
+The per-unit statistics at small N are mostly per-call overhead of small NumPy calls
+(an ``lstsq`` of a few dozen rows, an FFT, a mean).  Stacked, one call covers a whole
+stack; what makes it the same floats as the calls it replaces:
+
+* :func:`row_means` - ``X.mean(axis=-1)`` of a C-contiguous stack: each row is reduced
+  along its contiguous axis, with the pairwise sum the 1-d ``x.mean()`` uses;
+* :func:`row_dots` - ``x @ x`` per row as ``np.matmul`` of ``(m, 1, n)`` by ``(m, n, 1)``:
+  the same ``dot`` per item;
+* :func:`lstsq_each` - ``np.linalg.lstsq(A, b, rcond=None)[0]`` for every item of a stack:
+  the generalised ufunc ``np.linalg.lstsq`` itself calls (LAPACK ``gelsd``, one call an
+  item, the same sizes and ``rcond``) given the stack; a *matrix* right-hand side would be
+  one ``gelsd`` with several columns, whose floats differ from one column at a time;
+* ``np.fft.rfft(X, axis=-1)`` transforms each row as the 1-d call does (used as it is).
+
+``tests/test_stacked_equalities.py`` holds each against the single calls, on random
+inputs of many sizes and scales and on the planted stores, with ``==``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["lstsq_each", "matvec_each", "row_dots", "row_means"]
+
+
+def row_means(X: np.ndarray) -> np.ndarray:
+    """``[x.mean() for x in X]`` of a 2-d stack (made C-contiguous), bit for bit."""
+    return np.ascontiguousarray(X, dtype=np.float64).mean(axis=-1)
+
+
+def row_dots(X: np.ndarray) -> np.ndarray:
+    """``[x @ x for x in X]`` of a 2-d stack, bit for bit (one ``dot`` per row, as ``np.matmul`` runs it)."""
+    X = np.ascontiguousarray(X, dtype=np.float64)
+    return np.matmul(X[:, None, :], X[:, :, None])[:, 0, 0]
+
+
+def lstsq_each(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """``[np.linalg.lstsq(A, b, rcond=None)[0] for b in B]`` for one ``(m, k)`` design *A* and rows *B* (``(U, m)``).
+
+    One call of the generalised ufunc behind :func:`numpy.linalg.lstsq` over the stack
+    (``gelsd`` once per item, as the single call runs it); where this NumPy does not
+    expose it, the loop itself.
+    """
+    A = np.asarray(A, dtype=np.float64)
+    B = np.asarray(B, dtype=np.float64)
+    m, k = A.shape
+    if _LSTSQ is None or not B.shape[0] or m == 0 or k == 0:
+        return np.array([np.linalg.lstsq(A, b, rcond=None)[0] for b in B]).reshape(B.shape[0], k)
+    rcond = np.finfo(np.float64).eps * max(m, k)
+    try:
+        with np.errstate(invalid="raise", over="ignore", divide="ignore", under="ignore"):
+            x = _LSTSQ(np.broadcast_to(A, (B.shape[0], m, k)), B[:, :, None], rcond, signature="ddd->ddid")[0]
+    except FloatingPointError:          # as numpy.linalg.lstsq says it
+        raise np.linalg.LinAlgError("SVD did not converge in Linear Least Squares") from None
+    return np.ascontiguousarray(x[:, :, 0])
+
+
+def matvec_each(A: np.ndarray, C: np.ndarray) -> np.ndarray:
+    """``[A @ c for c in C]`` for one ``(m, k)`` matrix *A* and rows *C* (``(U, k)``), bit for bit (``np.matmul`` on
+    the stack: the single call's product per item)."""
+    A = np.asarray(A, dtype=np.float64)
+    C = np.ascontiguousarray(C, dtype=np.float64)
+    return np.matmul(np.broadcast_to(A, (C.shape[0], *A.shape)), C[:, :, None])[:, :, 0]
+
+
+def _lstsq_gufunc():  # type: ignore[no-untyped-def]
+    try:
+        from numpy.linalg import _umath_linalg
+    except ImportError:          # pragma: no cover - a NumPy without it: the loop
+        return None
+    return getattr(_umath_linalg, "lstsq", None)
+
+
+_LSTSQ = _lstsq_gufunc()

@@ -1,0 +1,224 @@
+"""Issue 28: the stacked small calls the per-unit statistics rely on give each item's single-call floats.
+
+Oscillation's periodogram tests and drift's rank trends run over a slab of units at once
+(``parallel.map_slabs``).  What that rests on is checked here with ``==`` (NaN equal to NaN),
+never a tolerance: NumPy's stacked calls (:mod:`~gradforensics.analysis.toolkit.stacked`,
+``np.fft.rfft`` along the last axis, ``np.matmul`` of ``A`` by ``Aᵀ`` per item) against the
+single calls on random inputs of many sizes and scales, then the stacked tests against the
+single-series code they replace (written out here as it was) and ``scipy.stats.spearmanr``,
+on random series and on the planted stores' units.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy.special import betaincc
+from scipy.stats import rankdata, spearmanr
+
+from gradforensics.analysis.kinds import oscillation as osc
+from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit import parallel as par
+from gradforensics.analysis.toolkit import stacked as st
+from gradforensics.analysis.toolkit import stats
+from gradforensics.analysis.toolkit import units as un
+from gradforensics.testing import planted_directions as P
+
+SIZES = [8, 9, 16, 17, 31, 32, 33, 64, 96, 127, 128, 129, 200, 257, 600]
+
+
+def _same(a: object, b: object) -> bool:
+    return bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
+
+
+def _stacks(seed: int, trials: int = 120):
+    rng = np.random.default_rng(seed)
+    for t in range(trials):
+        n, m = SIZES[t % len(SIZES)], int(rng.integers(1, 9))
+        yield rng, n, rng.standard_normal((m, n)) * 10.0 ** rng.integers(-6, 7)
+
+
+def test_numpy_stacked_calls_are_the_single_calls() -> None:
+    """Row means and sums (pairwise along the contiguous axis), row dots, ``rfft`` rows, ``lstsq`` per item
+    and ``A @ c`` per item: each row's floats those of the 1-d call."""
+    for _, n, X in _stacks(1):
+        t = np.linspace(-1.0, 1.0, n)
+        T = np.c_[t, t * t - (t * t).mean()]
+        coef = st.lstsq_each(T, X)
+        F = np.fft.rfft(X, axis=-1)
+        for i, x in enumerate(X):
+            assert st.row_means(X)[i] == x.mean() and np.add.reduce(X, axis=-1)[i] == x.sum()
+            assert st.row_dots(X)[i] == x @ x
+            assert _same(F[i], np.fft.rfft(x))
+            assert _same(coef[i], np.linalg.lstsq(T, x, rcond=None)[0])
+            assert _same(st.matvec_each(T, coef)[i], T @ coef[i])
+
+
+def test_a_matrix_right_hand_side_is_not_the_single_calls() -> None:
+    """Why :func:`stacked.lstsq_each` stacks the items: one ``lstsq`` with several columns gives other floats
+    (so a check that cannot tell them apart would not be one)."""
+    differ = 0
+    for _, n, X in _stacks(2, 60):
+        t = np.linspace(-1.0, 1.0, n)
+        T = np.c_[t, t * t - (t * t).mean()]
+        multi = np.linalg.lstsq(T, X.T, rcond=None)[0].T
+        differ += int(not _same(multi, st.lstsq_each(T, X)))
+    assert differ > 0
+
+
+def test_the_stacked_covariance_is_corrcoefs_dot() -> None:
+    """``np.matmul(X, Xᵀ)`` per item of a stack of ``(2, n)`` views is the ``dot`` ``np.cov`` takes of each."""
+    rng = np.random.default_rng(3)
+    for trial in range(150):
+        n, U = SIZES[trial % len(SIZES)], int(rng.integers(1, 12))
+        R = np.empty((U, n, 2))
+        R[:, :, 0] = np.arange(1, n + 1)
+        for u in range(U):
+            R[u, :, 1] = rankdata(np.round(rng.standard_normal(n), 1 if trial % 3 == 0 else 12))
+        X = R.transpose(0, 2, 1)
+        X = X - X.mean(axis=2)[:, :, None]
+        c = np.matmul(X, X.transpose(0, 2, 1))
+        for u in range(U):
+            Xi = np.array(R[u], ndmin=2).T
+            Xi -= np.average(Xi, axis=1)[:, None]
+            assert _same(c[u], np.dot(Xi, Xi.T.conj()))
+
+
+def periodogram_reference(x: np.ndarray, min_cycles: int = 3, dof_total: int | None = None) -> tuple[float, float]:
+    """The single-series periodogram test as it was before the stack (one ``lstsq``, one FFT a series)."""
+    n = x.size
+    nu = (n - 1 if dof_total is None else int(dof_total)) - 2
+    t = np.linspace(-1.0, 1.0, n)
+    T = np.c_[t, t * t - (t * t).mean()]
+    j = np.arange(min_cycles, n // 2 + 1)
+    dof = np.where(2 * j == n, 1.0, 2.0)
+    xc = x - x.mean()
+    if n >= 8:
+        xc = xc - T @ np.linalg.lstsq(T, xc, rcond=None)[0]
+    ss = float(xc @ xc)
+    if n < 8 or j.size == 0 or ss <= 0:
+        return math.nan, math.nan
+    F = np.fft.rfft(xc)
+    power = np.abs(F[j]) ** 2
+    power = np.where(dof == 1.0, power, 2.0 * power) / n
+    share = np.clip(power / ss, 0.0, 1.0)
+    tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
+    best = int(np.argmin(tail))
+    return n / float(j[best]), float(min(1.0, tail[best] * j.size))
+
+
+def test_periodogram_tests_are_the_single_series_test() -> None:
+    rng = np.random.default_rng(4)
+    for trial, (_, n, X) in enumerate(_stacks(5, 90)):
+        if trial % 5 == 0:
+            X[0] = 0.0                                              # no variance: NaN
+        if trial % 7 == 0:
+            X[-1] = np.sin(np.pi * np.arange(n) * 2 / 3) * 5 + rng.standard_normal(n)   # a period
+        dof = None if trial % 2 else n - int(rng.integers(1, 4))
+        period, p = osc.periodogram_tests(X, 3, dof)
+        for i, x in enumerate(X):
+            assert _same((period[i], p[i]), periodogram_reference(x, 3, dof)), (trial, i)
+            assert _same(osc.periodogram_test(x, 3, dof), periodogram_reference(x, 3, dof))
+    for n in (2, 5, 7):                                               # too short: NaN, as before
+        assert _same(osc.periodogram_tests(np.ones((2, n)) + np.arange(n))[1], [math.nan] * 2)
+
+
+def _planted_contexts():
+    yield P.planted_oscillation(seed=1, n=96, period=2).context()
+    yield P.planted_drift(seed=2, n=96).context()
+    p = P.planted_conflict(seed=3, n=64, n_layers=2, where={P.q_name(1): (1, 2)}, mode="replay")
+    yield P.with_nonfinite(p, P.q_name(0), [3, 17]).context()
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_planted_units_scores_and_trends_are_the_single_calls(case: int) -> None:
+    """Each planted unit's principal scores through the stacked test, and its drift series through the stacked
+    rank trend, give the single-series numbers (``scipy.stats.spearmanr`` for the trend)."""
+    ctx = list(_planted_contexts())[case]
+    mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
+    rows, series = [], []
+    for u in un.units(ctx):
+        fit = ks.shared_fit(mix[u.records])
+        Kp = ks.residual_gram(u.gram, fit) if ctx.meta.mode == "replay" else ks.centred(u.gram)
+        lam, U = ks.top_components(Kp, 3)
+        scores = np.stack([U[:, k] * math.sqrt(lam[k]) for k in range(lam.size)])
+        rows.append(scores)
+        got = osc.periodogram_tests(scores, 3, u.n - 2)
+        for i, x in enumerate(scores):
+            assert _same((got[0][i], got[1][i]), periodogram_reference(x, 3, u.n - 2)), (u.where(), i)
+        series.append(ks.consecutive_cosines(u.gram))
+        series.append(np.diag(u.gram)[::-1].copy())
+    trends = stats.rank_trends(series, min_n=4, alternative="less", skip_nonfinite=True)
+    for y, (rho, p) in zip(series, trends, strict=True):
+        y = y[np.isfinite(y)]
+        ref = spearmanr(np.arange(y.size), y, alternative="less")
+        assert _same((rho, p), (ref.statistic, ref.pvalue))
+
+
+def test_rank_trends_are_rank_trend() -> None:
+    """Ties, NaN, constant and short series, every alternative, with and without skipping non-finite values."""
+    rng = np.random.default_rng(6)
+    for trial in range(60):
+        ys = []
+        for u in range(int(rng.integers(1, 30))):
+            n = int(rng.choice([2, 3, 4, 5, 8, 16, 28, 31, 60, 127, 300]))
+            y = rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8)
+            if u % 4 == 0:
+                y = np.round(y, 0)
+            if u % 7 == 0:
+                y[rng.integers(0, n)] = np.nan
+            if u % 11 == 0:
+                y[:] = 1.0
+            ys.append(y)
+        for alt in ("less", "greater", "two-sided"):
+            for skip in (True, False):
+                got = stats.rank_trends(ys, min_n=4, alternative=alt, skip_nonfinite=skip)
+                want = [stats.rank_trend(y, min_n=4, alternative=alt, skip_nonfinite=skip) for y in ys]
+                assert all(_same(g, w) for g, w in zip(got, want, strict=True)), (trial, alt, skip)
+        y = ys[0][np.isfinite(ys[0])]
+        if y.size >= 4 and np.ptp(y) > 0:
+            ref = spearmanr(np.arange(y.size), y)
+            assert _same(stats.rank_trends([y])[0], (ref.statistic, ref.pvalue))
+
+
+def test_map_slabs_is_the_loop_in_order() -> None:
+    items = list(range(203))
+    seen: list[int] = []
+
+    def twice(slab: list[int]) -> list[int]:
+        seen.append(len(slab))
+        return [2 * x for x in slab]
+
+    assert par.map_slabs(twice, items, size=64) == [2 * x for x in items]
+    assert seen == [64, 64, 64, 11]
+    with par.unit_threads(2):
+        assert par.map_slabs(twice, items, size=10) == [2 * x for x in items]
+    assert par.map_slabs(twice, [], size=8) == []
+    with pytest.raises(RuntimeError, match="results for"):
+        par.map_slabs(lambda s: s[:1], items, size=8)
+
+
+def _safe_div_reference(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``kspace.safe_div`` as it was: the selected entries divided through boolean indexing."""
+    num = np.asarray(num, dtype=np.float64)
+    den = np.broadcast_to(np.asarray(den, dtype=np.float64), num.shape)
+    out = np.full(num.shape, np.nan)
+    ok = den > 1e-300
+    out[ok] = num[ok] / den[ok]
+    return np.clip(out, -1.0, 1.0)
+
+
+def test_safe_div_is_the_indexed_division() -> None:
+    rng = np.random.default_rng(8)
+    for trial in range(200):
+        shape = [(), (7,), (5, 3), (1, 4)][trial % 4]
+        num = rng.standard_normal(shape) * 10.0 ** rng.integers(-300, 300)
+        den = np.abs(rng.standard_normal(shape)) * 10.0 ** rng.integers(-310, 300)
+        if trial % 3 == 0 and np.ndim(den):
+            den.flat[0], num.flat[-1] = 0.0, np.nan
+        with np.errstate(over="ignore"):           # both overflow alike where the quotient does
+            assert _same(ks.safe_div(num, den), _safe_div_reference(num, den)), trial
+            if np.ndim(num) == 2:
+                assert _same(ks.safe_div(num, den[:1]), _safe_div_reference(num, den[:1]))
