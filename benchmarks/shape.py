@@ -117,7 +117,7 @@ def child(args: argparse.Namespace) -> None:
     elif args.child == "report":
         from gradforensics.cli import main
 
-        rc = main(["report", args.store, "--out", str(Path(args.store).with_suffix(".report"))])
+        rc = main(["report", args.store, "--out", args.out or str(Path(args.store).with_suffix(".report"))])
         out = {"rc": rc}
     r = resource.getrusage(resource.RUSAGE_SELF)
     out.update(cpu_s=r.ru_utime + r.ru_stime - t0.ru_utime - t0.ru_stime, wall_s=time.perf_counter() - w0,
@@ -143,11 +143,11 @@ def _time_analyses() -> dict[str, float]:
 
 
 def run_child(verb: str, store: Path, pythonpath: str, breakdown: bool = False,
-              engine: str | None = None) -> dict:
+              engine: str | None = None, out: Path | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath}
     p = subprocess.run([sys.executable, __file__, "--child", verb, "--store", str(store),
                         *(["--breakdown"] if breakdown else []),
-                        *(["--engine", engine] if engine else [])], env=env,
+                        *(["--engine", engine] if engine else []), *(["--out", str(out)] if out else [])], env=env,
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
         raise SystemExit(f"{verb} {store} failed:\n{p.stderr[-3000:]}")
@@ -166,8 +166,9 @@ def compare(args: argparse.Namespace, stores: list[tuple[str, Path]], verbs: tup
         for verb in verbs:
             for label, path in stores:
                 for code, pp in codes:
+                    out = _report_dir(path, code) if verb == "report" else None     # each code its own report
                     res.setdefault((verb, label, code), []).append(run_child(verb, path, pp, args.breakdown,
-                                                                                 args.engine))
+                                                                                 args.engine, out))
     print(f"{'verb':8} {'store':9} {'code':7} {'cpu min':>8} {'cpu med':>8} {'wall min':>8} {'wall med':>8} "
           f"{'rss MB':>7}  findings")
     for (verb, label, code), rows in res.items():
@@ -182,6 +183,9 @@ def compare(args: argparse.Namespace, stores: list[tuple[str, Path]], verbs: tup
                 a, b = res[(verb, label, "after")], res[(verb, label, "before")]
                 same = "" if verb != "analyze" else ("  findings same" if a[0]["digest"] == b[0]["digest"]
                                                      else "  FINDINGS DIFFER")
+                if verb == "report":
+                    same = "  " + _same_files(_report_dir(dict(stores)[label], "after"),
+                                              _report_dir(dict(stores)[label], "before"))
                 print(f"{verb} {label}: after/before cpu {_ratio(a, b, 'cpu_s')}, wall {_ratio(a, b, 'wall_s')}, "
                       f"rss {max(r['rss_mb'] for r in a) / max(r['rss_mb'] for r in b):.2f}{same}")
         pairs = [(x, y) for x in ("heads", "sk-heads") for y in ("flat", "sk-flat")
@@ -192,6 +196,19 @@ def compare(args: argparse.Namespace, stores: list[tuple[str, Path]], verbs: tup
                 a, b = res[(verb, x, code)], res[(verb, y, code)]
                 print(f"{verb} {code}: {x}/{y} cpu {_ratio(a, b, 'cpu_s')}, wall {_ratio(a, b, 'wall_s')}, "
                       f"rss {max(r['rss_mb'] for r in a) / max(r['rss_mb'] for r in b):.2f}")
+
+
+def _report_dir(store: Path, code: str) -> Path:
+    """Where *code*'s report of *store* goes: ``<store>.report`` for the code under test."""
+    return store.with_suffix(".report" if code == "after" else f".report-{code}")
+
+
+def _same_files(a: Path, b: Path) -> str:
+    """``outputs same (N files)`` when the two report directories hold the same files, byte for byte."""
+    fa = {p.relative_to(a).as_posix(): p.read_bytes() for p in sorted(a.rglob("*")) if p.is_file()}
+    fb = {p.relative_to(b).as_posix(): p.read_bytes() for p in sorted(b.rglob("*")) if p.is_file()}
+    diff = sorted(set(fa) ^ set(fb)) + [n for n in sorted(set(fa) & set(fb)) if fa[n] != fb[n]]
+    return f"outputs same ({len(fa)} files, byte for byte)" if not diff else f"OUTPUTS DIFFER: {diff[:6]}"
 
 
 def _print_breakdown(res: dict[tuple[str, str, str], list[dict]]) -> None:
@@ -225,6 +242,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--before", default=None, metavar="DIR", help="a directory holding an older gradforensics/")
     ap.add_argument("--breakdown", action="store_true", help="CPU seconds of each analysis as well")
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)       # a report child's --out
     ap.add_argument("--engine", default=None, metavar="JSON",
                     help='engine options for every analyze, e.g. \'{"long_history": 512}\' (the exact regime for both codes)')
     parsed = parse_or_child(ap, child, verb=True)

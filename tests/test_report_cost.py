@@ -22,7 +22,6 @@ import copy
 import io
 import json
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest

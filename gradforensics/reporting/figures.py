@@ -16,7 +16,7 @@ import math
 import textwrap
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -88,21 +88,23 @@ def to_png(fig: Figure) -> bytes:
 
     plain_log_ticks(fig)
     buf = io.BytesIO()
-    if fig.dpi != DPI or any(mpl.rcParams[k] != v for k, v in _SAVEFIG_DEFAULTS.items()):
+    if fig.dpi != DPI or not _plain_savefig(mpl.rcParams):
         fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})    # what savefig's settings change
         return buf.getvalue()
     canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
-    canvas._is_saving = True                 # as savefig: animated artists are drawn too
+    setattr(canvas, "_is_saving", True)      # as savefig: animated artists are drawn too  # noqa: B010
     try:
         canvas.print_png(buf, metadata={"Software": None})
     finally:
-        canvas._is_saving = False
+        setattr(canvas, "_is_saving", False)  # noqa: B010
     return buf.getvalue()
 
 
-#: The ``savefig.*`` settings under which ``savefig`` prints the figure as its canvas does (else it is used).
-_SAVEFIG_DEFAULTS = {"savefig.facecolor": "auto", "savefig.edgecolor": "auto", "savefig.transparent": False,
-                     "savefig.bbox": None, "savefig.orientation": "portrait"}
+def _plain_savefig(rc: Any) -> bool:
+    """Whether the ``savefig.*`` settings *rc* leave the figure as its canvas prints it (else savefig is used)."""
+    return bool(rc["savefig.facecolor"] == "auto" and rc["savefig.edgecolor"] == "auto"
+                and rc["savefig.transparent"] is False and rc["savefig.bbox"] is None
+                and rc["savefig.orientation"] == "portrait")
 
 
 def analysis_name(flag: Flag, findings: Findings) -> str:
