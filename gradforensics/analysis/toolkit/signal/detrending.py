@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -199,10 +200,16 @@ def _log_time_coefs(y: np.ndarray, degree: int) -> list[np.ndarray]:
     return [np.linalg.lstsq(basis, y, rcond=None)[0] for basis in _log_time_bases(n, degree)]
 
 
-try:                                  # the gufunc np.linalg.lstsq calls (private: optional)
-    from numpy.linalg._umath_linalg import lstsq as _LSTSQ
-except ImportError:                   # pragma: no cover - a NumPy without it: the public call
-    _LSTSQ = None
+def _gufunc_lstsq() -> Any:
+    """The gufunc ``np.linalg.lstsq`` calls (private: None where this NumPy lacks it, then the public call)."""
+    try:
+        from numpy.linalg import _umath_linalg
+    except ImportError:               # pragma: no cover - a NumPy that moved it
+        return None
+    return getattr(_umath_linalg, "lstsq", None)
+
+
+_LSTSQ = _gufunc_lstsq()
 
 
 @lru_cache(maxsize=32)
@@ -332,11 +339,12 @@ class DetrendCache:
 
 def _immutable(a: np.ndarray) -> bool:
     """*a* and every array it is a view of are read-only (bytes below them count as read-only)."""
-    while isinstance(a, np.ndarray):
-        if a.flags.writeable:
+    obj: Any = a
+    while isinstance(obj, np.ndarray):
+        if obj.flags.writeable:
             return False
-        a = a.base
-    return a is None or isinstance(a, bytes)
+        obj = obj.base
+    return obj is None or isinstance(obj, bytes)
 
 
 def _read_only(det: Detrended, r: np.ndarray) -> tuple[Detrended, np.ndarray]:
