@@ -229,3 +229,19 @@ def test_results_saved_the_old_way_read_back_as_before(small, tmp_path, monkeypa
     same_findings(back_old, back_new)
     for res in back_old.results.values():
         assert list(res.series) == list(parse_series(pack_series(res.series)))
+
+
+@pytest.mark.parametrize("many_bytes", [1, 1 << 40])      # one read a gather, all reads in one gather
+def test_reads_gathered_in_batches_read_what_zarr_reads(small, monkeypatch, many_bytes) -> None:
+    import zarr
+
+    from gradforensics.store import handles
+
+    monkeypatch.setattr(handles, "MANY_BYTES", many_bytes)
+    store = Store(small)
+    reads = [(str(small), i.name, (slice(0, 24), *(slice(None),) * (len(i.shape) - 1)))
+             for i in store.grads.values()]
+    got = handles.read_zarr_many(reads)
+    for (_, name, sel), x in zip(reads, got, strict=True):
+        want = np.asarray(zarr.open_array(str(small / name), mode="r")[sel])
+        assert x.dtype == want.dtype and x.tobytes() == want.tobytes(), name
