@@ -272,3 +272,20 @@ def test_hinge_changepoints_are_the_single_series_fit() -> None:
     for u in un.units(P.planted_drift(seed=2, n=96).context()):
         y = drift_mod.opening_cosines(u.gram, np.arange(6))
         assert drift_mod.hinge_changepoint(y) == _hinge_reference(y)
+
+
+def test_bimodality_coefficients_are_the_single_call() -> None:
+    """Moments over the stack, the last operations on each row's scalars: each row's coefficient the 1-d one's
+    (constant rows and rows shorter than 4 NaN); a scalar power is not an array's, so the check can fail."""
+    rng = np.random.default_rng(10)
+    for trial in range(150):
+        n, m = SIZES[trial % len(SIZES)] if trial % 9 else 3, int(rng.integers(1, 40))
+        X = rng.standard_normal((m, n)) * 10.0 ** rng.integers(-8, 8)
+        if trial % 5 == 0:
+            X[0] = 1.0
+        if trial % 7 == 0:
+            X = np.where(X > 0, 1.0, -1.0) + 1e-3 * X             # two modes
+        got = stats.bimodality_coefficients(X)
+        assert all(_same(g, stats.bimodality_coefficient(x)) for g, x in zip(got, X, strict=True)), trial
+    x = np.abs(rng.standard_normal(20000)) * 10.0 ** rng.integers(-100, 100, 20000)
+    assert np.count_nonzero(x**1.5 != np.array([v**1.5 for v in x])) > 0

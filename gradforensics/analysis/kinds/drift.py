@@ -157,7 +157,7 @@ def _hinge_stack(t: np.ndarray, V: np.ndarray) -> list[tuple[int | None, float]]
     ss = np.matmul(vc[:, None, :], vc[:, :, None])[:, 0]          # vc @ vc per row
     sse = np.where(ok & (slope < 0), ss - cov_zy**2 / np.where(ok, var_z, 1.0), np.inf)
     j = np.argmin(sse, axis=-1)
-    live = np.isfinite(sse).any(axis=-1)
+    live = np.asarray(np.isfinite(sse).any(axis=-1))
     return [(int(t[k]), float(slope[u, k])) if live[u] else (None, math.nan) for u, k in enumerate(j.tolist())]
 
 
@@ -224,8 +224,15 @@ def _drift_start(K: np.ndarray, mixture: np.ndarray, window: int | None,
     row.update(cos_early=c_early, cos_late=c_late, cos_late_debiased=c_db, rotation=rotation, rho=math.nan,
                p_value=math.nan, rho_windows=math.nan, since_pos=None)
     row.update(_alignment(K, mixture, ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)))
-    centres = np.array([r.mean() for r in rows_of])
-    return UnitDrift(row, rec, np.column_stack((centres, wcos))), (rec[open_rows.size:], wcos[1:])
+    return UnitDrift(row, rec, np.column_stack((_centres(n, w), wcos))), (rec[open_rows.size:], wcos[1:])
+
+
+@functools.lru_cache(maxsize=32)
+def _centres(n: int, w: int) -> np.ndarray:
+    """Each window's mean row position (``rows.mean()`` of :func:`_windows`' rows), once per ``(n, w)``."""
+    out = np.array([r.mean() for r in _windows(n, w)[1]])
+    out.flags.writeable = False
+    return out
 
 
 @functools.lru_cache(maxsize=32)
