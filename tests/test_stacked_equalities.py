@@ -18,6 +18,7 @@ import pytest
 from scipy.special import betaincc
 from scipy.stats import rankdata, spearmanr
 
+from gradforensics.analysis.kinds import drift as drift_mod
 from gradforensics.analysis.kinds import oscillation as osc
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import parallel as par
@@ -222,3 +223,69 @@ def test_safe_div_is_the_indexed_division() -> None:
             assert _same(ks.safe_div(num, den), _safe_div_reference(num, den)), trial
             if np.ndim(num) == 2:
                 assert _same(ks.safe_div(num, den[:1]), _safe_div_reference(num, den[:1]))
+
+
+def _hinge_reference(y: np.ndarray) -> tuple[int | None, float]:
+    """``drift.hinge_changepoint`` as it was: one series, its suffix sums by 1-d ``cumsum``."""
+    t = np.flatnonzero(np.isfinite(y)).astype(np.float64)
+    v = y[np.isfinite(y)].astype(np.float64)
+    n = v.size
+    if n < 4:
+        return None, math.nan
+
+    def suffix(a: np.ndarray) -> np.ndarray:
+        return np.concatenate((np.cumsum(a[::-1])[::-1][1:], np.zeros(1)))
+
+    m, st_, stt, sy, sty = suffix(np.ones(n)), suffix(t), suffix(t * t), suffix(v), suffix(t * v)
+    sz = st_ - m * t
+    szz = stt - 2 * t * st_ + m * t * t
+    szy = sty - t * sy
+    vc = v - v.mean()
+    var_z = szz - sz**2 / n
+    cov_zy = szy - sz * v.sum() / n
+    ok = np.zeros(n, bool)
+    ok[1:n - 1] = var_z[1:n - 1] > 1e-12
+    slope = np.where(ok, cov_zy / np.where(ok, var_z, 1.0), 0.0)
+    sse = np.where(ok & (slope < 0), vc @ vc - cov_zy**2 / np.where(ok, var_z, 1.0), np.inf)
+    if not np.isfinite(sse).any():
+        return None, math.nan
+    j = int(np.argmin(sse))
+    return int(t[j]), float(slope[j])
+
+
+def test_hinge_changepoints_are_the_single_series_fit() -> None:
+    """Stacked by finite positions (NaN holes, short and rising series among them), each fit the 1-d one's;
+    ``cumsum`` along the rows of a stack is the 1-d ``cumsum`` of each."""
+    rng = np.random.default_rng(9)
+    for trial in range(80):
+        n = SIZES[trial % len(SIZES)]
+        X = rng.standard_normal((5, n)) * 10.0 ** rng.integers(-6, 7)
+        assert all(_same(np.cumsum(X[:, ::-1], axis=-1)[i], np.cumsum(x[::-1])) for i, x in enumerate(X))
+        ys = [x for x in X]
+        knee = np.r_[np.zeros(n // 2), -np.arange(n - n // 2) / n] + 0.05 * rng.standard_normal(n)
+        ys += [knee, np.linspace(0.0, 1.0, n), knee.copy(), np.full(3, 1.0)]
+        ys[-2][[1, n // 3]] = np.nan
+        ys[0][2] = np.nan
+        got = drift_mod.hinge_changepoints(ys)
+        for y, g in zip(ys, got, strict=True):
+            assert _same(g[1], _hinge_reference(y)[1]) and g[0] == _hinge_reference(y)[0], trial
+    for u in un.units(P.planted_drift(seed=2, n=96).context()):
+        y = drift_mod.opening_cosines(u.gram, np.arange(6))
+        assert drift_mod.hinge_changepoint(y) == _hinge_reference(y)
+
+
+def test_bimodality_coefficients_are_the_single_call() -> None:
+    """Moments over the stack, the last operations on each row's scalars: each row's coefficient the 1-d one's
+    (constant rows and rows shorter than 4 NaN); a scalar power is not an array's, so the check can fail."""
+    rng = np.random.default_rng(10)
+    for trial in range(150):
+        n, m = SIZES[trial % len(SIZES)] if trial % 9 else 3, int(rng.integers(1, 40))
+        X = rng.standard_normal((m, n)) * 10.0 ** rng.integers(-8, 8)
+        if trial % 5 == 0:
+            X[0] = 1.0
+        if trial % 7 == 0:
+            X = np.where(X > 0, 1.0, -1.0) + 1e-3 * X             # two modes
+        got = stats.bimodality_coefficients(X)
+        assert all(_same(g, stats.bimodality_coefficient(x)) for g, x in zip(got, X, strict=True)), trial
+    x = np.abs(rng.standard_normal(20000)) * 10.0 ** rng.integers(-100, 100, 20000)
+    assert np.count_nonzero(x**1.5 != np.array([v**1.5 for v in x])) > 0

@@ -76,6 +76,7 @@ __all__ = [
     "drift_unit",
     "flags",
     "hinge_changepoint",
+    "hinge_changepoints",
     "opening_cosines",
     "pd_int",
     "plot",
@@ -103,9 +104,6 @@ class DriftOptions(Options):
 
 
 # ---------------------------------------------------------------- statistics
-_ZERO = np.zeros(1)
-
-
 def hinge_changepoint(y: np.ndarray) -> tuple[int | None, float]:
     """Least-squares fit of ``y_t = a`` (t < k), ``a + b (t - k)`` (t ≥ k), ``b < 0``.
 
@@ -115,30 +113,52 @@ def hinge_changepoint(y: np.ndarray) -> tuple[int | None, float]:
     ``z_t = max(0, t - t_k)``, ``Σz``, ``Σz²`` and ``Σzy`` over ``t > t_k`` are
     polynomials in ``t_k`` of the suffix sums of ``1, t, t², y, t·y``.
     """
-    t = np.flatnonzero(np.isfinite(y)).astype(np.float64)
-    v = y[np.isfinite(y)].astype(np.float64)
-    n = v.size
-    if n < 4:
-        return None, math.nan
+    return hinge_changepoints([y])[0]
 
-    def suffix(a: np.ndarray) -> np.ndarray:          # Σ_{j > k} a_j for every k
-        return np.concatenate((np.cumsum(a[::-1])[::-1][1:], _ZERO))      # np.r_[..., 0.0], cheaper
 
-    m, st, stt, sy, sty = suffix(np.ones(n)), suffix(t), suffix(t * t), suffix(v), suffix(t * v)
+def hinge_changepoints(ys: list[np.ndarray]) -> list[tuple[int | None, float]]:
+    """:func:`hinge_changepoint` of every series of *ys*, each pair bit for bit: the series with the same finite
+    positions in one stacked pass (suffix sums by ``cumsum`` along each row, means, sums and dots along
+    each row as the 1-d calls take them; the rest elementwise)."""
+    out: list[tuple[int | None, float]] = [(None, math.nan)] * len(ys)
+    groups: dict[bytes, list[int]] = {}
+    finite = [np.isfinite(y) for y in ys]
+    for i, f in enumerate(finite):
+        if int(np.count_nonzero(f)) >= 4:
+            groups.setdefault(np.packbits(f).tobytes() + f.size.to_bytes(8, "little"), []).append(i)
+    for members in groups.values():
+        t = np.flatnonzero(finite[members[0]]).astype(np.float64)
+        V = np.stack([np.asarray(ys[i], dtype=np.float64)[finite[i]] for i in members])
+        for i, res in zip(members, _hinge_stack(t, V), strict=True):
+            out[i] = res
+    return out
+
+
+def _suffix(a: np.ndarray) -> np.ndarray:
+    """``Σ_{j > k} a_j`` for every k along the last axis (``cumsum`` of the reversed rows: sequential, as in 1-d)."""
+    zero = np.zeros((*a.shape[:-1], 1))
+    return np.concatenate((np.cumsum(a[..., ::-1], axis=-1)[..., ::-1][..., 1:], zero), axis=-1)
+
+
+def _hinge_stack(t: np.ndarray, V: np.ndarray) -> list[tuple[int | None, float]]:
+    """The hinge fit of every row of *V* (``(U, n)``, finite) at positions *t*."""
+    n = t.size
+    m, st, stt = _suffix(np.ones(n)), _suffix(t), _suffix(t * t)
+    sy, sty = _suffix(V), _suffix(t * V)
     sz = st - m * t
     szz = stt - 2 * t * st + m * t * t
     szy = sty - t * sy
-    vc = v - v.mean()
+    vc = V - V.mean(axis=-1)[:, None]
     var_z = szz - sz**2 / n
-    cov_zy = szy - sz * v.sum() / n
+    cov_zy = szy - sz * np.add.reduce(V, axis=-1)[:, None] / n
     ok = np.zeros(n, bool)
     ok[1:n - 1] = var_z[1:n - 1] > 1e-12
     slope = np.where(ok, cov_zy / np.where(ok, var_z, 1.0), 0.0)
-    sse = np.where(ok & (slope < 0), vc @ vc - cov_zy**2 / np.where(ok, var_z, 1.0), np.inf)
-    if not np.isfinite(sse).any():
-        return None, math.nan
-    j = int(np.argmin(sse))
-    return int(t[j]), float(slope[j])
+    ss = np.matmul(vc[:, None, :], vc[:, :, None])[:, 0]          # vc @ vc per row
+    sse = np.where(ok & (slope < 0), ss - cov_zy**2 / np.where(ok, var_z, 1.0), np.inf)
+    j = np.argmin(sse, axis=-1)
+    live = np.asarray(np.isfinite(sse).any(axis=-1))
+    return [(int(t[k]), float(slope[u, k])) if live[u] else (None, math.nan) for u, k in enumerate(j.tolist())]
 
 
 def opening_cosines(K: np.ndarray, open_rows: np.ndarray) -> np.ndarray:
@@ -177,8 +197,9 @@ def drift_slab(slab: list[tuple[np.ndarray, np.ndarray]], window: int | None) ->
     live = [i for i, (_, trends) in enumerate(started) if trends is not None]
     rec = rank_trends([started[i][1][0] for i in live], min_n=4, alternative="less", skip_nonfinite=True)  # type: ignore[index]
     win = rank_trends([started[i][1][1] for i in live], min_n=4, alternative="less", skip_nonfinite=True)  # type: ignore[index]
-    for i, (rho, p), (rho_w, _) in zip(live, rec, win, strict=True):
-        started[i][0].row.update(rho=rho, p_value=p, rho_windows=rho_w)
+    since = hinge_changepoints([started[i][0].record_cos for i in live])
+    for i, (rho, p), (rho_w, _), (pos, _) in zip(live, rec, win, since, strict=True):
+        started[i][0].row.update(rho=rho, p_value=p, rho_windows=rho_w, since_pos=pos)
     return [res for res, _ in started]
 
 
@@ -200,12 +221,18 @@ def _drift_start(K: np.ndarray, mixture: np.ndarray, window: int | None,
     c_early, c_late = finite_mean(wcos[1:1 + k]), finite_mean(wcos[-k:])
     c_db = ks.debiased_cosine(K, late, open_rows)
     rotation = 1.0 - c_db if np.isfinite(c_db) else (1.0 - c_late / c_early if c_early > 0.1 else math.nan)
-    since, _ = hinge_changepoint(rec)
     row.update(cos_early=c_early, cos_late=c_late, cos_late_debiased=c_db, rotation=rotation, rho=math.nan,
-               p_value=math.nan, rho_windows=math.nan, since_pos=since)
+               p_value=math.nan, rho_windows=math.nan, since_pos=None)
     row.update(_alignment(K, mixture, ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)))
-    centres = np.array([r.mean() for r in rows_of])
-    return UnitDrift(row, rec, np.column_stack((centres, wcos))), (rec[open_rows.size:], wcos[1:])
+    return UnitDrift(row, rec, np.column_stack((_centres(n, w), wcos))), (rec[open_rows.size:], wcos[1:])
+
+
+@functools.lru_cache(maxsize=32)
+def _centres(n: int, w: int) -> np.ndarray:
+    """Each window's mean row position (``rows.mean()`` of :func:`_windows`' rows), once per ``(n, w)``."""
+    out = np.array([r.mean() for r in _windows(n, w)[1]])
+    out.flags.writeable = False
+    return out
 
 
 @functools.lru_cache(maxsize=32)

@@ -73,7 +73,7 @@ from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import stacked as st
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.parallel import map_slabs
-from gradforensics.analysis.toolkit.stats import bimodality_coefficient, finite_mean
+from gradforensics.analysis.toolkit.stats import bimodality_coefficient, bimodality_coefficients, finite_mean  # noqa: F401  (osc.bimodality_coefficient, as before)
 from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
@@ -303,7 +303,18 @@ def _oscillation_slab(slab: list[tuple[np.ndarray, np.ndarray, np.ndarray | None
             k = len(part.kept)
             tested[i] = _tested(part, period[at:at + k], p[at:at + k])
             at += k
-    return [_finish(s, mix, names, tested.get(i, [])) for i, (s, (_, mix, _)) in enumerate(zip(started, slab))]
+    chosen = {i: [c for c in comps if np.isfinite(c.p)] for i, comps in tested.items()}
+    best = {i: min(comps, key=lambda c: c.p) for i, comps in chosen.items() if comps}
+    by_n: dict[int, list[int]] = {}
+    for i, b in best.items():
+        by_n.setdefault(b.scores.size, []).append(i)
+    bc: dict[int, float] = {}
+    for members in by_n.values():            # the bimodality of every unit's best direction, one stack per length
+        for i, v in zip(members, bimodality_coefficients(np.stack([best[i].scores for i in members])),
+                        strict=True):
+            bc[i] = v
+    return [_finish(s, mix, names, chosen[i], best[i], bc[i]) if i in best else (s.row, None)
+            for i, (s, (_, mix, _)) in enumerate(zip(started, slab))]
 
 
 def _start(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
@@ -329,15 +340,12 @@ def _rank(fit: ks.SourceFit, ranks: dict[int, int]) -> int:
     return got
 
 
-def _finish(s: _Started, mixture: np.ndarray, names: tuple[str, ...], tested: list[Component],
-            ) -> tuple[dict[str, Any], Component | None]:
+def _finish(s: _Started, mixture: np.ndarray, names: tuple[str, ...], comps: list[Component], best: Component,
+            bc: float) -> tuple[dict[str, Any], Component | None]:
+    """The row of a unit whose best direction *best* (of its tested *comps*) has bimodality coefficient *bc*."""
     row = s.row
-    comps = [c for c in tested if np.isfinite(c.p)]
-    if not comps:
-        return row, None
     assert s.Kp is not None and s.fit is not None
     fit = s.fit
-    best = min(comps, key=lambda c: c.p)
     upper = two_means_split(best.scores)
     mu_pos, mu_neg = float(best.proj[upper].mean()), float(best.proj[~upper].mean())
     if mu_pos < mu_neg:
@@ -345,7 +353,7 @@ def _finish(s: _Started, mixture: np.ndarray, names: tuple[str, ...], tested: li
     rev = min(abs(mu_pos), abs(mu_neg)) / max(abs(mu_pos), abs(mu_neg), 1e-300) if mu_pos > 0 > mu_neg else 0.0
     row.update(component=best.k + 1, explained=best.lam / max(float(np.trace(s.Kp)), 1e-300), energy=best.lam,
                period_records=best.period, p_value=min(1.0, best.p * len(comps)),
-               bimodality_coefficient=bimodality_coefficient(best.scores), pole_pos=mu_pos, pole_neg=mu_neg,
+               bimodality_coefficient=bc, pole_pos=mu_pos, pole_neg=mu_neg,
                reversal=rev, source_r2=source_r2(best.scores, mixture),
                sources_pos=_pole_sources(mixture, upper, names, fit.index),
                sources_neg=_pole_sources(mixture, ~upper, names, fit.index))
@@ -378,9 +386,13 @@ def compute(ctx: Context) -> AnalysisResult:
     rows = []
     proj_pack, cc_pack = un.SeriesPack(), un.SeriesPack()
     units = un.units(ctx)
+    dsteps: dict[bytes, float] = {}
     done = map_slabs(functools.partial(_slab_of, mix=mix, replay=replay, opts=opts, sources=ctx.sources), units)
     for u, (row, comp, ucc) in zip(map(units.info, range(len(units))), done, strict=True):
-        dstep = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
+        key = u.records.tobytes()
+        if key not in dsteps:           # one median per distinct record set (a tensor's heads share theirs)
+            dsteps[key] = float(np.median(np.diff(step[u.records]))) if u.n > 1 else math.nan
+        dstep = dsteps[key]
         row.update(tensor=u.tensor, head=u.head, layer=u.layer, n_excluded=u.n_excluded,
                    record_first=0, record_last=ctx.n_records - 1, period_steps=row.get("period_records", math.nan) * dstep if not replay else math.nan)
         rows.append(row)

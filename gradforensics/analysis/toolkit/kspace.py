@@ -78,7 +78,7 @@ def safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     one masked ``np.divide`` into a NaN-filled array, the same quotients as dividing the selected entries."""
     num = np.asarray(num, dtype=np.float64)
     den = np.asarray(den, dtype=np.float64)
-    if np.broadcast_shapes(num.shape, den.shape) != num.shape:
+    if den.shape != num.shape and np.broadcast_shapes(num.shape, den.shape) != num.shape:
         den = np.broadcast_to(den, num.shape)          # its error: den must broadcast to num
     out = np.full(num.shape, np.nan)
     np.divide(num, den, out=out, where=den > 1e-300)

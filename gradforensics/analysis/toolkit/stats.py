@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bimodality_coefficient", "rank_trend", "rank_trends"]
+__all__ = ["bimodality_coefficient", "bimodality_coefficients", "rank_trend", "rank_trends"]
 
 
 def rank_trend(y: Any, *, min_n: int = 3, alternative: str = "two-sided",
@@ -161,6 +161,28 @@ def bimodality_coefficient(x: Any) -> float:
         return math.nan
     d = x - x.mean()
     m2, m3, m4 = (d**2).mean(), (d**3).mean(), (d**4).mean()
+    g1, g2 = m3 / m2**1.5, m4 / m2**2 - 3.0
+    G1 = g1 * math.sqrt(n * (n - 1)) / (n - 2)
+    G2 = ((n + 1) * g2 + 6.0) * (n - 1) / ((n - 2) * (n - 3))
+    return float((G1**2 + 1.0) / (G2 + 3.0 * (n - 1) ** 2 / ((n - 2) * (n - 3))))
+
+
+def bimodality_coefficients(X: Any) -> list[float]:
+    """:func:`bimodality_coefficient` of every row of *X* (``(m, n)``), each bit for bit: the centring and the
+    three moments are taken over the stack (means along each row of C-contiguous arrays: the 1-d call's
+    pairwise sums; the powers elementwise), the last few operations on each row's moments as the
+    1-d call does them, on NumPy scalars (a scalar power is not always an array's, in the last bit)."""
+    X = np.ascontiguousarray(X, dtype=np.float64)
+    m, n = X.shape
+    if n < 4 or not m:
+        return [math.nan] * m
+    d = X - X.mean(axis=1)[:, None]
+    m2, m3, m4 = (d**2).mean(axis=1), (d**3).mean(axis=1), (d**4).mean(axis=1)
+    flat = np.ptp(X, axis=1) == 0
+    return [math.nan if flat[i] else _bc(n, m2[i], m3[i], m4[i]) for i in range(m)]
+
+
+def _bc(n: int, m2: Any, m3: Any, m4: Any) -> float:
     g1, g2 = m3 / m2**1.5, m4 / m2**2 - 3.0
     G1 = g1 * math.sqrt(n * (n - 1)) / (n - 2)
     G2 = ((n + 1) * g2 + 6.0) * (n - 1) / ((n - 2) * (n - 3))
