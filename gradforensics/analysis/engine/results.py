@@ -197,9 +197,11 @@ def pack_series(series: Mapping[str, Any]) -> np.ndarray:
     return np.frombuffer(image, dtype=np.uint8)
 
 
-_LOCAL = struct.Struct("<4s2B4HL2L2H")          # zipfile's structFileHeader
-_CENTRAL = struct.Struct("<4s4B4HL2L5H2L")      # structCentralDir
-_END = struct.Struct("<4s4H2LH")                # structEndArchive
+# the zip records a series image is made of (PKWARE's APPNOTE), every 2-byte field as one H:
+# written by stored_zip, read by _plain_directory
+_LOCAL = struct.Struct("<4s5H3L2H")              # local file header (30 bytes)
+_CENTRAL = struct.Struct("<4s6H3L5H2L")          # central directory file header (46 bytes)
+_END = struct.Struct("<4s4H2LH")                 # end of central directory record (22 bytes)
 _ZIP_LIMIT = (1 << 31) - 1                      # zipfile.ZIP64_LIMIT
 _CREATE_SYSTEM = 0 if sys.platform == "win32" else 3
 
@@ -224,9 +226,9 @@ def stored_zip(members: Sequence[tuple[str, bytes]], date_time: tuple[int, ...])
         if not name.isascii() or len(data) * 1.05 > _ZIP_LIMIT or offset > _ZIP_LIMIT:
             return None
         raw_name, crc, size = name.encode("ascii"), zlib.crc32(data), len(data)
-        parts += [_LOCAL.pack(b"PK\x03\x04", 20, 0, 0, zipfile.ZIP_STORED, dos_time, dos_date, crc, size, size,
+        parts += [_LOCAL.pack(b"PK\x03\x04", 20, 0, zipfile.ZIP_STORED, dos_time, dos_date, crc, size, size,
                               len(raw_name), 0), raw_name, data]
-        central += [_CENTRAL.pack(b"PK\x01\x02", 20, _CREATE_SYSTEM, 20, 0, 0, zipfile.ZIP_STORED, dos_time,
+        central += [_CENTRAL.pack(b"PK\x01\x02", _CREATE_SYSTEM << 8 | 20, 20, 0, zipfile.ZIP_STORED, dos_time,
                                   dos_date, crc, size, size, len(raw_name), 0, 0, 0, 0, 0o600 << 16, offset),
                     raw_name]
         offset += _LOCAL.size + len(raw_name) + size
@@ -293,10 +295,6 @@ def _npz_name(filename: str) -> str:
     return filename[:-4] if filename.endswith(".npy") else filename
 
 
-_EOCD = struct.Struct("<4s4H2LH")            # end of central directory record (22 bytes)
-_CENTRAL = struct.Struct("<4s6H3L5H2L")       # central directory file header (46 bytes)
-
-
 def _plain_directory(blob: bytearray) -> list[tuple[str, int, int, int, int]] | None:
     """``(name, header offset, size, CRC-32, compression)`` of each member, read from the central
     directory of a zip laid out as :func:`pack_series` writes it, else None.
@@ -307,10 +305,10 @@ def _plain_directory(blob: bytearray) -> list[tuple[str, int, int, int, int]] | 
     member is then checked by :func:`_member_array` either way.  ``zipfile`` builds an
     object per member: 32,000 series cost a third of a second.
     """
-    end = len(blob) - _EOCD.size
+    end = len(blob) - _END.size
     if end < 0 or blob[end:end + 4] != b"PK\x05\x06":
         return None
-    _, disk, cd_disk, n_here, n, cd_size, cd_start, comment = _EOCD.unpack_from(blob, end)
+    _, disk, cd_disk, n_here, n, cd_size, cd_start, comment = _END.unpack_from(blob, end)
     if disk or cd_disk or n_here != n or comment or cd_start + cd_size != end:
         return None
     out, pos = [], cd_start
@@ -340,10 +338,11 @@ def _member_array(blob: bytearray, filename: str, header_offset: int, file_size:
     """
     if compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"member {filename!r} is compressed; gradforensics stores series uncompressed")
-    local = bytes(blob[header_offset:header_offset + 30])
-    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+    local = bytes(blob[header_offset:header_offset + _LOCAL.size])
+    if len(local) < _LOCAL.size or local[:4] != b"PK\x03\x04":
         raise ValueError(f"member {filename!r} has no local header")
-    start = header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+    n_name, n_extra = _LOCAL.unpack(local)[-2:]
+    start = header_offset + _LOCAL.size + n_name + n_extra
     data = memoryview(blob)[start:start + file_size]
     if len(data) != file_size or zlib.crc32(data) != crc:
         raise ValueError(f"member {filename!r} is truncated or fails its CRC-32")
