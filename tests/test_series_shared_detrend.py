@@ -213,7 +213,9 @@ def test_log_time_fit_in_one_gufunc_call_equals_the_public_lstsq_per_basis(monke
             for basis, c in zip(dt._log_time_bases(n, 3), coefs, strict=True):
                 np.testing.assert_array_equal(c, np.linalg.lstsq(basis, y, rcond=None)[0])
             np.testing.assert_array_equal(dt.log_time_fit(y), _log_time_fit_reference(y))
-    monkeypatch.setattr(dt, "_LSTSQ", None)                  # a NumPy without the gufunc: the public call
+    from gradforensics.analysis.toolkit import stacked
+
+    monkeypatch.setattr(stacked, "_LSTSQ", None)             # a NumPy without the gufunc: the public call
     y = _curve(40, rng, 1)
     np.testing.assert_array_equal(dt.log_time_fit(y), _log_time_fit_reference(y))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["lstsq_each", "matvec_each", "row_dots", "row_means"]
+__all__ = ["lstsq_each", "lstsq_stack", "matvec_each", "row_dots", "row_means"]
 
 
 def row_means(X: np.ndarray) -> np.ndarray:
@@ -37,21 +37,27 @@ def row_dots(X: np.ndarray) -> np.ndarray:
 
 
 def lstsq_each(A: np.ndarray, B: np.ndarray) -> np.ndarray:
-    """``[np.linalg.lstsq(A, b, rcond=None)[0] for b in B]`` for one ``(m, k)`` design *A* and rows *B* (``(U, m)``).
+    """``[np.linalg.lstsq(A, b, rcond=None)[0] for b in B]`` for one ``(m, k)`` design *A* and rows *B* (``(U, m)``)."""
+    A = np.asarray(A, dtype=np.float64)
+    return lstsq_stack(np.broadcast_to(A, (np.shape(B)[0], *A.shape)), B)
+
+
+def lstsq_stack(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """``[np.linalg.lstsq(a, b, rcond=None)[0] for a, b in zip(A, B)]`` for designs *A* ``(U, m, k)`` and rows *B* ``(U, m)``.
 
     One call of the generalised ufunc behind :func:`numpy.linalg.lstsq` over the stack
     (``gelsd`` once per item, as the single call runs it); where this NumPy does not
-    expose it, the loop itself.
+    expose it, the loop itself.  A failed SVD raises :class:`numpy.linalg.LinAlgError`, as the single call does.
     """
     A = np.asarray(A, dtype=np.float64)
     B = np.asarray(B, dtype=np.float64)
-    m, k = A.shape
-    if _LSTSQ is None or not B.shape[0] or m == 0 or k == 0:
-        return np.array([np.linalg.lstsq(A, b, rcond=None)[0] for b in B]).reshape(B.shape[0], k)
+    U, m, k = A.shape
+    if _LSTSQ is None or not U or m == 0 or k == 0:
+        return np.array([np.linalg.lstsq(a, b, rcond=None)[0] for a, b in zip(A, B)]).reshape(U, k)
     rcond = np.finfo(np.float64).eps * max(m, k)
     try:
         with np.errstate(invalid="raise", over="ignore", divide="ignore", under="ignore"):
-            x = _LSTSQ(np.broadcast_to(A, (B.shape[0], m, k)), B[:, :, None], rcond, signature="ddd->ddid")[0]
+            x = _LSTSQ(A, B[:, :, None], rcond, signature="ddd->ddid")[0]
     except FloatingPointError:          # as numpy.linalg.lstsq says it
         raise np.linalg.LinAlgError("SVD did not converge in Linear Least Squares") from None
     return np.ascontiguousarray(x[:, :, 0])

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from gradforensics.analysis.toolkit.stacked import lstsq_stack
 from gradforensics.errors import SpecError
 
 __all__ = ["DETRENDERS", "DetrendCache", "Detrended", "default_nperseg", "detrend", "log_time_fit", "median",
@@ -184,32 +185,22 @@ def _log_time_coefs(y: np.ndarray, degree: int) -> list[np.ndarray]:
     """``np.linalg.lstsq(basis, y, rcond=None)[0]`` for each basis of :func:`_log_time_bases`, bit for bit.
 
     One call of the LAPACK least-squares gufunc behind ``np.linalg.lstsq`` on the stack
-    of bases: the same LAPACK call on the same operands per basis (shown identical over
-    random series in the tests), without four of the five wrappers' overheads.  Where
-    that private gufunc is missing, or the stacked solve is not finite (a failed SVD:
-    the public call raises its own error then), the public call per basis.
+    of bases (:func:`~gradforensics.analysis.toolkit.stacked.lstsq_stack`): the same LAPACK
+    call on the same operands per basis (shown identical over random series in the tests),
+    without four of the five wrappers' overheads.  Where the stacked solve fails or is not
+    finite, the public call per basis (which raises its own error then).
     """
     n = y.size
-    if _LSTSQ is not None and y.ndim == 1 and y.dtype == np.float64:
+    if y.ndim == 1 and y.dtype == np.float64:
         stack = _stacked_bases(n, degree)
-        rcond = np.finfo(np.float64).eps * max(stack.shape[1:])
-        with np.errstate(all="ignore"):
-            x = _LSTSQ(stack, np.broadcast_to(y[:, None], (stack.shape[0], n, 1)), rcond, signature="ddd->ddid")[0]
-        if np.all(np.isfinite(x)):
-            return list(np.ascontiguousarray(x[..., 0]))
+        try:
+            with np.errstate(all="ignore"):
+                x = lstsq_stack(stack, np.broadcast_to(y, (stack.shape[0], n)))
+        except np.linalg.LinAlgError:
+            x = None
+        if x is not None and np.all(np.isfinite(x)):
+            return list(x)
     return [np.linalg.lstsq(basis, y, rcond=None)[0] for basis in _log_time_bases(n, degree)]
-
-
-def _gufunc_lstsq() -> Any:
-    """The gufunc ``np.linalg.lstsq`` calls (private: None where this NumPy lacks it, then the public call)."""
-    try:
-        from numpy.linalg import _umath_linalg
-    except ImportError:               # pragma: no cover - a NumPy that moved it
-        return None
-    return getattr(_umath_linalg, "lstsq", None)
-
-
-_LSTSQ = _gufunc_lstsq()
 
 
 @lru_cache(maxsize=32)
