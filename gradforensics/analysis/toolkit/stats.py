@@ -85,8 +85,6 @@ def _stack_ranks(Y: np.ndarray) -> np.ndarray:
 
 def _spearman_stack(Y: np.ndarray, alternative: str) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_spearman_with_position` of every row of *Y* (finite, non-constant, one length)."""
-    from scipy.special import stdtr
-
     U, n = Y.shape
     ranked = np.empty((U, n, 2), dtype=np.float64)          # each item the (n, 2) column stack corrcoef gets
     ranked[:, :, 0] = np.arange(1, n + 1, dtype=np.float64)
@@ -97,18 +95,22 @@ def _spearman_stack(Y: np.ndarray, alternative: str) -> tuple[np.ndarray, np.nda
     c *= np.true_divide(1, n - 1)
     stddev = np.sqrt(np.diagonal(c, axis1=1, axis2=2))
     rs = np.clip(c[:, 1, 0] / stddev[:, 1] / stddev[:, 0], -1, 1)
-    dof = n - 2
+    return rs, _rank_p(rs, n - 2, alternative)
+
+
+def _rank_p(rs: np.ndarray, dof: int, alternative: str) -> np.ndarray:
+    """The p-values of rank correlations *rs* (elementwise) from their t statistics on *dof* degrees of freedom."""
+    from scipy.special import stdtr
+
     with np.errstate(divide="ignore"):
         t = rs * np.sqrt((dof / ((rs + 1.0) * (1.0 - rs))).clip(0))
     if alternative == "less":
-        prob = stdtr(dof, t)
-    elif alternative == "greater":
-        prob = stdtr(dof, -t)
-    elif alternative == "two-sided":
-        prob = 2 * stdtr(dof, -np.abs(t))
-    else:
-        raise ValueError("`alternative` must be 'less', 'greater', or 'two-sided'.")
-    return rs, prob
+        return np.asarray(stdtr(dof, t))
+    if alternative == "greater":
+        return np.asarray(stdtr(dof, -t))
+    if alternative == "two-sided":
+        return np.asarray(2 * stdtr(dof, -np.abs(t)))
+    raise ValueError("`alternative` must be 'less', 'greater', or 'two-sided'.")
 
 
 def _average_ranks(y: np.ndarray) -> np.ndarray:
@@ -128,23 +130,10 @@ def _spearman_with_position(y: np.ndarray, alternative: str) -> tuple[float, flo
     """:func:`scipy.stats.spearmanr` of (position, *y*) for a finite, non-constant *y*: the same
     arithmetic on the same arrays (ranks, ``corrcoef``, the t statistic, ``stdtr``), bit for bit,
     without its per-call argument handling (drift calls it three times per unit)."""
-    from scipy.special import stdtr
-
     n = y.size
     ranked = np.column_stack((np.arange(1, n + 1, dtype=np.float64), _average_ranks(y)))
     rs = np.corrcoef(ranked, rowvar=False)
-    dof = n - 2
-    with np.errstate(divide="ignore"):
-        t = rs * np.sqrt((dof / ((rs + 1.0) * (1.0 - rs))).clip(0))
-    if alternative == "less":
-        prob = stdtr(dof, t)
-    elif alternative == "greater":
-        prob = stdtr(dof, -t)
-    elif alternative == "two-sided":
-        prob = 2 * stdtr(dof, -np.abs(t))
-    else:
-        raise ValueError("`alternative` must be 'less', 'greater', or 'two-sided'.")
-    return float(rs[1, 0]), float(prob[1, 0])
+    return float(rs[1, 0]), float(_rank_p(rs, n - 2, alternative)[1, 0])
 
 
 def bimodality_coefficient(x: Any) -> float:
