@@ -219,7 +219,8 @@ def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | Non
 
     opt = options or SpectrumOptions()
     arrays: dict[str, np.ndarray] = {}
-    rows = [_row(g.combined, opt, arrays, cache) for g in groups]
+    known = _residuals([g.combined for g in groups], opt, cache)
+    rows = [_row(g.combined, opt, arrays, cache, known.get(id(g.combined))) for g in groups]
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
 
 
@@ -230,16 +231,32 @@ def fractal_window(n: int, opt: SpectrumOptions) -> int:
     return int(max(2 * (opt.nperseg or default_nperseg(n)) + 1, n // 2) | 1)
 
 
-def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: DetrendCache | None = None
-         ) -> dict[str, Any]:
+def _residuals(series: list[Series], opt: SpectrumOptions, cache: DetrendCache | None) -> dict[int, np.ndarray]:
+    """Each analysable series' winsorised residual (keyed by the series' identity), the series of one
+    length and window detrended together (:meth:`DetrendCache.get_many`: the values :func:`_row` would compute)."""
+    todo: dict[tuple[int, int], list[Series]] = {}
+    for s in series:
+        if s.n >= MIN_POINTS and np.ptp(s.y) > 0 and s.y.ndim == 1 and np.all(np.isfinite(s.y)):
+            todo.setdefault((s.y.size, fractal_window(s.n, opt)), []).append(s)
+    out: dict[int, np.ndarray] = {}
+    for (_, w), same in todo.items():
+        if len(same) < 2:
+            continue
+        got = (cache or DetrendCache(max_bytes=0)).get_many([s.y for s in same], "savgol", w, opt.clip_mad)
+        out.update((id(s), r) for s, (_, r, _) in zip(same, got))
+    return out
+
+
+def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: DetrendCache | None = None,
+         r: np.ndarray | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {"tensor": s.tensor, "head": None, "series": s.name, "n_points": s.n,
                            "detrend": "savgol", "note": ""}
     if s.n < MIN_POINTS or not np.ptp(s.y) > 0:
         return {**row, "note": f"too short or constant ({s.n} usable points, needs {MIN_POINTS})"}
     w = fractal_window(s.n, opt)
-    if cache is None:
+    if r is None and cache is None:
         r, _ = winsorize(detrend(s.y, "savgol", w).residual, opt.clip_mad)
-    else:
+    elif r is None and cache is not None:
         _, r, _ = cache.get(s.y, "savgol", w, opt.clip_mad)
     if not np.std(r) > 1e-9 * max(float(np.std(s.y)), 1e-300):
         return {**row, "note": "nothing left after detrending (the curve is its trend: smooth)"}

@@ -44,6 +44,7 @@ from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResu
 from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.series import series_compute
 from gradforensics.analysis.toolkit.signal import MIN_POINTS, DetrendCache, LineSpectrum, SpectrumOptions, line_spectrum
+from gradforensics.analysis.toolkit.signal.spectra import line_spectra
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -81,8 +82,10 @@ def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | Non
     opt = options or SpectrumOptions()
     rows: list[dict[str, Any]] = []
     arrays: dict[str, np.ndarray] = {}
+    todo = [g.combined for g in groups if g.combined.n >= MIN_POINTS and np.ptp(g.combined.y) > 0]
+    spectra = dict(zip(map(id, todo), line_spectra([s.y for s in todo], opt, cache)))   # same-length series stacked
     for g in groups:
-        rows += _series_rows(g.combined, opt, arrays, cache)
+        rows += _series_rows(g.combined, opt, arrays, cache, spectra.get(id(g.combined)))
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
 
 
@@ -94,14 +97,14 @@ def _base_row(s: Series) -> dict[str, Any]:
             "record_last": s.records[1], "note": "; ".join(q.notes())}
 
 
-def _series_rows(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: DetrendCache | None = None
-                 ) -> list[dict[str, Any]]:
+def _series_rows(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: DetrendCache | None = None,
+                 res: LineSpectrum | None = None) -> list[dict[str, Any]]:
     base = _base_row(s)
     if s.n < MIN_POINTS:
         return [{**base, "note": _join(f"too short: {s.n} usable points, needs {MIN_POINTS}", base["note"])}]
     if not np.ptp(s.y) > 0:
         return [{**base, "note": _join("constant series", base["note"])}]
-    res = line_spectrum(s.y, opt, cache)
+    res = res if res is not None else line_spectrum(s.y, opt, cache)
     _store_arrays(s, res, arrays)
     var = float(np.var(res.detrended.residual)) or 1.0
     more = res.n_significant - len(res.significant)

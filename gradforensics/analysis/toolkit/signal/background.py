@@ -23,8 +23,12 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["GainGrid", "expected_welch", "filtered_ar1_acov", "fit_ar1", "gain_grid_of", "hann", "lag1", "welch_dof"]
+__all__ = ["AR1_BRACKET", "AR1_XTOL", "GainGrid", "expected_welch", "filtered_ar1_acov", "fit_ar1", "gain_grid_of", "hann", "lag1", "welch_dof"]
 
+
+#: The bracket of :func:`fit_ar1`'s root search (an α outside it takes the nearer end) and its tolerance.
+AR1_BRACKET = (-0.95, 0.995)
+AR1_XTOL = 1e-6
 
 
 def filtered_ar1_acov(alpha: float, gain: np.ndarray, n_lags: int) -> np.ndarray:
@@ -100,14 +104,14 @@ def fit_ar1(r: np.ndarray, gain: np.ndarray | GainGrid) -> tuple[float, float]:
         g = grid.acov(a, 2)
         return float(g[1] / g[0])
 
-    lo, hi = -0.95, 0.995
+    lo, hi = AR1_BRACKET
     m_lo, m_hi = model(lo), model(hi)
     if rho <= m_lo:
         a = lo
     elif rho >= m_hi:
         a = hi
     else:
-        a = float(brentq(lambda x: model(x) - rho, lo, hi, xtol=1e-6))
+        a = float(brentq(lambda x: model(x) - rho, lo, hi, xtol=AR1_XTOL))
     g0 = grid.acov(a, 1)[0]
     return a, float(np.var(r)) / float(g0)
 

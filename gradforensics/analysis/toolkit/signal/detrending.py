@@ -27,7 +27,8 @@ import numpy as np
 from gradforensics.analysis.toolkit.stacked import lstsq_stack
 from gradforensics.errors import SpecError
 
-__all__ = ["DETRENDERS", "DetrendCache", "Detrended", "default_nperseg", "detrend", "log_time_fit", "median",
+__all__ = ["DETRENDERS", "DetrendCache", "Detrended", "default_nperseg", "detrend", "detrend_many", "log_time_fit",
+           "median",
            "remove_level_shifts", "savgol_window", "winsorize"]
 
 
@@ -104,6 +105,36 @@ def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) ->
     coeffs = _savgol_coeffs(w).copy()
     smooth = _savgol_interp(z, w) if w <= 1025 else _savgol_fft(z, coeffs)
     return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, coeffs, tuple(shifts))
+
+
+def detrend_many(ys: list[np.ndarray], method: str = "savgol", window: int | None = None) -> list[Detrended]:
+    """``[detrend(y, method, window) for y in ys]`` for finite series of one length, bit for bit.
+
+    The Savitzky–Golay smooth of all of them in one stack (:func:`~gradforensics.analysis.
+    toolkit.signal.rows.savgol_rows`: the interior correlation and the edge fits SciPy makes
+    per series, each row the single call's floats), the first series checked against the
+    single call; the single calls where that check fails, for a first difference, a long
+    window or a series that is not finite.
+    """
+    arrs = [np.asarray(y, dtype=float) for y in ys]
+    n = arrs[0].size if arrs else 0
+    if (method != "savgol" or len(arrs) < 2 or any(a.ndim != 1 or a.size != n for a in arrs)
+            or savgol_window(n, window) > 1025 or not all(np.all(np.isfinite(a)) for a in arrs)):
+        return [detrend(a, method, window) for a in arrs]
+    from gradforensics.analysis.toolkit.signal.rows import savgol_rows
+
+    w = savgol_window(n, window)
+    coeffs = _savgol_coeffs(w)
+    parts = []
+    for y in arrs:
+        base = log_time_fit(y)
+        parts.append((y, *remove_level_shifts(y - base, max(8, w // 8))))
+    Z = np.stack([z for _, z, _ in parts])
+    smooth = savgol_rows(Z, coeffs)
+    if smooth is None or not np.array_equal(smooth[0], _savgol_interp(parts[0][1], w)):
+        return [detrend(a, method, window) for a in arrs]
+    return [Detrended(z - sm, y - (z - sm), "savgol", w, 0, coeffs.copy(), tuple(sh))
+            for (y, z, sh), sm in zip(parts, smooth)]
 
 
 def savgol_window(n: int, window: int | None = None) -> int:
@@ -317,7 +348,34 @@ class DetrendCache:
         if got is not None and got[0] is src:
             self.hits += 1
             return got[1], got[2], got[3]
-        det = detrend(y, method, window)
+        return self._remember(key, src, detrend(y, method, window), clip_mad)
+
+    def get_many(self, ys: list[np.ndarray], method: str, window: int | None, clip_mad: float
+                 ) -> list[tuple[Detrended, np.ndarray, int]]:
+        """``[self.get(y, method, window, clip_mad) for y in ys]``, the series not yet known detrended
+        together (:func:`detrend_many`, per length: the same values)."""
+        out: list[tuple[Detrended, np.ndarray, int] | None] = [None] * len(ys)
+        todo: dict[int, list[int]] = {}
+        for i, src in enumerate(ys):
+            y = np.asarray(src, dtype=float)
+            w = 0 if method == "diff" else savgol_window(y.size, window) if method == "savgol" else -1
+            key = (id(src), method, w, float(clip_mad))
+            got = self._entries.get(key)
+            if got is not None and got[0] is src:
+                self.hits += 1
+                out[i] = (got[1], got[2], got[3])
+            else:
+                todo.setdefault(y.size if y.ndim == 1 else -1 - i, []).append(i)
+        for idx in todo.values():
+            dets = detrend_many([ys[i] for i in idx], method, window)
+            for i, det in zip(idx, dets):
+                y = np.asarray(ys[i], dtype=float)
+                w = 0 if method == "diff" else savgol_window(y.size, window) if method == "savgol" else -1
+                out[i] = self._remember((id(ys[i]), method, w, float(clip_mad)), ys[i], det, clip_mad)
+        return [o for o in out if o is not None]
+
+    def _remember(self, key: tuple[int, str, int, float], src: Any, det: Detrended, clip_mad: float
+                  ) -> tuple[Detrended, np.ndarray, int]:
         r, n = winsorize(det.residual, clip_mad)
         if isinstance(src, np.ndarray) and _immutable(src):           # y: src itself or a private copy
             size = sum(a.nbytes for a in {id(a): a for a in (det.residual, det.trend, det.coeffs, r)}.values())

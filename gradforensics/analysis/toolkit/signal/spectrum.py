@@ -59,10 +59,13 @@ __all__ = [
     "Peak",
     "SpectrumOptions",
     "adjust_pvalues",
+    "gain_grid",
     "group_harmonics",
     "line_spectrum",
     "refine_frequency",
     "sinusoid_fit",
+    "spectrum_window",
+    "tested_spectrum",
 ]
 
 
@@ -285,33 +288,54 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None, cache: 
     peak in a pure red-noise series (BH controls the family-wise rate under the
     global null).
     """
-    from scipy.signal import find_peaks, welch
-
     opt = options or SpectrumOptions()
     src, y = y, np.asarray(y, dtype=float)
     if y.size < MIN_POINTS or not np.all(np.isfinite(y)):
         raise SpecError(f"line_spectrum: need at least {MIN_POINTS} finite values; got {y.size} "
                         f"({int(np.count_nonzero(~np.isfinite(y)))} non-finite).")
-    nper = min(opt.nperseg or default_nperseg(y.size), y.size)
-    window = None if opt.detrend == "diff" else 2 * nper + 1
+    nper, window = spectrum_window(y.size, opt)
     if cache is None:
         det = detrend(y, opt.detrend, window)
         r, n_clipped = winsorize(det.residual, opt.clip_mad)
     else:
         det, r, n_clipped = cache.get(src, opt.detrend, window, opt.clip_mad)
+    return tested_spectrum(r, det, n_clipped, nper, opt)
+
+
+def spectrum_window(n: int, opt: SpectrumOptions) -> tuple[int, int | None]:
+    """Welch segment length (before the residual's own length caps it) and the detrending window for *n* points."""
+    nper = min(opt.nperseg or default_nperseg(n), n)
+    return nper, None if opt.detrend == "diff" else 2 * nper + 1
+
+
+def tested_spectrum(r: np.ndarray, det: Detrended, n_clipped: int, nper: int, opt: SpectrumOptions,
+                    welch_out: tuple[np.ndarray, np.ndarray] | None = None,
+                    first_fit: tuple[float, float, np.ndarray] | None = None) -> LineSpectrum:
+    """:func:`line_spectrum` from the winsorised residual *r* of *det* on: Welch, the AR(1)
+    background, the tests and the peaks.  *welch_out* (``freq, power``) and *first_fit*
+    (``alpha, sigma2, acov``: the first AR(1) fit and its autocovariance, lags ``0..nper-1``)
+    are what the stacked path (:func:`~gradforensics.analysis.toolkit.signal.spectra.line_spectra`)
+    computed for many series at once, the same values."""
+    from scipy.signal import find_peaks, welch
+
     nper = min(nper, r.size)
     # the Hann window as an array: the one SciPy makes of "hann" (get_window), made once per length
-    freq, power = welch(r, fs=1.0, window=hann(nper), nperseg=nper, noverlap=nper // 2, detrend=False)
+    freq, power = welch_out or welch(r, fs=1.0, window=hann(nper), nperseg=nper, noverlap=nper // 2,
+                                     detrend=False)
     n_seg = 1 + (r.size - nper) // (nper - nper // 2)
     dof = np.full(freq.size, welch_dof(nper, n_seg))
     if nper % 2 == 0:
         dof[-1] /= 2.0
-    grid = _gain_grid(det, max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
+    grid = gain_grid(det, nper)
     tested = (freq > 0) & ((det.method == "diff") | (det.gain(freq) >= 0.5))
     fit = r
-    for _ in range(2):   # second pass: background refitted with the significant sinusoids removed
-        a, s2 = fit_ar1(fit, grid)
-        bg = s2 * expected_welch(grid.acov(a, nper), nper)
+    for i in range(2):   # second pass: background refitted with the significant sinusoids removed
+        if i == 0 and first_fit is not None:
+            a, s2, acov = first_fit
+        else:
+            a, s2 = fit_ar1(fit, grid)
+            acov = grid.acov(a, nper)
+        bg = s2 * expected_welch(acov[:nper], nper)
         ok = tested & (bg > 0)
         p = np.ones(freq.size)
         p[ok] = _chi2_sf(dof[ok] * power[ok] / bg[ok], dof[ok])
@@ -326,6 +350,11 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None, cache: 
     return LineSpectrum(freq, power, bg, p, p_adj, ok, _chi2_line(bg, dof, opt.alpha / m),
                         _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), nper,
                         n_seg, a, s2, det, n_clipped, peaks, n_sig, opt)
+
+
+def gain_grid(det: Detrended, nper: int) -> GainGrid:
+    """The gain grid the AR(1) background of a residual of *det* with Welch segments of *nper* is fitted on."""
+    return _gain_grid(det, max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
 
 
 _GRIDS: dict[tuple[str, bytes, int], GainGrid] = {}
