@@ -254,10 +254,9 @@ def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: 
     if s.n < MIN_POINTS or not np.ptp(s.y) > 0:
         return {**row, "note": f"too short or constant ({s.n} usable points, needs {MIN_POINTS})"}
     w = fractal_window(s.n, opt)
-    if r is None and cache is None:
-        r, _ = winsorize(detrend(s.y, "savgol", w).residual, opt.clip_mad)
-    elif r is None and cache is not None:
-        _, r, _ = cache.get(s.y, "savgol", w, opt.clip_mad)
+    if r is None:
+        r = (winsorize(detrend(s.y, "savgol", w).residual, opt.clip_mad)[0] if cache is None
+             else cache.get(s.y, "savgol", w, opt.clip_mad)[1])
     if not np.std(r) > 1e-9 * max(float(np.std(s.y)), 1e-300):
         return {**row, "note": "nothing left after detrending (the curve is its trend: smooth)"}
     h, b = higuchi(r, kmax=max(8, w // 16)), box_counting(r, max_width=max(32, w // 8))

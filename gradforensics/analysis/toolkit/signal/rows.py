@@ -38,9 +38,8 @@ def savgol_rows(Z: np.ndarray, coeffs: np.ndarray) -> np.ndarray | None:
     None where the stack cannot take this path (a NumPy without the stacked ``lstsq``)."""
     from scipy.ndimage import convolve1d
 
-    from gradforensics.analysis.toolkit.stacked import _LSTSQ
-
-    if _LSTSQ is None:
+    lstsq = _lstsq_gufunc()
+    if lstsq is None:
         return None
     Z = np.ascontiguousarray(Z, dtype=np.float64)
     U, n = Z.shape
@@ -53,13 +52,22 @@ def savgol_rows(Z: np.ndarray, coeffs: np.ndarray) -> np.ndarray | None:
     for start, lo, hi in ((0, 0, half), (n - w, n - half, n)):
         rhs = np.ascontiguousarray(Z[:, start:start + w])[:, :, None]     # one (w, 1) right-hand side an item
         with np.errstate(all="ignore"):
-            c = _LSTSQ(design, rhs, rcond, signature="ddd->ddid")[0][:, :, 0] / scale
+            c = lstsq(design, rhs, rcond, signature="ddd->ddid")[0][:, :, 0] / scale
         i = np.arange(lo - start, hi - start, dtype=np.float64)
         v = np.zeros((U, i.size))
         for j in range(4):                          # polyval: y = y * x + p[j], highest power first
             v = v * i + c[:, j:j + 1]
         out[:, lo:hi] = v / 1.0                     # SciPy divides by delta ** deriv = 1.0
     return np.asarray(out)
+
+
+def _lstsq_gufunc():  # type: ignore[no-untyped-def]
+    """The generalised ufunc behind ``np.linalg.lstsq`` (LAPACK ``gelsd`` once per item of a stack), or None."""
+    try:
+        from numpy.linalg import _umath_linalg
+    except ImportError:          # pragma: no cover - a NumPy without it: the single calls
+        return None
+    return getattr(_umath_linalg, "lstsq", None)
 
 
 @lru_cache(maxsize=64)
@@ -166,7 +174,6 @@ def ar1_roots(rho: np.ndarray, grid, lo: float, hi: float, keep: int, xtol: floa
     keep = max(int(keep), 2)
     g_lo, g_hi = grid.acov(lo, keep), grid.acov(hi, keep)
     m_lo, m_hi = float(g_lo[1] / g_lo[0]), float(g_hi[1] / g_hi[0])
-    U = rho.size
     alpha = np.where(rho <= m_lo, lo, hi).astype(np.float64)
     acov = np.where((rho <= m_lo)[:, None], g_lo, g_hi)
     ok = ~np.isnan(rho)                # fit_ar1 searches with a NaN ρ and brentq raises: the caller's single call
