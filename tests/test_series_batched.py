@@ -77,7 +77,7 @@ def _cubic_stack(rng: np.random.Generator, u: int, a: float, b: float):  # type:
 
     every = np.arange(c.shape[0])
     fa, fb = f(np.full(every.size, a), every), f(np.full(every.size, b), every)
-    keep = np.flatnonzero((fa * fb < 0))[:u]
+    keep = np.flatnonzero(fa * fb < 0)[:u]
     c = c[keep]
     return f, fa[keep], fb[keep]
 
@@ -92,7 +92,8 @@ def test_brentq_rows_is_scipys_brentq(xtol: float, maxiter: int) -> None:
         for k in range(fa.size):
             one = np.array([k])
             try:
-                want = brentq(lambda x: float(f(np.array([x]), one)[0]), -2.0, 3.0, xtol=xtol, maxiter=maxiter)
+                want = brentq(lambda x, f=f, one=one: float(f(np.array([x]), one)[0]), -2.0, 3.0, xtol=xtol,
+                              maxiter=maxiter)
             except RuntimeError:                        # not converged in maxiter steps
                 assert not ok[k]
                 raised += 1
