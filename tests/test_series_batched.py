@@ -248,3 +248,32 @@ def test_the_analyses_tables_and_series_are_the_per_series_code() -> None:
             assert sorted(got.series) == sorted(want_arrays)
             assert all(_same(got.series[k], want_arrays[k]) for k in want_arrays)
     assert got_ls.table["significant"].astype(bool).any()
+
+
+@pytest.mark.parametrize("n", [32, 33, 40, 64, 100, 257, 1000])
+def test_fractal_fits_of_a_stack_are_the_single_fits(n: int) -> None:
+    rng = np.random.default_rng(200 + n)
+    R = rng.normal(size=(16, n)) + np.cumsum(rng.normal(size=(16, n)), axis=1) * rng.random((16, 1))
+    R[0] = np.sin(np.arange(n) / 3.0)                     # smooth: few boxes, long curve lengths
+    R[1] *= 1e-8
+    R[2] = np.round(R[2])                                 # ties and flat runs
+    for w in sorted({31, 33, n // 2 | 1, 65, 129}):
+        got = fr._fits_rows(R, w)
+        assert got is not None
+        for r, pair in zip(R, got):
+            want = (fr.higuchi(r, kmax=max(8, w // 16)), fr.box_counting(r, max_width=max(32, w // 8)))
+            for g, e in zip(pair, want):
+                assert (g.dimension, g.lo, g.hi, g.r2) == (e.dimension, e.lo, e.hi, e.r2)
+                assert _same(g.scales, e.scales) and _same(g.values, e.values)
+    assert fr._fits_rows(R[:, :20], 513) is None          # scales beyond the series: the single calls
+
+
+def test_fractal_line_fits_of_a_stack_are_polyfit() -> None:
+    rng = np.random.default_rng(9)
+    for m in (2, 5, 8, 24):
+        x = np.log(np.arange(1.0, m + 1.0) * rng.uniform(1, 3))
+        Y = rng.normal(size=(40, m)) * rng.choice([1e-6, 1.0, 1e6], size=(40, 1))
+        Y[0] = 1.5                                        # ss = 0: r² is 1
+        slope, r2 = fr._line_rows(x, Y)
+        for u, y in enumerate(Y):
+            assert (slope[u], r2[u]) == fr._line(x, y)

@@ -106,6 +106,11 @@ def fit_range(scales: np.ndarray, values: np.ndarray, min_points: int = MIN_FIT_
     if not cands:
         slope, r2 = _line(ls, lv)
         return 0, n - 1, slope, r2
+    return _choose(cands, straight)
+
+
+def _choose(cands: list[tuple[int, int, float, float, int, int]], straight: float) -> tuple[int, int, float, float]:
+    """:func:`fit_range`'s pick among its candidate windows ``(length, -start, r², slope, i, j)``."""
     good = [c for c in cands if c[2] >= straight]
     if good:
         best = max(good, key=lambda c: (c[0], c[1]))
@@ -113,6 +118,102 @@ def fit_range(scales: np.ndarray, values: np.ndarray, min_points: int = MIN_FIT_
         shortest = min(c[0] for c in cands)
         best = max((c for c in cands if c[0] == shortest), key=lambda c: c[2])
     return best[4], best[5], best[3], best[2]
+
+
+# ------------------------------------------------- many series of one length
+def fit_range_rows(scales: np.ndarray, values: np.ndarray, min_points: int = MIN_FIT_POINTS,
+                   min_span: float = MIN_FIT_SPAN, straight: float = R2_STRAIGHT
+                   ) -> list[tuple[int, int, float, float]] | None:
+    """``[fit_range(scales, v) for v in values]`` for a stack *values* ``(U, K)``, bit for bit: each window's
+    line fitted to every row at once (:func:`_line_rows`); None where NumPy lacks the stacked solve."""
+    ls, LV = np.log(scales), np.log(values)
+    n = ls.size
+    wins = [(i, j) for i in range(n) for j in range(i + min_points - 1, n) if not scales[j] / scales[i] < min_span]
+    fits = [_line_rows(ls[i:j + 1], LV[:, i:j + 1]) for i, j in (wins or [(0, n - 1)])]
+    if any(f is None for f in fits):
+        return None
+    cols = [(np.asarray(f[0]).tolist(), np.asarray(f[1]).tolist()) for f in fits if f is not None]
+    if not wins:
+        return [(0, n - 1, sl, r2) for sl, r2 in zip(*cols[0])]
+    return [_choose([(j - i, -i, cols[c][1][u], cols[c][0][u], i, j) for c, (i, j) in enumerate(wins)], straight)
+            for u in range(values.shape[0])]
+
+
+def higuchi_lengths_rows(X: np.ndarray, ks: np.ndarray) -> np.ndarray:
+    """``[higuchi_lengths(x, ks) for x in X]`` of a stack ``(U, n)``, bit for bit: each offset's terms made
+    contiguous rows, summed along them (the pairwise sum the 1-d strided sum takes), averaged the same way."""
+    X = np.ascontiguousarray(X, dtype=np.float64)
+    n = X.shape[1]
+    out = np.empty((X.shape[0], ks.size))
+    for a, k in enumerate(ks):
+        steps = np.abs(X[:, k:] - X[:, :-k])
+        lm = [np.ascontiguousarray(steps[:, m::k]) for m in range(int(k))]
+        lm = [t.sum(axis=1) * (n - 1) / (t.shape[1] * k) / k for t in lm if t.shape[1] >= 1]
+        out[:, a] = np.ascontiguousarray(np.stack(lm, axis=1)).mean(axis=1) if lm else np.nan   # NaN: single calls
+    return out
+
+
+def box_counts_rows(Y: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``[box_counts(y, sizes) for y in Y]`` of a stack ``(U, n)`` (minima, maxima, floors and sums of whole
+    numbers: exact in any order)."""
+    Y = np.asarray(Y, dtype=float)
+    n = Y.shape[1]
+    lo_y = Y.min(axis=1)
+    span = np.ptp(Y, axis=1)
+    with np.errstate(all="ignore"):
+        U = np.where((span > 0)[:, None], (Y - lo_y[:, None]) / np.where(span > 0, span, 1.0)[:, None], 0.0)
+    out = np.empty((Y.shape[0], sizes.size))
+    for a, s in enumerate(sizes):
+        s = int(s)
+        eps = s / (n - 1)
+        starts = np.arange(0, n - 1, s)
+        ends = np.minimum(starts + s, n - 1)
+        hi = np.maximum(np.maximum.reduceat(U[:, :-1], starts, axis=1), U[:, ends])
+        lo = np.minimum(np.minimum.reduceat(U[:, :-1], starts, axis=1), U[:, ends])
+        top = np.ceil(1.0 / eps - 1e-9) - 1
+        out[:, a] = (np.minimum(np.floor(hi / eps), top) - np.floor(lo / eps) + 1).sum(axis=1)
+    return out
+
+
+def _fits_rows(R: np.ndarray, w: int) -> list[tuple[ScalingFit, ScalingFit]] | None:
+    """``(higuchi(r, kmax=max(8, w // 16)), box_counting(r, max_width=max(32, w // 8)))`` of every row of *R*,
+    the same values; None where a row needs the single calls (a zero curve length) or NumPy lacks the solve."""
+    n = R.shape[1]
+    ks = _scales(1, max(8, w // 16))
+    lengths = higuchi_lengths_rows(R, ks)
+    sizes = _scales(min(4, max(n // 8, 1)), max(min(max(32, w // 8), n // 4), 2))
+    counts = box_counts_rows(R, sizes)
+    if not np.all(lengths > 0):
+        return None
+    h = fit_range_rows(ks.astype(float), lengths)
+    b = fit_range_rows(sizes.astype(float), counts)
+    if h is None or b is None:
+        return None
+    kf, sf = ks.astype(float), sizes.astype(float)
+    return [(ScalingFit(-hs, float(ks[hl]), float(ks[hh]), hr, kf.copy(), lengths[u].copy()),
+             ScalingFit(-bs, float(sizes[bl]), float(sizes[bh]), br, sf.copy(), counts[u].copy()))
+            for u, ((hl, hh, hs, hr), (bl, bh, bs, br)) in enumerate(zip(h, b))]
+
+
+def _line_rows(x: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_line` of every row of *Y* on *x*: ``np.polyfit(x, y, 1)``'s steps (its scaled Vandermonde
+    design, ``rcond = len(x)·eps``, LAPACK ``gelsd`` one right-hand side an item) and the same r²."""
+    from gradforensics.analysis.toolkit.signal.rows import lstsq_items
+
+    x = np.asarray(x) + 0.0
+    Y = np.ascontiguousarray(Y, dtype=np.float64)
+    lhs = np.vander(x, 2)
+    scale = np.sqrt((lhs * lhs).sum(axis=0))
+    lhs /= scale
+    c = lstsq_items(lhs, Y, len(x) * np.finfo(x.dtype).eps)
+    if c is None:
+        return None
+    c = (c.T / scale[:, None]).T
+    slope, icpt = c[:, 0], c[:, 1]
+    ss = ((Y - Y.mean(axis=1)[:, None]) ** 2).sum(axis=1)
+    res = ((Y - (slope[:, None] * x + icpt[:, None])) ** 2).sum(axis=1)
+    with np.errstate(all="ignore"):
+        return slope, np.where(ss > 0, 1.0 - res / ss, 1.0)
 
 
 def _scales(lo: int, hi: int, count: int = 24) -> np.ndarray:
@@ -231,35 +332,47 @@ def fractal_window(n: int, opt: SpectrumOptions) -> int:
     return int(max(2 * (opt.nperseg or default_nperseg(n)) + 1, n // 2) | 1)
 
 
-def _residuals(series: list[Series], opt: SpectrumOptions, cache: DetrendCache | None) -> dict[int, np.ndarray]:
-    """Each analysable series' winsorised residual (keyed by the series' identity), the series of one
-    length and window detrended together (:meth:`DetrendCache.get_many`: the values :func:`_row` would compute)."""
+def _residuals(series: list[Series], opt: SpectrumOptions, cache: DetrendCache | None
+               ) -> dict[int, tuple[np.ndarray, tuple[ScalingFit, ScalingFit] | None]]:
+    """Each analysable series' winsorised residual and its two fits (keyed by the series' identity), the series
+    of one length and window detrended and fitted together (:meth:`DetrendCache.get_many`,
+    :func:`_fits_rows`: the values :func:`_row` computes one series at a time)."""
     todo: dict[tuple[int, int], list[Series]] = {}
     for s in series:
         if s.n >= MIN_POINTS and np.ptp(s.y) > 0 and s.y.ndim == 1 and np.all(np.isfinite(s.y)):
             todo.setdefault((s.y.size, fractal_window(s.n, opt)), []).append(s)
-    out: dict[int, np.ndarray] = {}
+    out: dict[int, tuple[np.ndarray, tuple[ScalingFit, ScalingFit] | None]] = {}
     for (_, w), same in todo.items():
         if len(same) < 2:
             continue
         got = (cache or DetrendCache(max_bytes=0)).get_many([s.y for s in same], "savgol", w, opt.clip_mad)
-        out.update((id(s), r) for s, (_, r, _) in zip(same, got))
+        rs = [r for _, r, _ in got]
+        live = [u for u, (s, r) in enumerate(zip(same, rs)) if _rough(r, s)]
+        fits = _fits_rows(np.stack([rs[u] for u in live]), w) if len(live) >= 2 else None
+        out.update((id(s), (r, None)) for s, r in zip(same, rs))
+        out.update((id(same[u]), (rs[u], f)) for u, f in zip(live, fits or []))
     return out
 
 
+def _rough(r: np.ndarray, s: Series) -> bool:
+    """Anything left after detrending (else the curve is its trend)."""
+    return bool(np.std(r) > 1e-9 * max(float(np.std(s.y)), 1e-300))
+
+
 def _row(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: DetrendCache | None = None,
-         r: np.ndarray | None = None) -> dict[str, Any]:
+         known: tuple[np.ndarray, tuple[ScalingFit, ScalingFit] | None] | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {"tensor": s.tensor, "head": None, "series": s.name, "n_points": s.n,
                            "detrend": "savgol", "note": ""}
     if s.n < MIN_POINTS or not np.ptp(s.y) > 0:
         return {**row, "note": f"too short or constant ({s.n} usable points, needs {MIN_POINTS})"}
     w = fractal_window(s.n, opt)
+    r, fits = known if known is not None else (None, None)
     if r is None:
         r = (winsorize(detrend(s.y, "savgol", w).residual, opt.clip_mad)[0] if cache is None
              else cache.get(s.y, "savgol", w, opt.clip_mad)[1])
-    if not np.std(r) > 1e-9 * max(float(np.std(s.y)), 1e-300):
+    if not _rough(r, s):
         return {**row, "note": "nothing left after detrending (the curve is its trend: smooth)"}
-    h, b = higuchi(r, kmax=max(8, w // 16)), box_counting(r, max_width=max(32, w // 8))
+    h, b = fits or (higuchi(r, kmax=max(8, w // 16)), box_counting(r, max_width=max(32, w // 8)))
     for key, fit in (("higuchi", h), ("box", b)):
         arrays[f"{s.name}/{key}_scales"] = fit.scales
         arrays[f"{s.name}/{key}_values"] = fit.values

@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["ar1_roots", "brentq_rows", "savgol_rows", "welch_rows"]
+__all__ = ["ar1_roots", "brentq_rows", "lstsq_items", "savgol_rows", "welch_rows"]
 
 
 # ------------------------------------------------------------ Savitzky-Golay
@@ -59,6 +59,22 @@ def savgol_rows(Z: np.ndarray, coeffs: np.ndarray) -> np.ndarray | None:
             v = v * i + c[:, j:j + 1]
         out[:, lo:hi] = v / 1.0                     # SciPy divides by delta ** deriv = 1.0
     return np.asarray(out)
+
+
+def lstsq_items(A: np.ndarray, B: np.ndarray, rcond: float) -> np.ndarray | None:
+    """``[np.linalg.lstsq(A, b, rcond)[0] for b in B]`` for one design *A* ``(m, k)`` and rows *B* ``(U, m)``:
+    ``gelsd`` once per item with a one-column right-hand side (None without the gufunc, or where the SVD fails)."""
+    lstsq = _lstsq_gufunc()
+    if lstsq is None:
+        return None
+    U = B.shape[0]
+    rhs = np.ascontiguousarray(B, dtype=np.float64)[:, :, None]
+    try:
+        with np.errstate(invalid="raise", over="ignore", divide="ignore", under="ignore"):
+            x = lstsq(np.broadcast_to(A, (U, *A.shape)), rhs, rcond, signature="ddd->ddid")[0]
+    except FloatingPointError:
+        return None
+    return np.ascontiguousarray(x[:, :, 0])
 
 
 def _lstsq_gufunc():  # type: ignore[no-untyped-def]
