@@ -622,7 +622,11 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
 
     kwargs: dict[str, Any] = {}
     if dask.config.get("scheduler", None) is None:
-        kwargs["scheduler"] = "threads"
+        # the threaded scheduler itself, not its name: dask looks a name up only after importing
+        # distributed to ask for a client (0.4-0.5 s), and _default_client found none
+        from dask.threaded import get as threaded_get
+
+        kwargs["scheduler"] = threaded_get
         if num_workers:
             kwargs["num_workers"] = int(num_workers)
     with threadpool_limits(limits=1), _progress_bar(progress):
