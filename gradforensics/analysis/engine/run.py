@@ -458,11 +458,12 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
         for j, (aname, rkey, r) in enumerate(mine):
             keys.append(("lazy", aname, rkey))
             collections.append(parts[j] if r.finish is None else r.finish(parts[j]))
+    taken = {k for k in keys if k[0] == "lazy"}      # a set: a list's `in` per lazy key was keys x lazy keys
     for a in selected:
         if a.lazy is None:
             continue
         for name, coll in dict(a.lazy(store)).items():
-            if ("lazy", a.name, name) in keys:
+            if ("lazy", a.name, name) in taken:
                 raise SpecError(f"{a.name}: key {name!r} is returned by both lazy and slab_reductions.")
             keys.append(("lazy", a.name, name))
             collections.append(coll)
