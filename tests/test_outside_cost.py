@@ -186,3 +186,11 @@ def test_no_dask_array_nor_distributed_for_a_store_without_activations(tmp_path:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     n, da, dist = out.stdout.split()
     assert int(n) > 5 and da == "False" and dist == "False"
+
+
+def test_the_header_names_h5pys_version_without_importing_it() -> None:
+    code = ("import sys; from gradforensics.analysis.engine.run import _versions; v = _versions(); "
+            "loaded = 'h5py' in sys.modules; import h5py; print(loaded, v['h5py'] == h5py.__version__)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
