@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -82,8 +82,9 @@ class StoreBackend(Protocol):
     def not_a_store(cls, path: Path) -> str | None:
         """Why the local *path* is not a gradforensics store that ``overwrite=True`` may delete, or None."""
 
-    def inventory(self) -> Inventory:
-        """Root attributes and every array, listed from the store's own files without trusting them."""
+    def inventory(self, unlisted: Callable[[str], bool] | None = None) -> Inventory:
+        """Root attributes and every array, listed from the store's own files without trusting them
+        (the chunks of the arrays *unlisted* accepts need not be listed)."""
     def root_attrs(self) -> dict[str, Any]: ...
     def set_root_attr(self, key: str, value: dict[str, Any]) -> None: ...
     def attrs(self, name: str) -> dict[str, Any]: ...
@@ -193,11 +194,15 @@ class ZarrBackend:
             raise CorruptStoreError(f"{self.path}: zarr cannot open the root group ({type(exc).__name__}: {exc}); "
                                     "the store's metadata is damaged.") from exc
 
-    def inventory(self) -> Inventory:
-        """Root attributes and every array, from the store's own files, without trusting them."""
+    def inventory(self, unlisted: Callable[[str], bool] | None = None) -> Inventory:
+        """Root attributes and every array, from the store's own files, without trusting them.
+
+        Locally the chunk trees of the arrays *unlisted* accepts are not listed; at a URL
+        one listing gives every key anyway.
+        """
         if self.url:
             return remote_zarr_inventory(self.path, self.storage_options)
-        return zarr_inventory(self.path)
+        return zarr_inventory(self.path, unlisted=unlisted)
 
     def _array(self, name: str) -> Any:
         arr = self._open.get(name)
@@ -441,8 +446,8 @@ class HDF5Backend:
         if name in self._f:
             del self._f[name]
 
-    def inventory(self) -> Inventory:
-        """Root attributes and every dataset; links and external data refused."""
+    def inventory(self, unlisted: Callable[[str], bool] | None = None) -> Inventory:
+        """Root attributes and every dataset; links and external data refused (*unlisted*: counted anyway)."""
         return hdf5_inventory(self.path, self._f)
 
     def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:

@@ -79,17 +79,29 @@ MANY_BYTES = 8 << 20
 def read_zarr_many(reads: Sequence[tuple[str, str, Any]]) -> list[np.ndarray]:
     """``open_zarr_array(path, name)[sel]`` of every ``(path, name, sel)``, in one call into zarr's event loop.
 
-    Each array is opened as :func:`open_zarr_array` opens it and read with its own basic
+    Arrays whose chunk files :func:`~gradforensics.store.chunkread.read_direct` can read
+    (the codec chains gradforensics writes, every chunk present and sound) are read
+    there, in this thread, without zarr's loop; the others go to zarr.  Each of those is opened as :func:`open_zarr_array` opens it and read with its own basic
     selection (``AsyncArray.getitem``, what ``Array.__getitem__`` runs for slices); the
     reads run concurrently on zarr's loop, :data:`MANY_BYTES` of decoded chunks at a time,
     one thread hand-off for all of them.
     """
     from zarr.core.sync import sync
 
-    arrays = [open_zarr_array(path, name) for path, name, _ in reads]
+    from gradforensics.store.chunkread import read_direct
+
+    done: list[np.ndarray | None] = []
+    for path, name, sel in reads:          # the chunk files read here where they can be (chunkread)
+        meta = _metadata(path, name)
+        done.append(None if meta is None else read_direct(path, name, meta, sel))
+    left = [i for i, x in enumerate(done) if x is None]
+    if not left:
+        return [x for x in done if x is not None]
+    arrays = {i: open_zarr_array(reads[i][0], reads[i][1]) for i in left}
     batches: list[list[int]] = [[]]
     held = 0
-    for i, (a, (_, _, sel)) in enumerate(zip(arrays, reads, strict=True)):
+    for i in left:
+        a, sel = arrays[i], reads[i][2]
         nbytes = _chunk_bytes(a, sel)
         if batches[-1] and held + nbytes > MANY_BYTES:
             batches.append([])
@@ -103,7 +115,9 @@ def read_zarr_many(reads: Sequence[tuple[str, str, Any]]) -> list[np.ndarray]:
             out += await asyncio.gather(*(arrays[i].async_array.getitem(reads[i][2]) for i in batch))
         return out
 
-    return [np.asarray(x) for x in sync(gather())]
+    for i, x in zip(left, sync(gather()), strict=True):
+        done[i] = np.asarray(x)
+    return [x for x in done if x is not None]
 
 
 def _chunk_bytes(a: Any, sel: Any) -> int:

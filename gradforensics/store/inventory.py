@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,12 +145,15 @@ def _corrupt(path: str, where: str, what: str) -> CorruptStoreError:
 
 
 # ------------------------------------------------------------------ Zarr v3
-def zarr_inventory(path: str, only: str | None = None) -> Inventory:
+def zarr_inventory(path: str, only: str | None = None, unlisted: Callable[[str], bool] | None = None) -> Inventory:
     """Every array of the Zarr v3 store at *path*, from its own ``zarr.json`` files.
 
     With *only* (a top-level group, e.g. ``"analysis"``), the root and that group alone
     are walked: what saving analysis results needs under the writer's lock, without
-    listing the thousands of gradient arrays again.
+    listing the thousands of gradient arrays again.  The chunk trees of the arrays whose
+    name *unlisted* accepts are not listed (no ``chunk_files``, ``nbytes_stored`` 0, a
+    link inside them not seen): a store opened with ``check_chunks=False`` checks none
+    of their chunks (``report`` of 2,000 tensors: 0.45 s of listing).
     """
     root = Path(path)
     if root.is_symlink() and not root.is_dir():
@@ -179,7 +183,7 @@ def zarr_inventory(path: str, only: str | None = None) -> Inventory:
             damaged.append(rel)         # analysis results are derived data: ignored, never fatal
             continue
         if arr is not None:
-            if "c" in dirs:
+            if "c" in dirs and (unlisted is None or not unlisted(rel)):
                 _scan_chunks(path, arr, here / "c")
             arrays.append(arr)
             continue                # an array's directory holds only its chunk tree

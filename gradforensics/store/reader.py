@@ -22,7 +22,7 @@ from gradforensics.store.backends import ArrayHandle, locate, open_backend, read
 from gradforensics.store.layout import MiB
 from gradforensics.store.location import Location
 from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
-from gradforensics.store.validate import check_arrays, check_ranks, rows_of
+from gradforensics.store.validate import check_arrays, check_ranks, chunks_checked, rows_of
 from gradforensics.store.writer import WEIGHT_RECORD
 
 if TYPE_CHECKING:
@@ -97,7 +97,8 @@ class Store:
             raise NotAStoreError(f"{self.path}: no such file or directory; expected a gradforensics store.")
         b = open_backend(self.location, "r")
         try:
-            inv = b.inventory()
+            # check_chunks=False: the bulk arrays' chunk trees are not listed (none of their chunks is checked)
+            inv = b.inventory(None if check_chunks else _unlisted)
         finally:
             b.close()
         self.meta: StoreMeta = parse_root_attrs(self.path, inv.root_attrs.get(ROOT_ATTR))
@@ -299,6 +300,11 @@ def _slab_chunks(info: ArrayInfo, slab_bytes: int) -> tuple[Any, ...]:
             chunks[ax] = min(shape[ax], disk[ax] * max(1, int(budget)))
             break
     return tuple(chunks)
+
+
+def _unlisted(name: str) -> bool:
+    """Whether a store opened with ``check_chunks=False`` leaves the chunk tree of array *name* unlisted."""
+    return not chunks_checked(name, False)
 
 
 def _blocks(n: int, c: int) -> tuple[int, ...]:

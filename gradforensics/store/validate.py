@@ -20,7 +20,7 @@ from gradforensics.store.names import name_problem
 from gradforensics.store.probe_schema import PROBE_GROUPS, check_probe
 from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, StoreMeta
 
-__all__ = ["BULK_GROUPS", "REQUIRED_BATCHES", "check_arrays", "check_ranks", "rows_of"]
+__all__ = ["BULK_GROUPS", "REQUIRED_BATCHES", "check_arrays", "check_ranks", "chunks_checked", "rows_of"]
 
 
 REQUIRED_BATCHES = ("step", "loss", "mixture", "n_samples")
@@ -53,8 +53,14 @@ def check_arrays(path: str, meta: StoreMeta, arrays: dict[str, StoredArray], che
         _check_kind(path, name, arr, meta)
         if name.split("/", 1)[0] in PROBE_GROUPS:
             check_probe(path, name, arr, arrays)
-        if check_chunks or name.split("/", 1)[0] not in BULK_GROUPS or name == "weights/_record":
+        if chunks_checked(name, check_chunks):
             _check_chunks(path, name, arr, arr.shape[0] if want is None else want)
+
+
+def chunks_checked(name: str, check_chunks: bool) -> bool:
+    """Whether the chunks of array *name* are checked (and so listed) at open: all with *check_chunks*,
+    else all but the bulk arrays' (gradients, sketches, weights: ``report`` reads none of them)."""
+    return check_chunks or name.split("/", 1)[0] not in BULK_GROUPS or name == "weights/_record"
 
 
 def _check_name(path: str, name: str) -> None:

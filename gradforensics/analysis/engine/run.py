@@ -458,11 +458,12 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
         for j, (aname, rkey, r) in enumerate(mine):
             keys.append(("lazy", aname, rkey))
             collections.append(parts[j] if r.finish is None else r.finish(parts[j]))
+    taken = {k for k in keys if k[0] == "lazy"}      # a set: a list's `in` per lazy key was keys x lazy keys
     for a in selected:
         if a.lazy is None:
             continue
         for name, coll in dict(a.lazy(store)).items():
-            if ("lazy", a.name, name) in keys:
+            if ("lazy", a.name, name) in taken:
                 raise SpecError(f"{a.name}: key {name!r} is returned by both lazy and slab_reductions.")
             keys.append(("lazy", a.name, name))
             collections.append(coll)
@@ -622,7 +623,11 @@ def _run(collections: list[Any], client: Client | None, progress: bool, num_work
 
     kwargs: dict[str, Any] = {}
     if dask.config.get("scheduler", None) is None:
-        kwargs["scheduler"] = "threads"
+        # the threaded scheduler itself, not its name: dask looks a name up only after importing
+        # distributed to ask for a client (0.4-0.5 s), and _default_client found none
+        from dask.threaded import get as threaded_get
+
+        kwargs["scheduler"] = threaded_get
         if num_workers:
             kwargs["num_workers"] = int(num_workers)
     with threadpool_limits(limits=1), _progress_bar(progress):
@@ -712,13 +717,26 @@ def _header(store: Store, batches: dict[str, np.ndarray], client: Client | None,
 
 def _versions() -> dict[str, str]:
     import dask
-    import h5py
     import zarr
 
     from gradforensics._version import __version__
 
     return {"gradforensics": __version__, "python": sys.version.split()[0], "numpy": np.__version__,
-            "dask": dask.__version__, "zarr": zarr.__version__, "h5py": h5py.__version__}
+            "dask": dask.__version__, "zarr": zarr.__version__, "h5py": _h5py_version()}
+
+
+def _h5py_version() -> str:
+    """``h5py.__version__`` without importing h5py for a Zarr store (0.15-0.4 s): its installed version."""
+    if "h5py" not in sys.modules:
+        from importlib import metadata
+
+        try:
+            return metadata.version("h5py")
+        except metadata.PackageNotFoundError:
+            pass
+    import h5py
+
+    return str(h5py.__version__)
 
 
 def _persist(store: Store, findings: Findings, grams: Mapping[tuple[str, int | None], GramResult],

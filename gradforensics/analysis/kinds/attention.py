@@ -94,10 +94,12 @@ class AttentionOptions(Options):
 # ---------------------------------------------------------------------- lazy pass
 def lazy(store: Store) -> dict[str, Any]:
     """Per module and window of records: max of max_logit, mean of entropy_mean and onehot_frac, min of entropy_min."""
+    out: dict[str, Any] = {}
+    if not store.attn_modules:
+        return out          # no attention statistics: dask.array is not imported for nothing
     import dask.array as da
 
     edges = window_edges(store.n_records, WINDOWS)
-    out: dict[str, Any] = {}
     for m in store.attn_modules:
         parts = {"max": ("max_logit", da.nanmax), "ent": ("entropy_mean", da.nanmean),
                  "emin": ("entropy_min", da.nanmin), "onehot": ("onehot_frac", da.nanmean)}

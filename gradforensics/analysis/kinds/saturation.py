@@ -132,9 +132,11 @@ class SaturationOptions(Options):
 # ---------------------------------------------------------------------- lazy pass
 def lazy(store: Store) -> dict[str, Any]:
     """Per module: per-record dead / saturated shares and per-window unit means of the shares."""
+    out: dict[str, Any] = {}
+    if not store.act_modules:
+        return out          # no activations: dask.array (1-1.6 CPU-s to import) is not needed
     import dask.array as da
 
-    out: dict[str, Any] = {}
     edges = window_edges(store.n_records, WINDOWS)
     for m in store.act_modules:
         low, high = store.lazy(f"acts/{m}/frac_low"), store.lazy(f"acts/{m}/frac_high")
