@@ -458,7 +458,7 @@ def read_findings(store: Store) -> Findings:
     doc = _findings_doc(read_document(store, "findings"), where)
     n = doc["n_records"]
     flags = []
-    kinds = frozenset(flag_kinds())
+    kinds = flag_kinds()
     for i, d in enumerate(doc["flags"]):
         flag = parse_flag(d, f"{where}: flags[{i}]", kinds)
         if flag.records[1] >= max(n, 1):
