@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from gradforensics.reporting.summary import FlagGroup
 
 __all__ = ["DPI", "EVIDENCE_SIZE", "MAX_HEAD_COLUMNS", "MAX_LAYER_SPAN", "MAX_SEPARATORS", "MAX_TICK_LABELS", "OTHER", "Overview",
-           "analysis_name", "evidence", "new_figure", "overview", "overview_data", "plain_log_ticks", "thin_ticks",
+           "analysis_name", "evidence", "flag_analyses", "new_figure", "overview", "overview_data", "plain_log_ticks", "thin_ticks",
            "to_png"]
 
 
@@ -130,19 +130,34 @@ class Overview:
     matrix: np.ndarray                  # (rows, len(layers) * heads); NaN = not analysed
 
 
+def flag_analyses(findings: Findings) -> list[str]:
+    """:func:`analysis_name` of every flag of *findings*, in order (each kind looked up once)."""
+    by_kind: dict[str, str] = {}
+    out = []
+    for f in findings.flags:
+        name = f.evidence.get("analysis")
+        if not (isinstance(name, str) and name in findings.results):
+            name = by_kind.get(f.kind)
+            if name is None:
+                name = by_kind[f.kind] = analysis_name(f, findings)
+        out.append(name)
+    return out
+
+
 def overview_data(findings: Findings) -> Overview:
     """The matrix behind :func:`overview` (tested directly)."""
     from gradforensics.analysis import REGISTRY
 
+    flag_rows = flag_analyses(findings)
     rows = [n for n in REGISTRY if n in findings.results] + [n for n in findings.results if n not in REGISTRY]
-    for f in findings.flags:
-        n = analysis_name(f, findings)
+    for n in dict.fromkeys(flag_rows):
         if n not in rows:
             rows.append(n)
     rows_of_table = {n: names.table_units(findings.table(n)) for n in rows}
     all_names = [t for r in rows_of_table.values() for t, _ in r] + [f.tensor for f in findings.flags]
     all_heads = [h for r in rows_of_table.values() for _, h in r] + [f.head for f in findings.flags]
-    idx = [names.layer_of(t) for t in all_names]
+    layer_of = {t: names.layer_of(t) for t in dict.fromkeys(all_names)}      # each name parsed once
+    idx = [layer_of[t] for t in all_names]
     known = sorted({i for i in idx if i is not None})
     layers: list[int | str] = list(known)
     if known and known[-1] - known[0] < MAX_LAYER_SPAN:
@@ -158,24 +173,31 @@ def overview_data(findings: Findings) -> Overview:
     col = {lay: j for j, lay in enumerate(layers)}
     m = np.full((len(rows), max(len(layers), 1) * n_heads), np.nan)
 
-    def cols(name: str, head: int | None) -> slice:
-        lay = names.layer_of(name)
+    def cols(name: str, head: int | None) -> tuple[int, int]:
+        lay = layer_of[name]
         j = col[OTHER if lay is None else lay]
         if head is None or n_heads == 1:
-            return slice(j * n_heads, (j + 1) * n_heads)
-        return slice(j * n_heads + head, j * n_heads + head + 1)
+            return j * n_heads, (j + 1) * n_heads
+        return j * n_heads + head, j * n_heads + head + 1
 
     for r, n in enumerate(rows):
         entries = rows_of_table[n]
         if not entries:                      # no per-tensor table: analysed everywhere
             m[r, :] = 0.0
         for t, _ in entries:
-            m[r, cols(t, None)] = 0.0
-    for f in findings.flags:
-        r = rows.index(analysis_name(f, findings))
-        s = cols(f.tensor, f.head)
-        cur = m[r, s]
-        m[r, s] = np.where(np.isnan(cur), f.severity, np.maximum(np.nan_to_num(cur), f.severity))
+            a, b = cols(t, None)
+            m[r, a:b] = 0.0
+    row_of = {n: r for r, n in enumerate(rows)}
+    cells_r: list[int] = []
+    cells_c: list[int] = []
+    sev: list[float] = []
+    for f, n in zip(findings.flags, flag_rows):       # each cell: its highest severity (NaN: none yet)
+        a, b = cols(f.tensor, f.head)
+        cells_r += [row_of[n]] * (b - a)
+        cells_c += range(a, b)
+        sev += [f.severity] * (b - a)
+    if sev:
+        np.fmax.at(m, (np.asarray(cells_r, dtype=np.intp), np.asarray(cells_c, dtype=np.intp)), np.asarray(sev))
     return Overview(rows, layers, n_heads, m)
 
 

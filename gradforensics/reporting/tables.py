@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradforensics._text import csv_cell
 from gradforensics.reporting import names
-from gradforensics.reporting.figures import analysis_name
+from gradforensics.reporting.figures import flag_analyses
 from gradforensics.reporting.paths import under
 from gradforensics.store.names import check_analysis_name
 
@@ -85,8 +85,8 @@ def write_csvs(findings: Findings, out_dir: Path, ordered: dict[str, pd.DataFram
 def layer_table(findings: Findings) -> tuple[list[str], list[dict[str, Any]]]:
     """Columns and rows of the layer-by-layer severity table, deepest problems first within a layer."""
     analyses = list(findings.results)
-    for f in findings.flags:
-        n = analysis_name(f, findings)
+    flag_rows = flag_analyses(findings)
+    for n in dict.fromkeys(flag_rows):
         if n not in analyses:
             analyses.append(n)
     rows: dict[tuple[str, int | None], dict[str, Any]] = {}
@@ -104,8 +104,7 @@ def layer_table(findings: Findings) -> tuple[list[str], list[dict[str, Any]]]:
             r = row(t, h)
             if r[a] is None:
                 r[a] = 0.0
-    for f in findings.flags:
-        a = analysis_name(f, findings)
+    for f, a in zip(findings.flags, flag_rows):
         r = row(f.tensor, f.head)
         r[a] = max(r[a] or 0.0, f.severity)
         r["max"] = max(r["max"], f.severity)
