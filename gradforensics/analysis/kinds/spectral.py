@@ -570,7 +570,7 @@ def compute(ctx: Context) -> AnalysisResult:
 
     opt = ctx.options_for(NAME, SpectralOptions)
     lz = ctx.computed.get(NAME, {})
-    todo: list[tuple[Any, ...]] = []
+    todo: list[tuple[str, int | None, str, list[Spectrum], np.ndarray, str, int]] = []
     series: dict[str, np.ndarray] = {}
     for key in sorted(k for k in lz if "_records|" not in k and not k.startswith("qk_logit|")):
         matrix, tensor = key.split("|", 1)
@@ -592,7 +592,7 @@ def compute(ctx: Context) -> AnalysisResult:
             series[f"fro2/{matrix}/{tensor}/{tag}"] = np.array([s.fro2 for s in spectra], dtype=np.float64)
     # the stable-rank trends of every row in one stacked pass (each pair rank_trend's, bit for bit)
     trends = rank_trends([stable_ranks(args[3]) for args in todo], min_n=3)
-    rows = [matrix_row(*args, trend=tr) for args, tr in zip(todo, trends, strict=True)]
+    rows = [matrix_row(t, h, m, sp, rec, role, k, trend=tr) for (t, h, m, sp, rec, role, k), tr in zip(todo, trends, strict=True)]
     table = pd.DataFrame(rows, columns=COLUMNS)
     logit_columns(table, {k.split("|", 1)[1]: lz[k] for k in lz if k.startswith("qk_logit|")}, series)
     return AnalysisResult(table=table, series=series)
