@@ -289,3 +289,80 @@ def test_bimodality_coefficients_are_the_single_call() -> None:
         assert all(_same(g, stats.bimodality_coefficient(x)) for g, x in zip(got, X, strict=True)), trial
     x = np.abs(rng.standard_normal(20000)) * 10.0 ** rng.integers(-100, 100, 20000)
     assert np.count_nonzero(x**1.5 != np.array([v**1.5 for v in x])) > 0
+
+
+def test_spectral_stable_rank_trends_stacked_are_rank_trend() -> None:
+    """Spectral's stable-rank trends of every row in one ``rank_trends`` call (``min_n=3``, two-sided, NaN not
+    skipped) against ``rank_trend`` row by row: the few snapshots a spectral row has (1-40), NaN and inf
+    ranks, ties, constant rows, many lengths in one call."""
+    from gradforensics.analysis.kinds import spectral as S
+
+    rng = np.random.default_rng(22)
+    for trial in range(80):
+        ys = []
+        for u in range(int(rng.integers(1, 40))):
+            n = int(rng.integers(1, 41))
+            y = 1.0 + rng.gamma(2.0, 3.0, n) * 10.0 ** rng.integers(-3, 4)
+            if u % 3 == 0:
+                y = np.round(y, 1)
+            if u % 5 == 0:
+                y[rng.integers(0, n)] = rng.choice([np.nan, np.inf])
+            if u % 9 == 0:
+                y[:] = 2.5
+            ys.append(y)
+        got = stats.rank_trends(ys, min_n=3)
+        want = [stats.rank_trend(y, min_n=3) for y in ys]
+        assert all(_same(g, w) for g, w in zip(got, want, strict=True)), trial
+    spectra = [S.Spectrum(sv=np.array([3.0, 1.0 + k / 10]), fro2=9.0 + k, exact=True) for k in range(6)]
+    row = S.matrix_row("t", None, "weight", spectra, np.arange(6), "", 1)
+    given = S.matrix_row("t", None, "weight", spectra, np.arange(6), "", 1,
+                         trend=stats.rank_trends([S.stable_ranks(spectra)], min_n=3)[0])
+    assert row.keys() == given.keys() and np.isfinite(row["stable_rank_trend"])
+    assert all(_same(row[k], given[k]) if isinstance(row[k], float) else row[k] == given[k] for k in row)
+
+
+def test_stacked_cosines_are_kspace_cosines() -> None:
+    """``cosines_each`` and ``record_cosines_each`` against ``kspace.cosines`` / ``record_cosines`` per item: drift's
+    window means, a source fit's rows against one direction, the opening mean; sizes 4-600, scales 1e-6 to
+    1e6, rank-deficient and non-finite K."""
+    rng = np.random.default_rng(31)
+    checked = 0
+    for t in range(150):
+        n, m = SIZES[t % len(SIZES)] if t % 5 else int(rng.integers(4, 8)), int(rng.integers(1, 9))
+        X = rng.standard_normal((m, n, int(rng.integers(1, 60)))) * 10.0 ** rng.uniform(-6, 6)
+        Ks = np.matmul(X, np.swapaxes(X, 1, 2))
+        if t % 7 == 0:
+            Ks[0, rng.integers(0, n), rng.integers(0, n)] = rng.choice([np.nan, np.inf])
+        if t % 11 == 0:
+            Ks[-1] = 0.0
+        W, rows = drift_mod._windows(n, ks.window_size(n))
+        C = rng.standard_normal((int(rng.integers(2, 5)), n))
+        d = ks.mean_coefficients(n, rows[-1]) - ks.mean_coefficients(n, rows[0])
+        a = ks.mean_coefficients(n, rows[0])
+        cases = [(st.cosines_each(Ks, W, W[:1]), (W, W[:1])), (st.cosines_each(Ks, C, d[None, :]), (C, d[None, :])),
+                 (st.cosines_each(Ks, W), (W,)), (st.record_cosines_each(Ks, a), a)]
+        for got, args in cases:
+            for i in range(m):
+                K = np.ascontiguousarray(Ks[i])
+                want = ks.record_cosines(K, args) if isinstance(args, np.ndarray) else ks.cosines(K, *args)
+                assert got[i].shape == want.shape and _same(got[i], want), (t, n, i)
+                checked += 1
+    assert checked > 2000
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_drift_slab_cosines_are_each_units_own(case: int) -> None:
+    """The planted stores' units through drift's stacked slab cosines against each unit's own calls (the
+    per-unit path, ``pre=None``): every row value and series, ``==``."""
+    ctx = list(_planted_contexts())[case]
+    mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
+    slab = [(u.gram, mix[u.records]) for u in un.units(ctx)]
+    pre = drift_mod._slab_cosines(slab, None)
+    assert len(pre) == len(slab)
+    for i, (K, m) in enumerate(slab):
+        (got, gs), (want, ws) = drift_mod._drift_start(K, m, None, pre[i]), drift_mod._drift_start(K, m, None)
+        assert got.row.keys() == want.row.keys()
+        assert all(_same(got.row[k], want.row[k]) if isinstance(want.row[k], float) else got.row[k] == want.row[k]
+                   for k in want.row)
+        assert _same(got.record_cos, want.record_cos) and _same(got.window_cos, want.window_cos)
+        assert gs is not None and ws is not None and _same(gs[0], ws[0]) and _same(gs[1], ws[1])

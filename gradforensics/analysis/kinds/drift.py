@@ -56,6 +56,7 @@ from gradforensics.analysis.contract.model import (
 )
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit import stacked as st
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.batches import LEARNING_DROP, loss_change
 from gradforensics.analysis.toolkit.parallel import map_slabs
@@ -168,8 +169,12 @@ def opening_cosines(K: np.ndarray, open_rows: np.ndarray) -> np.ndarray:
     opening records: ``cos = (S_i - K_ii) / sqrt(K_ii (T - 2 S_i + K_ii))`` with
     ``S_i = Σ_{j∈open} K_ij`` and ``T = Σ_{j,k∈open} K_jk``.
     """
-    n = K.shape[0]
-    cos = ks.record_cosines(K, ks.mean_coefficients(n, open_rows))
+    return _opening_fix(K, open_rows, ks.record_cosines(K, ks.mean_coefficients(K.shape[0], open_rows)))
+
+
+def _opening_fix(K: np.ndarray, open_rows: np.ndarray, cos: np.ndarray) -> np.ndarray:
+    """:func:`opening_cosines` from the records' cosines *cos* to the opening mean: the opening records' own
+    (leave-one-out) written in."""
     if open_rows.size > 1:
         sub = ks.block(K, open_rows)
         S, T, d = sub.sum(axis=1), sub.sum(), np.diag(sub)
@@ -193,7 +198,8 @@ def drift_slab(slab: list[tuple[np.ndarray, np.ndarray]], window: int | None) ->
     """:func:`drift_unit` of every ``(K, mixture)`` of *slab*: the rank trends of all its units in one
     :func:`~gradforensics.analysis.toolkit.stats.rank_trends` call per series kind (each unit's floats its own
     call's), the rest unit by unit."""
-    started = [_drift_start(K, mix, window) for K, mix in slab]
+    pre = _slab_cosines(slab, window)
+    started = [_drift_start(K, mix, window, pre.get(i)) for i, (K, mix) in enumerate(slab)]
     live = [i for i, (_, trends) in enumerate(started) if trends is not None]
     rec = rank_trends([started[i][1][0] for i in live], min_n=4, alternative="less", skip_nonfinite=True)  # type: ignore[index]
     win = rank_trends([started[i][1][1] for i in live], min_n=4, alternative="less", skip_nonfinite=True)  # type: ignore[index]
@@ -203,9 +209,50 @@ def drift_slab(slab: list[tuple[np.ndarray, np.ndarray]], window: int | None) ->
     return [res for res, _ in started]
 
 
+STACK_BYTES = 32 * 2**20
+"""Bytes of Gram matrices one stacked cosine pass of a slab copies, at most (one unit a pass above it)."""
+
+
+def _slab_cosines(slab: list[tuple[np.ndarray, np.ndarray]], window: int | None,
+                  ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """Unit index -> its records' cosines to the opening mean, its window cosines and its sources' cosines to the
+    new direction (None: no alignment), for the units of *slab* that are tested: the units of one record
+    count and mixture rows at a time, through the stacked :func:`~gradforensics.analysis.toolkit.stacked.cosines_each`
+    and :func:`~gradforensics.analysis.toolkit.stacked.record_cosines_each` (each unit's floats the single calls')."""
+    groups: dict[tuple[int, bytes], list[int]] = {}
+    for i, (K, mix) in enumerate(slab):
+        n = K.shape[0]
+        live = _windows(n, ks.window_size(n, window))[0].shape[0] >= 4
+        if live and isinstance(K, np.ndarray) and K.dtype == np.float64 and K.flags.c_contiguous:   # as the units' K
+            groups.setdefault((n, np.ascontiguousarray(mix, dtype=np.float64).tobytes()), []).append(i)
+    out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+    for (n, _), members in groups.items():
+        W, rows_of = _windows(n, ks.window_size(n, window))
+        open_rows, late = rows_of[0], _late(rows_of)
+        fit = ks.shared_fit(slab[members[0]][1])
+        d = (ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows))[None, :]
+        step = max(1, STACK_BYTES // max(1, 8 * n * n))
+        for at in range(0, len(members), step):
+            part = members[at:at + step]
+            Ks = np.stack([slab[i][0] for i in part])
+            rec = st.record_cosines_each(Ks, ks.mean_coefficients(n, open_rows))
+            wcos = st.cosines_each(Ks, W, W[:1])[:, :, 0]
+            align = st.cosines_each(Ks, fit.C, d)[:, :, 0] if fit.index.size >= 2 and fit.rank_ok else None
+            for j, i in enumerate(part):
+                out[i] = (rec[j], wcos[j], None if align is None else align[j])
+    return out
+
+
+def _late(rows_of: tuple[np.ndarray, ...]) -> np.ndarray:
+    """The rows of the last third of the windows after the first (at least one window)."""
+    return np.concatenate(rows_of[-max(1, (len(rows_of) - 1) // 3):])
+
+
 def _drift_start(K: np.ndarray, mixture: np.ndarray, window: int | None,
+                 pre: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None,
                  ) -> tuple[UnitDrift, tuple[np.ndarray, np.ndarray] | None]:
-    """A unit's drift statistics but its rank trends (their places in the row held), and the two series they test."""
+    """A unit's drift statistics but its rank trends (their places in the row held), and the two series they test
+    (*pre*: its cosines from :func:`_slab_cosines`, else computed here)."""
     n = K.shape[0]
     w = ks.window_size(n, window)
     W, rows_of = _windows(n, w)
@@ -213,8 +260,12 @@ def _drift_start(K: np.ndarray, mixture: np.ndarray, window: int | None,
     if W.shape[0] < 4:
         return UnitDrift(row, np.full(n, np.nan), np.zeros((0, 2))), None
     open_rows = rows_of[0]
-    rec = opening_cosines(K, open_rows)
-    wcos = ks.cosines(K, W, W[:1])[:, 0]
+    if pre is None:
+        rec = opening_cosines(K, open_rows)
+        wcos = ks.cosines(K, W, W[:1])[:, 0]
+    else:
+        rec = _opening_fix(K, open_rows, pre[0].copy())
+        wcos = pre[1].copy()
     wcos[0] = np.nan
     k = max(1, (W.shape[0] - 1) // 3)
     late = np.concatenate(rows_of[-k:])
@@ -223,7 +274,8 @@ def _drift_start(K: np.ndarray, mixture: np.ndarray, window: int | None,
     rotation = 1.0 - c_db if np.isfinite(c_db) else (1.0 - c_late / c_early if c_early > 0.1 else math.nan)
     row.update(cos_early=c_early, cos_late=c_late, cos_late_debiased=c_db, rotation=rotation, rho=math.nan,
                p_value=math.nan, rho_windows=math.nan, since_pos=None)
-    row.update(_alignment(K, mixture, ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)))
+    d = ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)
+    row.update(_alignment(K, mixture, d, None if pre is None else pre[2]))
     return UnitDrift(row, rec, np.column_stack((_centres(n, w), wcos))), (rec[open_rows.size:], wcos[1:])
 
 
@@ -246,12 +298,14 @@ def _windows(n: int, w: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     return W, rows_of
 
 
-def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray) -> dict[str, Any]:
-    """Which source's mean gradient points most along the new direction *d*."""
+def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray, c: np.ndarray | None = None) -> dict[str, Any]:
+    """Which source's mean gradient points most along the new direction *d* (*c*: the sources' cosines to it, when
+    the caller has them)."""
     fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
     if fit.index.size < 2 or not fit.rank_ok:
         return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
-    c = ks.cosines(K, fit.C, d[None, :])[:, 0]
+    if c is None:
+        c = ks.cosines(K, fit.C, d[None, :])[:, 0]
     if not np.isfinite(c).any():
         return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
     order = np.argsort(-np.nan_to_num(c, nan=-2.0))

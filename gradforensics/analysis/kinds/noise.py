@@ -73,15 +73,16 @@ from gradforensics.analysis.toolkit.noisescale import (
     Parts,
     mixture_parts,
     noise_estimate,
-    noise_parts,
+    noise_parts_stack,
     robust_z,
+    summaries,
     summarize,
 )
-from gradforensics.analysis.toolkit.parallel import map_units
+from gradforensics.analysis.toolkit.parallel import map_slabs
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     import pandas as pd
     from matplotlib.axes import Axes
@@ -150,15 +151,13 @@ def design(n_samples: np.ndarray, mixture: np.ndarray | None, source_index: np.n
     return Design(b, idx, tuple(sources), shares, within)
 
 
-def _estimate(gram: np.ndarray, mask: np.ndarray, d: Design, source: int | None) -> tuple[Parts, str]:
-    rows = np.flatnonzero(mask if source is None else mask & (d.source_index == source))
-    k, b = ks.block(gram, rows), d.n_samples[rows]
-    if source is None and d.within:
-        present = np.unique(d.source_index[rows])
-        if present.size >= 2 and min(np.sum(d.source_index[rows] == s) for s in present) >= 2:
-            remap = np.searchsorted(present, d.source_index[rows])
-            return mixture_parts(k, b, remap, d.shares[present]), "within sources"
-    return noise_parts(k, b), "pooled"
+def _within(gram: np.ndarray, rows: np.ndarray, d: Design) -> Parts | None:
+    """The within-source parts of the records *rows* (every one pure, >= 2 sources of >= 2 records), else None."""
+    present = np.unique(d.source_index[rows])
+    if present.size >= 2 and min(np.sum(d.source_index[rows] == s) for s in present) >= 2:
+        remap = np.searchsorted(present, d.source_index[rows])
+        return mixture_parts(ks.block(gram, rows), d.n_samples[rows], remap, d.shares[present])
+    return None
 
 
 def _row(tensor: str, head: int | None, label: str, parts: Parts, estimator: str, b: np.ndarray,
@@ -169,17 +168,44 @@ def _row(tensor: str, head: int | None, label: str, parts: Parts, estimator: str
 
 def noise_rows(g: GramResult, d: Design, mask: np.ndarray | None = None) -> tuple[list[dict[str, Any]], dict]:
     """Rows of one tensor (or head): all sources, then each source with >= 2 pure records; and their parts."""
-    usable = g.finite & (d.n_samples > 0) if mask is None else mask
-    rows, parts = [], {}
-    for s in [None, *range(len(d.sources))]:
-        sel = usable if s is None else usable & (d.source_index == s)
-        if s is not None and sel.sum() < 2:
-            continue
-        p, how = _estimate(g.gram, usable, d, s)
-        label = "" if s is None else d.sources[s]
-        parts[label] = p
-        rows.append(_row(g.tensor, g.head, label, p, how, d.n_samples[sel], g.from_sketch))
-    return rows, parts
+    return noise_rows_many([g], d, mask)[0]
+
+
+def noise_rows_many(gs: Sequence[GramResult], d: Design, mask: np.ndarray | None = None,
+                    ) -> list[tuple[list[dict[str, Any]], dict]]:
+    """:func:`noise_rows` of every unit of *gs*, each its own call's floats: the pooled estimates of all rows with
+    the same records in one :func:`~gradforensics.analysis.toolkit.noisescale.noise_parts_stack` pass, the
+    jackknife errors of all rows in one :func:`~gradforensics.analysis.toolkit.noisescale.summaries` call."""
+    entries: list[tuple[int, str, np.ndarray, Parts | None, str]] = []      # unit, label, its records' mask, ...
+    pooled: dict[bytes, tuple[np.ndarray, list[int]]] = {}
+    for u, g in enumerate(gs):
+        usable = g.finite & (d.n_samples > 0) if mask is None else mask
+        for s in [None, *range(len(d.sources))]:
+            sel = usable if s is None else usable & (d.source_index == s)
+            if s is not None and sel.sum() < 2:
+                continue
+            rows = np.flatnonzero(sel)
+            within = _within(g.gram, rows, d) if s is None and d.within else None
+            if within is None:
+                pooled.setdefault(rows.tobytes(), (rows, []))[1].append(len(entries))
+            entries.append((u, "" if s is None else d.sources[s], sel, within, "within sources" if within else "pooled"))
+    got: dict[int, Parts] = {}
+    for rows, members in pooled.values():
+        stack = np.empty((len(members), rows.size, rows.size))
+        for j, e in enumerate(members):              # ks.block, written into the stack
+            np.take(np.take(np.asarray(gs[entries[e][0]].gram, dtype=np.float64), rows, axis=0), rows, axis=1,
+                    out=stack[j])
+        got.update(zip(members, noise_parts_stack(stack, d.n_samples[rows]), strict=True))
+    parts = [p if p is not None else got[e] for e, (_, _, _, p, _) in enumerate(entries)]
+    sizes = [d.n_samples[sel] for _, _, sel, _, _ in entries]
+    ests = summaries([(p, float(b.mean()) if b.size else math.nan, int(b.size), how)
+                      for p, b, (_, _, _, _, how) in zip(parts, sizes, entries, strict=True)])
+    out: list[tuple[list[dict[str, Any]], dict]] = [([], {}) for _ in gs]
+    for p, est, (u, label, _, _, _) in zip(parts, ests, entries, strict=True):
+        g = gs[u]
+        out[u][1][label] = p
+        out[u][0].append({"tensor": g.tensor, "head": g.head, "source": label, **est, "from_sketch": g.from_sketch})
+    return out
 
 
 def model_rows(grams: Mapping[tuple[str, int | None], GramResult], d: Design,
@@ -219,11 +245,12 @@ def noise_table(grams: Mapping[tuple[str, int | None], GramResult], n_samples: n
 
     d = design(np.asarray(n_samples), mixture, source_index, sources, mode)
     keys = sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
-    def one(key: tuple[str, int | None]) -> tuple[list[dict[str, Any]], dict]:
-        rows, parts = noise_rows(grams[key], d)
-        return rows, parts if key[1] is None else {}        # a whole tensor's parts may serve the model's rows
+    def slab(part: list[tuple[str, int | None]]) -> list[tuple[list[dict[str, Any]], dict]]:
+        done = noise_rows_many([grams[key] for key in part], d)
+        return [(rows, parts if key[1] is None else {}) for key, (rows, parts) in zip(part, done, strict=True)]
+        # (a whole tensor's parts may serve the model's rows)
 
-    done = dict(zip(keys, map_units(one, keys), strict=True))
+    done = dict(zip(keys, map_slabs(slab, keys), strict=True))
     rows = model_rows(grams, d, done)
     for key in keys:
         rows += done[key][0]

@@ -68,7 +68,7 @@ from gradforensics.analysis.contract.model import (
     Options,
 )
 from gradforensics.analysis.toolkit.kspace import window_edges
-from gradforensics.analysis.toolkit.stats import rank_trend
+from gradforensics.analysis.toolkit.stats import rank_trend, rank_trends
 from gradforensics.analysis.toolkit.units import head_of
 from gradforensics.errors import SpecError
 from gradforensics.store.heads import HeadSpec
@@ -120,6 +120,7 @@ __all__ = [
     "singular_values",
     "slab_reductions",
     "stable_rank",
+    "stable_ranks",
     "top_share",
     "window_sums",
 ]
@@ -231,6 +232,11 @@ def _top_eigenvalue(g: np.ndarray) -> float:
 def stable_rank(s: Spectrum) -> float:
     """``‖W‖_F² / ‖W‖_2²``."""
     return float(s.fro2 / s.sv[0] ** 2) if s.sv.size and s.sv[0] > 0 else float("nan")
+
+
+def stable_ranks(spectra: list[Spectrum]) -> np.ndarray:
+    """The :func:`stable_rank` of each point of one matrix's spectra."""
+    return np.array([stable_rank(s) for s in spectra])
 
 
 def effective_rank(sv: np.ndarray) -> float:
@@ -524,13 +530,14 @@ def partner_of(tensor: str) -> str | None:
 
 
 def matrix_row(tensor: str, head: int | None, matrix: str, spectra: list[Spectrum], records: np.ndarray,
-               role: str, top_k: int) -> dict[str, Any]:
-    """One table row: the last point's spectrum, growth and stable rank against the first."""
+               role: str, top_k: int, trend: tuple[float, float] | None = None) -> dict[str, Any]:
+    """One table row: the last point's spectrum, growth and stable rank against the first (*trend*: the stable
+    ranks' :func:`rank_trend`, when the caller has it)."""
     first, last = spectra[0], spectra[-1]
     rel = EVALS_THRESH if matrix == "weight" else EVALS_THRESH * (last.sv[0] ** 2 if last.sv.size else 1.0)
     fit = powerlaw_fit(last.sv ** 2, rel)
-    srs = np.array([stable_rank(s) for s in spectra])
-    rho, p = rank_trend(srs, min_n=3)
+    srs = stable_ranks(spectra)
+    rho, p = rank_trend(srs, min_n=3) if trend is None else trend
     half = srs[: max(1, srs.size // 2)]
     ref = float(np.median(half))
     steady = srs.size >= 4 and bool(np.all(srs[-2:] < np.min(half)))
@@ -563,7 +570,7 @@ def compute(ctx: Context) -> AnalysisResult:
 
     opt = ctx.options_for(NAME, SpectralOptions)
     lz = ctx.computed.get(NAME, {})
-    rows: list[dict[str, Any]] = []
+    todo: list[tuple[str, int | None, str, list[Spectrum], np.ndarray, str, int]] = []
     series: dict[str, np.ndarray] = {}
     for key in sorted(k for k in lz if "_records|" not in k and not k.startswith("qk_logit|")):
         matrix, tensor = key.split("|", 1)
@@ -578,11 +585,14 @@ def compute(ctx: Context) -> AnalysisResult:
         for head in points[0]:
             spectra = [pt[head] for pt in points]
             label = labels[head] if head is not None and head < len(labels) else None
-            rows.append(matrix_row(tensor, head, matrix, spectra, records,
-                                   role_of(tensor, str(attrs.get("role", "")), label), opt.top_k))
+            todo.append((tensor, head, matrix, spectra, records,
+                         role_of(tensor, str(attrs.get("role", "")), label), opt.top_k))
             tag = "all" if head is None else head
             series[f"sv/{matrix}/{tensor}/{tag}"] = _stack([s.sv for s in spectra])
             series[f"fro2/{matrix}/{tensor}/{tag}"] = np.array([s.fro2 for s in spectra], dtype=np.float64)
+    # the stable-rank trends of every row in one stacked pass (each pair rank_trend's, bit for bit)
+    trends = rank_trends([stable_ranks(args[3]) for args in todo], min_n=3)
+    rows = [matrix_row(t, h, m, sp, rec, role, k, trend=tr) for (t, h, m, sp, rec, role, k), tr in zip(todo, trends, strict=True)]
     table = pd.DataFrame(rows, columns=COLUMNS)
     logit_columns(table, {k.split("|", 1)[1]: lz[k] for k in lz if k.startswith("qk_logit|")}, series)
     return AnalysisResult(table=table, series=series)

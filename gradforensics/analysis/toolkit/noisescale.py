@@ -54,7 +54,9 @@ __all__ = [
     "mixture_parts",
     "noise_estimate",
     "noise_parts",
+    "noise_parts_stack",
     "robust_z",
+    "summaries",
     "summarize",
 ]
 
@@ -85,22 +87,33 @@ class Parts:
 
 def noise_parts(gram: np.ndarray, n_samples: np.ndarray) -> Parts:
     """Pooled ``|G|²^``, ``tr(Σ)^`` of the records of *gram* (batch sizes *n_samples*), with delete-one values."""
-    k = np.asarray(gram, dtype=np.float64)
+    return noise_parts_stack(np.asarray(gram, dtype=np.float64)[None], n_samples)[0]
+
+
+def noise_parts_stack(grams: np.ndarray, n_samples: np.ndarray) -> list[Parts]:
+    """:func:`noise_parts` of every Gram matrix of the stack *grams* (``(m, n, n)``, the same records: batch sizes
+    *n_samples*), each item's floats those of the single call: ``K b`` as ``np.matmul`` on the stack (one
+    ``gemv`` an item), ``b · v`` as a ``(1, n)`` by ``(n, 1)`` product an item, the sums along each
+    contiguous row (the 1-d call's pairwise sum), the rest elementwise in the single call's order."""
+    k = np.asarray(grams, dtype=np.float64)
     b = np.asarray(n_samples, dtype=np.float64)
-    n = b.size
+    m, n = k.shape[0], b.size
     if n < 2:
-        return Parts(math.nan, math.nan, None, None)
-    d = np.diag(k)
-    v = k @ b
-    w1, w2, bd = b.sum(), (b * b).sum(), (b * d).sum()
-    g2 = (b @ v - (b * b * d).sum()) / (w1 * w1 - w2)
+        return [Parts(math.nan, math.nan, None, None) for _ in range(m)]
+    d = np.ascontiguousarray(np.diagonal(k, axis1=1, axis2=2))
+    v = np.matmul(k, b)                                              # k @ b per item
+    w1, w2 = b.sum(), (b * b).sum()
+    bd = (b * d).sum(axis=-1)
+    bv = np.matmul(np.broadcast_to(b, (m, 1, n)), v[:, :, None])[:, 0, 0]      # b @ v per item
+    bbd = (b * b * d).sum(axis=-1)
+    g2 = (bv - bbd) / (w1 * w1 - w2)
     tr = (bd - g2 * w1) / n
     if n < 3:
-        return Parts(float(g2), float(tr), None, None)
+        return [Parts(float(g2[i]), float(tr[i]), None, None) for i in range(m)]
     with np.errstate(divide="ignore", invalid="ignore"):
-        g2_m = (b @ v - (b * b * d).sum() - 2 * b * (v - b * d)) / ((w1 - b) ** 2 - (w2 - b * b))
-        tr_m = (bd - b * d - g2_m * (w1 - b)) / (n - 1)
-    return Parts(float(g2), float(tr), g2_m, tr_m)
+        g2_m = ((bv - bbd)[:, None] - 2 * b * (v - b * d)) / ((w1 - b) ** 2 - (w2 - b * b))
+        tr_m = (bd[:, None] - b * d - g2_m * (w1 - b)) / (n - 1)
+    return [Parts(float(g2[i]), float(tr[i]), g2_m[i], tr_m[i]) for i in range(m)]
 
 
 def _source_stats(P: np.ndarray, Q: np.ndarray, D: np.ndarray, W1: np.ndarray, W2: np.ndarray, ns: np.ndarray,
@@ -147,13 +160,47 @@ def mixture_parts(gram: np.ndarray, n_samples: np.ndarray, source: np.ndarray, s
     return Parts(float(g2), float(tr), g2_m, tr_m, float(own - g2))
 
 
-def _jackknife_se(loo: np.ndarray) -> float:
-    n = loo.size
-    return float(np.sqrt((n - 1) / n * ((loo - loo.mean()) ** 2).sum()))
+def _jackknife_se(loo: np.ndarray) -> np.ndarray:
+    """The delete-one standard error of every row of *loo* (``(m, n)``), each row's floats the 1-d formula's
+    (``sqrt((n-1)/n Σ (x - x̄)²)``: the mean and the sum along the contiguous row)."""
+    n = loo.shape[-1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.sqrt((n - 1) / n * ((loo - loo.mean(axis=-1)[:, None]) ** 2).sum(axis=-1))
 
 
 def summarize(parts: Parts, batch_size: float, n: int, estimator: str = "pooled") -> dict[str, float | str]:
     """The table fields of one estimate (see :data:`FIELDS`), the resolution rule applied."""
+    return summaries([(parts, batch_size, n, estimator)])[0]
+
+
+def summaries(items: list[tuple[Parts, float, int, str]]) -> list[dict[str, float | str]]:
+    """:func:`summarize` of every ``(parts, batch_size, n, estimator)`` of *items*, each its single call's floats:
+    the jackknife standard errors of all delete-one values of one length in one stacked pass
+    (:func:`_jackknife_se`; ``g2_loo · B / trace_loo`` elementwise), the rest item by item."""
+    trace_se: dict[int, float] = {}
+    snr_se: dict[int, float] = {}         # only where every delete-one SNR is finite (else no bounds)
+    by_len: dict[int, list[int]] = {}
+    for i, (p, _, n, _) in enumerate(items):
+        if n >= 2 and math.isfinite(p.g2) and p.g2_loo is not None and p.trace_loo is not None:
+            by_len.setdefault(p.trace_loo.size, []).append(i)
+    for members in by_len.values():
+        tr = np.stack([items[i][0].trace_loo for i in members])      # type: ignore[misc]
+        g2 = np.stack([items[i][0].g2_loo for i in members])         # type: ignore[misc]
+        bs = np.array([items[i][1] for i in members], dtype=np.float64)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            snr_m = g2 * bs / tr
+        for i, ok, se in zip(members, np.isfinite(tr).all(axis=-1), _jackknife_se(tr), strict=True):
+            if ok:
+                trace_se[i] = float(se)
+        for i, ok, se in zip(members, np.isfinite(snr_m).all(axis=-1), _jackknife_se(snr_m), strict=True):
+            if ok:
+                snr_se[i] = float(se)
+    return [_summary(p, b, n, how, trace_se.get(i), snr_se.get(i)) for i, (p, b, n, how) in enumerate(items)]
+
+
+def _summary(parts: Parts, batch_size: float, n: int, estimator: str, trace_se: float | None,
+             snr_se: float | None) -> dict[str, float | str]:
+    """One estimate's fields, given its jackknife standard errors (None: none)."""
     out: dict[str, float | str] = dict.fromkeys(FIELDS, math.nan)
     out.update(n=n, batch_size=batch_size, estimator=estimator, snr_note="", g2=parts.g2, trace_sigma=parts.trace,
                trace_between=parts.between)
@@ -161,14 +208,11 @@ def summarize(parts: Parts, batch_size: float, n: int, estimator: str = "pooled"
         return out
     snr = parts.g2 * batch_size / parts.trace if parts.trace > 0 else (math.inf if parts.g2 > 0 else math.nan)
     se = lo = hi = math.nan
-    if parts.g2_loo is not None and parts.trace_loo is not None:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            snr_m = parts.g2_loo * batch_size / parts.trace_loo
-        if np.all(np.isfinite(parts.trace_loo)):
-            out["trace_sigma_se"] = _jackknife_se(parts.trace_loo)
-        if np.all(np.isfinite(snr_m)):
-            se = _jackknife_se(snr_m)
-            lo, hi = snr - Z90 * se, snr + Z90 * se
+    if trace_se is not None:
+        out["trace_sigma_se"] = trace_se
+    if snr_se is not None:
+        se = snr_se
+        lo, hi = snr - Z90 * se, snr + Z90 * se
     resolved = snr > 0 and not (se >= snr)            # more than one standard error above 0 (or no se)
     upper = max(hi, 0.0) if math.isfinite(hi) else math.nan
     out.update(snr_se=se, snr_upper=upper)

@@ -12,7 +12,11 @@ stack; what makes it the same floats as the calls it replaces:
   the generalised ufunc ``np.linalg.lstsq`` itself calls (LAPACK ``gelsd``, one call an
   item, the same sizes and ``rcond``) given the stack; a *matrix* right-hand side would be
   one ``gelsd`` with several columns, whose floats differ from one column at a time;
-* ``np.fft.rfft(X, axis=-1)`` transforms each row as the 1-d call does (used as it is).
+* ``np.fft.rfft(X, axis=-1)`` transforms each row as the 1-d call does (used as it is);
+* :func:`cosines_each`, :func:`record_cosines_each` - ``kspace.cosines`` and
+  ``kspace.record_cosines`` of every Gram matrix of a stack: the products by ``np.matmul`` on
+  the stack (the single call's ``gemm``/``gemv``/``dot`` per item), the ``einsum`` norms item by
+  item (a stacked ``einsum`` need not reduce in the same order), the rest elementwise.
 
 ``tests/test_stacked_equalities.py`` holds each against the single calls, on random
 inputs of many sizes and scales and on the planted stores, with ``==``.
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["lstsq_each", "lstsq_stack", "matvec_each", "row_dots", "row_means"]
+__all__ = ["cosines_each", "lstsq_each", "lstsq_stack", "matvec_each", "record_cosines_each", "row_dots", "row_means"]
 
 
 def row_means(X: np.ndarray) -> np.ndarray:
@@ -80,3 +84,39 @@ def _lstsq_gufunc():  # type: ignore[no-untyped-def]
 
 
 _LSTSQ = _lstsq_gufunc()
+
+
+def cosines_each(Ks: np.ndarray, A: np.ndarray, B: np.ndarray | None = None) -> np.ndarray:
+    """``[kspace.cosines(K, A, B) for K in Ks]`` (``(U, p, q)``) for a stack *Ks* (``(U, N, N)``) and coefficient
+    rows *A* (``p × N``) and *B* (``q × N``; None: *A*), each item's floats the single call's."""
+    from gradforensics.analysis.toolkit.kspace import safe_div
+
+    A = np.atleast_2d(A)
+    same = B is None or B is A
+    B = A if B is None else np.atleast_2d(B)
+    Ks = np.asarray(Ks, dtype=np.float64)
+    AK = np.matmul(A, Ks)                                    # A @ K per item
+    num = np.matmul(AK, B.T)                                 # (A K) Bᵀ per item
+    na = np.sqrt(np.maximum(np.stack([np.einsum("ij,ij->i", ak, A) for ak in AK]), 0.0))
+    if same:
+        nb = na
+    else:
+        BK = np.matmul(B, Ks)
+        nb = np.sqrt(np.maximum(np.stack([np.einsum("ij,ij->i", bk, B) for bk in BK]), 0.0))
+    return safe_div(num, na[:, :, None] * nb[:, None, :])    # np.outer(na, nb) per item
+
+
+def record_cosines_each(Ks: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """``[kspace.record_cosines(K, a) for K in Ks]`` (``(U, N)``) for a stack *Ks* (``(U, N, N)``), each item's
+    floats the single call's (``K a`` and ``a K`` by ``np.matmul`` on the stack, ``(a K) · a`` one ``dot`` an
+    item)."""
+    from gradforensics.analysis.toolkit.kspace import safe_div
+
+    Ks = np.asarray(Ks, dtype=np.float64)
+    a = np.asarray(a, dtype=np.float64)
+    num = np.matmul(Ks, a)                                   # K @ a per item
+    aK = np.matmul(a, Ks)                                    # a @ K per item
+    aKa = np.matmul(aK[:, None, :], a[:, None])[:, 0, 0]     # (a @ K) @ a per item
+    diag = np.diagonal(Ks, axis1=1, axis2=2)
+    den = np.sqrt(np.maximum(diag, 0.0) * np.maximum(aKa, 0.0)[:, None])
+    return safe_div(num, den)

@@ -87,6 +87,9 @@ class Units(Sequence[Unit]):
     ``ctx.grams`` may read its Gram matrices from disk one at a time
     (:mod:`~gradforensics.analysis.engine.spill`): a list of all units would hold
     every restricted K at once.  Taking a unit twice builds it twice, the same.
+    Each unit's usable records are kept once found (:meth:`info` after ``units[i]``
+    maps no file again; ``units[i]`` after :meth:`info` finds no records again), one
+    array per distinct record set, read-only.
     """
 
     def __init__(self, grams: Mapping[tuple[str, int | None], Any], order: np.ndarray) -> None:
@@ -99,6 +102,8 @@ class Units(Sequence[Unit]):
         for tensor in sorted({t for t, _ in grams}):
             heads = tuple(sorted(by_tensor.get(tensor, [])))
             self._plan += [(tensor, head, heads) for head in [None, *heads]]
+        self._kept: dict[int, tuple[np.ndarray, bool]] = {}        # unit -> (its records, from_sketch)
+        self._sets: dict[bytes, np.ndarray] = {}                     # one array per distinct record set
 
     def __len__(self) -> int:
         return len(self._plan)
@@ -115,19 +120,36 @@ class Units(Sequence[Unit]):
         g = self._grams.get((tensor, head))
         if g is None:
             g = _sum_heads([self._grams[(tensor, h)] for h in heads])
-        return _unit(tensor, head, g, self._order, len(heads) if head is None and heads else None)
+        keep = self._records(i, g)
+        K = np.asarray(g.gram, dtype=np.float64)
+        return Unit(tensor=tensor, head=head, gram=K.take(keep, axis=0).take(keep, axis=1),   # = K[np.ix_(keep, keep)]
+                    records=keep.copy(), n_excluded=int(self._order.size - keep.size),
+                    from_sketch=self._kept[i][1], n_heads=len(heads) if head is None and heads else None)
+
+    def _records(self, i: int, g: Any) -> np.ndarray:
+        """Unit *i*'s usable records (:func:`_kept` of its Gram result *g*), found once (read-only, shared by the
+        units with the same records)."""
+        got = self._kept.get(i)
+        if got is None:
+            keep = _kept(g, self._order).astype(np.int64)
+            keep = self._sets.setdefault(keep.tobytes(), keep)
+            keep.flags.writeable = False
+            got = self._kept[i] = (keep, bool(getattr(g, "from_sketch", False)))
+        return got[0]
 
     def info(self, i: int) -> Unit:
         """Unit *i* without its restricted K (``gram`` 0×0): its names, records and exclusions, as ``self[i]``
         gives them, for the tables after the statistics (no copy of K; a whole tensor the engine gave no
         Gram matrix of is built from its heads, as ``self[i]`` does)."""
         tensor, head, heads = self._plan[i]
-        g = self._grams.get((tensor, head))
-        if g is None:
-            return dataclasses.replace(self[i], gram=_NO_GRAM)
-        keep = _kept(g, self._order)
-        return Unit(tensor=tensor, head=head, gram=_NO_GRAM, records=keep.astype(np.int64),
-                    n_excluded=int(self._order.size - keep.size), from_sketch=bool(getattr(g, "from_sketch", False)),
+        if i not in self._kept:
+            g = self._grams.get((tensor, head))
+            if g is None:
+                return dataclasses.replace(self[i], gram=_NO_GRAM)
+            self._records(i, g)
+        keep, sketch = self._kept[i]
+        return Unit(tensor=tensor, head=head, gram=_NO_GRAM, records=keep.copy(),
+                    n_excluded=int(self._order.size - keep.size), from_sketch=sketch,
                     n_heads=len(heads) if head is None and heads else None)
 
 
@@ -147,15 +169,6 @@ def _kept(g: Any, order: np.ndarray) -> np.ndarray:
     """The records of *g* usable for direction statistics (no non-finite element, finite diagonal), in *order*."""
     finite = np.asarray(g.nonfinite) == 0
     return order[finite[order] & np.isfinite(np.diagonal(np.asarray(g.gram)))[order]]
-
-
-def _unit(tensor: str, head: int | None, g: Any, order: np.ndarray, n_heads: int | None) -> Unit:
-    K = np.asarray(g.gram, dtype=np.float64)
-    keep = _kept(g, order)
-    sub = K.take(keep, axis=0).take(keep, axis=1)         # = K[np.ix_(keep, keep)], 2-3x faster
-    return Unit(tensor=tensor, head=head, gram=sub, records=keep.astype(np.int64),
-                n_excluded=int(order.size - keep.size), from_sketch=bool(getattr(g, "from_sketch", False)),
-                n_heads=n_heads)
 
 
 # ------------------------------------------------------------ series
