@@ -277,3 +277,81 @@ def test_fractal_line_fits_of_a_stack_are_polyfit() -> None:
         slope, r2 = fr._line_rows(x, Y)
         for u, y in enumerate(Y):
             assert (slope[u], r2[u]) == fr._line(x, y)
+
+
+# ------------------------------------------------- scipy.signal's results without importing it
+def test_the_replicas_are_scipy_signals_results() -> None:
+    from scipy.signal import find_peaks, savgol_coeffs
+
+    from gradforensics.analysis.toolkit.signal import replicas as rp
+
+    for n in [*range(1, 70), 127, 128, 129, 255, 256, 1000, 1024, 4096, 16384]:
+        assert _same(rp.hann_periodic(n), get_window("hann", n)), n
+    for w in [*range(5, 200, 2), 255, 257, 511, 1023, 1025, 2049]:
+        assert _same(rp.savgol_coeffs3(w), savgol_coeffs(w, 3)), w
+    rng = np.random.default_rng(17)
+    for n in (16, 17, 31, 32, 33, 48, 64, 100, 257, 600):
+        for nper in (16, 17, 32, 64, 128):
+            if nper > n:
+                continue
+            X = _stack(rng, 6, n, float(rng.choice([1e-9, 1.0, 1e9])))
+            win = get_window("hann", nper)
+            f2, P2 = rp.welch_density(X, win, nper)
+            for x, p2 in zip(X, P2):
+                f1, p1 = welch(x, fs=1.0, window=win, nperseg=nper, noverlap=nper // 2, detrend=False)
+                g1, q1 = rp.welch_density(x, win, nper)
+                assert _same(f1, f2) and _same(f1, g1) and _same(p1, p2) and _same(p1, q1), (n, nper)
+    for n in (0, 1, 2, 3, 5, 19, 40, 300):
+        for x in (rng.normal(size=n), np.round(rng.normal(size=n)), np.zeros(n), rng.integers(0, 3, n) * 1.0,
+                  np.r_[[-1.0], np.where(rng.random(n) < 0.5, 0.0, rng.random(n)), [-1.0]]):
+            assert _same(rp.local_maxima(x), find_peaks(x)[0]), x
+
+
+def _fit_ar1_with_scipy(r: np.ndarray, grid: bg.GainGrid) -> tuple[float, float]:
+    """fit_ar1 as it was: SciPy's brentq on the model."""
+    rho = bg.lag1(r)
+
+    def model(a: float) -> float:
+        g = grid.acov(a, 2)
+        return float(g[1] / g[0])
+
+    lo, hi = bg.AR1_BRACKET
+    if rho <= model(lo):
+        a = lo
+    elif rho >= model(hi):
+        a = hi
+    else:
+        a = float(brentq(lambda x: model(x) - rho, lo, hi, xtol=bg.AR1_XTOL))
+    return a, float(np.var(r)) / float(grid.acov(a, 1)[0])
+
+
+@pytest.mark.parametrize("n,detrender", [(32, "savgol"), (64, "diff"), (300, "savgol")])
+def test_fit_ar1_is_the_scipy_brentq_fit(n: int, detrender: str) -> None:
+    rng = np.random.default_rng(300 + n)
+    det = dt.detrend(np.cumsum(rng.normal(size=n)), detrender)
+    grid = bg.GainGrid(det.gain_grid(1 << 14))
+    R = _residuals(rng, det.residual.size, 120)
+    with np.errstate(all="ignore"):
+        for r in R:
+            try:
+                want = _fit_ar1_with_scipy(r, grid)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    bg.fit_ar1(r, grid)
+                continue
+            assert bg.fit_ar1(r, grid) == want
+
+
+def test_the_analyze_path_does_not_import_scipy_signal(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "from gradforensics.analysis.toolkit.signal.spectra import line_spectra\n"
+            "from gradforensics.analysis.kinds import fractal\n"
+            "rng = np.random.default_rng(0)\n"
+            "ys = [np.cumsum(rng.normal(size=40)) + np.sin(np.arange(40)) for _ in range(3)]\n"
+            "line_spectra(ys); line_spectra(ys[:1])\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('scipy.signal', 'scipy.optimize', 'scipy.stats'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -95,7 +95,7 @@ def fit_ar1(r: np.ndarray, gain: np.ndarray | GainGrid) -> tuple[float, float]:
     is ``−(1 − α)/2``; with no filter it is α itself, Torrence & Compo eq. 16's
     input); σ² then matches the residual's variance.
     """
-    from scipy.optimize import brentq
+    from gradforensics.analysis.toolkit.signal.rows import brentq_rows
 
     rho = lag1(r)
     grid = gain_grid_of(gain)
@@ -110,8 +110,14 @@ def fit_ar1(r: np.ndarray, gain: np.ndarray | GainGrid) -> tuple[float, float]:
         a = lo
     elif rho >= m_hi:
         a = hi
-    else:
-        a = float(brentq(lambda x: model(x) - rho, lo, hi, xtol=AR1_XTOL))
+    else:       # SciPy's brentq(model - rho, lo, hi, xtol=AR1_XTOL), its steps (rows.brentq_rows), bit for bit
+        root, ok = brentq_rows(lambda x, _: np.array([model(float(x[0])) - rho]), lo, hi,
+                               np.array([m_lo - rho]), np.array([m_hi - rho]), AR1_XTOL)
+        if not ok[0]:           # where brentq raises: ValueError for a NaN, RuntimeError past 100 steps
+            err = ValueError if np.isnan(rho) else RuntimeError
+            raise err(f"fit_ar1: the AR(1) root search found no root in [{lo}, {hi}] for a lag-1 "
+                      f"autocorrelation of {rho!r} (a non-finite residual?).")
+        a = float(root[0])
     g0 = grid.acov(a, 1)[0]
     return a, float(np.var(r)) / float(g0)
 
@@ -124,9 +130,9 @@ def hann(n: int) -> np.ndarray:
 
 @lru_cache(maxsize=64)
 def _hann(n: int) -> np.ndarray:
-    from scipy.signal import get_window
+    from gradforensics.analysis.toolkit.signal.replicas import hann_periodic
 
-    return get_window("hann", n)
+    return hann_periodic(n)         # scipy.signal.get_window("hann", n), bit for bit
 
 
 @lru_cache(maxsize=256)

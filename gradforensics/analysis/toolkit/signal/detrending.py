@@ -150,9 +150,9 @@ def savgol_window(n: int, window: int | None = None) -> int:
 @lru_cache(maxsize=64)
 def _savgol_coeffs(w: int) -> np.ndarray:
     """``scipy.signal.savgol_coeffs(w, 3)``, once per window (every series of a store shares it; read-only)."""
-    from scipy.signal import savgol_coeffs
+    from gradforensics.analysis.toolkit.signal.replicas import savgol_coeffs3
 
-    c = np.asarray(savgol_coeffs(w, 3))
+    c = savgol_coeffs3(w)            # SciPy's steps and its lstsq, without importing scipy.signal
     c.setflags(write=False)
     return c
 
@@ -160,20 +160,19 @@ def _savgol_coeffs(w: int) -> np.ndarray:
 def _savgol_interp(z: np.ndarray, w: int) -> np.ndarray:
     """``scipy.signal.savgol_filter(z, w, 3, mode="interp")`` with the window's coefficients computed once.
 
-    The same two steps SciPy takes (the convolution, then the cubic fitted to each edge) on
-    the same coefficients, so the same values bit for bit; SciPy alone where its edge fit
-    is not importable.
+    The same two steps SciPy takes (the convolution, then the cubic fitted to each edge:
+    :func:`~gradforensics.analysis.toolkit.signal.rows.savgol_rows` on a stack of one) on the
+    same coefficients, so the same values bit for bit; SciPy's filter where NumPy lacks the
+    stacked solve.
     """
-    try:
-        from scipy.ndimage import convolve1d
-        from scipy.signal._savitzky_golay import _fit_edges_polyfit
-    except ImportError:          # a SciPy that moved its private helper: the public filter
+    from gradforensics.analysis.toolkit.signal.rows import savgol_rows
+
+    out = savgol_rows(np.asarray(z, dtype=np.float64)[None, :], _savgol_coeffs(w))
+    if out is None:              # pragma: no cover - a NumPy without the lstsq gufunc
         from scipy.signal import savgol_filter
 
         return np.asarray(savgol_filter(z, w, 3, mode="interp"))
-    y = convolve1d(z, _savgol_coeffs(w), axis=-1, mode="constant")
-    out = _fit_edges_polyfit(z, w, 3, 0, 1.0, -1, y)
-    return np.asarray(y if out is None else out)      # older SciPy fills y in place and returns None
+    return out[0]
 
 
 def _savgol_fft(z: np.ndarray, coeffs: np.ndarray) -> np.ndarray:

@@ -101,12 +101,11 @@ def _edge_design(w: int) -> tuple[np.ndarray, np.ndarray]:
 
 # --------------------------------------------------------------------- Welch
 def welch_rows(R: np.ndarray, window: np.ndarray, nperseg: int) -> tuple[np.ndarray, np.ndarray]:
-    """``scipy.signal.welch(r, fs=1, window=window, nperseg, noverlap=nperseg // 2, detrend=False)`` of every row."""
-    from scipy.signal import welch
+    """``scipy.signal.welch(r, fs=1, window=window, nperseg, noverlap=nperseg // 2, detrend=False)`` of every row
+    (:func:`~gradforensics.analysis.toolkit.signal.replicas.welch_density` on the stack)."""
+    from gradforensics.analysis.toolkit.signal.replicas import welch_density
 
-    freq, power = welch(np.ascontiguousarray(R, dtype=np.float64), fs=1.0, window=window, nperseg=nperseg,
-                        noverlap=nperseg // 2, detrend=False, axis=-1)
-    return np.asarray(freq), np.asarray(power)
+    return welch_density(np.ascontiguousarray(R, dtype=np.float64), window, nperseg)
 
 
 # ------------------------------------------------------------------- brentq

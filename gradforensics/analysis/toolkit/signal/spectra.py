@@ -86,13 +86,12 @@ def _detrended(ys: list[np.ndarray], opt: SpectrumOptions, window: int | None, c
 
 def _welch(R: np.ndarray, nper: int) -> tuple[np.ndarray, np.ndarray] | None:
     """SciPy's Welch estimate of every row, or None where the first row is not the 1-d call's."""
-    from scipy.signal import welch
-
+    from gradforensics.analysis.toolkit.signal.replicas import welch_density
     from gradforensics.analysis.toolkit.signal.rows import welch_rows
 
     win = hann(nper)
     freq, power = welch_rows(R, win, nper)
-    f0, p0 = welch(R[0], fs=1.0, window=win, nperseg=nper, noverlap=nper // 2, detrend=False)
+    f0, p0 = welch_density(R[0], win, nper)
     if not (np.array_equal(f0, freq) and np.array_equal(p0, power[0])):
         return None
     return freq, power

@@ -316,12 +316,12 @@ def tested_spectrum(r: np.ndarray, det: Detrended, n_clipped: int, nper: int, op
     (``alpha, sigma2, acov``: the first AR(1) fit and its autocovariance, lags ``0..nper-1``)
     are what the stacked path (:func:`~gradforensics.analysis.toolkit.signal.spectra.line_spectra`)
     computed for many series at once, the same values."""
-    from scipy.signal import find_peaks, welch
+    from gradforensics.analysis.toolkit.signal.replicas import local_maxima, welch_density
 
     nper = min(nper, r.size)
-    # the Hann window as an array: the one SciPy makes of "hann" (get_window), made once per length
-    freq, power = welch_out or welch(r, fs=1.0, window=hann(nper), nperseg=nper, noverlap=nper // 2,
-                                     detrend=False)
+    # SciPy's Welch estimate (replicas.welch_density: its steps, without importing scipy.signal) with
+    # the Hann window SciPy makes of "hann", made once per length
+    freq, power = welch_out or welch_density(r, hann(nper), nper)
     n_seg = 1 + (r.size - nper) // (nper - nper // 2)
     dof = np.full(freq.size, welch_dof(nper, n_seg))
     if nper % 2 == 0:
@@ -341,7 +341,7 @@ def tested_spectrum(r: np.ndarray, det: Detrended, n_clipped: int, nper: int, op
         p[ok] = _chi2_sf(dof[ok] * power[ok] / bg[ok], dof[ok])
         p_adj = np.ones(freq.size)
         p_adj[ok] = adjust_pvalues(p[ok], opt.correction)
-        peaks, n_sig = _peaks(r, freq, power, bg, p, p_adj, ok, det, nper, opt, find_peaks)
+        peaks, n_sig = _peaks(r, freq, power, bg, p, p_adj, ok, det, nper, opt, local_maxima)
         sig = [q.frequency for q in peaks if q.significant]
         if not sig or fit is not r:
             break
@@ -391,7 +391,7 @@ def _peaks(r, freq, power, bg, p, p_adj, tested, det, nper, opt, find_peaks) -> 
     (largest oscillation first), else the most significant candidate; and how
     many were significant in all."""
     ratio = np.where(tested, power / np.where(bg > 0, bg, np.inf), 0.0)
-    idx, _ = find_peaks(np.concatenate([[-1.0], ratio, [-1.0]]))
+    idx = find_peaks(np.concatenate([[-1.0], ratio, [-1.0]]))     # scipy.signal.find_peaks(...)[0]
     idx = [int(i) - 1 for i in idx if tested[int(i) - 1]]
     df = 1.0 / nper
 
