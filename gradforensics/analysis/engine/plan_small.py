@@ -40,6 +40,7 @@ from gradforensics.analysis.engine.gram import (
     reduce_chunk,
     slab_chunks,
 )
+from gradforensics.analysis.engine.spill import write_spilled
 from gradforensics.errors import SpecError
 from gradforensics.store.backends import ArrayHandle, read_handles
 from gradforensics.store.layout import MiB
@@ -69,6 +70,8 @@ class OneSlab:
     gram: bool
     #: ``(tensor, record_chunks, n_heads, n_features, from_sketch)`` of its aggregate step
     args: tuple[Any, ...]
+    #: ``(directory, slot)``: its Gram results written there by the task (a spilled pass, local scheduler)
+    spill: tuple[str, int] | None = None
 
     @property
     def n_outputs(self) -> int:
@@ -77,8 +80,13 @@ class OneSlab:
 
 
 def one_slab(store: Store, tensor: str, reductions: Sequence[SlabReduction], gram: bool,
-             slab_bytes: int = DEFAULT_SLAB_BYTES) -> OneSlab | None:
-    """*tensor*'s pass as one read, or None where it takes more (several slabs, a split record axis)."""
+             slab_bytes: int = DEFAULT_SLAB_BYTES, spill: tuple[str, int] | None = None) -> OneSlab | None:
+    """*tensor*'s pass as one read, or None where it takes more (several slabs, a split record axis).
+
+    With *spill* ``(directory, slot)`` its Gram results are written to the spill directory by the
+    fused task, as :meth:`~gradforensics.analysis.engine.spill.GramSpill.wrap`'s task writes a
+    one-tensor graph's (the same files, named by the same *slot*).
+    """
     if tensor in store.grads:
         info, from_sketch = store.grads[tensor], False
     elif tensor in store.sketches and not reductions:
@@ -96,7 +104,7 @@ def one_slab(store: Store, tensor: str, reductions: Sequence[SlabReduction], gra
         return None            # the one-tensor graph says what is wrong
     args = (tensor, (int(chunks[0][0]),), int(info.shape[1]) if heads else None,
             int(np.prod(info.shape[1:], dtype=np.int64)), from_sketch)
-    return OneSlab(tensor, store.handle(info), sel, heads, tuple(reductions), gram, args)
+    return OneSlab(tensor, store.handle(info), sel, heads, tuple(reductions), gram, args, spill if gram else None)
 
 
 def fused_slabs(items: Sequence[OneSlab], precision: str = "float32") -> list[Any]:
@@ -112,10 +120,15 @@ def fused_slabs(items: Sequence[OneSlab], precision: str = "float32") -> list[An
         if it.reductions:
             part.update(reduce_chunk(x, it.sel, it.reductions))
             grams, values = aggregate_all(part, it.reductions, it.gram, *it.args)
-            out.extend(([grams] if it.gram else []) + values)
+            out.extend(([_spilled(grams, it.spill)] if it.gram else []) + values)
         else:
-            out.append(aggregate_partial(part, *it.args))
+            out.append(_spilled(aggregate_partial(part, *it.args), it.spill))
     return out
+
+
+def _spilled(grams: Any, spill: tuple[str, int] | None) -> Any:
+    """One tensor's Gram results, or what stands in for them once written to the spill directory."""
+    return grams if spill is None else write_spilled(spill[0], spill[1], grams)
 
 
 def fused_outputs(items: Sequence[OneSlab], precision: str = "float32") -> list[tuple[Delayed, list[OneSlab]]]:

@@ -430,8 +430,11 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
     small: list[tuple[int, OneSlab]] = []      # one-slab tensors: read and reduced many a task (plan_small)
     for tensor in store.tensors if want_gram else sorted(reductions):
         mine = reductions.get(tensor, [])
-        one = None if long_design is not None or sink is not None or any(r.finish is not None for _, _, r in mine) \
-            else one_slab(store, tensor, [r for _, _, r in mine], want_gram, engine.slab_bytes)
+        # a spilled pass fuses too under the local scheduler: the fused task writes each tensor's spill files
+        one = None if long_design is not None or (sink is not None and client is not None) \
+            or any(r.finish is not None for _, _, r in mine) \
+            else one_slab(store, tensor, [r for _, _, r in mine], want_gram, engine.slab_bytes,
+                          None if sink is None or sink.directory is None else (sink.directory, len(keys)))
         if one is not None:
             small.append((len(keys), one))
             keys += ([("gram", tensor)] if want_gram else []) + [("lazy", a, k) for a, k, _ in mine]
