@@ -184,7 +184,7 @@ def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str
 
 def _picture(fig: Any, stem: str, alt: str, note: str | None = None) -> Picture:
     png = figures.to_png(fig)
-    fig.clear()
+    figures.discard(fig)
     return Picture(stem, png, alt, note)
 
 
