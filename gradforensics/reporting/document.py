@@ -184,7 +184,7 @@ def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str
 
 def _picture(fig: Any, stem: str, alt: str, note: str | None = None) -> Picture:
     png = figures.to_png(fig)
-    fig.clear()
+    figures.discard(fig)
     return Picture(stem, png, alt, note)
 
 
@@ -213,6 +213,7 @@ def _build(findings: Findings, store: Store | None, ordered: dict[str, Any]) -> 
                   "the number in a block is its highest severity at or above 0.5; grey: not analysed.")
     problems: list[str] = []
     sections = []
+    said: dict[int, str] = {}
     canvas = figures.new_figure(*figures.EVIDENCE_SIZE)     # one figure for every finding: its renderer is reused
     for g in groups:
         pic = None
@@ -223,7 +224,8 @@ def _build(findings: Findings, store: Store | None, ordered: dict[str, Any]) -> 
             if note:
                 problems.append(f"finding {g.index + 1} ({g.kind}, {g.top.tensor}): {note}")
         tips = advice.advice_for(g.kind, g.flags, findings.mode, len(findings.sources))
-        sections.append(Section(g, g.sentence(findings.n_records), pic, tips, advice.references_for(g.kind)))
+        said[g.index] = g.sentence(findings.n_records)          # once: for its section and the summary
+        sections.append(Section(g, said[g.index], pic, tips, advice.references_for(g.kind)))
     _add_records_map(findings, store, sections)
     cols, rows = tables.layer_table(findings)
     return Document(
@@ -231,7 +233,7 @@ def _build(findings: Findings, store: Store | None, ordered: dict[str, Any]) -> 
         header=header_items(findings, store),
         headline=summary.headline(findings),
         verdict=summary.verdict(findings, groups),
-        sentences=[(g, g.sentence(findings.n_records)) for g in shown],
+        sentences=[(g, said[g.index] if g.index in said else g.sentence(findings.n_records)) for g in shown],
         n_more=n_more,
         overview=ov,
         sections=sections,
