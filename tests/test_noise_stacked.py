@@ -226,3 +226,23 @@ def _rows_before(g: _G, d: nz.Design) -> list[dict]:
         est = _summarize_before(p, float(bs.mean()) if bs.size else math.nan, int(bs.size), how)
         out.append({"source": "" if s is None else d.sources[s], **est})
     return out
+
+
+def test_small_median_is_numpys() -> None:
+    """The siblings' median (a few log levels, once per head) against ``np.median``: odd and even counts, ties,
+    infinities, scales up to overflow, signed zeros (equal, not always of the same sign: the median is only
+    compared with a threshold)."""
+    rng = np.random.default_rng(5)
+    for t in range(3000):
+        n = int(rng.integers(2, 40))
+        v = list(rng.standard_normal(n) * 10.0 ** rng.uniform(-300, 300))
+        if t % 5 == 0:
+            v = [float(x) for x in np.round(np.asarray(v) / max(abs(x) for x in v) * 3)]
+        if t % 7 == 0:
+            v[int(rng.integers(0, n))] = float(rng.choice([np.inf, -np.inf]))
+        if t % 13 == 0:      # zeros of both signs: equal, the sign of a middle zero is the sort's (it is only compared)
+            v = [0.0, -0.0] * (n // 2) + [-0.0] * (n % 2)
+            assert nz.small_median(v) == float(np.median(v)) == 0.0
+            continue
+        got, want = nz.small_median(v), float(np.median(v))
+        assert _same(got, want) or got == want == 0.0, (t, v)
