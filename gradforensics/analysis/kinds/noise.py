@@ -82,12 +82,12 @@ from gradforensics.analysis.toolkit.parallel import map_slabs
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Iterable, Mapping
 
     import pandas as pd
     from matplotlib.axes import Axes
 
-__all__ = ["COLUMNS", "FULL_BATCH", "MODEL", "NoiseOptions", "flags", "noise_estimate", "noise_rows", "noise_table", "severity", "small_median"]
+__all__ = ["COLUMNS", "FULL_BATCH", "MODEL", "NoiseOptions", "flags", "noise_estimate", "noise_rows", "noise_rows_many", "noise_table", "severity", "small_median"]
 
 #: The ``tensor`` of the run-level rows and finding.
 MODEL = "whole model"
@@ -171,14 +171,20 @@ def noise_rows(g: GramResult, d: Design, mask: np.ndarray | None = None) -> tupl
     return noise_rows_many([g], d, mask)[0]
 
 
-def noise_rows_many(gs: Sequence[GramResult], d: Design, mask: np.ndarray | None = None,
+def noise_rows_many(gs: Iterable[GramResult], d: Design, mask: np.ndarray | None = None,
                     ) -> list[tuple[list[dict[str, Any]], dict]]:
     """:func:`noise_rows` of every unit of *gs*, each its own call's floats: the pooled estimates of all rows with
     the same records in one :func:`~gradforensics.analysis.toolkit.noisescale.noise_parts_stack` pass, the
-    jackknife errors of all rows in one :func:`~gradforensics.analysis.toolkit.noisescale.summaries` call."""
+    jackknife errors of all rows in one :func:`~gradforensics.analysis.toolkit.noisescale.summaries` call.
+
+    The units are taken one at a time (*gs* may read each Gram matrix when it is taken): what is kept of a
+    unit is its rows' sub-blocks of K, until the stacked pass.
+    """
     entries: list[tuple[int, str, np.ndarray, Parts | None, str]] = []      # unit, label, its records' mask, ...
-    pooled: dict[bytes, tuple[np.ndarray, list[int]]] = {}
+    pooled: dict[bytes, tuple[np.ndarray, list[int], list[np.ndarray]]] = {}
+    meta: list[tuple[str, int | None, bool]] = []
     for u, g in enumerate(gs):
+        meta.append((g.tensor, g.head, g.from_sketch))
         usable = g.finite & (d.n_samples > 0) if mask is None else mask
         for s in [None, *range(len(d.sources))]:
             sel = usable if s is None else usable & (d.source_index == s)
@@ -187,25 +193,29 @@ def noise_rows_many(gs: Sequence[GramResult], d: Design, mask: np.ndarray | None
             rows = np.flatnonzero(sel)
             within = _within(g.gram, rows, d) if s is None and d.within else None
             if within is None:
-                pooled.setdefault(rows.tobytes(), (rows, []))[1].append(len(entries))
+                group = pooled.setdefault(rows.tobytes(), (rows, [], []))
+                group[1].append(len(entries))
+                group[2].append(ks.block(np.asarray(g.gram, dtype=np.float64), rows))
             entries.append((u, "" if s is None else d.sources[s], sel, within, "within sources" if within else "pooled"))
+        del g
     got: dict[int, Parts] = {}
-    for rows, members in pooled.values():
-        stack = np.empty((len(members), rows.size, rows.size))
-        for j, e in enumerate(members):              # ks.block, written into the stack
-            np.take(np.take(np.asarray(gs[entries[e][0]].gram, dtype=np.float64), rows, axis=0), rows, axis=1,
-                    out=stack[j])
-        got.update(zip(members, noise_parts_stack(stack, d.n_samples[rows]), strict=True))
+    for rows, members, blocks in pooled.values():
+        got.update(zip(members, noise_parts_stack(np.stack(blocks), d.n_samples[rows]), strict=True))
+        blocks.clear()
     parts = [p if p is not None else got[e] for e, (_, _, _, p, _) in enumerate(entries)]
     sizes = [d.n_samples[sel] for _, _, sel, _, _ in entries]
     ests = summaries([(p, float(b.mean()) if b.size else math.nan, int(b.size), how)
                       for p, b, (_, _, _, _, how) in zip(parts, sizes, entries, strict=True)])
-    out: list[tuple[list[dict[str, Any]], dict]] = [([], {}) for _ in gs]
+    out: list[tuple[list[dict[str, Any]], dict]] = [([], {}) for _ in meta]
     for p, est, (u, label, _, _, _) in zip(parts, ests, entries, strict=True):
-        g = gs[u]
+        tensor, head, sketch = meta[u]
         out[u][1][label] = p
-        out[u][0].append({"tensor": g.tensor, "head": g.head, "source": label, **est, "from_sketch": g.from_sketch})
+        out[u][0].append({"tensor": tensor, "head": head, "source": label, **est, "from_sketch": sketch})
     return out
+
+
+STACK_BYTES = 32 * 2**20
+"""Bytes of K's sub-blocks one stacked pass of noise's slab holds, at most (at least one unit a pass)."""
 
 
 def model_rows(grams: Mapping[tuple[str, int | None], GramResult], d: Design,
@@ -245,8 +255,11 @@ def noise_table(grams: Mapping[tuple[str, int | None], GramResult], n_samples: n
 
     d = design(np.asarray(n_samples), mixture, source_index, sources, mode)
     keys = sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    step = max(1, STACK_BYTES // max(1, 16 * d.n_samples.size ** 2))      # a unit's blocks: at most 2 N² floats
+
     def slab(part: list[tuple[str, int | None]]) -> list[tuple[list[dict[str, Any]], dict]]:
-        done = noise_rows_many([grams[key] for key in part], d)
+        done = [r for at in range(0, len(part), step)            # each K read when taken, one at a time
+                for r in noise_rows_many((grams[key] for key in part[at:at + step]), d)]
         return [(rows, parts if key[1] is None else {}) for key, (rows, parts) in zip(part, done, strict=True)]
         # (a whole tensor's parts may serve the model's rows)
 
