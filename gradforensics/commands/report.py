@@ -29,6 +29,7 @@ __all__ = ["COLLECT_EVERY", "add_arguments", "few_collections", "load_findings",
 #: The collector's first-generation threshold while a report is read and drawn (Python's default: 700).
 COLLECT_EVERY = 20_000
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", help="a *.zarr directory or *.h5 file that `gradforensics analyze` has run on")
     from gradforensics.commands import output
