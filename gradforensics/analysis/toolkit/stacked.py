@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["cosines_each", "lstsq_each", "lstsq_stack", "matvec_each", "record_cosines_each", "row_dots", "row_means"]
+__all__ = ["cosines_each", "lstsq_each", "lstsq_gufunc", "lstsq_stack", "matvec_each", "record_cosines_each", "row_dots", "row_means"]
 
 
 def row_means(X: np.ndarray) -> np.ndarray:
@@ -84,6 +84,12 @@ def _lstsq_gufunc():  # type: ignore[no-untyped-def]
 
 
 _LSTSQ = _lstsq_gufunc()
+
+
+def lstsq_gufunc():  # type: ignore[no-untyped-def]
+    """The generalised ufunc behind ``np.linalg.lstsq`` (LAPACK ``gelsd`` once per item of a stack), or None
+    where this NumPy does not expose it (callers then make the single calls)."""
+    return _LSTSQ
 
 
 def cosines_each(Ks: np.ndarray, A: np.ndarray, B: np.ndarray | None = None) -> np.ndarray:

@@ -29,6 +29,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from gradforensics.analysis.toolkit.stacked import lstsq_gufunc
+
 __all__ = ["ar1_roots", "brentq_rows", "lstsq_items", "savgol_rows", "welch_rows"]
 
 
@@ -38,7 +40,7 @@ def savgol_rows(Z: np.ndarray, coeffs: np.ndarray) -> np.ndarray | None:
     None where the stack cannot take this path (a NumPy without the stacked ``lstsq``)."""
     from scipy.ndimage import convolve1d
 
-    lstsq = _lstsq_gufunc()
+    lstsq = lstsq_gufunc()
     if lstsq is None:
         return None
     Z = np.ascontiguousarray(Z, dtype=np.float64)
@@ -64,7 +66,7 @@ def savgol_rows(Z: np.ndarray, coeffs: np.ndarray) -> np.ndarray | None:
 def lstsq_items(A: np.ndarray, B: np.ndarray, rcond: float) -> np.ndarray | None:
     """``[np.linalg.lstsq(A, b, rcond)[0] for b in B]`` for one design *A* ``(m, k)`` and rows *B* ``(U, m)``:
     ``gelsd`` once per item with a one-column right-hand side (None without the gufunc, or where the SVD fails)."""
-    lstsq = _lstsq_gufunc()
+    lstsq = lstsq_gufunc()
     if lstsq is None:
         return None
     U = B.shape[0]
@@ -75,15 +77,6 @@ def lstsq_items(A: np.ndarray, B: np.ndarray, rcond: float) -> np.ndarray | None
     except FloatingPointError:
         return None
     return np.ascontiguousarray(x[:, :, 0])
-
-
-def _lstsq_gufunc():  # type: ignore[no-untyped-def]
-    """The generalised ufunc behind ``np.linalg.lstsq`` (LAPACK ``gelsd`` once per item of a stack), or None."""
-    try:
-        from numpy.linalg import _umath_linalg
-    except ImportError:          # pragma: no cover - a NumPy without it: the single calls
-        return None
-    return getattr(_umath_linalg, "lstsq", None)
 
 
 @lru_cache(maxsize=64)
