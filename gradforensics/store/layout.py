@@ -15,7 +15,11 @@ The rules (measured in ``benchmarks/store_layout.py``, written up in
   wants - without reading anything else.
 * Small arrays (metadata, sketches, activation statistics) take several
   flushes per chunk, up to ``small_chunk_bytes``; rewriting such a chunk costs
-  at most that much per flush.
+  at most that much per flush.  When the records the array will hold are known
+  (``records``: the capture's ``expected_records``, or the records of a capture
+  that closes before its first flush) its chunk holds no more flushes than they
+  fill: 32 records of 32 floats are one chunk of 32 records, not of 4,096 (a
+  reader decodes a whole chunk, so 4,096 would cost 128x the bytes of the data).
 * Every chunk carries a checksum (``checksums``): a damaged chunk fails to
   decode, naming its array and records, instead of reading back as gradients.
 """
@@ -62,8 +66,11 @@ def records_per_chunk(record_bytes: int, policy: LayoutPolicy, expected: int | N
 
 
 def chunk_shape(row_shape: tuple[int, ...], itemsize: int, r: int, policy: LayoutPolicy,
-                head_split: bool = False) -> tuple[int, ...]:
+                head_split: bool = False, records: int | None = None) -> tuple[int, ...]:
     """On-disk chunk of an array whose rows (one per record) have *row_shape*.
+
+    *records*, when known, is how many records the array will hold: a small array's
+    chunk then spans no more flushes of *r* records than those records fill.
 
     For a head-split array (rows ``(H, ...)``) a chunk holds whole heads - as many
     as fit in ``chunk_bytes`` with its ``R`` records, balanced so the chunks are
@@ -81,6 +88,8 @@ def chunk_shape(row_shape: tuple[int, ...], itemsize: int, r: int, policy: Layou
         # Small array: several flushes per chunk.
         m = _pow2_floor(policy.small_chunk_bytes / max(r * inner_bytes, 1))
         m = min(m, max(1, 4096 // r))
+        if records is not None and records >= 1:
+            m = min(m, -(-int(records) // r))       # no flush a chunk the records will not fill
         return (r * m, *row_shape)
     if head_split and inner and r * inner_bytes <= policy.chunk_bytes:
         inner[0] = _balanced(row_shape[0], max(1, policy.chunk_bytes // max(r * inner_bytes, 1)))

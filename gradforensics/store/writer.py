@@ -71,6 +71,8 @@ class StoreWriter:
         self.policy = policy or LayoutPolicy()
         self._fixed_r = records_per_chunk
         self._expected = expected_records           # known in advance: chunks sized for no padding
+        #: records the arrays will hold, when known (a small array's chunk spans no more flushes than they fill)
+        self._chunk_records = expected_records
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
         self._protos: dict[str, Row] = {}           # per array, how it was created (no data): for _fit_chunks
         self._buffer: list[dict[str, Row]] = []
@@ -190,9 +192,12 @@ class StoreWriter:
         Nothing is on disk yet but empty arrays (no record is committed, no chunk written):
         they are created again with the chunks records_per_chunk(expected=m) gives, then the
         one flush writes them.  A kill in between leaves a store of no record, as a kill
-        before the first record does.
+        before the first record does.  A small array's chunk is those *m* records too, not
+        the several flushes of a long capture (32 records of 32 floats: one chunk of 32,
+        where it was 4,096 records, decoded whole by every read).
         """
         self._lock.check()
+        self._chunk_records = m
         for name, row in self._protos.items():
             self._backend.delete(name)
             self._create(name, row, m)
@@ -230,7 +235,7 @@ class StoreWriter:
 
     def _create(self, name: str, row: Row, r: int) -> None:
         data = row.data
-        chunks = chunk_shape(data.shape, data.dtype.itemsize, r, self.policy, row.head_split)
+        chunks = chunk_shape(data.shape, data.dtype.itemsize, r, self.policy, row.head_split, self._chunk_records)
         # A small array's chunk spans many flushes and is mostly padding until filled: in Zarr,
         # compress it (cheap at this size) so the padding costs no disk; Zarr rewrites a chunk
         # file atomically.  Not in HDF5: a filtered chunk (compressed, or checksummed) that is
