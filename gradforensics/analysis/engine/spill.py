@@ -6,9 +6,10 @@ Below ``N₀`` records the pass computes one N×N float64 Gram matrix per tensor
 the pass's memory grow with the unit count, and ``N₀`` had to fall with it.
 :class:`GramSpill` keeps them out of memory instead:
 
-* under the local scheduler each tensor's results are written (raw float64) by a
-  task of the pass itself, right after the task that computes them, so the pass
-  holds the Gram matrices of the tensors in flight only; under a
+* under the local scheduler each tensor's results are written (raw float64, its
+  units appended to one file at their offsets) by a task of the pass itself, right
+  after the task that computes them, so the pass holds the Gram matrices of the
+  tensors in flight only; under a
   ``dask.distributed`` client they are written by the client as each tensor's
   result arrives (``as_completed``), so it never holds them all;
 * ``Context.grams`` is then a read-only mapping, :class:`SpilledGrams`, whose
@@ -37,9 +38,10 @@ writes it and returns the :class:`~gradforensics.analysis.contract.grams.LongGra
 it (``super_path`` instead); the band moments, norms and non-finite records stay in memory.
 
 Saving the exact regime's matrices into the store (``analysis/gram/k``) frees each
-spilled file once its bytes have been written there (:meth:`SpilledGrams.release`), so
-the spill and the saved copy do not both hold every matrix at once: the peak disk use of
-a pass is one copy and a batch, not two copies.
+spilled file once the bytes of all its units have been written there
+(:meth:`SpilledGrams.release`), so the spill and the saved copy do not both hold every
+matrix at once: the peak disk use of a pass is one copy, a batch and one file (at most
+:data:`SPILL_FILE_BYTES`), not two copies.
 """
 
 from __future__ import annotations
@@ -62,13 +64,17 @@ from gradforensics.analysis.contract.grams import GramResult, LongGram
 from gradforensics.errors import WriteRefusedError, refusal
 from gradforensics.store.layout import MiB
 
-__all__ = ["SPILL_ABOVE", "SPILL_RESERVE", "GramSpill", "Spilled", "SpilledGrams", "fits_on_disk", "read_matrix",
+__all__ = ["SPILL_ABOVE", "SPILL_FILE_BYTES", "SPILL_RESERVE", "GramSpill", "Spilled", "SpilledGrams", "fits_on_disk", "read_matrix",
            "spill_bytes", "write_spilled"]
 
 SPILL_ABOVE = 64 * MiB
 """Gram bytes of a pass (``units × N² × 8``) up to which they stay in memory (engine option ``spill`` None)."""
 SPILL_RESERVE = 256 * MiB
 """Free bytes the spill leaves on its file system."""
+SPILL_FILE_BYTES = 16 * MiB
+"""Most bytes of one spill file of a tensor's exact Gram matrices (a larger matrix has a file of its own).  A file is
+removed once all its units are saved (:meth:`SpilledGrams.release`), so the save's peak disk is one copy, a batch
+and at most this much: 16 MiB holds 128 units at N = 128, and a unit of 16 MiB or more (N >= 1,449) is a file anyway."""
 _NPY_HEADER = 128          # room counted per file beyond its matrix (the files are raw now: a margin)
 
 Key = tuple[str, int | None]
@@ -95,34 +101,41 @@ class Spilled:
     nonfinite: np.ndarray
     n_features: int
     from_sketch: bool = False
+    #: where the matrix starts in *path* (a tensor's matrices share one file), in bytes
+    offset: int = 0
 
     def load(self) -> GramResult:
         """The :class:`GramResult`, its ``gram`` memory-mapped copy-on-write (the file is never changed)."""
-        gram = read_matrix(self.path, int(self.nonfinite.size), "c")
+        gram = read_matrix(self.path, int(self.nonfinite.size), "c", self.offset)
         return GramResult(self.tensor, self.head, gram, self.nonfinite, self.n_features, self.from_sketch)
 
 
-def read_matrix(path: str, n: int, mode: Literal["r", "c"] = "r") -> np.ndarray:
-    """The ``n × n`` float64 matrix a spill file holds, memory-mapped (*mode* ``"r"`` read-only, ``"c"`` copy-on-write).
+def read_matrix(path: str, n: int, mode: Literal["r", "c"] = "r", offset: int = 0) -> np.ndarray:
+    """The ``n × n`` float64 matrix a spill file holds at byte *offset*, memory-mapped (*mode* ``"r"`` read-only,
+    ``"c"`` copy-on-write).
 
     The files are raw (no ``.npy`` header): parsing one cost about 0.7 ms an access
     (``numpy.load``), four times the mapping itself, and a unit is taken several times.
     """
     if n == 0:
         return np.zeros((0, 0))
-    return np.memmap(path, dtype=np.float64, mode=mode, shape=(int(n), int(n)))
+    return np.memmap(path, dtype=np.float64, mode=mode, shape=(int(n), int(n)), offset=int(offset))
 
 
 def write_spilled(directory: str, slot: int,
                   results: Sequence[GramResult | LongGram]) -> list[Spilled | LongGram]:
     """Write the Gram matrices of one tensor's *results* (whole, heads) to *directory*; what stands in for them.
 
-    A :class:`GramResult` (the exact regime) becomes its :class:`Spilled`; a
+    A :class:`GramResult` (the exact regime) becomes its :class:`Spilled`: the tensor's
+    matrices are appended to one file, each at its offset, a new file begun where one would
+    pass :data:`SPILL_FILE_BYTES` (a tensor of 32 heads is one file, not 32: creating and
+    removing a file a unit cost about 3 s of a pass's wall over a thousand units).  A
     :class:`~gradforensics.analysis.contract.grams.LongGram` (the long-history regime)
-    the same LongGram with its super-record Gram matrix in a file (``super_gram`` None,
-    ``super_path`` set).  A task of the pass under the local scheduler, and the client's
-    arrival hook under ``dask.distributed``; *slot* (the tensor's place in the pass)
-    names the files, so they are distinct without any shared state.
+    becomes the same LongGram with its super-record Gram matrix in a file of its own
+    (``super_gram`` None, ``super_path`` set).  A task of the pass under the local
+    scheduler, and the client's arrival hook under ``dask.distributed``; *slot* (the
+    tensor's place in the pass) names the files, so they are distinct without any shared
+    state.
 
     Raises
     ------
@@ -130,31 +143,73 @@ def write_spilled(directory: str, slot: int,
         The disk refused a write (full, read-only): it names the directory and what to do.
     """
     out: list[Spilled | LongGram] = []
-    for j, g in enumerate(results):
-        path = os.path.join(directory, f"{int(slot)}-{j}.f8")
-        if isinstance(g, LongGram):
-            _save(path, g.super_matrix(), g.tensor, g.head, directory, "{'spill': False}", "hold them in memory")
-            out.append(dataclasses.replace(g, super_gram=None, super_path=path))
-            continue
-        _save(path, g.gram, g.tensor, g.head, directory, "{'long_history': 0}", "no per-record Gram matrix")
-        out.append(Spilled(g.tensor, g.head, path, np.asarray(g.nonfinite), int(g.n_features), bool(g.from_sketch)))
+    pack = _Pack(directory, int(slot))
+    try:
+        for j, g in enumerate(results):
+            if isinstance(g, LongGram):
+                path = os.path.join(directory, f"{int(slot)}-{j}.f8")
+                _save(path, g.super_matrix(), g.tensor, g.head, directory, "{'spill': False}", "hold them in memory")
+                out.append(dataclasses.replace(g, super_gram=None, super_path=path))
+                continue
+            path, offset = pack.add(g.gram, g.tensor, g.head)
+            out.append(Spilled(g.tensor, g.head, path, np.asarray(g.nonfinite), int(g.n_features),
+                               bool(g.from_sketch), offset))
+    finally:
+        pack.close()
     return out
+
+
+class _Pack:
+    """One tensor's exact Gram matrices appended to files ``<slot>.<k>.f8``, raw float64, each at its offset."""
+
+    def __init__(self, directory: str, slot: int) -> None:
+        self.directory, self.slot = directory, slot
+        self._fh: Any = None
+        self._path = ""
+        self._files = 0
+        self._offset = 0
+
+    def add(self, matrix: np.ndarray, tensor: str, head: int | None) -> tuple[str, int]:
+        """Append *matrix*; its file and byte offset there."""
+        data = np.ascontiguousarray(matrix, dtype=np.float64)
+        try:
+            if self._fh is None or (self._offset and self._offset + data.nbytes > SPILL_FILE_BYTES):
+                self.close()
+                self._path = os.path.join(self.directory, f"{self.slot}.{self._files}.f8")
+                self._files += 1
+                self._fh, self._offset = open(self._path, "wb"), 0     # noqa: SIM115  (closed by close())
+            at = self._offset
+            self._fh.write(data.data)
+        except OSError as exc:
+            _refused(exc, tensor, head, self.directory, "{'long_history': 0}", "no per-record Gram matrix")
+        self._offset += data.nbytes
+        return self._path, at
+
+    def close(self) -> None:
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            fh.close()
 
 
 def _save(path: str, matrix: np.ndarray, tensor: str, head: int | None, directory: str, instead: str,
           why_instead: str) -> None:
-    """One unit's matrix as raw float64 (C order, no header: :func:`read_matrix` knows its shape), a refused
-    write one line naming the unit and what to do."""
+    """One unit's matrix as raw float64 in a file of its own (C order, no header: :func:`read_matrix` knows its
+    shape), a refused write one line naming the unit and what to do."""
     try:
         with open(path, "wb") as fh:
             fh.write(np.ascontiguousarray(matrix, dtype=np.float64).data)
     except OSError as exc:
-        why = refusal(exc)
-        if why is None:
-            raise
-        raise WriteRefusedError(f"{directory}: the Gram matrix of {tensor}{'' if head is None else f' head {head}'} "
-                                f"could not be spilled ({why}); point TMPDIR at a disk with room, or pass "
-                                f"options={{'engine': {instead}}} ({why_instead}).") from exc
+        _refused(exc, tensor, head, directory, instead, why_instead)
+
+
+def _refused(exc: OSError, tensor: str, head: int | None, directory: str, instead: str, why_instead: str) -> None:
+    """Raise the one-line :class:`WriteRefusedError` for a spill write the disk refused (other errors as they are)."""
+    why = refusal(exc)
+    if why is None:
+        raise exc
+    raise WriteRefusedError(f"{directory}: the Gram matrix of {tensor}{'' if head is None else f' head {head}'} "
+                            f"could not be spilled ({why}); point TMPDIR at a disk with room, or pass "
+                            f"options={{'engine': {instead}}} ({why_instead}).") from exc
 
 
 class SpilledGrams(Mapping[Key, GramResult]):
@@ -168,6 +223,11 @@ class SpilledGrams(Mapping[Key, GramResult]):
     def __init__(self, entries: Sequence[GramResult | Spilled]) -> None:
         self._entries: dict[Key, GramResult | Spilled] = {(e.tensor, e.head): e for e in entries}
         self._released: set[Key] = set()
+        self._left: dict[str, int] = {}           # per spill file, its units not yet released
+        self._lock = threading.Lock()
+        for e in self._entries.values():
+            if isinstance(e, Spilled):
+                self._left[e.path] = self._left.get(e.path, 0) + 1
 
     def __getitem__(self, key: Key) -> GramResult:
         e = self._entries[key]
@@ -177,19 +237,26 @@ class SpilledGrams(Mapping[Key, GramResult]):
         return e.load() if isinstance(e, Spilled) else e
 
     def release(self, keys: Sequence[Key]) -> None:
-        """Remove the spill files of *keys* (their bytes are saved elsewhere now); a later read of them is refused.
+        """Release *keys* (their bytes are saved elsewhere now): a later read of them is refused, and a spill file is
+        removed once every unit it holds is released (a tensor's units share a file).
 
         Saving a spilled pass calls it batch by batch as each is written into the
         store (:func:`~gradforensics.analysis.engine.results.save_results`), so the pass's
         disk holds one copy of the Gram matrices, not the spill and the store's both.
         Entries held in memory are left as they are.
         """
+        with self._lock:
+            self._release(keys)
+
+    def _release(self, keys: Sequence[Key]) -> None:
         for key in keys:
             e = self._entries[key]
             if isinstance(e, Spilled) and key not in self._released:
                 self._released.add(key)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(e.path)
+                self._left[e.path] -= 1
+                if not self._left[e.path]:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(e.path)
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
