@@ -67,7 +67,7 @@ from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.parallel import map_units
-from gradforensics.analysis.toolkit.permtest import permutation_null, permutations, permuted_source_grams
+from gradforensics.analysis.toolkit.permtest import permutations, permuted_source_grams
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -161,13 +161,15 @@ def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, tra
     *design*: :func:`source_design` of *mixture* when the caller shares it between units (the same
     numbers as building it here).
     """
+    n = K.shape[0]
     d = source_design(mixture, opts, training) if design is None else design
     fit = d.fit
     if not d.testable or d.Q is None:
         return [], None, fit.index
     G, G_db = ks.source_grams(K, fit)
     cos, cos_db = ks.gram_to_cos(G), ks.gram_to_cos(G_db)
-    null = permutation_null(K, fit.A, d.Q, opts.permutations, opts.seed if seed is None else seed, d.block)
+    null = permuted_source_grams(K, fit.A, d.Q,
+                                 permutations(n, opts.permutations, opts.seed if seed is None else seed, d.block))
     rows = []
     tie = 1e-12 * float(np.abs(np.diagonal(G)).max(initial=0.0))
     for i, j in combinations(range(fit.index.size), 2):
