@@ -100,3 +100,59 @@ def test_fused_and_sliced_passes_give_the_same_spectral_table(store, monkeypatch
         for x, y in zip(a, b, strict=True):
             for h in x:
                 np.testing.assert_allclose(x[h].sv ** 2, y[h].sv ** 2, rtol=1e-4, atol=1e-5 * y[h].sv[0] ** 2)
+
+
+def _random_matrices(rng: np.random.Generator, n: int) -> tuple[list[np.ndarray], list[bool]]:
+    """Matrices of a few shared shapes (and some one-offs), float32 and float64, with zeros, NaN, inf, ties."""
+    shapes = [(4, 32), (32, 4), (32, 32), (1, 7), (7, 1), (70, 80), (3, 3)]
+    ms, tops = [], []
+    for i in range(n):
+        shape = shapes[int(rng.integers(len(shapes)))] if i % 5 else tuple(int(v) for v in rng.integers(1, 12, 2))
+        m = rng.standard_normal(shape) * float(rng.choice([1e-20, 1e-3, 1.0, 1e3]))
+        kind = int(rng.integers(6))
+        if kind == 1:
+            m[..., : max(1, shape[-1] // 2)] = 0.0
+        elif kind == 2:
+            m.flat[int(rng.integers(m.size))] = np.nan
+        elif kind == 3:
+            m.flat[int(rng.integers(m.size))] = np.inf
+        elif kind == 4:
+            m[:] = 2.5                                  # rank one, tied zeros in the spectrum
+        elif kind == 5:
+            m = np.zeros(shape)
+        ms.append(m.astype(np.float32) if rng.random() < 0.7 else m)
+        tops.append(bool(rng.random() < 0.5))
+    return ms, tops
+
+
+def test_stacked_singular_values_are_each_matrix_s_own_bit_for_bit() -> None:
+    """The stacked eigenvalue call gives every matrix exactly what ``singular_values`` gives it alone."""
+    rng = np.random.default_rng(28)
+    for _ in range(20):
+        ms, tops = _random_matrices(rng, int(rng.integers(1, 60)))
+        got = spectral.stacked_singular_values(ms, tops)
+        want = [spectral.singular_values(m, top_only=t) for m, t in zip(ms, tops, strict=True)]
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert g.sv.tobytes() == w.sv.tobytes() and g.fro2 == w.fro2 and g.exact == w.exact
+    assert spectral.stacked_singular_values([], []) == []
+
+
+def test_window_spectra_stacked_equal_the_per_window_spectra(store) -> None:
+    """All windows of a tensor in one stacked call: each window's own ``block_spectra``, bit for bit."""
+    for t in sorted(store.grads):
+        info = store.grads[t]
+        if not spectral._is_matrix(info.attrs, info.shape):
+            continue
+        x = store.read(info.name)
+        edges = window_edges(store.n_records, spectral.WINDOWS)
+        sel = tuple(slice(0, s) for s in x.shape)
+        means = spectral._window_means(spectral.window_sums(x, sel, edges), edges, tuple(info.shape[1:]))
+        spec = spectral.HeadSpec.from_attrs(info.attrs)
+        one = [spectral._window_spectrum(means, w, spec, w < len(edges) - 2) for w in range(len(edges) - 1)]
+        singles = [{h: spectral.singular_values(m, top_only=w < len(edges) - 2)
+                    for h, m in zip(*spectral.block_matrices(np.asarray(means[w], dtype=np.float32), spec,
+                                                             spec is not None), strict=True)}
+                   for w in range(len(edges) - 1)]
+        assert _same(spectral._all_window_spectra(means, len(edges) - 1, spec), singles), t
+        assert _same(one, singles), t

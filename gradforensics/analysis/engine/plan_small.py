@@ -167,5 +167,7 @@ def fused_output(fused: Delayed, i: int) -> Delayed:
     from dask.highlevelgraph import HighLevelGraph
 
     key = f"{fused.key}-out-{i}"
-    graph = HighLevelGraph.from_collections(key, {key: (operator.getitem, fused.key, i)}, dependencies=[fused])
+    layer: dict[Any, Any] = {key: (operator.getitem, fused.key, i)}
+    deps: list[Any] = [fused]
+    graph = HighLevelGraph.from_collections(key, layer, dependencies=deps)
     return Delayed(key, graph, layer=key)
