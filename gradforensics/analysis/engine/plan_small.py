@@ -22,6 +22,7 @@ outputs, in the order :func:`fused_outputs` names them.
 
 from __future__ import annotations
 
+import operator
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
     from gradforensics.store.reader import Store
 
-__all__ = ["GROUP_BYTES", "GROUP_TENSORS", "OneSlab", "fused_outputs", "fused_slabs", "one_slab"]
+__all__ = ["GROUP_BYTES", "GROUP_TENSORS", "OneSlab", "fused_output", "fused_outputs", "fused_slabs", "one_slab"]
 
 #: Stored floats one fused task reads at most (bytes, float32 as read).
 GROUP_BYTES = 8 * MiB
@@ -157,3 +158,16 @@ def fused_outputs(items: Sequence[OneSlab], precision: str = "float32") -> list[
             group.append(it)
             size += nbytes
     return out
+
+
+def fused_output(fused: Delayed, i: int) -> Delayed:
+    """Output *i* of a fused task (:func:`fused_outputs`) as a collection of its own: what a slab
+    reduction's ``finish`` builds on (one small task, no ``Delayed`` indexing's tokenizing)."""
+    from dask.delayed import Delayed
+    from dask.highlevelgraph import HighLevelGraph
+
+    key = f"{fused.key}-out-{i}"
+    layer: dict[Any, Any] = {key: (operator.getitem, fused.key, i)}
+    deps: list[Any] = [fused]
+    graph = HighLevelGraph.from_collections(key, layer, dependencies=deps)
+    return Delayed(key, graph, layer=key)

@@ -68,7 +68,7 @@ from gradforensics.analysis.engine.longhistory import (
     long_graph,
     threshold,
 )
-from gradforensics.analysis.engine.plan_small import OneSlab, fused_outputs, one_slab
+from gradforensics.analysis.engine.plan_small import OneSlab, fused_output, fused_outputs, one_slab
 from gradforensics.analysis.engine.results import save_results
 from gradforensics.analysis.engine.spill import GramSpill, SpilledGrams
 from gradforensics.analysis.toolkit.parallel import unit_threads, worker_lost, workers_add_cores
@@ -432,7 +432,6 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
         mine = reductions.get(tensor, [])
         # a spilled pass fuses too under the local scheduler: the fused task writes each tensor's spill files
         one = None if long_design is not None or (sink is not None and client is not None) \
-            or any(r.finish is not None for _, _, r in mine) \
             else one_slab(store, tensor, [r for _, _, r in mine], want_gram, engine.slab_bytes,
                           None if sink is None or sink.directory is None else (sink.directory, len(keys)))
         if one is not None:
@@ -494,11 +493,25 @@ def _compute(store: Store, selected: list[Analysis], engine: EngineOptions, clie
 def _with_fused(small: list[tuple[int, OneSlab]], slots: list[int | list[int]], collections: list[Any],
                 precision: str) -> tuple[list[int | list[int]], list[Any]]:
     """*collections* with the fused tasks of the one-slab tensors *small* appended; *slots*: where each
-    collection's value goes among the pass's keys (a fused task's list of values: one key each)."""
+    collection's value goes among the pass's keys (a fused task's list of values: one key each, -1 for a
+    reduction's aggregate that goes on through its ``finish``, a collection of its own appended after)."""
     where = dict((id(one), first) for first, one in small)
+    finished: list[tuple[int, Any]] = []
     for coll, group in fused_outputs([one for _, one in small], precision):
+        slot: list[int] = []
+        for one in group:
+            for j in range(one.n_outputs):
+                r = one.reductions[j - int(one.gram)] if j >= int(one.gram) else None
+                if r is not None and r.finish is not None:
+                    finished.append((where[id(one)] + j, r.finish(fused_output(coll, len(slot)))))
+                    slot.append(-1)
+                else:
+                    slot.append(where[id(one)] + j)
         collections.append(coll)
-        slots.append([where[id(one)] + j for one in group for j in range(one.n_outputs)])
+        slots.append(slot)
+    for at, coll in finished:
+        collections.append(coll)
+        slots.append(at)
     return slots, collections
 
 
@@ -508,7 +521,8 @@ def _spread(values: list[Any], slots: list[int | list[int]], n: int) -> list[Any
     for slot, val in zip(slots, values, strict=True):
         if isinstance(slot, list):
             for i, v in zip(slot, val, strict=True):
-                out[i] = v
+                if i >= 0:
+                    out[i] = v
         else:
             out[slot] = val
     return out

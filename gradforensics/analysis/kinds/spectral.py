@@ -22,6 +22,9 @@ records, or one head's block of either) with singular values ``σ_1 ≥ σ_2 ≥
 Flags: fast spectral-norm growth in q/k projections, collapse of the stable rank of
 window-mean gradients over the run (training mode), alpha outside ``[2, 6]``.
 
+The spectra themselves (singular values, ranks, the power-law fit) are
+:mod:`gradforensics.analysis.toolkit.matrix_spectra`'s, re-exported here.
+
 Exact versus approximate: a matrix whose smaller side is at most
 :data:`EXACT_MAX_DIM` (4096) gets all its singular values (eigenvalues of its smaller
 Gram side, LAPACK, float64; :func:`singular_values`), except the window-mean gradients
@@ -68,6 +71,26 @@ from gradforensics.analysis.contract.model import (
     Options,
 )
 from gradforensics.analysis.toolkit.kspace import window_edges
+from gradforensics.analysis.toolkit.matrix_spectra import (
+    EVALS_THRESH,
+    EXACT_MAX_DIM,
+    MIN_EVALS,
+    NO_FIT,
+    RANDOMIZED_K,
+    TOP_MIN_DIM,
+    TOP_TOL,
+    PowerLawFit,
+    Spectrum,
+    block_matrices,
+    block_spectra,
+    effective_rank,
+    powerlaw_fit,
+    singular_values,
+    stable_rank,
+    stable_ranks,
+    stacked_singular_values,
+    top_share,
+)
 from gradforensics.analysis.toolkit.stats import rank_trend, rank_trends
 from gradforensics.analysis.toolkit.units import head_of
 from gradforensics.errors import SpecError
@@ -101,6 +124,7 @@ __all__ = [
     "SpectralOptions",
     "Spectrum",
     "alpha_severity",
+    "block_matrices",
     "block_spectra",
     "collapse_severity",
     "compute",
@@ -121,19 +145,14 @@ __all__ = [
     "slab_reductions",
     "stable_rank",
     "stable_ranks",
+    "stacked_singular_values",
     "top_share",
     "window_sums",
 ]
 
 
 NAME = "spectral"
-EXACT_MAX_DIM = 4096       # exact SVD when min(shape) <= this, randomized top-k above
-RANDOMIZED_K = 256
-TOP_TOL = 1e-8             # relative tolerance of the Lanczos sigma_1 of the window means but the last
-TOP_MIN_DIM = 64           # at most this many Gram rows: the whole spectrum (as cheap, no ARPACK set-up)
-EVALS_THRESH = 1e-5        # WeightWatcher's floor on eigenvalues entering the fit
 MIN_TAIL = 10              # alpha with a shorter tail is not flagged
-MIN_EVALS = 20             # no fit below this many eigenvalues
 MAX_SNAPSHOTS = 16
 WINDOWS = 8
 
@@ -171,149 +190,6 @@ class SpectralOptions(Options):
         if not 1.0 < lo < hi:
             raise SpecError(f"spectral: alpha_range must be (lo, hi) with 1 < lo < hi; got {self.alpha_range!r}.")
 
-
-
-# ---------------------------------------------------------------------- spectra
-@dataclass(frozen=True)
-class Spectrum:
-    """Singular values (descending), ``‖W‖_F²`` and whether the values are all of them."""
-
-    sv: np.ndarray
-    fro2: float
-    exact: bool
-
-
-def singular_values(m: np.ndarray, exact_max: int = EXACT_MAX_DIM, k: int = RANDOMIZED_K,
-                    top_only: bool = False) -> Spectrum:
-    """Singular values of a 2-D matrix: exact up to ``min(shape) <= exact_max``, else top-*k* randomized.
-
-    The exact route takes the eigenvalues (float64) of the smaller Gram side
-    (``a aᵀ`` or ``aᵀ a``, a product in the matrix's own precision, float32 for
-    stored weights and gradients): the ESD is of ``σ²`` anyway, and it costs a
-    fraction of an SVD on a rectangular matrix.  Eigenvalues agree with LAPACK's
-    SVD to ``~1e-6 σ_max²`` in float32 (``~1e-15`` in float64): the tail a power
-    law is fitted to is unchanged, only the smallest singular values lose digits.
-
-    ``top_only``: only ``σ_1`` (and the exact ``‖W‖_F²``) is wanted, as for every
-    window-mean gradient but the last: the largest eigenvalue of the same Gram side
-    by Lanczos (ARPACK ``eigsh``, relative tolerance :data:`TOP_TOL`, a fixed start
-    vector: deterministic), 2-3x cheaper than the whole spectrum at 448-960 rows and
-    equal to its largest value to ``~1e-12`` relative.  The spectrum then holds
-    ``σ_1`` alone and ``exact`` is False (not all values).  Matrices whose smaller
-    side is at most :data:`TOP_MIN_DIM` take the exact route regardless.
-    """
-    dtype: Any = np.float32 if np.asarray(m).dtype == np.float32 else np.float64
-    a: np.ndarray = np.asarray(m, dtype=dtype)
-    if not np.isfinite(a).all():
-        a = np.where(np.isfinite(a), a, 0.0).astype(dtype)
-    fro2 = float(np.einsum("ij,ij->", a, a, dtype=np.float64))
-    if min(a.shape) <= exact_max:
-        g = a @ a.T if a.shape[0] <= a.shape[1] else a.T @ a
-        if top_only and g.shape[0] > TOP_MIN_DIM:
-            return Spectrum(np.array([np.sqrt(max(_top_eigenvalue(g.astype(np.float64)), 0.0))]), fro2, False)
-        sv = np.sqrt(np.maximum(np.linalg.eigvalsh(g.astype(np.float64)), 0.0))
-        return Spectrum(np.sort(sv)[::-1], fro2, True)
-    from sklearn.utils.extmath import randomized_svd
-
-    _, sv, _ = randomized_svd(a.astype(np.float32), n_components=k, n_iter=7, random_state=0)
-    return Spectrum(np.sort(sv.astype(np.float64))[::-1], fro2, False)
-
-
-def _top_eigenvalue(g: np.ndarray) -> float:
-    """The largest eigenvalue of the symmetric positive semi-definite *g* (Lanczos, ARPACK)."""
-    from scipy.sparse.linalg import eigsh
-
-    if not np.any(g):
-        return 0.0
-    return float(eigsh(g, k=1, which="LA", return_eigenvectors=False, tol=TOP_TOL,
-                       v0=np.ones(g.shape[0]))[0])
-
-
-def stable_rank(s: Spectrum) -> float:
-    """``‖W‖_F² / ‖W‖_2²``."""
-    return float(s.fro2 / s.sv[0] ** 2) if s.sv.size and s.sv[0] > 0 else float("nan")
-
-
-def stable_ranks(spectra: list[Spectrum]) -> np.ndarray:
-    """The :func:`stable_rank` of each point of one matrix's spectra."""
-    return np.array([stable_rank(s) for s in spectra])
-
-
-def effective_rank(sv: np.ndarray) -> float:
-    """``exp(-Σ p_i ln p_i)`` with ``p_i = σ_i / Σσ`` (Roy & Vetterli 2007)."""
-    sv = np.asarray(sv, dtype=np.float64)
-    total = sv.sum()
-    if total <= 0:
-        return float("nan")
-    p = sv[sv > 0] / total
-    return float(np.exp(-np.sum(p * np.log(p))))
-
-
-def top_share(s: Spectrum, k: int) -> float:
-    """Share of ``‖W‖_F²`` in the top *k* singular values."""
-    return float(np.sum(s.sv[:k] ** 2) / s.fro2) if s.fro2 > 0 else float("nan")
-
-
-@dataclass(frozen=True)
-class PowerLawFit:
-    alpha: float
-    xmin: float
-    ks: float
-    n_tail: int
-
-
-NO_FIT = PowerLawFit(float("nan"), float("nan"), float("nan"), 0)
-
-
-def powerlaw_fit(evals: np.ndarray, thresh: float = EVALS_THRESH) -> PowerLawFit:
-    """Power-law exponent of the tail of *evals*, with xmin chosen by KS distance.
-
-    For each candidate ``xmin = λ_(i)`` (every sorted eigenvalue above *thresh* but
-    the largest): ``α̂ = 1 + n / Σ_{j≥i} ln(λ_j / xmin)`` and
-    ``D = max_j |1 - (λ_j/xmin)^(1-α̂) - (j-i)/n|``; the fit with the smallest ``D``
-    wins (the estimator WeightWatcher 0.7 uses).  Fewer than :data:`MIN_EVALS`
-    eigenvalues give NaN.
-    """
-    x = np.sort(np.asarray(evals, dtype=np.float64))
-    x = x[np.isfinite(x) & (x > thresh)]
-    n_all = x.size
-    if n_all < MIN_EVALS:
-        return NO_FIT
-    logx = np.log(x)
-    tail_sum = np.cumsum(logx[::-1])[::-1]                  # Σ_{j>=i} ln λ_j
-    n = (n_all - np.arange(n_all - 1)).astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        alphas = 1.0 + n / (tail_sum[:-1] - n * logx[:-1])
-    ds = np.ones(n_all - 1)
-    cand = np.flatnonzero(alphas > 1.0)
-    j = np.arange(n_all)
-    step = max(1, (1 << 22) // n_all)                       # candidates per block: ~32 MB of float64
-    for s in range(0, cand.size, step):
-        i = cand[s:s + step, None]
-        with np.errstate(over="ignore", invalid="ignore"):
-            cdf = 1.0 - np.exp((1.0 - alphas[i]) * (logx[None, :] - logx[i]))
-        gap = np.where(j[None, :] >= i, np.abs(cdf - (j[None, :] - i) / (n_all - i)), 0.0)
-        ds[cand[s:s + step]] = gap.max(axis=1)
-    best = int(np.argmin(ds))
-    return PowerLawFit(float(alphas[best]), float(x[best]), float(ds[best]), int(n_all - best))
-
-
-def block_spectra(m: np.ndarray, spec: Any, split: bool, top_only: bool = False) -> dict[int | None, Spectrum]:
-    """Spectra of a matrix (key None) and of its per-head blocks (keys 0..H-1).
-
-    *m* is the whole matrix when ``split`` is False (blocks are cut with *spec*), or
-    already ``(H, ...)`` head blocks when True (the whole matrix is rebuilt).
-    ``top_only``: ``σ_1`` and ``‖W‖_F²`` only (:func:`singular_values`).
-    """
-    m = np.asarray(m)
-    if spec is None:
-        return {None: singular_values(m, top_only=top_only)}
-    blocks = m if split else spec.split(m)
-    whole = spec.merge(blocks) if split else m
-    out: dict[int | None, Spectrum] = {None: singular_values(whole, top_only=top_only)}
-    for h in range(blocks.shape[0]):
-        out[h] = singular_values(blocks[h].reshape(blocks.shape[1], -1), top_only=top_only)
-    return out
 
 
 # ---------------------------------------------------------------------- lazy pass
@@ -456,11 +332,33 @@ def _window_means(part: dict[Any, np.ndarray], edges: np.ndarray, shape: tuple[i
 
 
 def _window_spectra(means: Any, n_windows: int, spec: Any) -> Any:
-    """One spectrum task per window mean (``finish`` of the slab reduction)."""
-    import dask
+    """The window spectra of one tensor (``finish`` of the slab reduction): one task, a graph of its own.
 
-    return dask.delayed(list)([dask.delayed(_window_spectrum)(means, w, spec, w < n_windows - 1)
-                               for w in range(n_windows)])
+    The task takes the window means by key and loops over the windows
+    (:func:`_all_window_spectra`); a ``dask.delayed`` call per window with *means* as
+    argument cost dask's argument unpacking and tokenizing of the whole collection each
+    time (1,848 calls, ~2 s of the client's thread, on a store of 168 tensors).
+    """
+    from dask.delayed import Delayed
+    from dask.highlevelgraph import HighLevelGraph
+
+    key = means.key
+    name = "window-spectra-" + ("-".join(map(str, key)) if isinstance(key, tuple) else str(key))
+    layer: dict[Any, Any] = {name: (_all_window_spectra, means.key, n_windows, spec)}
+    deps: list[Any] = [means]
+    return Delayed(name, HighLevelGraph.from_collections(name, layer, dependencies=deps), layer=name)
+
+
+def _all_window_spectra(means: np.ndarray, n_windows: int, spec: Any) -> list[dict[int | None, Spectrum]]:
+    """:func:`_window_spectrum` of every window, in order: their matrices' spectra in one stacked call."""
+    keys, mats, tops = [], [], []
+    for w in range(n_windows):
+        k, ms = block_matrices(np.asarray(means[w], dtype=np.float32), spec, spec is not None)
+        keys.append(k)
+        mats += ms
+        tops += [w < n_windows - 1] * len(ms)
+    spectra = iter(stacked_singular_values(mats, tops))
+    return [{key: next(spectra) for key in k} for k in keys]
 
 
 def _window_spectrum(means: np.ndarray, w: int, spec: Any, top_only: bool = False) -> dict[int | None, Spectrum]:
