@@ -100,6 +100,7 @@ __all__ = [
     "plot",
     "severity",
     "source_r2",
+    "top_components",
     "two_means_split",
     "weigh_by_energy",
 ]
@@ -204,10 +205,18 @@ def two_means_split(x: np.ndarray) -> np.ndarray:
 
 def source_r2(scores: np.ndarray, mixture: np.ndarray) -> float:
     """R² of the scores regressed on the source mixture (least squares, sums to one: intercept included)."""
-    fit = ks.shared_fit(mixture)
+    return _source_r2(scores, ks.shared_fit(mixture), {})
+
+
+def _source_r2(scores: np.ndarray, fit: ks.SourceFit, hats: dict[int, np.ndarray]) -> float:
+    """:func:`source_r2` of the mixture *fit* was fitted to (*hats*: ``fit.hat`` by the fit's id, each formed
+    once a slab: the slab holds each fit)."""
     if fit.index.size < 2:
         return 0.0
-    resid = scores - fit.hat @ scores
+    hat = hats.get(id(fit))
+    if hat is None:
+        hat = hats[id(fit)] = fit.hat
+    resid = scores - hat @ scores
     sc = scores - scores.mean()
     return float(max(0.0, 1.0 - (resid @ resid) / (sc @ sc))) if sc @ sc > 0 else math.nan
 
@@ -250,11 +259,27 @@ class _Principal:
 
 
 def _principal(Kp: np.ndarray, K: np.ndarray, n_comp: int) -> _Principal:
-    lam, U = ks.top_components(Kp, n_comp)
+    lam, U = top_components(Kp, n_comp)
     floor = 1e-12 * max(np.trace(Kp), 1e-300)
     kept = [k for k in range(lam.size) if not lam[k] <= floor]
     scores = np.stack([U[:, k] * math.sqrt(lam[k]) for k in kept]) if kept else np.zeros((0, Kp.shape[0]))
     return _Principal(kept, lam, scores, [K @ U[:, k] / math.sqrt(lam[k]) for k in kept])
+
+
+def top_components(Kc: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~gradforensics.analysis.toolkit.kspace.top_components`, bit for bit: below its Lanczos size its dense
+    ``eigh`` made by :func:`~gradforensics.analysis.toolkit.stacked.eigh_top` (the same LAPACK call without the
+    wrapper's per-call work), the rest the same steps; at the Lanczos size, that function itself."""
+    n = Kc.shape[0]
+    k = max(1, min(k, n))
+    if n >= ks.LANCZOS_MIN and k < n // 4:
+        return ks.top_components(Kc, k)
+    S = Kc + Kc.T
+    S /= 2.0                                       # (Kc + Kc.T) / 2.0, in place
+    lam, U = st.eigh_top(S, k)
+    lam, U = lam[::-1], U[:, ::-1]
+    s = np.sign(U[np.argmax(np.abs(U), axis=0), np.arange(U.shape[1])])
+    return np.maximum(lam, 0.0), U * np.where(s == 0, 1.0, s)
 
 
 def _tested(part: _Principal, period: np.ndarray, p: np.ndarray) -> list[Component]:
@@ -313,7 +338,8 @@ def _oscillation_slab(slab: list[tuple[np.ndarray, np.ndarray, np.ndarray | None
         for i, v in zip(members, bimodality_coefficients(np.stack([best[i].scores for i in members])),
                         strict=True):
             bc[i] = v
-    return [_finish(s, mix, names, chosen[i], best[i], bc[i]) if i in best else (s.row, None)
+    hats: dict[int, np.ndarray] = {}
+    return [_finish(s, mix, names, chosen[i], best[i], bc[i], hats) if i in best else (s.row, None)
             for i, (s, (_, mix, _)) in enumerate(zip(started, slab))]
 
 
@@ -341,7 +367,7 @@ def _rank(fit: ks.SourceFit, ranks: dict[int, int]) -> int:
 
 
 def _finish(s: _Started, mixture: np.ndarray, names: tuple[str, ...], comps: list[Component], best: Component,
-            bc: float) -> tuple[dict[str, Any], Component | None]:
+            bc: float, hats: dict[int, np.ndarray]) -> tuple[dict[str, Any], Component | None]:
     """The row of a unit whose best direction *best* (of its tested *comps*) has bimodality coefficient *bc*."""
     row = s.row
     assert s.Kp is not None and s.fit is not None
@@ -354,7 +380,7 @@ def _finish(s: _Started, mixture: np.ndarray, names: tuple[str, ...], comps: lis
     row.update(component=best.k + 1, explained=best.lam / max(float(np.trace(s.Kp)), 1e-300), energy=best.lam,
                period_records=best.period, p_value=min(1.0, best.p * len(comps)),
                bimodality_coefficient=bc, pole_pos=mu_pos, pole_neg=mu_neg,
-               reversal=rev, source_r2=source_r2(best.scores, mixture),
+               reversal=rev, source_r2=_source_r2(best.scores, fit, hats),
                sources_pos=_pole_sources(mixture, upper, names, fit.index),
                sources_neg=_pole_sources(mixture, ~upper, names, fit.index))
     return row, best

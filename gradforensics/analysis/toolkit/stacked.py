@@ -18,15 +18,22 @@ stack; what makes it the same floats as the calls it replaces:
   the stack (the single call's ``gemm``/``gemv``/``dot`` per item), the ``einsum`` norms item by
   item (a stacked ``einsum`` need not reduce in the same order), the rest elementwise.
 
+* :func:`eigh_top` - ``scipy.linalg.eigh(S, subset_by_index=(n - k, n - 1))``: the same LAPACK
+  ``dsyevr`` call with the same arguments (its workspace sizes asked once per ``n``), without the
+  wrapper's per-call checks and look-ups; anything the wrapper would complain about (a non-finite
+  entry, a failed call) goes to the wrapper itself.
+
 ``tests/test_stacked_equalities.py`` holds each against the single calls, on random
 inputs of many sizes and scales and on the planted stores, with ``==``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-__all__ = ["cosines_each", "lstsq_each", "lstsq_gufunc", "lstsq_stack", "matvec_each", "record_cosines_each", "row_dots", "row_means"]
+__all__ = ["cosines_each", "eigh_top", "lstsq_each", "lstsq_gufunc", "lstsq_stack", "matvec_each", "record_cosines_each", "row_dots", "row_means"]
 
 
 def row_means(X: np.ndarray) -> np.ndarray:
@@ -126,3 +133,33 @@ def record_cosines_each(Ks: np.ndarray, a: np.ndarray) -> np.ndarray:
     diag = np.diagonal(Ks, axis1=1, axis2=2)
     den = np.sqrt(np.maximum(diag, 0.0) * np.maximum(aKa, 0.0)[:, None])
     return safe_div(num, den)
+
+
+def eigh_top(S: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``scipy.linalg.eigh(S, subset_by_index=(n - k, n - 1))`` of a real float64 square *S* (``1 <= k <= n``), bit
+    for bit: its ``dsyevr`` (lower triangle, eigenvectors, ``range="I"``) called directly with the workspace
+    sizes the wrapper asks for.  A matrix the wrapper would refuse (a non-finite entry: the sum is not finite,
+    and a finite sum that overflowed too) and a call that fails go to the wrapper, which says it as before."""
+    n = S.shape[0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = bool(np.isfinite(np.add.reduce(S, axis=None)))
+    if S.dtype == np.float64 and S.ndim == 2 and S.shape[1] == n and 1 <= k <= n and finite:
+        drv, lwork, liwork = _syevr(n)
+        w, v, m, _, info = drv(a=S, overwrite_a=False, range="I", il=n - k + 1, iu=n, lower=1, compute_v=1,
+                               lwork=lwork, liwork=liwork)
+        if info == 0:
+            return w[:m], v[:, :m]
+    from scipy.linalg import eigh
+
+    return eigh(S, subset_by_index=(n - k, n - 1))
+
+
+@functools.lru_cache(maxsize=16)
+def _syevr(n: int):  # type: ignore[no-untyped-def]
+    """The float64 ``syevr`` of SciPy's LAPACK and its workspace sizes for an ``n × n`` matrix, as ``eigh`` finds
+    them (``get_lapack_funcs`` on a float64 array, ``_compute_lwork`` of ``syevr_lwork(n, lower=1)``)."""
+    from scipy.linalg.lapack import _compute_lwork, get_lapack_funcs
+
+    drv, drvlw = get_lapack_funcs(("syevr", "syevr_lwork"), [np.zeros((1, 1))])
+    lwork, liwork = _compute_lwork(drvlw, n=n, lower=1)
+    return drv, lwork, liwork

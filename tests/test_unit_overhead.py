@@ -1,0 +1,138 @@
+"""Issue 28: the per-unit overhead taken out of oscillation, drift and noise gives the old floats, bit for bit.
+
+Each replacement is held with ``==`` (NaN equal to NaN), never a tolerance, against the call it
+replaces, written out here or called where it still lives: SciPy's ``eigh`` against the direct
+``dsyevr`` call (:func:`~gradforensics.analysis.toolkit.stacked.eigh_top`), ``kspace.top_components``
+against oscillation's, the units' whole-record copy against the two takes, on random matrices of many
+sizes and scales and the edge cases (constant, zero, rank one, tiny and huge entries, NaN and inf, which
+go to SciPy's own error).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.linalg import eigh
+
+from gradforensics.analysis.kinds import oscillation as osc
+from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit import stacked as st
+from gradforensics.analysis.toolkit import units as un
+from gradforensics.testing import planted_directions as P
+
+SIZES = [1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 64, 96, 127, 128, 129, 200, 257]
+
+
+def _same(a: object, b: object) -> bool:
+    return bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
+
+
+def _grams(seed: int, trials: int):
+    """Random symmetric matrices (Gram matrices, centred, or plain symmetric) of many sizes and scales."""
+    rng = np.random.default_rng(seed)
+    for t in range(trials):
+        n = SIZES[t % len(SIZES)]
+        X = rng.standard_normal((n, int(rng.integers(1, 2 * n + 2)))) * 10.0 ** rng.integers(-150, 150)
+        kind = t % 3
+        K = X @ X.T if kind == 0 else ks.centred(X @ X.T) if kind == 1 else X[:, :n] if X.shape[1] >= n else X @ X.T
+        yield rng, (K + K.T) / 2.0
+
+
+def _edge_cases():
+    for n in (1, 2, 3, 8, 33, 128):
+        yield np.zeros((n, n))
+        yield np.full((n, n), 3.0)
+        v = np.arange(1.0, n + 1)
+        yield np.outer(v, v)                                   # rank one
+        yield np.eye(n) * 1e-300
+        yield np.eye(n) * 1e300
+        yield ks.centred(np.full((n, n), 2.0))
+
+
+def test_eigh_top_is_scipys_eigh() -> None:
+    cases = [(rng, S) for rng, S in _grams(0, 180)]
+    for rng, S in cases:
+        n = S.shape[0]
+        for k in {1, min(3, n), n, int(rng.integers(1, n + 1))}:
+            got, want = st.eigh_top(S, k), eigh(S, subset_by_index=(n - k, n - 1))
+            assert _same(got[0], want[0]) and _same(got[1], want[1]), (n, k)
+            assert got[1].flags.f_contiguous == want[1].flags.f_contiguous
+    for S in _edge_cases():
+        n = S.shape[0]
+        for k in {1, min(3, n), n}:
+            got, want = st.eigh_top(S, k), eigh(S, subset_by_index=(n - k, n - 1))
+            assert _same(got[0], want[0]) and _same(got[1], want[1]), (n, k)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_eigh_top_refuses_non_finite_as_scipy_does(bad: float) -> None:
+    S = np.eye(9)
+    S[2, 4] = S[4, 2] = bad
+    with pytest.raises(ValueError) as want:
+        eigh(S, subset_by_index=(6, 8))
+    with pytest.raises(ValueError) as got:
+        st.eigh_top(S, 3)
+    assert str(got.value) == str(want.value)
+    huge = np.full((9, 9), 1e308)                 # finite entries whose sum overflows: SciPy's call, its floats
+    w, v = st.eigh_top(huge, 2)
+    ref = eigh(huge, subset_by_index=(7, 8))
+    assert _same(w, ref[0]) and _same(v, ref[1])
+
+
+def test_top_components_is_kspace_top_components() -> None:
+    for _, S in _grams(1, 120):
+        n = S.shape[0]
+        for k in (1, 3, 5, n + 2):
+            got, want = osc.top_components(S, k), ks.top_components(S, k)
+            assert _same(got[0], want[0]) and _same(got[1], want[1]), (n, k)
+    for S in _edge_cases():
+        got, want = osc.top_components(S, 3), ks.top_components(S, 3)
+        assert _same(got[0], want[0]) and _same(got[1], want[1])
+    rng = np.random.default_rng(5)                 # the Lanczos size: kspace's own call
+    X = rng.standard_normal((ks.LANCZOS_MIN, 40))
+    K = ks.centred(X @ X.T)
+    got, want = osc.top_components(K, 3), ks.top_components(K, 3)
+    assert _same(got[0], want[0]) and _same(got[1], want[1])
+
+
+def _take_reference(ctx):
+    """Every unit's restricted K as the two takes made it."""
+    order = un.time_order(ctx.batches, ctx.n_records)
+    for u in un.units(ctx):
+        g = ctx.grams.get((u.tensor, u.head))
+        if g is None:
+            continue
+        K = np.asarray(g.gram, dtype=np.float64)
+        keep = un._kept(g, order)
+        yield u, K.take(keep, axis=0).take(keep, axis=1)
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_units_gram_is_the_takes(nonfinite: bool) -> None:
+    """A unit of every record in store order is copied whole; one with excluded records (or records out of
+    time order) still taken: both the takes' floats, C-ordered float64, writeable, not the engine's array."""
+    p = P.planted_conflict(seed=3, n=40, n_layers=2, where={P.q_name(1): (1, 2)}, mode="training")
+    if nonfinite:
+        p = P.with_nonfinite(p, P.q_name(0), [3, 17])
+    ctx = p.context()
+    seen = 0
+    for u, want in _take_reference(ctx):
+        assert u.gram.dtype == want.dtype and u.gram.shape == want.shape and _same(u.gram, want)
+        assert u.gram.flags.c_contiguous and u.gram.flags.writeable
+        assert not np.shares_memory(u.gram, np.asarray(ctx.grams[(u.tensor, u.head)].gram))
+        seen += 1
+    assert seen > 0
+    whole = [u.n == ctx.n_records for u in un.units(ctx)]
+    assert all(whole) != nonfinite
+
+
+def test_units_out_of_time_order_are_taken() -> None:
+    """Records whose steps are not in store order: the identity shortcut must not apply."""
+    p = P.planted_drift(seed=4, n=48)
+    ctx = p.context()
+    step = np.asarray(ctx.batches["step"]).copy()
+    step[[5, 6]] = step[[6, 5]]
+    ctx.batches["step"] = step
+    for u, want in _take_reference(ctx):
+        assert _same(u.gram, want)
+        assert not np.array_equal(u.records, np.arange(u.n))
