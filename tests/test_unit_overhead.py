@@ -136,3 +136,57 @@ def test_units_out_of_time_order_are_taken() -> None:
     for u, want in _take_reference(ctx):
         assert _same(u.gram, want)
         assert not np.array_equal(u.records, np.arange(u.n))
+
+
+def _stack_cases(seed: int, trials: int):
+    """Stacks of Gram matrices (and plain symmetric ones) with row sets of many sizes, with the edge cases
+    (zero, constant, NaN and inf entries, tiny and huge scales) among the items."""
+    rng = np.random.default_rng(seed)
+    for t in range(trials):
+        n = int(rng.choice([4, 5, 8, 9, 16, 17, 33, 64, 128]))
+        m = int(rng.integers(1, 7))
+        X = rng.standard_normal((m, n, int(rng.integers(1, 3 * n)))) * 10.0 ** rng.integers(-150, 150)
+        Ks = np.matmul(X, X.transpose(0, 2, 1))
+        if t % 4 == 1:
+            Ks[0] = 0.0
+        if t % 4 == 2:
+            Ks[-1] = 7.5
+        if t % 5 == 3:
+            Ks[0, int(rng.integers(n)), int(rng.integers(n))] = rng.choice([np.nan, np.inf, -np.inf])
+        w = int(rng.integers(1, n))
+        rows = np.sort(rng.choice(n, size=w, replace=False))
+        other = np.setdiff1d(np.arange(n), rows)
+        if other.size == 0:
+            other = rows[:1]
+        other = other[: int(rng.integers(1, other.size + 1))]
+        yield np.ascontiguousarray(Ks), rows, other
+
+
+def test_drift_stacked_blocks_are_the_single_calls() -> None:
+    """The opening records' leave-one-out cosines and the debiased cosine over a stack against
+    ``drift._opening_fix`` and ``kspace.debiased_cosine`` item by item, ``==``."""
+    from gradforensics.analysis.kinds import drift as dr
+
+    raised = ok = 0
+    with np.errstate(all="ignore"):
+        for Ks, rows, other in _stack_cases(7, 400):
+            n = Ks.shape[1]
+            base = np.random.default_rng(n).standard_normal((Ks.shape[0], n))
+            got = dr._opening_fix_each(Ks, rows, base.copy())
+            for j, K in enumerate(Ks):
+                assert _same(got[j], dr._opening_fix(K, rows, base[j].copy())), (n, rows.size)
+            wants = []
+            for K in Ks:
+                try:
+                    wants.append(ks.debiased_cosine(K, other, rows))
+                except ZeroDivisionError:    # U-statistics whose product underflows: the single call raises
+                    wants.append(None)
+            if any(w is None for w in wants):
+                with pytest.raises(ZeroDivisionError):
+                    dr._debiased_each(Ks, other, rows)
+                raised += 1
+                continue
+            got_db = dr._debiased_each(Ks, other, rows)
+            assert all(_same(g, w) for g, w in zip(got_db, wants, strict=True)), (n, rows.size, other.size)
+            ok += 1
+    assert raised > 0 and ok > 300
