@@ -190,3 +190,46 @@ def test_drift_stacked_blocks_are_the_single_calls() -> None:
             assert all(_same(g, w) for g, w in zip(got_db, wants, strict=True)), (n, rows.size, other.size)
             ok += 1
     assert raised > 0 and ok > 300
+
+
+def test_blocks_are_kspace_block() -> None:
+    """Evenly spaced rows (every record, an opening window, a round-robin source) as a slice's copy, others as
+    the takes: ``kspace.block``'s floats, shape, dtype and C order, item by item of a stack too."""
+    rng = np.random.default_rng(11)
+    seen_slice = 0
+    for t in range(300):
+        n = int(rng.integers(1, 40))
+        K = rng.standard_normal((n, n)) * 10.0 ** rng.integers(-300, 300)
+        if t % 7 == 0:
+            K[int(rng.integers(n)), int(rng.integers(n))] = rng.choice([np.nan, np.inf])
+        kind = t % 5
+        if kind == 0:
+            rows = np.arange(n)
+        elif kind == 1:
+            rows = np.arange(int(rng.integers(n)), n, int(rng.integers(1, 4)))
+        elif kind == 2:
+            rows = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False))
+        elif kind == 3:
+            rows = rng.permutation(n)[: int(rng.integers(1, n + 1))]
+        else:
+            rows = np.arange(n)[::-1][: int(rng.integers(1, n + 1))]
+        cols = None if t % 2 else np.arange(0, n, int(rng.integers(1, 3)))
+        got, want = st.block(K, rows, cols), ks.block(K, rows, cols)
+        assert got.shape == want.shape and got.dtype == want.dtype and got.flags.c_contiguous
+        assert _same(got, want) and not np.shares_memory(got, K)
+        seen_slice += st._as_slice(rows) is not None
+        Ks = np.stack([K, K * 3.0, -K])
+        stack = st.blocks_each(Ks, rows, cols)
+        assert stack.flags.c_contiguous
+        assert all(_same(b, ks.block(k, rows, cols)) for b, k in zip(stack, Ks, strict=True))
+    assert seen_slice > 100
+    for bad in (np.array([0, 5]), np.array([-1, 0])):      # out of range / negative: the takes' own behaviour
+        K = np.arange(16.0).reshape(4, 4)
+        try:
+            want = ks.block(K, bad)
+        except IndexError:
+            with pytest.raises(IndexError):
+                st.block(K, bad)
+        else:
+            assert _same(st.block(K, bad), want)
+    assert st.block(np.eye(3), np.zeros(0, np.int64)).shape == ks.block(np.eye(3), np.zeros(0, np.int64)).shape

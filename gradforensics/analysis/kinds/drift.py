@@ -247,8 +247,8 @@ def _slab_cosines(slab: list[tuple[np.ndarray, np.ndarray]], window: int | None,
 
 
 def _blocks(Ks: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """``[kspace.block(K, rows, cols) for K in Ks]`` (``(U, r, c)``): the same two one-axis takes, per item."""
-    return np.take(np.take(Ks, rows, axis=1), cols, axis=2)
+    """``[kspace.block(K, rows, cols) for K in Ks]`` (``(U, r, c)``), per item the same floats."""
+    return st.blocks_each(Ks, rows, cols)
 
 
 def _opening_fix_each(Ks: np.ndarray, open_rows: np.ndarray, cos: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
+from gradforensics.analysis.toolkit import stacked as st
 from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
@@ -104,7 +105,6 @@ class Units(Sequence[Unit]):
             self._plan += [(tensor, head, heads) for head in [None, *heads]]
         self._kept: dict[int, tuple[np.ndarray, bool]] = {}        # unit -> (its records, from_sketch)
         self._sets: dict[bytes, np.ndarray] = {}                     # one array per distinct record set
-        self._whole: dict[int, bool] = {}           # id of a kept record set -> it is 0 .. N-1 (no take needed)
 
     def __len__(self) -> int:
         return len(self._plan)
@@ -123,10 +123,7 @@ class Units(Sequence[Unit]):
             g = _sum_heads([self._grams[(tensor, h)] for h in heads])
         keep = self._records(i, g)
         K = np.asarray(g.gram, dtype=np.float64)
-        if self._whole.get(id(keep), False) and K.shape == (keep.size, keep.size):
-            sub = np.array(K, dtype=np.float64, order="C")     # every record, in store order: the takes' copy
-        else:
-            sub = K.take(keep, axis=0).take(keep, axis=1)      # = K[np.ix_(keep, keep)]
+        sub = st.block(K, keep)       # = K[np.ix_(keep, keep)]: a slice's copy for every record in store order
         return Unit(tensor=tensor, head=head, gram=sub,
                     records=keep.copy(), n_excluded=int(self._order.size - keep.size),
                     from_sketch=self._kept[i][1], n_heads=len(heads) if head is None and heads else None)
@@ -139,8 +136,6 @@ class Units(Sequence[Unit]):
             keep = _kept(g, self._order).astype(np.int64)
             keep = self._sets.setdefault(keep.tobytes(), keep)
             keep.flags.writeable = False
-            self._whole[id(keep)] = bool(keep.size == self._order.size
-                                         and np.array_equal(keep, np.arange(keep.size)))
             got = self._kept[i] = (keep, bool(getattr(g, "from_sketch", False)))
         return got[0]
 
