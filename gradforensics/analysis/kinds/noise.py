@@ -82,7 +82,7 @@ from gradforensics.analysis.toolkit.parallel import map_slabs
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Iterable, Iterator, Mapping
 
     import pandas as pd
     from matplotlib.axes import Axes
@@ -220,25 +220,33 @@ STACK_BYTES = 32 * 2**20
 
 def model_rows(grams: Mapping[tuple[str, int | None], GramResult], d: Design,
                done: Mapping[tuple[str, int | None], tuple[list[dict[str, Any]], dict]] | None = None,
+               seen: Mapping[tuple[str, int | None], Taken] | None = None,
                ) -> list[dict[str, Any]]:
     """The ``whole model`` rows: |G|² and tr(Σ) summed over the whole tensors, on records usable in all.
 
     *done*: :func:`noise_rows` of some units on their own usable records; a whole tensor whose own
     usable records are the model's (no non-finite record of its own) takes its parts from there (the
-    same function of the same numbers) instead of estimating them again.
+    same function of the same numbers) instead of estimating them again.  *seen*: what
+    :func:`noise_table` saw of the units as it read them (their records and sketch flags, not read again).
     """
     whole = [k for k in grams if k[1] is None]          # keys: a spilled pass reads each K when taken
     if not whole:
         return []
-    finite = {k: grams[k].finite for k in whole}
+    seen = seen or {}
+    finite = {k: seen[k].finite if k in seen else grams[k].finite for k in whole}
     mask = np.logical_and.reduce(list(finite.values())) & (d.n_samples > 0)
     total: dict[str, Parts] = {}
     sketch = False
     for k in whole:
-        g = grams[k]
-        sketch = sketch or g.from_sketch
         own = done is not None and k in done and np.array_equal(finite[k] & (d.n_samples > 0), mask)
-        for label, p in (done[k][1] if own and done is not None else noise_rows(g, d, mask)[1]).items():
+        if own and done is not None:
+            parts = done[k][1]
+            sketch = sketch or (seen[k].from_sketch if k in seen else grams[k].from_sketch)
+        else:
+            g = grams[k]
+            sketch = sketch or g.from_sketch
+            parts = noise_rows(g, d, mask)[1]
+        for label, p in parts.items():
             total[label] = p if label not in total else total[label] + p
     out = []
     for label, p in total.items():
@@ -257,26 +265,55 @@ def noise_table(grams: Mapping[tuple[str, int | None], GramResult], n_samples: n
     keys = sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
     step = max(1, STACK_BYTES // max(1, 16 * d.n_samples.size ** 2))      # a unit's blocks: at most 2 N² floats
 
+    seen: dict[tuple[str, int | None], Taken] = {}
+
+    def taken(part: list[tuple[str, int | None]]) -> Iterator[GramResult]:
+        for key in part:
+            g = grams[key]
+            seen[key] = Taken(int(getattr(g, "n_features", 0)), g.finite, bool(g.from_sketch))  # a key a thread
+            yield g
+
     def slab(part: list[tuple[str, int | None]]) -> list[tuple[list[dict[str, Any]], dict]]:
         done = [r for at in range(0, len(part), step)            # each K read when taken, one at a time
-                for r in noise_rows_many((grams[key] for key in part[at:at + step]), d)]
+                for r in noise_rows_many(taken(part[at:at + step]), d)]
         return [(rows, parts if key[1] is None else {}) for key, (rows, parts) in zip(part, done, strict=True)]
         # (a whole tensor's parts may serve the model's rows)
 
     done = dict(zip(keys, map_slabs(slab, keys), strict=True))
-    rows = model_rows(grams, d, done)
+    rows = model_rows(grams, d, done, seen)
     for key in keys:
         rows += done[key][0]
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     table["head"] = table["head"].astype("Int64")
+    table.attrs[N_FEATURES] = np.array([seen[k].n_features if (k := (r["tensor"], r["head"])) in seen else math.nan
+                                        for r in rows], dtype=np.float64).tobytes()
     return table
 
 
+@dataclass(frozen=True)
+class Taken:
+    """What :func:`noise_table` saw of a unit's Gram result as it read it: its feature count, usable records and
+    whether it came from a sketch (so the model's rows and the flags need not read it again)."""
+
+    n_features: int
+    finite: np.ndarray
+    from_sketch: bool
+
+
+N_FEATURES = "gradforensics.noise.n_features"
+"""``table.attrs`` key of :func:`noise_table`'s tables: each row's Gram result's ``n_features`` (NaN: the model's
+rows), float64 bytes in row order, read by the flags of the same pass instead of mapping each Gram matrix again;
+a table without it (read back from a store) falls back to the Gram results."""
+
+
 def compute(ctx: Context) -> AnalysisResult:
-    if ctx.long is not None:        # long histories: the same estimators on the per-window, per-source means
+    long = ctx.long is not None
+    if long:                        # long histories: the same estimators on the per-window, per-source means
         ctx = ctx.super_records()
     table = noise_table(ctx.grams, ctx.batches["n_samples"], ctx.source_of_record(), ctx.sources,
                         ctx.batches.get("mixture"), ctx.meta.mode)
+    if long:                        # the super-records' Gram results are not the ones the flags' ctx holds
+        table.attrs.pop(N_FEATURES, None)
     size = full_batch(ctx.meta, ctx.batches)
     if size is not None and len(table):
         table["batch_note"] = FULL_BATCH.format(size)
@@ -320,14 +357,15 @@ def _level(r: dict[str, Any]) -> float:
     return math.log(v) if v > 0 else math.nan
 
 
-def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions, ctx: Context | None = None) -> dict[int, float]:
+def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions, ctx: Context | None = None,
+              known: Mapping[int, float] | None = None) -> dict[int, float]:
     """id(row) -> severity for the rows whose SNR stands out below the rest of *rows*, with noise out of line."""
     levels = np.array([_level(r) for r in rows])
     ok = np.isfinite(levels)
     if ok.sum() < 3:
         return {}
     ref = math.exp(float(np.median(levels[ok])))
-    excess = _noise_excess(rows, ctx)
+    excess = _noise_excess(rows, ctx, known)
     todo = [r for r in rows if r["n"] >= opts.min_records and math.isfinite(_upper(r))
             and excess.get(id(r), math.inf) >= math.log(opts.outlier_ratio)]   # else quiet (small mean, ordinary noise)
     zs = np.atleast_1d(robust_z(levels, np.array([math.log(max(_upper(r), 1e-12)) for r in todo])))   # one median
@@ -340,10 +378,14 @@ def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions, ctx: Context | Non
     return out
 
 
-def _n_features(row: dict[str, Any], ctx: Context | None) -> float:
-    """Coordinates of a row's tensor (head): from its Gram result, else the stored array; NaN when unknown."""
+def _n_features(row: dict[str, Any], ctx: Context | None, known: Mapping[int, float] | None = None) -> float:
+    """Coordinates of a row's tensor (head): from its Gram result (*known*: id(row) -> its ``n_features`` as the
+    table's pass read it, :data:`N_FEATURES`), else the stored array; NaN when unknown."""
     if ctx is None:
         return math.nan
+    v = known.get(id(row), math.nan) if known else math.nan
+    if v > 0:
+        return v
     g = ctx.grams.get((row["tensor"], row["head"])) if ctx.grams else None
     if g is not None and g.n_features > 0:
         return float(g.n_features)
@@ -354,7 +396,8 @@ def _n_features(row: dict[str, Any], ctx: Context | None) -> float:
     return size / info.heads if row["head"] is not None and info.heads else size
 
 
-def _noise_excess(rows: list[dict[str, Any]], ctx: Context | None) -> dict[int, float]:
+def _noise_excess(rows: list[dict[str, Any]], ctx: Context | None,
+                  known: Mapping[int, float] | None = None) -> dict[int, float]:
     """id(row) -> log of (lower 90% bound of its tr(Σ) per coordinate) / (its peers' median tr(Σ) per coordinate).
 
     A head's peers are the other heads of its tensor (same shape, same role) when there are
@@ -363,7 +406,7 @@ def _noise_excess(rows: list[dict[str, Any]], ctx: Context | None) -> dict[int, 
     """
     per: dict[int, tuple[float, float]] = {}
     for r in rows:
-        d, t, se = _n_features(r, ctx), float(r["trace_sigma"]), float(r["trace_sigma_se"])
+        d, t, se = _n_features(r, ctx, known), float(r["trace_sigma"]), float(r["trace_sigma_se"])
         if not (d > 0 and t > 0):
             continue
         lo = t - Z90 * se if math.isfinite(se) else t
@@ -441,7 +484,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         if r["source"] != "" and r["head"] is None and r["tensor"] != MODEL:
             by_tensor.setdefault(r["tensor"], []).append(r)
     noisy = _noisier_sources(by_tensor, opts)
-    sev = {**_outliers(tensors, opts, ctx), **_outliers(heads, opts, ctx)}
+    known = _known_features(t, recs)
+    sev = {**_outliers(tensors, opts, ctx, known), **_outliers(heads, opts, ctx, known)}
     ref = {None: _median_snr(tensors), "head": _median_snr(heads)}
     out = [run_flag(recs, span, opts)] if any(r["tensor"] == MODEL for r in recs) else []
     weight = LEARNING_WEIGHT if learning(ctx.meta, ctx.batches) else 1.0
@@ -451,6 +495,15 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         if s > 0:
             out.append(_flag(row, s, ref[None if row["head"] is None else "head"], srcs, span))
     return [f for f in out if f is not None]
+
+
+def _known_features(table: Any, recs: list[dict[str, Any]]) -> dict[int, float]:
+    """id(record) -> its Gram result's ``n_features`` from the table's :data:`N_FEATURES` (empty when absent or not
+    one value a row)."""
+    raw = table.attrs.get(N_FEATURES)
+    if not isinstance(raw, bytes) or len(raw) != 8 * len(recs):
+        return {}
+    return dict(zip(map(id, recs), np.frombuffer(raw, dtype=np.float64).tolist(), strict=True))
 
 
 def _median_snr(rows: list[dict[str, Any]]) -> float | None:
