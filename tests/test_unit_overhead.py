@@ -301,3 +301,24 @@ def test_noise_flags_read_no_gram_again_and_flag_the_same(mode: str, nonfinite: 
     got_o = nz._outliers(rows, opts, ctx, known)
     assert got_o == nz._outliers(rows, opts, ctx)
     assert got_o or mode == "replay"            # training: some rows flagged, the rule ran
+
+
+def test_centred_is_kspace_centred() -> None:
+    """Oscillation's centring against ``kspace.centred``: random Gram matrices of many sizes and scales, the
+    edge cases, NaN and inf entries, non-contiguous and float32 inputs (the latter two: kspace's own call)."""
+    from gradforensics.analysis.toolkit import oscillationstats as ost
+
+    with np.errstate(all="ignore"):
+        for _, S in _grams(3, 150):
+            assert _same(ost.centred(S), ks.centred(S))
+            assert _same(ost.centred(S[::-1]), ks.centred(S[::-1]))
+        for S in _edge_cases():
+            assert _same(ost.centred(S), ks.centred(S))
+        rng = np.random.default_rng(9)
+        for n in (1, 2, 8, 33, 128):
+            K = rng.standard_normal((n, n))
+            K[int(rng.integers(n)), int(rng.integers(n))] = rng.choice([np.nan, np.inf, -np.inf])
+            assert _same(ost.centred(K), ks.centred(K))
+            assert _same(ost.centred(K.astype(np.float32)), ks.centred(K.astype(np.float32)))
+        K = np.full((4, 4), 1e308)
+        assert _same(ost.centred(K), ks.centred(K))        # overflowing sums: inf and NaN alike

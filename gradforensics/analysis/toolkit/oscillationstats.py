@@ -22,7 +22,7 @@ from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import stacked as st
 from gradforensics.analysis.toolkit.stats import bimodality_coefficients, finite_mean
 
-__all__ = ["POLE_SHARE", "Component", "ComponentOptions", "components", "oscillation_slab", "oscillation_unit",
+__all__ = ["POLE_SHARE", "Component", "ComponentOptions", "centred", "components", "oscillation_slab", "oscillation_unit",
            "periodogram_test", "periodogram_tests", "source_r2", "top_components", "two_means_split"]
 
 POLE_SHARE = 0.6          # a source "sits at a pole" when it holds this share of the pole's records
@@ -176,6 +176,20 @@ def _principal(Kp: np.ndarray, K: np.ndarray, n_comp: int) -> _Principal:
     return _Principal(kept, lam, scores, [K @ U[:, k] / math.sqrt(lam[k]) for k in kept])
 
 
+def centred(K: np.ndarray) -> np.ndarray:
+    """:func:`~gradforensics.analysis.toolkit.kspace.centred` (``H K H``) of a 2-d float64 *K*, bit for bit: the
+    column means and the mean as the sums ``mean`` divides (``np.add.reduce`` over the count), the three
+    elementwise steps in place into one new array, in the same order."""
+    if not (isinstance(K, np.ndarray) and K.ndim == 2 and K.dtype == np.float64 and K.size):
+        return ks.centred(K)
+    r = np.add.reduce(K, axis=0) / K.shape[0]
+    m = np.add.reduce(K, axis=None) / K.size
+    out = np.subtract(K, r[None, :])
+    out -= r[:, None]
+    out += m
+    return out
+
+
 def top_components(Kc: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`~gradforensics.analysis.toolkit.kspace.top_components`, bit for bit: below its Lanczos size its dense
     ``eigh`` made by :func:`~gradforensics.analysis.toolkit.stacked.eigh_top` (the same LAPACK call without the
@@ -261,7 +275,7 @@ def _start(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: ComponentOpti
         return out
     fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
     residualise = replay and fit.index.size >= 1
-    out.Kp = ks.residual_gram(K, fit) if residualise else ks.centred(K)
+    out.Kp = ks.residual_gram(K, fit) if residualise else centred(K)
     out.fit = fit
     out.dof = n - (_rank(fit, ranks) if residualise else 1)
     out.part = _principal(out.Kp, K, opts.components)
