@@ -322,3 +322,16 @@ def test_centred_is_kspace_centred() -> None:
             assert _same(ost.centred(K.astype(np.float32)), ks.centred(K.astype(np.float32)))
         K = np.full((4, 4), 1e308)
         assert _same(ost.centred(K), ks.centred(K))        # overflowing sums: inf and NaN alike
+
+
+def test_drift_nan_to_num_is_numpys() -> None:
+    from gradforensics.analysis.kinds import drift as dr
+
+    rng = np.random.default_rng(13)
+    for _t in range(200):
+        c = rng.uniform(-1.0, 1.0, int(rng.integers(1, 12)))
+        for _ in range(int(rng.integers(0, 4))):
+            c[int(rng.integers(c.size))] = rng.choice([np.nan, np.inf, -np.inf, -0.0, 0.0, 1e308])
+        got, want = dr._nan_to_num(c, -2.0), np.nan_to_num(c, nan=-2.0)
+        assert got.tobytes() == want.tobytes() and not np.shares_memory(got, c)
+        assert np.array_equal(np.argsort(-got), np.argsort(-want))

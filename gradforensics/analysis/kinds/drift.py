@@ -308,20 +308,27 @@ def _drift_start(K: np.ndarray, mixture: np.ndarray, window: int | None,
         return UnitDrift(row, np.full(n, np.nan), np.zeros((0, 2))), None
     open_rows = rows_of[0]
     k = max(1, (W.shape[0] - 1) // 3)
-    late = np.concatenate(rows_of[-k:])
+    late = None
     if pre is None:
+        late = np.concatenate(rows_of[-k:])
         rec = opening_cosines(K, open_rows)
         wcos = ks.cosines(K, W, W[:1])[:, 0]
         c_db = ks.debiased_cosine(K, late, open_rows)
-    else:
+    else:                   # the slab's stacked cosines (and its sources' cosines to the new direction: no d here)
         rec, wcos, c_db = pre[0].copy(), pre[1].copy(), pre[3]
     wcos[0] = np.nan
     c_early, c_late = finite_mean(wcos[1:1 + k]), finite_mean(wcos[-k:])
     rotation = 1.0 - c_db if np.isfinite(c_db) else (1.0 - c_late / c_early if c_early > 0.1 else math.nan)
     row.update(cos_early=c_early, cos_late=c_late, cos_late_debiased=c_db, rotation=rotation, rho=math.nan,
                p_value=math.nan, rho_windows=math.nan, since_pos=None)
-    d = ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)
-    row.update(_alignment(K, mixture, d, None if pre is None else pre[2]))
+    if pre is None:
+        assert late is not None
+        d = ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)
+        row.update(_alignment(K, mixture, d))
+    else:       # d only where the slab had no sources' cosines (then no alignment either: the same fit says so)
+        d = None if pre[2] is not None else ks.mean_coefficients(n, np.concatenate(rows_of[-k:])) - \
+            ks.mean_coefficients(n, open_rows)
+        row.update(_alignment(K, mixture, d, pre[2]))
     return UnitDrift(row, rec, np.column_stack((_centres(n, w), wcos))), (rec[open_rows.size:], wcos[1:])
 
 
@@ -344,19 +351,30 @@ def _windows(n: int, w: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     return W, rows_of
 
 
-def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray, c: np.ndarray | None = None) -> dict[str, Any]:
+def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray | None, c: np.ndarray | None = None,
+               ) -> dict[str, Any]:
     """Which source's mean gradient points most along the new direction *d* (*c*: the sources' cosines to it, when
-    the caller has them)."""
+    the caller has them; then *d* may be None)."""
     fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
     if fit.index.size < 2 or not fit.rank_ok:
         return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
     if c is None:
+        assert d is not None
         c = ks.cosines(K, fit.C, d[None, :])[:, 0]
     if not np.isfinite(c).any():
         return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
-    order = np.argsort(-np.nan_to_num(c, nan=-2.0))
+    order = np.argsort(-_nan_to_num(c, -2.0))
     margin = float(c[order[0]] - c[order[1]]) if np.isfinite(c[order[1]]) else math.inf
     return {"align_idx": int(fit.index[order[0]]), "aligned_cosine": float(c[order[0]]), "align_margin": margin}
+
+
+_BIG = float(np.finfo(np.float64).max)
+
+
+def _nan_to_num(c: np.ndarray, nan: float) -> np.ndarray:
+    """``np.nan_to_num(c, nan=nan)`` of a float64 array (±inf to ± the largest float), the same values, without
+    its per-call dispatch."""
+    return np.clip(np.where(np.isnan(c), nan, c), -_BIG, _BIG)
 
 
 # ------------------------------------------------------------------ analysis
