@@ -50,10 +50,10 @@ def _edge_cases():
 
 
 def test_eigh_top_is_scipys_eigh() -> None:
-    cases = [(rng, S) for rng, S in _grams(0, 180)]
+    cases = [(rng, S) for rng, S in _grams(0, 144)]
     for rng, S in cases:
         n = S.shape[0]
-        for k in {1, min(3, n), n, int(rng.integers(1, n + 1))}:
+        for k in {1, min(3, n), *((n, int(rng.integers(1, n + 1))) if n <= 64 else ())}:   # every k: small n
             got, want = st.eigh_top(S, k), eigh(S, subset_by_index=(n - k, n - 1))
             assert _same(got[0], want[0]) and _same(got[1], want[1]), (n, k)
             assert got[1].flags.f_contiguous == want[1].flags.f_contiguous
@@ -82,7 +82,7 @@ def test_eigh_top_refuses_non_finite_as_scipy_does(bad: float) -> None:
 def test_top_components_is_kspace_top_components() -> None:
     for _, S in _grams(1, 120):
         n = S.shape[0]
-        for k in (1, 3, 5, n + 2):
+        for k in (1, 3, 5, n + 2) if n <= 64 else (1, 3):
             got, want = osc.top_components(S, k), ks.top_components(S, k)
             assert _same(got[0], want[0]) and _same(got[1], want[1]), (n, k)
     for S in _edge_cases():
