@@ -335,3 +335,22 @@ def test_drift_nan_to_num_is_numpys() -> None:
         got, want = dr._nan_to_num(c, -2.0), np.nan_to_num(c, nan=-2.0)
         assert got.tobytes() == want.tobytes() and not np.shares_memory(got, c)
         assert np.array_equal(np.argsort(-got), np.argsort(-want))
+
+
+def test_syevr_top_in_place_is_scipys_eigh() -> None:
+    """Oscillation's in-place call (``S.T`` of an exactly symmetric ``S``, LAPACK working in it) and the means it
+    divides itself: SciPy's ``eigh`` and ``mean``'s floats."""
+    from gradforensics.analysis.toolkit import oscillationstats as ost
+
+    for _, S in _grams(4, 60):
+        n = S.shape[0]
+        for k in (1, min(3, n)):
+            want = eigh(S, subset_by_index=(n - k, n - 1))
+            spent = S.copy()
+            got = st.syevr_top(spent.T, k, overwrite=True)
+            assert got is not None and _same(got[0], want[0]) and _same(got[1], want[1]), (n, k)
+        x = S.ravel()
+        assert _same(ost._mean(x), x.mean()) and _same(ost._mean(x[::3]), x[::3].mean())
+    bad = np.eye(5)
+    bad[1, 1] = np.nan
+    assert st.syevr_top(bad.T, 2, overwrite=True) is None and np.isnan(bad[1, 1])     # refused before LAPACK

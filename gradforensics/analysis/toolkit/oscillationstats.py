@@ -127,15 +127,17 @@ def _source_r2(scores: np.ndarray, fit: ks.SourceFit, hats: dict[int, np.ndarray
     if hat is None:
         hat = hats[id(fit)] = fit.hat
     resid = scores - hat @ scores
-    sc = scores - scores.mean()
-    return float(max(0.0, 1.0 - (resid @ resid) / (sc @ sc))) if sc @ sc > 0 else math.nan
+    sc = scores - _mean(scores)
+    ss = sc @ sc
+    return float(max(0.0, 1.0 - (resid @ resid) / ss)) if ss > 0 else math.nan
 
 
 def _pole_sources(mixture: np.ndarray, mask: np.ndarray, names: tuple[str, ...], idx: np.ndarray) -> str:
     """Sources holding ≥ POLE_SHARE of a pole's records, ';'-joined ('' if none)."""
     if not mask.any():
         return ""
-    share = mixture[mask].mean(axis=0)
+    pole = mixture[mask]
+    share = np.add.reduce(pole, axis=0) / pole.shape[0]          # = pole.mean(axis=0)
     return ";".join(names[i] for i in idx if share[i] >= POLE_SHARE)
 
 
@@ -166,14 +168,22 @@ class _Principal:
     lam: np.ndarray
     scores: np.ndarray
     proj: list[np.ndarray]
+    trace: Any = 0.0            # np.trace of the centred K (the floor of the kept directions, the explained share)
 
 
 def _principal(Kp: np.ndarray, K: np.ndarray, n_comp: int) -> _Principal:
     lam, U = top_components(Kp, n_comp)
-    floor = 1e-12 * max(np.trace(Kp), 1e-300)
+    trace = np.trace(Kp)
+    floor = 1e-12 * max(trace, 1e-300)
     kept = [k for k in range(lam.size) if not lam[k] <= floor]
     scores = np.stack([U[:, k] * math.sqrt(lam[k]) for k in kept]) if kept else np.zeros((0, Kp.shape[0]))
-    return _Principal(kept, lam, scores, [K @ U[:, k] / math.sqrt(lam[k]) for k in kept])
+    return _Principal(kept, lam, scores, [K @ U[:, k] / math.sqrt(lam[k]) for k in kept], trace)
+
+
+def _mean(x: np.ndarray) -> Any:
+    """``x.mean()`` of a non-empty float64 array, bit for bit (the sum ``mean`` divides by the count), without
+    its per-call bookkeeping."""
+    return np.add.reduce(x, axis=None) / x.size
 
 
 def centred(K: np.ndarray) -> np.ndarray:
@@ -200,7 +210,12 @@ def top_components(Kc: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return ks.top_components(Kc, k)
     S = Kc + Kc.T
     S /= 2.0                                       # (Kc + Kc.T) / 2.0, in place
-    lam, U = st.eigh_top(S, k)
+    got = st.syevr_top(S.T, k, overwrite=True)     # S.T is S (a + b = b + a), Fortran-ordered: LAPACK works in it
+    if got is None:                                # spent; SciPy's eigh of it again says why (or copes)
+        S = Kc + Kc.T
+        S /= 2.0
+        got = st.eigh_top(S, k)
+    lam, U = got
     lam, U = lam[::-1], U[:, ::-1]
     s = np.sign(U[np.argmax(np.abs(U), axis=0), np.arange(U.shape[1])])
     return np.maximum(lam, 0.0), U * np.where(s == 0, 1.0, s)
@@ -294,14 +309,14 @@ def _finish(s: _Started, mixture: np.ndarray, names: tuple[str, ...], comps: lis
             bc: float, hats: dict[int, np.ndarray]) -> tuple[dict[str, Any], Component | None]:
     """The row of a unit whose best direction *best* (of its tested *comps*) has bimodality coefficient *bc*."""
     row = s.row
-    assert s.Kp is not None and s.fit is not None
+    assert s.Kp is not None and s.fit is not None and s.part is not None
     fit = s.fit
     upper = two_means_split(best.scores)
-    mu_pos, mu_neg = float(best.proj[upper].mean()), float(best.proj[~upper].mean())
+    mu_pos, mu_neg = float(_mean(best.proj[upper])), float(_mean(best.proj[~upper]))
     if mu_pos < mu_neg:
         mu_pos, mu_neg, upper = mu_neg, mu_pos, ~upper
     rev = min(abs(mu_pos), abs(mu_neg)) / max(abs(mu_pos), abs(mu_neg), 1e-300) if mu_pos > 0 > mu_neg else 0.0
-    row.update(component=best.k + 1, explained=best.lam / max(float(np.trace(s.Kp)), 1e-300), energy=best.lam,
+    row.update(component=best.k + 1, explained=best.lam / max(float(s.part.trace), 1e-300), energy=best.lam,
                period_records=best.period, p_value=min(1.0, best.p * len(comps)),
                bimodality_coefficient=bc, pole_pos=mu_pos, pole_neg=mu_neg,
                reversal=rev, source_r2=_source_r2(best.scores, fit, hats),

@@ -37,7 +37,8 @@ import functools
 
 import numpy as np
 
-__all__ = ["block", "blocks_each", "cosines_each", "eigh_top", "lstsq_each", "lstsq_gufunc", "lstsq_stack", "matvec_each", "record_cosines_each", "row_dots", "row_means"]
+__all__ = ["block", "blocks_each", "cosines_each", "eigh_top", "lstsq_each", "lstsq_gufunc", "lstsq_stack", "matvec_each",
+           "record_cosines_each", "row_dots", "row_means", "syevr_top"]
 
 
 def row_means(X: np.ndarray) -> np.ndarray:
@@ -144,18 +145,29 @@ def eigh_top(S: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     for bit: its ``dsyevr`` (lower triangle, eigenvectors, ``range="I"``) called directly with the workspace
     sizes the wrapper asks for.  A matrix the wrapper would refuse (a non-finite entry: the sum is not finite,
     and a finite sum that overflowed too) and a call that fails go to the wrapper, which says it as before."""
-    n = S.shape[0]
-    with np.errstate(over="ignore", invalid="ignore"):
-        finite = bool(np.isfinite(np.add.reduce(S, axis=None)))
-    if S.dtype == np.float64 and S.ndim == 2 and S.shape[1] == n and 1 <= k <= n and finite:
-        drv, lwork, liwork = _syevr(n)
-        w, v, m, _, info = drv(a=S, overwrite_a=False, range="I", il=n - k + 1, iu=n, lower=1, compute_v=1,
-                               lwork=lwork, liwork=liwork)
-        if info == 0:
-            return w[:m], v[:, :m]
+    got = syevr_top(S, k)
+    if got is not None:
+        return got
     from scipy.linalg import eigh
 
+    n = S.shape[0]
     return eigh(S, subset_by_index=(n - k, n - 1))
+
+
+def syevr_top(S: np.ndarray, k: int, overwrite: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`eigh_top`'s direct ``dsyevr`` call, or None where it would go to the wrapper (a matrix the wrapper
+    refuses, a call that fails).  *overwrite*: LAPACK may work in *S* itself (``eigh``'s ``overwrite_a``; a
+    Fortran-ordered *S* then spares the copy), which is then spent, whatever the outcome."""
+    n = S.shape[0]
+    if not (S.dtype == np.float64 and S.ndim == 2 and S.shape[1] == n and 1 <= k <= n):
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not np.isfinite(np.add.reduce(S, axis=None)):
+            return None
+    drv, lwork, liwork = _syevr(n)
+    w, v, m, _, info = drv(a=S, overwrite_a=bool(overwrite), range="I", il=n - k + 1, iu=n, lower=1, compute_v=1,
+                           lwork=lwork, liwork=liwork)
+    return (w[:m], v[:, :m]) if info == 0 else None
 
 
 @functools.lru_cache(maxsize=16)
