@@ -10,6 +10,8 @@ go to SciPy's own error).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from scipy.linalg import eigh
@@ -272,7 +274,8 @@ def test_noise_flags_read_no_gram_again_and_flag_the_same(mode: str, nonfinite: 
         assert len(base.grams) < _Counting.reads < len(base.grams) + len(whole)
     else:               # each unit once: the model's rows read nothing again (before: every whole tensor twice)
         assert _Counting.reads == len(base.grams)
-    raw = np.frombuffer(res.table.attrs[nz.N_FEATURES], dtype=np.float64)
+    raw = np.frombuffer(bytes.fromhex(res.table.attrs[nz.N_FEATURES]), dtype=np.float64)
+    json.dumps(res.table.attrs)                          # a table written with its attrs still writes
     recs = res.table.to_dict("records")
     assert raw.size == len(recs)
     for r, v in zip(recs, raw, strict=True):
@@ -296,6 +299,9 @@ def test_noise_flags_read_no_gram_again_and_flag_the_same(mode: str, nonfinite: 
         r["trace_sigma"] = float(r["trace_sigma"]) * (30.0 if r["tensor"] == P.q_name(1) else 1.0)
     known = nz._known_features(res.table, recs)
     assert len(known) == len(recs)
+    odd = res.table.copy()
+    odd.attrs[nz.N_FEATURES] = "zz" * 8 * len(recs)          # not hex: ignored, the Gram results read instead
+    assert nz._known_features(odd, recs) == {}
     assert nz._noise_excess(rows, ctx, known) == nz._noise_excess(rows, ctx)
     opts = nz.NoiseOptions(outlier_z=0.5, outlier_ratio=1.01)
     got_o = nz._outliers(rows, opts, ctx, known)

@@ -322,9 +322,13 @@ def _known_features(table: Any, recs: list[dict[str, Any]]) -> dict[int, float]:
     """id(record) -> its Gram result's ``n_features`` from the table's :data:`N_FEATURES` (empty when absent or not
     one value a row)."""
     raw = table.attrs.get(N_FEATURES)
-    if not isinstance(raw, bytes) or len(raw) != 8 * len(recs):
+    if not isinstance(raw, str) or len(raw) != 16 * len(recs):
         return {}
-    return dict(zip(map(id, recs), np.frombuffer(raw, dtype=np.float64).tolist(), strict=True))
+    try:
+        values = np.frombuffer(bytes.fromhex(raw), dtype=np.float64).tolist()
+    except ValueError:          # not ours: the Gram results, as without it
+        return {}
+    return dict(zip(map(id, recs), values, strict=True))
 
 
 def _median_snr(rows: list[dict[str, Any]]) -> float | None:

@@ -204,7 +204,7 @@ def noise_table(grams: Mapping[tuple[str, int | None], GramResult], n_samples: n
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     table["head"] = table["head"].astype("Int64")
     table.attrs[N_FEATURES] = np.array([seen[k].n_features if (k := (r["tensor"], r["head"])) in seen else math.nan
-                                        for r in rows], dtype=np.float64).tobytes()
+                                        for r in rows], dtype=np.float64).tobytes().hex()
     return table
 
 
@@ -220,7 +220,8 @@ class Taken:
 
 N_FEATURES = "gradforensics.noise.n_features"
 """``table.attrs`` key of :func:`noise_table`'s tables: each row's Gram result's ``n_features`` (NaN: the model's
-rows), float64 bytes in row order, read by the flags of the same pass instead of mapping each Gram matrix again;
-a table without it (read back from a store) falls back to the Gram results."""
+rows), float64 bytes in row order as a hex string (immutable: pandas' copies of ``attrs`` cost nothing; JSON: a
+table written where pandas keeps its ``attrs`` still writes), read by the flags of the same pass instead of mapping
+each Gram matrix again; a table without it (read back from a store) falls back to the Gram results."""
 
 
