@@ -214,18 +214,20 @@ STACK_BYTES = 32 * 2**20
 
 
 def _slab_cosines(slab: list[tuple[np.ndarray, np.ndarray]], window: int | None,
-                  ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
-    """Unit index -> its records' cosines to the opening mean, its window cosines and its sources' cosines to the
-    new direction (None: no alignment), for the units of *slab* that are tested: the units of one record
-    count and mixture rows at a time, through the stacked :func:`~gradforensics.analysis.toolkit.stacked.cosines_each`
-    and :func:`~gradforensics.analysis.toolkit.stacked.record_cosines_each` (each unit's floats the single calls')."""
+                  ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None, float]]:
+    """Unit index -> its records' cosines to the opening mean (:func:`opening_cosines`), its window cosines, its
+    sources' cosines to the new direction (None: no alignment) and its debiased late cosine, for the units of
+    *slab* that are tested: the units of one record count and mixture rows at a time, through the stacked
+    :func:`~gradforensics.analysis.toolkit.stacked.cosines_each`,
+    :func:`~gradforensics.analysis.toolkit.stacked.record_cosines_each` and the blocks' sums of
+    :func:`_opening_fix_each` and :func:`_debiased_each` (each unit's floats the single calls')."""
     groups: dict[tuple[int, bytes], list[int]] = {}
     for i, (K, mix) in enumerate(slab):
         n = K.shape[0]
         live = _windows(n, ks.window_size(n, window))[0].shape[0] >= 4
         if live and isinstance(K, np.ndarray) and K.dtype == np.float64 and K.flags.c_contiguous:   # as the units' K
             groups.setdefault((n, np.ascontiguousarray(mix, dtype=np.float64).tobytes()), []).append(i)
-    out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+    out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None, float]] = {}
     for (n, _), members in groups.items():
         W, rows_of = _windows(n, ks.window_size(n, window))
         open_rows, late = rows_of[0], _late(rows_of)
@@ -235,12 +237,57 @@ def _slab_cosines(slab: list[tuple[np.ndarray, np.ndarray]], window: int | None,
         for at in range(0, len(members), step):
             part = members[at:at + step]
             Ks = np.stack([slab[i][0] for i in part])
-            rec = st.record_cosines_each(Ks, ks.mean_coefficients(n, open_rows))
+            rec = _opening_fix_each(Ks, open_rows, st.record_cosines_each(Ks, ks.mean_coefficients(n, open_rows)))
             wcos = st.cosines_each(Ks, W, W[:1])[:, :, 0]
             align = st.cosines_each(Ks, fit.C, d)[:, :, 0] if fit.index.size >= 2 and fit.rank_ok else None
+            c_db = _debiased_each(Ks, late, open_rows)
             for j, i in enumerate(part):
-                out[i] = (rec[j], wcos[j], None if align is None else align[j])
+                out[i] = (rec[j], wcos[j], None if align is None else align[j], float(c_db[j]))
     return out
+
+
+def _blocks(Ks: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``[kspace.block(K, rows, cols) for K in Ks]`` (``(U, r, c)``), per item the same floats."""
+    return st.blocks_each(Ks, rows, cols)
+
+
+def _opening_fix_each(Ks: np.ndarray, open_rows: np.ndarray, cos: np.ndarray) -> np.ndarray:
+    """:func:`_opening_fix` of every item of the stack *Ks* and its row of *cos* (``(U, N)``, written in place),
+    each row's floats the single call's: the block's row sums and diagonal per item, its total as the 1-d
+    pairwise sum of each item's ``r²`` contiguous floats (``sub.sum()`` of the C-ordered block), the rest
+    elementwise."""
+    if open_rows.size > 1:
+        sub = _blocks(Ks, open_rows, open_rows)
+        S = sub.sum(axis=2)
+        T = sub.reshape(sub.shape[0], -1).sum(axis=1)[:, None]
+        d = np.diagonal(sub, axis1=1, axis2=2)
+        cos[:, open_rows] = ks.safe_div(S - d, np.sqrt(np.maximum(d * (T - 2 * S + d), 0.0)))
+    return cos
+
+
+def _u_norms_each(Ks: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``[kspace.u_statistic_norm2(K, rows) for K in Ks]``: each block's total (its contiguous floats' pairwise
+    sum) less its trace (the diagonal's sum), over ``n (n - 1)``."""
+    n = rows.size
+    if n < 2:
+        return np.full(Ks.shape[0], np.nan)
+    sub = _blocks(Ks, rows, rows)
+    return (sub.reshape(sub.shape[0], -1).sum(axis=1) - np.trace(sub, axis1=1, axis2=2)) / (n * (n - 1))
+
+
+def _debiased_each(Ks: np.ndarray, rows_a: np.ndarray, rows_b: np.ndarray) -> np.ndarray:
+    """``[kspace.debiased_cosine(K, rows_a, rows_b) for K in Ks]``, each item's float the single call's (NaN where
+    a U-statistic is not positive, as there)."""
+    ua, ub = _u_norms_each(Ks, rows_a), _u_norms_each(Ks, rows_b)
+    ok = (ua > 0) & (ub > 0)
+    cross = _blocks(Ks, rows_a, rows_b)
+    cross = cross.reshape(cross.shape[0], -1).mean(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore", under="ignore"):
+        root = np.sqrt(ua * ub)
+        if (ok & (root == 0.0)).any():      # U-statistics so small their product underflows: as the single call
+            raise ZeroDivisionError("float division by zero")
+        c = np.clip(cross / root, -1.0, 1.0)
+    return np.where(ok, c, np.nan)
 
 
 def _late(rows_of: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -249,7 +296,7 @@ def _late(rows_of: tuple[np.ndarray, ...]) -> np.ndarray:
 
 
 def _drift_start(K: np.ndarray, mixture: np.ndarray, window: int | None,
-                 pre: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None,
+                 pre: tuple[np.ndarray, np.ndarray, np.ndarray | None, float] | None = None,
                  ) -> tuple[UnitDrift, tuple[np.ndarray, np.ndarray] | None]:
     """A unit's drift statistics but its rank trends (their places in the row held), and the two series they test
     (*pre*: its cosines from :func:`_slab_cosines`, else computed here)."""
@@ -260,22 +307,28 @@ def _drift_start(K: np.ndarray, mixture: np.ndarray, window: int | None,
     if W.shape[0] < 4:
         return UnitDrift(row, np.full(n, np.nan), np.zeros((0, 2))), None
     open_rows = rows_of[0]
+    k = max(1, (W.shape[0] - 1) // 3)
+    late = None
     if pre is None:
+        late = np.concatenate(rows_of[-k:])
         rec = opening_cosines(K, open_rows)
         wcos = ks.cosines(K, W, W[:1])[:, 0]
-    else:
-        rec = _opening_fix(K, open_rows, pre[0].copy())
-        wcos = pre[1].copy()
+        c_db = ks.debiased_cosine(K, late, open_rows)
+    else:                   # the slab's stacked cosines (and its sources' cosines to the new direction: no d here)
+        rec, wcos, c_db = pre[0].copy(), pre[1].copy(), pre[3]
     wcos[0] = np.nan
-    k = max(1, (W.shape[0] - 1) // 3)
-    late = np.concatenate(rows_of[-k:])
     c_early, c_late = finite_mean(wcos[1:1 + k]), finite_mean(wcos[-k:])
-    c_db = ks.debiased_cosine(K, late, open_rows)
     rotation = 1.0 - c_db if np.isfinite(c_db) else (1.0 - c_late / c_early if c_early > 0.1 else math.nan)
     row.update(cos_early=c_early, cos_late=c_late, cos_late_debiased=c_db, rotation=rotation, rho=math.nan,
                p_value=math.nan, rho_windows=math.nan, since_pos=None)
-    d = ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)
-    row.update(_alignment(K, mixture, d, None if pre is None else pre[2]))
+    if pre is None:
+        assert late is not None
+        d = ks.mean_coefficients(n, late) - ks.mean_coefficients(n, open_rows)
+        row.update(_alignment(K, mixture, d))
+    else:       # d only where the slab had no sources' cosines (then no alignment either: the same fit says so)
+        d = None if pre[2] is not None else ks.mean_coefficients(n, np.concatenate(rows_of[-k:])) - \
+            ks.mean_coefficients(n, open_rows)
+        row.update(_alignment(K, mixture, d, pre[2]))
     return UnitDrift(row, rec, np.column_stack((_centres(n, w), wcos))), (rec[open_rows.size:], wcos[1:])
 
 
@@ -298,19 +351,30 @@ def _windows(n: int, w: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     return W, rows_of
 
 
-def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray, c: np.ndarray | None = None) -> dict[str, Any]:
+def _alignment(K: np.ndarray, mixture: np.ndarray, d: np.ndarray | None, c: np.ndarray | None = None,
+               ) -> dict[str, Any]:
     """Which source's mean gradient points most along the new direction *d* (*c*: the sources' cosines to it, when
-    the caller has them)."""
+    the caller has them; then *d* may be None)."""
     fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
     if fit.index.size < 2 or not fit.rank_ok:
         return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
     if c is None:
+        assert d is not None
         c = ks.cosines(K, fit.C, d[None, :])[:, 0]
     if not np.isfinite(c).any():
         return {"align_idx": None, "aligned_cosine": math.nan, "align_margin": math.nan}
-    order = np.argsort(-np.nan_to_num(c, nan=-2.0))
+    order = np.argsort(-_nan_to_num(c, -2.0))
     margin = float(c[order[0]] - c[order[1]]) if np.isfinite(c[order[1]]) else math.inf
     return {"align_idx": int(fit.index[order[0]]), "aligned_cosine": float(c[order[0]]), "align_margin": margin}
+
+
+_BIG = float(np.finfo(np.float64).max)
+
+
+def _nan_to_num(c: np.ndarray, nan: float) -> np.ndarray:
+    """``np.nan_to_num(c, nan=nan)`` of a float64 array (±inf to ± the largest float), the same values, without
+    its per-call dispatch."""
+    return np.clip(np.where(np.isnan(c), nan, c), -_BIG, _BIG)
 
 
 # ------------------------------------------------------------------ analysis

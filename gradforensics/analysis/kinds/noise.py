@@ -37,6 +37,9 @@ has a small mean gradient, so a low SNR everywhere is the normal state there.  S
   tensor's or head's noise finding is weighted by :data:`LEARNING_WEIGHT` (context
   below 0.5): the model learns through that noise.
 
+The table (its design, each unit's rows, the ``whole model`` rows) is
+:mod:`gradforensics.analysis.toolkit.noisetable`; this module flags it.
+
 References
 ----------
 McCandlish, Kaplan, Amodei et al. (2018), "An Empirical Model of Large-Batch
@@ -59,45 +62,45 @@ from gradforensics.analysis.contract.model import (
     Constraints,
     Context,
     Flag,
-    GramResult,
     Interval,
     Need,
     Options,
 )
-from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit.batches import full_batch, learning
 from gradforensics.analysis.toolkit.noisescale import (
     BELOW_RESOLUTION,
-    FIELDS,
     Z90,
-    Parts,
-    mixture_parts,
     noise_estimate,
-    noise_parts_stack,
     robust_z,
-    summaries,
-    summarize,
 )
-from gradforensics.analysis.toolkit.parallel import map_slabs
+from gradforensics.analysis.toolkit.noisetable import (  # noqa: F401  (nz.design, nz.Design, ... as before)
+    COLUMNS,
+    MODEL,
+    N_FEATURES,
+    STACK_BYTES,
+    Design,
+    Taken,
+    design,
+    model_rows,
+    noise_rows,
+    noise_rows_many,
+    noise_table,
+)
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Mapping
 
-    import pandas as pd
     from matplotlib.axes import Axes
 
 __all__ = ["COLUMNS", "FULL_BATCH", "MODEL", "NoiseOptions", "flags", "noise_estimate", "noise_rows", "noise_rows_many", "noise_table", "severity", "small_median"]
 
-#: The ``tensor`` of the run-level rows and finding.
-MODEL = "whole model"
 #: Severity weight of a tensor's noise finding in a training run whose loss falls: the model learns through
 #: the noise, so it is context (below 0.5), not trouble.
 LEARNING_WEIGHT = 0.45
 #: The note of every row of a full-batch run: no flag, since there is no sampling noise to measure.
 FULL_BATCH = ("full batch (every record the whole data set of {} samples): no sampling noise; the spread "
               "across records is the trajectory, not noise")
-COLUMNS = ("tensor", "head", "source", *FIELDS, "from_sketch")
 
 
 @dataclass(frozen=True)
@@ -124,159 +127,14 @@ class NoiseOptions(Options):
                    "outlier_z": Interval(float, 0, None, "neither")}
 
 
-# ------------------------------------------------------------------ table
-@dataclass(frozen=True)
-class Design:
-    """What the rows are estimated from: batch sizes, pure-source index, mixture shares, within or pooled."""
-
-    n_samples: np.ndarray
-    source_index: np.ndarray
-    sources: tuple[str, ...]
-    shares: np.ndarray
-    within: bool
-
-
-def design(n_samples: np.ndarray, mixture: np.ndarray | None, source_index: np.ndarray, sources: tuple[str, ...],
-           mode: str = "replay") -> Design:
-    """Within-source estimates in a replay whose batches are all pure, with >= 2 sources of >= 2 records."""
-    b = np.asarray(n_samples, dtype=np.float64)
-    idx = np.asarray(source_index)
-    if mixture is not None and len(sources):
-        shares = (np.asarray(mixture, dtype=np.float64) * b[:, None]).sum(axis=0)
-    else:
-        shares = np.array([np.sum(b[idx == s]) for s in range(len(sources))])
-    counts = np.array([np.sum((idx == s) & (b > 0)) for s in range(len(sources))])
-    present = counts > 0
-    within = bool(mode == "replay" and np.all(idx[b > 0] >= 0) and present.sum() >= 2 and counts[present].min() >= 2)
-    return Design(b, idx, tuple(sources), shares, within)
-
-
-def _within(gram: np.ndarray, rows: np.ndarray, d: Design) -> Parts | None:
-    """The within-source parts of the records *rows* (every one pure, >= 2 sources of >= 2 records), else None."""
-    present = np.unique(d.source_index[rows])
-    if present.size >= 2 and min(np.sum(d.source_index[rows] == s) for s in present) >= 2:
-        remap = np.searchsorted(present, d.source_index[rows])
-        return mixture_parts(ks.block(gram, rows), d.n_samples[rows], remap, d.shares[present])
-    return None
-
-
-def _row(tensor: str, head: int | None, label: str, parts: Parts, estimator: str, b: np.ndarray,
-         from_sketch: bool) -> dict[str, Any]:
-    est = summarize(parts, float(b.mean()) if b.size else math.nan, int(b.size), estimator)
-    return {"tensor": tensor, "head": head, "source": label, **est, "from_sketch": from_sketch}
-
-
-def noise_rows(g: GramResult, d: Design, mask: np.ndarray | None = None) -> tuple[list[dict[str, Any]], dict]:
-    """Rows of one tensor (or head): all sources, then each source with >= 2 pure records; and their parts."""
-    return noise_rows_many([g], d, mask)[0]
-
-
-def noise_rows_many(gs: Iterable[GramResult], d: Design, mask: np.ndarray | None = None,
-                    ) -> list[tuple[list[dict[str, Any]], dict]]:
-    """:func:`noise_rows` of every unit of *gs*, each its own call's floats: the pooled estimates of all rows with
-    the same records in one :func:`~gradforensics.analysis.toolkit.noisescale.noise_parts_stack` pass, the
-    jackknife errors of all rows in one :func:`~gradforensics.analysis.toolkit.noisescale.summaries` call.
-
-    The units are taken one at a time (*gs* may read each Gram matrix when it is taken): what is kept of a
-    unit is its rows' sub-blocks of K, until the stacked pass.
-    """
-    entries: list[tuple[int, str, np.ndarray, Parts | None, str]] = []      # unit, label, its records' mask, ...
-    pooled: dict[bytes, tuple[np.ndarray, list[int], list[np.ndarray]]] = {}
-    meta: list[tuple[str, int | None, bool]] = []
-    for u, g in enumerate(gs):
-        meta.append((g.tensor, g.head, g.from_sketch))
-        usable = g.finite & (d.n_samples > 0) if mask is None else mask
-        for s in [None, *range(len(d.sources))]:
-            sel = usable if s is None else usable & (d.source_index == s)
-            if s is not None and sel.sum() < 2:
-                continue
-            rows = np.flatnonzero(sel)
-            within = _within(g.gram, rows, d) if s is None and d.within else None
-            if within is None:
-                group = pooled.setdefault(rows.tobytes(), (rows, [], []))
-                group[1].append(len(entries))
-                group[2].append(ks.block(np.asarray(g.gram, dtype=np.float64), rows))
-            entries.append((u, "" if s is None else d.sources[s], sel, within, "within sources" if within else "pooled"))
-        del g
-    got: dict[int, Parts] = {}
-    for rows, members, blocks in pooled.values():
-        got.update(zip(members, noise_parts_stack(np.stack(blocks), d.n_samples[rows]), strict=True))
-        blocks.clear()
-    parts = [p if p is not None else got[e] for e, (_, _, _, p, _) in enumerate(entries)]
-    sizes = [d.n_samples[sel] for _, _, sel, _, _ in entries]
-    ests = summaries([(p, float(b.mean()) if b.size else math.nan, int(b.size), how)
-                      for p, b, (_, _, _, _, how) in zip(parts, sizes, entries, strict=True)])
-    out: list[tuple[list[dict[str, Any]], dict]] = [([], {}) for _ in meta]
-    for p, est, (u, label, _, _, _) in zip(parts, ests, entries, strict=True):
-        tensor, head, sketch = meta[u]
-        out[u][1][label] = p
-        out[u][0].append({"tensor": tensor, "head": head, "source": label, **est, "from_sketch": sketch})
-    return out
-
-
-STACK_BYTES = 32 * 2**20
-"""Bytes of K's sub-blocks one stacked pass of noise's slab holds, at most (at least one unit a pass)."""
-
-
-def model_rows(grams: Mapping[tuple[str, int | None], GramResult], d: Design,
-               done: Mapping[tuple[str, int | None], tuple[list[dict[str, Any]], dict]] | None = None,
-               ) -> list[dict[str, Any]]:
-    """The ``whole model`` rows: |G|² and tr(Σ) summed over the whole tensors, on records usable in all.
-
-    *done*: :func:`noise_rows` of some units on their own usable records; a whole tensor whose own
-    usable records are the model's (no non-finite record of its own) takes its parts from there (the
-    same function of the same numbers) instead of estimating them again.
-    """
-    whole = [k for k in grams if k[1] is None]          # keys: a spilled pass reads each K when taken
-    if not whole:
-        return []
-    finite = {k: grams[k].finite for k in whole}
-    mask = np.logical_and.reduce(list(finite.values())) & (d.n_samples > 0)
-    total: dict[str, Parts] = {}
-    sketch = False
-    for k in whole:
-        g = grams[k]
-        sketch = sketch or g.from_sketch
-        own = done is not None and k in done and np.array_equal(finite[k] & (d.n_samples > 0), mask)
-        for label, p in (done[k][1] if own and done is not None else noise_rows(g, d, mask)[1]).items():
-            total[label] = p if label not in total else total[label] + p
-    out = []
-    for label, p in total.items():
-        sel = mask if label == "" else mask & (d.source_index == d.sources.index(label))
-        how = "within sources" if label == "" and d.within else "pooled"
-        out.append(_row(MODEL, None, label, p, how, d.n_samples[sel], sketch))
-    return out
-
-
-def noise_table(grams: Mapping[tuple[str, int | None], GramResult], n_samples: np.ndarray, source_index: np.ndarray,
-                sources: tuple[str, ...], mixture: np.ndarray | None = None, mode: str = "training") -> pd.DataFrame:
-    """The ``noise.csv`` table: the ``whole model`` rows, then a row per tensor, head and source (``source`` empty = all)."""
-    import pandas as pd
-
-    d = design(np.asarray(n_samples), mixture, source_index, sources, mode)
-    keys = sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
-    step = max(1, STACK_BYTES // max(1, 16 * d.n_samples.size ** 2))      # a unit's blocks: at most 2 N² floats
-
-    def slab(part: list[tuple[str, int | None]]) -> list[tuple[list[dict[str, Any]], dict]]:
-        done = [r for at in range(0, len(part), step)            # each K read when taken, one at a time
-                for r in noise_rows_many((grams[key] for key in part[at:at + step]), d)]
-        return [(rows, parts if key[1] is None else {}) for key, (rows, parts) in zip(part, done, strict=True)]
-        # (a whole tensor's parts may serve the model's rows)
-
-    done = dict(zip(keys, map_slabs(slab, keys), strict=True))
-    rows = model_rows(grams, d, done)
-    for key in keys:
-        rows += done[key][0]
-    table = pd.DataFrame(rows, columns=list(COLUMNS))
-    table["head"] = table["head"].astype("Int64")
-    return table
-
-
 def compute(ctx: Context) -> AnalysisResult:
-    if ctx.long is not None:        # long histories: the same estimators on the per-window, per-source means
+    long = ctx.long is not None
+    if long:                        # long histories: the same estimators on the per-window, per-source means
         ctx = ctx.super_records()
     table = noise_table(ctx.grams, ctx.batches["n_samples"], ctx.source_of_record(), ctx.sources,
                         ctx.batches.get("mixture"), ctx.meta.mode)
+    if long:                        # the super-records' Gram results are not the ones the flags' ctx holds
+        table.attrs.pop(N_FEATURES, None)
     size = full_batch(ctx.meta, ctx.batches)
     if size is not None and len(table):
         table["batch_note"] = FULL_BATCH.format(size)
@@ -320,14 +178,15 @@ def _level(r: dict[str, Any]) -> float:
     return math.log(v) if v > 0 else math.nan
 
 
-def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions, ctx: Context | None = None) -> dict[int, float]:
+def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions, ctx: Context | None = None,
+              known: Mapping[int, float] | None = None) -> dict[int, float]:
     """id(row) -> severity for the rows whose SNR stands out below the rest of *rows*, with noise out of line."""
     levels = np.array([_level(r) for r in rows])
     ok = np.isfinite(levels)
     if ok.sum() < 3:
         return {}
     ref = math.exp(float(np.median(levels[ok])))
-    excess = _noise_excess(rows, ctx)
+    excess = _noise_excess(rows, ctx, known)
     todo = [r for r in rows if r["n"] >= opts.min_records and math.isfinite(_upper(r))
             and excess.get(id(r), math.inf) >= math.log(opts.outlier_ratio)]   # else quiet (small mean, ordinary noise)
     zs = np.atleast_1d(robust_z(levels, np.array([math.log(max(_upper(r), 1e-12)) for r in todo])))   # one median
@@ -340,10 +199,14 @@ def _outliers(rows: list[dict[str, Any]], opts: NoiseOptions, ctx: Context | Non
     return out
 
 
-def _n_features(row: dict[str, Any], ctx: Context | None) -> float:
-    """Coordinates of a row's tensor (head): from its Gram result, else the stored array; NaN when unknown."""
+def _n_features(row: dict[str, Any], ctx: Context | None, known: Mapping[int, float] | None = None) -> float:
+    """Coordinates of a row's tensor (head): from its Gram result (*known*: id(row) -> its ``n_features`` as the
+    table's pass read it, :data:`N_FEATURES`), else the stored array; NaN when unknown."""
     if ctx is None:
         return math.nan
+    v = known.get(id(row), math.nan) if known else math.nan
+    if v > 0:
+        return v
     g = ctx.grams.get((row["tensor"], row["head"])) if ctx.grams else None
     if g is not None and g.n_features > 0:
         return float(g.n_features)
@@ -354,7 +217,8 @@ def _n_features(row: dict[str, Any], ctx: Context | None) -> float:
     return size / info.heads if row["head"] is not None and info.heads else size
 
 
-def _noise_excess(rows: list[dict[str, Any]], ctx: Context | None) -> dict[int, float]:
+def _noise_excess(rows: list[dict[str, Any]], ctx: Context | None,
+                  known: Mapping[int, float] | None = None) -> dict[int, float]:
     """id(row) -> log of (lower 90% bound of its tr(Σ) per coordinate) / (its peers' median tr(Σ) per coordinate).
 
     A head's peers are the other heads of its tensor (same shape, same role) when there are
@@ -363,7 +227,7 @@ def _noise_excess(rows: list[dict[str, Any]], ctx: Context | None) -> dict[int, 
     """
     per: dict[int, tuple[float, float]] = {}
     for r in rows:
-        d, t, se = _n_features(r, ctx), float(r["trace_sigma"]), float(r["trace_sigma_se"])
+        d, t, se = _n_features(r, ctx, known), float(r["trace_sigma"]), float(r["trace_sigma_se"])
         if not (d > 0 and t > 0):
             continue
         lo = t - Z90 * se if math.isfinite(se) else t
@@ -441,7 +305,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         if r["source"] != "" and r["head"] is None and r["tensor"] != MODEL:
             by_tensor.setdefault(r["tensor"], []).append(r)
     noisy = _noisier_sources(by_tensor, opts)
-    sev = {**_outliers(tensors, opts, ctx), **_outliers(heads, opts, ctx)}
+    known = _known_features(t, recs)
+    sev = {**_outliers(tensors, opts, ctx, known), **_outliers(heads, opts, ctx, known)}
     ref = {None: _median_snr(tensors), "head": _median_snr(heads)}
     out = [run_flag(recs, span, opts)] if any(r["tensor"] == MODEL for r in recs) else []
     weight = LEARNING_WEIGHT if learning(ctx.meta, ctx.batches) else 1.0
@@ -451,6 +316,19 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         if s > 0:
             out.append(_flag(row, s, ref[None if row["head"] is None else "head"], srcs, span))
     return [f for f in out if f is not None]
+
+
+def _known_features(table: Any, recs: list[dict[str, Any]]) -> dict[int, float]:
+    """id(record) -> its Gram result's ``n_features`` from the table's :data:`N_FEATURES` (empty when absent or not
+    one value a row)."""
+    raw = table.attrs.get(N_FEATURES)
+    if not isinstance(raw, str) or len(raw) != 16 * len(recs):
+        return {}
+    try:
+        values = np.frombuffer(bytes.fromhex(raw), dtype=np.float64).tolist()
+    except ValueError:          # not ours: the Gram results, as without it
+        return {}
+    return dict(zip(map(id, recs), values, strict=True))
 
 
 def _median_snr(rows: list[dict[str, Any]]) -> float | None:

@@ -44,6 +44,9 @@ model's tensors oscillating at the same period, to the nearest record: one oscil
 a head's by its tensor's weight: the zig-zag is where the energy flips, not in a bias
 that merely follows.  Oscillations at other periods are other events and are not
 weighed against each other.
+
+The per-unit statistics are :mod:`gradforensics.analysis.toolkit.oscillationstats`;
+this module tabulates, weighs, flags and draws them (and runs the long-history band test).
 """
 
 from __future__ import annotations
@@ -70,10 +73,21 @@ from gradforensics.analysis.contract.model import (
 from gradforensics.analysis.engine.bandstats import lag_design, oscillation_edges
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
-from gradforensics.analysis.toolkit import stacked as st
 from gradforensics.analysis.toolkit import units as un
+from gradforensics.analysis.toolkit.oscillationstats import (
+    POLE_SHARE,
+    Component,
+    components,
+    oscillation_slab,
+    oscillation_unit,
+    periodogram_test,
+    periodogram_tests,
+    source_r2,
+    top_components,
+    two_means_split,
+)
 from gradforensics.analysis.toolkit.parallel import map_slabs
-from gradforensics.analysis.toolkit.stats import bimodality_coefficient, bimodality_coefficients, finite_mean  # noqa: F401  (osc.bimodality_coefficient, as before)
+from gradforensics.analysis.toolkit.stats import bimodality_coefficient  # noqa: F401  (osc.bimodality_coefficient, as before)
 from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
@@ -100,6 +114,7 @@ __all__ = [
     "plot",
     "severity",
     "source_r2",
+    "top_components",
     "two_means_split",
     "weigh_by_energy",
 ]
@@ -112,7 +127,6 @@ COLUMNS = [
     "energy_share", "severity",
 ]
 ENERGY_FLOOR = 0.4        # severity weight of the tensor with the least oscillating energy (the largest: 1)
-POLE_SHARE = 0.6          # a source "sits at a pole" when it holds this share of the pole's records
 
 
 @dataclass(frozen=True)
@@ -126,240 +140,7 @@ class OscillationOptions(Options):
     constraints: ClassVar[Constraints] = {"components": Interval(int, 1, None), "min_cycles": Interval(int, 2, None)}
 
 
-# ---------------------------------------------------------------- statistics
-def periodogram_test(x: np.ndarray, min_cycles: int = 3, dof_total: int | None = None) -> tuple[float, float]:
-    """Strongest periodic component of *x* with ≥ *min_cycles* cycles: ``(period, p)``.
-
-    Per Fourier frequency ``j/n`` (``min_cycles ≤ j ≤ n/2``), ``I_j / SS`` is
-    ``Beta(d/2, (n-1-d)/2)`` for i.i.d. Gaussian *x* (``SS`` = centred sum of
-    squares, ``d`` = 2, 1 at Nyquist); p is the smallest tail probability times
-    the number of frequencies tested (Bonferroni).  *dof_total* is the degrees of
-    freedom of ``SS`` (``n - 1`` for centred records; ``n - S`` after removing S
-    source means).  A quadratic trend in time is removed first (two more degrees
-    of freedom): a slowly turning mean gradient scores as a smooth ramp whose
-    spectral leakage would otherwise reach ``min_cycles`` cycles (drift's business).
-    """
-    period, p = periodogram_tests(np.asarray(x, dtype=np.float64)[None, :], min_cycles, dof_total)
-    return float(period[0]), float(p[0])
-
-
-def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None = None,
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`periodogram_test` of every row of *X* (``(m, n)``): ``(periods, ps)``, each row's floats those of
-    the call on that row alone (the stacked means, least squares, dots and FFT of
-    :mod:`~gradforensics.analysis.toolkit.stacked`; the rest is elementwise)."""
-    from scipy.special import betaincc  # = scipy.stats.beta.sf(x, a, b), bit for bit, without its per-call checks
-
-    X = np.ascontiguousarray(X, dtype=np.float64)
-    m, n = X.shape
-    nan = np.full(m, math.nan)
-    nu = (n - 1 if dof_total is None else int(dof_total)) - 2
-    T, j, dof = _periodogram_design(n, int(min_cycles))
-    xc = X - st.row_means(X)[:, None]
-    if n >= 8:
-        xc = xc - st.matvec_each(T, st.lstsq_each(T, xc))
-    ss = st.row_dots(xc)
-    if n < 8 or j.size == 0 or not m:
-        return nan, nan.copy()
-    F = np.fft.rfft(xc, axis=-1)
-    power = np.abs(F[:, j]) ** 2
-    power = np.where(dof == 1.0, power, 2.0 * power) / n      # share of SS carried by each frequency
-    ok = ~(ss <= 0)                  # the single call goes on with a NaN sum of squares
-    share = np.clip(power / np.where(ok, ss, 1.0)[:, None], 0.0, 1.0)
-    tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
-    best = np.argmin(tail, axis=1)
-    period = np.where(ok, n / j[best].astype(np.float64), math.nan)
-    low = tail[np.arange(m), best] * j.size
-    p = np.where(ok, np.where(low < 1.0, low, 1.0), math.nan)        # min(1.0, low), NaN to 1.0 as min() does
-    return period, p
-
-
-@functools.lru_cache(maxsize=64)
-def _periodogram_design(n: int, min_cycles: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What :func:`periodogram_test` needs of the length alone, built once per ``(n, min_cycles)`` (read-only):
-    the quadratic trend's design ``T``, the tested frequencies ``j`` and their degrees of freedom."""
-    t = np.linspace(-1.0, 1.0, n)
-    T = np.c_[t, t * t - (t * t).mean()]
-    j = np.arange(min_cycles, n // 2 + 1)
-    dof = np.where(2 * j == n, 1.0, 2.0)
-    for a in (T, j, dof):
-        a.flags.writeable = False
-    return T, j, dof
-
-
-def two_means_split(x: np.ndarray) -> np.ndarray:
-    """Boolean mask of the upper group of the optimal 1-D two-group split (max between-group SS)."""
-    order = np.argsort(x)
-    xs = x[order]
-    n = xs.size
-    c = np.cumsum(xs)
-    k = np.arange(1, n)
-    m1, m2 = c[:-1] / k, (c[-1] - c[:-1]) / (n - k)
-    between = k * (n - k) * (m1 - m2) ** 2
-    cut = int(np.argmax(between)) + 1
-    upper = np.zeros(n, bool)
-    upper[order[cut:]] = True
-    return upper
-
-
-def source_r2(scores: np.ndarray, mixture: np.ndarray) -> float:
-    """R² of the scores regressed on the source mixture (least squares, sums to one: intercept included)."""
-    fit = ks.shared_fit(mixture)
-    if fit.index.size < 2:
-        return 0.0
-    resid = scores - fit.hat @ scores
-    sc = scores - scores.mean()
-    return float(max(0.0, 1.0 - (resid @ resid) / (sc @ sc))) if sc @ sc > 0 else math.nan
-
-
-def _pole_sources(mixture: np.ndarray, mask: np.ndarray, names: tuple[str, ...], idx: np.ndarray) -> str:
-    """Sources holding ≥ POLE_SHARE of a pole's records, ';'-joined ('' if none)."""
-    if not mask.any():
-        return ""
-    share = mixture[mask].mean(axis=0)
-    return ";".join(names[i] for i in idx if share[i] >= POLE_SHARE)
-
-
-@dataclass
-class Component:
-    k: int
-    lam: float
-    scores: np.ndarray
-    proj: np.ndarray
-    period: float
-    p: float
-
-
-def components(Kp: np.ndarray, K: np.ndarray, n_comp: int, min_cycles: int, dof_total: int) -> list[Component]:
-    """Top principal directions of *Kp* (a centred K) with their alternation test.
-
-    *K* (uncentred) gives the records' projections ``(K u) / √λ`` on each direction.
-    """
-    part = _principal(Kp, K, n_comp)
-    return _tested(part, *periodogram_tests(part.scores, min_cycles, dof_total)) if part.kept else []
-
-
-@dataclass
-class _Principal:
-    """A unit's kept principal directions before their periodogram tests (scores stacked ``(k, n)``)."""
-
-    kept: list[int]
-    lam: np.ndarray
-    scores: np.ndarray
-    proj: list[np.ndarray]
-
-
-def _principal(Kp: np.ndarray, K: np.ndarray, n_comp: int) -> _Principal:
-    lam, U = ks.top_components(Kp, n_comp)
-    floor = 1e-12 * max(np.trace(Kp), 1e-300)
-    kept = [k for k in range(lam.size) if not lam[k] <= floor]
-    scores = np.stack([U[:, k] * math.sqrt(lam[k]) for k in kept]) if kept else np.zeros((0, Kp.shape[0]))
-    return _Principal(kept, lam, scores, [K @ U[:, k] / math.sqrt(lam[k]) for k in kept])
-
-
-def _tested(part: _Principal, period: np.ndarray, p: np.ndarray) -> list[Component]:
-    return [Component(k, float(part.lam[k]), part.scores[i], part.proj[i], float(period[i]), float(p[i]))
-            for i, k in enumerate(part.kept)]
-
-
-def oscillation_unit(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
-                     names: tuple[str, ...]) -> tuple[dict[str, Any], Component | None]:
-    """Oscillation statistics of one unit (K and mixture rows in time order)."""
-    cc = ks.consecutive_cosines(K) if K.shape[0] > 1 else None
-    return _oscillation_slab([(K, mixture, cc)], replay, opts, names)[0]
-
-
-@dataclass
-class _Started:
-    """One unit of a slab between its eigendecomposition and its periodogram tests."""
-
-    row: dict[str, Any]
-    Kp: np.ndarray | None = None
-    fit: ks.SourceFit | None = None
-    dof: int = 0
-    part: _Principal | None = None
-
-
-def _oscillation_slab(slab: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], replay: bool,
-                      opts: OscillationOptions, names: tuple[str, ...],
-                      ) -> list[tuple[dict[str, Any], Component | None]]:
-    """:func:`oscillation_unit` of every ``(K, mixture, consecutive cosines)`` of *slab*: the periodogram tests of
-    all units with the same record count and degrees of freedom in one :func:`periodogram_tests` call (each
-    row's floats its own call's), the rest unit by unit."""
-    ranks: dict[int, int] = {}
-    started = [_start(K, mix, replay, opts, cc, ranks) for K, mix, cc in slab]
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, s in enumerate(started):
-        if s.part is not None and s.part.kept:
-            groups.setdefault((s.part.scores.shape[1], s.dof), []).append(i)
-    tested: dict[int, list[Component]] = {}
-    for (_, dof), members in groups.items():
-        period, p = periodogram_tests(np.concatenate([started[i].part.scores for i in members]),  # type: ignore[union-attr]
-                                      opts.min_cycles, dof)
-        at = 0
-        for i in members:
-            part = started[i].part
-            assert part is not None
-            k = len(part.kept)
-            tested[i] = _tested(part, period[at:at + k], p[at:at + k])
-            at += k
-    chosen = {i: [c for c in comps if np.isfinite(c.p)] for i, comps in tested.items()}
-    best = {i: min(comps, key=lambda c: c.p) for i, comps in chosen.items() if comps}
-    by_n: dict[int, list[int]] = {}
-    for i, b in best.items():
-        by_n.setdefault(b.scores.size, []).append(i)
-    bc: dict[int, float] = {}
-    for members in by_n.values():            # the bimodality of every unit's best direction, one stack per length
-        for i, v in zip(members, bimodality_coefficients(np.stack([best[i].scores for i in members])),
-                        strict=True):
-            bc[i] = v
-    return [_finish(s, mix, names, chosen[i], best[i], bc[i]) if i in best else (s.row, None)
-            for i, (s, (_, mix, _)) in enumerate(zip(started, slab))]
-
-
-def _start(K: np.ndarray, mixture: np.ndarray, replay: bool, opts: OscillationOptions,
-           cc: np.ndarray | None, ranks: dict[int, int]) -> _Started:
-    n = K.shape[0]
-    out = _Started({"n_records": n, "consec_cos": finite_mean(cc) if cc is not None else math.nan})
-    if n < 8:
-        return out
-    fit = ks.shared_fit(mixture)          # the same rows for a tensor's heads: fitted once
-    residualise = replay and fit.index.size >= 1
-    out.Kp = ks.residual_gram(K, fit) if residualise else ks.centred(K)
-    out.fit = fit
-    out.dof = n - (_rank(fit, ranks) if residualise else 1)
-    out.part = _principal(out.Kp, K, opts.components)
-    return out
-
-
-def _rank(fit: ks.SourceFit, ranks: dict[int, int]) -> int:
-    """``np.linalg.matrix_rank(fit.A)``, once per fit of a slab (*ranks*, by the fit's id: the slab holds each fit)."""
-    got = ranks.get(id(fit))
-    if got is None:
-        got = ranks[id(fit)] = int(np.linalg.matrix_rank(fit.A))
-    return got
-
-
-def _finish(s: _Started, mixture: np.ndarray, names: tuple[str, ...], comps: list[Component], best: Component,
-            bc: float) -> tuple[dict[str, Any], Component | None]:
-    """The row of a unit whose best direction *best* (of its tested *comps*) has bimodality coefficient *bc*."""
-    row = s.row
-    assert s.Kp is not None and s.fit is not None
-    fit = s.fit
-    upper = two_means_split(best.scores)
-    mu_pos, mu_neg = float(best.proj[upper].mean()), float(best.proj[~upper].mean())
-    if mu_pos < mu_neg:
-        mu_pos, mu_neg, upper = mu_neg, mu_pos, ~upper
-    rev = min(abs(mu_pos), abs(mu_neg)) / max(abs(mu_pos), abs(mu_neg), 1e-300) if mu_pos > 0 > mu_neg else 0.0
-    row.update(component=best.k + 1, explained=best.lam / max(float(np.trace(s.Kp)), 1e-300), energy=best.lam,
-               period_records=best.period, p_value=min(1.0, best.p * len(comps)),
-               bimodality_coefficient=bc, pole_pos=mu_pos, pole_neg=mu_neg,
-               reversal=rev, source_r2=source_r2(best.scores, mixture),
-               sources_pos=_pole_sources(mixture, upper, names, fit.index),
-               sources_neg=_pole_sources(mixture, ~upper, names, fit.index))
-    return row, best
-
-
+# ---------------------------------------------------------------- severity
 def severity(p: float, n_tests: int, reversal: float, bc: float) -> float:
     bimod = fl.ramp(bc - 1.0 / 3.0, 5.0 / 9.0 - 1.0 / 3.0)
     return fl.significance(p, n_tests) * fl.ramp(reversal, 0.5) * (0.6 + 0.4 * bimod)
@@ -371,7 +152,7 @@ def _slab_of(slab: list[un.Unit], mix: np.ndarray, replay: bool, opts: Oscillati
     """The rows, components and consecutive cosines of a slab of units (module-level: it runs on dask workers
     too)."""
     ccs = [ks.consecutive_cosines(u.gram) if u.n > 1 else None for u in slab]    # the row's mean and the series
-    done = _oscillation_slab([(u.gram, mix[u.records], cc) for u, cc in zip(slab, ccs)], replay, opts, sources)
+    done = oscillation_slab([(u.gram, mix[u.records], cc) for u, cc in zip(slab, ccs)], replay, opts, sources)
     return [(*rc, cc) for rc, cc in zip(done, ccs, strict=True)]
 
 

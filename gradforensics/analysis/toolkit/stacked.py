@@ -18,15 +18,27 @@ stack; what makes it the same floats as the calls it replaces:
   the stack (the single call's ``gemm``/``gemv``/``dot`` per item), the ``einsum`` norms item by
   item (a stacked ``einsum`` need not reduce in the same order), the rest elementwise.
 
+* :func:`block`, :func:`blocks_each` - ``kspace.block(K, rows, cols)`` (two one-axis takes) of one
+  matrix or of every item of a stack: where the rows (columns) are evenly spaced, as a whole record
+  set, an opening window or a round-robin source's records are, a strided slice's copy (the same
+  floats: a copy is a copy), else the takes;
+* :func:`eigh_top` - ``scipy.linalg.eigh(S, subset_by_index=(n - k, n - 1))``: the same LAPACK
+  ``dsyevr`` call with the same arguments (its workspace sizes asked once per ``n``), without the
+  wrapper's per-call checks and look-ups; anything the wrapper would complain about (a non-finite
+  entry, a failed call) goes to the wrapper itself.
+
 ``tests/test_stacked_equalities.py`` holds each against the single calls, on random
 inputs of many sizes and scales and on the planted stores, with ``==``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-__all__ = ["cosines_each", "lstsq_each", "lstsq_gufunc", "lstsq_stack", "matvec_each", "record_cosines_each", "row_dots", "row_means"]
+__all__ = ["block", "blocks_each", "cosines_each", "eigh_top", "lstsq_each", "lstsq_gufunc", "lstsq_stack", "matvec_each",
+           "record_cosines_each", "row_dots", "row_means", "syevr_top"]
 
 
 def row_means(X: np.ndarray) -> np.ndarray:
@@ -126,3 +138,79 @@ def record_cosines_each(Ks: np.ndarray, a: np.ndarray) -> np.ndarray:
     diag = np.diagonal(Ks, axis1=1, axis2=2)
     den = np.sqrt(np.maximum(diag, 0.0) * np.maximum(aKa, 0.0)[:, None])
     return safe_div(num, den)
+
+
+def eigh_top(S: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``scipy.linalg.eigh(S, subset_by_index=(n - k, n - 1))`` of a real float64 square *S* (``1 <= k <= n``), bit
+    for bit: its ``dsyevr`` (lower triangle, eigenvectors, ``range="I"``) called directly with the workspace
+    sizes the wrapper asks for.  A matrix the wrapper would refuse (a non-finite entry: the sum is not finite,
+    and a finite sum that overflowed too) and a call that fails go to the wrapper, which says it as before."""
+    got = syevr_top(S, k)
+    if got is not None:
+        return got
+    from scipy.linalg import eigh
+
+    n = S.shape[0]
+    return eigh(S, subset_by_index=(n - k, n - 1))
+
+
+def syevr_top(S: np.ndarray, k: int, overwrite: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`eigh_top`'s direct ``dsyevr`` call, or None where it would go to the wrapper (a matrix the wrapper
+    refuses, a call that fails).  *overwrite*: LAPACK may work in *S* itself (``eigh``'s ``overwrite_a``; a
+    Fortran-ordered *S* then spares the copy), which is then spent, whatever the outcome."""
+    n = S.shape[0]
+    if not (S.dtype == np.float64 and S.ndim == 2 and S.shape[1] == n and 1 <= k <= n):
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not np.isfinite(np.add.reduce(S, axis=None)):
+            return None
+    drv, lwork, liwork = _syevr(n)
+    w, v, m, _, info = drv(a=S, overwrite_a=bool(overwrite), range="I", il=n - k + 1, iu=n, lower=1, compute_v=1,
+                           lwork=lwork, liwork=liwork)
+    return (w[:m], v[:, :m]) if info == 0 else None
+
+
+@functools.lru_cache(maxsize=16)
+def _syevr(n: int):  # type: ignore[no-untyped-def]
+    """The float64 ``syevr`` of SciPy's LAPACK and its workspace sizes for an ``n × n`` matrix, as ``eigh`` finds
+    them (``get_lapack_funcs`` on a float64 array, ``_compute_lwork`` of ``syevr_lwork(n, lower=1)``)."""
+    from scipy.linalg.lapack import _compute_lwork, get_lapack_funcs
+
+    drv, drvlw = get_lapack_funcs(("syevr", "syevr_lwork"), [np.zeros((1, 1))])
+    lwork, liwork = _compute_lwork(drvlw, n=n, lower=1)
+    return drv, lwork, liwork
+
+
+def _as_slice(rows: np.ndarray) -> slice | None:
+    """*rows* (1-d integers) as the slice that lists them, when they are evenly spaced and increasing; else None."""
+    n = rows.size
+    if n == 0 or rows.ndim != 1 or rows.dtype.kind not in "iu":
+        return None
+    first = int(rows[0])
+    if first < 0:
+        return None
+    if n == 1:
+        return slice(first, first + 1)
+    step = int(rows[1]) - first
+    if step <= 0 or int(rows[-1]) != first + step * (n - 1):
+        return None
+    if not np.array_equal(rows, np.arange(first, first + step * n, step)):
+        return None
+    return slice(first, first + step * (n - 1) + 1, step)
+
+
+def block(K: np.ndarray, rows: np.ndarray, cols: np.ndarray | None = None) -> np.ndarray:
+    """``kspace.block(K, rows, cols)`` (``K[np.ix_(rows, cols)]``, C-ordered float copy), bit for bit: a strided
+    slice's copy where *rows* and *cols* are evenly spaced in range, else the two one-axis takes."""
+    return blocks_each(np.asarray(K)[None], rows, cols)[0]
+
+
+def blocks_each(Ks: np.ndarray, rows: np.ndarray, cols: np.ndarray | None = None) -> np.ndarray:
+    """``[kspace.block(K, rows, cols) for K in Ks]`` (``(U, r, c)``, C-ordered) for a stack *Ks*, bit for bit."""
+    Ks = np.asarray(Ks)
+    rows = np.asarray(rows)
+    cols = rows if cols is None else np.asarray(cols)
+    r, c = _as_slice(rows), _as_slice(cols)
+    if r is not None and c is not None and r.stop <= Ks.shape[1] and c.stop <= Ks.shape[2]:
+        return np.array(Ks[:, r, c], order="C")
+    return np.take(np.take(Ks, rows, axis=1), cols, axis=2)
