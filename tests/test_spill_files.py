@@ -72,3 +72,18 @@ def test_a_file_goes_when_its_last_unit_is_released(tmp_path):
     assert f.exists()
     grams.release([("w", 1)])
     assert not f.exists()
+
+
+def test_spilled_grams_pickle_for_the_workers_without_their_lock(tmp_path):
+    """A ``dask.distributed`` client ships ``Context.grams`` to its workers: the copy reads the same bytes and
+    releases with a lock of its own (the original's lock is not picklable)."""
+    import pickle
+
+    rng = np.random.default_rng(3)
+    w = _results(rng, "w", [None, 0], 7)
+    grams = SpilledGrams(write_spilled(str(tmp_path), 0, w))
+    copy = pickle.loads(pickle.dumps(grams))
+    for r in w:
+        assert copy[(r.tensor, r.head)].gram.tobytes() == r.gram.tobytes()
+    copy.release([("w", None)])
+    assert (tmp_path / "0.0.f8").exists() and grams[("w", None)].gram.tobytes() == w[0].gram.tobytes()

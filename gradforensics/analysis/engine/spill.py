@@ -229,6 +229,14 @@ class SpilledGrams(Mapping[Key, GramResult]):
             if isinstance(e, Spilled):
                 self._left[e.path] = self._left.get(e.path, 0) + 1
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy shipped to a ``dask.distributed`` worker takes: everything but the lock (not picklable)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __getitem__(self, key: Key) -> GramResult:
         e = self._entries[key]
         if key in self._released:
