@@ -179,11 +179,11 @@ def _savgol_fft(z: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
     """``savgol_filter(z, w, 3, mode="interp")`` for long windows: the interior by FFT
     convolution (O(N log N) instead of O(N·w)), each edge by the cubic fitted to its
     first/last w samples, as SciPy's ``interp`` mode does."""
-    from scipy.signal import fftconvolve
+    from gradforensics.analysis.toolkit.signal.replicas import fftconvolve_same
 
     w = coeffs.size
     half = w // 2
-    out = fftconvolve(z, coeffs[::-1], mode="same")
+    out = fftconvolve_same(z, coeffs[::-1])      # scipy.signal.fftconvolve(..., mode="same"), bit for bit
     t = np.arange(w, dtype=float)
     for sl, idx in ((slice(0, w), slice(0, half)), (slice(z.size - w, z.size), slice(w - half, w))):
         poly = np.polynomial.polynomial.Polynomial.fit(t, z[sl], 3)
