@@ -121,8 +121,8 @@ def pair_coherence(a: np.ndarray, b: np.ndarray, options: SpectrumOptions | None
     p_adj = np.ones(f.size)
     p_adj[tested] = adjust_pvalues(p[tested], opt.correction)
     m = max(int(tested.sum()), 1)
-    idx = local_maxima(np.concatenate([[-1.0], np.where(tested, c, -1.0), [-1.0]]))
-    idx = sorted((int(i) - 1 for i in idx if tested[int(i) - 1]), key=lambda k: -c[k])
+    maxima = local_maxima(np.concatenate([[-1.0], np.where(tested, c, -1.0), [-1.0]]))
+    idx = sorted((int(i) - 1 for i in maxima if tested[int(i) - 1]), key=lambda k: -c[k])
     sig = [k for k in idx if p_adj[k] < opt.alpha]
     peaks = (sig or idx[:1])[: opt.max_peaks]
     both = res[0] / np.std(res[0]) + res[1] / np.std(res[1])
