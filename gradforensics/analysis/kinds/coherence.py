@@ -6,7 +6,8 @@ optimizer they share; one confined to a rank (coherence ≈ 0) comes from that
 rank's data or hardware.  For each pair of ranks this analysis detrends both
 series the way the spectrum does (:mod:`gradforensics.analysis.toolkit.signal`), estimates the
 magnitude-squared coherence ``C(f) = |S_ab|² / (S_aa S_bb)`` with Welch averages
-(``scipy.signal.coherence``), tests it against independence and reports the
+(``scipy.signal.coherence``'s values, computed by
+:mod:`~gradforensics.analysis.toolkit.signal.replicas` without importing ``scipy.signal``), tests it against independence and reports the
 phase of the cross-spectrum at coherent peaks and the lag it implies (``lag =
 −phase / 2πf``, in the axis unit, positive when rank b lags rank a, modulo a
 period); a peak's frequency is
@@ -52,6 +53,7 @@ from gradforensics.analysis.toolkit.signal import (
     refine_frequency,
     winsorize,
 )
+from gradforensics.analysis.toolkit.signal.replicas import coherence_density, hann_periodic, local_maxima
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -103,8 +105,6 @@ def pair_coherence(a: np.ndarray, b: np.ndarray, options: SpectrumOptions | None
     Both are detrended and winsorised as for the spectrum; the band tested is the
     detrender's pass band (gain ≥ 0.5) above f = 0.
     """
-    from scipy.signal import coherence, csd, find_peaks
-
     opt = options or SpectrumOptions()
     n = min(a.size, b.size)
     nper = min(opt.nperseg or default_nperseg(n), n)
@@ -112,9 +112,8 @@ def pair_coherence(a: np.ndarray, b: np.ndarray, options: SpectrumOptions | None
     for y in (a[:n], b[:n]):
         det = detrend(y, "savgol", 2 * nper + 1)
         res.append(winsorize(det.residual, opt.clip_mad)[0])
-    kw = {"fs": 1.0, "window": "hann", "nperseg": nper, "noverlap": nper // 2, "detrend": False}
-    f, c = coherence(res[0], res[1], **kw)
-    _, sab = csd(res[0], res[1], **kw)
+    # scipy.signal.coherence and csd (fs=1, hann, nper, nper // 2 overlap, no detrend), bit for bit
+    f, c, sab = coherence_density(res[0], res[1], hann_periodic(nper), nper)
     k_eff = max(n / nper, 2.0)
     tested = (f > 0) & (det.gain(f) >= 0.5)
     p = np.ones(f.size)
@@ -122,8 +121,8 @@ def pair_coherence(a: np.ndarray, b: np.ndarray, options: SpectrumOptions | None
     p_adj = np.ones(f.size)
     p_adj[tested] = adjust_pvalues(p[tested], opt.correction)
     m = max(int(tested.sum()), 1)
-    idx, _ = find_peaks(np.concatenate([[-1.0], np.where(tested, c, -1.0), [-1.0]]))
-    idx = sorted((int(i) - 1 for i in idx if tested[int(i) - 1]), key=lambda k: -c[k])
+    maxima = local_maxima(np.concatenate([[-1.0], np.where(tested, c, -1.0), [-1.0]]))
+    idx = sorted((int(i) - 1 for i in maxima if tested[int(i) - 1]), key=lambda k: -c[k])
     sig = [k for k in idx if p_adj[k] < opt.alpha]
     peaks = (sig or idx[:1])[: opt.max_peaks]
     both = res[0] / np.std(res[0]) + res[1] / np.std(res[1])

@@ -13,7 +13,14 @@ analyses in :mod:`gradforensics.analysis.kinds` (``loss_spectrum``, ``fractal``,
 * :mod:`~gradforensics.analysis.toolkit.signal.spectrum` - :func:`line_spectrum`: the
   Welch periodogram tested against that background, multiple-testing
   corrections, refined and harmonic-grouped peaks; :class:`SpectrumOptions`,
-  the options the three loss-curve analyses share.
+  the options the three loss-curve analyses share;
+* :mod:`~gradforensics.analysis.toolkit.signal.peaks` - multiple-testing corrections, refined
+  frequencies, harmonic grouping; :mod:`~gradforensics.analysis.toolkit.signal.trend` - the
+  log-time fit, level shifts and winsorising around the smoother;
+  :mod:`~gradforensics.analysis.toolkit.signal.scaling` - Higuchi and box-counting fits;
+* :mod:`~gradforensics.analysis.toolkit.signal.replicas` - the ``scipy.signal`` results used
+  (Hann window, Savitzky–Golay coefficients, Welch, csd, coherence, ``fftconvolve``, peaks),
+  SciPy's floats bit for bit without importing ``scipy.signal``.
 """
 
 from gradforensics.analysis.toolkit.signal.background import (

@@ -14,6 +14,12 @@ its values are SciPy's bit for bit (``tests/test_series_batched.py`` holds each 
   detrend=False)`` along the last axis (SciPy's ``ShortTimeFFT`` spectrogram: the window
   scaled to a density, one ``rfft`` a segment, ``|X|²``, the one-sided doubling, the mean
   over the segments);
+* :func:`csd_density` - ``csd(x, y, ...)`` with the same arguments: the cross-spectrogram
+  ``conj(X)·Y`` of the same segments, doubled and averaged as SciPy lays it out;
+* :func:`coherence_density` - ``coherence(x, y, ...)``: ``|Pxy|² / Pxx / Pyy`` of the two
+  above, as SciPy divides;
+* :func:`fftconvolve_same` - ``fftconvolve(a, b, mode="same")`` of two real 1-d arrays: SciPy's
+  ``rfftn`` / ``irfftn`` at ``next_fast_len`` and its centring;
 * :func:`local_maxima` - ``find_peaks(x)[0]`` (no conditions): SciPy's plateau-aware scan.
 """
 
@@ -21,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["hann_periodic", "local_maxima", "savgol_coeffs3", "welch_density"]
+__all__ = ["coherence_density", "csd_density", "fftconvolve_same", "hann_periodic", "local_maxima", "savgol_coeffs3",
+           "welch_density"]
 
 
 def hann_periodic(n: int) -> np.ndarray:
@@ -53,9 +60,9 @@ def savgol_coeffs3(w: int) -> np.ndarray:
     return np.asarray(coeffs)
 
 
-def welch_density(x: np.ndarray, win: np.ndarray, nperseg: int) -> tuple[np.ndarray, np.ndarray]:
-    """``scipy.signal.welch(x, fs=1.0, window=win, nperseg=nperseg, noverlap=nperseg // 2, detrend=False)``
-    along the last axis of a real *x* (1-d or a stack) with ``len(win) == nperseg <= x.shape[-1]``."""
+def _segment_spectra(x: np.ndarray, win: np.ndarray, nperseg: int) -> np.ndarray:
+    """SciPy's ``ShortTimeFFT.stft_detrend`` of *x* for ``csd``: the window scaled to a density, one
+    ``rfft`` a half-overlapping segment; ``(..., n_seg, f)``."""
     import scipy.fft
 
     x = np.asarray(x, dtype=np.float64)
@@ -67,11 +74,61 @@ def welch_density(x: np.ndarray, win: np.ndarray, nperseg: int) -> tuple[np.ndar
     n_seg = (n - nperseg // 2) // hop
     starts = np.arange(n_seg) * hop
     segs = x[..., starts[:, None] + np.arange(nperseg)]              # (..., n_seg, nperseg)
-    S = scipy.fft.rfft(segs * scaled.conj(), n=nperseg, axis=-1)       # (..., n_seg, f)
-    P = np.ascontiguousarray(np.swapaxes(S.real ** 2 + S.imag ** 2, -1, -2))   # (..., f, n_seg), as SciPy lays it
+    return np.asarray(scipy.fft.rfft(segs * scaled.conj(), n=nperseg, axis=-1))
+
+
+def _one_sided_mean(P: np.ndarray, nperseg: int) -> np.ndarray:
+    """``csd``'s last steps on a ``(..., f, n_seg)`` spectrogram: the one-sided doubling, the mean over segments."""
     P[..., 1:-1 if nperseg % 2 == 0 else None, :] *= 2
-    P = P.mean(axis=-1) if n_seg > 1 else P[..., 0]
-    return scipy.fft.rfftfreq(nperseg, 1 / 1.0), P
+    return P.mean(axis=-1) if P.shape[-1] > 1 else P[..., 0]
+
+
+def welch_density(x: np.ndarray, win: np.ndarray, nperseg: int) -> tuple[np.ndarray, np.ndarray]:
+    """``scipy.signal.welch(x, fs=1.0, window=win, nperseg=nperseg, noverlap=nperseg // 2, detrend=False)``
+    along the last axis of a real *x* (1-d or a stack) with ``len(win) == nperseg <= x.shape[-1]``."""
+    import scipy.fft
+
+    S = _segment_spectra(x, win, nperseg)                               # (..., n_seg, f)
+    P = np.ascontiguousarray(np.swapaxes(S.real ** 2 + S.imag ** 2, -1, -2))   # (..., f, n_seg), as SciPy lays it
+    return scipy.fft.rfftfreq(nperseg, 1 / 1.0), _one_sided_mean(P, nperseg)
+
+
+def csd_density(x: np.ndarray, y: np.ndarray, win: np.ndarray, nperseg: int) -> tuple[np.ndarray, np.ndarray]:
+    """``scipy.signal.csd(x, y, fs=1.0, window=win, nperseg=nperseg, noverlap=nperseg // 2, detrend=False)``
+    of two real series of one length ``>= nperseg`` (``len(win) == nperseg``): ``S_xy = conj(X)·Y``
+    (*y* the very object *x*: SciPy's real ``welch``)."""
+    import scipy.fft
+
+    if y is x:
+        return welch_density(x, win, nperseg)
+    sx = np.ascontiguousarray(np.swapaxes(_segment_spectra(x, win, nperseg), -1, -2))
+    sy = np.ascontiguousarray(np.swapaxes(_segment_spectra(y, win, nperseg), -1, -2))
+    P = sy * sx.conj()                           # SciPy's spectrogram(y, x): Sy · conj(Sx), (..., f, n_seg)
+    return scipy.fft.rfftfreq(nperseg, 1 / 1.0), _one_sided_mean(P, nperseg)
+
+
+def coherence_density(x: np.ndarray, y: np.ndarray, win: np.ndarray, nperseg: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``scipy.signal.coherence(x, y, ...)`` with :func:`csd_density`'s arguments, and the cross-spectrum
+    itself: ``(f, Cxy, Pxy)`` with ``Cxy = |Pxy|² / Pxx / Pyy`` as SciPy divides."""
+    f, pxx = welch_density(x, win, nperseg)
+    _, pyy = welch_density(y, win, nperseg)
+    _, pxy = csd_density(x, y, win, nperseg)
+    return f, np.abs(pxy) ** 2 / pxx / pyy, pxy
+
+
+def fftconvolve_same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``scipy.signal.fftconvolve(a, b, mode="same")`` of two real 1-d float arrays longer than one point:
+    ``irfftn(rfftn(a) · rfftn(b))`` at SciPy's ``next_fast_len`` of the full length, its centre."""
+    import scipy.fft
+
+    shape = a.shape[0] + b.shape[0] - 1
+    fshape = [scipy.fft.next_fast_len(shape, True)]
+    sp1 = scipy.fft.rfftn(a, fshape, axes=[0])
+    sp2 = scipy.fft.rfftn(b, fshape, axes=[0])
+    ret = scipy.fft.irfftn(sp1 * sp2, fshape, axes=[0])[:shape]
+    start = (shape - a.shape[0]) // 2
+    return np.array(ret[start:start + a.shape[0]], copy=True)
 
 
 def local_maxima(x: np.ndarray) -> np.ndarray:

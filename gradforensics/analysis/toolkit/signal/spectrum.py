@@ -30,6 +30,9 @@ Percival, D. B. & Walden, A. T. (1993). Spectral Analysis for Physical
     Applications. Cambridge University Press (eq. 292b).
 Benjamini, Y. & Hochberg, Y. (1995). Controlling the false discovery rate.
     J. R. Stat. Soc. B 57, 289–300.
+
+The corrections, the refined frequencies and the harmonic grouping live in
+:mod:`~gradforensics.analysis.toolkit.signal.peaks` (importable from here as before).
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ from gradforensics.analysis.toolkit.signal.detrending import (
     detrend,
     winsorize,
 )
+from gradforensics.analysis.toolkit.signal.peaks import (
+    CORRECTIONS,
+    Peak,
+    adjust_pvalues,
+    group_harmonics,
+    refine_frequency,
+)
 from gradforensics.errors import SpecError
 
 __all__ = [
@@ -69,7 +79,6 @@ __all__ = [
 ]
 
 
-CORRECTIONS = ("bh", "bonferroni")
 MIN_POINTS = 32
 
 
@@ -123,84 +132,6 @@ class SpectrumOptions(Options):
         if self.clip_mad < 0 or self.max_peaks < 1:
             raise SpecError(f"SpectrumOptions: clip_mad must be >= 0 and max_peaks >= 1; got {self.clip_mad}, "
                             f"{self.max_peaks}.")
-
-
-def adjust_pvalues(p: np.ndarray, method: str = "bh") -> np.ndarray:
-    """Multiple-testing adjusted p-values (Benjamini–Hochberg step-up or Bonferroni)."""
-    p = np.asarray(p, dtype=float)
-    m = p.size
-    if m == 0:
-        return p.copy()
-    if method == "bonferroni":
-        return np.minimum(1.0, p * m)
-    order = np.argsort(p)
-    ranked = p[order] * m / np.arange(1, m + 1)
-    ranked = np.minimum.accumulate(ranked[::-1])[::-1]
-    out = np.empty(m)
-    out[order] = np.minimum(1.0, ranked)
-    return out
-
-
-# ------------------------------------------------------------------------ peaks
-@dataclass(frozen=True)
-class Peak:
-    """One local maximum of ``P/B`` in the tested band (frequencies in cycles/sample)."""
-
-    bin: int
-    frequency: float          # refined on the full-length tapered periodogram
-    power: float              # Welch density at the peak bin
-    background: float
-    p_value: float
-    p_adjusted: float
-    significant: bool
-    excess: float             # variance above background in the peak's main lobe (±2 bins)
-    amplitude: float          # sinusoid amplitude implied by ``excess``, undone for the detrender's gain
-    harmonic_of: int | None = None   # index (in the peak list) of the fundamental
-    harmonic_number: int = 1
-
-    @property
-    def ratio(self) -> float:
-        return self.power / self.background if self.background > 0 else float("inf")
-
-
-def refine_frequency(r: np.ndarray, f0: float, half_width: float) -> float:
-    """Frequency of the maximum of the Hann-tapered, zero-padded periodogram of *r*
-    within ``f0 ± half_width`` (parabolic interpolation of log power)."""
-    n = r.size
-    nfft = 1 << int(np.ceil(np.log2(8 * n)))
-    spec = np.abs(np.fft.rfft((r - r.mean()) * hann(n), nfft)) ** 2
-    f = np.arange(spec.size) / nfft
-    sel = np.flatnonzero((f >= max(f0 - half_width, 0.5 * f0)) & (f <= f0 + half_width))
-    if sel.size == 0:
-        return f0
-    k = int(sel[np.argmax(spec[sel])])
-    if 0 < k < spec.size - 1 and np.all(spec[k - 1:k + 2] > 0):
-        a, b, c = np.log(spec[k - 1:k + 2])
-        den = a - 2 * b + c
-        delta = 0.5 * (a - c) / den if den < 0 else 0.0
-        return float((k + np.clip(delta, -0.5, 0.5)) / nfft)
-    return float(f[k])
-
-
-def group_harmonics(freqs: list[float], tol: float, max_number: int = 16) -> list[tuple[int | None, int]]:
-    """For peaks at *freqs* (any order): ``(index of fundamental or None, harmonic number)``.
-
-    Peak j is harmonic ``n`` (2 ≤ n ≤ *max_number*) of the lowest-frequency
-    peak i with ``|f_j − n f_i| ≤ tol`` (half a Welch bin: both frequencies are
-    refined well below that).
-    """
-    order = sorted(range(len(freqs)), key=lambda i: freqs[i])
-    out: list[tuple[int | None, int]] = [(None, 1)] * len(freqs)
-    fundamentals: list[int] = []
-    for j in order:
-        for i in fundamentals:
-            n = int(np.rint(freqs[j] / freqs[i]))
-            if 2 <= n <= max_number and abs(freqs[j] - n * freqs[i]) <= tol:
-                out[j] = (i, n)
-                break
-        else:
-            fundamentals.append(j)
-    return out
 
 
 # --------------------------------------------------------------------- result

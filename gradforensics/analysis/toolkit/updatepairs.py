@@ -1,0 +1,135 @@
+"""The precision analysis's reads: snapshot-pair update counts and per-slab gradient reductions.
+
+:func:`lazy` builds one task per snapshot pair of each tensor with weights but no stored
+gradient; :func:`slab_reductions` gives the engine, for every stored gradient, the reductions
+it folds into its one read of each slab: the exponent histogram, the largest finite ``|g|``
+(the FP8 scale) and, for tensors with weight snapshots, the non-zero masks between snapshots
+that :func:`~gradforensics.analysis.toolkit.numformats.pair_counts` needs.  Hooks of
+:mod:`gradforensics.analysis.kinds.precision` (which re-exports them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradforensics.analysis.toolkit.numformats import BLOCK, exponent_hist, finite_amax, pair_counts
+from gradforensics.store.heads import HeadSpec
+
+if TYPE_CHECKING:
+    from gradforensics.store.reader import Store
+
+__all__ = ["MAX_PAIRS", "lazy", "nonzero_masks", "slab_reductions"]
+
+
+MAX_PAIRS = 32                      # snapshot pairs analysed per tensor (evenly spaced)
+
+
+def _pair_task(w0: np.ndarray, w1: np.ndarray, gnz: np.ndarray | None, steps: float, spec: Any,
+               records: tuple[int, int]) -> dict[str, Any]:
+    if gnz is not None and spec is not None:
+        gnz = spec.merge(gnz)
+    out = pair_counts(w0, w1, gnz, steps)
+    out["records"] = records
+    out["steps"] = steps
+    return out
+
+
+def _pairs(n_snapshots: int) -> list[int]:
+    """Indices ``t`` of the pairs ``(t, t+1)`` analysed: all, or MAX_PAIRS evenly spaced."""
+    if n_snapshots < 2:
+        return []
+    t = np.arange(n_snapshots - 1)
+    if t.size > MAX_PAIRS:
+        t = np.unique(np.linspace(0, n_snapshots - 2, MAX_PAIRS).round().astype(int))
+    return [int(i) for i in t]
+
+
+def _pair_specs(store: Store) -> list[tuple[int, int, int, float]]:
+    """``(t, r0, r1, steps)`` of every snapshot pair analysed."""
+    rec = store.weight_records()
+    step = store.read("batches/step").astype(np.float64) if store.n_records else np.zeros(0)
+    out = []
+    for t in _pairs(len(rec)):
+        r0, r1 = int(rec[t]), int(rec[t + 1])
+        steps = float(step[r1] - step[r0]) if r1 < step.size and r0 < step.size else float(r1 - r0)
+        out.append((t, r0, r1, max(steps, 1.0)))
+    return out
+
+
+def _pair_tasks(store: Store, tensor: str, pairs: list[tuple[int, int, int, float]], gnz: Any = None) -> Any:
+    """One task per snapshot pair; *gnz* (a Delayed list of masks, one per pair with ``r1 > r0``) or None."""
+    import dask
+
+    w = store.weight(tensor)
+    spec = None if gnz is None else HeadSpec.from_attrs(store.grads[tensor].attrs)
+    tasks, i = [], 0
+    for t, r0, r1, steps in pairs:
+        g = None
+        if gnz is not None and r1 > r0:
+            g, i = gnz[i], i + 1
+        tasks.append(dask.delayed(_pair_task)(w[t], w[t + 1], g, steps, None if g is None else spec, (r0, r1)))
+    return dask.delayed(list)(tasks)
+
+
+def lazy(store: Store) -> dict[str, Any]:
+    """Snapshot-pair update counts of tensors with weights but no stored gradient (the rest: :func:`slab_reductions`)."""
+    pairs = _pair_specs(store)
+    if not pairs:
+        return {}
+    return {f"pairs|{t}": _pair_tasks(store, t, pairs) for t in sorted(store.weights) if t not in store.grads}
+
+
+def nonzero_masks(x: np.ndarray, sel: tuple[slice, ...], spans: list[tuple[int, int]]) -> dict[Any, np.ndarray]:
+    """Chunk step: per record span ``[r0, r1)``, where some gradient of the slab's records in it is non-zero."""
+    from gradforensics.analysis.toolkit.slabs import feature_blocks
+
+    a = int(sel[0].start)
+    out = np.zeros((len(spans), *x.shape[1:]), dtype=bool)
+    for j, (r0, r1) in enumerate(spans):
+        lo, hi = max(r0 - a, 0), min(r1 - a, x.shape[0])
+        if hi > lo:
+            out[j] = (x[lo:hi] != 0).any(axis=0)
+    return feature_blocks(sel, out)
+
+
+def _masks(part: dict[Any, np.ndarray], n: int, shape: tuple[int, ...]) -> list[np.ndarray]:
+    from gradforensics.analysis.toolkit.slabs import assemble_feature_blocks
+
+    return list(assemble_feature_blocks(part, n, shape, bool))
+
+
+def _hist_chunk(x: np.ndarray, sel: tuple[slice, ...]) -> np.ndarray:
+    """Chunk step: :func:`exponent_hist` of a slab, in blocks of ``BLOCK`` elements (bounds its temporaries)."""
+    flat = np.asarray(x).reshape(-1)
+    return np.sum([exponent_hist(flat[a:a + BLOCK]) for a in range(0, max(flat.size, 1), BLOCK)], axis=0)
+
+
+def _amax_chunk(x: np.ndarray, sel: tuple[slice, ...]) -> float:
+    """Chunk step: the largest finite ``|g|`` of a slab (the FP8 gradient scale)."""
+    return finite_amax(x)
+
+
+def slab_reductions(store: Store) -> dict[str, Any]:
+    """Per stored gradient, inside the engine's one read of each slab: the exponent histogram and,
+    for tensors with weight snapshots, the non-zero masks between snapshots that the pair counts need."""
+    from functools import partial
+
+    from gradforensics.analysis.contract.grams import SlabReduction
+    from gradforensics.analysis.toolkit.slabs import merge_feature_blocks
+
+    out: dict[str, Any] = {}
+    pairs = _pair_specs(store)
+    spans = [(r0, r1) for _, r0, r1, _ in pairs if r1 > r0]
+    for tensor, info in sorted(store.grads.items()):
+        if tensor in store.weights and pairs:
+            shape = tuple(info.shape[1:])
+            out[f"pairs|{tensor}"] = SlabReduction(
+                tensor=tensor, chunk=partial(nonzero_masks, spans=spans),
+                combine=partial(merge_feature_blocks, op=np.logical_or),
+                aggregate=partial(_masks, n=len(spans), shape=shape),
+                finish=partial(_pair_tasks, store, tensor, pairs))
+        out[f"grad_exp|{tensor}"] = SlabReduction(tensor=tensor, chunk=_hist_chunk, combine=sum)
+        out[f"grad_amax|{tensor}"] = SlabReduction(tensor=tensor, chunk=_amax_chunk, combine=max)
+    return out
