@@ -246,18 +246,13 @@ def _slab_cosines(slab: list[tuple[np.ndarray, np.ndarray]], window: int | None,
     return out
 
 
-def _blocks(Ks: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """``[kspace.block(K, rows, cols) for K in Ks]`` (``(U, r, c)``), per item the same floats."""
-    return st.blocks_each(Ks, rows, cols)
-
-
 def _opening_fix_each(Ks: np.ndarray, open_rows: np.ndarray, cos: np.ndarray) -> np.ndarray:
     """:func:`_opening_fix` of every item of the stack *Ks* and its row of *cos* (``(U, N)``, written in place),
     each row's floats the single call's: the block's row sums and diagonal per item, its total as the 1-d
     pairwise sum of each item's ``r²`` contiguous floats (``sub.sum()`` of the C-ordered block), the rest
     elementwise."""
     if open_rows.size > 1:
-        sub = _blocks(Ks, open_rows, open_rows)
+        sub = st.blocks_each(Ks, open_rows, open_rows)
         S = sub.sum(axis=2)
         T = sub.reshape(sub.shape[0], -1).sum(axis=1)[:, None]
         d = np.diagonal(sub, axis1=1, axis2=2)
@@ -271,7 +266,7 @@ def _u_norms_each(Ks: np.ndarray, rows: np.ndarray) -> np.ndarray:
     n = rows.size
     if n < 2:
         return np.full(Ks.shape[0], np.nan)
-    sub = _blocks(Ks, rows, rows)
+    sub = st.blocks_each(Ks, rows, rows)
     return (sub.reshape(sub.shape[0], -1).sum(axis=1) - np.trace(sub, axis1=1, axis2=2)) / (n * (n - 1))
 
 
@@ -280,7 +275,7 @@ def _debiased_each(Ks: np.ndarray, rows_a: np.ndarray, rows_b: np.ndarray) -> np
     a U-statistic is not positive, as there)."""
     ua, ub = _u_norms_each(Ks, rows_a), _u_norms_each(Ks, rows_b)
     ok = (ua > 0) & (ub > 0)
-    cross = _blocks(Ks, rows_a, rows_b)
+    cross = st.blocks_each(Ks, rows_a, rows_b)
     cross = cross.reshape(cross.shape[0], -1).mean(axis=1)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore", under="ignore"):
         root = np.sqrt(ua * ub)
