@@ -103,7 +103,14 @@ def test_tiny_llama_at_ten_times_the_lr_grows_its_attention_logits_and_compare_r
     verdict = summary.verdict(sick)
     top = max(collapsed, key=lambda x: x.severity)
     lead = verdict.split(" Most likely cause:", 1)[0]
-    assert lead.startswith("What is wrong: attention entropy collapse in ") and f"head {top.head}" in lead, lead
+    assert lead.startswith("What is wrong: attention entropy collapse in "), lead
+    assert top.tensor.rsplit(".", 1)[0] in lead, lead          # the module, not which heads cross a line
+    # the meaning, from the table: every head whose mean entropy is below 0.1 nats (near one-hot; the
+    # healthy twin's heads all sit above 0.2) is flagged, and the lowest-entropy head is among the flags
+    deep = {(r.tensor, int(r.head)) for r in att.itertuples() if r.entropy < 0.1}
+    assert deep and deep <= {(x.tensor, x.head) for x in collapsed}, (deep, _loud(sick))
+    lowest = att.loc[att["entropy"].idxmin()]
+    assert (lowest["tensor"], int(lowest["head"])) in {(x.tensor, x.head) for x in collapsed}
     assert "Most likely cause: attention (attention_collapse" in verdict, verdict
     cause = verdict.split("Most likely cause: ", 1)[1].split(";", 1)[0]
     assert "attention_logits" in cause and "spectral" in cause, cause    # the agreeing findings add up
