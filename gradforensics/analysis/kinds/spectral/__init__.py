@@ -71,7 +71,7 @@ from gradforensics.analysis.kinds.spectral.spectra import (
     stable_ranks,
     top_share,
 )
-from gradforensics.analysis.toolkit.stats import rank_trend, rank_trends
+from gradforensics.analysis.toolkit.stats import rank_trends
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
@@ -87,12 +87,12 @@ __all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "SpectralAdvice", "compute", "logit_
 def matrix_row(tensor: str, head: int | None, matrix: str, spectra: list[Spectrum], records: np.ndarray,
                role: str, top_k: int, trend: tuple[float, float] | None = None) -> dict[str, Any]:
     """One table row: the last point's spectrum, growth and stable rank against the first (*trend*: the stable
-    ranks' :func:`rank_trend`, when the caller has it)."""
+    ranks' :func:`~gradforensics.analysis.toolkit.stats.rank_trends`, when the caller has it)."""
     first, last = spectra[0], spectra[-1]
     rel = EVALS_THRESH if matrix == "weight" else EVALS_THRESH * (last.sv[0] ** 2 if last.sv.size else 1.0)
     fit = powerlaw_fit(last.sv ** 2, rel)
     srs = stable_ranks(spectra)
-    rho, p = rank_trend(srs, min_n=3) if trend is None else trend
+    rho, p = rank_trends([srs], min_n=3)[0] if trend is None else trend
     half = srs[: max(1, srs.size // 2)]
     ref = float(np.median(half))
     steady = srs.size >= 4 and bool(np.all(srs[-2:] < np.min(half)))
