@@ -29,7 +29,8 @@ MIN_TAIL = 10              # alpha with a shorter tail is not flagged
 #: Logit scale (largest attention logit the q/k weights give inputs of unit RMS) below which growth is no flag,
 #: and at which the severity is 1 (healthy tiny models trained at ordinary learning rates end near 3-10;
 #: their twins at 10x the learning rate at 80-150: docs/calibration.md).
-LOGIT_OK, LOGIT_FULL = 20.0, 200.0
+LOGIT_OK = 20.0
+LOGIT_FULL = 200.0
 # Embedding tables are lookups, not linear maps: the 2-6 range is not theirs (a healthy
 # BERT position-embedding table has alpha 1.55).  Reported, never flagged on alpha.
 _EMBEDDING = re.compile(r"embed|(^|[._])(wte|wpe|tok_embeddings)([._]|$)")
