@@ -98,7 +98,7 @@ def noise_parts_stack(grams: np.ndarray, n_samples: np.ndarray) -> list[Parts]:
     m, n = k.shape[0], b.size
     if n < 2:
         return [Parts(math.nan, math.nan, None, None) for _ in range(m)]
-    d = np.diagonal(k, axis1=1, axis2=2)
+    d = np.ascontiguousarray(np.diagonal(k, axis1=1, axis2=2))
     v = k @ b                                                        # (m, n): K b per item
     w1, w2 = b.sum(), (b * b).sum()
     bd = d @ b
