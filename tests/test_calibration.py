@@ -23,7 +23,8 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.analysis.contract.model import AnalysisResult, Context, GramResult
-from gradforensics.analysis.kinds.noise import MODEL, flags, noise_table
+from gradforensics.analysis.kinds.noise.findings import flags
+from gradforensics.analysis.kinds.noise.table import MODEL, noise_table
 from gradforensics.store.schema import new_meta
 
 pytest.importorskip("torch")

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from gradforensics.analysis.kinds import conflict as cf
+from gradforensics.analysis.kinds.conflict import permtest as pt
+from gradforensics.analysis.kinds.conflict import unit as cu
 from gradforensics.analysis.toolkit.units import head_of, unit_series
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
@@ -23,12 +25,12 @@ def test_cosines_and_permutation_p_match_numpy_oracle(mixed: bool) -> None:
     p = P.planted_conflict(seed=3, n=60, mixed=mixed, snr=0.3)
     X = p.unit_matrix(Q1, 1)
     A = p.mixture.astype(np.float64)
-    opts = cf.ConflictOptions(permutations=59, seed=7)
-    rows, cos, _ = cf.conflict_unit(X @ X.T, A, opts, training=False)
+    opts = cu.ConflictOptions(permutations=59, seed=7)
+    rows, cos, _ = cu.conflict_unit(X @ X.T, A, opts, training=False)
     M, *_ = np.linalg.lstsq(A, X, rcond=None)                        # per-source means, straight from X
     want = np.array([[_cos(a, b) for b in M] for a in M])
     np.testing.assert_allclose(cos, want, rtol=1e-9)
-    perms = cf.permutations(60, 59, 7, None)
+    perms = pt.permutations(60, 59, 7, None)
     for r in rows:
         a, b = r["a"], r["b"]
         null = []
@@ -59,11 +61,11 @@ def test_nearly_opposite_sources_in_training_mode_are_significant() -> None:
     src = np.arange(n) % 3                                            # zh, en, code round robin
     means = np.stack([mu, -0.98 * mu + 0.2 * _unit_orthogonal(rng, mu), _unit_orthogonal(rng, mu)])
     X = means[src] * rng.uniform(0.8, 1.2, size=(n, 1)) + 0.02 * rng.standard_normal((n, d))
-    rows, _, _ = cf.conflict_unit(X @ X.T, np.eye(3)[src], cf.ConflictOptions(), training=True)
+    rows, _, _ = cu.conflict_unit(X @ X.T, np.eye(3)[src], cu.ConflictOptions(), training=True)
     zh_en = next(r for r in rows if (r["a"], r["b"]) == (0, 1))
     assert zh_en["cosine"] < -0.95
     assert zh_en["p_value"] == pytest.approx(1 / 1000) and zh_en["z"] > 6
-    assert cf.severity_p(zh_en["p_value"], zh_en["z"], 999) < 1e-8
+    assert cu.severity_p(zh_en["p_value"], zh_en["z"], 999) < 1e-8
     others = [r for r in rows if (r["a"], r["b"]) != (0, 1)]
     assert all(r["p_value"] > 0.01 for r in others)                  # orthogonal pairs: not less aligned
 
@@ -79,20 +81,20 @@ def test_permuted_source_grams_match_direct() -> None:
     X = rng.standard_normal((30, 12))
     A = rng.dirichlet(np.ones(3), size=30)
     Q = np.linalg.pinv(A.T @ A)
-    perms = cf.permutations(30, 5, 1, None)
-    got = cf.permuted_source_grams(X @ X.T, A, Q, perms, chunk=2)
+    perms = pt.permutations(30, 5, 1, None)
+    got = pt.permuted_source_grams(X @ X.T, A, Q, perms, chunk=2)
     for g, pi in zip(got, perms):
         Mp = Q @ A[pi].T @ X
         np.testing.assert_allclose(g, Mp @ Mp.T, rtol=1e-9, atol=1e-12)
 
 
 def test_block_permutations_stay_in_their_blocks() -> None:
-    perms = cf.permutations(50, 200, 0, 8)
+    perms = pt.permutations(50, 200, 0, 8)
     blocks = np.arange(50) // 8
     assert (blocks[perms] == blocks[None, :]).all()
     assert all(sorted(p) == list(range(50)) for p in perms[:5])
     assert len({tuple(p) for p in perms}) == 200                        # distinct
-    np.testing.assert_array_equal(perms, cf.permutations(50, 200, 0, 8))  # seeded
+    np.testing.assert_array_equal(perms, pt.permutations(50, 200, 0, 8))  # seeded
 
 
 @pytest.mark.parametrize(("mode", "mixed"), [("replay", False), ("replay", True), ("training", False)])
@@ -206,8 +208,52 @@ def test_findings_persisted_in_the_store_still_plot(tmp_path) -> None:
 
 
 def test_each_unit_draws_its_own_reproducible_permutations() -> None:
-    a = cf.permutations(40, 50, cf.unit_seed(0, "model.layers.1.q.weight", 2), None)
-    b = cf.permutations(40, 50, cf.unit_seed(0, "model.layers.1.q.weight", 3), None)
+    a = pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 2), None)
+    b = pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 3), None)
     assert not np.array_equal(a, b)
-    np.testing.assert_array_equal(a, cf.permutations(40, 50, cf.unit_seed(0, "model.layers.1.q.weight", 2), None))
-    assert cf.unit_seed(0, "t", None) == (0, 2238339752, 0)          # crc32: the same on every platform
+    np.testing.assert_array_equal(a, pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 2), None))
+    assert cu.unit_seed(0, "t", None) == (0, 2238339752, 0)          # crc32: the same on every platform
+
+
+def _documented_draws(n: int, B: int, seed: tuple[int, ...], block: int | None) -> np.ndarray:
+    """The permutations as the module documents them, straight from NumPy: uniform keys from
+    ``default_rng([*seed, n, block or 0])``, the block index added, ``argsort`` row by row."""
+    keys = np.random.default_rng([*seed, n, block or 0]).random((B, n))
+    if block:
+        keys += (np.arange(n) // block)[None, :]
+    return np.argsort(keys, axis=1)
+
+
+@pytest.mark.parametrize(("mode", "mixed"), [("replay", False), ("training", True)])
+def test_table_p_values_are_a_brute_force_permutation_test_of_each_unit(mode: str, mixed: bool) -> None:
+    """Every unit of ``compute``'s table (all units at once, each seeded by its name) against NumPy on its raw
+    gradients: the per-source means by least squares, their cosine (to 1e-9), and the one-sided permutation
+    p-value ``(1 + #{t_π <= t}) / (B + 1)`` of the inner product over the documented draws (equal counts: a
+    tie margin of 1e-9 |t| keeps rounding out of it)."""
+    from gradforensics.analysis.toolkit.kspace import window_size
+
+    p = P.planted_conflict(seed=6, n=48, mode=mode, mixed=mixed)
+    B = 99
+    ctx = p.context({"conflict": {"permutations": B, "seed": 3}})
+    table = cf.compute(ctx).table
+    A = p.mixture.astype(np.float64)
+    n = A.shape[0]
+    block = window_size(n) if mode == "training" else None
+    checked = 0
+    for r in table.itertuples(index=False):
+        head = head_of(r.head)
+        X = p.unit_matrix(r.tensor, head)
+        M, *_ = np.linalg.lstsq(A, X, rcond=None)
+        a, b = p.sources.index(r.source_a), p.sources.index(r.source_b)
+        t = M[a] @ M[b]
+        np.testing.assert_allclose(r.cosine, _cos(M[a], M[b]), rtol=1e-9)
+        null = []
+        for pi in _documented_draws(n, B, cu.unit_seed(3, r.tensor, head), block):
+            Mp, *_ = np.linalg.lstsq(A[pi], X, rcond=None)
+            null.append(Mp[a] @ Mp[b])
+        null = np.array(null)
+        if np.min(np.abs(null - t)) < 1e-9 * abs(t):
+            continue                                   # a near-tie could count either way
+        assert r.p_value == (1 + np.sum(null <= t)) / (B + 1), (r.tensor, head, r.source_a, r.source_b)
+        checked += 1
+    assert checked > 20

@@ -33,7 +33,7 @@ from gradforensics.analysis.engine.longhistory import threshold
 from gradforensics.analysis.engine.results import gram_arrays, load_grams
 from gradforensics.analysis.engine.run import EngineOptions, compute_pass, n_units, select_analyses, units_at_once
 from gradforensics.analysis.engine.spill import SPILL_RESERVE, GramSpill, SpilledGrams, fits_on_disk, write_spilled
-from gradforensics.analysis.kinds.noise import noise_table
+from gradforensics.analysis.kinds.noise.table import noise_table
 from gradforensics.analysis.toolkit.parallel import map_units, unit_threads
 from gradforensics.analysis.toolkit.series import from_batches
 from gradforensics.analysis.toolkit.units import Units as units_of

@@ -205,7 +205,7 @@ def test_names_roundtrip_and_options() -> None:
     raw = encode_names(["zh", "en", "代码"])
     assert raw.dtype == np.uint8 and decode_names(raw, 3) == ["zh", "en", "代码"]
     assert decode_names(None, 2) == ["0", "1"]
-    from gradforensics.analysis.kinds.conflict import ConflictOptions
+    from gradforensics.analysis.kinds.conflict.unit import ConflictOptions
 
     with pytest.raises(SpecError, match="unknown key"):
         ConflictOptions.parse({"perms": 5}, "conflict")

@@ -11,9 +11,10 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.analysis.contract.model import AnalysisResult, Context, GramResult
-from gradforensics.analysis.kinds.noise import MODEL, flags, noise_estimate, noise_table, run_severity, severity
+from gradforensics.analysis.kinds.noise.findings import flags, run_severity, severity
+from gradforensics.analysis.kinds.noise.scale import mixture_parts, noise_estimate, noise_parts, robust_z
+from gradforensics.analysis.kinds.noise.table import MODEL, noise_table
 from gradforensics.analysis.toolkit.kspace import fit_sources, noise_energy
-from gradforensics.analysis.toolkit.noisescale import mixture_parts, noise_parts, robust_z
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.schema import new_meta
 from gradforensics.testing.contracts import AnalysisContract
@@ -310,3 +311,69 @@ class TestNoiseContract(AnalysisContract):
     factory = staticmethod(noise_store)
     healthy_snrs = (0.1, 1.0, 10.0)
 
+
+
+def _raw_pooled(x: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """|G|² and tr(Σ) straight from the per-batch mean gradients *x* (rows) with batch sizes *b*, in gradient
+    space: ``|G|² = Σ_{i≠j} B_i B_j <g_i, g_j> / Σ_{i≠j} B_i B_j`` and ``tr Σ = mean_i B_i (|g_i|² - |G|²)``
+    (McCandlish et al. 2018, eq. A.1, unbiased for unequal batches; eq. A.2-A.3 for equal ones)."""
+    s = b @ x
+    cross = s @ s - np.sum(b * b * np.sum(x * x, axis=1))
+    g2 = cross / (b.sum() ** 2 - np.sum(b * b))
+    return float(g2), float(np.mean(b * (np.sum(x * x, axis=1) - g2)))
+
+
+def test_every_units_rows_are_mccandlish_from_its_raw_gradients() -> None:
+    """The noise table of many units and heads at once (the stacked estimators), per source too, with unequal
+    batch sizes and a unit with non-finite records, against NumPy on each unit's raw per-batch gradients:
+    |G|², tr(Σ), B_simple to 1e-8 (float64 sums of squares of O(1) numbers), the jackknife standard error of
+    tr(Σ) and of the SNR by brute-force deletion to 1e-8."""
+    rng = np.random.default_rng(28)
+    n, S = 36, 3
+    src = np.arange(n) % S
+    bsz = rng.integers(4, 64, n).astype(np.float64)
+    grams, raw = {}, {}
+    for t in range(4):
+        mean = rng.standard_normal(48) * rng.uniform(0.05, 0.5)
+        x = mean + rng.standard_normal((n, 48)) / np.sqrt(bsz)[:, None]
+        finite = np.ones(n, bool)
+        if t == 2:
+            finite[[5, 17]] = False
+        name = f"model.layers.{t}.w"
+        for h, cols in [(None, slice(None)), (0, slice(0, 24)), (1, slice(24, 48))]:
+            xh = x[:, cols]
+            grams[(name, h)] = GramResult(name, h, xh @ xh.T, (~finite).astype(np.int64), xh.shape[1])
+            raw[(name, h)] = (xh, finite)
+    table = noise_table(grams, bsz, src, ("a", "b", "c"), None, "training")
+    checked = 0
+    for r in table.to_dict("records"):
+        if r["tensor"] == MODEL:
+            continue
+        x, finite = raw[(r["tensor"], None if pd.isna(r["head"]) else int(r["head"]))]
+        sel = finite if r["source"] == "" else finite & (src == "abc".index(r["source"]))
+        xs, bs = x[sel], bsz[sel]
+        g2, tr = _raw_pooled(xs, bs)
+        np.testing.assert_allclose([r["g2"], r["trace_sigma"]], [g2, tr], rtol=1e-8)
+        if r["snr_note"] == "":
+            np.testing.assert_allclose(r["b_simple"], tr / g2, rtol=1e-8)
+        loo = np.array([_raw_pooled(np.delete(xs, m, 0), np.delete(bs, m)) for m in range(bs.size)])
+        jk = lambda v: np.sqrt((v.size - 1) / v.size * np.sum((v - v.mean()) ** 2))  # noqa: E731
+        np.testing.assert_allclose(r["trace_sigma_se"], jk(loo[:, 1]), rtol=1e-8)
+        np.testing.assert_allclose(r["snr_se"], jk(loo[:, 0] * bs.mean() / loo[:, 1]), rtol=1e-8)
+        checked += 1
+    assert checked == len(grams) * (1 + S)
+
+
+def test_small_median_is_numpys_median() -> None:
+    """The siblings' median (a few values, once per head) against ``np.median``: odd and even counts, ties,
+    infinities, wide scales; to 1e-15 relative (one addition and a halving)."""
+    from gradforensics.analysis.kinds.noise.findings import small_median
+
+    rng = np.random.default_rng(5)
+    for t in range(500):
+        v = list(rng.standard_normal(int(rng.integers(2, 40))) * 10.0 ** rng.uniform(-200, 200))
+        if t % 5 == 0:
+            v = [float(x) for x in np.round(np.asarray(v) / max(abs(x) for x in v) * 3)]
+        if t % 7 == 0:
+            v[int(rng.integers(0, len(v)))] = float(rng.choice([np.inf, -np.inf]))
+        np.testing.assert_allclose(small_median(v), np.median(v), rtol=1e-15)

@@ -3,9 +3,9 @@
 Spectral's gradient-window spectra are a slab reduction whose ``finish`` builds one task per
 tensor on the window means.  A one-slab tensor is now read and reduced in a fused task
 (:mod:`gradforensics.analysis.engine.plan_small`) with the finish built on that task's output;
-these tests pin that the fused path is taken, that its spectra are the very floats of the same
-steps run by hand on the whole stored array, and that they are the singular values of the
-window-mean gradients (NumPy's SVD as the oracle).
+these tests pin that the fused path is taken, that its spectra are those of the same steps run
+by hand on the whole stored array, and that they are the singular values of the window-mean
+gradients (NumPy's SVD as the oracle).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import pytest
 
 from gradforensics.analysis.contract.registry import REGISTRY
 from gradforensics.analysis.engine import run
-from gradforensics.analysis.kinds import spectral
+from gradforensics.analysis.kinds.spectral import reads, spectra
 from gradforensics.analysis.toolkit.kspace import window_edges
 from gradforensics.store import handles
+from gradforensics.store.heads import HeadSpec
 from gradforensics.store.reader import Store
 from gradforensics.testing.planted_units import planted_spectral_store
 
@@ -52,16 +53,20 @@ def _by_hand(store: Store, tensor: str) -> list[dict]:
     """The reduction's chunk, aggregate and finish steps on the whole stored array, in this thread."""
     info = store.grads[tensor]
     x = store.read(info.name)
-    edges = window_edges(store.n_records, spectral.WINDOWS)
+    edges = window_edges(store.n_records, reads.WINDOWS)
     sel = tuple(slice(0, s) for s in x.shape)
-    means = spectral._window_means(spectral.window_sums(x, sel, edges), edges, tuple(info.shape[1:]))
-    return spectral._all_window_spectra(means, len(edges) - 1, spectral.HeadSpec.from_attrs(info.attrs))
+    means = reads.window_means(reads.window_sums(x, sel, edges), edges, tuple(info.shape[1:]))
+    return reads.window_spectra(means, len(edges) - 1, HeadSpec.from_attrs(info.attrs))
 
 
-def _same(a: list[dict], b: list[dict]) -> bool:
+def _close(a: list[dict], b: list[dict]) -> bool:
+    """The same spectra within 1e-6 of σ_1² (the same steps on the same float32 data)."""
     return len(a) == len(b) and all(
-        x.keys() == y.keys() and all(x[h].sv.tobytes() == y[h].sv.tobytes() and x[h].fro2 == y[h].fro2
-                                     and x[h].exact == y[h].exact for h in x) for x, y in zip(a, b, strict=True))
+        x.keys() == y.keys() and all(x[h].exact == y[h].exact and x[h].sv.shape == y[h].sv.shape
+                                     and np.allclose(x[h].sv ** 2, y[h].sv ** 2, rtol=0,
+                                                     atol=1e-6 * max(float(y[h].sv[0]) ** 2, 1e-300))
+                                     and np.isclose(x[h].fro2, y[h].fro2, rtol=1e-6) for h in x)
+        for x, y in zip(a, b, strict=True))
 
 
 def test_fused_window_spectra_are_the_steps_floats_and_the_svd(store, monkeypatch) -> None:
@@ -69,20 +74,20 @@ def test_fused_window_spectra_are_the_steps_floats_and_the_svd(store, monkeypatc
     tensors = sorted(t for t in store.grads if f"gradient|{t}" in got)
     assert len(tensors) == 8
     assert {f"grads/{t}" for t in tensors} <= fused, "the one-slab tensors were not read by fused tasks"
-    edges = window_edges(store.n_records, spectral.WINDOWS)
+    edges = window_edges(store.n_records, reads.WINDOWS)
     for t in tensors:
-        spectra = got[f"gradient|{t}"]
-        assert _same(spectra, _by_hand(store, t)), t
+        points = got[f"gradient|{t}"]
+        assert _close(points, _by_hand(store, t)), t
         x = store.read(store.grads[t].name).astype(np.float64)
         x = x.reshape(x.shape[0], *store.grads[t].attrs["shape"]) if store.grads[t].heads is None else x
         for w, (lo, hi) in enumerate(itertools.pairwise(edges)):
             mean = x[int(lo):int(hi)].mean(axis=0)
-            whole = mean if store.grads[t].heads is None else spectral.HeadSpec.from_attrs(
+            whole = mean if store.grads[t].heads is None else HeadSpec.from_attrs(
                 store.grads[t].attrs).merge(mean)
             sv = np.linalg.svd(whole, compute_uv=False)
-            assert spectra[w][None].sv[0] == pytest.approx(sv[0], rel=1e-5)
-            assert spectra[w][None].fro2 == pytest.approx(float(np.sum(whole ** 2)), rel=1e-5)
-        last = spectra[-1][None]
+            assert points[w][None].sv[0] == pytest.approx(sv[0], rel=1e-5)
+            assert points[w][None].fro2 == pytest.approx(float(np.sum(whole ** 2)), rel=1e-5)
+        last = points[-1][None]
         # the float32 Gram side's eigenvalues: sigma^2 to ~1e-6 sigma_max^2 (singular_values' docstring)
         assert last.exact and np.allclose(last.sv ** 2, sv ** 2, rtol=1e-4, atol=1e-5 * sv[0] ** 2)
 
@@ -125,34 +130,55 @@ def _random_matrices(rng: np.random.Generator, n: int) -> tuple[list[np.ndarray]
     return ms, tops
 
 
-def test_stacked_singular_values_are_each_matrix_s_own_bit_for_bit() -> None:
-    """The stacked eigenvalue call gives every matrix exactly what ``singular_values`` gives it alone."""
+def _svd_oracle(m: np.ndarray) -> np.ndarray:
+    """NumPy's singular values of *m* in float64, non-finite entries as 0 (what the spectra read)."""
+    a = np.asarray(m, dtype=np.float64)
+    return np.linalg.svd(np.where(np.isfinite(a), a, 0.0), compute_uv=False)
+
+
+def _check_spectrum(s, m: np.ndarray, top: bool) -> None:
+    """One spectrum against the SVD: σ² to 1e-5 σ_1² (float32 Gram side; 1e-12 in float64), ``‖W‖_F²`` to 1e-6."""
+    ref = _svd_oracle(m)
+    tol = 1e-5 if np.asarray(m).dtype == np.float32 else 1e-12
+    scale = max(ref[0] ** 2, np.finfo(np.float64).tiny)
+    np.testing.assert_allclose(s.fro2, np.sum(ref ** 2), rtol=1e-6, atol=1e-300)
+    if top and min(np.shape(m)) > spectra.TOP_MIN_DIM:
+        assert s.sv.size == 1 and not s.exact
+        np.testing.assert_allclose(s.sv[0] ** 2, ref[0] ** 2, rtol=tol, atol=tol * scale)
+    else:
+        assert s.exact and s.sv.size == ref.size
+        np.testing.assert_allclose(s.sv ** 2, ref ** 2, rtol=0, atol=tol * scale)
+
+
+def test_stacked_singular_values_are_numpys_svd() -> None:
+    """Every matrix of a stack (shared shapes, one-offs, float32/float64, zeros, NaN, inf, ties) against
+    ``np.linalg.svd``; the single-matrix call is a stack of one."""
     rng = np.random.default_rng(28)
     for _ in range(20):
         ms, tops = _random_matrices(rng, int(rng.integers(1, 60)))
-        got = spectral.stacked_singular_values(ms, tops)
-        want = [spectral.singular_values(m, top_only=t) for m, t in zip(ms, tops, strict=True)]
-        assert len(got) == len(want)
-        for g, w in zip(got, want, strict=True):
-            assert g.sv.tobytes() == w.sv.tobytes() and g.fro2 == w.fro2 and g.exact == w.exact
-    assert spectral.stacked_singular_values([], []) == []
+        got = spectra.stacked_singular_values(ms, tops)
+        assert len(got) == len(ms)
+        for g, m, t in zip(got, ms, tops, strict=True):
+            _check_spectrum(g, m, t)
+    assert spectra.stacked_singular_values([], []) == []
+    _check_spectrum(spectra.singular_values(ms[0], top_only=tops[0]), ms[0], tops[0])
 
 
-def test_window_spectra_stacked_equal_the_per_window_spectra(store) -> None:
-    """All windows of a tensor in one stacked call: each window's own ``block_spectra``, bit for bit."""
+def test_window_spectra_are_the_svd_of_each_window_mean(store) -> None:
+    """All windows of a tensor in one stacked call: each window's whole matrix and heads against NumPy's SVD of
+    the window-mean gradient (every window but the last: σ_1 alone)."""
     for t in sorted(store.grads):
         info = store.grads[t]
-        if not spectral._is_matrix(info.attrs, info.shape):
+        if not reads.is_matrix(info.attrs, info.shape):
             continue
         x = store.read(info.name)
-        edges = window_edges(store.n_records, spectral.WINDOWS)
+        edges = window_edges(store.n_records, reads.WINDOWS)
         sel = tuple(slice(0, s) for s in x.shape)
-        means = spectral._window_means(spectral.window_sums(x, sel, edges), edges, tuple(info.shape[1:]))
-        spec = spectral.HeadSpec.from_attrs(info.attrs)
-        one = [spectral._window_spectrum(means, w, spec, w < len(edges) - 2) for w in range(len(edges) - 1)]
-        singles = [{h: spectral.singular_values(m, top_only=w < len(edges) - 2)
-                    for h, m in zip(*spectral.block_matrices(np.asarray(means[w], dtype=np.float32), spec,
-                                                             spec is not None), strict=True)}
-                   for w in range(len(edges) - 1)]
-        assert _same(spectral._all_window_spectra(means, len(edges) - 1, spec), singles), t
-        assert _same(one, singles), t
+        means = reads.window_means(reads.window_sums(x, sel, edges), edges, tuple(info.shape[1:]))
+        spec = HeadSpec.from_attrs(info.attrs)
+        got = reads.window_spectra(means, len(edges) - 1, spec)
+        for w, points in enumerate(got):
+            keys, mats = spectra.block_matrices(np.asarray(means[w], dtype=np.float32), spec, spec is not None)
+            assert list(points) == keys
+            for h, m in zip(keys, mats, strict=True):
+                _check_spectrum(points[h], m, w < len(edges) - 2)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from gradforensics.analysis.kinds import precision as P
+from gradforensics.analysis.kinds.precision import formats as F
 from gradforensics.testing.planted_units import planted_precision_store, run_analysis
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -35,12 +36,12 @@ HAND = {  # value -> ULP, by hand from the format definitions
 
 @pytest.mark.parametrize("fmt", list(LIMITS))
 def test_format_constants_and_hand_picked_ulps(fmt: str) -> None:
-    assert P.FORMATS[fmt] == LIMITS[fmt]
+    assert F.FORMATS[fmt] == LIMITS[fmt]
     assert float(ml_dtypes.finfo(CAST[fmt]).max) == LIMITS[fmt][2]
     x = np.array(list(HAND[fmt]))
-    np.testing.assert_array_equal(P.ulp(x, fmt), np.array(list(HAND[fmt].values())))
-    np.testing.assert_array_equal(P.ulp(x, fmt), _direct_ulp(x, fmt))
-    np.testing.assert_array_equal(P.round_to(x, fmt), x)              # all representable
+    np.testing.assert_array_equal(F.ulp(x, fmt), np.array(list(HAND[fmt].values())))
+    np.testing.assert_array_equal(F.ulp(x, fmt), _direct_ulp(x, fmt))
+    np.testing.assert_array_equal(F.round_to(x, fmt), x)              # all representable
 
 
 @pytest.mark.parametrize("fmt", list(LIMITS))
@@ -49,12 +50,12 @@ def test_round_to_matches_ml_dtypes_casts_including_subnormals_and_overflow(fmt:
     vmax = LIMITS[fmt][2]
     x = np.concatenate([rng.normal(0, 1, 20000), rng.normal(0, 1e-3, 20000), rng.normal(0, vmax / 2, 5000),
                         2.0 ** np.arange(-20, 17), [0.0, vmax, 1.06 * vmax, 3 * vmax]]).astype(np.float32)
-    got, oracle = P.round_to(x, fmt), _cast(x, fmt)
+    got, oracle = F.round_to(x, fmt), _cast(x, fmt)
     fin = np.isfinite(oracle)                                          # e4m3fn casts overflow to NaN
     np.testing.assert_array_equal(np.isfinite(got), fin)
     np.testing.assert_array_equal(got[fin], oracle[fin])
     fine = (np.abs(x) > 0) & (np.abs(x) <= vmax)
-    np.testing.assert_array_equal(P.ulp(x[fine], fmt), _direct_ulp(oracle[fine], fmt))
+    np.testing.assert_array_equal(F.ulp(x[fine], fmt), _direct_ulp(oracle[fine], fmt))
 
 
 @pytest.mark.parametrize("fmt", list(LIMITS))
@@ -62,21 +63,21 @@ def test_swamped_matches_w_plus_delta_equals_w_in_ml_dtypes(fmt: str) -> None:
     rng = np.random.default_rng(1)
     w = _cast(rng.normal(0, 1, 6000) * 2.0 ** rng.integers(-12, 6, 6000), fmt)   # normals and subnormals
     w = w[np.isfinite(w)]
-    half = P.ulp(w, fmt) / 2
+    half = F.ulp(w, fmt) / 2
     sign = np.where(rng.random(w.size) < 0.5, -1.0, 1.0)
     for factor in (0.3, 0.98, 1.02, 3.0):
         d = (sign * factor * half * rng.uniform(0.9, 1.1, w.size)).astype(np.float32).astype(np.float64)
         oracle = (d != 0) & (_cast(w + d, fmt) == w)
-        np.testing.assert_array_equal(P.swamped(w, d, fmt), oracle)
+        np.testing.assert_array_equal(F.swamped(w, d, fmt), oracle)
 
 
 def test_amax_scale_is_the_largest_power_of_two_that_keeps_amax_finite() -> None:
     for fmt, (_, _, vmax) in LIMITS.items():
         for amax in (1.0, 0.05, 3e-7, vmax, vmax / 2, 2.0 ** -20, 1e4, 448.0 / 1.75):
-            s = P.amax_scale(amax, fmt)
+            s = F.amax_scale(amax, fmt)
             assert s == 2.0 ** np.floor(np.log2(vmax / amax))
             assert amax * s <= vmax < 2 * amax * s
-    assert P.amax_scale(0.0, "fp8_e4m3") == 1.0
+    assert F.amax_scale(0.0, "fp8_e4m3") == 1.0
 
 
 def test_pair_counts_fp8_against_scaled_ml_dtypes_casts() -> None:
@@ -84,7 +85,7 @@ def test_pair_counts_fp8_against_scaled_ml_dtypes_casts() -> None:
     w0 = rng.normal(0, 0.05, (40, 30)).astype(np.float32)
     d = (w0 * rng.normal(0, 1, w0.shape) * np.where(rng.random(w0.shape) < 0.5, 0.01, 0.5)).astype(np.float32)
     w1 = (w0 + d).astype(np.float32)
-    out = P.pair_counts(w0, w1, None, steps=1.0)
+    out = F.pair_counts(w0, w1, None, steps=1.0)
     delta = w1.astype(np.float64) - w0
     for fmt, (_, _, vmax) in LIMITS.items():
         s = 2.0 ** np.floor(np.log2(vmax / np.abs(w0).max()))
@@ -98,14 +99,14 @@ def test_fp8_gradient_shares_against_a_direct_count() -> None:
     rng = np.random.default_rng(3)
     g = (rng.normal(0, 1, 5000) * 2.0 ** rng.integers(-30, 3, 5000)).astype(np.float32)
     g[:10] = 0
-    shares = P.fp8_gradient_shares(P.exponent_hist(g), P._amax(g))
+    shares = F.fp8_gradient_shares(F.exponent_hist(g), F.finite_amax(g))
     a = np.abs(g[g != 0]).astype(np.float64)
     for fmt, (p, emin, vmax) in LIMITS.items():
         x = a * 2.0 ** np.floor(np.log2(vmax / a.max()))
         assert shares[f"grad_underflow_{fmt}"] == pytest.approx(np.mean(x < 2.0 ** (emin - p)))
         assert shares[f"grad_subnormal_{fmt}"] == pytest.approx(np.mean((x >= 2.0 ** (emin - p)) & (x < 2.0 ** emin)))
         assert shares[f"grad_underflow_{fmt}"] > 0.1
-    assert np.isnan(P.fp8_gradient_shares(P.exponent_hist(g), None)["grad_underflow_fp8_e4m3"])
+    assert np.isnan(F.fp8_gradient_shares(F.exponent_hist(g), None)["grad_underflow_fp8_e4m3"])
 
 
 def test_planted_tensor_swamped_in_fp8_but_not_bf16_shows_in_the_table_and_raises_no_flag(tmp_path) -> None:

@@ -9,6 +9,8 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.analysis.kinds import spectral as S
+from gradforensics.analysis.kinds.spectral import findings, reads, spectra
+from gradforensics.analysis.toolkit.kspace import window_edges
 from gradforensics.errors import SpecError
 from gradforensics.store.heads import HeadSpec
 from gradforensics.testing.contracts import AnalysisContract
@@ -34,7 +36,7 @@ def _naive_fit(evals: np.ndarray, thresh: float = 1e-5) -> tuple[float, float]:
 def test_singular_values_match_numpy() -> None:
     rng = np.random.default_rng(0)
     m = rng.normal(size=(50, 30))
-    s = S.singular_values(m)
+    s = spectra.singular_values(m)
     np.testing.assert_allclose(s.sv, np.linalg.svd(m, compute_uv=False), rtol=1e-10)
     assert s.exact and s.fro2 == pytest.approx(np.sum(m ** 2))
 
@@ -42,11 +44,11 @@ def test_singular_values_match_numpy() -> None:
 def test_randomized_path_matches_numpy_top_values() -> None:
     rng = np.random.default_rng(1)
     m = (rng.normal(size=(120, 20)) * np.geomspace(10, 0.1, 20)) @ rng.normal(size=(20, 80)) / 10
-    s = S.singular_values(m, exact_max=40, k=10)
+    s = spectra.singular_values(m, exact_max=40, k=10)
     ref = np.linalg.svd(m, compute_uv=False)[:10]
     assert not s.exact and s.sv.size == 10
     np.testing.assert_allclose(s.sv, ref, rtol=1e-3)
-    assert S.stable_rank(s) == pytest.approx(np.sum(m ** 2) / ref[0] ** 2, rel=1e-3)
+    assert spectra.stable_ranks([s])[0] == pytest.approx(np.sum(m ** 2) / ref[0] ** 2, rel=1e-3)
 
 
 @pytest.mark.parametrize("shape", [(200, 150), (90, 300), (65, 65)])
@@ -55,16 +57,16 @@ def test_top_only_sigma_max_equals_the_whole_spectrum(shape: tuple[int, int]) ->
     rng = np.random.default_rng(7)
     low = rng.normal(size=(shape[0], 3)) @ rng.normal(size=(3, shape[1])) + 0.01 * rng.normal(size=shape)
     for m in (rng.normal(size=shape), low, low.astype(np.float32)):
-        s = S.singular_values(m, top_only=True)
+        s = spectra.singular_values(m, top_only=True)
         ref = np.linalg.svd(np.asarray(m, dtype=np.float64), compute_uv=False)
         assert not s.exact and s.sv.size == 1
         tol = 1e-5 if m.dtype == np.float32 else 1e-10
         assert s.sv[0] == pytest.approx(ref[0], rel=tol)
         assert s.fro2 == pytest.approx(np.sum(ref ** 2), rel=tol)
-        assert S.stable_rank(s) == pytest.approx(S.stable_rank(S.singular_values(m)), rel=tol)
-    z = S.singular_values(np.zeros(shape), top_only=True)
-    assert z.sv[0] == 0 and np.isnan(S.stable_rank(z))
-    small = S.singular_values(rng.normal(size=(30, 80)), top_only=True)      # at most TOP_MIN_DIM rows: whole
+        assert spectra.stable_ranks([s])[0] == pytest.approx(spectra.stable_ranks([spectra.singular_values(m)])[0], rel=tol)
+    z = spectra.singular_values(np.zeros(shape), top_only=True)
+    assert z.sv[0] == 0 and np.isnan(spectra.stable_ranks([z])[0])
+    small = spectra.singular_values(rng.normal(size=(30, 80)), top_only=True)      # at most TOP_MIN_DIM rows: whole
     assert small.exact and small.sv.size == 30
 
 
@@ -74,7 +76,7 @@ def test_window_series_give_every_windows_stable_rank(planted) -> None:
     store = gf.open_store(p.path)
     name = "layers.1.mlp.up.weight"
     g = store.grad(name).compute().astype(np.float64)
-    edges = S.window_edges(store.n_records)
+    edges = window_edges(store.n_records)
     ref = [np.linalg.svd(g[a:b].mean(axis=0), compute_uv=False) for a, b in itertools.pairwise(edges)]
     sv = np.asarray(result.series[f"sv/gradient/{name}/all"], dtype=np.float64)
     fro2 = np.asarray(result.series[f"fro2/gradient/{name}/all"])
@@ -93,9 +95,9 @@ def test_window_sums_match_numpy(bad: float | None) -> None:
     x = rng.normal(size=(40, 12, 3)).astype(np.float32)
     if bad is not None:
         x[7, 2, 1] = x[8, 2, 1] = bad
-    edges = S.window_edges(60, 8)
+    edges = window_edges(60, 8)
     sel = (slice(10, 50), slice(5, 17), slice(0, 3))
-    part = S.window_sums(x, sel, edges)
+    part = reads.window_sums(x, sel, edges)
     assert list(part) == [((5, 17), (0, 3))]
     got = part[((5, 17), (0, 3))]
     clean = np.where(np.isfinite(x), x, 0).astype(np.float64)
@@ -109,18 +111,18 @@ def test_rank_statistics_against_their_formulas() -> None:
     rng = np.random.default_rng(2)
     m = rng.normal(size=(40, 25))
     sv = np.linalg.svd(m, compute_uv=False)
-    s = S.singular_values(m)
-    assert S.stable_rank(s) == pytest.approx(np.linalg.norm(m, "fro") ** 2 / np.linalg.norm(m, 2) ** 2)
+    s = spectra.singular_values(m)
+    assert spectra.stable_ranks([s])[0] == pytest.approx(np.linalg.norm(m, "fro") ** 2 / np.linalg.norm(m, 2) ** 2)
     p = sv / sv.sum()
-    assert S.effective_rank(sv) == pytest.approx(np.exp(-np.sum(p * np.log(p))))
-    assert S.top_share(s, 3) == pytest.approx(np.sum(sv[:3] ** 2) / np.sum(sv ** 2))
-    assert S.effective_rank(np.array([2.0, 0, 0])) == pytest.approx(1.0)
+    assert spectra.effective_rank(sv) == pytest.approx(np.exp(-np.sum(p * np.log(p))))
+    assert spectra.top_share(s, 3) == pytest.approx(np.sum(sv[:3] ** 2) / np.sum(sv ** 2))
+    assert spectra.effective_rank(np.array([2.0, 0, 0])) == pytest.approx(1.0)
 
 
 def test_powerlaw_fit_matches_brute_force_clauset() -> None:
     rng = np.random.default_rng(3)
     ev = np.concatenate([rng.uniform(0.01, 1, 150), (1 - rng.random(60)) ** (-1 / 2.5)])
-    fit = S.powerlaw_fit(ev)
+    fit = spectra.powerlaw_fit(ev)
     alpha, xmin = _naive_fit(ev)
     assert fit.alpha == pytest.approx(alpha, rel=1e-10) and fit.xmin == pytest.approx(xmin)
 
@@ -129,7 +131,7 @@ def test_powerlaw_fit_matches_brute_force_clauset() -> None:
 def test_powerlaw_fit_recovers_a_known_exponent(alpha: float) -> None:
     rng = np.random.default_rng(4)
     ev = 0.3 * (1 - rng.random(3000)) ** (-1 / (alpha - 1))
-    fit = S.powerlaw_fit(ev)
+    fit = spectra.powerlaw_fit(ev)
     assert fit.alpha == pytest.approx(alpha, abs=0.2)
     assert fit.ks < 0.05
 
@@ -138,39 +140,61 @@ def test_powerlaw_fit_recovers_a_known_exponent(alpha: float) -> None:
 def test_alpha_of_a_matrix_with_a_known_heavy_tailed_spectrum(alpha: float) -> None:
     rng = np.random.default_rng(5)
     w = powerlaw_matrix(900, 600, alpha, rng)
-    fit = S.powerlaw_fit(np.linalg.svd(w, compute_uv=False) ** 2)
+    fit = spectra.powerlaw_fit(np.linalg.svd(w, compute_uv=False) ** 2)
     assert fit.alpha == pytest.approx(alpha, abs=0.25)
 
 
 def test_too_few_eigenvalues_give_no_fit() -> None:
-    assert np.isnan(S.powerlaw_fit(np.arange(1.0, 10.0)).alpha)
+    assert np.isnan(spectra.powerlaw_fit(np.arange(1.0, 10.0)).alpha)
 
 
 def test_block_spectra_split_and_merge_agree() -> None:
     rng = np.random.default_rng(6)
     spec = HeadSpec(4)
     w = rng.normal(size=(32, 20))
-    a = S.block_spectra(w, spec, split=False)
-    b = S.block_spectra(spec.split(w), spec, split=True)
+    a = spectra.block_spectra(w, spec, split=False)
+    b = spectra.block_spectra(spec.split(w), spec, split=True)
     for h in (None, 0, 3):
         np.testing.assert_allclose(a[h].sv, b[h].sv)
     np.testing.assert_allclose(a[2].sv, np.linalg.svd(w[16:24], compute_uv=False))
 
 
 def test_roles_and_partners() -> None:
-    assert S.role_of("model.layers.3.self_attn.q_proj.weight") == "q"
-    assert S.role_of("encoder.layer.0.attention.self.key.weight") == "k"
-    assert S.role_of("h.0.attn.c_attn.weight") == "qkv"
-    assert S.role_of("h.0.attn.c_attn.weight", "qkv", "k2") == "k"
-    assert S.role_of("model.layers.3.mlp.up_proj.weight") == ""
-    assert S.partner_of("l.3.self_attn.q_proj.weight") == "l.3.self_attn.k_proj.weight"
-    assert S.partner_of("e.layer.0.attention.self.key.weight") == "e.layer.0.attention.self.query.weight"
+    assert reads.role_of("model.layers.3.self_attn.q_proj.weight") == "q"
+    assert reads.role_of("encoder.layer.0.attention.self.key.weight") == "k"
+    assert reads.role_of("h.0.attn.c_attn.weight") == "qkv"
+    assert reads.role_of("h.0.attn.c_attn.weight", "qkv", "k2") == "k"
+    assert reads.role_of("model.layers.3.mlp.up_proj.weight") == ""
+    assert reads.partner_of("l.3.self_attn.q_proj.weight") == "l.3.self_attn.k_proj.weight"
+    assert reads.partner_of("e.layer.0.attention.self.key.weight") == "e.layer.0.attention.self.query.weight"
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     p = planted_spectral_store(tmp_path_factory.mktemp("s") / "s.zarr", grow=True, collapse=True)
     return p, *run_analysis(p.path, "spectral")
+
+
+def test_stable_rank_trends_are_spearmanr_of_the_saved_series(planted) -> None:
+    """Every row's stable-rank trend (all rows in one stacked call) against ``scipy.stats.spearmanr`` of its
+    stable ranks (``‖W‖_F² / σ_1²`` from the saved ``fro2`` and float32 ``sv`` series) on their positions, where
+    no two ranks are within float32 rounding of each other: rho and p to 1e-6 relative."""
+    from scipy.stats import spearmanr
+
+    _, result, _ = planted
+    checked = 0
+    for r in result.table.to_dict("records"):
+        tag = "all" if r["head"] is None or r["head"] != r["head"] else int(r["head"])
+        fro2 = np.asarray(result.series[f"fro2/{r['matrix']}/{r['tensor']}/{tag}"], dtype=np.float64)
+        sv1 = np.asarray(result.series[f"sv/{r['matrix']}/{r['tensor']}/{tag}"], dtype=np.float64)[:, 0]
+        srs = fro2 / sv1 ** 2
+        if srs.size < 3 or np.min(np.diff(np.sort(srs))) < 1e-5 * np.max(srs):
+            continue        # σ_1 is saved in float32: near-ties could rank either way here
+        ref = spearmanr(np.arange(srs.size), srs)
+        np.testing.assert_allclose(r["stable_rank_trend"], ref.statistic, rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(r["stable_rank_trend_p"], ref.pvalue, rtol=1e-6, atol=1e-12)
+        checked += 1
+    assert checked > 10
 
 
 def test_table_contract_and_lazy_values_match_numpy(planted) -> None:
@@ -184,7 +208,7 @@ def test_table_contract_and_lazy_values_match_numpy(planted) -> None:
     row = t[(t.tensor == name) & (t.matrix == "weight")].iloc[0]
     assert row["sigma_max"] == pytest.approx(np.linalg.svd(w_last, compute_uv=False)[0], rel=1e-6)
     g = store.grad(name).compute()
-    edges = S.window_edges(store.n_records)
+    edges = window_edges(store.n_records)
     g_last = g[edges[-2]:edges[-1]].mean(axis=0)
     row = t[(t.tensor == name) & (t.matrix == "gradient")].iloc[0]
     sv = np.linalg.svd(g_last, compute_uv=False)
@@ -202,7 +226,7 @@ def test_planted_rank_collapse_is_the_only_strong_flag_and_small_qk_growth_is_no
     assert strong == {("layers.1.mlp.up.weight", "rank_collapse")}
     t = result.table
     q = t[(t.tensor == "layers.0.attn.q_proj.weight") & (t.matrix == "weight") & t["head"].isna()].iloc[0]
-    assert q["norm_growth"] == pytest.approx(4, 0.1) and q["logit_scale"] < S.LOGIT_OK
+    assert q["norm_growth"] == pytest.approx(4, 0.1) and q["logit_scale"] < findings.LOGIT_OK
     # the logit scale against NumPy: per head, ||Q_h^T K_h||_2 * d_in / sqrt(d_head), the largest head
     store = gf.open_store(p.path)
     wq, wk = (store.weight(f"layers.0.attn.{r}_proj.weight")[-1].compute() for r in "qk")
@@ -222,7 +246,7 @@ def test_planted_large_aligned_qk_growth_is_flagged_on_its_logit_scale(logit_pla
     strong = {(f.tensor, f.evidence["reason"]) for f in flags if f.severity > 0.5}
     assert strong == {("layers.0.attn.q_proj.weight", "norm_growth")}
     q = next(f for f in flags if f.tensor == "layers.0.attn.q_proj.weight" and f.head is None)
-    assert q.evidence["logit_scale"] > 3 * S.LOGIT_OK and q.evidence["cause"] == "attention"
+    assert q.evidence["logit_scale"] > 3 * findings.LOGIT_OK and q.evidence["cause"] == "attention"
     assert "attention logit" in q.summary
 
 
@@ -248,12 +272,12 @@ def test_heavy_tailed_weight_alpha_below_two_is_flagged(tmp_path) -> None:
 
 
 def test_severity_scales() -> None:
-    assert S.growth_severity(3.0) == pytest.approx(0.5) and S.growth_severity(9.0) == 1.0
-    assert S.growth_severity(2.0) < 0.5
-    assert S.growth_severity(0.8) == 0.0
-    assert S.collapse_severity(2 ** 1.5) == pytest.approx(0.5) and S.collapse_severity(1.0) == 0.0
-    assert S.alpha_severity(3.0) == 0.0 and S.alpha_severity(2 - 1 / 3) == pytest.approx(0.5)
-    assert 0 < S.alpha_severity(9.0) <= 0.3
+    assert findings.growth_severity(3.0) == pytest.approx(0.5) and findings.growth_severity(9.0) == 1.0
+    assert findings.growth_severity(2.0) < 0.5
+    assert findings.growth_severity(0.8) == 0.0
+    assert findings.collapse_severity(2 ** 1.5) == pytest.approx(0.5) and findings.collapse_severity(1.0) == 0.0
+    assert findings.alpha_severity(3.0) == 0.0 and findings.alpha_severity(2 - 1 / 3) == pytest.approx(0.5)
+    assert 0 < findings.alpha_severity(9.0) <= 0.3
 
 
 def test_plots_draw_each_kind_of_evidence(planted, logit_planted) -> None:
@@ -272,9 +296,9 @@ def test_plots_draw_each_kind_of_evidence(planted, logit_planted) -> None:
 
 def test_options_are_validated() -> None:
     with pytest.raises(SpecError, match="alpha_range"):
-        S.SpectralOptions.parse({"alpha_range": (6, 2)})
+        findings.SpectralOptions.parse({"alpha_range": (6, 2)})
     with pytest.raises(SpecError, match="bad options"):
-        S.SpectralOptions.parse({"alpha": 2})
+        findings.SpectralOptions.parse({"alpha": 2})
 
 
 class TestSpectralContract(AnalysisContract):

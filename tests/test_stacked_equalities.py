@@ -291,36 +291,6 @@ def test_bimodality_coefficients_are_the_single_call() -> None:
     assert np.count_nonzero(x**1.5 != np.array([v**1.5 for v in x])) > 0
 
 
-def test_spectral_stable_rank_trends_stacked_are_rank_trend() -> None:
-    """Spectral's stable-rank trends of every row in one ``rank_trends`` call (``min_n=3``, two-sided, NaN not
-    skipped) against ``rank_trend`` row by row: the few snapshots a spectral row has (1-40), NaN and inf
-    ranks, ties, constant rows, many lengths in one call."""
-    from gradforensics.analysis.kinds import spectral as S
-
-    rng = np.random.default_rng(22)
-    for trial in range(80):
-        ys = []
-        for u in range(int(rng.integers(1, 40))):
-            n = int(rng.integers(1, 41))
-            y = 1.0 + rng.gamma(2.0, 3.0, n) * 10.0 ** rng.integers(-3, 4)
-            if u % 3 == 0:
-                y = np.round(y, 1)
-            if u % 5 == 0:
-                y[rng.integers(0, n)] = rng.choice([np.nan, np.inf])
-            if u % 9 == 0:
-                y[:] = 2.5
-            ys.append(y)
-        got = stats.rank_trends(ys, min_n=3)
-        want = [stats.rank_trend(y, min_n=3) for y in ys]
-        assert all(_same(g, w) for g, w in zip(got, want, strict=True)), trial
-    spectra = [S.Spectrum(sv=np.array([3.0, 1.0 + k / 10]), fro2=9.0 + k, exact=True) for k in range(6)]
-    row = S.matrix_row("t", None, "weight", spectra, np.arange(6), "", 1)
-    given = S.matrix_row("t", None, "weight", spectra, np.arange(6), "", 1,
-                         trend=stats.rank_trends([S.stable_ranks(spectra)], min_n=3)[0])
-    assert row.keys() == given.keys() and np.isfinite(row["stable_rank_trend"])
-    assert all(_same(row[k], given[k]) if isinstance(row[k], float) else row[k] == given[k] for k in row)
-
-
 def test_stacked_cosines_are_kspace_cosines() -> None:
     """``cosines_each`` and ``record_cosines_each`` against ``kspace.cosines`` / ``record_cosines`` per item: drift's
     window means, a source fit's rows against one direction, the opening mean; sizes 4-600, scales 1e-6 to

@@ -110,7 +110,7 @@ def planted_precision_store(path: str | os.PathLike[str], *, swamped: bool = Tru
     step), so swamped updates vanish from the snapshots: ``lost_share`` sees them.
     """
     import gradforensics as gf
-    from gradforensics.analysis.kinds.precision import round_to
+    from gradforensics.analysis.kinds.precision.formats import round_to
 
     rng = np.random.default_rng(seed)
     shapes = {"layers.0.attn.q_proj.weight": (32, 32), "layers.0.mlp.up.weight": (64, 32),

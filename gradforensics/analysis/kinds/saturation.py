@@ -68,28 +68,9 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
-__all__ = [
-    "ADVICE",
-    "ANALYSIS",
-    "COLUMNS",
-    "MAX_GMM_UNITS",
-    "NAME",
-    "NO_CAMPS",
-    "POLARITY_BINS",
-    "POLE",
-    "WINDOWS",
-    "Camps",
-    "SaturationOptions",
-    "compute",
-    "flags",
-    "lazy",
-    "module_result",
-    "onset_record",
-    "plot",
-    "severity",
-    "source_rows",
-    "two_camps",
-]
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "MAX_GMM_UNITS", "NAME", "NO_CAMPS", "POLARITY_BINS", "POLE",
+           "WINDOWS", "Camps", "SaturationOptions", "compute", "flags", "lazy", "module_result",
+           "onset_record", "plot", "severity", "source_rows", "two_camps"]
 
 
 NAME = "saturation"

@@ -9,8 +9,7 @@ never the pass: a kind imports what it needs from here, never from another kind.
   tensor and head) and their packed per-unit series;
 * :mod:`~gradforensics.analysis.toolkit.flagging` - from statistics to flags: significance,
   severity ramps, trend tests, one story per tensor;
-* :mod:`~gradforensics.analysis.toolkit.stats`, :mod:`~gradforensics.analysis.toolkit.noisescale` -
-  shared tests and the gradient noise scale estimators;
+* :mod:`~gradforensics.analysis.toolkit.stats` - shared tests (trends, bimodality);
 * :mod:`~gradforensics.analysis.toolkit.stacked` - small NumPy calls over a stack of units, each
   item's floats the single call's (the slabs of :func:`~gradforensics.analysis.toolkit.parallel.map_slabs`);
 * :mod:`~gradforensics.analysis.toolkit.series` - per-step series from a store's ``batches/*``;

@@ -5,7 +5,7 @@ Record *i* is the mean gradient of a batch of ``B_i`` samples:
 
     E|g_i|² = |G|² + tr(Σ)/B_i,          E<g_i, g_j> = |G|²  (i ≠ j).
 
-**Pooled** (:func:`noise_parts`), with ``w_i = B_i``:
+**Pooled** (:func:`noise_parts_stack`), with ``w_i = B_i``:
 
     |G|²^ = (Σ_{i≠j} w_i w_j K_ij) / (Σ_{i≠j} w_i w_j),
     tr(Σ)^ = (1/n) Σ_i B_i (K_ii - |G|²^).
@@ -91,21 +91,19 @@ def noise_parts(gram: np.ndarray, n_samples: np.ndarray) -> Parts:
 
 
 def noise_parts_stack(grams: np.ndarray, n_samples: np.ndarray) -> list[Parts]:
-    """:func:`noise_parts` of every Gram matrix of the stack *grams* (``(m, n, n)``, the same records: batch sizes
-    *n_samples*), each item's floats those of the single call: ``K b`` as ``np.matmul`` on the stack (one
-    ``gemv`` an item), ``b · v`` as a ``(1, n)`` by ``(n, 1)`` product an item, the sums along each
-    contiguous row (the 1-d call's pairwise sum), the rest elementwise in the single call's order."""
+    """Pooled ``|G|²^``, ``tr(Σ)^`` and their delete-one values of every Gram matrix of the stack *grams*
+    (``(m, n, n)``, the same records: batch sizes *n_samples*) in one vectorised pass (module docstring)."""
     k = np.asarray(grams, dtype=np.float64)
     b = np.asarray(n_samples, dtype=np.float64)
     m, n = k.shape[0], b.size
     if n < 2:
         return [Parts(math.nan, math.nan, None, None) for _ in range(m)]
     d = np.ascontiguousarray(np.diagonal(k, axis1=1, axis2=2))
-    v = np.matmul(k, b)                                              # k @ b per item
+    v = k @ b                                                        # (m, n): K b per item
     w1, w2 = b.sum(), (b * b).sum()
-    bd = (b * d).sum(axis=-1)
-    bv = np.matmul(np.broadcast_to(b, (m, 1, n)), v[:, :, None])[:, 0, 0]      # b @ v per item
-    bbd = (b * b * d).sum(axis=-1)
+    bd = d @ b
+    bv = v @ b
+    bbd = d @ (b * b)
     g2 = (bv - bbd) / (w1 * w1 - w2)
     tr = (bd - g2 * w1) / n
     if n < 3:
@@ -161,8 +159,7 @@ def mixture_parts(gram: np.ndarray, n_samples: np.ndarray, source: np.ndarray, s
 
 
 def _jackknife_se(loo: np.ndarray) -> np.ndarray:
-    """The delete-one standard error of every row of *loo* (``(m, n)``), each row's floats the 1-d formula's
-    (``sqrt((n-1)/n Σ (x - x̄)²)``: the mean and the sum along the contiguous row)."""
+    """The delete-one standard error ``sqrt((n-1)/n Σ (x - x̄)²)`` of every row of *loo* (``(m, n)``)."""
     n = loo.shape[-1]
     with np.errstate(invalid="ignore", over="ignore"):
         return np.sqrt((n - 1) / n * ((loo - loo.mean(axis=-1)[:, None]) ** 2).sum(axis=-1))
@@ -174,8 +171,8 @@ def summarize(parts: Parts, batch_size: float, n: int, estimator: str = "pooled"
 
 
 def summaries(items: list[tuple[Parts, float, int, str]]) -> list[dict[str, float | str]]:
-    """:func:`summarize` of every ``(parts, batch_size, n, estimator)`` of *items*, each its single call's floats:
-    the jackknife standard errors of all delete-one values of one length in one stacked pass
+    """The table fields of every ``(parts, batch_size, n, estimator)`` of *items* (:func:`summarize` is a stack
+    of one): the jackknife standard errors of all delete-one values of one length in one stacked pass
     (:func:`_jackknife_se`; ``g2_loo · B / trace_loo`` elementwise), the rest item by item."""
     trace_se: dict[int, float] = {}
     snr_se: dict[int, float] = {}         # only where every delete-one SNR is finite (else no bounds)

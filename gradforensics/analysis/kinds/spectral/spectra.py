@@ -1,16 +1,14 @@
 """Spectra of 2-D matrices: singular values (exact or randomized), stable and effective rank, power-law tail.
 
 The maths the spectral analysis (:mod:`gradforensics.analysis.kinds.spectral`) applies
-to every weight snapshot, window-mean gradient and head block, taken out of it whole
-(the same functions, the same floats):
+to every weight snapshot, window-mean gradient and head block:
 
-* :func:`singular_values`: exact up to :data:`EXACT_MAX_DIM` on the smaller side (the
-  eigenvalues of the smaller Gram side, LAPACK, float64), ``σ_1`` alone by Lanczos where
-  only it is wanted on more than :data:`TOP_MIN_DIM` rows, a randomized top
-  :data:`RANDOMIZED_K` above (Halko, Martinsson & Tropp 2011);
-  :func:`stacked_singular_values` gives many matrices theirs with one ``eigvalsh`` call a
-  shape (each matrix's own floats);
-* :func:`stable_rank` ``‖W‖_F² / ‖W‖_2²`` (Rudelson & Vershynin 2007),
+* :func:`stacked_singular_values`: exact up to :data:`EXACT_MAX_DIM` on the smaller side
+  (the eigenvalues of the smaller Gram side, LAPACK, float64, one ``eigvalsh`` call a
+  shape), ``σ_1`` alone by Lanczos where only it is wanted on more than
+  :data:`TOP_MIN_DIM` rows, a randomized top :data:`RANDOMIZED_K` above (Halko,
+  Martinsson & Tropp 2011); :func:`singular_values` is a stack of one;
+* :func:`stable_ranks` ``‖W‖_F² / ‖W‖_2²`` (Rudelson & Vershynin 2007),
   :func:`effective_rank` ``exp(H(p))`` (Roy & Vetterli 2007), :func:`top_share`;
 * :func:`powerlaw_fit`: the tail exponent of ``σ²`` with ``xmin`` by Kolmogorov–Smirnov
   distance (Clauset, Shalizi & Newman 2009; as WeightWatcher fits it);
@@ -42,7 +40,6 @@ __all__ = [
     "effective_rank",
     "powerlaw_fit",
     "singular_values",
-    "stable_rank",
     "stable_ranks",
     "stacked_singular_values",
     "top_share",
@@ -67,7 +64,13 @@ class Spectrum:
 
 def singular_values(m: np.ndarray, exact_max: int = EXACT_MAX_DIM, k: int = RANDOMIZED_K,
                     top_only: bool = False) -> Spectrum:
-    """Singular values of a 2-D matrix: exact up to ``min(shape) <= exact_max``, else top-*k* randomized.
+    """The :class:`Spectrum` of one 2-D matrix: :func:`stacked_singular_values` of a stack of one."""
+    return stacked_singular_values([m], [top_only], exact_max, k)[0]
+
+
+def stacked_singular_values(ms: Sequence[np.ndarray], top_only: Sequence[bool], exact_max: int = EXACT_MAX_DIM,
+                            k: int = RANDOMIZED_K) -> list[Spectrum]:
+    """Singular values of each 2-D matrix of *ms*: exact up to ``min(shape) <= exact_max``, else top-*k* randomized.
 
     The exact route takes the eigenvalues (float64) of the smaller Gram side
     (``a aᵀ`` or ``aᵀ a``, a product in the matrix's own precision, float32 for
@@ -75,48 +78,37 @@ def singular_values(m: np.ndarray, exact_max: int = EXACT_MAX_DIM, k: int = RAND
     fraction of an SVD on a rectangular matrix.  Eigenvalues agree with LAPACK's
     SVD to ``~1e-6 σ_max²`` in float32 (``~1e-15`` in float64): the tail a power
     law is fitted to is unchanged, only the smallest singular values lose digits.
+    The matrices of one shape and precision that take it have their eigenvalues
+    taken in one stacked ``eigvalsh`` call (a head block of 4 x 32 floats cost
+    ~50 µs a call alone, most of it NumPy's per-call overhead).
 
-    ``top_only``: only ``σ_1`` (and the exact ``‖W‖_F²``) is wanted, as for every
-    window-mean gradient but the last: the largest eigenvalue of the same Gram side
-    by Lanczos (ARPACK ``eigsh``, relative tolerance :data:`TOP_TOL`, a fixed start
-    vector: deterministic), 2-3x cheaper than the whole spectrum at 448-960 rows and
-    equal to its largest value to ``~1e-12`` relative.  The spectrum then holds
-    ``σ_1`` alone and ``exact`` is False (not all values).  Matrices whose smaller
-    side is at most :data:`TOP_MIN_DIM` take the exact route regardless.
-    """
-    a = _finite(m)
-    fro2 = _fro2(a)
-    if min(a.shape) <= exact_max:
-        g = _gram_side(a)
-        if top_only and g.shape[0] > TOP_MIN_DIM:
-            return Spectrum(np.array([np.sqrt(max(_top_eigenvalue(g.astype(np.float64)), 0.0))]), fro2, False)
-        return _exact(np.linalg.eigvalsh(g.astype(np.float64)), fro2)
-    from sklearn.utils.extmath import randomized_svd
-
-    _, sv, _ = randomized_svd(a.astype(np.float32), n_components=k, n_iter=7, random_state=0)
-    return Spectrum(np.sort(sv.astype(np.float64))[::-1], fro2, False)
-
-
-def stacked_singular_values(ms: Sequence[np.ndarray], top_only: Sequence[bool]) -> list[Spectrum]:
-    """``[singular_values(m, top_only=t) for m, t in zip(ms, top_only)]``, the very same floats.
-
-    The matrices that take the exact route (every one of a shape's, where it is at
-    most :data:`TOP_MIN_DIM` rows on its Gram side) have their eigenvalues taken in one
-    stacked ``eigvalsh`` a shape: the same LAPACK call on each matrix, without NumPy's
-    per-call overhead (a head block of 4 x 32 floats cost ~50 µs a call, most of it
-    that).  Each matrix's Gram side and ``‖W‖_F²`` are computed on it alone, as there.
+    ``top_only`` (per matrix): only ``σ_1`` (and the exact ``‖W‖_F²``) is wanted, as
+    for every window-mean gradient but the last: the largest eigenvalue of the same
+    Gram side by Lanczos (ARPACK ``eigsh``, relative tolerance :data:`TOP_TOL`, a
+    fixed start vector: deterministic), 2-3x cheaper than the whole spectrum at
+    448-960 rows and equal to its largest value to ``~1e-12`` relative.  The
+    spectrum then holds ``σ_1`` alone and ``exact`` is False (not all values).
+    Matrices whose smaller side is at most :data:`TOP_MIN_DIM` take the exact
+    route regardless.
     """
     out: list[Spectrum | None] = [None] * len(ms)
     groups: dict[tuple[int, ...], list[tuple[int, np.ndarray]]] = {}
     for i, (m, top) in enumerate(zip(ms, top_only, strict=True)):
         a = _finite(m)
-        if min(a.shape) <= min(EXACT_MAX_DIM, TOP_MIN_DIM) or (not top and min(a.shape) <= EXACT_MAX_DIM):
+        small = min(a.shape)
+        if small <= exact_max and (not top or small <= TOP_MIN_DIM):
             groups.setdefault((*a.shape, a.dtype.itemsize), []).append((i, a))
+        elif small <= exact_max:
+            top_ev = _top_eigenvalue(_gram_side(a).astype(np.float64))
+            out[i] = Spectrum(np.array([np.sqrt(max(top_ev, 0.0))]), _fro2(a), False)
         else:
-            out[i] = singular_values(m, top_only=top)
+            from sklearn.utils.extmath import randomized_svd
+
+            _, sv, _ = randomized_svd(a.astype(np.float32), n_components=k, n_iter=7, random_state=0)
+            out[i] = Spectrum(np.sort(sv.astype(np.float64))[::-1], _fro2(a), False)
     for items in groups.values():
         ev = np.linalg.eigvalsh(np.stack([_gram_side(a) for _, a in items]).astype(np.float64))
-        sv = np.sort(np.sqrt(np.maximum(ev, 0.0)), axis=-1)[:, ::-1]      # each row as _exact sorts it
+        sv = np.sort(np.sqrt(np.maximum(ev, 0.0)), axis=-1)[:, ::-1]
         for (i, a), row in zip(items, sv, strict=True):
             out[i] = Spectrum(row, _fro2(a), True)
     return [s for s in out if s is not None]
@@ -140,12 +132,6 @@ def _gram_side(a: np.ndarray) -> np.ndarray:
     return a @ a.T if a.shape[0] <= a.shape[1] else a.T @ a
 
 
-def _exact(evals: np.ndarray, fro2: float) -> Spectrum:
-    """The whole spectrum from the Gram side's eigenvalues."""
-    sv = np.sqrt(np.maximum(evals, 0.0))
-    return Spectrum(np.sort(sv)[::-1], fro2, True)
-
-
 def _top_eigenvalue(g: np.ndarray) -> float:
     """The largest eigenvalue of the symmetric positive semi-definite *g* (Lanczos, ARPACK)."""
     from scipy.sparse.linalg import eigsh
@@ -156,14 +142,12 @@ def _top_eigenvalue(g: np.ndarray) -> float:
                        v0=np.ones(g.shape[0]))[0])
 
 
-def stable_rank(s: Spectrum) -> float:
-    """``‖W‖_F² / ‖W‖_2²``."""
-    return float(s.fro2 / s.sv[0] ** 2) if s.sv.size and s.sv[0] > 0 else float("nan")
-
-
-def stable_ranks(spectra: list[Spectrum]) -> np.ndarray:
-    """The :func:`stable_rank` of each point of one matrix's spectra."""
-    return np.array([stable_rank(s) for s in spectra])
+def stable_ranks(spectra: Sequence[Spectrum]) -> np.ndarray:
+    """``‖W‖_F² / ‖W‖_2²`` of each spectrum (NaN where ``σ_1`` is 0 or absent)."""
+    top = np.array([s.sv[0] if s.sv.size else 0.0 for s in spectra], dtype=np.float64)
+    fro2 = np.array([s.fro2 for s in spectra], dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(top > 0, fro2 / top ** 2, np.nan)
 
 
 def effective_rank(sv: np.ndarray) -> float:

@@ -4,8 +4,8 @@
 gradient; :func:`slab_reductions` gives the engine, for every stored gradient, the reductions
 it folds into its one read of each slab: the exponent histogram, the largest finite ``|g|``
 (the FP8 scale) and, for tensors with weight snapshots, the non-zero masks between snapshots
-that :func:`~gradforensics.analysis.toolkit.numformats.pair_counts` needs.  Hooks of
-:mod:`gradforensics.analysis.kinds.precision` (which re-exports them).
+that :func:`~gradforensics.analysis.kinds.precision.formats.pair_counts` needs.  Hooks of
+:mod:`gradforensics.analysis.kinds.precision`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.toolkit.numformats import BLOCK, exponent_hist, finite_amax, pair_counts
+from gradforensics.analysis.kinds.precision.formats import BLOCK, exponent_hist, finite_amax, pair_counts
 from gradforensics.store.heads import HeadSpec
 
 if TYPE_CHECKING:

@@ -44,56 +44,30 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
-from dataclasses import dataclass
-from itertools import combinations
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradforensics._contrast import annotate
-from gradforensics.analysis.contract.model import (
-    Advice,
-    Analysis,
-    AnalysisResult,
-    Constraints,
-    Context,
-    Flag,
-    Interval,
-    Need,
-    Options,
+from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag, Need
+from gradforensics.analysis.kinds.conflict.unit import (
+    ConflictOptions,
+    SourceDesign,
+    conflict_unit,
+    effect,
+    segment_span,
+    severity_p,
+    source_design,
+    unit_seed,
 )
 from gradforensics.analysis.toolkit import flagging as fl
-from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.parallel import map_units
-from gradforensics.analysis.toolkit.permtest import permutations, permuted_source_grams
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = [
-    "ADVICE",
-    "ANALYSIS",
-    "COLUMNS",
-    "EFFECT_FULL",
-    "SEGMENTS",
-    "ConflictOptions",
-    "SourceDesign",
-    "compute",
-    "conflict_unit",
-    "cross_inner_z",
-    "effect",
-    "flags",
-    "permutations",
-    "permuted_source_grams",
-    "plot",
-    "segment_span",
-    "severity_p",
-    "source_design",
-    "unit_seed",
-    "weigh_by_energy",
-]
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "SEGMENTS", "compute", "flags", "plot", "weigh_by_energy"]
 
 
 COLUMNS = [
@@ -102,170 +76,8 @@ COLUMNS = [
     "severity",
 ]
 SEGMENTS = 8           # long histories: stretches of the run a conflict is located in
-EFFECT_FULL = 0.3      # -cosine at which the effect score saturates
 ENERGY_FULL = 0.06     # a unit's share of the gradient energy at which a conflict keeps its full severity
 ENERGY_FLOOR = 0.25    # the weight of a conflict in a unit with no energy: listed, never an alarm
-
-
-@dataclass(frozen=True)
-class ConflictOptions(Options):
-    """``permutations`` (B), ``seed``, and ``block``: records per permutation block in training mode
-    (default ``max(4, ceil(N/16))``; replay permutes over all records)."""
-
-    permutations: int = 999
-    seed: int = 0
-    block: int | None = None
-
-    analysis_name = "conflict"
-    constraints: ClassVar[Constraints] = {"permutations": Interval(int, 19, None), "seed": Interval(int, 0, None),
-                   "block": [Interval(int, 2, None), None]}
-
-
-# ---------------------------------------------------------------- statistics
-def unit_seed(seed: int, tensor: str, head: int | None) -> tuple[int, int, int]:
-    """The permutation seed of one unit: stable across runs and platforms (crc32 of the name)."""
-    return (int(seed), zlib.crc32(tensor.encode()), 0 if head is None else int(head) + 1)
-
-
-@dataclass(frozen=True)
-class SourceDesign:
-    """What the test of a unit needs from its mixture rows alone: the units with the same records share it.
-
-    ``fit`` (:func:`~gradforensics.analysis.toolkit.kspace.fit_sources`), ``Q = (AᵀA)⁺``, the
-    permutation ``block`` (None: over all records), and ``testable``: two or more sources of full
-    rank and enough records.  A head-split tensor's heads (and usually every unit of a store) have
-    the same finite records, so :func:`compute` builds one design per distinct record set.
-    """
-
-    fit: ks.SourceFit
-    Q: np.ndarray | None
-    block: int | None
-    testable: bool
-
-
-def source_design(mixture: np.ndarray, opts: ConflictOptions, training: bool) -> SourceDesign:
-    """The :class:`SourceDesign` of these mixture rows (in the units' record order)."""
-    n = mixture.shape[0]
-    fit = ks.fit_sources(mixture)
-    if fit.index.size < 2 or not fit.rank_ok or n < fit.index.size + 2:
-        return SourceDesign(fit, None, None, False)
-    block = (opts.block or ks.window_size(n)) if training else None
-    return SourceDesign(fit, np.linalg.pinv(fit.A.T @ fit.A), block, True)
-
-
-def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, training: bool,
-                  seed: int | tuple[int, ...] | None = None, design: SourceDesign | None = None,
-                  ) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
-    """Per-pair rows (store source indices ``a``, ``b``), the S'×S' cosine matrix, kept source indices.
-
-    *design*: :func:`source_design` of *mixture* when the caller shares it between units (the same
-    numbers as building it here).
-    """
-    n = K.shape[0]
-    d = source_design(mixture, opts, training) if design is None else design
-    fit = d.fit
-    if not d.testable or d.Q is None:
-        return [], None, fit.index
-    G, G_db = ks.source_grams(K, fit)
-    cos, cos_db = ks.gram_to_cos(G), ks.gram_to_cos(G_db)
-    null = permuted_source_grams(K, fit.A, d.Q,
-                                 permutations(n, opts.permutations, opts.seed if seed is None else seed, d.block))
-    rows = []
-    tie = 1e-12 * float(np.abs(np.diagonal(G)).max(initial=0.0))
-    for i, j in combinations(range(fit.index.size), 2):
-        c0 = float(cos[i, j])
-        # the statistic is the inner product <M_a, M_b>, not the cosine: for two sources pointing
-        # nearly opposite ways almost every relabelling also gives a cosine near -1 (the relabelled
-        # groups' means are +-(k-m)/(k+m) of one direction), so the cosine's permutation null is
-        # bimodal and has no power exactly where the conflict is strongest; the inner product
-        # shrinks towards the shared mean under relabelling
-        ip0 = float(G[i, j])
-        perm = null[:, i, j]
-        perm = perm[np.isfinite(perm)]
-        p = (1.0 + np.sum(perm <= ip0 + tie)) / (perm.size + 1.0) if np.isfinite(c0) else math.nan
-        sd = float(perm.std()) if perm.size > 1 else math.nan
-        z = (float(perm.mean()) - ip0) / sd if sd and sd > 0 else math.nan
-        # independent batches (replay): an asymptotic test that resolves beyond 1/(B+1)
-        zx = math.nan if training else cross_inner_z(K, mixture, int(fit.index[i]), int(fit.index[j]))
-        rows.append({"a": int(fit.index[i]), "b": int(fit.index[j]), "cosine": c0, "p_value": p,
-                     "cosine_debiased": float(cos_db[i, j]), "z": z, "z_cross": zx,
-                     "n_a": float(fit.weight[i]), "n_b": float(fit.weight[j])})
-    return rows, cos, fit.index
-
-
-def cross_inner_z(K: np.ndarray, mixture: np.ndarray, a: int, b: int) -> float:
-    """z of the test that sources *a* and *b* have mean gradients with a negative inner product.
-
-    ``T = mean_{i in a, j in b} K_ij`` is an unbiased estimate of ``<G_a, G_b>`` from
-    independent pure batches (no diagonal term, so no noise bias); its variance is the
-    two-sample U-statistic one, ``Var(r_i / n_b) / n_a + Var(c_j / n_a) / n_b`` with
-    ``r_i`` (``c_j``) the row (column) sums of the cross block.  Returns ``-T / se``:
-    large when the sources point opposite ways.  Used in replay mode, where batches are
-    independent, to extend the permutation p-value below its floor ``1/(B+1)``;
-    NaN with fewer than 3 pure batches per source.
-    """
-    pure = np.isclose(mixture.max(axis=1), 1.0)
-    ia = np.flatnonzero(pure & (mixture.argmax(axis=1) == a))
-    ib = np.flatnonzero(pure & (mixture.argmax(axis=1) == b))
-    if ia.size < 3 or ib.size < 3:
-        return math.nan
-    C = ks.block(K, ia, ib)
-    t = float(C.mean())
-    var = np.var(C.mean(axis=1), ddof=1) / ia.size + np.var(C.mean(axis=0), ddof=1) / ib.size
-    return -t / math.sqrt(var) if var > 0 else math.nan
-
-
-def severity_p(p: float, z: float, B: int, z_cross: float = math.nan) -> float:
-    """The p-value a severity uses: the permutation p, extrapolated at its floor ``1/(B+1)``.
-
-    At the floor, the smaller of the normal tail of ``z`` (the observed inner product's
-    distance from the permutation null, in null standard deviations) and, in replay mode, of
-    ``z_cross`` (:func:`cross_inner_z`).  The normal extrapolation of the permutation
-    null alone under-rates the strongest conflicts: when sources differ a lot, the
-    permuted groups' cosines spread widely and ``z`` stays small (cos -0.92 scored 0.44).
-    """
-    from scipy.special import ndtr  # ndtr(-x) = scipy.stats.norm.sf(x), bit for bit, without its per-call checks
-
-    if np.isfinite(p) and p <= 1.0 / (B + 1) + 1e-12:
-        tails = [ndtr(-x) for x in (z, z_cross) if np.isfinite(x)]
-        return float(min([p, *tails]))
-    return p
-
-
-def effect(cos_db: float, cos: float) -> float:
-    c = cos_db if np.isfinite(cos_db) else cos
-    return fl.ramp(-c, EFFECT_FULL)
-
-
-# ------------------------------------------------------------------ analysis
-def segment_span(K: np.ndarray, mixture: np.ndarray, segment: np.ndarray, a: int, b: int) -> tuple[int, int] | None:
-    """The contiguous segments around the most conflicted one where sources *a*, *b* point apart.
-
-    Per segment (rows of *K* labelled by *segment*), the noise-corrected cosine of the
-    two sources' least-squares means; the stretch is the run of segments with a
-    negative cosine around the most negative.  None when no segment has one.
-    """
-    labels = np.unique(segment)
-    cos = np.full(labels.size, np.nan)
-    for k, lab in enumerate(labels):
-        rows = np.flatnonzero(segment == lab)
-        sub = mixture[rows][:, [a, b]]
-        if (sub.sum(axis=0) > 0).all() and rows.size >= 4:
-            fit = ks.fit_sources(sub)
-            if fit.rank_ok and fit.index.size == 2:
-                G = ks.source_gram(K[np.ix_(rows, rows)], fit, debias=True)
-                cos[k] = ks.gram_to_cos(G)[0, 1]
-    if not (np.nan_to_num(cos, nan=1.0) < 0).any():
-        return None
-    best = int(np.nanargmin(cos))
-    neg = np.nan_to_num(cos, nan=1.0) < 0
-    lo = hi = best
-    while lo > 0 and neg[lo - 1]:
-        lo -= 1
-    while hi < labels.size - 1 and neg[hi + 1]:
-        hi += 1
-    return int(labels[lo]), int(labels[hi])
-
 
 def compute(ctx: Context) -> AnalysisResult:
     """The conflict table (a row per unit and source pair) and the cosine matrices.

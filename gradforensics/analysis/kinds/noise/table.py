@@ -4,7 +4,7 @@ What :mod:`gradforensics.analysis.kinds.noise` tabulates before it flags: the ro
 design (batch sizes, pure-source index, mixture shares; within-source estimates in a
 replay of pure batches, else pooled), each unit's rows (all sources, then each source
 with at least two pure records) through the stacked estimators of
-:mod:`~gradforensics.analysis.toolkit.noisescale`, and the ``whole model`` rows summed
+:mod:`~gradforensics.analysis.kinds.noise.scale`, and the ``whole model`` rows summed
 over the whole tensors.  The formulas and their references are that module's and the
 analysis's docstrings.
 """
@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.toolkit import stacked as st
-from gradforensics.analysis.toolkit.noisescale import (
+from gradforensics.analysis.kinds.noise.scale import (
     FIELDS,
     Parts,
     mixture_parts,
@@ -26,6 +25,7 @@ from gradforensics.analysis.toolkit.noisescale import (
     summaries,
     summarize,
 )
+from gradforensics.analysis.toolkit import stacked as st
 from gradforensics.analysis.toolkit.parallel import map_slabs
 
 if TYPE_CHECKING:
@@ -91,9 +91,9 @@ def noise_rows(g: GramResult, d: Design, mask: np.ndarray | None = None) -> tupl
 
 def noise_rows_many(gs: Iterable[GramResult], d: Design, mask: np.ndarray | None = None,
                     ) -> list[tuple[list[dict[str, Any]], dict]]:
-    """:func:`noise_rows` of every unit of *gs*, each its own call's floats: the pooled estimates of all rows with
-    the same records in one :func:`~gradforensics.analysis.toolkit.noisescale.noise_parts_stack` pass, the
-    jackknife errors of all rows in one :func:`~gradforensics.analysis.toolkit.noisescale.summaries` call.
+    """The rows of every unit of *gs* (:func:`noise_rows` is a stack of one): the pooled estimates of all rows with
+    the same records in one :func:`~gradforensics.analysis.kinds.noise.scale.noise_parts_stack` pass, the
+    jackknife errors of all rows in one :func:`~gradforensics.analysis.kinds.noise.scale.summaries` call.
 
     The units are taken one at a time (*gs* may read each Gram matrix when it is taken): what is kept of a
     unit is its rows' sub-blocks of K, until the stacked pass.

@@ -48,9 +48,8 @@ Micikevicius, P. et al. (2022). FP8 formats for deep learning. arXiv:2209.05433.
 Kalamkar, D. et al. (2019). A study of BFLOAT16 for deep learning training. arXiv:1905.12322.
 IEEE 754-2008, §4.3.1 (round to nearest, ties to even).
 
-The number-format maths live in :mod:`~gradforensics.analysis.toolkit.numformats` and the
-reads (snapshot pairs, slab reductions) in :mod:`~gradforensics.analysis.toolkit.updatepairs`;
-their public names are importable from here as before.
+The number-format maths live in :mod:`~gradforensics.analysis.kinds.precision.formats` and the
+reads (snapshot pairs, slab reductions) in :mod:`~gradforensics.analysis.kinds.precision.pairs`.
 """
 
 from __future__ import annotations
@@ -70,26 +69,17 @@ from gradforensics.analysis.contract.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.toolkit.numformats import (
+from gradforensics.analysis.kinds.precision.formats import (
     COUNTS,
     EXP_MAX,
     EXP_MIN,
     FLAG_FORMATS,
-    FORMATS,
     FP8,
     ULP_EDGES,
-    amax_scale,
-    byte_counts,
-    exponent_hist,
-    finite_amax,
     fp8_gradient_shares,
     fp16_gradient_shares,
-    pair_counts,
-    round_to,
-    swamped,
-    ulp,
 )
-from gradforensics.analysis.toolkit.updatepairs import MAX_PAIRS, lazy, nonzero_masks, slab_reductions
+from gradforensics.analysis.kinds.precision.pairs import lazy, slab_reductions
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -97,36 +87,8 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import Context
 
-__all__ = [
-    "ADVICE",
-    "ANALYSIS",
-    "COUNTS",
-    "FLAG_FORMATS",
-    "FORMATS",
-    "FP8",
-    "MAX_PAIRS",
-    "NAME",
-    "ULP_EDGES",
-    "PrecisionOptions",
-    "amax_scale",
-    "compute",
-    "exponent_hist",
-    "flags",
-    "fp8_gradient_shares",
-    "fp16_gradient_shares",
-    "lazy",
-    "nonzero_masks",
-    "pair_counts",
-    "plot",
-    "round_to",
-    "run_format",
-    "slab_reductions",
-    "swamped",
-    "swamped_share",
-    "tensor_row",
-    "ulp",
-    "underflow_severity",
-]
+__all__ = ["ADVICE", "ANALYSIS", "NAME", "PrecisionOptions", "compute", "flags", "plot", "run_format", "swamped_share",
+           "tensor_row", "underflow_severity"]
 
 
 NAME = "precision"
@@ -136,7 +98,6 @@ DTYPE_FORMATS = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "floa
 WHATIF_WEIGHT = 0.45
 #: Share of the gradient energy (sum of g^2) carried by fp16-flushed values at which underflow counts in full.
 UNDERFLOW_ENERGY_FULL = 0.01
-_amax, _byte_counts = finite_amax, byte_counts      # their names here before the split (numformats)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,197 @@
+"""The spectral analysis's flags: q/k growth (logit scale), gradient rank collapse, alpha out of range.
+
+The severities and their thresholds; the statistics are the package's
+(:mod:`gradforensics.analysis.kinds.spectral`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from gradforensics.analysis.contract.model import AnalysisResult, Constraints, Flag, Interval, Options
+from gradforensics.analysis.kinds.spectral.reads import partner_of
+from gradforensics.analysis.toolkit.units import head_of
+from gradforensics.errors import SpecError
+
+if TYPE_CHECKING:
+    from gradforensics.analysis.contract.model import Context
+
+__all__ = ["LOGIT_FULL", "LOGIT_OK", "MIN_TAIL", "NAME", "SpectralOptions", "alpha_severity", "collapse_severity",
+           "flags", "growth_severity", "logit_severity", "qk_severity"]
+
+NAME = "spectral"
+MIN_TAIL = 10              # alpha with a shorter tail is not flagged
+#: Logit scale (largest attention logit the q/k weights give inputs of unit RMS) below which growth is no flag,
+#: and at which the severity is 1 (healthy tiny models trained at ordinary learning rates end near 3-10;
+#: their twins at 10x the learning rate at 80-150: docs/calibration.md).
+LOGIT_OK = 20.0
+LOGIT_FULL = 200.0
+# Embedding tables are lookups, not linear maps: the 2-6 range is not theirs (a healthy
+# BERT position-embedding table has alpha 1.55).  Reported, never flagged on alpha.
+_EMBEDDING = re.compile(r"embed|(^|[._])(wte|wpe|tok_embeddings)([._]|$)")
+
+
+@dataclass(frozen=True)
+class SpectralOptions(Options):
+    """Options of the spectral analysis's flags.
+
+    Parameters
+    ----------
+    alpha_range
+        Healthy range of alpha; outside it a flag is raised (mild above, stronger below).
+    growth_half
+        Spectral-norm growth ratio (last / first snapshot) of a q/k projection that
+        scores severity 0.5; its square scores 1.  Default 3: a q and a k that both
+        grow 3-fold let the attention logits grow 9-fold.  Weights that merely
+        double from their initialisation stay below 0.5.
+    top_k
+        ``k`` of the top-k share column.
+    min_severity
+        Flags below this severity are not emitted.
+    """
+
+    alpha_range: tuple[float, float] = (2.0, 6.0)
+    growth_half: float = 3.0
+    top_k: int = 5
+    min_severity: float = 0.1
+
+    analysis_name = NAME
+    constraints: ClassVar[Constraints] = {"growth_half": Interval(float, 1, None, "neither"), "top_k": Interval(int, 1, None)}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        lo, hi = self.alpha_range                   # a pair in order: not a simple range
+        if not 1.0 < lo < hi:
+            raise SpecError(f"spectral: alpha_range must be (lo, hi) with 1 < lo < hi; got {self.alpha_range!r}.")
+
+
+
+# -------------------------------------------------------------------------- flags
+def growth_severity(ratio: float, half: float = 3.0) -> float:
+    """0 at no growth, 0.5 at *half*-fold growth, 1 at its square (log scale in between)."""
+    if not np.isfinite(ratio) or ratio <= 1.0:
+        return 0.0
+    return float(min(1.0, 0.5 * np.log(ratio) / np.log(half)))
+
+
+def logit_severity(scale: float, first: float = math.nan, mid: float = math.nan) -> float:
+    """Severity of a q/k pair's logit scale: 0 up to :data:`LOGIT_OK`, 1 at :data:`LOGIT_FULL` (log scale),
+    times ``0.7 + 0.3 t`` with ``t`` the trend (1 when it still grew by 25 % or more over the second half of
+    the snapshots, 0 when it stopped growing)."""
+    if not np.isfinite(scale) or scale <= LOGIT_OK:
+        return 0.0
+    level = min(1.0, math.log(scale / LOGIT_OK) / math.log(LOGIT_FULL / LOGIT_OK))
+    trend = 1.0
+    if np.isfinite(mid) and mid > 0:
+        trend = float(np.clip(math.log(max(scale / mid, 1e-12)) / math.log(1.25), 0.0, 1.0))
+    return level * (0.7 + 0.3 * trend)
+
+
+def qk_severity(r: dict[str, Any], growth_half: float = 3.0) -> float:
+    """A q/k row's growth severity: on the absolute logit scale where its pair has one (the k side of such a
+    pair is judged with its q), else on the fold change of its spectral norm (a q/k without its partner)."""
+    if r["role"] not in ("q", "k", "qkv"):
+        return 0.0
+    if bool(r.get("qk_pair", False)):
+        return logit_severity(r.get("logit_scale", math.nan), r.get("logit_scale_first", math.nan),
+                              r.get("logit_scale_mid", math.nan))
+    return growth_severity(r["norm_growth"], growth_half)
+
+
+def collapse_severity(drop: float) -> float:
+    """0.5 when the gradient's stable rank fell 2^1.5 ≈ 2.8-fold, 1 at 8-fold.
+
+    *drop* is the median stable rank of the first half of the windows over the
+    last one, counted only when the last two windows both sit below every window
+    of the first half (1 otherwise).
+    """
+    if not np.isfinite(drop) or drop <= 1.0:
+        return 0.0
+    return float(min(1.0, np.log2(drop) / 3.0))
+
+
+def alpha_severity(alpha: float, lo: float = 2.0, hi: float = 6.0) -> float:
+    """Below *lo*: 0.5 at ``lo - 1/3``, 0.9 at most; above *hi*: mild (at most 0.3, under-trained)."""
+    if not np.isfinite(alpha):
+        return 0.0
+    if alpha < lo:
+        return float(min(0.9, 1.5 * (lo - alpha)))
+    if alpha > hi:
+        return float(min(0.3, 0.05 * (alpha - hi)))
+    return 0.0
+
+
+def _rows(table: Any, matrix: str) -> list[dict[str, Any]]:
+    return [r for r in table.to_dict("records") if r["matrix"] == matrix]
+
+
+def _head(r: dict[str, Any]) -> int | None:
+    return head_of(r["head"])
+
+
+def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
+    """Norm growth in q/k projections, gradient rank collapse, alpha outside the healthy range."""
+    opt = ctx.options_for(NAME, SpectralOptions)
+    table = result.table
+    out: list[Flag] = []
+    weights = _rows(table, "weight")
+    whole = {r["tensor"]: r for r in weights if _head(r) is None}
+    for r in weights:
+        sev = qk_severity(r, opt.growth_half)
+        if _head(r) is not None:   # a head only when it grows clearly faster than its tensor
+            sev = sev if sev - qk_severity(whole[r["tensor"]], opt.growth_half) >= 0.15 else 0
+        if sev >= opt.min_severity:
+            out.append(_growth_flag(r, sev, whole))
+        a_sev = alpha_severity(r["alpha"], *opt.alpha_range) if r["alpha_n_tail"] >= MIN_TAIL else 0.0
+        a_sev = 0.0 if _EMBEDDING.search(r["tensor"].lower()) else a_sev
+        if _head(r) is None and a_sev >= opt.min_severity:
+            out.append(_flag(r, a_sev, "alpha", (
+                f"{r['tensor']}: the eigenvalue spectrum of WᵀW has power-law exponent alpha={r['alpha']:.2f} at "
+                f"record {r['record_last']}, outside the healthy {opt.alpha_range[0]:g}-{opt.alpha_range[1]:g}: "
+                + ("a very heavy tail, typical of an over-fit or ill-conditioned layer."
+                   if r["alpha"] < opt.alpha_range[0] else "a random-like, under-trained layer."))))
+    if ctx.meta.mode == "training":
+        for r in _rows(table, "gradient"):
+            sev = collapse_severity(r["stable_rank_drop"])
+            if sev >= opt.min_severity and _head(r) is None:
+                out.append(_flag(r, sev, "rank_collapse", (
+                    f"{r['tensor']}: the window-mean gradient's stable rank fell "
+                    f"{r['stable_rank_drop']:.1f}-fold, to {r['stable_rank']:.1f}, between records {r['record_first']} and {r['record_last']}: its "
+                    f"updates collapse onto {max(1, round(r['stable_rank']))} direction(s).")))
+    return out
+
+
+def _flag(r: dict[str, Any], sev: float, reason: str, summary: str) -> Flag:
+    ev = {k: r[k] for k in ("matrix", "sigma_max", "norm_growth", "stable_rank", "stable_rank_first", "alpha",
+                            "alpha_ks", "exact")}
+    ev["reason"] = reason
+    return Flag(kind="spectral", tensor=r["tensor"], head=_head(r), sources=(), severity=float(sev),
+                records=(int(r["record_first"]), int(r["record_last"])), evidence=ev, summary=summary)
+
+
+def _growth_flag(r: dict[str, Any], sev: float, whole: dict[str, dict[str, Any]]) -> Flag:
+    partner = partner_of(r["tensor"])
+    pr = whole.get(partner) if partner else None
+    where = r["tensor"] + (f" head {_head(r)}" if _head(r) is not None else "")
+    text = (f"{where}: spectral norm grew x{r['norm_growth']:.2f} ({r['sigma_max_first']:.3g} -> {r['sigma_max']:.3g}) "
+            f"between records {r['record_first']} and {r['record_last']}")
+    if np.isfinite(r.get("logit_scale", math.nan)):
+        text += (f"; its q/k weights can now give an attention logit of {r['logit_scale']:.3g} to inputs of unit RMS "
+                 f"(‖W_Qᵀ W_K‖₂ d/√d_head; {r['logit_scale_mid']:.3g} half-way, {r['logit_scale_first']:.3g} at "
+                 f"the start): softmax saturates there, watch for entropy collapse, consider QK-norm")
+        f = _flag(r, sev, "norm_growth", text + ".")
+        return replace(f, evidence={**f.evidence, "logit_scale": r["logit_scale"], "cause": "attention"})
+    if pr is not None and np.isfinite(pr["norm_growth"]):
+        text += (f"; with {partner} (x{pr['norm_growth']:.2f}) the attention logits can grow "
+                 f"x{r['norm_growth'] * pr['norm_growth']:.2f}: watch for entropy collapse, consider QK-norm")
+    f = _flag(r, sev, "norm_growth", text + ".")
+    f = replace(f, evidence={**f.evidence, "cause": "attention"})
+    if pr is not None:
+        return replace(f, evidence={**f.evidence, "partner": partner, "partner_growth": pr["norm_growth"]})
+    return f
+
