@@ -19,7 +19,7 @@ from scipy.optimize import brentq
 from gradforensics.analysis.toolkit.signal.background import GainGrid, ar1_fits, bracketed_roots, fit_ar1, lag1
 from gradforensics.analysis.toolkit.signal.detrending import detrend, detrend_many, savgol_coeffs, savgol_smooth
 from gradforensics.analysis.toolkit.signal.peaks import local_maxima
-from gradforensics.analysis.toolkit.signal.spectrum import SpectrumOptions, line_spectra
+from gradforensics.analysis.toolkit.signal.spectrum import SpectrumOptions, chi2_isf, chi2_sf, line_spectra
 from gradforensics.analysis.toolkit.signal.trend import log_time_bases, log_time_fit, median
 from gradforensics.analysis.toolkit.signal.welch import coherence, csd, hann, welch
 
@@ -121,6 +121,17 @@ def test_ar1_fit_matches_its_model_and_the_analytic_cases() -> None:
     assert fit_ar1(R[0], flat)[0] == pytest.approx(float(alpha[0]), abs=1e-12)
     with pytest.raises(ValueError):
         fit_ar1(np.r_[R[0, :-1], np.nan], flat)
+
+
+def test_chi2_tails_are_scipy_stats() -> None:
+    from scipy.stats import chi2
+
+    rng = np.random.default_rng(6)
+    dof = rng.uniform(0.5, 60, 500)
+    x = np.concatenate([[0.0, 1e-300], rng.exponential(5, 498)])
+    _close(chi2_sf(x, dof), chi2.sf(x, dof), 1e-12)                # the same special functions: rounding only
+    for level in (0.01, 0.01 / 37, 1e-9):
+        _close(chi2_isf(level, dof), chi2.isf(level, dof), 1e-12)
 
 
 def test_log_time_fit_is_lstsq_and_median_is_numpys() -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ from gradforensics.analysis.toolkit.signal.detrending import (
     Detrended,
     default_nperseg,
     detrend_many,
+    savgol_coeffs,
 )
 from gradforensics.analysis.toolkit.signal.peaks import (
     CORRECTIONS,
@@ -65,7 +67,8 @@ from gradforensics.analysis.toolkit.signal.trend import winsorize
 from gradforensics.analysis.toolkit.signal.welch import welch
 from gradforensics.errors import SpecError
 
-__all__ = ["MIN_POINTS", "STACK", "LineSpectrum", "SpectrumOptions", "gain_grid", "line_spectra", "line_spectrum",
+__all__ = ["MIN_POINTS", "STACK", "LineSpectrum", "SpectrumOptions", "chi2_isf", "chi2_sf", "detrender_grid", "gain_grid",
+           "line_spectra", "line_spectrum",
            "sinusoid_fit", "spectrum_window"]
 
 
@@ -161,19 +164,19 @@ class LineSpectrum:
 
 
 def _chi2_line(bg: np.ndarray, dof: np.ndarray, level: float) -> np.ndarray:
+    return bg * chi2_isf(level, dof) / dof
+
+
+def chi2_isf(level: float, dof: np.ndarray) -> np.ndarray:
+    """``scipy.stats.chi2.isf(level, dof)`` for 0 < level < 1, dof > 0, by ``scipy.special.chdtri``
+    (without the distribution machinery around it: milliseconds a series)."""
     from scipy.special import chdtri
 
-    return bg * _chi2_isf(level, dof, chdtri) / dof
-
-
-def _chi2_isf(level: float, dof: np.ndarray, chdtri: Any) -> np.ndarray:
-    """``scipy.stats.chi2.isf(level, dof)`` for 0 < level < 1, dof > 0: SciPy's own ``chdtri``
-    without the distribution machinery around it (milliseconds a series)."""
     return np.asarray(chdtri(np.asarray(dof, dtype=float), float(level)), dtype=float)
 
 
-def _chi2_sf(x: np.ndarray, dof: np.ndarray) -> np.ndarray:
-    """``scipy.stats.chi2.sf(x, dof)`` for x >= 0, dof > 0: ``chdtrc``, and exactly 1 at x = 0 as SciPy gives."""
+def chi2_sf(x: np.ndarray, dof: np.ndarray) -> np.ndarray:
+    """``scipy.stats.chi2.sf(x, dof)`` for x >= 0, dof > 0, by ``scipy.special.chdtrc`` (1 at x = 0)."""
     from scipy.special import chdtrc
 
     x = np.asarray(x, dtype=float)
@@ -293,7 +296,7 @@ def _background(F: np.ndarray, power: np.ndarray, dof: np.ndarray, tested: np.nd
         bg = B[u]
         ok = tested & (bg > 0)
         p, p_adj = np.ones(bg.size), np.ones(bg.size)
-        p[ok] = _chi2_sf(dof[ok] * power[u, ok] / bg[ok], dof[ok])
+        p[ok] = chi2_sf(dof[ok] * power[u, ok] / bg[ok], dof[ok])
         p_adj[ok] = adjust_pvalues(p[ok], opt.correction)
         out.append((float(alpha[u]), float(sigma2[u]), bg, p, p_adj, ok,
                     _peaks(R[u], power[u], bg, p, p_adj, ok, det, nper, opt)))
@@ -302,25 +305,19 @@ def _background(F: np.ndarray, power: np.ndarray, dof: np.ndarray, tested: np.nd
 
 def gain_grid(det: Detrended, nper: int) -> GainGrid:
     """The gain grid the AR(1) background of a residual of *det* with Welch segments of *nper* is fitted on."""
-    return _gain_grid(det, max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
+    return detrender_grid(det.method, det.window, max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
 
 
-_GRIDS: dict[tuple[str, bytes, int], GainGrid] = {}
-
-
-def _gain_grid(det: Detrended, m: int) -> GainGrid:
-    """The gain grid of *det*'s filter on *m* points, shared by every series detrended alike.
+@lru_cache(maxsize=16)
+def detrender_grid(method: str, window: int, m: int) -> GainGrid:
+    """The gain grid on *m* points of :func:`~gradforensics.analysis.toolkit.signal.detrending.detrend`'s
+    filter (*method*, *window*), shared by every series detrended alike.
 
     A store's gradient-norm series all have the store's length, hence one detrender:
-    its grid, cosine and AR(1) autocovariances are computed once, not once a series.
+    its grid and cosine are computed once, not once a series.
     """
-    key = (det.method, np.asarray(det.coeffs, dtype=float).tobytes(), int(m))
-    grid = _GRIDS.get(key)
-    if grid is None:
-        if len(_GRIDS) >= 16:
-            _GRIDS.clear()
-        grid = _GRIDS[key] = GainGrid(det.gain_grid(m))
-    return grid
+    coeffs = savgol_coeffs(window) if method == "savgol" else np.zeros(0)
+    return GainGrid(Detrended(np.zeros(0), np.zeros(0), method, window, 0, coeffs).gain_grid(m))
 
 
 def sinusoid_fit(r: np.ndarray, freqs: Sequence[float]) -> np.ndarray:
