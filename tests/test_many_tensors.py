@@ -78,7 +78,7 @@ def test_shared_gain_grid_is_the_reference_autocovariance() -> None:
     gain = det.gain_grid(1 << 14)
     grid = bg.GainGrid(gain)
     for a in (-0.95, -0.3, 0.0, 0.41, 0.9, 0.995, 0.41):        # 0.41 twice: the memoised value
-        assert grid.acov(a, 40).tobytes() == bg.filtered_ar1_acov(a, gain, 40).tobytes()
+        np.testing.assert_allclose(grid.acov_rows(np.array([a]))[0, :40], bg.filtered_ar1_acov(a, gain, 40), rtol=1e-12)
     r = np.random.default_rng(2).standard_normal(64)
     assert bg.fit_ar1(r, grid) == bg.fit_ar1(r, gain)
 

@@ -110,6 +110,10 @@ def test_ar1_fit_matches_its_model_and_the_analytic_cases() -> None:
     R = np.cumsum(rng.normal(size=(40, 200)), axis=1) * rng.random((40, 1)) + rng.normal(size=(40, 200))
     _close(lag1(R), [((r - r.mean())[1:] @ (r - r.mean())[:-1]) / ((r - r.mean()) @ (r - r.mean())) for r in R], 1e-12)
     flat = GainGrid(np.ones(f.size))                              # no filter: ρ_model(α) = α
+    grid = GainGrid(2 - 2 * np.cos(2 * np.pi * f) * rng.uniform(0.2, 1.0))
+    a = np.linspace(-0.95, 0.995, 50)
+    full = grid.acov_rows(a)
+    _close(grid.lag1_rows(a), full[:, 1] / full[:, 0], 1e-12)     # two sums = the inverse FFT's first lags
     alpha, sigma2, acov, ok = ar1_fits(R, flat, 3)
     assert ok.all() and np.all(np.abs(alpha - np.clip(lag1(R), -0.95, 0.995)) < 2e-6)
     _close(acov, acov[:, :1] * alpha[:, None] ** np.arange(3), 1e-6)          # γ(τ) = γ(0) α^τ

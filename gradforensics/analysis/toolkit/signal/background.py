@@ -49,18 +49,18 @@ class GainGrid:
     """A detrender's power gain on the FFT grid, with :func:`filtered_ar1_acov` on it.
 
     Series of one length share their detrender, so their AR(1) fits evaluate the
-    same grid: its cosine is computed once, and the autocovariances of many α in one
-    2-d inverse FFT (:meth:`acov_rows`); :meth:`acov` remembers those of single α
-    (the bracket ends of the root search are the same for every series).
+    same grid: its cosine is computed once, the autocovariances of many α in one
+    2-d inverse FFT (:meth:`acov_rows`), their lag-1 autocorrelations by two weighted
+    sums (:meth:`lag1_rows`).
     """
-
-    MAX_MEMO = 64
 
     def __init__(self, gain: np.ndarray) -> None:
         self.gain = np.asarray(gain)
         self.m = 2 * (self.gain.size - 1)
         self.cos = np.cos(2 * np.pi * (np.arange(self.gain.size) / self.m))
-        self._memo: dict[float, np.ndarray] = {}
+        w = np.full(self.gain.size, 2.0)
+        w[0] = w[-1] = 1.0                                # m is even: the Nyquist term counts once
+        self._w01 = np.stack([w, w * self.cos], axis=1)
 
     def _spectra(self, alpha: np.ndarray) -> np.ndarray:
         """``gain / (1 + α² − 2α cos 2πf)`` on the grid for each α: ``(len(alpha), m // 2 + 1)``."""
@@ -76,23 +76,8 @@ class GainGrid:
     def lag1_rows(self, alpha: np.ndarray) -> np.ndarray:
         """The lag-1 autocorrelation ``γ(1)/γ(0)`` for each α of *alpha* (two weighted sums of the spectrum,
         the first two terms of :meth:`acov_rows`'s inverse FFT)."""
-        if not hasattr(self, "_w01"):
-            w = np.full(self.gain.size, 2.0)
-            w[0] = 1.0
-            w[-1] = 1.0                                   # m is even: the Nyquist term counts once
-            self._w01 = np.stack([w, w * self.cos], axis=1)
         g = self._spectra(alpha) @ self._w01
         return g[:, 1] / g[:, 0]
-
-    def acov(self, alpha: float, n_lags: int) -> np.ndarray:
-        """``filtered_ar1_acov(alpha, self.gain, n_lags)`` (a fresh copy)."""
-        full = self._memo.get(alpha)
-        if full is None:
-            full = self.acov_rows(np.array([alpha]))[0]
-            if len(self._memo) >= self.MAX_MEMO:
-                self._memo.clear()
-            self._memo[alpha] = full
-        return full[:n_lags].copy()
 
 
 def lag1(R: np.ndarray) -> np.ndarray:
