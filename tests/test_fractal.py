@@ -70,6 +70,30 @@ def test_fit_range_finds_the_straight_part() -> None:
     assert (lo, hi) == (0, 19) and slope == pytest.approx(-1.5, abs=1e-9)
 
 
+def test_fit_ranges_of_a_stack_follow_the_rule_with_polyfit() -> None:
+    """Each row's window is the rule's (longest straight, else straightest shortest) with np.polyfit's
+    lines: the same window, slope and r² to 1e-10 (both least squares on a dozen points)."""
+    rng = np.random.default_rng(12)
+    s = np.unique(np.round(np.geomspace(1, 200, 24)))
+    V = np.exp(-np.outer(rng.uniform(0.5, 2, 60), np.log(s)) + rng.normal(size=(60, s.size)) * rng.choice(
+        [1e-4, 1e-2, 0.3], size=(60, 1)))
+    lo, hi, slope, r2 = fr.fit_ranges(s, V)
+    for u, v in enumerate(V):
+        fits = {}
+        for i in range(s.size):
+            for j in range(i + fr.MIN_FIT_POINTS - 1, s.size):
+                if s[j] / s[i] >= fr.MIN_FIT_SPAN:
+                    x, y = np.log(s[i:j + 1]), np.log(v[i:j + 1])
+                    b, a = np.polyfit(x, y, 1)
+                    fits[i, j] = (b, 1 - ((y - b * x - a) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+        good = [w for w in fits if fits[w][1] >= fr.R2_STRAIGHT]
+        short = min(j - i for i, j in fits)
+        want = (max(good, key=lambda w: (w[1] - w[0], -w[0])) if good else
+                max((w for w in fits if w[1] - w[0] == short), key=lambda w: fits[w][1]))
+        assert (lo[u], hi[u]) == want
+        np.testing.assert_allclose((slope[u], r2[u]), fits[want], rtol=1e-10)
+
+
 # ----------------------------------------------------------- known dimensions
 @pytest.mark.parametrize(("name", "higuchi_tol", "box_range"), [
     ("smooth", (0.95, 1.08), (0.95, 1.10)),

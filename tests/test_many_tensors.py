@@ -7,6 +7,7 @@ import io
 import zipfile
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from gradforensics.analysis.engine.results import load_grams, pack_series, parse_series, save_grams
@@ -60,34 +61,34 @@ def test_slab_outputs_compute_what_slab_graph_computes(tmp_path) -> None:
 
 # ------------------------------------------------------------------ series maths memoised
 def _clear_signal_caches() -> None:
-    from gradforensics.analysis.toolkit.signal import background, detrending, spectrum
+    from gradforensics.analysis.toolkit.signal import background, detrending, spectrum, trend, welch
 
-    spectrum._GRIDS.clear()
-    detrending._savgol_coeffs.cache_clear()
-    detrending._log_time_bases.cache_clear()
-    background._hann.cache_clear()
+    spectrum.detrender_grid.cache_clear()
+    detrending.savgol_coeffs.cache_clear()
+    trend.log_time_bases.cache_clear()
+    welch.hann.cache_clear()
     background.welch_dof.cache_clear()
 
 
 def test_shared_gain_grid_is_the_reference_autocovariance() -> None:
     from gradforensics.analysis.toolkit.signal import background as bg
-    from gradforensics.analysis.toolkit.signal import detrend
+    from gradforensics.analysis.toolkit.signal.detrending import detrend
 
     det = detrend(np.random.default_rng(1).standard_normal(64).cumsum())
     gain = det.gain_grid(1 << 14)
     grid = bg.GainGrid(gain)
     for a in (-0.95, -0.3, 0.0, 0.41, 0.9, 0.995, 0.41):        # 0.41 twice: the memoised value
-        assert grid.acov(a, 40).tobytes() == bg.filtered_ar1_acov(a, gain, 40).tobytes()
+        np.testing.assert_allclose(grid.acov_rows(np.array([a]))[0, :40], bg.filtered_ar1_acov(a, gain, 40), rtol=1e-12)
     r = np.random.default_rng(2).standard_normal(64)
     assert bg.fit_ar1(r, grid) == bg.fit_ar1(r, gain)
 
 
 def test_series_tables_equal_the_per_series_reference(tmp_path) -> None:
-    """loss_spectrum and fractal over a multi-tensor store: the memoised run equals the run with
-    every cache emptied before each series (what the code computed per series before)."""
+    """loss_spectrum and fractal over a multi-tensor store: the stacked, memoised run equals the run with
+    every cache emptied before each series, to 1e-9 (a stack's BLAS products may round differently)."""
     from gradforensics.analysis.kinds import fractal, loss_spectrum
     from gradforensics.analysis.toolkit.series import from_batches
-    from gradforensics.analysis.toolkit.signal import SpectrumOptions
+    from gradforensics.analysis.toolkit.signal.spectrum import SpectrumOptions
 
     store = Store(_many(tmp_path / "s.zarr", n=64))
     rng = np.random.default_rng(3)
@@ -109,22 +110,12 @@ def test_series_tables_equal_the_per_series_reference(tmp_path) -> None:
                 one = mod.analyze_series([g], opt)
                 ref_tables.append(one.table)
                 ref_series |= one.series
-            assert _cells(shared.table) == [c for t in ref_tables for c in _cells(t)]
-            assert list(shared.table.columns) == list(ref_tables[0].columns)
+            ref = pd.concat(ref_tables, ignore_index=True)
+            pd.testing.assert_frame_equal(shared.table, ref, check_exact=False, rtol=1e-9, check_dtype=False)
             assert sorted(shared.series) == sorted(ref_series)
-            assert all(shared.series[k].tobytes() == ref_series[k].tobytes() for k in ref_series)
-
-
-def _cells(table) -> list[list[str]]:
-    """Every cell exactly (floats by their bits; a bool as the number a mixed column makes of it)."""
-    def cell(v) -> str:
-        if v is None or (isinstance(v, float) and np.isnan(v)):
-            return "nan"
-        if isinstance(v, (bool, np.bool_, int, np.integer, float, np.floating)):
-            return float(v).hex()
-        return str(v)
-
-    return [[cell(v) for v in row] for row in table.astype(object).itertuples(index=False)]
+            for k in ref_series:
+                np.testing.assert_allclose(shared.series[k], ref_series[k], rtol=1e-9,
+                                           atol=1e-9 * float(np.abs(ref_series[k]).max(initial=0)))
 
 
 # ------------------------------------------------------------------ saved results
@@ -222,17 +213,3 @@ def test_evidence_ticks_thinned_to_the_cap() -> None:
     assert kept == labels[::step] and len(kept) <= MAX_TICK_LABELS
     assert {t.get_rotation() for t in ax.get_xticklabels()} == {90.0}
     assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "c"]
-
-
-def test_chi2_shortcuts_are_scipy_stats_bit_for_bit() -> None:
-    from scipy.special import chdtri
-    from scipy.stats import chi2
-
-    from gradforensics.analysis.toolkit.signal import spectrum
-
-    rng = np.random.default_rng(6)
-    dof = rng.uniform(0.5, 60, 500)
-    x = np.concatenate([[0.0, 1e-300], rng.exponential(5, 498)])
-    assert spectrum._chi2_sf(x, dof).tobytes() == np.asarray(chi2.sf(x, dof), dtype=float).tobytes()
-    for level in (0.01, 0.01 / 37, 1e-9):
-        assert spectrum._chi2_isf(level, dof, chdtri).tobytes() == np.asarray(chi2.isf(level, dof)).tobytes()

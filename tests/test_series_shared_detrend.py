@@ -1,13 +1,8 @@
-"""Issue 28, the series analyses on many small tensors: each shortcut against the code it replaces.
+"""``loss_spectrum`` and ``fractal`` share each series' detrended and winsorised residual (:class:`DetrendCache`).
 
-* ``loss_spectrum`` and ``fractal`` share each series' detrended and winsorised residual
-  (:class:`DetrendCache`): what it hands out is what ``detrend`` + ``winsorize`` return, bit for
-  bit, read-only, only for read-only series, within its byte budget; both analyses' tables and
-  series are the same with and without it, and through the engine's context one cache serves both;
-* the medians by one partition are ``np.median``'s (signed zeros and NaN too);
-* the log-time fit's five solves in one gufunc call are ``np.linalg.lstsq``'s, one by one;
-* Higuchi's curve lengths from one difference array per scale are the definition's loop;
-* the AR(1) autocovariance built in one buffer is :func:`filtered_ar1_acov`.
+What the cache hands out is what ``detrend`` + ``winsorize`` return (the same computation, made
+once), read-only, only for read-only series, within its byte budget; both analyses' tables are
+the same with and without it, and through the engine's context one cache serves both.
 """
 
 from __future__ import annotations
@@ -18,9 +13,9 @@ import pytest
 
 from gradforensics.analysis.contract.series import Series, SeriesGroup
 from gradforensics.analysis.kinds import fractal, loss_spectrum
-from gradforensics.analysis.toolkit.signal import DetrendCache, SpectrumOptions, detrend, winsorize
-from gradforensics.analysis.toolkit.signal import detrending as dt
-from gradforensics.analysis.toolkit.signal.background import GainGrid, filtered_ar1_acov
+from gradforensics.analysis.toolkit.signal.detrending import DetrendCache, Detrended, detrend
+from gradforensics.analysis.toolkit.signal.spectrum import SpectrumOptions
+from gradforensics.analysis.toolkit.signal.trend import winsorize
 
 
 def _curve(n: int, rng: np.random.Generator, kind: int) -> np.ndarray:
@@ -42,7 +37,7 @@ def _frozen(y: np.ndarray) -> np.ndarray:
     return y
 
 
-def _same_det(a: dt.Detrended, b: dt.Detrended) -> None:
+def _same_det(a: Detrended, b: Detrended) -> None:
     for f in ("residual", "trend", "coeffs"):
         np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
     assert (a.method, a.window, a.offset, a.shifts) == (b.method, b.window, b.offset, b.shifts)
@@ -104,7 +99,7 @@ def test_writable_series_are_not_remembered_and_the_budget_holds() -> None:
     small = DetrendCache(max_bytes=3 * one)
     for y in ys:
         small.get(y, "savgol", None, 6.0)
-    assert small.nbytes <= 3 * one and len(small._entries) == 3
+    assert small.nbytes <= 3 * one
     for y in ys:                                             # past the budget: computed again, the same values
         det, _r, _ = small.get(y, "savgol", None, 6.0)
         _same_det(det, detrend(y, "savgol", None))
@@ -168,85 +163,3 @@ def test_engine_context_gives_both_analyses_one_cache(tmp_path) -> None:
     fresh, opt = from_context(ctx), SpectrumOptions()
     _same_result(ls, loss_spectrum.analyze_series(fresh, opt))
     _same_result(fr, fractal.analyze_series(fresh, opt))
-
-
-# ------------------------------------------------------------------ the smaller shortcuts
-def test_median_is_numpys_bit_for_bit() -> None:
-    rng = np.random.default_rng(4)
-    for n in [*range(0, 40), 63, 64, 1001]:
-        for t in range(30):
-            a = rng.standard_normal(n) * rng.lognormal(0, 4)
-            if t % 3 == 1:
-                a = np.round(a)                              # ties
-            if t % 5 == 2:
-                a = np.where(rng.random(n) < 0.5, -0.0, 0.0)  # signed zeros only
-            if t % 7 == 3 and n:
-                a[rng.integers(n)] = np.nan
-            with np.errstate(all="ignore"):
-                import warnings
-
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    ref = float(np.median(a))
-                    got = dt.median(a)
-            assert np.array_equal(ref, got, equal_nan=True) and np.signbit(ref) == np.signbit(got), (n, t)
-
-
-def _log_time_fit_reference(y: np.ndarray, degree: int = 3) -> np.ndarray:
-    """The fit as it was written: one public ``np.linalg.lstsq`` per basis."""
-    best, best_rss = np.full(y.size, y.mean()), np.inf
-    for basis in dt._log_time_bases(y.size, degree):
-        coef, *_ = np.linalg.lstsq(basis, y, rcond=None)
-        fit = basis @ coef
-        rss = float(((y - fit) ** 2).sum())
-        if rss < best_rss:
-            best, best_rss = fit, rss
-    return best
-
-
-def test_log_time_fit_in_one_gufunc_call_equals_the_public_lstsq_per_basis(monkeypatch) -> None:
-    rng = np.random.default_rng(5)
-    for n in (32, 33, 47, 64, 100, 512, 3000):
-        for t in range(40 if n < 512 else 4):
-            y = _curve(n, rng, t) * rng.lognormal(0, 3) + rng.standard_normal() * 50
-            coefs = dt._log_time_coefs(y, 3)
-            for basis, c in zip(dt._log_time_bases(n, 3), coefs, strict=True):
-                np.testing.assert_array_equal(c, np.linalg.lstsq(basis, y, rcond=None)[0])
-            np.testing.assert_array_equal(dt.log_time_fit(y), _log_time_fit_reference(y))
-    from gradforensics.analysis.toolkit import stacked
-
-    monkeypatch.setattr(stacked, "_LSTSQ", None)             # a NumPy without the gufunc: the public call
-    y = _curve(40, rng, 1)
-    np.testing.assert_array_equal(dt.log_time_fit(y), _log_time_fit_reference(y))
-
-
-def _higuchi_reference(x: np.ndarray, ks: np.ndarray) -> np.ndarray:
-    """Higuchi's lengths as the definition's loop (one difference per offset)."""
-    n, out = x.size, np.empty(ks.size)
-    for a, k in enumerate(ks):
-        lm = [np.abs(np.diff(x[m::k])).sum() * (n - 1) / ((x[m::k].size - 1) * k) / k
-              for m in range(int(k)) if x[m::k].size >= 2]
-        out[a] = np.mean(lm)
-    return out
-
-
-def test_higuchi_lengths_equal_the_definitions_loop_and_scales_are_shared_read_only() -> None:
-    rng = np.random.default_rng(6)
-    for n in (32, 33, 50, 100, 1000, 5000):
-        for t in range(10):
-            x = rng.standard_normal(n) * rng.lognormal(0, 3)
-            x = x.cumsum() if t % 2 else x
-            ks = fractal._scales(1, int(min(max(n // 10, 16), 1000)))
-            np.testing.assert_array_equal(fractal.higuchi_lengths(x, ks), _higuchi_reference(x, ks))
-    s = fractal._scales(1, 16)
-    assert fractal._scales(1, 16) is s and not s.flags.writeable
-    np.testing.assert_array_equal(s, np.unique(np.round(np.geomspace(1, 16, 24)).astype(int)))
-
-
-def test_ar1_autocovariance_in_one_buffer_is_filtered_ar1_acov() -> None:
-    rng = np.random.default_rng(7)
-    det = detrend(_curve(32, rng, 0), "savgol", 33)
-    gain = det.gain_grid(1 << 14)
-    grid = GainGrid(gain)
-    for a in (-0.95, 0.995, *rng.uniform(-0.95, 0.995, 50)):
-        np.testing.assert_array_equal(grid.acov(float(a), 40), filtered_ar1_acov(float(a), gain, 40))

@@ -39,13 +39,13 @@ __all__ = ["LossInput", "add_arguments", "findings_of", "load", "run", "series_o
 class _SignalChoices(Sequence[str]):
     """The choices of a signal option, read from the toolkit on first use (``--help`` imports no analysis)."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    def __init__(self, module: str, name: str) -> None:
+        self._module, self._name = module, name
 
     def _values(self) -> tuple[str, ...]:
-        from gradforensics.analysis.toolkit import signal
+        from importlib import import_module
 
-        return tuple(getattr(signal, self._name))
+        return tuple(getattr(import_module(f"gradforensics.analysis.toolkit.signal.{self._module}"), self._name))
 
     def __getitem__(self, i):  # type: ignore[override]
         return self._values()[i]
@@ -57,7 +57,7 @@ class _SignalChoices(Sequence[str]):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gradforensics.reporting.severity import add_fail_on_argument
 
-    DETRENDERS, CORRECTIONS = _SignalChoices("DETRENDERS"), _SignalChoices("CORRECTIONS")
+    DETRENDERS, CORRECTIONS = _SignalChoices("detrending", "DETRENDERS"), _SignalChoices("peaks", "CORRECTIONS")
 
     p.add_argument("inputs", nargs="+", metavar="FILE_OR_STORE",
                    help="a gradforensics store, or one or more CSV / JSON Lines logs (several = several ranks)")

@@ -6,8 +6,8 @@ optimizer they share; one confined to a rank (coherence ≈ 0) comes from that
 rank's data or hardware.  For each pair of ranks this analysis detrends both
 series the way the spectrum does (:mod:`gradforensics.analysis.toolkit.signal`), estimates the
 magnitude-squared coherence ``C(f) = |S_ab|² / (S_aa S_bb)`` with Welch averages
-(``scipy.signal.coherence``'s values, computed by
-:mod:`~gradforensics.analysis.toolkit.signal.replicas` without importing ``scipy.signal``), tests it against independence and reports the
+(:func:`~gradforensics.analysis.toolkit.signal.welch.coherence`, SciPy's conventions), tests it
+against independence and reports the
 phase of the cross-spectrum at coherent peaks and the lag it implies (``lag =
 −phase / 2πf``, in the axis unit, positive when rank b lags rank a, modulo a
 period); a peak's frequency is
@@ -44,16 +44,11 @@ import numpy as np
 
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
 from gradforensics.analysis.toolkit.series import series_compute
-from gradforensics.analysis.toolkit.signal import (
-    MIN_POINTS,
-    SpectrumOptions,
-    adjust_pvalues,
-    default_nperseg,
-    detrend,
-    refine_frequency,
-    winsorize,
-)
-from gradforensics.analysis.toolkit.signal.replicas import coherence_density, hann_periodic, local_maxima
+from gradforensics.analysis.toolkit.signal.detrending import default_nperseg, detrend_many
+from gradforensics.analysis.toolkit.signal.peaks import adjust_pvalues, local_maxima, refine_frequency
+from gradforensics.analysis.toolkit.signal.spectrum import MIN_POINTS, SpectrumOptions
+from gradforensics.analysis.toolkit.signal.trend import winsorize
+from gradforensics.analysis.toolkit.signal.welch import coherence
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -108,12 +103,10 @@ def pair_coherence(a: np.ndarray, b: np.ndarray, options: SpectrumOptions | None
     opt = options or SpectrumOptions()
     n = min(a.size, b.size)
     nper = min(opt.nperseg or default_nperseg(n), n)
-    res = []
-    for y in (a[:n], b[:n]):
-        det = detrend(y, "savgol", 2 * nper + 1)
-        res.append(winsorize(det.residual, opt.clip_mad)[0])
-    # scipy.signal.coherence and csd (fs=1, hann, nper, nper // 2 overlap, no detrend), bit for bit
-    f, c, sab = coherence_density(res[0], res[1], hann_periodic(nper), nper)
+    dets = detrend_many([a[:n], b[:n]], "savgol", 2 * nper + 1)
+    res = [winsorize(d.residual, opt.clip_mad)[0] for d in dets]
+    f, c, sab = coherence(res[0], res[1], nper)
+    det = dets[1]
     k_eff = max(n / nper, 2.0)
     tested = (f > 0) & (det.gain(f) >= 0.5)
     p = np.ones(f.size)

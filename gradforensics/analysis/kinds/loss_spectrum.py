@@ -10,8 +10,8 @@ for testing many frequencies (Benjamini–Hochberg by default) and reports the
 peaks that survive, with harmonics grouped under their fundamental; each step is
 described in :mod:`gradforensics.analysis.toolkit.signal.spectrum`.
 
-The maths are pure functions over 1-D arrays in :mod:`gradforensics.analysis.toolkit.signal`
-(:func:`~gradforensics.analysis.toolkit.signal.line_spectrum`); this module turns their
+The maths are pure functions over stacks of 1-D arrays in :mod:`gradforensics.analysis.toolkit.signal`
+(:func:`~gradforensics.analysis.toolkit.signal.spectrum.line_spectra`); this module turns their
 result into the ``loss_spectrum`` table (its peaks in the series' units), flags
 (a family correction over the gradient norms, a severity) and figures.  The
 :data:`ANALYSIS` entry runs them on a store's series (``batches/loss`` and the
@@ -43,8 +43,8 @@ import numpy as np
 from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag
 from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.series import series_compute
-from gradforensics.analysis.toolkit.signal import MIN_POINTS, DetrendCache, LineSpectrum, SpectrumOptions, line_spectrum
-from gradforensics.analysis.toolkit.signal.spectra import line_spectra
+from gradforensics.analysis.toolkit.signal.detrending import DetrendCache
+from gradforensics.analysis.toolkit.signal.spectrum import MIN_POINTS, LineSpectrum, SpectrumOptions, line_spectra
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -85,7 +85,7 @@ def analyze_series(groups: Sequence[SeriesGroup], options: SpectrumOptions | Non
     todo = [g.combined for g in groups if g.combined.n >= MIN_POINTS and np.ptp(g.combined.y) > 0]
     spectra = dict(zip(map(id, todo), line_spectra([s.y for s in todo], opt, cache)))   # same-length series stacked
     for g in groups:
-        rows += _series_rows(g.combined, opt, arrays, cache, spectra.get(id(g.combined)))
+        rows += _series_rows(g.combined, opt, arrays, spectra.get(id(g.combined)))
     return AnalysisResult(pd.DataFrame(rows, columns=list(COLUMNS)), arrays)
 
 
@@ -97,14 +97,13 @@ def _base_row(s: Series) -> dict[str, Any]:
             "record_last": s.records[1], "note": "; ".join(q.notes())}
 
 
-def _series_rows(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], cache: DetrendCache | None = None,
-                 res: LineSpectrum | None = None) -> list[dict[str, Any]]:
+def _series_rows(s: Series, opt: SpectrumOptions, arrays: dict[str, np.ndarray], res: LineSpectrum | None
+                 ) -> list[dict[str, Any]]:
     base = _base_row(s)
     if s.n < MIN_POINTS:
         return [{**base, "note": _join(f"too short: {s.n} usable points, needs {MIN_POINTS}", base["note"])}]
-    if not np.ptp(s.y) > 0:
+    if res is None:
         return [{**base, "note": _join("constant series", base["note"])}]
-    res = res if res is not None else line_spectrum(s.y, opt, cache)
     _store_arrays(s, res, arrays)
     var = float(np.var(res.detrended.residual)) or 1.0
     more = res.n_significant - len(res.significant)

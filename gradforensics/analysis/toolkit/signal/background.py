@@ -19,11 +19,15 @@ Percival, D. B. & Walden, A. T. (1993). Spectral Analysis for Physical
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["AR1_BRACKET", "AR1_XTOL", "GainGrid", "expected_welch", "filtered_ar1_acov", "fit_ar1", "gain_grid_of", "hann", "lag1", "welch_dof"]
+from gradforensics.analysis.toolkit.signal.welch import hann
+
+__all__ = ["AR1_BRACKET", "AR1_XTOL", "GainGrid", "ar1_fits", "bracketed_roots", "expected_welch",
+           "filtered_ar1_acov", "fit_ar1", "lag1", "welch_dof"]
 
 
 #: The bracket of :func:`fit_ar1`'s root search (an α outside it takes the nearer end) and its tolerance.
@@ -38,53 +42,113 @@ def filtered_ar1_acov(alpha: float, gain: np.ndarray, n_lags: int) -> np.ndarray
     ``γ(τ) = ∫ G(f) / (1 + α² − 2α cos 2πf) · e^{2πifτ} df`` over one period, with
     *gain* sampled at ``f = j/M, j = 0..M/2`` (see :meth:`Detrended.gain_grid`).
     """
-    m = 2 * (gain.size - 1)
-    f = np.arange(gain.size) / m
-    spec = gain / (1.0 + alpha * alpha - 2.0 * alpha * np.cos(2 * np.pi * f))
-    return np.fft.irfft(spec, n=m)[:n_lags]
+    return GainGrid(gain).acov_rows(np.array([float(alpha)]))[0, :n_lags]
 
 
 class GainGrid:
-    """A detrender's power gain on the FFT grid, with :func:`filtered_ar1_acov` on it memoised.
+    """A detrender's power gain on the FFT grid, with :func:`filtered_ar1_acov` on it.
 
     Series of one length share their detrender, so their AR(1) fits evaluate the
-    same grid: the cosine of the grid is computed once, and every autocovariance
-    once per ``alpha`` (the bracket ends of the root search are the same for every
-    series; the root's own autocovariance serves the background too).  The values
-    are those of :func:`filtered_ar1_acov`, bit for bit (same operations, same order).
+    same grid: its cosine is computed once, the autocovariances of many α in one
+    2-d inverse FFT (:meth:`acov_rows`), their lag-1 autocorrelations by two weighted
+    sums (:meth:`lag1_rows`).
     """
-
-    MAX_MEMO = 64
 
     def __init__(self, gain: np.ndarray) -> None:
         self.gain = np.asarray(gain)
         self.m = 2 * (self.gain.size - 1)
         self.cos = np.cos(2 * np.pi * (np.arange(self.gain.size) / self.m))
-        self._memo: dict[float, np.ndarray] = {}
+        w = np.full(self.gain.size, 2.0)
+        w[0] = w[-1] = 1.0                                # m is even: the Nyquist term counts once
+        self._w01 = np.stack([w, w * self.cos], axis=1)
 
-    def acov(self, alpha: float, n_lags: int) -> np.ndarray:
-        """``filtered_ar1_acov(alpha, self.gain, n_lags)`` (a fresh copy)."""
-        full = self._memo.get(alpha)
-        if full is None:
-            # gain / (1 + α² − 2α cos), the same three operations in place in one buffer
-            den = np.multiply(2.0 * alpha, self.cos)
-            np.subtract(1.0 + alpha * alpha, den, out=den)
-            full = np.fft.irfft(np.divide(self.gain, den, out=den), n=self.m)
-            if len(self._memo) >= self.MAX_MEMO:
-                self._memo.clear()
-            self._memo[alpha] = full
-        return full[:n_lags].copy()
+    def _spectra(self, alpha: np.ndarray) -> np.ndarray:
+        """``gain / (1 + α² − 2α cos 2πf)`` on the grid for each α: ``(len(alpha), m // 2 + 1)``."""
+        alpha = np.asarray(alpha, dtype=np.float64)[:, None]
+        den = np.multiply(2.0 * alpha, self.cos)
+        np.subtract(1.0 + alpha * alpha, den, out=den)
+        return np.divide(self.gain, den, out=den)
+
+    def acov_rows(self, alpha: np.ndarray) -> np.ndarray:
+        """The full autocovariance (``m`` lags) for each α of *alpha*: ``(len(alpha), m)``."""
+        return np.fft.irfft(self._spectra(alpha), n=self.m, axis=-1)
+
+    def lag1_rows(self, alpha: np.ndarray) -> np.ndarray:
+        """The lag-1 autocorrelation ``γ(1)/γ(0)`` for each α of *alpha* (two weighted sums of the spectrum,
+        the first two terms of :meth:`acov_rows`'s inverse FFT)."""
+        g = self._spectra(alpha) @ self._w01
+        return g[:, 1] / g[:, 0]
 
 
-def gain_grid_of(gain: np.ndarray | GainGrid) -> GainGrid:
-    return gain if isinstance(gain, GainGrid) else GainGrid(gain)
+def lag1(R: np.ndarray) -> np.ndarray:
+    """Sample lag-1 autocorrelation of each row of *R* (biased estimator, Box & Jenkins); 0 for a constant row."""
+    D = R - R.mean(axis=-1, keepdims=True)
+    den = (D * D).sum(axis=-1)
+    num = (D[..., 1:] * D[..., :-1]).sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(np.isnan(den), np.nan, 0.0))
 
 
-def lag1(r: np.ndarray) -> float:
-    """Sample lag-1 autocorrelation (biased estimator, Box & Jenkins)."""
-    d = r - r.mean()
-    den = float(d @ d)
-    return float(d[1:] @ d[:-1]) / den if den > 0 else 0.0
+def bracketed_roots(f: Callable[[np.ndarray, np.ndarray], np.ndarray], lo: float, hi: float, f_lo: np.ndarray,
+                    f_hi: np.ndarray, xtol: float, maxiter: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """Roots of many functions bracketed by ``[lo, hi]``, all searched at once: ``(roots, converged)``.
+
+    ``f(x, rows)`` returns ``f_u(x[k])`` for ``u = rows[k]``; *f_lo* and *f_hi* are the values at the ends,
+    of opposite signs.  The Illinois variant of regula falsi (Dowell & Jarratt 1971) with a bisection
+    step whenever two steps did not halve the bracket; a row stops once its bracket is narrower than
+    ``2·xtol`` (the root returned, its end of smaller ``|f|``, is within ``2·xtol`` of the true root) or
+    ``f`` vanishes; a row whose ``f`` is NaN, or that has not converged after *maxiter* steps, comes back
+    with ``converged`` False.
+    """
+    fa, fb = np.array(f_lo, dtype=float), np.array(f_hi, dtype=float)
+    a, b = np.full(fa.size, float(lo)), np.full(fa.size, float(hi))
+    ok = np.zeros(fa.size, dtype=bool)
+    live = ~(np.isnan(fa) | np.isnan(fb))
+    kept, width = np.zeros(fa.size, dtype=np.int8), np.full(fa.size, float(hi) - float(lo))
+    with np.errstate(all="ignore"):
+        for step in range(int(maxiter)):
+            done = live & ((np.abs(b - a) < 2 * xtol) | (fa == 0) | (fb == 0))
+            ok |= done
+            live &= ~done
+            rows = np.flatnonzero(live)
+            if rows.size == 0:
+                break
+            ra, rb, ga, gb = a[rows], b[rows], fa[rows], fb[rows]
+            x = (ra * gb - rb * ga) / (gb - ga)
+            x = np.where(~((x > ra) & (x < rb)) | (step % 2 == 1) & (rb - ra > 0.5 * width[rows]), 0.5 * (ra + rb), x)
+            if step % 2 == 1:
+                width[rows] = rb - ra
+            fx = f(x, rows)
+            left = np.sign(fx) == np.sign(ga)          # the root is in [x, b]: x replaces a
+            r, q = rows[left], rows[~left]
+            a[r], fa[r] = x[left], fx[left]
+            fb[r] = np.where(kept[r] == 1, 0.5 * fb[r], fb[r])       # Illinois: halve the end kept twice
+            b[q], fb[q] = x[~left], fx[~left]
+            fa[q] = np.where(kept[q] == 2, 0.5 * fa[q], fa[q])
+            kept[r], kept[q] = 1, 2
+            live[rows[np.isnan(fx)]] = False
+    return np.where(np.abs(fa) <= np.abs(fb), a, b), ok
+
+
+def ar1_fits(R: np.ndarray, grid: GainGrid, n_lags: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`fit_ar1` of every row of *R* (``(U, n)``): ``(alpha, sigma2, acov, converged)``.
+
+    ``acov[u]`` is the model's autocovariance at ``alpha[u]``, lags ``0..n_lags-1``; the model's lag-1
+    autocorrelation is evaluated for every row still searching at once (:meth:`GainGrid.lag1_rows`).
+    """
+    R = np.asarray(R, dtype=float)
+    rho = lag1(R)
+    lo, hi = AR1_BRACKET
+    m_lo, m_hi = grid.lag1_rows(np.array([lo, hi]))
+    alpha = np.where(rho <= m_lo, lo, hi).astype(np.float64)
+    ok = ~np.isnan(rho)
+    inside = np.flatnonzero((rho > m_lo) & (rho < m_hi))
+    if inside.size:
+        r_in = rho[inside]
+        alpha[inside], ok[inside] = bracketed_roots(lambda x, rows: grid.lag1_rows(x) - r_in[rows], lo, hi,
+                                                    m_lo - r_in, m_hi - r_in, AR1_XTOL)
+    acov = grid.acov_rows(alpha)[:, :max(int(n_lags), 1)]
+    return alpha, R.var(axis=-1) / acov[:, 0], acov, ok
 
 
 def fit_ar1(r: np.ndarray, gain: np.ndarray | GainGrid) -> tuple[float, float]:
@@ -93,48 +157,17 @@ def fit_ar1(r: np.ndarray, gain: np.ndarray | GainGrid) -> tuple[float, float]:
     α solves ``ρ_model(1; α) = ρ̂(1)`` where ρ_model is the lag-1 autocorrelation
     of AR(1) noise seen through the detrending filter (for a first difference this
     is ``−(1 − α)/2``; with no filter it is α itself, Torrence & Compo eq. 16's
-    input); σ² then matches the residual's variance.
+    input), to ``2·AR1_XTOL``; σ² then matches the residual's variance.  :func:`ar1_fits` of one row.
     """
-    from gradforensics.analysis.toolkit.signal.rows import brentq_rows
-
-    rho = lag1(r)
-    grid = gain_grid_of(gain)
-
-    def model(a: float) -> float:
-        g = grid.acov(a, 2)
-        return float(g[1] / g[0])
-
-    lo, hi = AR1_BRACKET
-    m_lo, m_hi = model(lo), model(hi)
-    if rho <= m_lo:
-        a = lo
-    elif rho >= m_hi:
-        a = hi
-    else:       # SciPy's brentq(model - rho, lo, hi, xtol=AR1_XTOL), its steps (rows.brentq_rows), bit for bit
-        root, ok = brentq_rows(lambda x, _: np.array([model(float(x[0])) - rho]), lo, hi,
-                               np.array([m_lo - rho]), np.array([m_hi - rho]), AR1_XTOL)
-        if not ok[0]:           # where brentq raises: ValueError for a NaN, RuntimeError past 100 steps
-            err = ValueError if np.isnan(rho) else RuntimeError
-            raise err(f"fit_ar1: the AR(1) root search found no root in [{lo}, {hi}] for a lag-1 "
-                      f"autocorrelation of {rho!r} (a non-finite residual?).")
-        a = float(root[0])
-    g0 = grid.acov(a, 1)[0]
-    return a, float(np.var(r)) / float(g0)
+    grid = gain if isinstance(gain, GainGrid) else GainGrid(gain)
+    alpha, sigma2, _, ok = ar1_fits(np.asarray(r, dtype=float)[None, :], grid, 1)
+    if not ok[0]:
+        raise ValueError(f"fit_ar1: the AR(1) root search found no root in {AR1_BRACKET} for a lag-1 "
+                         f"autocorrelation of {float(lag1(np.asarray(r, dtype=float)))!r} (a non-finite residual?).")
+    return float(alpha[0]), float(sigma2[0])
 
 
 # ------------------------------------------------------------------- Welch + dof
-def hann(n: int) -> np.ndarray:
-    """SciPy's periodic Hann window of *n* points (computed once per *n*; a fresh copy)."""
-    return _hann(int(n)).copy()
-
-
-@lru_cache(maxsize=64)
-def _hann(n: int) -> np.ndarray:
-    from gradforensics.analysis.toolkit.signal.replicas import hann_periodic
-
-    return hann_periodic(n)         # scipy.signal.get_window("hann", n), bit for bit
-
-
 @lru_cache(maxsize=256)
 def welch_dof(nperseg: int, n_segments: int) -> float:
     """Equivalent degrees of freedom of a 50 %-overlap Hann Welch average.
@@ -156,7 +189,7 @@ def welch_dof(nperseg: int, n_segments: int) -> float:
 
 
 def expected_welch(acov: np.ndarray, nperseg: int) -> np.ndarray:
-    """Expected one-sided Welch density (fs = 1) of a process with autocovariance *acov*.
+    """Expected one-sided Welch density (fs = 1) of a process with autocovariance *acov* (each row of a stack).
 
     ``E[P̂(f_k)] = (c_k / Σw²) Σ_{|τ|<L} γ(τ) c_w(τ) e^{−2πi k τ / L}``, with
     ``c_w(τ) = Σ_t w_t w_{t+τ}`` the window's autocorrelation and ``c_k = 2`` except
@@ -164,14 +197,12 @@ def expected_welch(acov: np.ndarray, nperseg: int) -> np.ndarray:
     """
     w = hann(nperseg)
     cw = np.correlate(w, w, mode="full")[nperseg - 1:]
-    s = acov[:nperseg] * cw
-    a = np.zeros(2 * nperseg)
-    a[:nperseg] = s
-    a[nperseg + 1:] = s[1:][::-1]
-    spec = np.fft.rfft(a).real[::2] / float(w @ w)
-    spec[1:] *= 2.0
+    s = np.asarray(acov)[..., :nperseg] * cw
+    a = np.zeros((*s.shape[:-1], 2 * nperseg))
+    a[..., :nperseg] = s
+    a[..., nperseg + 1:] = s[..., 1:][..., ::-1]
+    spec = np.fft.rfft(a, axis=-1).real[..., ::2] / float(w @ w)
+    spec[..., 1:] *= 2.0
     if nperseg % 2 == 0:
-        spec[-1] /= 2.0
+        spec[..., -1] /= 2.0
     return spec
-
-

@@ -1,22 +1,20 @@
 """Detrending a loss curve with linear filters of known power gain.
 
 A training loss falls fast, then slowly; abrupt level shifts (a learning-rate
-drop, a resumed run) and single spikes ride on it.  :func:`detrend` removes
-the trend in three steps, each a function here: a cubic in log-time
-(:func:`log_time_fit`), the level shifts (:func:`remove_level_shifts`) and a
-Savitzky–Golay high-pass whose power gain ``G(f)`` is known exactly
+drop, a resumed run) and single spikes ride on it.  :func:`detrend_many` removes
+the trend of a stack of series of one length in three steps: a cubic in log-time
+(:func:`~gradforensics.analysis.toolkit.signal.trend.log_time_fit`), the level shifts
+(:func:`~gradforensics.analysis.toolkit.signal.trend.remove_level_shifts`) and a
+Savitzky–Golay high-pass (:func:`savgol_smooth`) whose power gain ``G(f)`` is known exactly
 (:class:`Detrended`), so the red-noise background can be passed through the
-same filter (:mod:`~gradforensics.analysis.toolkit.signal.background`).
-:func:`winsorize` clips what is left so one spike does not become broadband
-power.
+same filter (:mod:`~gradforensics.analysis.toolkit.signal.background`); :func:`detrend` is
+one series.  :func:`~gradforensics.analysis.toolkit.signal.trend.winsorize` clips what is
+left so one spike does not become broadband power.
 
 References
 ----------
 Savitzky, A. & Golay, M. J. E. (1964). Anal. Chem. 36, 1627–1639; Schafer, R. W.
     (2011). What is a Savitzky–Golay filter? IEEE Signal Process. Mag. 28, 111–117.
-
-The log-time fit, the level shifts, the median and the winsorising live in
-:mod:`~gradforensics.analysis.toolkit.signal.trend` (importable from here as before).
 """
 
 from __future__ import annotations
@@ -27,24 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from gradforensics.analysis.toolkit.signal.trend import (
-    log_time_bases,
-    log_time_coefs,
-    log_time_fit,
-    median,
-    remove_level_shifts,
-    winsorize,
-)
+from gradforensics.analysis.toolkit.signal.trend import log_time_fit, remove_level_shifts, winsorize
 from gradforensics.errors import SpecError
 
-__all__ = ["DETRENDERS", "DetrendCache", "Detrended", "default_nperseg", "detrend", "detrend_many", "log_time_fit",
-           "median",
-           "remove_level_shifts", "savgol_window", "winsorize"]
+__all__ = ["DETRENDERS", "DetrendCache", "Detrended", "default_nperseg", "detrend", "detrend_many", "savgol_coeffs",
+           "savgol_smooth", "savgol_window"]
 
 
 DETRENDERS = ("savgol", "diff")
-#: their names here before the log-time fit moved to toolkit.signal.trend
-_log_time_bases, _log_time_coefs = log_time_bases, log_time_coefs
 
 
 @dataclass(frozen=True)
@@ -93,7 +81,7 @@ def default_nperseg(n: int) -> int:
 
 
 def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) -> Detrended:
-    """Remove the slow trend of *y* with a linear filter of known gain.
+    """Remove the slow trend of *y* with a linear filter of known gain (:func:`detrend_many` of one series).
 
     Parameters
     ----------
@@ -106,47 +94,31 @@ def detrend(y: np.ndarray, method: str = "savgol", window: int | None = None) ->
         Savitzky–Golay window (odd; default ``2 * default_nperseg(len(y)) + 1``,
         capped at the largest odd number ≤ len(y)).
     """
-    y = np.asarray(y, dtype=float)
-    if method == "diff":
-        return Detrended(np.diff(y), y[:-1], "diff", 0, 1)
-    if method != "savgol":
-        raise SpecError(f"detrend: method must be one of {DETRENDERS}; got {method!r}.")
-    w = savgol_window(y.size, window)
-    base = log_time_fit(y)
-    z, shifts = remove_level_shifts(y - base, max(8, w // 8))
-    coeffs = _savgol_coeffs(w).copy()
-    smooth = _savgol_interp(z, w) if w <= 1025 else _savgol_fft(z, coeffs)
-    return Detrended(z - smooth, y - (z - smooth), "savgol", w, 0, coeffs, tuple(shifts))
+    return detrend_many([y], method, window)[0]
 
 
 def detrend_many(ys: list[np.ndarray], method: str = "savgol", window: int | None = None) -> list[Detrended]:
-    """``[detrend(y, method, window) for y in ys]`` for finite series of one length, bit for bit.
-
-    The Savitzky–Golay smooth of all of them in one stack (:func:`~gradforensics.analysis.
-    toolkit.signal.rows.savgol_rows`: the interior correlation and the edge fits SciPy makes
-    per series, each row the single call's floats), the first series checked against the
-    single call; the single calls where that check fails, for a first difference, a long
-    window or a series that is not finite.
-    """
+    """:func:`detrend` of every series of *ys*, the series of one length smoothed as one stack."""
     arrs = [np.asarray(y, dtype=float) for y in ys]
-    n = arrs[0].size if arrs else 0
-    if (method != "savgol" or len(arrs) < 2 or any(a.ndim != 1 or a.size != n for a in arrs)
-            or savgol_window(n, window) > 1025 or not all(np.all(np.isfinite(a)) for a in arrs)):
-        return [detrend(a, method, window) for a in arrs]
-    from gradforensics.analysis.toolkit.signal.rows import savgol_rows
-
-    w = savgol_window(n, window)
-    coeffs = _savgol_coeffs(w)
-    parts = []
-    for y in arrs:
-        base = log_time_fit(y)
-        parts.append((y, *remove_level_shifts(y - base, max(8, w // 8))))
-    Z = np.stack([z for _, z, _ in parts])
-    smooth = savgol_rows(Z, coeffs)
-    if smooth is None or not np.array_equal(smooth[0], _savgol_interp(parts[0][1], w)):
-        return [detrend(a, method, window) for a in arrs]
-    return [Detrended(z - sm, y - (z - sm), "savgol", w, 0, coeffs.copy(), tuple(sh))
-            for (y, z, sh), sm in zip(parts, smooth)]
+    if method == "diff":
+        return [Detrended(np.diff(y), y[:-1], "diff", 0, 1) for y in arrs]
+    if method != "savgol":
+        raise SpecError(f"detrend: method must be one of {DETRENDERS}; got {method!r}.")
+    out: list[Detrended | None] = [None] * len(arrs)
+    by_size: dict[int, list[int]] = {}
+    for i, y in enumerate(arrs):
+        by_size.setdefault(y.size, []).append(i)
+    for n, idx in by_size.items():
+        w = savgol_window(n, window)
+        Y = np.stack([arrs[i] for i in idx])
+        base = log_time_fit(Y)
+        parts = [remove_level_shifts(y - b, max(8, w // 8)) for y, b in zip(Y, base)]
+        Z = np.stack([z for z, _ in parts])
+        R = Z - savgol_smooth(Z, w)
+        coeffs = savgol_coeffs(w)
+        for i, y, r, (_, shifts) in zip(idx, Y, R, parts):
+            out[i] = Detrended(r, y - r, "savgol", w, 0, coeffs, tuple(shifts))
+    return [d for d in out if d is not None]
 
 
 def savgol_window(n: int, window: int | None = None) -> int:
@@ -160,48 +132,40 @@ def savgol_window(n: int, window: int | None = None) -> int:
 
 
 @lru_cache(maxsize=64)
-def _savgol_coeffs(w: int) -> np.ndarray:
-    """``scipy.signal.savgol_coeffs(w, 3)``, once per window (every series of a store shares it; read-only)."""
-    from gradforensics.analysis.toolkit.signal.replicas import savgol_coeffs3
+def _cubic_fit(w: int) -> tuple[np.ndarray, np.ndarray]:
+    """The cubic least-squares fit on *w* points as two factors ``(V, P)``: ``V @ (P @ z)`` is the fitted
+    cubic at each point (``V`` the Vandermonde matrix on ``[−1, 1]``, ``P`` its pseudo-inverse; read-only)."""
+    u = np.linspace(-1.0, 1.0, int(w))
+    V = np.vander(u, 4, increasing=True)
+    P = np.linalg.pinv(V)
+    V.setflags(write=False)
+    P.setflags(write=False)
+    return V, P
 
-    c = savgol_coeffs3(w)            # SciPy's steps and its lstsq, without importing scipy.signal
+
+@lru_cache(maxsize=64)
+def savgol_coeffs(w: int) -> np.ndarray:
+    """The cubic Savitzky–Golay smoothing coefficients of an odd window *w* > 3: the weights giving the
+    least-squares cubic's value at the centre (``scipy.signal.savgol_coeffs(w, 3)``; read-only)."""
+    V, P = _cubic_fit(w)
+    c = np.array(V[int(w) // 2] @ P)
     c.setflags(write=False)
     return c
 
 
-def _savgol_interp(z: np.ndarray, w: int) -> np.ndarray:
-    """``scipy.signal.savgol_filter(z, w, 3, mode="interp")`` with the window's coefficients computed once.
+def savgol_smooth(Z: np.ndarray, w: int) -> np.ndarray:
+    """The cubic Savitzky–Golay smooth of window *w* of each row of *Z* (``(..., n)``, ``n >= w``), edges by the
+    cubic fitted to the first and last *w* samples (``scipy.signal.savgol_filter(z, w, 3, mode="interp")``).
 
-    The same two steps SciPy takes (the convolution, then the cubic fitted to each edge:
-    :func:`~gradforensics.analysis.toolkit.signal.rows.savgol_rows` on a stack of one) on the
-    same coefficients, so the same values bit for bit; SciPy's filter where NumPy lacks the
-    stacked solve.
-    """
-    from gradforensics.analysis.toolkit.signal.rows import savgol_rows
-
-    out = savgol_rows(np.asarray(z, dtype=np.float64)[None, :], _savgol_coeffs(w))
-    if out is None:              # pragma: no cover - a NumPy without the lstsq gufunc
-        from scipy.signal import savgol_filter
-
-        return np.asarray(savgol_filter(z, w, 3, mode="interp"))
-    return out[0]
-
-
-def _savgol_fft(z: np.ndarray, coeffs: np.ndarray) -> np.ndarray:
-    """``savgol_filter(z, w, 3, mode="interp")`` for long windows: the interior by FFT
-    convolution (O(N log N) instead of O(N·w)), each edge by the cubic fitted to its
-    first/last w samples, as SciPy's ``interp`` mode does."""
-    from gradforensics.analysis.toolkit.signal.replicas import fftconvolve_same
-
-    w = coeffs.size
+    The interior is one FFT convolution of the whole stack (``O(n log n)`` a row, any window)."""
+    Z = np.asarray(Z, dtype=np.float64)
+    n, w = Z.shape[-1], int(w)
     half = w // 2
-    out = fftconvolve_same(z, coeffs[::-1])      # scipy.signal.fftconvolve(..., mode="same"), bit for bit
-    t = np.arange(w, dtype=float)
-    for sl, idx in ((slice(0, w), slice(0, half)), (slice(z.size - w, z.size), slice(w - half, w))):
-        poly = np.polynomial.polynomial.Polynomial.fit(t, z[sl], 3)
-        seg = out[sl]
-        seg[idx] = poly(t[idx])
-        out[sl] = seg
+    m = 1 << int(np.ceil(np.log2(n + w - 1)))
+    out = np.fft.irfft(np.fft.rfft(Z, m, axis=-1) * np.fft.rfft(savgol_coeffs(w), m), m, axis=-1)[..., half:half + n]
+    V, P = _cubic_fit(w)
+    out[..., :half] = (Z[..., :w] @ P.T) @ V[:half].T
+    out[..., n - half:] = (Z[..., n - w:] @ P.T) @ V[w - half:].T
     return out
 
 
@@ -211,8 +175,8 @@ class DetrendCache:
     ``loss_spectrum`` and ``fractal`` detrend the same series with the same filter
     whenever their windows agree (every series of 32 to 67 points at the default options: both
     windows are then 2·16 + 1, capped at the series' length), and winsorise it at the same
-    ``clip_mad``.  :meth:`get` returns what the direct calls return, bit for bit (it *is* those calls, made once); the arrays it hands
-    out are read-only, so no analysis can change what the next one reads.
+    ``clip_mad``.  :meth:`get` returns what the direct calls return (it *is* those calls, made once); the arrays it
+    hands out are read-only, so no analysis can change what the next one reads.
 
     Only read-only series are remembered (the run's shared series,
     :func:`~gradforensics.analysis.toolkit.series.shared_series`): a writable array could
@@ -244,7 +208,7 @@ class DetrendCache:
     def get_many(self, ys: list[np.ndarray], method: str, window: int | None, clip_mad: float
                  ) -> list[tuple[Detrended, np.ndarray, int]]:
         """``[self.get(y, method, window, clip_mad) for y in ys]``, the series not yet known detrended
-        together (:func:`detrend_many`, per length: the same values)."""
+        together (:func:`detrend_many`)."""
         out: list[tuple[Detrended, np.ndarray, int] | None] = [None] * len(ys)
         todo: dict[int, list[int]] = {}
         for i, src in enumerate(ys):

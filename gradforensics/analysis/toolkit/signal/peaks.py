@@ -2,7 +2,8 @@
 
 What :func:`~gradforensics.analysis.toolkit.signal.spectrum.line_spectrum` and the coherence
 analysis do with the bins once each has its p-value: :func:`adjust_pvalues` corrects them
-over the tested band (Benjamini–Hochberg step-up or Bonferroni), :func:`refine_frequency`
+over the tested band (Benjamini–Hochberg step-up or Bonferroni), :func:`local_maxima` finds the
+candidate bins, :func:`refine_frequency`
 places a peak on the zero-padded Hann periodogram of the whole series, :func:`group_harmonics`
 files peaks under their fundamental, and :class:`Peak` is what is reported of each.
 
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradforensics.analysis.toolkit.signal.background import hann
+from gradforensics.analysis.toolkit.signal.welch import hann
 
-__all__ = ["CORRECTIONS", "Peak", "adjust_pvalues", "group_harmonics", "refine_frequency"]
+__all__ = ["CORRECTIONS", "Peak", "adjust_pvalues", "group_harmonics", "local_maxima", "refine_frequency"]
 
 
 CORRECTIONS = ("bh", "bonferroni")
@@ -40,6 +41,20 @@ def adjust_pvalues(p: np.ndarray, method: str = "bh") -> np.ndarray:
     out = np.empty(m)
     out[order] = np.minimum(1.0, ranked)
     return out
+
+
+def local_maxima(x: np.ndarray) -> np.ndarray:
+    """Indices of the local maxima of *x*: every sample, or run of equal samples (its middle, rounded down),
+    with a smaller sample on each side; the first and last samples excluded (``scipy.signal.find_peaks(x)[0]``)."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.size < 3:
+        return np.zeros(0, dtype=np.intp)
+    starts = np.flatnonzero(np.r_[True, x[1:] != x[:-1]])         # the runs of equal values
+    ends = np.r_[starts[1:], x.size] - 1
+    v = x[starts]
+    top = np.zeros(v.size, dtype=bool)
+    top[1:-1] = (v[1:-1] > v[:-2]) & (v[1:-1] > v[2:])
+    return np.asarray((starts[top] + ends[top]) // 2, dtype=np.intp)
 
 
 @dataclass(frozen=True)

@@ -31,52 +31,45 @@ Percival, D. B. & Walden, A. T. (1993). Spectral Analysis for Physical
 Benjamini, Y. & Hochberg, Y. (1995). Controlling the false discovery rate.
     J. R. Stat. Soc. B 57, 289–300.
 
-The corrections, the refined frequencies and the harmonic grouping live in
-:mod:`~gradforensics.analysis.toolkit.signal.peaks` (importable from here as before).
+The corrections, the candidate bins, the refined frequencies and the harmonic grouping live in
+:mod:`~gradforensics.analysis.toolkit.signal.peaks`.  :func:`line_spectra` runs every step on a
+stack of series of one length (:func:`line_spectrum` is one series).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from gradforensics.analysis.contract.model import Options
-from gradforensics.analysis.toolkit.signal.background import GainGrid, expected_welch, fit_ar1, hann, welch_dof
+from gradforensics.analysis.toolkit.signal.background import GainGrid, ar1_fits, expected_welch, welch_dof
 from gradforensics.analysis.toolkit.signal.detrending import (
     DETRENDERS,
     DetrendCache,
     Detrended,
     default_nperseg,
-    detrend,
-    winsorize,
+    detrend_many,
+    savgol_coeffs,
 )
 from gradforensics.analysis.toolkit.signal.peaks import (
     CORRECTIONS,
     Peak,
     adjust_pvalues,
     group_harmonics,
+    local_maxima,
     refine_frequency,
 )
+from gradforensics.analysis.toolkit.signal.trend import winsorize
+from gradforensics.analysis.toolkit.signal.welch import welch
 from gradforensics.errors import SpecError
 
-__all__ = [
-    "CORRECTIONS",
-    "MIN_POINTS",
-    "LineSpectrum",
-    "Peak",
-    "SpectrumOptions",
-    "adjust_pvalues",
-    "gain_grid",
-    "group_harmonics",
-    "line_spectrum",
-    "refine_frequency",
-    "sinusoid_fit",
-    "spectrum_window",
-    "tested_spectrum",
-]
+__all__ = ["MIN_POINTS", "STACK", "LineSpectrum", "SpectrumOptions", "chi2_isf", "chi2_sf", "detrender_grid", "gain_grid",
+           "line_spectra", "line_spectrum",
+           "sinusoid_fit", "spectrum_window"]
 
 
 MIN_POINTS = 32
@@ -171,28 +164,32 @@ class LineSpectrum:
 
 
 def _chi2_line(bg: np.ndarray, dof: np.ndarray, level: float) -> np.ndarray:
+    return bg * chi2_isf(level, dof) / dof
+
+
+def chi2_isf(level: float, dof: np.ndarray) -> np.ndarray:
+    """``scipy.stats.chi2.isf(level, dof)`` for 0 < level < 1, dof > 0, by ``scipy.special.chdtri``
+    (without the distribution machinery around it: milliseconds a series)."""
     from scipy.special import chdtri
 
-    return bg * _chi2_isf(level, dof, chdtri) / dof
-
-
-def _chi2_isf(level: float, dof: np.ndarray, chdtri: Any) -> np.ndarray:
-    """``scipy.stats.chi2.isf(level, dof)`` for 0 < level < 1, dof > 0: SciPy's own ``chdtri``
-    without the distribution machinery around it (milliseconds a series)."""
     return np.asarray(chdtri(np.asarray(dof, dtype=float), float(level)), dtype=float)
 
 
-def _chi2_sf(x: np.ndarray, dof: np.ndarray) -> np.ndarray:
-    """``scipy.stats.chi2.sf(x, dof)`` for x >= 0, dof > 0: ``chdtrc``, and exactly 1 at x = 0 as SciPy gives."""
+def chi2_sf(x: np.ndarray, dof: np.ndarray) -> np.ndarray:
+    """``scipy.stats.chi2.sf(x, dof)`` for x >= 0, dof > 0, by ``scipy.special.chdtrc`` (1 at x = 0)."""
     from scipy.special import chdtrc
 
     x = np.asarray(x, dtype=float)
     return np.where(x <= 0, 1.0, chdtrc(np.asarray(dof, dtype=float), x))
 
 
+#: Series tested together at most (bounds the stack of 16,384-point autocovariances).
+STACK = 256
+
+
 def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None, cache: DetrendCache | None = None
                   ) -> LineSpectrum:
-    """Detrend *y*, estimate its Welch spectrum and test it against AR(1) red noise.
+    """Detrend *y*, estimate its Welch spectrum and test it against AR(1) red noise (:func:`line_spectra` of one).
 
     Parameters
     ----------
@@ -219,18 +216,35 @@ def line_spectrum(y: np.ndarray, options: SpectrumOptions | None = None, cache: 
     peak in a pure red-noise series (BH controls the family-wise rate under the
     global null).
     """
+    return line_spectra([y], options, cache)[0]
+
+
+def line_spectra(ys: Sequence[np.ndarray], options: SpectrumOptions | None = None,
+                 cache: DetrendCache | None = None) -> list[LineSpectrum]:
+    """:func:`line_spectrum` of every series of *ys*, the series of one length detrended, transformed and
+    fitted as one stack (at most :data:`STACK` at a time).  A series too short or not finite raises."""
     opt = options or SpectrumOptions()
-    src, y = y, np.asarray(y, dtype=float)
-    if y.size < MIN_POINTS or not np.all(np.isfinite(y)):
-        raise SpecError(f"line_spectrum: need at least {MIN_POINTS} finite values; got {y.size} "
-                        f"({int(np.count_nonzero(~np.isfinite(y)))} non-finite).")
-    nper, window = spectrum_window(y.size, opt)
-    if cache is None:
-        det = detrend(y, opt.detrend, window)
-        r, n_clipped = winsorize(det.residual, opt.clip_mad)
-    else:
-        det, r, n_clipped = cache.get(src, opt.detrend, window, opt.clip_mad)
-    return tested_spectrum(r, det, n_clipped, nper, opt)
+    out: list[LineSpectrum | None] = [None] * len(ys)
+    by_size: dict[int, list[int]] = {}
+    for i, y in enumerate(ys):
+        a = np.asarray(y, dtype=float)
+        if a.ndim != 1 or a.size < MIN_POINTS or not np.all(np.isfinite(a)):
+            raise SpecError(f"line_spectrum: need at least {MIN_POINTS} finite values; got {a.size} "
+                            f"({int(np.count_nonzero(~np.isfinite(a)))} non-finite).")
+        by_size.setdefault(a.size, []).append(i)
+    for n, idx in by_size.items():
+        nper, window = spectrum_window(n, opt)
+        for k in range(0, len(idx), STACK):
+            part = idx[k:k + STACK]
+            if cache is not None:
+                got = cache.get_many([ys[i] for i in part], opt.detrend, window, opt.clip_mad)
+            else:
+                got = [(d, *winsorize(d.residual, opt.clip_mad))
+                       for d in detrend_many([np.asarray(ys[i], dtype=float) for i in part], opt.detrend, window)]
+            for i, res in zip(part, _tested([g[0] for g in got], np.stack([g[1] for g in got]),
+                                            [g[2] for g in got], nper, opt)):
+                out[i] = res
+    return [o for o in out if o is not None]
 
 
 def spectrum_window(n: int, opt: SpectrumOptions) -> tuple[int, int | None]:
@@ -239,71 +253,71 @@ def spectrum_window(n: int, opt: SpectrumOptions) -> tuple[int, int | None]:
     return nper, None if opt.detrend == "diff" else 2 * nper + 1
 
 
-def tested_spectrum(r: np.ndarray, det: Detrended, n_clipped: int, nper: int, opt: SpectrumOptions,
-                    welch_out: tuple[np.ndarray, np.ndarray] | None = None,
-                    first_fit: tuple[float, float, np.ndarray] | None = None) -> LineSpectrum:
-    """:func:`line_spectrum` from the winsorised residual *r* of *det* on: Welch, the AR(1)
-    background, the tests and the peaks.  *welch_out* (``freq, power``) and *first_fit*
-    (``alpha, sigma2, acov``: the first AR(1) fit and its autocovariance, lags ``0..nper-1``)
-    are what the stacked path (:func:`~gradforensics.analysis.toolkit.signal.spectra.line_spectra`)
-    computed for many series at once, the same values."""
-    from gradforensics.analysis.toolkit.signal.replicas import local_maxima, welch_density
-
-    nper = min(nper, r.size)
-    # SciPy's Welch estimate (replicas.welch_density: its steps, without importing scipy.signal) with
-    # the Hann window SciPy makes of "hann", made once per length
-    freq, power = welch_out or welch_density(r, hann(nper), nper)
-    n_seg = 1 + (r.size - nper) // (nper - nper // 2)
+def _tested(dets: list[Detrended], R: np.ndarray, n_clipped: list[int], nper: int, opt: SpectrumOptions
+            ) -> list[LineSpectrum]:
+    """The spectra of the winsorised residuals *R* (``(U, n)``, detrended alike by *dets*): Welch, the AR(1)
+    background, the tests and the peaks; the rows with significant peaks fitted again without them."""
+    det = dets[0]
+    nper = min(nper, R.shape[1])
+    freq, power = welch(R, nper)
+    n_seg = 1 + (R.shape[1] - nper) // (nper - nper // 2)
     dof = np.full(freq.size, welch_dof(nper, n_seg))
     if nper % 2 == 0:
         dof[-1] /= 2.0
     grid = gain_grid(det, nper)
     tested = (freq > 0) & ((det.method == "diff") | (det.gain(freq) >= 0.5))
-    fit = r
-    for i in range(2):   # second pass: background refitted with the significant sinusoids removed
-        if i == 0 and first_fit is not None:
-            a, s2, acov = first_fit
-        else:
-            a, s2 = fit_ar1(fit, grid)
-            acov = grid.acov(a, nper)
-        bg = s2 * expected_welch(acov[:nper], nper)
+    got = _background(R, power, dof, tested, det, grid, nper, opt)
+    refit = [u for u in range(R.shape[0]) if any(q.significant for q in got[u][-1][0])]
+    if refit:   # background refitted with the significant sinusoids removed (they inflate ρ̂ and the variance)
+        F = np.stack([R[u] - sinusoid_fit(R[u], [q.frequency for q in got[u][-1][0] if q.significant]) for u in refit])
+        again = _background(F, power[refit], dof, tested, det, grid, nper, opt, R[refit])
+        for u, g in zip(refit, again):
+            got[u] = g
+    out = []
+    for u, (a, s2, bg, p, p_adj, ok, (peaks, n_sig)) in enumerate(got):
+        m = max(int(ok.sum()), 1)
+        out.append(LineSpectrum(freq, power[u], bg, p, p_adj, ok, _chi2_line(bg, dof, opt.alpha / m),
+                                _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), nper,
+                                n_seg, a, s2, dets[u], n_clipped[u], peaks, n_sig, opt))
+    return out
+
+
+def _background(F: np.ndarray, power: np.ndarray, dof: np.ndarray, tested: np.ndarray, det: Detrended,
+                grid: GainGrid, nper: int, opt: SpectrumOptions, R: np.ndarray | None = None) -> list[tuple[Any, ...]]:
+    """For each row: the AR(1) fit to *F* and its expected Welch estimate, the p-values of *power* and the
+    peaks of *R* (default *F*): ``(alpha, sigma2, background, p, p_adjusted, tested, (peaks, n_significant))``."""
+    alpha, sigma2, acov, ok_fit = ar1_fits(F, grid, nper)
+    if not ok_fit.all():
+        raise ValueError("line_spectrum: the AR(1) root search found no root (a non-finite residual?).")
+    B = sigma2[:, None] * expected_welch(acov, nper)
+    R = F if R is None else R
+    out: list[tuple[Any, ...]] = []
+    for u in range(F.shape[0]):
+        bg = B[u]
         ok = tested & (bg > 0)
-        p = np.ones(freq.size)
-        p[ok] = _chi2_sf(dof[ok] * power[ok] / bg[ok], dof[ok])
-        p_adj = np.ones(freq.size)
+        p, p_adj = np.ones(bg.size), np.ones(bg.size)
+        p[ok] = chi2_sf(dof[ok] * power[u, ok] / bg[ok], dof[ok])
         p_adj[ok] = adjust_pvalues(p[ok], opt.correction)
-        peaks, n_sig = _peaks(r, freq, power, bg, p, p_adj, ok, det, nper, opt, local_maxima)
-        sig = [q.frequency for q in peaks if q.significant]
-        if not sig or fit is not r:
-            break
-        fit = r - sinusoid_fit(r, sig)
-    m = max(int(ok.sum()), 1)
-    return LineSpectrum(freq, power, bg, p, p_adj, ok, _chi2_line(bg, dof, opt.alpha / m),
-                        _chi2_line(bg, dof, opt.alpha), float(dof[1] if dof.size > 1 else dof[0]), nper,
-                        n_seg, a, s2, det, n_clipped, peaks, n_sig, opt)
+        out.append((float(alpha[u]), float(sigma2[u]), bg, p, p_adj, ok,
+                    _peaks(R[u], power[u], bg, p, p_adj, ok, det, nper, opt)))
+    return out
 
 
 def gain_grid(det: Detrended, nper: int) -> GainGrid:
     """The gain grid the AR(1) background of a residual of *det* with Welch segments of *nper* is fitted on."""
-    return _gain_grid(det, max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
+    return detrender_grid(det.method, det.window, max(1 << 14, 1 << int(np.ceil(np.log2(8 * nper)))))
 
 
-_GRIDS: dict[tuple[str, bytes, int], GainGrid] = {}
-
-
-def _gain_grid(det: Detrended, m: int) -> GainGrid:
-    """The gain grid of *det*'s filter on *m* points, shared by every series detrended alike.
+@lru_cache(maxsize=16)
+def detrender_grid(method: str, window: int, m: int) -> GainGrid:
+    """The gain grid on *m* points of :func:`~gradforensics.analysis.toolkit.signal.detrending.detrend`'s
+    filter (*method*, *window*), shared by every series detrended alike.
 
     A store's gradient-norm series all have the store's length, hence one detrender:
-    its grid, cosine and AR(1) autocovariances are computed once, not once a series.
+    its grid and cosine are computed once, not once a series.
     """
-    key = (det.method, np.asarray(det.coeffs, dtype=float).tobytes(), int(m))
-    grid = _GRIDS.get(key)
-    if grid is None:
-        if len(_GRIDS) >= 16:
-            _GRIDS.clear()
-        grid = _GRIDS[key] = GainGrid(det.gain_grid(m))
-    return grid
+    coeffs = savgol_coeffs(window) if method == "savgol" else np.zeros(0)
+    return GainGrid(Detrended(np.zeros(0), np.zeros(0), method, window, 0, coeffs).gain_grid(m))
 
 
 def sinusoid_fit(r: np.ndarray, freqs: Sequence[float]) -> np.ndarray:
@@ -317,13 +331,17 @@ def sinusoid_fit(r: np.ndarray, freqs: Sequence[float]) -> np.ndarray:
     return basis[:, 1:] @ coef[1:]
 
 
-def _peaks(r, freq, power, bg, p, p_adj, tested, det, nper, opt, find_peaks) -> tuple[list[Peak], int]:
-    """Local maxima of P/B in the band: the significant ones by excess variance
-    (largest oscillation first), else the most significant candidate; and how
-    many were significant in all."""
+def _candidates(power: np.ndarray, bg: np.ndarray, tested: np.ndarray) -> list[int]:
+    """The tested bins where ``P/B`` is a local maximum."""
     ratio = np.where(tested, power / np.where(bg > 0, bg, np.inf), 0.0)
-    idx = find_peaks(np.concatenate([[-1.0], ratio, [-1.0]]))     # scipy.signal.find_peaks(...)[0]
-    idx = [int(i) - 1 for i in idx if tested[int(i) - 1]]
+    return [int(i) - 1 for i in local_maxima(np.concatenate([[-1.0], ratio, [-1.0]])) if tested[int(i) - 1]]
+
+
+def _peaks(r: np.ndarray, power: np.ndarray, bg: np.ndarray, p: np.ndarray, p_adj: np.ndarray, tested: np.ndarray,
+           det: Detrended, nper: int, opt: SpectrumOptions) -> tuple[list[Peak], int]:
+    """Local maxima of P/B in the band: the significant ones by excess variance (largest oscillation
+    first), else the most significant candidate; and how many were significant in all."""
+    idx = _candidates(power, bg, tested)
     df = 1.0 / nper
 
     def excess(k: int) -> float:
@@ -334,7 +352,7 @@ def _peaks(r, freq, power, bg, p, p_adj, tested, det, nper, opt, find_peaks) -> 
     chosen = (sig or sorted(idx, key=lambda k: (p_adj[k], p[k]))[:1])[: opt.max_peaks]
     out: list[Peak] = []
     for k in chosen:
-        f = refine_frequency(r, float(freq[k]), df)
+        f = refine_frequency(r, float(k / nper), df)
         g = float(det.gain(np.array([f]))[0])
         amp = float(np.sqrt(2.0 * excess(k) / g)) if g > 0 else float("nan")
         out.append(Peak(k, f, float(power[k]), float(bg[k]), float(p[k]), float(p_adj[k]),
@@ -342,4 +360,3 @@ def _peaks(r, freq, power, bg, p, p_adj, tested, det, nper, opt, find_peaks) -> 
     groups = group_harmonics([q.frequency for q in out], 0.5 * df)
     return [Peak(**{**q.__dict__, "harmonic_of": g[0], "harmonic_number": g[1]}) if q.significant else q
             for q, g in zip(out, groups)], len(sig)
-

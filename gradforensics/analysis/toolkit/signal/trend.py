@@ -1,8 +1,8 @@
 """The robust steps around the detrender's smoother: the log-time fit, level shifts, median, winsorising.
 
 :func:`~gradforensics.analysis.toolkit.signal.detrending.detrend` removes a cubic in
-log-time first (:func:`log_time_fit`, its five candidate bases made once per length:
-:func:`log_time_bases`, solved together: :func:`log_time_coefs`), then abrupt level shifts
+log-time first (:func:`log_time_fit`, its five candidate bases and their pseudo-inverses made
+once per length: :func:`log_time_bases`), then abrupt level shifts
 (:func:`remove_level_shifts`); :func:`winsorize` clips what the smoother leaves so one spike
 does not become broadband power; :func:`median` is ``np.median``'s value without its
 machinery.  Pure NumPy on 1-d arrays.
@@ -14,70 +14,43 @@ from functools import lru_cache
 
 import numpy as np
 
-from gradforensics.analysis.toolkit.stacked import lstsq_stack
-
-__all__ = ["log_time_bases", "log_time_coefs", "log_time_fit", "median", "remove_level_shifts",
-           "stacked_log_time_bases", "winsorize"]
+__all__ = ["log_time_bases", "log_time_fit", "median", "remove_level_shifts", "winsorize"]
 
 
-def log_time_fit(y: np.ndarray, degree: int = 3) -> np.ndarray:
-    """Least-squares polynomial of *degree* in ``u = log(i + s)`` (i = sample index).
+def log_time_fit(Y: np.ndarray, degree: int = 3) -> np.ndarray:
+    """Least-squares polynomial of *degree* in ``u = log(i + s)`` (i = sample index) of each row of *Y*.
 
     A training loss falls fastest at the start; in log-time that fall is gentle,
     so a cubic in ``u`` follows a power-law or exponential decay that a
     fixed-window smoother cannot.  The offset ``s`` is the best of
-    ``{0.1, 0.3, 1, 3, 10} % of N`` by residual sum of squares.
+    ``{0.1, 0.3, 1, 3, 10} % of N`` by residual sum of squares, per row.  *Y* is one
+    series or a stack ``(U, N)`` of series of one length (each basis's pseudo-inverse
+    is made once per length and applied to every row).
     """
-    n = y.size
-    best, best_rss = np.full(n, y.mean()), np.inf
-    for basis, coef in zip(log_time_bases(n, degree), log_time_coefs(y, degree)):
-        fit = basis @ coef
-        rss = float(((y - fit) ** 2).sum())
-        if rss < best_rss:
-            best, best_rss = fit, rss
-    return best
-
-
-def log_time_coefs(y: np.ndarray, degree: int) -> list[np.ndarray]:
-    """``np.linalg.lstsq(basis, y, rcond=None)[0]`` for each basis of :func:`log_time_bases`, bit for bit.
-
-    One call of the LAPACK least-squares gufunc behind ``np.linalg.lstsq`` on the stack
-    of bases (:func:`~gradforensics.analysis.toolkit.stacked.lstsq_stack`): the same LAPACK
-    call on the same operands per basis (shown identical over random series in the tests),
-    without four of the five wrappers' overheads.  Where the stacked solve fails or is not
-    finite, the public call per basis (which raises its own error then).
-    """
-    n = y.size
-    if y.ndim == 1 and y.dtype == np.float64:
-        stack = stacked_log_time_bases(n, degree)
-        try:
-            with np.errstate(all="ignore"):
-                x = lstsq_stack(stack, np.broadcast_to(y, (stack.shape[0], n)))
-        except np.linalg.LinAlgError:
-            x = None
-        if x is not None and np.all(np.isfinite(x)):
-            return list(x)
-    return [np.linalg.lstsq(basis, y, rcond=None)[0] for basis in log_time_bases(n, degree)]
+    Y = np.asarray(Y, dtype=float)
+    n = Y.shape[-1]
+    best, best_rss = np.broadcast_to(Y.mean(axis=-1, keepdims=True), Y.shape), np.full(Y.shape[:-1], np.inf)
+    for basis, pinv in log_time_bases(n, degree):
+        fit = (Y @ pinv.T) @ basis.T
+        rss = ((Y - fit) ** 2).sum(axis=-1)
+        better = rss < best_rss
+        best, best_rss = np.where(better[..., None], fit, best), np.where(better, rss, best_rss)
+    return np.array(best)
 
 
 @lru_cache(maxsize=32)
-def stacked_log_time_bases(n: int, degree: int) -> np.ndarray:
-    """:func:`log_time_bases` as one read-only ``(5, n, degree + 1)`` stack."""
-    out = np.stack(log_time_bases(n, degree))
-    out.setflags(write=False)
-    return out
-
-
-@lru_cache(maxsize=32)
-def log_time_bases(n: int, degree: int) -> tuple[np.ndarray, ...]:
-    """The design matrices of :func:`log_time_fit` for series of *n* points (read-only, shared)."""
+def log_time_bases(n: int, degree: int) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """The design matrices of :func:`log_time_fit` for series of *n* points and their pseudo-inverses
+    (read-only, shared)."""
     i = np.arange(n, dtype=float)
     out = []
     for frac in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1):
         u = np.log(i + max(frac * n, 1.0))
         basis = np.vander((u - u.mean()) / u.std(), degree + 1)
+        pinv = np.linalg.pinv(basis)
         basis.setflags(write=False)
-        out.append(basis)
+        pinv.setflags(write=False)
+        out.append((basis, pinv))
     return tuple(out)
 
 
@@ -110,9 +83,9 @@ def remove_level_shifts(z: np.ndarray, k: int, threshold: float = 8.0,
 
 
 def median(a: np.ndarray) -> float:
-    """``float(np.median(a))`` of a 1-D float array, bit for bit (NaN when *a* holds one), without
-    its general machinery: the middle order statistics by one partition and the mean of the two
-    (or of the one) as ``np.median`` takes it (a few microseconds instead of tens, per call)."""
+    """The median of a 1-D float array (NaN when *a* holds one), without ``np.median``'s general
+    machinery: the middle order statistics by one partition and their mean (a few microseconds
+    instead of tens, per call)."""
     n = a.size
     if n == 0:
         return float(np.median(a))
