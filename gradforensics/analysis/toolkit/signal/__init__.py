@@ -22,3 +22,5 @@ analyses in :mod:`gradforensics.analysis.kinds` (``loss_spectrum``, ``fractal``,
   against that background, and :class:`~gradforensics.analysis.toolkit.signal.spectrum.SpectrumOptions`,
   the options the three loss-curve analyses share.
 """
+
+__all__: list[str] = []          # a namespace of modules: import from the defining module
