@@ -5,8 +5,8 @@ by unit (a tensor, or one head of it): on a store shaped like a real model that 
 hundreds to thousands of independent, mostly-BLAS computations.  :func:`map_units`
 runs one analysis's per-unit function over its units on the threads the engine
 grants (:func:`unit_threads`: the pass's ``num_workers``, else the machine's cores),
-results in the units' order: every statistic is the one the serial loop computes,
-bit for bit (each unit's permutations are seeded by its own name).  Outside
+results in the units' order: every statistic is the one the serial loop computes
+(each unit's permutations are seeded by its own name).  Outside
 :func:`unit_threads` (an analysis called directly, a test), it is the serial loop.
 
 When the pass ran on a ``dask.distributed`` client (``--workers``, ``--scheduler``),
@@ -17,8 +17,8 @@ file there), shipped in batches of at most :data:`BATCH_BYTES` of Gram matrices 
 and the results are gathered in the units' order.  The arrays travel with the tasks:
 the workers need no file system shared with the client.  The function must pickle
 (a module-level function, or a :func:`functools.partial` of one over small, frozen
-arguments) and runs with one BLAS thread, as on the threads: the same statistics, bit
-for bit.  A worker that dies (killed for memory, say) or runs out of memory stops the
+arguments) and runs with one BLAS thread, as on the threads: the same statistics.
+A worker that dies (killed for memory, say) or runs out of memory stops the
 analysis with one :class:`~gradforensics.errors.WorkerLostError` line naming the units;
 an error the function raises is raised as it is.
 """

@@ -2,9 +2,7 @@
 
 :func:`permutations` draws one unit's ``B`` permutations of its ``n`` records (within
 consecutive blocks in a ``training`` store), seeded by the unit's name;
-:func:`permuted_source_grams` forms ``Q A_πᵀ K A_π Q`` for each of them.  Both give the
-numbers of the first version bit for bit (``tests/test_unit_statistics_exact.py``,
-``tests/test_unit_statistics_batched.py``).
+:func:`permuted_source_grams` forms ``Q A_πᵀ K A_π Q`` for each of them.
 """
 
 from __future__ import annotations
@@ -47,15 +45,11 @@ def permuted_source_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np
     ``Q = (AᵀA)⁺`` is the same for every π.  One BLAS product ``K [A_π1 … A_πc]``
     per *chunk* permutations.  The permuted mixtures are gathered with ``np.take``
     straight into the layouts the two products read (``n×c×S`` for ``K``'s, ``c×n×S``
-    for the small one), which are the arrays the fancy-indexed gather and its
-    transposed copy gave: the same products on the same operands, bit for bit, at a
-    third of the gathering cost.
+    for the small one).
 
     ``Q (·) Q`` is two products of ``S×S`` matrices per permutation.  Where ``Q`` is
-    diagonal (pure batches: ``AᵀA`` holds the counts) and the null finite, every entry of
-    those products has one non-zero term, ``(q_i g_ij) q_j``, so it is taken entry by
-    entry: the same floats (the other terms are exact zeros), without ``2B`` tiny
-    ``gemm`` calls.
+    diagonal (pure batches: ``AᵀA`` holds the counts) and the null finite, it is the
+    entrywise ``(q_i g_ij) q_j``, without ``2B`` tiny ``gemm`` calls.
     """
     n, S = A.shape
     out = np.empty((perms.shape[0], S, S))

@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from gradforensics.analysis.toolkit.stacked import lstsq_gufunc
+from gradforensics.analysis.toolkit.stacked import lstsq_each
 
 __all__ = ["ar1_roots", "brentq_rows", "lstsq_items", "savgol_rows", "welch_rows"]
 
@@ -37,12 +37,9 @@ __all__ = ["ar1_roots", "brentq_rows", "lstsq_items", "savgol_rows", "welch_rows
 # ------------------------------------------------------------ Savitzky-Golay
 def savgol_rows(Z: np.ndarray, coeffs: np.ndarray) -> np.ndarray | None:
     """``savgol_filter(z, w, 3, mode="interp")`` for every row *z* of *Z* ``(U, n)`` (``w = coeffs.size``);
-    None where the stack cannot take this path (a NumPy without the stacked ``lstsq``)."""
+    None where a fit fails (a series holding a non-finite value)."""
     from scipy.ndimage import convolve1d
 
-    lstsq = lstsq_gufunc()
-    if lstsq is None:
-        return None
     Z = np.ascontiguousarray(Z, dtype=np.float64)
     U, n = Z.shape
     w = coeffs.size
@@ -50,11 +47,8 @@ def savgol_rows(Z: np.ndarray, coeffs: np.ndarray) -> np.ndarray | None:
     out = convolve1d(Z, coeffs, axis=-1, mode="constant")
     lhs, scale = _edge_design(w)
     rcond = w * np.finfo(np.float64).eps           # polyfit's default: len(x) * eps
-    design = np.broadcast_to(lhs, (U, w, 4))
     for start, lo, hi in ((0, 0, half), (n - w, n - half, n)):
-        rhs = np.ascontiguousarray(Z[:, start:start + w])[:, :, None]     # one (w, 1) right-hand side an item
-        with np.errstate(all="ignore"):
-            c = lstsq(design, rhs, rcond, signature="ddd->ddid")[0][:, :, 0] / scale
+        c = lstsq_each(lhs, Z[:, start:start + w], rcond) / scale
         i = np.arange(lo - start, hi - start, dtype=np.float64)
         v = np.zeros((U, i.size))
         for j in range(4):                          # polyval: y = y * x + p[j], highest power first
@@ -65,18 +59,11 @@ def savgol_rows(Z: np.ndarray, coeffs: np.ndarray) -> np.ndarray | None:
 
 def lstsq_items(A: np.ndarray, B: np.ndarray, rcond: float) -> np.ndarray | None:
     """``[np.linalg.lstsq(A, b, rcond)[0] for b in B]`` for one design *A* ``(m, k)`` and rows *B* ``(U, m)``:
-    ``gelsd`` once per item with a one-column right-hand side (None without the gufunc, or where the SVD fails)."""
-    lstsq = lstsq_gufunc()
-    if lstsq is None:
+    None where a row is not finite (``lstsq`` would fail on it)."""
+    B = np.asarray(B, dtype=np.float64)
+    if not np.isfinite(B).all():
         return None
-    U = B.shape[0]
-    rhs = np.ascontiguousarray(B, dtype=np.float64)[:, :, None]
-    try:
-        with np.errstate(invalid="raise", over="ignore", divide="ignore", under="ignore"):
-            x = lstsq(np.broadcast_to(A, (U, *A.shape)), rhs, rcond, signature="ddd->ddid")[0]
-    except FloatingPointError:
-        return None
-    return np.ascontiguousarray(x[:, :, 0])
+    return lstsq_each(A, B, rcond)
 
 
 @lru_cache(maxsize=64)
