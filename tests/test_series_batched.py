@@ -13,6 +13,7 @@ then the whole analyses against their per-series code.
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 from scipy.optimize import brentq
 from scipy.signal import get_window, savgol_filter, welch
@@ -51,8 +52,9 @@ def test_savgol_rows_are_scipys_filter_per_row(n: int) -> None:
             Z = _stack(rng, 12, n, scale)
             got = rows.savgol_rows(Z, coeffs)
             assert got is not None
-            for z, g in zip(Z, got):
-                assert _same(g, savgol_filter(z, w, 3, mode="interp")), (n, w, scale)
+            for z, g in zip(Z, got):    # the edge fits by an SVD, not lstsq's gelsd: rounding apart
+                np.testing.assert_allclose(g, savgol_filter(z, w, 3, mode="interp"), rtol=1e-9,
+                                           atol=1e-9 * np.abs(z).max(), err_msg=f"{(n, w, scale)}")
 
 
 @pytest.mark.parametrize("n", [16, 31, 32, 33, 48, 64, 100, 257, 600])
@@ -244,9 +246,10 @@ def test_the_analyses_tables_and_series_are_the_per_series_code() -> None:
         rows_fr = [fr._row(g.combined, opt, arrays_fr) for g in groups]
         for got, want_rows, want_arrays in ((got_ls, rows_ls, arrays_ls), (got_fr, rows_fr, arrays_fr)):
             want = type(got.table)(want_rows, columns=got.table.columns)
-            assert got.table.to_csv(float_format="%.17g") == want.to_csv(float_format="%.17g")
+            pd.testing.assert_frame_equal(got.table, want, check_exact=False, rtol=1e-9)
             assert sorted(got.series) == sorted(want_arrays)
-            assert all(_same(got.series[k], want_arrays[k]) for k in want_arrays)
+            for k in want_arrays:
+                np.testing.assert_allclose(got.series[k], want_arrays[k], rtol=1e-9, atol=1e-12, err_msg=k)
     assert got_ls.table["significant"].astype(bool).any()
 
 
@@ -263,8 +266,10 @@ def test_fractal_fits_of_a_stack_are_the_single_fits(n: int) -> None:
         for r, pair in zip(R, got):
             want = (fr.higuchi(r, kmax=max(8, w // 16)), fr.box_counting(r, max_width=max(32, w // 8)))
             for g, e in zip(pair, want):
-                assert (g.dimension, g.lo, g.hi, g.r2) == (e.dimension, e.lo, e.hi, e.r2)
-                assert _same(g.scales, e.scales) and _same(g.values, e.values)
+                assert (g.lo, g.hi) == (e.lo, e.hi)
+                assert (g.dimension, g.r2) == pytest.approx((e.dimension, e.r2), rel=1e-9, abs=1e-12)
+                assert _same(g.scales, e.scales)
+                np.testing.assert_allclose(g.values, e.values, rtol=1e-9)
     assert fr._fits_rows(R[:, :20], 513) is None          # scales beyond the series: the single calls
 
 
@@ -276,7 +281,7 @@ def test_fractal_line_fits_of_a_stack_are_polyfit() -> None:
         Y[0] = 1.5                                        # ss = 0: r² is 1
         slope, r2 = fr._line_rows(x, Y)
         for u, y in enumerate(Y):
-            assert (slope[u], r2[u]) == fr._line(x, y)
+            assert (slope[u], r2[u]) == pytest.approx(fr._line(x, y), rel=1e-9, abs=1e-12)
 
 
 # ------------------------------------------------- scipy.signal's results without importing it
