@@ -1,4 +1,4 @@
-"""Shared by the tests that hold a faster path to the numbers of the code it replaced, bit for bit."""
+"""Shared by the engine-pass tests: a heads store to spill, a fresh temporary root, two passes' findings compared whole."""
 
 from __future__ import annotations
 

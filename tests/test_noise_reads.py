@@ -31,7 +31,7 @@ class _Counting(dict):
 
 @pytest.mark.parametrize("mode,nonfinite", [("training", False), ("replay", False), ("training", True),
                                              ("replay", True)])
-def test_noise_flags_read_no_gram_again_and_flag_the_same(mode: str, nonfinite: bool) -> None:
+def test_noise_flags_from_the_table_counts_read_no_gram(mode: str, nonfinite: bool) -> None:
     """The feature counts the table's pass saw (``table.attrs``) against the Gram results read again (a table
     without them, as one read back from a store): the same excess of every row, the same flags; with them no
     Gram result is read; the model's rows read each whole tensor once."""
