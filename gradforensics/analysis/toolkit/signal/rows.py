@@ -9,8 +9,9 @@ it, bit for bit:
 * :func:`savgol_rows` - ``scipy.signal.savgol_filter(z, w, 3, mode="interp")`` per row:
   SciPy's interior correlation (``scipy.ndimage.convolve1d`` along the last axis, which
   filters each row as the 1-d call does) and its edge fits (``polyfit`` of a cubic on the
-  first and last *w* samples, solved by LAPACK ``gelsd`` one right-hand side an item as
-  SciPy's ``lstsq`` does, then Horner's rule as SciPy's ``polyval``);
+  first and last *w* samples, the least squares by
+  :func:`~gradforensics.analysis.toolkit.stacked.lstsq_each`, equal to SciPy's ``lstsq`` to
+  rounding, then Horner's rule as SciPy's ``polyval``);
 * :func:`welch_rows` - ``scipy.signal.welch`` of the stack along its last axis;
 * :func:`ar1_roots` - :func:`~gradforensics.analysis.toolkit.signal.background.fit_ar1`'s
   root search for every row: Brent's method as SciPy's ``brentq`` steps it (its

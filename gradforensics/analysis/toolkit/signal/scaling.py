@@ -168,7 +168,7 @@ def fits_rows(R: np.ndarray, w: int) -> list[tuple[ScalingFit, ScalingFit]] | No
 
 def line_rows(x: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`line_fit` of every row of *Y* on *x*: ``np.polyfit(x, y, 1)``'s steps (its scaled Vandermonde
-    design, ``rcond = len(x)·eps``, LAPACK ``gelsd`` one right-hand side an item) and the same r²."""
+    design, ``rcond = len(x)·eps``, its least squares to rounding) and the same r²."""
     from gradforensics.analysis.toolkit.signal.rows import lstsq_items
 
     x = np.asarray(x) + 0.0

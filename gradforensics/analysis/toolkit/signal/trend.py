@@ -39,13 +39,11 @@ def log_time_fit(y: np.ndarray, degree: int = 3) -> np.ndarray:
 
 
 def log_time_coefs(y: np.ndarray, degree: int) -> list[np.ndarray]:
-    """``np.linalg.lstsq(basis, y, rcond=None)[0]`` for each basis of :func:`log_time_bases`, bit for bit.
+    """``np.linalg.lstsq(basis, y, rcond=None)[0]`` for each basis of :func:`log_time_bases` (to rounding).
 
-    One call of the LAPACK least-squares gufunc behind ``np.linalg.lstsq`` on the stack
-    of bases (:func:`~gradforensics.analysis.toolkit.stacked.lstsq_stack`): the same LAPACK
-    call on the same operands per basis (shown identical over random series in the tests),
-    without four of the five wrappers' overheads.  Where the stacked solve fails or is not
-    finite, the public call per basis (which raises its own error then).
+    One stacked SVD over the bases (:func:`~gradforensics.analysis.toolkit.stacked.lstsq_stack`).
+    Where the stacked solve fails or is not finite, the public call per basis (which raises its
+    own error then).
     """
     n = y.size
     if y.ndim == 1 and y.dtype == np.float64:
