@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 
 from gradforensics.errors import WorkerLostError
 
-__all__ = ["BATCH_BYTES", "BATCH_UNITS", "SLAB_UNITS", "available_cores", "map_slabs", "map_units", "unit_threads", "worker_lost",
-           "workers_add_cores"]
+__all__ = ["BATCH_BYTES", "BATCH_UNITS", "SLAB_UNITS", "available_cores", "map_slabs", "map_units", "unit_threads",
+           "worker_batches", "worker_lost", "workers_add_cores"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -165,7 +165,7 @@ def _run_batch(fn: Callable[[T], R], batch: list[T]) -> list[R]:
         return [fn(x) for x in batch]
 
 
-def _batches(todo: Sequence[T]) -> Iterator[tuple[int, list[T]]]:
+def worker_batches(todo: Sequence[T]) -> Iterator[tuple[int, list[T]]]:
     """``(start, items)``: consecutive items, at most :data:`BATCH_UNITS` of them and :data:`BATCH_BYTES` of Gram
     matrices (a batch holds at least one item), each built when its batch is."""
     start, size = 0, 0
@@ -208,7 +208,7 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
     out: list[Any] = [None] * len(todo)
     at: dict[str, tuple[int, str]] = {}
     done = as_completed()
-    batches = _batches(todo)
+    batches = worker_batches(todo)
 
     def ship() -> None:
         nxt = next(batches, None)
