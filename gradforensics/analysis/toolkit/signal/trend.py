@@ -14,10 +14,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from gradforensics.analysis.toolkit.stacked import lstsq_stack
+from gradforensics.analysis.toolkit.stacked import pinv_stack
 
 __all__ = ["log_time_bases", "log_time_coefs", "log_time_fit", "median", "remove_level_shifts",
-           "stacked_log_time_bases", "winsorize"]
+           "stacked_log_time_bases", "stacked_log_time_pinv", "winsorize"]
 
 
 def log_time_fit(y: np.ndarray, degree: int = 3) -> np.ndarray:
@@ -41,21 +41,24 @@ def log_time_fit(y: np.ndarray, degree: int = 3) -> np.ndarray:
 def log_time_coefs(y: np.ndarray, degree: int) -> list[np.ndarray]:
     """``np.linalg.lstsq(basis, y, rcond=None)[0]`` for each basis of :func:`log_time_bases` (to rounding).
 
-    One stacked SVD over the bases (:func:`~gradforensics.analysis.toolkit.stacked.lstsq_stack`).
-    Where the stacked solve fails or is not finite, the public call per basis (which raises its
-    own error then).
+    The bases' pseudo-inverses, made once per ``(n, degree)`` (:func:`stacked_log_time_pinv`), times *y*.
+    Where that is not finite, the public call per basis (which raises its own error then).
     """
     n = y.size
     if y.ndim == 1 and y.dtype == np.float64:
-        stack = stacked_log_time_bases(n, degree)
-        try:
-            with np.errstate(all="ignore"):
-                x = lstsq_stack(stack, np.broadcast_to(y, (stack.shape[0], n)))
-        except np.linalg.LinAlgError:
-            x = None
-        if x is not None and np.all(np.isfinite(x)):
+        with np.errstate(all="ignore"):
+            x = stacked_log_time_pinv(n, degree) @ y
+        if np.all(np.isfinite(x)):
             return list(x)
     return [np.linalg.lstsq(basis, y, rcond=None)[0] for basis in log_time_bases(n, degree)]
+
+
+@lru_cache(maxsize=32)
+def stacked_log_time_pinv(n: int, degree: int) -> np.ndarray:
+    """The pseudo-inverses of :func:`log_time_bases` (``lstsq``'s cutoff), one read-only ``(5, degree + 1, n)`` stack."""
+    out = pinv_stack(stacked_log_time_bases(n, degree))
+    out.setflags(write=False)
+    return out
 
 
 @lru_cache(maxsize=32)
