@@ -7,6 +7,7 @@ import io
 import zipfile
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from gradforensics.analysis.engine.results import load_grams, pack_series, parse_series, save_grams
@@ -84,7 +85,7 @@ def test_shared_gain_grid_is_the_reference_autocovariance() -> None:
 
 def test_series_tables_equal_the_per_series_reference(tmp_path) -> None:
     """loss_spectrum and fractal over a multi-tensor store: the memoised run equals the run with
-    every cache emptied before each series (what the code computed per series before)."""
+    every cache emptied before each series (what the code computed per series before), to rounding (rtol 1e-9)."""
     from gradforensics.analysis.kinds import fractal, loss_spectrum
     from gradforensics.analysis.toolkit.series import from_batches
     from gradforensics.analysis.toolkit.signal import SpectrumOptions
@@ -109,22 +110,13 @@ def test_series_tables_equal_the_per_series_reference(tmp_path) -> None:
                 one = mod.analyze_series([g], opt)
                 ref_tables.append(one.table)
                 ref_series |= one.series
-            assert _cells(shared.table) == [c for t in ref_tables for c in _cells(t)]
-            assert list(shared.table.columns) == list(ref_tables[0].columns)
+            # the same statistics to rounding (a fit's matrix product over many rows or one need not round alike)
+            pd.testing.assert_frame_equal(shared.table.reset_index(drop=True),
+                                          pd.concat(ref_tables, ignore_index=True), check_exact=False, rtol=1e-9,
+                                          check_dtype=False)
             assert sorted(shared.series) == sorted(ref_series)
-            assert all(shared.series[k].tobytes() == ref_series[k].tobytes() for k in ref_series)
-
-
-def _cells(table) -> list[list[str]]:
-    """Every cell exactly (floats by their bits; a bool as the number a mixed column makes of it)."""
-    def cell(v) -> str:
-        if v is None or (isinstance(v, float) and np.isnan(v)):
-            return "nan"
-        if isinstance(v, (bool, np.bool_, int, np.integer, float, np.floating)):
-            return float(v).hex()
-        return str(v)
-
-    return [[cell(v) for v in row] for row in table.astype(object).itertuples(index=False)]
+            for k in ref_series:
+                np.testing.assert_allclose(shared.series[k], ref_series[k], rtol=1e-9, atol=1e-12, err_msg=k)
 
 
 # ------------------------------------------------------------------ saved results
