@@ -1,8 +1,7 @@
-"""Shared by the tests that hold a faster path to the numbers of the code it replaced, bit for bit."""
+"""Shared by the engine-pass tests: a heads store to spill, a fresh temporary root, two passes' findings compared whole."""
 
 from __future__ import annotations
 
-import math
 import tempfile
 from pathlib import Path
 
@@ -12,14 +11,7 @@ import pandas as pd
 import gradforensics as gf
 from gradforensics.analysis.contract.model import Findings
 
-__all__ = ["same", "same_findings", "spill_heads_store", "use_tmp_root"]
-
-
-def same(a: object, b: object) -> bool:
-    """``a == b``, NaN equal to NaN (floats compared exactly)."""
-    if isinstance(a, float) and isinstance(b, float):
-        return a == b or (math.isnan(a) and math.isnan(b))
-    return a == b
+__all__ = ["same_findings", "spill_heads_store", "use_tmp_root"]
 
 
 SPILL_SHAPES = {"l0.q_proj.weight": (16, 8), "l0.mlp.weight": (12, 8), "l1.q_proj.weight": (16, 8)}

@@ -7,10 +7,15 @@ import pytest
 from scipy.stats import spearmanr
 
 from gradforensics.analysis.kinds import drift
+from gradforensics.analysis.kinds.drift.stats import drift_slab, hinge_changepoints
 from gradforensics.analysis.toolkit.units import unit_series
 from gradforensics.errors import SpecError
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
+
+
+def _hinge(y: np.ndarray) -> tuple[int | None, float]:
+    return hinge_changepoints([y])[0]
 
 
 def _cos(u: np.ndarray, v: np.ndarray) -> float:
@@ -26,7 +31,7 @@ def test_drift_statistics_match_numpy_oracle() -> None:
     p = P.planted_drift(seed=5, n=96, cause="source", snr=0.5)
     X = p.unit_matrix(P.mlp_name(1), None)
     A = p.mixture.astype(np.float64)
-    res = drift.drift_unit(X @ X.T, A, window=None)
+    [res] = drift_slab([(X @ X.T, A)], window=None)
     w = 6                                                           # max(4, ceil(96/16))
     m0 = X[:w].mean(axis=0)
     rec = [_cos(X[i], np.delete(X[:w], i, axis=0).mean(axis=0)) for i in range(w)]
@@ -54,11 +59,11 @@ def test_drift_statistics_match_numpy_oracle() -> None:
 def test_hinge_changepoint_finds_the_knee() -> None:
     t = np.arange(100.0)
     y = np.where(t < 40, 1.0, 1.0 - 0.02 * (t - 40))
-    k, slope = drift.hinge_changepoint(y)
+    k, slope = _hinge(y)
     assert k == 40 and slope == pytest.approx(-0.02)
     y[[3, 50]] = np.nan                                              # NaNs are skipped
-    assert drift.hinge_changepoint(y)[0] == 40
-    assert drift.hinge_changepoint(np.linspace(0, 1, 30))[0] is None   # a rise is not a fall
+    assert _hinge(y)[0] == 40
+    assert _hinge(np.linspace(0, 1, 30))[0] is None   # a rise is not a fall
 
 
 def test_hinge_changepoint_matches_brute_force_least_squares() -> None:
@@ -75,7 +80,7 @@ def test_hinge_changepoint_matches_brute_force_least_squares() -> None:
         if c[1] < 0 and (best is None or sse < best[0]):
             best = (sse, int(t[j]), float(c[1]))
     assert best is not None
-    k, slope = drift.hinge_changepoint(y)
+    k, slope = _hinge(y)
     assert (k, slope) == (best[1], pytest.approx(best[2]))
 
 

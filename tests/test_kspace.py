@@ -1,4 +1,5 @@
-"""Oracle tests of the K-space helpers: every quantity against a direct NumPy computation on X."""
+"""Oracle tests of the K-space helpers (kspace, drift's and oscillation's): each against a direct NumPy computation
+on X, at rtol 1e-9 to 1e-10 (a few float64 products of well-conditioned 24 x 40 data)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import numpy as np
 import pytest
 
 from gradforensics.analysis.contract.model import Flag
+from gradforensics.analysis.kinds.drift import stats as dst
+from gradforensics.analysis.kinds.oscillation import stats as ost
 from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit.flagging import dedupe_heads, involved_heads, significance
 from gradforensics.analysis.toolkit.units import SeriesPack, decode_names, encode_names, unit_series, units
@@ -24,35 +27,40 @@ def _cos(u: np.ndarray, v: np.ndarray) -> float:
     return float(u @ v / np.linalg.norm(u) / np.linalg.norm(v))
 
 
-def test_inner_and_cosines_match_direct(X: np.ndarray) -> None:
+def test_cosines_match_direct_on_one_k_and_on_a_stack(X: np.ndarray) -> None:
     K = X @ X.T
     rng = np.random.default_rng(1)
     A, B = rng.standard_normal((3, 24)), rng.standard_normal((2, 24))
-    np.testing.assert_allclose(ks.inner(K, A, B), (A @ X) @ (B @ X).T, rtol=1e-10)
     want = np.array([[_cos(a @ X, b @ X) for b in B] for a in A])
-    np.testing.assert_allclose(ks.cosines(K, A, B), want, rtol=1e-10)
+    np.testing.assert_allclose(dst.cosines(K, A, B), want, rtol=1e-10)
+    Y = 2.0 * X[::-1]
+    stack = dst.cosines(np.stack([K, Y @ Y.T]), A, B)
+    np.testing.assert_allclose(stack[0], want, rtol=1e-10)
+    np.testing.assert_allclose(stack[1], [[_cos(a @ Y, b @ Y) for b in B] for a in A], rtol=1e-10)
 
 
 def test_record_and_consecutive_cosines(X: np.ndarray) -> None:
     K = X @ X.T
-    a = ks.mean_coefficients(24, np.arange(5))
+    a = dst.mean_coefficients(24, np.arange(5))
     m = X[:5].mean(axis=0)
-    np.testing.assert_allclose(ks.record_cosines(K, a), [_cos(x, m) for x in X], rtol=1e-10)
-    np.testing.assert_allclose(ks.consecutive_cosines(K), [_cos(X[i], X[i + 1]) for i in range(23)], rtol=1e-10)
+    np.testing.assert_allclose(dst.record_cosines(K, a), [_cos(x, m) for x in X], rtol=1e-10)
+    loo = [_cos(X[i], np.delete(X[:5], i, axis=0).mean(axis=0)) for i in range(5)]
+    np.testing.assert_allclose(dst.opening_cosines(K, np.arange(5)), loo + [_cos(x, m) for x in X[5:]], rtol=1e-10)
+    np.testing.assert_allclose(ost.consecutive_cosines(K), [_cos(X[i], X[i + 1]) for i in range(23)], rtol=1e-10)
 
 
 def test_zero_vector_gives_nan_not_error() -> None:
     X = np.zeros((4, 3))
     X[1] = 1.0
-    c = ks.cosines(X @ X.T, np.eye(4))
+    c = dst.cosines(X @ X.T, np.eye(4))
     assert np.isnan(c[0, 1]) and c[1, 1] == pytest.approx(1.0)
 
 
 def test_window_coefficients_are_window_means(X: np.ndarray) -> None:
-    W = ks.window_coefficients(24, 5)              # 5,5,5,5 and a 4-record tail kept (4 >= 2.5)
+    W = dst.window_coefficients(24, 5)              # 5,5,5,5 and a 4-record tail kept (4 >= 2.5)
     assert W.shape == (5, 24)
     np.testing.assert_allclose(W @ X, [X[i:i + 5].mean(axis=0) for i in range(0, 24, 5)], rtol=1e-12)
-    W2 = ks.window_coefficients(22, 5)             # tail of 2 < 2.5 merges into the last window
+    W2 = dst.window_coefficients(22, 5)             # tail of 2 < 2.5 merges into the last window
     assert W2.shape == (4, 22)
     np.testing.assert_allclose(W2[-1] @ X[:22], X[15:22].mean(axis=0), rtol=1e-12)
     assert ks.window_size(128) == 8 and ks.window_size(20) == 4 and ks.window_size(50, 7) == 7
@@ -62,16 +70,18 @@ def test_u_statistic_and_debiased_cosine() -> None:
     rng = np.random.default_rng(2)
     d, n = 2000, 200
     G = rng.standard_normal(d)
-    G2 = np.cos(1.0) * G + np.sin(1.0) * P._orthogonal_to(rng, G)
+    H = rng.standard_normal(d)
+    H -= (H @ G) / (G @ G) * G
+    G2 = np.cos(1.0) * G + np.sin(1.0) * H * np.linalg.norm(G) / np.linalg.norm(H)
     X = np.r_[G + 8 * rng.standard_normal((n, d)), G2 + 8 * rng.standard_normal((n, d))]
     K = X @ X.T
     rows = np.arange(n)
     sub = X[rows]
     direct = (np.sum(sub.sum(axis=0) ** 2) - np.sum(sub**2)) / (n * (n - 1))
-    assert ks.u_statistic_norm2(K, rows) == pytest.approx(direct, rel=1e-10)
+    assert dst.u_statistic_norms(K, rows) == pytest.approx(direct, rel=1e-10)
     # raw cosine of the sample means is attenuated by the noise; the debiased one finds cos(1 rad)
     raw = _cos(X[:n].mean(0), X[n:].mean(0))
-    deb = ks.debiased_cosine(K, np.arange(n), np.arange(n, 2 * n))
+    deb = dst.debiased_cosines(K, np.arange(n), np.arange(n, 2 * n))
     assert raw < np.cos(1.0) - 0.1
     assert deb == pytest.approx(np.cos(1.0), abs=0.05)
 
@@ -86,7 +96,7 @@ def test_least_squares_source_means_match_lstsq() -> None:
     np.testing.assert_allclose(fit.C @ X, M, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(ks.source_gram(K, fit), M @ M.T, rtol=1e-8)
     E = X - A @ M
-    np.testing.assert_allclose(ks.residual_gram(K, fit), E @ E.T, rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(ost.residual_gram(K, fit), E @ E.T, rtol=1e-8, atol=1e-8)
     h = np.diag(A @ np.linalg.pinv(A.T @ A) @ A.T)
     np.testing.assert_allclose(ks.noise_energy(K, fit), np.sum(E**2, axis=1) / (1 - h), rtol=1e-8)
     # the recovered means point where the planted ones do
@@ -106,6 +116,15 @@ def test_debiased_source_gram_removes_noise_floor() -> None:
     assert np.abs(deb - want).mean() < 0.4 * np.abs(raw - want).mean()   # the debiased Gram removes most of it
 
 
+def test_block_is_ix_on_one_k_and_on_a_stack(X: np.ndarray) -> None:
+    Ks = np.stack([X @ X.T, X[::-1] @ X[::-1].T])
+    for rows, cols in ((np.arange(24), None), (np.arange(2, 20, 3), np.arange(5)), (np.array([5, 1, 9]), np.arange(0, 24, 2))):
+        c = rows if cols is None else cols
+        np.testing.assert_array_equal(ks.block(Ks[0], rows, cols), Ks[0][np.ix_(rows, c)])
+        np.testing.assert_array_equal(ks.block(Ks, rows, cols), Ks[:, rows][:, :, c])
+        assert ks.block(Ks, rows, cols).flags.c_contiguous
+
+
 def test_fit_sources_drops_absent_source() -> None:
     A = np.array([[1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 1, 0]], float)
     fit = ks.fit_sources(A)
@@ -116,8 +135,8 @@ def test_fit_sources_drops_absent_source() -> None:
 def test_centred_pca_scores_match_svd(X: np.ndarray) -> None:
     K = X @ X.T
     Xc = X - X.mean(axis=0)
-    np.testing.assert_allclose(ks.centred(K), Xc @ Xc.T, rtol=1e-9, atol=1e-9)
-    lam, U = ks.top_components(ks.centred(K), 2)
+    np.testing.assert_allclose(ost.centred(K), Xc @ Xc.T, rtol=1e-9, atol=1e-9)
+    lam, U = ost.top_components(ost.centred(K), 2)
     _, s, vt = np.linalg.svd(Xc, full_matrices=False)
     np.testing.assert_allclose(lam, s[:2] ** 2, rtol=1e-9)
     for k in range(2):
@@ -211,18 +230,6 @@ def test_names_roundtrip_and_options() -> None:
         ConflictOptions.parse({"perms": 5}, "conflict")
     with pytest.raises(SpecError, match="'permutations' option of conflict must be an int >= 19; got 5"):
         ConflictOptions.parse({"permutations": 5}, "conflict")
-
-
-def test_top_components_lanczos_path_matches_dense(monkeypatch: pytest.MonkeyPatch) -> None:
-    rng = np.random.default_rng(5)
-    X = rng.standard_normal((120, 30))
-    X[::2] += 4 * rng.standard_normal(30)
-    Kc = ks.centred(X @ X.T)
-    dense = ks.top_components(Kc, 3)
-    monkeypatch.setattr(ks, "LANCZOS_MIN", 100)
-    lanczos = ks.top_components(Kc, 3)
-    np.testing.assert_allclose(lanczos[0], dense[0], rtol=1e-7)
-    np.testing.assert_allclose(np.abs(np.sum(lanczos[1] * dense[1], axis=0)), 1.0, rtol=1e-6)
 
 
 def test_series_pack_roundtrip_with_padding() -> None:

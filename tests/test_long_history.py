@@ -11,10 +11,11 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.analysis.contract.grams import Design, WindowMoments
-from gradforensics.analysis.engine.longhistory import band_products, dense_moments, threshold, window_edges_for
+from gradforensics.analysis.engine.bandstats import band_products, dense_moments, lag_design
+from gradforensics.analysis.engine.longhistory import threshold, window_edges_for
 from gradforensics.analysis.engine.results import load_grams
 from gradforensics.analysis.engine.run import EngineOptions, _compute, select_analyses
-from gradforensics.analysis.kinds.oscillation import band_oscillation, lag_design
+from gradforensics.analysis.kinds.oscillation.stats import band_oscillation
 from gradforensics.errors import SpecError
 from gradforensics.store.reader import Store
 from gradforensics.testing.planted import write_store

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from gradforensics.analysis.contract.grams import WindowMoments
-from gradforensics.analysis.engine.longhistory import lag_design, oscillation_edges, periods_of
+from gradforensics.analysis.engine.bandstats import lag_design, oscillation_edges, periods_of
 from gradforensics.analysis.engine.run import EngineOptions, _compute, select_analyses
-from gradforensics.analysis.kinds.oscillation import band_oscillation
+from gradforensics.analysis.kinds.oscillation.stats import band_oscillation
 from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.reader import Store
 from gradforensics.testing.planted import write_store

@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 from gradforensics.analysis.kinds import oscillation as osc
+from gradforensics.analysis.kinds.oscillation import stats as ost
 from gradforensics.analysis.toolkit.units import unit_series
 from gradforensics.testing import planted_directions as P
 from gradforensics.testing.contracts import AnalysisContract
@@ -30,9 +31,50 @@ def test_periodogram_shares_follow_their_beta_law() -> None:
     assert stats.kstest(nyquist, stats.beta(0.5, (n - 2) / 2).cdf).pvalue > 1e-3
 
 
+def _periodogram_test(x: np.ndarray) -> tuple[float, float]:
+    period, p = ost.periodogram_tests(x[None, :])
+    return float(period[0]), float(p[0])
+
+
+def test_periodogram_p_is_scipy_beta_sf_of_the_detrended_shares() -> None:
+    """The test's p from its definition (quadratic trend by np.linalg.lstsq, scipy.stats.beta.sf as the tail);
+    rtol 1e-9: the detrending differs only by rounding (QR projection against lstsq)."""
+    rng = np.random.default_rng(2)
+    for n in (8, 9, 31, 64, 129):
+        X = rng.standard_normal((5, n)) + np.cos(np.pi * np.arange(n)) * 0.5
+        period, p = ost.periodogram_tests(X, 3, n - 1)
+        t = np.linspace(-1.0, 1.0, n)
+        T = np.c_[np.ones(n), t, t * t]
+        j = np.arange(3, n // 2 + 1)
+        dof = np.where(2 * j == n, 1.0, 2.0)
+        for x, got_period, got_p in zip(X, period, p, strict=True):
+            xc = x - T @ np.linalg.lstsq(T, x, rcond=None)[0]
+            F = np.abs(np.fft.rfft(xc)[j]) ** 2
+            share = np.clip(np.where(dof == 1.0, F, 2.0 * F) / n / float(xc @ xc), 0.0, 1.0)
+            tail = stats.beta.sf(share, dof / 2.0, np.maximum(n - 3 - dof, 1.0) / 2.0)
+            best = int(np.argmin(tail))
+            assert got_period == n / float(j[best])
+            np.testing.assert_allclose(got_p, min(1.0, tail[best] * j.size), rtol=1e-9)
+
+
+def test_top_components_are_numpy_eigh_s() -> None:
+    """Eigenvalues rtol 1e-10 and eigenvectors (sign fixed: largest entry positive) atol 1e-8 against
+    np.linalg.eigh, dense and Lanczos (eigsh tol 1e-8) sizes."""
+    rng = np.random.default_rng(3)
+    for n, d in ((12, 40), (100, 30), (ost.LANCZOS_MIN, 20)):
+        X = rng.standard_normal((n, d)) * np.linspace(3.0, 0.5, d)
+        Kc = ost.centred(X @ X.T)
+        lam, U = ost.top_components(Kc, 3)
+        w, V = np.linalg.eigh((X - X.mean(axis=0)) @ (X - X.mean(axis=0)).T)
+        w, V = w[::-1][:3], V[:, ::-1][:, :3]
+        V = V * np.sign(V[np.argmax(np.abs(V), axis=0), np.arange(3)])
+        np.testing.assert_allclose(lam, w, rtol=1e-10)
+        np.testing.assert_allclose(U, V, atol=1e-8)
+
+
 def test_periodogram_test_is_calibrated_and_finds_periods() -> None:
     rng = np.random.default_rng(1)
-    ps = np.array([osc.periodogram_test(rng.standard_normal(96))[1] for _ in range(3000)])
+    ps = ost.periodogram_tests(rng.standard_normal((3000, 96)))[1]
     # valid: P(p < a) <= a up to Monte-Carlo error (3 standard errors) ...
     for a in (0.05, 0.01):
         assert np.mean(ps < a) <= a + 3 * np.sqrt(a * (1 - a) / ps.size), a
@@ -40,28 +82,17 @@ def test_periodogram_test_is_calibrated_and_finds_periods() -> None:
     t = np.arange(96)
     for period in (2, 3, 8, 16, 32):
         x = P.square_wave(96, period) + 0.8 * rng.standard_normal(96)
-        est, p = osc.periodogram_test(x)
+        est, p = _periodogram_test(x)
         assert est == pytest.approx(period, rel=0.05) and p < 1e-6, period
     # a trend (fewer than 3 cycles) is not a period
-    est, p = osc.periodogram_test(t / 96 + 0.05 * rng.standard_normal(96))
+    est, p = _periodogram_test(t / 96 + 0.05 * rng.standard_normal(96))
     assert p > 0.01
-
-
-def test_bimodality_coefficient_matches_scipy() -> None:
-    rng = np.random.default_rng(2)
-    for x in (rng.standard_normal(50), rng.exponential(size=40), np.r_[rng.normal(-3, 1, 30), rng.normal(3, 1, 30)]):
-        n = x.size
-        g, k = stats.skew(x, bias=False), stats.kurtosis(x, bias=False)
-        want = (g**2 + 1) / (k + 3 * (n - 1) ** 2 / ((n - 2) * (n - 3)))
-        assert osc.bimodality_coefficient(x) == pytest.approx(want, rel=1e-10)
-    assert osc.bimodality_coefficient(np.r_[rng.normal(-3, 1, 30), rng.normal(3, 1, 30)]) > 5 / 9
-    assert osc.bimodality_coefficient(rng.standard_normal(500)) < 0.45
 
 
 def test_two_means_split_is_the_best_split() -> None:
     rng = np.random.default_rng(3)
     x = np.r_[rng.normal(-2, 1, 20), rng.normal(1, 0.5, 13)]
-    upper = osc.two_means_split(x)
+    upper = ost.two_means_split(x)
     xs = np.sort(x)
 
     def between(c: int) -> float:
@@ -75,7 +106,8 @@ def test_unit_statistics_match_numpy_oracle() -> None:
     p = P.planted_oscillation(seed=4, period=2, heads=(1,))
     X = p.unit_matrix(P.q_name(0), 1)
     K = X @ X.T
-    row, comp = osc.oscillation_unit(K, p.mixture.astype(float), False, osc.OscillationOptions(), p.sources)
+    cc = ost.consecutive_cosines(K)
+    [(row, comp)] = ost.oscillation_slab([(K, p.mixture.astype(float), cc)], False, osc.OscillationOptions(), p.sources)
     assert row["consec_cos"] == pytest.approx(np.mean([_cos(X[i], X[i + 1]) for i in range(p.n - 1)]))
     Xc = X - X.mean(axis=0)
     _, s, vt = np.linalg.svd(Xc, full_matrices=False)

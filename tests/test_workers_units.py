@@ -118,15 +118,15 @@ def _square(x: _Item) -> tuple[int, float]:
 def test_batches_keep_order_and_their_caps() -> None:
     side = 256                                   # 512 KiB a unit: the byte cap binds before the unit cap
     items = [_Item(i, np.full((side, side), float(i))) for i in range(40)]
-    batches = list(parallel._batches(items))
+    batches = list(parallel.worker_batches(items))
     assert [x.i for _, b in batches for x in b] == list(range(40))
     assert [s for s, _ in batches] == [sum(len(b) for _, b in batches[:k]) for k in range(len(batches))]
     assert all(sum(x.gram.nbytes for x in b) <= BATCH_BYTES for _, b in batches)
     assert len(batches[0][1]) == BATCH_BYTES // (side * side * 8)
     small = [_Item(i, np.zeros((2, 2))) for i in range(100)]
-    assert [len(b) for _, b in parallel._batches(small)] == [BATCH_UNITS] * 3 + [100 - 3 * BATCH_UNITS]
+    assert [len(b) for _, b in parallel.worker_batches(small)] == [BATCH_UNITS] * 3 + [100 - 3 * BATCH_UNITS]
     huge = [_Item(0, np.zeros((1100, 1100)))]                       # larger than a batch: a batch of its own
-    assert [len(b) for _, b in parallel._batches(huge + small[:3])] == [1, 3]
+    assert [len(b) for _, b in parallel.worker_batches(huge + small[:3])] == [1, 3]
 
 
 @pytest.mark.slow

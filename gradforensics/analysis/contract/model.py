@@ -334,7 +334,7 @@ class Context:
     Above ``N₀`` records (the long-history regime) ``grams`` is empty and ``long``
     holds, per tensor and head, the band test's window moments, the super-record Gram
     matrix and the non-finite records
-    (:class:`~gradforensics.analysis.engine.longhistory.LongHistory`).
+    (:class:`~gradforensics.analysis.contract.grams.LongHistory`).
     """
 
     store: Store | None
@@ -480,7 +480,7 @@ class Analysis:
         It runs in the long-history regime: above ``N₀`` records ``ctx.grams`` is
         empty and ``ctx.long`` holds the band test's window moments and the
         super-record Gram matrices
-        (:class:`~gradforensics.analysis.engine.longhistory.LongHistory`), and its
+        (:class:`~gradforensics.analysis.contract.grams.LongHistory`), and its
         ``compute`` reads them.  False (default): above ``N₀`` the engine refuses to
         run it (one ``SpecError`` line naming it and ``N₀``) rather than hand it a
         context without the Gram matrices it reads.  The regime exists only when a

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradforensics.analysis.contract.grams import Design, LongHistory
 from gradforensics.analysis.contract.model import (
     Analysis,
     AnalysisResult,
@@ -58,16 +59,7 @@ from gradforensics.analysis.engine.gram import (
     gram_graph,
     slab_outputs,
 )
-from gradforensics.analysis.engine.longhistory import (
-    BAND,
-    N_WINDOWS,
-    Design,
-    LongHistory,
-    check_supported,
-    design,
-    long_graph,
-    threshold,
-)
+from gradforensics.analysis.engine.longhistory import BAND, N_WINDOWS, check_supported, design, long_graph, threshold
 from gradforensics.analysis.engine.plan_small import OneSlab, fused_output, fused_outputs, one_slab
 from gradforensics.analysis.engine.results import save_results
 from gradforensics.analysis.engine.spill import GramSpill, SpilledGrams

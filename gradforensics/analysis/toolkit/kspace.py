@@ -1,4 +1,4 @@
-"""K-space algebra: direction statistics of per-record gradients through their Gram matrix.
+"""K-space algebra the direction analyses share: per-record gradients through their Gram matrix.
 
 Every vector the direction analyses need lies in the span of the records
 ``g_1 .. g_N`` (rows of ``X``), so it is ``v = Xᵀa`` for a *coefficient vector*
@@ -7,16 +7,15 @@ matrix ``K = X Xᵀ``::
 
     <Xᵀa, Xᵀb> = aᵀ K b
 
-A window mean is ``a = 1_W / |W|``; the least-squares per-source mean gradients
-of mixed batches are the rows of ``C = (AᵀA)⁻¹Aᵀ`` (``A`` = ``batches/mixture``,
-N×S), so ``M Mᵀ = C K Cᵀ``; the principal directions of the records are the
-eigenvectors of the centred ``H K H`` (``H = I - 11ᵀ/N``; Schölkopf et al. 1998,
-kernel PCA with a linear kernel), whose scores are ``u_k √λ_k``.  Nothing here
-reads a gradient: the analyses get ``K`` once from the engine's Gram pass.
+The least-squares per-source mean gradients of mixed batches are the rows of
+``C = (AᵀA)⁻¹Aᵀ`` (``A`` = ``batches/mixture``, N×S), so ``M Mᵀ = C K Cᵀ``.  Nothing
+here reads a gradient: the analyses get ``K`` once from the engine's Gram pass.
 
-Pure maths over K and coefficient vectors; the units K comes in (one per tensor
-and head) are :mod:`gradforensics.analysis.toolkit.units`, and turning the
-statistics into flags is :mod:`gradforensics.analysis.toolkit.flagging`.
+What one analysis alone uses lives beside it (drift's window cosines in
+:mod:`gradforensics.analysis.kinds.drift.stats`, oscillation's principal directions in
+:mod:`gradforensics.analysis.kinds.oscillation.stats`); the units K comes in (one per tensor
+and head) are :mod:`gradforensics.analysis.toolkit.units`, and turning the statistics into
+flags is :mod:`gradforensics.analysis.toolkit.flagging`.
 """
 
 from __future__ import annotations
@@ -29,123 +28,52 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 
-__all__ = ["LANCZOS_MIN", "SourceFit", "block", "centred", "consecutive_cosines", "cosines", "debiased_cosine", "fit_sources",
-           "gram_to_cos", "inner", "mean_coefficients", "noise_energy", "record_cosines", "residual_gram", "safe_div",
-           "shared_fit",
-           "source_gram", "source_grams", "top_components", "u_statistic_norm2", "window_coefficients", "window_edges", "window_size"]
-
-
-
-# ------------------------------------------------------------- inner products
-def inner(K: np.ndarray, A: np.ndarray, B: np.ndarray | None = None) -> np.ndarray:
-    """Inner products ``<Xᵀa_i, Xᵀb_j> = A K Bᵀ`` of coefficient rows ``A`` (p×N), ``B`` (q×N)."""
-    A = np.atleast_2d(A)
-    B = A if B is None else np.atleast_2d(B)
-    return A @ K @ B.T
-
-
-def cosines(K: np.ndarray, A: np.ndarray, B: np.ndarray | None = None) -> np.ndarray:
-    """Cosine matrix between the vectors ``Xᵀa_i`` and ``Xᵀb_j`` (NaN where a norm is 0)."""
-    A = np.atleast_2d(A)
-    B = A if B is None else np.atleast_2d(B)
-    AK = A @ K
-    num = AK @ B.T
-    na = np.sqrt(np.maximum(np.einsum("ij,ij->i", AK, A), 0.0))      # diag(A K Aᵀ) without A K Aᵀ
-    nb = na if B is A else np.sqrt(np.maximum(np.einsum("ij,ij->i", B @ K, B), 0.0))
-    return safe_div(num, np.outer(na, nb))
-
-
-def record_cosines(K: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """Cosine of each record ``g_i`` with the vector ``Xᵀa``."""
-    num = K @ a
-    den = np.sqrt(np.maximum(np.diag(K), 0.0) * max(float(a @ K @ a), 0.0))
-    return safe_div(num, den)
-
-
-def consecutive_cosines(K: np.ndarray) -> np.ndarray:
-    """``cos(g_i, g_{i+1})`` for consecutive rows of K (length N-1)."""
-    d = np.sqrt(np.maximum(np.diag(K), 0.0))
-    return safe_div(np.diag(K, 1), d[:-1] * d[1:])
+__all__ = ["SourceFit", "block", "fit_sources", "gram_to_cos", "noise_energy", "safe_div", "shared_fit", "source_gram",
+           "source_grams", "window_edges", "window_size"]
 
 
 def block(K: np.ndarray, rows: np.ndarray, cols: np.ndarray | None = None) -> np.ndarray:
-    """``K[np.ix_(rows, cols)]`` (*cols* None: *rows*) as two one-axis takes: the same C-ordered copy, cheaper."""
-    return np.take(np.take(K, rows, axis=0), rows if cols is None else cols, axis=1)
+    """``K[..., rows, cols]`` as a C-ordered copy (``K[np.ix_(rows, cols)]`` of each matrix of a stack ``(..., N, N)``;
+    *cols* None: *rows*): a strided slice's copy where the rows and columns are evenly spaced (a whole record set,
+    an opening window, a round-robin source's records), else two one-axis takes."""
+    K = np.asarray(K)
+    rows = np.asarray(rows)
+    cols = rows if cols is None else np.asarray(cols)
+    r, c = _as_slice(rows), _as_slice(cols)
+    if r is not None and c is not None and r.stop <= K.shape[-2] and c.stop <= K.shape[-1]:
+        return np.array(K[..., r, c], order="C")
+    return np.take(np.take(K, rows, axis=-2), cols, axis=-1)
+
+
+def _as_slice(rows: np.ndarray) -> slice | None:
+    """*rows* (1-d integers) as the slice that lists them, when they are evenly spaced and increasing; else None."""
+    n = rows.size
+    if n == 0 or rows.ndim != 1 or rows.dtype.kind not in "iu" or int(rows[0]) < 0:
+        return None
+    first = int(rows[0])
+    step = int(rows[1]) - first if n > 1 else 1
+    if step <= 0 or not np.array_equal(rows, np.arange(first, first + step * n, step)):
+        return None
+    return slice(first, first + step * (n - 1) + 1, step)
 
 
 def safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    """``num / den`` clipped to [-1, 1] where ``den > 1e-300``, NaN elsewhere (*den* broadcast to *num*'s shape):
-    one masked ``np.divide`` into a NaN-filled array, the same quotients as dividing the selected entries."""
+    """``num / den`` clipped to [-1, 1] where ``den > 1e-300``, NaN elsewhere (*den* broadcast to *num*'s shape)."""
     num = np.asarray(num, dtype=np.float64)
-    den = np.asarray(den, dtype=np.float64)
-    if den.shape != num.shape and np.broadcast_shapes(num.shape, den.shape) != num.shape:
-        den = np.broadcast_to(den, num.shape)          # its error: den must broadcast to num
+    den = np.broadcast_to(np.asarray(den, dtype=np.float64), num.shape)
     out = np.full(num.shape, np.nan)
     np.divide(num, den, out=out, where=den > 1e-300)
     return np.clip(out, -1.0, 1.0, out=out)
 
 
-# ------------------------------------------------------------------- windows
 def window_size(n: int, requested: int | None = None) -> int:
     """Records per window: *requested*, or ``max(4, ceil(n / 16))``."""
     return int(requested) if requested else max(4, math.ceil(n / 16))
 
 
-def window_coefficients(n: int, size: int) -> np.ndarray:
-    """Coefficient rows (W×n) of the means of consecutive windows of *size* rows.
-
-    A last window shorter than half a window is merged into the one before.
-    """
-    starts = list(range(0, n, size))
-    if len(starts) > 1 and n - starts[-1] < size / 2:
-        starts.pop()
-    bounds = [*starts, n]
-    W = np.zeros((len(starts), n))
-    for w in range(len(starts)):
-        W[w, bounds[w]:bounds[w + 1]] = 1.0 / (bounds[w + 1] - bounds[w])
-    return W
-
-
 def window_edges(n: int, windows: int = 8) -> np.ndarray:
     """Record boundaries of ``min(windows, n)`` contiguous, near-equal windows (``[0, ..., n]``)."""
     return np.linspace(0, n, min(windows, n) + 1).round().astype(int) if n else np.zeros(1, int)
-
-
-def mean_coefficients(n: int, rows: np.ndarray) -> np.ndarray:
-    """Coefficient vector of the mean of the given rows."""
-    a = np.zeros(n)
-    rows = np.asarray(rows)
-    if rows.size:
-        a[rows] = 1.0 / rows.size
-    return a
-
-
-def u_statistic_norm2(K: np.ndarray, rows: np.ndarray) -> float:
-    """Unbiased ``|E g|²`` from independent records: ``Σ_{i≠j} K_ij / (n(n-1))``.
-
-    Equals ``|mean|² - tr(Σ̂)/n`` with the unbiased sample covariance, i.e. the
-    squared norm of the window mean with the noise floor removed (Hoeffding 1948).
-    """
-    rows = np.asarray(rows)
-    n = rows.size
-    if n < 2:
-        return math.nan
-    sub = block(K, rows)
-    return float((sub.sum() - np.trace(sub)) / (n * (n - 1)))
-
-
-def debiased_cosine(K: np.ndarray, rows_a: np.ndarray, rows_b: np.ndarray) -> float:
-    """Cosine between the *population* means of two disjoint record sets.
-
-    ``mean_{i∈a, j∈b} K_ij / sqrt(U_a U_b)`` with U-statistic norms: free of the
-    attenuation noise puts on the cosine of sample means (the disattenuated
-    correlation of Spearman 1904).  NaN where either U is not positive.
-    """
-    ua, ub = u_statistic_norm2(K, rows_a), u_statistic_norm2(K, rows_b)
-    if not (ua > 0 and ub > 0):
-        return math.nan
-    cross = float(block(K, rows_a, rows_b).mean())
-    return float(np.clip(cross / math.sqrt(ua * ub), -1.0, 1.0))
 
 
 # ------------------------------------------------------- sources (mixtures)
@@ -206,17 +134,6 @@ def _shared_fit(shape: tuple[int, int], raw: bytes) -> SourceFit:
     return fit
 
 
-def residual_gram(K: np.ndarray, fit: SourceFit) -> np.ndarray:
-    """Gram matrix of the records with their source means removed: ``E K E``, ``E = I - A C``.
-
-    Costs O(N² S) (never forms E K E by N×N products).
-    """
-    A, C = fit.A, fit.C
-    CK = C @ K
-    G = CK @ C.T
-    ACK = A @ CK
-    return K - ACK - ACK.T + A @ G @ A.T
-
 
 def noise_energy(K: np.ndarray, fit: SourceFit) -> np.ndarray:
     """Per-record noise energy ``|g_i - (A M)_i|² / (1 - h_ii)`` (HC2; MacKinnon & White 1985).
@@ -243,8 +160,7 @@ def source_gram(K: np.ndarray, fit: SourceFit, debias: bool = False) -> np.ndarr
 
 
 def source_grams(K: np.ndarray, fit: SourceFit) -> tuple[np.ndarray, np.ndarray]:
-    """``(source_gram(K, fit), source_gram(K, fit, debias=True))`` with ``C K`` and ``C K Cᵀ`` formed once: the
-    same products in the same order (``C @ K @ Cᵀ`` is ``(C K) Cᵀ``), so the same floats."""
+    """``(source_gram(K, fit), source_gram(K, fit, debias=True))`` with ``C K`` and ``C K Cᵀ`` formed once."""
     A, C = fit.A, fit.C
     CK = C @ K
     G = CK @ C.T
@@ -259,40 +175,3 @@ def gram_to_cos(G: np.ndarray) -> np.ndarray:
     d = np.sqrt(np.where(np.diag(G) > 0, np.diag(G), np.nan))
     with np.errstate(invalid="ignore"):
         return np.clip(G / np.outer(d, d), -1.0, 1.0)
-
-
-# ----------------------------------------------------------------- PCA via K
-def centred(K: np.ndarray) -> np.ndarray:
-    """``H K H`` with ``H = I - 11ᵀ/N``: the Gram matrix of the centred records."""
-    r = K.mean(axis=0)
-    return K - r[None, :] - r[:, None] + K.mean()
-
-
-def top_components(Kc: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-*k* eigenpairs of a (centred) Gram matrix, largest first.
-
-    Returns ``(lam, U)``; the scores of the records on component j are
-    ``U[:, j] * sqrt(lam[j])`` (kernel PCA, linear kernel).  Dense ``eigh`` up to
-    ``LANCZOS_MIN`` records, Lanczos (``eigsh``, seeded start vector) above.
-    """
-    n = Kc.shape[0]
-    k = max(1, min(k, n))
-    S = (Kc + Kc.T) / 2.0
-    if n >= LANCZOS_MIN and k < n // 4:
-        from scipy.sparse.linalg import eigsh
-
-        v0 = np.random.default_rng(0).standard_normal(n)
-        lam, U = eigsh(S, k=k, which="LA", v0=v0, tol=1e-8)
-        order = np.argsort(lam)
-        lam, U = lam[order], U[:, order]
-    else:
-        from scipy.linalg import eigh
-
-        lam, U = eigh(S, subset_by_index=(n - k, n - 1))
-    lam, U = lam[::-1], U[:, ::-1]
-    # deterministic sign: the largest-magnitude entry positive
-    s = np.sign(U[np.argmax(np.abs(U), axis=0), np.arange(U.shape[1])])
-    return np.maximum(lam, 0.0), U * np.where(s == 0, 1.0, s)
-
-
-LANCZOS_MIN = 768

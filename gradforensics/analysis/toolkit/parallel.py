@@ -5,8 +5,8 @@ by unit (a tensor, or one head of it): on a store shaped like a real model that 
 hundreds to thousands of independent, mostly-BLAS computations.  :func:`map_units`
 runs one analysis's per-unit function over its units on the threads the engine
 grants (:func:`unit_threads`: the pass's ``num_workers``, else the machine's cores),
-results in the units' order: every statistic is the one the serial loop computes,
-bit for bit (each unit's permutations are seeded by its own name).  Outside
+results in the units' order: every statistic is the one the serial loop computes
+(each unit's permutations are seeded by its own name).  Outside
 :func:`unit_threads` (an analysis called directly, a test), it is the serial loop.
 
 When the pass ran on a ``dask.distributed`` client (``--workers``, ``--scheduler``),
@@ -17,8 +17,8 @@ file there), shipped in batches of at most :data:`BATCH_BYTES` of Gram matrices 
 and the results are gathered in the units' order.  The arrays travel with the tasks:
 the workers need no file system shared with the client.  The function must pickle
 (a module-level function, or a :func:`functools.partial` of one over small, frozen
-arguments) and runs with one BLAS thread, as on the threads: the same statistics, bit
-for bit.  A worker that dies (killed for memory, say) or runs out of memory stops the
+arguments) and runs with one BLAS thread, as on the threads: the same statistics.
+A worker that dies (killed for memory, say) or runs out of memory stops the
 analysis with one :class:`~gradforensics.errors.WorkerLostError` line naming the units;
 an error the function raises is raised as it is.
 """
@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 
 from gradforensics.errors import WorkerLostError
 
-__all__ = ["BATCH_BYTES", "BATCH_UNITS", "SLAB_UNITS", "available_cores", "map_slabs", "map_units", "unit_threads", "worker_lost",
-           "workers_add_cores"]
+__all__ = ["BATCH_BYTES", "BATCH_UNITS", "SLAB_UNITS", "available_cores", "map_slabs", "map_units", "unit_threads",
+           "worker_batches", "worker_lost", "workers_add_cores"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -165,7 +165,7 @@ def _run_batch(fn: Callable[[T], R], batch: list[T]) -> list[R]:
         return [fn(x) for x in batch]
 
 
-def _batches(todo: Sequence[T]) -> Iterator[tuple[int, list[T]]]:
+def worker_batches(todo: Sequence[T]) -> Iterator[tuple[int, list[T]]]:
     """``(start, items)``: consecutive items, at most :data:`BATCH_UNITS` of them and :data:`BATCH_BYTES` of Gram
     matrices (a batch holds at least one item), each built when its batch is."""
     start, size = 0, 0
@@ -208,7 +208,7 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
     out: list[Any] = [None] * len(todo)
     at: dict[str, tuple[int, str]] = {}
     done = as_completed()
-    batches = _batches(todo)
+    batches = worker_batches(todo)
 
     def ship() -> None:
         nxt = next(batches, None)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from gradforensics.analysis.toolkit import stacked as st
+from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class Units(Sequence[Unit]):
             g = _sum_heads([self._grams[(tensor, h)] for h in heads])
         keep = self._records(i, g)
         K = np.asarray(g.gram, dtype=np.float64)
-        sub = st.block(K, keep)       # = K[np.ix_(keep, keep)]: a slice's copy for every record in store order
+        sub = ks.block(K, keep)       # = K[np.ix_(keep, keep)]: a slice's copy for every record in store order
         return Unit(tensor=tensor, head=head, gram=sub,
                     records=keep.copy(), n_excluded=int(self._order.size - keep.size),
                     from_sketch=self._kept[i][1], n_heads=len(heads) if head is None and heads else None)

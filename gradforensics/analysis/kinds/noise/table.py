@@ -25,7 +25,7 @@ from gradforensics.analysis.kinds.noise.scale import (
     summaries,
     summarize,
 )
-from gradforensics.analysis.toolkit import stacked as st
+from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit.parallel import map_slabs
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def _within(gram: np.ndarray, rows: np.ndarray, d: Design) -> Parts | None:
     present = np.unique(d.source_index[rows])
     if present.size >= 2 and min(np.sum(d.source_index[rows] == s) for s in present) >= 2:
         remap = np.searchsorted(present, d.source_index[rows])
-        return mixture_parts(st.block(gram, rows), d.n_samples[rows], remap, d.shares[present])
+        return mixture_parts(ks.block(gram, rows), d.n_samples[rows], remap, d.shares[present])
     return None
 
 
@@ -113,7 +113,7 @@ def noise_rows_many(gs: Iterable[GramResult], d: Design, mask: np.ndarray | None
             if within is None:
                 group = pooled.setdefault(rows.tobytes(), (rows, [], []))
                 group[1].append(len(entries))
-                group[2].append(st.block(np.asarray(g.gram, dtype=np.float64), rows))
+                group[2].append(ks.block(np.asarray(g.gram, dtype=np.float64), rows))
             entries.append((u, "" if s is None else d.sources[s], sel, within, "within sources" if within else "pooled"))
         del g
     got: dict[int, Parts] = {}

@@ -45,8 +45,8 @@ a head's by its tensor's weight: the zig-zag is where the energy flips, not in a
 that merely follows.  Oscillations at other periods are other events and are not
 weighed against each other.
 
-The per-unit statistics are :mod:`gradforensics.analysis.toolkit.oscillationstats`;
-this module tabulates, weighs, flags and draws them (and runs the long-history band test).
+The statistics are :mod:`gradforensics.analysis.kinds.oscillation.stats`; this module
+tabulates, weighs, flags and draws them.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.grams import WindowMoments
 from gradforensics.analysis.contract.model import (
     Advice,
     Analysis,
@@ -70,54 +69,23 @@ from gradforensics.analysis.contract.model import (
     Need,
     Options,
 )
-from gradforensics.analysis.engine.bandstats import lag_design, oscillation_edges
-from gradforensics.analysis.toolkit import flagging as fl
-from gradforensics.analysis.toolkit import kspace as ks
-from gradforensics.analysis.toolkit import units as un
-from gradforensics.analysis.toolkit.oscillationstats import (
-    POLE_SHARE,
+from gradforensics.analysis.engine.bandstats import oscillation_edges
+from gradforensics.analysis.kinds.oscillation.stats import (
     Component,
-    components,
+    band_oscillation,
+    consecutive_cosines,
     oscillation_slab,
-    oscillation_unit,
-    periodogram_test,
-    periodogram_tests,
-    source_r2,
-    top_components,
-    two_means_split,
 )
+from gradforensics.analysis.toolkit import flagging as fl
+from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.parallel import map_slabs
-from gradforensics.analysis.toolkit.stats import bimodality_coefficient  # noqa: F401  (osc.bimodality_coefficient, as before)
 from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = [
-    "ADVICE",
-    "ANALYSIS",
-    "COLUMNS",
-    "POLE_SHARE",
-    "SHARE_FULL",
-    "Component",
-    "OscillationOptions",
-    "band_oscillation",
-    "components",
-    "compute",
-    "compute_long",
-    "flags",
-    "lag_design",
-    "oscillation_edges",
-    "oscillation_unit",
-    "periodogram_test",
-    "periodogram_tests",
-    "plot",
-    "severity",
-    "source_r2",
-    "top_components",
-    "two_means_split",
-    "weigh_by_energy",
-]
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "SHARE_FULL", "OscillationOptions", "compute", "compute_long", "flags", "plot",
+           "severity", "weigh_by_energy"]
 
 
 COLUMNS = [
@@ -151,7 +119,7 @@ def _slab_of(slab: list[un.Unit], mix: np.ndarray, replay: bool, opts: Oscillati
              ) -> list[tuple[dict[str, Any], Component | None, np.ndarray | None]]:
     """The rows, components and consecutive cosines of a slab of units (module-level: it runs on dask workers
     too)."""
-    ccs = [ks.consecutive_cosines(u.gram) if u.n > 1 else None for u in slab]    # the row's mean and the series
+    ccs = [consecutive_cosines(u.gram) if u.n > 1 else None for u in slab]    # the row's mean and the series
     done = oscillation_slab([(u.gram, mix[u.records], cc) for u, cc in zip(slab, ccs)], replay, opts, sources)
     return [(*rc, cc) for rc, cc in zip(done, ccs, strict=True)]
 
@@ -223,59 +191,6 @@ def _frame(rows: list[dict[str, Any]]) -> Any:
 
 
 # ------------------------------------------------------- long histories (band)
-def band_oscillation(m: WindowMoments | Any, edges: np.ndarray, min_records: int = 16) -> dict[str, Any]:
-    """Windowed test for a periodic lag structure in the banded Gram of one unit, from its window moments.
-
-    For each window and period ``P`` (2 .. band), each record's lagged products
-    ``B[l, i] = <g_i, g_{i-l}>`` give ``z_i = Σ_l h_P(l) B[l, i]`` (:func:`lag_design`);
-    an oscillation ``a·cos(2πi/P)·v`` adds ``a²/2·cos(2πl/P)`` to ``E B[l, i]``, a
-    mean gradient, a drift or noise adds nothing to ``E z``.  The ``z_i`` of distinct
-    records are sums of distinct products, so ``t = mean z / (sd z / √n)`` is
-    Student's t with ``n - 1`` degrees of freedom under no oscillation (Bonferroni
-    over windows and periods).  *m* is the unit's
-    :class:`~gradforensics.analysis.contract.grams.WindowMoments` over *edges* (the
-    pass reduces each window's ``n``, mean and sum of squares of ``z`` and ``Σ B[0]``;
-    or a :class:`~gradforensics.analysis.contract.grams.LongGram` holding them).
-    """
-    from scipy.special import stdtr  # stdtr(df, -t) = scipy.stats.t.sf(t, df), bit for bit
-
-    m = getattr(m, "moments", m)
-    nw = edges.size - 1
-    if m.count.size != nw:
-        raise ValueError(f"band_oscillation: moments of {m.count.size} windows for {nw} windows of edges.")
-    periods = np.arange(2, m.mean.shape[1] + 2)
-    n = m.count
-    use = n >= min_records
-    t = np.full((nw, periods.size), np.nan)
-    tail = np.full((nw, periods.size), np.nan)
-    amp = np.full((nw, periods.size), np.nan)
-    if use.any():                       # every tested window at once
-        k = n[use][:, None]
-        mu = m.mean[use]
-        sd = np.sqrt(m.m2[use] / (k - 1))
-        e0 = m.e0[use][:, None] / k
-        t[use] = np.where(sd > 0, mu / np.where(sd > 0, sd, 1.0) * np.sqrt(k), 0.0)
-        tail[use] = stdtr(k - 1, -t[use])
-        with np.errstate(invalid="ignore", divide="ignore"):
-            amp[use] = np.where(e0 > 0, 2.0 * mu / np.where(e0 > 0, e0, 1.0), np.nan)
-    tested = int(np.isfinite(t).sum())
-    if not tested:
-        return {"p_value": math.nan}
-    w, k = (int(i) for i in np.unravel_index(int(np.nanargmin(tail)), t.shape))
-    p = float(min(1.0, tail[w, k] * tested))
-    # the stretch: contiguous windows around the best one where this period is significant
-    hot = np.nan_to_num(tail[:, k], nan=1.0) * tested < 0.01
-    lo = hi = int(w)
-    while lo > 0 and hot[lo - 1]:
-        lo -= 1
-    while hi < nw - 1 and hot[hi + 1]:
-        hi += 1
-    share = float(np.clip(np.nanmean(amp[lo:hi + 1, k]), 0.0, 1.0))
-    return {"p_value": p, "period_records": float(periods[k]), "explained": share,
-            "record_first": int(edges[lo]), "record_last": int(edges[hi + 1] - 1),
-            "window_t": t[:, k], "window_share": amp[:, k]}
-
-
 def compute_long(ctx: Context) -> AnalysisResult:
     """Oscillation above ``N₀`` records: the windowed band test of every tensor and head.
 
