@@ -18,9 +18,9 @@ from gradforensics.analysis.engine.bandstats import lag_design
 from gradforensics.analysis.kinds import conflict as cf
 from gradforensics.analysis.kinds import drift as dr
 from gradforensics.analysis.kinds import oscillation as osc
+from gradforensics.analysis.kinds.conflict import permtest as pt
 from gradforensics.analysis.kinds.drift.stats import drift_slab, hinge_changepoints
 from gradforensics.analysis.kinds.oscillation.stats import oscillation_slab, top_components
-from gradforensics.analysis.toolkit import permtest as pt
 from gradforensics.analysis.toolkit.parallel import map_slabs, map_units, unit_threads
 from gradforensics.analysis.toolkit.stacked import lstsq_each, pinv_stack
 from gradforensics.analysis.toolkit.stats import bimodality_coefficients, rank_trends
