@@ -30,8 +30,10 @@ from gradforensics.analysis import registered
 from gradforensics.analysis.contract.grams import GramResult
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Need
 from gradforensics.analysis.engine.longhistory import threshold
+from gradforensics.analysis.engine.options import EngineOptions, select_analyses
+from gradforensics.analysis.engine.plan import n_units, units_at_once
 from gradforensics.analysis.engine.results import gram_arrays, load_grams
-from gradforensics.analysis.engine.run import EngineOptions, compute_pass, n_units, select_analyses, units_at_once
+from gradforensics.analysis.engine.run import compute_pass
 from gradforensics.analysis.engine.spill import SPILL_RESERVE, GramSpill, SpilledGrams, fits_on_disk, write_spilled
 from gradforensics.analysis.kinds.noise import noise_table
 from gradforensics.analysis.toolkit.parallel import map_units, unit_threads

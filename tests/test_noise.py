@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis.contract.model import AnalysisResult, Context, GramResult
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.model import AnalysisResult, Context
 from gradforensics.analysis.kinds.noise import MODEL, flags, noise_estimate, noise_table, run_severity, severity
 from gradforensics.analysis.toolkit.kspace import fit_sources, noise_energy
 from gradforensics.analysis.toolkit.noisescale import mixture_parts, noise_parts, robust_z

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from _exact import reference_null, same
 
-from gradforensics.analysis.contract.model import Context, GramResult
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.model import Context
 from gradforensics.analysis.kinds import conflict as cf
 from gradforensics.analysis.kinds import drift as dr
 from gradforensics.analysis.kinds import noise as nz

@@ -80,15 +80,16 @@ def test_per_unit_statistics_on_the_workers_are_the_threads_bit_for_bit(planted,
 
 
 def test_units_go_to_local_workers_only_when_they_add_cores_or_are_told(client) -> None:
-    from gradforensics.analysis.engine.run import EngineOptions, _units_client
+    from gradforensics.analysis.engine.options import EngineOptions
+    from gradforensics.analysis.engine.schedule import units_client
     from gradforensics.analysis.toolkit.parallel import available_cores, workers_add_cores
 
     adds = available_cores() < 2                 # two one-thread workers on this host
     assert workers_add_cores(client) is adds
-    assert (_units_client(EngineOptions(), client) is client) is adds
-    assert _units_client(EngineOptions(unit_statistics="workers"), client) is client
-    assert _units_client(EngineOptions(unit_statistics="client"), client) is None
-    assert _units_client(EngineOptions(unit_statistics="workers"), None) is None
+    assert (units_client(EngineOptions(), client) is client) is adds
+    assert units_client(EngineOptions(unit_statistics="workers"), client) is client
+    assert units_client(EngineOptions(unit_statistics="client"), client) is None
+    assert units_client(EngineOptions(unit_statistics="workers"), None) is None
     with pytest.raises(SpecError, match="unit_statistics must be one of"):
         EngineOptions(unit_statistics="gpu")
 
@@ -157,10 +158,10 @@ def _fail_at(bad: int, x: _Item) -> int:
 def test_a_worker_dying_in_the_gram_pass_is_one_line(client) -> None:
     import dask
 
-    from gradforensics.analysis.engine.run import _run
+    from gradforensics.analysis.engine.schedule import compute_collections
 
     with pytest.raises(WorkerLostError) as exc:
-        _run([dask.delayed(os._exit)(3)], client, False, None)     # a task of the pass whose worker exits
+        compute_collections([dask.delayed(os._exit)(3)], client, False, None)     # a task of the pass whose worker exits
     line = str(exc.value)
     assert "\n" not in line and "a dask worker died running the Gram pass" in line and "more memory" in line
     client.wait_for_workers(2, timeout=60)

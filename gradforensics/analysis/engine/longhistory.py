@@ -49,14 +49,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.contract.grams import Design, LongGram, LongHistory, WindowMoments
+from gradforensics.analysis.contract.grams import Design, LongGram, WindowMoments
 from gradforensics.analysis.engine.bandstats import (
     SUB_RECORDS,
     BandBlock,
     band_block,
-    band_products,
     block_moments,
-    dense_moments,
     lag_design,
     oscillation_edges,
     periods_of,
@@ -68,8 +66,7 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import Analysis
 
-__all__ = ["BAND", "GRAM_BUDGET", "N0", "N_WINDOWS", "SUB_RECORDS", "BandBlock", "Design", "LongGram", "LongHistory",
-           "WindowMoments", "band_partials", "band_products", "block_moments", "check_supported", "dense_moments",
+__all__ = ["BAND", "GRAM_BUDGET", "N0", "N_WINDOWS", "band_partials", "check_supported",
            "design", "lag_design", "only_bands", "oscillation_edges", "periods_of", "threshold", "window_edges_for",
            "window_sums", "without_bands"]
 

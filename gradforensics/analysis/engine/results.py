@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import AnalysisResult, Findings, Flag, GramResult
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.model import AnalysisResult, Findings, Flag
 from gradforensics.analysis.contract.registry import flag_kinds
 from gradforensics.errors import CorruptStoreError, UnsafeNameError
 from gradforensics.store.names import check_analysis_name

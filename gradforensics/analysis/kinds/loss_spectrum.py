@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
 from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.series import series_compute
 from gradforensics.analysis.toolkit.signal import MIN_POINTS, DetrendCache, LineSpectrum, SpectrumOptions, line_spectrum

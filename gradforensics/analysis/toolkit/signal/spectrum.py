@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import Options
+from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.toolkit.signal.background import GainGrid, expected_welch, fit_ar1, hann, welch_dof
 from gradforensics.analysis.toolkit.signal.detrending import (
     DETRENDERS,
