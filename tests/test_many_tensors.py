@@ -9,7 +9,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from gradforensics.analysis.engine.results import load_grams, pack_series, parse_series, save_grams
+from gradforensics.analysis.engine.results import load_grams, save_grams
+from gradforensics.analysis.engine.seriesimage import pack_series, parse_series
 from gradforensics.errors import CorruptStoreError
 from gradforensics.store.reader import Store
 from gradforensics.testing.planted import write_store

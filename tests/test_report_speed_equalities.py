@@ -27,7 +27,8 @@ import pandas as pd
 import pytest
 
 from gradforensics.analysis.contract.model import AnalysisResult, Findings, Flag
-from gradforensics.analysis.engine.results import pack_series, parse_flag, parse_series, parse_table
+from gradforensics.analysis.engine.results import parse_flag, parse_table
+from gradforensics.analysis.engine.seriesimage import pack_series, parse_series
 from gradforensics.errors import CorruptStoreError
 
 RNG = np.random.default_rng(28)

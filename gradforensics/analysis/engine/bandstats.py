@@ -58,7 +58,7 @@ def band_products(x: np.ndarray, prev: np.ndarray | None, band: int) -> np.ndarr
 
 def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a @ bᵀ`` in float32 over feature blocks, accumulated in float64."""
-    from gradforensics.analysis.engine.gram import SUB_BLOCK
+    from gradforensics.analysis.engine.gramkernel import SUB_BLOCK
 
     acc = np.zeros((a.shape[0], b.shape[0]))
     for s in range(0, a.shape[1], SUB_BLOCK):

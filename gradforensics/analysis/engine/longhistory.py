@@ -172,7 +172,7 @@ def long_chunk(x: np.ndarray, prev: np.ndarray | None, r0: int, head0: int, spli
     (``("bp", head, record)``) for :func:`band_partials`.  The whole tensor is head
     ``-1``; its per-record squared norms are ``("n2", r0)``.
     """
-    from gradforensics.analysis.engine.gram import head_blocks
+    from gradforensics.analysis.engine.gramkernel import head_blocks
 
     out: Partial = {}
     L = d.band
@@ -228,7 +228,7 @@ def _emit(out: Partial, h: int, r: int, blk: BandBlock, d: Design, complete: boo
 
 def band_partials(parts: list[Partial], d: Design) -> Partial:
     """One record block's band blocks of every feature column, added per unit and reduced to moments."""
-    from gradforensics.analysis.engine.gram import combine_partials
+    from gradforensics.analysis.engine.gramkernel import combine_partials
 
     out: Partial = {}
     summed = combine_partials(parts)
@@ -363,7 +363,7 @@ def long_graph(store: Any, tensor: str, d: Design, reductions: tuple[Any, ...] =
 def _read_long(handle: Any, r0: int, r1: int, fsel: tuple[slice, ...], head0: int, split: bool, d: Design,
                close: bool, reductions: tuple[Any, ...], complete: tuple[bool, bool]) -> Partial:
     """Read records ``r0:r1`` of one feature column (and the band before them) and reduce them in one task."""
-    from gradforensics.analysis.engine.gram import reduce_chunk
+    from gradforensics.analysis.engine.gramkernel import reduce_chunk
 
     sel = (slice(r0, r1), *fsel)
     x = handle[sel]
