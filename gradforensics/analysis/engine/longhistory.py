@@ -318,9 +318,29 @@ def long_graph(store: Any, tensor: str, d: Design, reductions: tuple[Any, ...] =
     handle = store.handle(info)
     chunks = store.lazy(info.name, slab_bytes).chunks
     heads = info.heads is not None
+    name = f"longgram-{tokenize(handle, chunks, tensor, d.band, d.edges, d.mixture, reductions)}"
+    layer, parts = _long_layer(name, handle, chunks, heads, d, reductions, split_every)
+    top = reduction_tree(layer, name, parts, split_every, reductions)
+    final = (name, "agg")
+    layer[final] = (_aggregate_long_all, top, reductions, tensor, int(info.shape[0]),
+                    int(info.shape[1]) if heads else None, int(np.prod(info.shape[1:], dtype=np.int64)),
+                    from_sketch, d)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[])
+    return Delayed(final, graph, layer=name)
+
+
+def _long_layer(name: str, handle: Any, chunks: tuple[tuple[int, ...], ...], heads: bool, d: Design,
+                reductions: tuple[Any, ...], split_every: int) -> tuple[dict[Any, Any], list[Any]]:
+    """The read-and-reduce tasks of every record block and feature column, and the keys the tree combines.
+
+    A unit split between feature columns (*complete* False for it) leaves its band blocks,
+    which meet per record block in :func:`band_partials`; with a split record axis each
+    feature column's blocks are combined and their sums closed (:func:`close_sums`) first.
+    """
+    from gradforensics.analysis.engine.gram import reduction_tree
+
     whole_features = all(len(c) == 1 for c in chunks[2 if heads else 1:])
     complete = (whole_features, whole_features and (not heads or len(chunks[1]) == 1))
-    name = f"longgram-{tokenize(handle, chunks, tensor, d.band, d.edges, d.mixture, reductions)}"
     starts = [np.concatenate([[0], np.cumsum(c)]).astype(int) for c in chunks]
     layer: dict[Any, Any] = {}
     parts: list[Any] = []
@@ -344,20 +364,13 @@ def long_graph(store: Any, tensor: str, d: Design, reductions: tuple[Any, ...] =
             parts.append(col_parts[0])
             continue
         top = reduction_tree(layer, f"{name}-col{len(parts)}", col_parts, split_every, reductions)
-        closed = (name, "close", len(parts))
-        layer[closed] = (close_sums, top)
-        parts.append(closed)
+        layer[(name, "close", len(parts))] = (close_sums, top)
+        parts.append((name, "close", len(parts)))
     if not all(complete):                      # units split between feature columns: their bands meet per block
         for a, keys in enumerate(by_block):
             layer[(name, "bands", a)] = (band_partials, keys, d)
             parts.append((name, "bands", a))
-    top = reduction_tree(layer, name, parts, split_every, reductions)
-    final = (name, "agg")
-    layer[final] = (_aggregate_long_all, top, reductions, tensor, int(info.shape[0]),
-                    int(info.shape[1]) if heads else None, int(np.prod(info.shape[1:], dtype=np.int64)),
-                    from_sketch, d)
-    graph = HighLevelGraph.from_collections(name, layer, dependencies=[])
-    return Delayed(final, graph, layer=name)
+    return layer, parts
 
 
 def _read_long(handle: Any, r0: int, r1: int, fsel: tuple[slice, ...], head0: int, split: bool, d: Design,

@@ -57,8 +57,6 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.series import SeriesGroup
     from gradforensics.store.schema import StoreMeta
 
-__all__ = ["analyze", "analyze_series", "compute_pass", "run_pass"]
-
 Grams = Mapping[tuple[str, int | None], GramResult]
 
 
@@ -80,9 +78,8 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
     only
         Names of the analyses to run (default: all, in registry order).
     options
-        ``{"engine": {...}}`` (see :class:`EngineOptions`) and ``{name: {...}}``
-        per analysis, parsed once by its options class before the store is read
-        and handed to it as ``ctx.options[name]``.
+        ``{"engine": {...}}`` (:class:`~gradforensics.analysis.engine.options.EngineOptions`) and
+        ``{name: {...}}`` per analysis, parsed once before the store is read (``ctx.options[name]``).
     progress
         Show a progress bar (on stderr for threads; ``distributed.progress`` under a client).
     storage_options
@@ -335,4 +332,4 @@ def _persist(store: Store, findings: Findings, grams: Mapping[tuple[str, int | N
                       "`gradforensics report` will need a re-analysis.", stacklevel=3)
 
 
-__all__ = ["EngineOptions", "analyze", "analyze_series", "compute_pass", "select_analyses", "split_options"]
+__all__ = ["analyze", "analyze_series", "compute_pass", "run_pass"]
