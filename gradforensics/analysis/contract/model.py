@@ -257,7 +257,7 @@ class Analysis:
         single ``dask.compute``; the values arrive as ``ctx.computed[name][key]``.
     slab_reductions
         ``slab_reductions(store) -> {key: SlabReduction}``
-        (:class:`gradforensics.analysis.engine.gram.SlabReduction`), required with
+        (:class:`gradforensics.analysis.contract.grams.SlabReduction`), required with
         :attr:`Need.GRADS` (and only then): per-slab reductions of stored gradients
         that the engine runs inside the Gram pass's read of each slab, so every
         gradient byte is still read once; each value arrives as

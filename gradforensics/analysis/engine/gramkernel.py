@@ -205,7 +205,7 @@ def row_partial(xa: np.ndarray, later: Sequence[np.ndarray], a: int, head0: int,
     """Chunk step of record block *a* against itself and every later block ``a + 1, ...`` (*later*).
 
     The pairs ``(a, b)``, ``b >= a``, of one slab in one task: each product is the
-    :func:`chunk_partial` of that pair (the same numbers as one task a pair), and the
+    :func:`chunk_partial` of that pair, and the
     tasks of a split record axis grow with its blocks, not with their pairs.
     """
     out = chunk_partial(xa, None, a, a, head0, split, precision)
