@@ -1,17 +1,34 @@
 """What a kind of flag means and what to try next: :class:`Advice`, the :data:`CAUSES` the
-verdict ranks, and :data:`FlagKey`, a finding's identity across runs."""
+verdict ranks, and :data:`FlagKey`, a finding's identity across runs.
+
+Advice reads a flag through :class:`Finding`, the fields it needs (a
+:class:`~gradforensics.analysis.contract.model.Flag` has them): the contract's types form
+no import cycle, not even for type checking (``tests/test_architecture.py``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from gradforensics.analysis.contract.model import Flag
+__all__ = ["CAUSES", "Advice", "Finding", "FlagKey"]
 
-__all__ = ["CAUSES", "Advice", "FlagKey"]
+
+class Finding(Protocol):
+    """What :class:`Advice` reads of a flag."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def tensor(self) -> str: ...
+    @property
+    def head(self) -> int | None: ...
+    @property
+    def sources(self) -> tuple[str, ...]: ...
+    @property
+    def evidence(self) -> Mapping[str, Any]: ...
 
 #: The causes the verdict ranks, and how each reads (a kind may declare another word: it reads as itself).
 CAUSES: Mapping[str, str] = MappingProxyType({
@@ -105,7 +122,7 @@ class Advice:
             raise SpecError(f"Advice {self.title!r}: records_map must be a sentence (empty: no map); "
                             f"got {self.records_map!r}.")
 
-    def cause_of(self, flag: Flag) -> str:
+    def cause_of(self, flag: Finding) -> str:
         """The cause *flag* points at: its own ``evidence["cause"]``, else the kind's :attr:`cause` ("" for none)."""
         own = flag.evidence.get("cause") if isinstance(flag.evidence, Mapping) else None
         return own if isinstance(own, str) and own else self.cause
@@ -114,7 +131,7 @@ class Advice:
         """How evidence *key* reads in a sentence (its declared label, else the key with spaces)."""
         return self.evidence_labels.get(key) or key.replace("_", " ")
 
-    def key(self, flag: Flag) -> FlagKey:
+    def key(self, flag: Finding) -> FlagKey:
         """Which finding *flag* is, across runs and arms: ``(kind, tensor, head, sources)``.
 
         The one rule (``compare`` and ``whatif`` both pair findings by it): a finding is
@@ -124,7 +141,7 @@ class Advice:
         srcs = tuple(sorted(flag.sources)) if self.keyed_by_sources else ()
         return (flag.kind, flag.tensor, None if flag.head is None else int(flag.head), srcs)
 
-    def remedies_for(self, flags: Sequence[Flag]) -> list[str]:
+    def remedies_for(self, flags: Sequence[Finding]) -> list[str]:
         """The remedies for a group of *flags* of this kind, most specific first.
 
         Override in a subclass to reorder them by what the flags show.

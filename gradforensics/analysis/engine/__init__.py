@@ -20,3 +20,5 @@ The types it runs on are the contract's (:mod:`gradforensics.analysis.contract`)
 analyses live in :mod:`gradforensics.analysis.kinds` and the maths they share in
 :mod:`gradforensics.analysis.toolkit`.
 """
+
+__all__: list[str] = []

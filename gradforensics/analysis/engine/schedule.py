@@ -24,7 +24,7 @@ __all__ = ["compute_collections", "default_client", "units_client"]
 
 
 def compute_collections(collections: list[Any], client: Client | None, progress: bool, num_workers: int | None,
-         arrive: Mapping[int, GramSpill] | None = None) -> list[Any]:
+                        arrive: Mapping[int, GramSpill] | None = None) -> list[Any]:
     """One compute of all *collections*, on *client* or the local scheduler.
 
     Under a client, the results of the collections in *arrive* are handed to their
