@@ -112,7 +112,7 @@ def phase_read(path: Path) -> dict:
 
 def phase_gram(path: Path) -> dict:
     """The compute floor: the Gram kernel over in-memory slabs of the same shape and total bytes, one thread."""
-    from gradforensics.analysis.engine.gram import chunk_partial
+    from gradforensics.analysis.engine.gramkernel import chunk_partial
     from gradforensics.store.reader import Store
 
     store = Store(path)

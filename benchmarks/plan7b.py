@@ -104,14 +104,16 @@ def plan(path: Path, n0: int | None = None) -> tuple[int, float, dict[str, Any]]
     """(tasks, seconds, what was planned) of ``gf.analyze`` on *path* (engine option ``long_history=n0``),
     nothing computed."""
     import gradforensics as gf
+    from gradforensics.analysis.engine import plan as engine_plan
     from gradforensics.analysis.engine import run as engine_run
+    from gradforensics.analysis.engine.options import EngineOptions
     from gradforensics.store.reader import Store
 
     def count(collections: list[Any], *_args: Any, **_kwargs: Any) -> list[Any]:
         raise Planned(collections)
 
-    real = engine_run._run
-    engine_run._run = count                                     # the executor, replaced by the counter
+    real = engine_run.compute_collections
+    engine_run.compute_collections = count                                     # the executor, replaced by the counter
     t0 = time.perf_counter()
     try:
         # the chunks were never written: open without checking them (as ``report`` does)
@@ -123,15 +125,15 @@ def plan(path: Path, n0: int | None = None) -> tuple[int, float, dict[str, Any]]
         for c in done.collections:
             keys.update(c.__dask_graph__().keys())
         store = Store(path, check_chunks=False)
-        units = engine_run.n_units(store)
+        units = engine_plan.n_units(store)
         # N0 counts the largest tensor's units (whole + heads); a package before that counted them all
-        at_once = getattr(engine_run, "units_at_once", engine_run.n_units)(store)
-        engine = engine_run.EngineOptions(long_history=n0)
+        at_once = engine_plan.units_at_once(store)
+        engine = EngineOptions(long_history=n0)
         name = "long-history" if engine.long_regime(store.n_records, at_once) else "exact"
         regime = f"{name} (N0 {engine.n0(at_once):,} at {at_once:,} units at once, {units:,} in all)"
         return len(keys), seconds, {"records": store.n_records, "tensors": len(store.tensors), "regime": regime}
     finally:
-        engine_run._run = real
+        engine_run.compute_collections = real
     raise RuntimeError("analyze finished without planning a pass")
 
 

@@ -296,7 +296,7 @@ def run(out_dir: str | os.PathLike[str], seed: int = 0, cfg: DemoConfig | None =
 def _run(out_dir: str | os.PathLike[str], seed: int, cfg: DemoConfig | None, log: IO[str] | None) -> DemoResult:
     from transformers.utils import logging as hf_logging
 
-    from gradforensics.analysis.engine import analyze
+    from gradforensics.analysis.engine.run import analyze
     from gradforensics.reporting import report
 
     hf_logging.disable_progress_bar()            # the demo prints its own progress

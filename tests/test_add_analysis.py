@@ -24,18 +24,11 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.analysis import REGISTRY, register, registered, unregister
-from gradforensics.analysis.contract.model import (
-    Advice,
-    Analysis,
-    AnalysisResult,
-    Constraints,
-    Context,
-    Flag,
-    GramResult,
-    Interval,
-    Need,
-    Options,
-)
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.checks import Constraints, Interval
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
+from gradforensics.analysis.contract.options import Options
 from gradforensics.cli import main
 from gradforensics.errors import PlotBugWarning, SpecError, UnsafeNameError
 from gradforensics.reporting import flagsjson

@@ -26,18 +26,10 @@ from test_rankconsistency import replicated_store
 
 import gradforensics as gf
 from gradforensics.analysis import REGISTRY, registered
-from gradforensics.analysis.contract.checks import Interval, StrOptions, describe
-from gradforensics.analysis.contract.model import (
-    Advice,
-    Analysis,
-    AnalysisResult,
-    Constraints,
-    Context,
-    Findings,
-    Flag,
-    Need,
-    Options,
-)
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.checks import Constraints, Interval, StrOptions, describe
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Findings, Flag, Need
+from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.contract.registry import flag_key, records_map_kinds
 from gradforensics.errors import SpecError
 from gradforensics.reporting import recordsmap, summary

@@ -263,7 +263,7 @@ def test_a_taken_over_lock_says_what_its_holder_was_writing(tmp_path: Path, refe
     """A stale lock left by a killed analyze is not a capture's: the takeover names what was lost."""
     import socket
 
-    from gradforensics.analysis.engine import analyze
+    from gradforensics.analysis.engine.run import analyze
     from gradforensics.store.lock import lock_path
 
     store = tmp_path / "dump.zarr"

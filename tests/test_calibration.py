@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis.contract.model import AnalysisResult, Context, GramResult
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.model import AnalysisResult, Context
 from gradforensics.analysis.kinds.noise.findings import flags
 from gradforensics.analysis.kinds.noise.table import MODEL, noise_table
 from gradforensics.store.schema import new_meta

@@ -71,7 +71,7 @@ def test_only_from_the_command_line_speaks_of_the_flag(tmp_path, capsys):
 
 
 def test_only_from_python_keeps_the_keyword():
-    from gradforensics.analysis.engine import select_analyses
+    from gradforensics.analysis.engine.options import select_analyses
     from gradforensics.errors import SpecError
 
     with pytest.raises(SpecError, match=r"^only= must name analyses among .*; got \['nose'\] \(did you mean noise\?\)"):

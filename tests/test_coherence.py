@@ -149,8 +149,8 @@ def test_persisted_findings_replot_from_an_hdf5_store(tmp_path) -> None:
     """Figure arrays (pair keys with '~', no empty arrays) survive the store round trip."""
     from matplotlib.figure import Figure
 
-    from gradforensics.analysis.engine import analyze
     from gradforensics.analysis.engine.results import read_findings
+    from gradforensics.analysis.engine.run import analyze
     from gradforensics.analysis.kinds.loss_spectrum import plot_detrended
     from gradforensics.store.reader import Store
 

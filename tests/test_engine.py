@@ -12,8 +12,9 @@ import pytest
 
 import gradforensics as gf
 from gradforensics.analysis.contract.model import Findings
-from gradforensics.analysis.engine import EngineOptions, analyze, select_analyses
+from gradforensics.analysis.engine.options import EngineOptions, select_analyses
 from gradforensics.analysis.engine.results import load_grams, read_findings
+from gradforensics.analysis.engine.run import analyze
 from gradforensics.cli import main
 from gradforensics.errors import EmptyStoreError, GradforensicsError, SpecError
 from gradforensics.store import handles
@@ -150,16 +151,16 @@ def test_slab_reduction_keys_must_not_collide_with_lazy(tmp_path) -> None:
 
 
 def test_mixed_collections_keep_their_order() -> None:
-    """dask 2026.8 regroups the results of a mixed Array/Delayed compute when it optimizes; _run must not."""
+    """dask 2026.8 regroups the results of a mixed Array/Delayed compute when it optimizes; the pass must not."""
     import dask.array as da
 
-    from gradforensics.analysis.engine.run import _run
+    from gradforensics.analysis.engine.schedule import compute_collections
 
     x = da.ones((10, 4), chunks=5)
     d1 = dask.delayed(lambda: "D1")()
     d2 = dask.delayed(list)([dask.delayed(np.sum)(x[0:5].mean(axis=0))])
     a = da.stack([x[0:5].mean(axis=0), x[5:].mean(axis=0)])
-    out = _run([d1, a, d2, x.sum()], None, False, None)
+    out = compute_collections([d1, a, d2, x.sum()], None, False, None)
     assert [type(v).__name__ for v in out] == ["str", "ndarray", "list", "float64"]
 
 

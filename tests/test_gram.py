@@ -8,14 +8,8 @@ import dask.array as da
 import numpy as np
 import pytest
 
-from gradforensics.analysis.engine.gram import (
-    aggregate_partial,
-    chunk_partial,
-    combine_partials,
-    gram_graph,
-    gram_of_array,
-    gram_of_handle,
-)
+from gradforensics.analysis.engine.gram import gram_graph, gram_of_array, gram_of_handle
+from gradforensics.analysis.engine.gramkernel import aggregate_partial, chunk_partial, combine_partials
 from gradforensics.analysis.engine.results import load_grams, save_grams
 from gradforensics.errors import MissingArrayError, SpecError
 from gradforensics.recording.sketch import Sketcher

@@ -13,8 +13,9 @@ import gradforensics as gf
 from gradforensics.analysis.contract.grams import Design, WindowMoments
 from gradforensics.analysis.engine.bandstats import band_products, dense_moments, lag_design
 from gradforensics.analysis.engine.longhistory import threshold, window_edges_for
+from gradforensics.analysis.engine.options import EngineOptions, select_analyses
 from gradforensics.analysis.engine.results import load_grams
-from gradforensics.analysis.engine.run import EngineOptions, _compute, select_analyses
+from gradforensics.analysis.engine.run import run_pass
 from gradforensics.analysis.kinds.oscillation.stats import band_oscillation
 from gradforensics.errors import SpecError
 from gradforensics.store.reader import Store
@@ -76,7 +77,7 @@ def test_long_pass_matches_numpy(small_store: str, slab_bytes: int, split_every:
     eng = EngineOptions(long_history=0, band=5, windows=7, slab_bytes=slab_bytes, split_every=split_every)
     if slab_bytes < 1 << 20:
         assert len(st.lazy("grads/b.weight", slab_bytes).chunks[0]) > 1
-    grams, _, long = _compute(st, select_analyses("drift"), eng, None, False)
+    grams, _, long = run_pass(st, select_analyses("drift"), eng, None, False)
     assert grams == {} and long is not None
     d, mix = long.design, st.batches()["mixture"]
     R = np.zeros((d.m, 300))

@@ -11,7 +11,8 @@ import pytest
 
 from gradforensics.analysis.contract.grams import WindowMoments
 from gradforensics.analysis.engine.bandstats import lag_design, oscillation_edges, periods_of
-from gradforensics.analysis.engine.run import EngineOptions, _compute, select_analyses
+from gradforensics.analysis.engine.options import EngineOptions, select_analyses
+from gradforensics.analysis.engine.run import run_pass
 from gradforensics.analysis.kinds.oscillation.stats import band_oscillation
 from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.reader import Store
@@ -102,7 +103,7 @@ def test_window_moments_match_the_per_record_oracle(store: str, slab_bytes: int)
         assert len(chunks[0]) > 1 and len(chunks[1]) > 1
         assert len(st.lazy("grads/c.weight", slab_bytes).chunks[0]) > 1
         assert len(st.lazy("grads/c.weight", slab_bytes).chunks[1]) > 1
-    grams, _, long = _compute(st, select_analyses("oscillation"), eng, None, False)
+    grams, _, long = run_pass(st, select_analyses("oscillation"), eng, None, False)
     assert grams == {} and long is not None
     edges = oscillation_edges(N, 8, long.design.edges)
     assert set(long.grams) == {("c.weight", None), ("h.weight", None), *(("h.weight", h) for h in range(4))}

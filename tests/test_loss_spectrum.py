@@ -314,7 +314,7 @@ class TestLossSpectrumContract(AnalysisContract):
 
 def test_engine_finds_planted_period_and_gradient_norm_series(tmp_path) -> None:
     """Within analyze(): batches/loss and, with Gram matrices, grad_norm/<tensor>."""
-    from gradforensics.analysis.engine import analyze
+    from gradforensics.analysis.engine.run import analyze
 
     planted_periodic_loss_store(tmp_path / "s.zarr")
     f = analyze(str(tmp_path / "s.zarr"), only=["loss_spectrum", "noise"], options={"engine": {"persist": False}},

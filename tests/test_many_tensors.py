@@ -1,5 +1,6 @@
-"""Issue 28, per-tensor overheads: the shortcuts taken for stores of many small tensors give what
-the per-tensor, per-series code gave, bit for bit, and stores saved before still load."""
+"""Issue 28, per-tensor overheads: the plans and readers taken for stores of many small tensors, each
+against an oracle (dask's own chunks, NumPy's products and ``numpy.load``), and stores saved before
+still load."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradforensics.analysis.engine.results import load_grams, pack_series, parse_series, save_grams
+from gradforensics.analysis.engine.results import load_grams, save_grams
+from gradforensics.analysis.engine.seriesimage import pack_series, parse_series
 from gradforensics.errors import CorruptStoreError
 from gradforensics.store.reader import Store
 from gradforensics.testing.planted import write_store
@@ -39,24 +41,33 @@ def test_store_chunks_are_the_dask_arrays_chunks(tmp_path, slab_bytes) -> None:
         assert store.chunks(name, slab_bytes) == store.lazy(name, slab_bytes).chunks, name
 
 
-def test_slab_outputs_compute_what_slab_graph_computes(tmp_path) -> None:
+@pytest.mark.parametrize("slab_bytes", [None, 1 << 16])
+def test_slab_outputs_are_the_gram_matrices_and_reductions_numpy_gives(tmp_path, slab_bytes) -> None:
     import dask
 
     from gradforensics.analysis.contract.grams import SlabReduction
-    from gradforensics.analysis.engine.gram import slab_graph, slab_outputs
+    from gradforensics.analysis.engine.gram import slab_outputs
 
     store = Store(_many(tmp_path / "s.zarr"))
-    tensor = store.tensors[0]
+    tensor = store.tensors[0]                       # a head-split tensor (4 heads)
     reds = [SlabReduction(tensor, chunk=lambda x, sel: x.sum(axis=0), combine=lambda ps: sum(ps)),
             SlabReduction(tensor, chunk=lambda x, sel: float(np.abs(x).max()), combine=max)]
-    whole = dask.compute(slab_graph(store, tensor, reds), scheduler="sync")[0]
-    g, parts = slab_outputs(store, tensor, reds)
-    got_g, *got = dask.compute(g, *parts, scheduler="sync")
-    assert [r.gram.tobytes() for r in got_g] == [r.gram.tobytes() for r in whole[0]]
-    np.testing.assert_array_equal(got[0], whole[1][0])
-    assert got[1] == whole[1][1]
-    none, only = slab_outputs(store, tensor, reds[:1], gram=False)
-    assert none is None and np.array_equal(dask.compute(only[0], scheduler="sync")[0], whole[1][0])
+    kw = {} if slab_bytes is None else {"slab_bytes": slab_bytes}
+    g, parts = slab_outputs(store, tensor, reds, **kw)
+    got_g, total, most = dask.compute(g, *parts, scheduler="sync")
+    x = np.asarray(store.read(store.grads[tensor].name), dtype=np.float64)
+    n = x.shape[0]
+    # float32 products (eps 6e-8) over a few features, summed in float64; sums of float32 over 40 records
+    units = [x.reshape(n, -1)] + [x[:, h].reshape(n, -1) for h in range(x.shape[1])]
+    assert [(r.tensor, r.head) for r in got_g] == [(tensor, None), *((tensor, h) for h in range(x.shape[1]))]
+    for r, u in zip(got_g, units, strict=True):
+        k = u @ u.T
+        np.testing.assert_allclose(r.gram, k, rtol=1e-6, atol=1e-6 * k.diagonal().max())
+    np.testing.assert_allclose(total, x.sum(axis=0), rtol=1e-5, atol=1e-5 * np.abs(x).sum(axis=0).max())
+    assert most == np.abs(x).max()                 # a max of stored floats: exact
+    none, only = slab_outputs(store, tensor, reds[:1], gram=False, **kw)
+    assert none is None
+    np.testing.assert_allclose(dask.compute(only[0], scheduler="sync")[0], total, rtol=1e-6)
 
 
 # ------------------------------------------------------------------ series maths memoised

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 import gradforensics as gf
-from gradforensics.analysis.contract.model import AnalysisResult, Context, GramResult
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.model import AnalysisResult, Context
 from gradforensics.analysis.kinds.noise.findings import flags, run_severity, severity
 from gradforensics.analysis.kinds.noise.scale import mixture_parts, noise_estimate, noise_parts, robust_z
 from gradforensics.analysis.kinds.noise.table import MODEL, noise_table

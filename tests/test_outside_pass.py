@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from gradforensics.analysis.contract.registry import REGISTRY
-from gradforensics.analysis.engine import run
+from gradforensics.analysis.engine.options import split_options
+from gradforensics.analysis.engine.run import compute_pass
 from gradforensics.analysis.kinds.spectral import reads, spectra
 from gradforensics.analysis.toolkit.kspace import window_edges
 from gradforensics.store import handles
@@ -43,8 +44,8 @@ def _pass(store: Store, monkeypatch: pytest.MonkeyPatch, slab_bytes: int | None 
 
     monkeypatch.setattr(handles, "read_zarr_many", counting)
     a = REGISTRY["spectral"]
-    engine, _ = run.split_options({"engine": {"slab_bytes": slab_bytes}} if slab_bytes else None, [a])
-    _, computed = run.compute_pass(store, [a], engine, None, False, grams=False)
+    engine, _ = split_options({"engine": {"slab_bytes": slab_bytes}} if slab_bytes else None, [a])
+    _, computed = compute_pass(store, [a], engine, None, False, grams=False)
     monkeypatch.undo()
     return computed["spectral"], fused
 

@@ -108,7 +108,7 @@ def test_s3_store_inspect_analyze_workers_report_match_local(pair, tmp_path, cap
 
 @pytest.mark.slow
 def test_a_server_refusing_one_request_in_8_gives_the_same_flags(pair, s3):
-    from gradforensics.analysis.engine import analyze
+    from gradforensics.analysis.engine.run import analyze
 
     url, local = pair
     opts = {"engine": {"persist": False}}
@@ -326,7 +326,7 @@ def test_obstore_read_layer_reads_the_same_bytes(pair, monkeypatch):
 
 @pytest.mark.parametrize("scheme", ["memory", "file"])
 def test_memory_and_file_urls_give_the_flags_of_a_local_path(scheme, tmp_path):
-    from gradforensics.analysis.engine import analyze
+    from gradforensics.analysis.engine.run import analyze
 
     url = f"memory://{tmp_path.name}/dump.zarr" if scheme == "memory" else f"file://{tmp_path}/url/dump.zarr"
     truth = nonfinite_store(url, n_records=8, records=(3,)).truth

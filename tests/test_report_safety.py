@@ -216,7 +216,7 @@ def test_inspect_escapes_names_from_the_store(tmp_path, capsys):
 
 
 def test_analyze_summary_and_error_lines_are_escaped(tmp_path, monkeypatch, capsys):
-    import gradforensics.analysis.engine as engine
+    import gradforensics.analysis.engine.run as engine
     import gradforensics.commands.analyze as analyze_cmd
     import gradforensics.commands.loss as loss_cmd
 

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from gradforensics import logs
-from gradforensics.analysis.contract.model import GramResult
+from gradforensics.analysis.contract.grams import GramResult
 from gradforensics.analysis.toolkit import series as se
 from gradforensics.cli import main
 from gradforensics.errors import GradforensicsError, LogReadError
@@ -224,7 +224,9 @@ def test_loss_command_runs_every_registered_series_analysis(tmp_path) -> None:
     """``loss`` goes through the registry: an analysis registered here with a ``series``
     hook runs with its own options, and its flags reach flags.json and the report."""
     from gradforensics.analysis import registered
-    from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag, NoOptions
+    from gradforensics.analysis.contract.advice import Advice
+    from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
+    from gradforensics.analysis.contract.options import NoOptions
 
     seen = {}
 

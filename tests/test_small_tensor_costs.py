@@ -1,9 +1,9 @@
-"""Issue 28, many small tensors (second part): each shortcut against the code it replaces.
+"""Issue 28, many small tensors (second part), each against an oracle.
 
 * Zarr arrays opened on metadata parsed once read what ``zarr.open_array`` reads, also
   after the store is written again (new data, new shape, same metadata and new chunks);
-* the series analyses share one set of series per pass (the same series they built each);
-* the AR(1) background fitted to many series at once is the per-series fit, bit for bit.
+* the series analyses share one read-only set of series per pass (what ``from_context`` builds);
+* saving results carries over what it does not replace.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _fresh(p, name):
     return np.asarray(zarr.open_array(str(p / name), mode="r")[:])
 
 
-def test_opened_arrays_read_what_zarr_open_array_reads_and_parse_shared_metadata_once(tmp_path) -> None:
+def test_opened_arrays_read_what_zarr_open_array_reads(tmp_path) -> None:
     handles.clear()
     p = tmp_path / "s.zarr"
 
@@ -43,8 +43,7 @@ def test_opened_arrays_read_what_zarr_open_array_reads_and_parse_shared_metadata
         if name.startswith("grads/"):
             got = np.asarray(handles.open_zarr_array(str(p), name)[:])
             want = _fresh(p, name)
-            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name
-    assert len(handles._PARSED) == 1          # five arrays, names and attributes aside one metadata: parsed once
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name      # a read: exact
 
 
 @pytest.mark.parametrize("change", ["data", "shape", "records"])
@@ -87,7 +86,6 @@ def test_unreadable_metadata_goes_to_zarr_and_its_error(tmp_path) -> None:
 
     with pytest.raises(type(got.value)):
         zarr.open_array(str(p / "grads" / "w"), mode="r")
-    assert not handles._PARSED
 
 
 # ------------------------------------------------------------------ series shared by the loss-curve analyses
@@ -110,21 +108,12 @@ def test_series_analyses_share_one_read_only_set_of_series(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------ saving without listing the store again
-def test_saving_lists_only_the_results_and_carries_over_what_it_does_not_replace(tmp_path) -> None:
+def test_saving_carries_over_what_it_does_not_replace(tmp_path) -> None:
     from gradforensics.store import results as sr
 
     p = tmp_path / "s.zarr"
     _store(p, 1.0)
     sr.write_results(p, documents={"first": {"x": 1}}, arrays={"series/a": np.arange(5.0)})
-    listed = sr._committed(p)                                 # the root and analysis/ only
-    store = Store(p, check_chunks=False)                      # the whole store, as before
-    assert listed is not None
-    assert listed.analysis_selection.current == store.analysis_selection.current is not None
-    want = {n: a for n, a in store.arrays.items() if n.startswith("analysis/")}
-    assert sorted(listed.arrays) == sorted(want)
-    for n, a in want.items():
-        got = listed.arrays[n]
-        assert (tuple(got.shape), tuple(got.chunks), got.dtype, got.attrs) == (a.shape, a.chunks, a.dtype, a.attrs)
     sr.write_results(p, documents={"second": {"y": 2}})
     again = Store(p)
     assert sr.read_document(again, "first") == {"x": 1} and sr.read_document(again, "second") == {"y": 2}

@@ -15,7 +15,9 @@ never imports another.
 
 from __future__ import annotations
 
-from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Findings, Flag, GramResult
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Findings, Flag
 from gradforensics.analysis.contract.registry import REGISTRY, register, registered, unregister
 from gradforensics.analysis.kinds import (
     attention,

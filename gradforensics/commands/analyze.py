@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradforensics.analysis.engine import analyze, select_analyses
+    from gradforensics.analysis.engine.options import select_analyses
+    from gradforensics.analysis.engine.run import analyze
     from gradforensics.commands import output, workers
     from gradforensics.commands import storage as storage_flags
     from gradforensics.reporting import report

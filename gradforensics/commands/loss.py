@@ -26,7 +26,8 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
     import numpy as np
 
-    from gradforensics.analysis.contract.model import Findings, Options
+    from gradforensics.analysis.contract.model import Findings
+    from gradforensics.analysis.contract.options import Options
     from gradforensics.analysis.toolkit.series import SeriesGroup
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
@@ -147,7 +148,8 @@ def series_options(args: argparse.Namespace) -> dict[str, Options]:
 
 def findings_of(inp: LossInput, options: dict[str, Options]) -> Findings:
     """Run the registered series analyses on *inp* (no gradients read) and gather :class:`Findings`."""
-    from gradforensics.analysis.engine import Findings, analyze_series
+    from gradforensics.analysis.contract.model import Findings
+    from gradforensics.analysis.engine.run import analyze_series
 
     results, flags = analyze_series(inp.groups, inp.meta, options, store=inp.store, batches=inp.batches)
     header = {"input": inp.kind, "series": [g.name for g in inp.groups],

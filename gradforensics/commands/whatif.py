@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.sketch < 0:
         raise SpecError(f"--sketch must be >= 0; got {args.sketch}.")
-    from gradforensics.analysis.engine import select_analyses
+    from gradforensics.analysis.engine.options import select_analyses
     from gradforensics.commands import output, workers
 
     select_analyses(args.only, flag="--only")           # before any arm trains

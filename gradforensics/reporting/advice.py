@@ -1,7 +1,7 @@
 """What each kind of finding means, and what to try next: read from the analysis that emits it.
 
 Every registered analysis declares, per flag kind it emits, an
-:class:`~gradforensics.analysis.contract.model.Advice`: a title, the phrase the
+:class:`~gradforensics.analysis.contract.advice.Advice`: a title, the phrase the
 summary uses, the evidence keys worth quoting, and the remedies with their
 references (the full reference entries sit next to that advice, in the
 analysis's module).  The remedies are the standard ones for that failure, not a
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gradforensics.analysis.contract.model import Advice
+from gradforensics.analysis.contract.advice import Advice
 from gradforensics.analysis.contract.registry import advice_of
 from gradforensics.reporting.names import join_and
 

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
     import pandas as pd
 
-    from gradforensics.analysis.contract.model import Findings, Flag, FlagKey
+    from gradforensics.analysis.contract.advice import FlagKey
+    from gradforensics.analysis.contract.model import Findings, Flag
 
 __all__ = ["ACT", "COLUMNS", "STATUSES", "WORSE", "Comparison", "Row", "compare_findings", "status_of"]
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.analysis.contract.model import CAUSES
+from gradforensics.analysis.contract.advice import CAUSES
 from gradforensics.analysis.contract.registry import advice_of
 from gradforensics.reporting import advice, names
 from gradforensics.reporting.bands import band

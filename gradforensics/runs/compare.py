@@ -68,8 +68,8 @@ def check_same_model(before: Store, after: Store) -> None:
 
 def findings_of(store: Store, client: Client | None = None, progress: bool = True) -> Findings:
     """The findings stored in *store*, or - if ``analyze`` has not run on it - a pass now (results saved)."""
-    from gradforensics.analysis.engine import analyze
     from gradforensics.analysis.engine.results import read_findings
+    from gradforensics.analysis.engine.run import analyze
     from gradforensics.store.results import has_result
 
     if has_result(store, "findings"):

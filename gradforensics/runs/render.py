@@ -37,7 +37,8 @@ from gradforensics.reporting.tables import csv_safe
 if TYPE_CHECKING:
     import pandas as pd
 
-    from gradforensics.analysis.contract.model import Findings, Flag, FlagKey
+    from gradforensics.analysis.contract.advice import FlagKey
+    from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.runs.result import WhatIf
 
 __all__ = ["finding_matrix", "key_of", "loss_figure", "render_html", "render_markdown", "verdict", "verdict_lines",

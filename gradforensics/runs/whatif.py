@@ -261,7 +261,7 @@ def _interrupted(runs: list[ArmRun], arm: Arm, n: int, stores: dict[str, Path]) 
 
 def _analyse(out_dir: Path, base: str, runs: list[ArmRun], only: str | Sequence[str] | None,
              client: Client | None, progress: bool, compare_reports: bool) -> WhatIf:
-    from gradforensics.analysis.engine import analyze
+    from gradforensics.analysis.engine.run import analyze
     from gradforensics.reporting.compare_render import write as write_compare
     from gradforensics.reporting.comparison import compare_findings
     from gradforensics.reporting.paths import under

@@ -93,7 +93,7 @@ class AnalysisContract:
     # ------------------------------------------------------------ fixtures
     @classmethod
     def _analyze(cls, path: Any) -> Any:
-        from gradforensics.analysis.engine import analyze
+        from gradforensics.analysis.engine.run import analyze
 
         opts = {"engine": {"persist": False}, **(cls.options or {})}
         return analyze(str(path), only=[cls.analysis_name], options=opts, progress=False)
@@ -249,7 +249,7 @@ class PlantedStores:
         ``long``: forced into the long-history regime (engine option ``long_history=0``).
         Not cached; :meth:`passed` is.
         """
-        from gradforensics.analysis.engine import analyze
+        from gradforensics.analysis.engine.run import analyze
 
         case = self.case(name)
         engine = {"persist": False, **({"long_history": 0} if long else {})}

@@ -69,7 +69,8 @@ class Planted:
 
     def context(self, options: dict[str, Any] | None = None) -> Any:
         """The analysis context, Gram matrices computed directly in NumPy."""
-        from gradforensics.analysis.contract.model import Context, GramResult
+        from gradforensics.analysis.contract.grams import GramResult
+        from gradforensics.analysis.contract.model import Context
         from gradforensics.analysis.contract.registry import REGISTRY
         from gradforensics.store.schema import StoreMeta
 

@@ -201,7 +201,8 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
 def run_analysis(path: str | os.PathLike[str], name: str, options: dict[str, Any] | None = None) -> tuple[Any, list]:
     """Run analysis *name* on the store at *path* as the engine does; returns ``(result, flags)``."""
     from gradforensics.analysis import REGISTRY, Context
-    from gradforensics.analysis.engine.run import EngineOptions, compute_pass
+    from gradforensics.analysis.engine.options import EngineOptions
+    from gradforensics.analysis.engine.run import compute_pass
     from gradforensics.store.reader import Store
 
     a = REGISTRY[name]

@@ -4,9 +4,13 @@ Everything an analysis module and the code downstream of it (report, compare,
 what-if) agree on, and nothing else - no pass, no maths:
 
 * :mod:`~gradforensics.analysis.contract.model` - :class:`Analysis` (a registry entry:
-  name, needs, options class, flag kinds with their :class:`Advice`, hooks),
-  :class:`Context` (what ``compute`` and ``flags`` read), :class:`Options` (with
-  constraints declared as data), :class:`Flag`, :class:`AnalysisResult`, :class:`Findings`;
+  name, needs, options class, flag kinds with their advice, hooks),
+  :class:`Context` (what ``compute`` and ``flags`` read), :class:`Flag`,
+  :class:`AnalysisResult`, :class:`Findings`;
+* :mod:`~gradforensics.analysis.contract.options` - :class:`Options`, the base of an
+  analysis's options (with constraints declared as data), and :class:`NoOptions`;
+* :mod:`~gradforensics.analysis.contract.advice` - :class:`Advice` (what a kind of flag
+  means and what to try next), the causes the verdict ranks, :data:`FlagKey`;
 * :mod:`~gradforensics.analysis.contract.grams` - :class:`GramResult`, :class:`SlabReduction`
   and the long-history regime's :class:`LongHistory` (the Gram data an analysis reads);
 * :mod:`~gradforensics.analysis.contract.series` - :class:`SeriesGroup` (per-step series);

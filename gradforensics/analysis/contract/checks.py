@@ -2,7 +2,7 @@
 
 In the style of scikit-learn's parameter validation (``sklearn.utils._param_validation``):
 an options class declares ``constraints = {"window": Interval(int, 2, None), ...}`` and
-:meth:`~gradforensics.analysis.contract.model.Options.parse` (and the dataclass's
+:meth:`~gradforensics.analysis.contract.options.Options.parse` (and the dataclass's
 construction) checks every value against them, with one message for every analysis:
 *"The 'window' option of drift must be an int >= 2; got 1."*
 

@@ -1,6 +1,6 @@
-"""The types every analysis shares: :class:`Analysis` (with its :class:`Need`,
-:class:`Options` and per-kind :class:`Advice`), :class:`Flag`, :class:`Context`,
-:class:`AnalysisResult` and :class:`Findings`.
+"""The types every analysis shares: :class:`Analysis` (with its :class:`Need`), :class:`Flag`,
+:class:`Context`, :class:`AnalysisResult`, :class:`Findings`; an analysis's options and its kinds'
+advice: :mod:`~gradforensics.analysis.contract.options`, :mod:`~gradforensics.analysis.contract.advice`.
 
 An analysis is one module exposing ``ANALYSIS = Analysis(...)`` (see
 ``gradforensics/analysis/__init__.py`` for the registry).  The engine parses each
@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.contract.checks import Constraints, Interval, StrOptions, check_constraints
+from gradforensics.analysis.contract.advice import Advice
 from gradforensics.analysis.contract.grams import GramResult, LongHistory, SlabReduction
+from gradforensics.analysis.contract.options import NoOptions, Options, OptionsT
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -32,91 +33,6 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.series import SeriesGroup
     from gradforensics.store.reader import Store
     from gradforensics.store.schema import StoreMeta
-
-OptionsT = TypeVar("OptionsT", bound="Options")
-
-
-class Options:
-    """Base of an analysis's options: a small frozen dataclass, parsed once by :meth:`parse`.
-
-    Subclass it as ``@dataclass(frozen=True) class DriftOptions(Options)`` and declare the
-    values each option accepts as data, in the class attribute :attr:`constraints`
-    (:mod:`gradforensics.analysis.contract.checks`, scikit-learn's parameter validation as
-    the model)::
-
-        constraints = {"window": [Interval(int, 2, None), None], "method": StrOptions({"a", "b"})}
-
-    :meth:`parse` and the dataclass's construction check every value against them, with one
-    message shape: *"The 'window' option of drift must be an int >= 2; got 1."*  A check that
-    is not a simple range or choice (two options together, a pair's order) goes in the
-    dataclass's ``__post_init__``, which then calls ``super().__post_init__()`` first and
-    raises :class:`~gradforensics.errors.SpecError`.  The engine parses each selected
-    analysis's ``options[name]`` once, before reading the store, and hands the parsed object
-    to the analysis in ``ctx.options[name]`` (:meth:`Context.options_for`).
-    """
-
-    #: ``{option: constraint}``: what each option accepts (:class:`~gradforensics.analysis.contract.checks.Interval`,
-    #: :class:`~gradforensics.analysis.contract.checks.StrOptions`, None, or a list of them: any one).
-    constraints: ClassVar[Constraints] = MappingProxyType({})
-    #: The analysis these options are for: messages of a directly constructed instance name it
-    #: (:meth:`parse` names the analysis it is given); default the class name.
-    analysis_name: ClassVar[str | None] = None
-
-    def __post_init__(self) -> None:
-        cls = type(self)
-        check_constraints(cls.analysis_name or cls.__name__, cls.constraints,
-                          {k: getattr(self, k) for k in cls.constraints if hasattr(self, k)})
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        """The option names this class accepts (its dataclass fields), sorted."""
-        import dataclasses
-
-        return tuple(sorted(f.name for f in dataclasses.fields(cls)))  # type: ignore[arg-type]
-
-    @classmethod
-    def parse(cls: type[OptionsT], raw: Any = None, name: str | None = None) -> OptionsT:
-        """*raw* as an instance of this options class, validated once.
-
-        Parameters
-        ----------
-        raw
-            ``None`` (the defaults), an instance of *cls* (returned as is), or a
-            mapping of field values.
-        name
-            The analysis the options are for (messages name it; default:
-            :attr:`analysis_name`, else the class name).
-
-        Raises
-        ------
-        SpecError
-            *raw* is not a mapping, names an unknown key (the message lists the
-            known ones), a value breaks its declared constraint (:attr:`constraints`),
-            or it fails the class's own checks.
-        """
-        from gradforensics.errors import SpecError
-
-        who = name or cls.analysis_name or cls.__name__
-        if raw is None:
-            return cls()
-        if isinstance(raw, cls):
-            return raw
-        if not isinstance(raw, Mapping):
-            raise SpecError(f"{who}: bad options {raw!r}: must be a dict or a {cls.__name__}; "
-                            f"got {type(raw).__name__}.")
-        known = list(cls.field_names())
-        unknown = sorted(str(k) for k in raw if k not in known)
-        if unknown:
-            raise SpecError(f"{who}: bad options {dict(raw)!r}: unknown key(s) {unknown}; "
-                            f"{who} options must be among {known}.")
-        check_constraints(who, cls.constraints, raw)
-        return cls(**raw)
-
-
-@dataclass(frozen=True)
-class NoOptions(Options):
-    """The options of an analysis that takes none: ``options={name: {}}`` only."""
-
 
 class Need(StrEnum):
     """What an analysis needs the engine to do for it before ``compute(ctx)``.
@@ -140,129 +56,6 @@ class Need(StrEnum):
     GRADS = "grads"
     ACTS = "acts"
     WEIGHTS = "weights"
-
-
-#: The causes the verdict ranks, and how each reads (a kind may declare another word: it reads as itself).
-CAUSES: Mapping[str, str] = MappingProxyType({
-    "learning_rate": "learning rate vs curvature",
-    "data": "data",
-    "optimizer": "optimizer state",
-    "attention": "attention",
-    "precision": "precision",
-})
-
-
-@dataclass(frozen=True)
-class Advice:
-    """What a kind of flag means and what to try next: everything downstream knows of the kind.
-
-    The report (summary, records map, remedies), ``compare`` and ``whatif`` read a kind's
-    declaration here and nowhere else.
-
-    Parameters
-    ----------
-    title
-        Section title of a finding of this kind (``"Direction drift"``).
-    phrase
-        Verb phrase of the summary sentence; ``{sources}`` is replaced by the
-        implicated sources (``"{sources} gradients point opposite ways"``).
-    evidence_keys
-        Evidence keys the summary quotes (as a range over a finding's flags), most
-        telling first: keys the kind's flags carry in ``evidence`` (the contract suite,
-        :mod:`gradforensics.testing.contracts`, checks every one on a planted store).
-        A mapping ``{key: label}`` gives how each reads in a sentence (``{"cosine":
-        "cos"}``); a plain sequence of keys reads each as itself, underscores as spaces.
-        After construction this is the tuple of keys and :attr:`evidence_labels` the labels.
-    remedies
-        What to try next, most likely first: the standard remedies for this
-        failure with their literature, not a diagnosis.
-    references
-        Short citations of the remedies (full entries in the emitting module).
-    time_axis
-        The statistic reads the record axis as time: in a ``replay`` store the
-        report prefixes the remedies with that caveat.
-    records_map
-        Non-empty for a finding about gradient *directions*: the report draws the
-        records map (every record placed by its gradient's direction, from the saved
-        Gram matrix) for the most severe flag of such a kind, and this sentence tells
-        how to read it (``"a drifting gradient walks away from its first records in the
-        step panel"``).  Empty (default): the kind takes no part in the map.
-    keyed_by_sources
-        The finding *is* about its sources (a conflict is its source pair): two flags
-        of this kind on one unit with different sources are two findings.  False
-        (default): the sources describe the finding (who sits at an oscillation's
-        poles, which source a drift aligns with, which sources are noisier) and move
-        from run to run with the trajectory; the finding is the unit's.  See :meth:`key`.
-    cause
-        The cause a finding of this kind points at, one of :data:`CAUSES` (``"learning_rate"``:
-        learning rate vs curvature; ``"data"``, ``"optimizer"``, ``"attention"``,
-        ``"precision"``) or another short word; the report's verdict ranks causes from the
-        findings that agree on one.  A flag may name its own in ``evidence["cause"]`` (a
-        gradient-norm line in full-batch training is the learning rate, not data order).
-        Empty (default): the kind is a cause of its own, named by its title.
-    """
-
-    title: str
-    phrase: str
-    evidence_keys: tuple[str, ...] | Mapping[str, str] = ()
-    remedies: tuple[str, ...] = ()
-    references: tuple[str, ...] = ()
-    time_axis: bool = False
-    records_map: str = ""
-    keyed_by_sources: bool = False
-    cause: str = ""
-    evidence_labels: Mapping[str, str] = field(init=False, repr=False, compare=False,
-                                               default_factory=lambda: MappingProxyType({}))
-
-    def __post_init__(self) -> None:
-        from gradforensics.errors import SpecError
-
-        raw = self.evidence_keys
-        pairs = list(raw.items()) if isinstance(raw, Mapping) else (
-            None if isinstance(raw, str) else [(k, None) for k in raw])
-        if pairs is None or not all(isinstance(k, str) and k and (lab is None or (isinstance(lab, str) and lab))
-                                    for k, lab in pairs):
-            raise SpecError(f"Advice {self.title!r}: evidence_keys must be a sequence of non-empty keys or a "
-                            f"mapping of keys to non-empty labels; got {raw!r}.")
-        keys = tuple(k for k, _ in pairs)
-        if len(set(keys)) != len(keys):
-            raise SpecError(f"Advice {self.title!r}: evidence_keys names a key twice; got {list(keys)!r}.")
-        labels = {k: lab if lab is not None else k.replace("_", " ") for k, lab in pairs}
-        object.__setattr__(self, "evidence_keys", keys)
-        object.__setattr__(self, "evidence_labels", MappingProxyType(labels))
-        if not isinstance(self.records_map, str):
-            raise SpecError(f"Advice {self.title!r}: records_map must be a sentence (empty: no map); "
-                            f"got {self.records_map!r}.")
-
-    def cause_of(self, flag: Flag) -> str:
-        """The cause *flag* points at: its own ``evidence["cause"]``, else the kind's :attr:`cause` ("" for none)."""
-        own = flag.evidence.get("cause") if isinstance(flag.evidence, Mapping) else None
-        return own if isinstance(own, str) and own else self.cause
-
-    def label(self, key: str) -> str:
-        """How evidence *key* reads in a sentence (its declared label, else the key with spaces)."""
-        return self.evidence_labels.get(key) or key.replace("_", " ")
-
-    def key(self, flag: Flag) -> FlagKey:
-        """Which finding *flag* is, across runs and arms: ``(kind, tensor, head, sources)``.
-
-        The one rule (``compare`` and ``whatif`` both pair findings by it): a finding is
-        its kind, tensor and head, plus its sources (as a sorted tuple) when the kind is
-        :attr:`keyed_by_sources`; otherwise the last element is ``()``.
-        """
-        srcs = tuple(sorted(flag.sources)) if self.keyed_by_sources else ()
-        return (flag.kind, flag.tensor, None if flag.head is None else int(flag.head), srcs)
-
-    def remedies_for(self, flags: Sequence[Flag]) -> list[str]:
-        """The remedies for a group of *flags* of this kind, most specific first.
-
-        Override in a subclass to reorder them by what the flags show.
-        """
-        return list(self.remedies)
-
-
-#: A finding's identity across runs (:meth:`Advice.key`): kind, tensor, head, sources (or ``()``).
-FlagKey = tuple[str, str, "int | None", tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -464,7 +257,7 @@ class Analysis:
         single ``dask.compute``; the values arrive as ``ctx.computed[name][key]``.
     slab_reductions
         ``slab_reductions(store) -> {key: SlabReduction}``
-        (:class:`gradforensics.analysis.engine.gram.SlabReduction`), required with
+        (:class:`gradforensics.analysis.contract.grams.SlabReduction`), required with
         :attr:`Need.GRADS` (and only then): per-slab reductions of stored gradients
         that the engine runs inside the Gram pass's read of each slab, so every
         gradient byte is still read once; each value arrives as
@@ -604,23 +397,4 @@ def regime_of(r: Any) -> dict[str, Any] | None:
     return {"name": r["name"], **{k: r[k] for k in keys}}
 
 
-__all__ = [
-    "CAUSES",
-    "REGIME_FIELDS",
-    "Advice",
-    "Analysis",
-    "AnalysisResult",
-    "Constraints",
-    "Context",
-    "Findings",
-    "Flag",
-    "FlagKey",
-    "GramResult",
-    "Interval",
-    "Need",
-    "NoOptions",
-    "Options",
-    "StrOptions",
-    "asdict",
-    "regime_of",
-]
+__all__ = ["REGIME_FIELDS", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "Need", "regime_of"]

@@ -13,7 +13,7 @@ are valid in ``flags.json`` (:func:`flag_kinds`, the schema's ``kind`` enum) and
 the report finds its advice (:func:`advice_of`) and its plot.  What downstream code knows
 of a kind - the evidence keys the summary quotes with their labels, whether the records
 map is drawn for it (:func:`records_map_kinds`), which flags are the same finding across
-runs and arms (:func:`flag_key`) - is read from its :class:`~gradforensics.analysis.contract.model.Advice`.
+runs and arms (:func:`flag_key`) - is read from its :class:`~gradforensics.analysis.contract.advice.Advice`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from gradforensics.analysis.contract.model import Advice, Analysis
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.model import Analysis
 from gradforensics.errors import SpecError
 from gradforensics.store.names import check_analysis_name
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.contract.model import Flag, FlagKey
+    from gradforensics.analysis.contract.advice import FlagKey
+    from gradforensics.analysis.contract.model import Flag
 
 __all__ = ["REGISTRY", "advice_of", "emitter_of", "flag_key", "flag_kinds", "records_map_kinds", "register",
            "registered", "unregister"]
@@ -111,7 +113,7 @@ def advice_of(kind: str) -> Advice | None:
 def flag_key(flag: Flag) -> FlagKey:
     """Which finding *flag* is: ``(kind, tensor, head, sources)``, how ``compare`` and ``whatif`` pair flags.
 
-    The kind's :meth:`Advice.key <gradforensics.analysis.contract.model.Advice.key>`:
+    The kind's :meth:`Advice.key <gradforensics.analysis.contract.advice.Advice.key>`:
     kind, tensor and head, plus the sorted sources only for a kind whose finding is
     about its sources (``Advice.keyed_by_sources``: conflict); otherwise ``()``.  A kind
     no registered analysis emits declares nothing, so it is keyed without its sources.

@@ -58,7 +58,7 @@ def band_products(x: np.ndarray, prev: np.ndarray | None, band: int) -> np.ndarr
 
 def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a @ bᵀ`` in float32 over feature blocks, accumulated in float64."""
-    from gradforensics.analysis.engine.gram import SUB_BLOCK
+    from gradforensics.analysis.engine.gramkernel import SUB_BLOCK
 
     acc = np.zeros((a.shape[0], b.shape[0]))
     for s in range(0, a.shape[1], SUB_BLOCK):
@@ -77,6 +77,8 @@ def lag_design(band: int, periods: np.ndarray) -> np.ndarray:
     return _lag_design(int(band), tuple(int(P) for P in np.asarray(periods).ravel()))
 
 
+# kept: block_moments takes it for every unit and every SUB_RECORDS block of a long pass (tens of
+# thousands of calls on a 7B-shaped store); built, it costs 1.2 ms (31 pinv at band 32), cached 4 µs
 @functools.lru_cache(maxsize=16)
 def _lag_design(band: int, periods: tuple[int, ...]) -> np.ndarray:
     lag = np.arange(1, band + 1, dtype=np.float64)

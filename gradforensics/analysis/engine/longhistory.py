@@ -164,7 +164,7 @@ def long_chunk(x: np.ndarray, prev: np.ndarray | None, r0: int, head0: int, spli
     (``("bp", head, record)``) for :func:`band_partials`.  The whole tensor is head
     ``-1``; its per-record squared norms are ``("n2", r0)``.
     """
-    from gradforensics.analysis.engine.gram import head_blocks
+    from gradforensics.analysis.engine.gramkernel import head_blocks
 
     out: Partial = {}
     L = d.band
@@ -220,7 +220,7 @@ def _emit(out: Partial, h: int, r: int, blk: BandBlock, d: Design, complete: boo
 
 def band_partials(parts: list[Partial], d: Design) -> Partial:
     """One record block's band blocks of every feature column, added per unit and reduced to moments."""
-    from gradforensics.analysis.engine.gram import combine_partials
+    from gradforensics.analysis.engine.gramkernel import combine_partials
 
     out: Partial = {}
     summed = combine_partials(parts)
@@ -310,9 +310,29 @@ def long_graph(store: Any, tensor: str, d: Design, reductions: tuple[Any, ...] =
     handle = store.handle(info)
     chunks = store.lazy(info.name, slab_bytes).chunks
     heads = info.heads is not None
+    name = f"longgram-{tokenize(handle, chunks, tensor, d.band, d.edges, d.mixture, reductions)}"
+    layer, parts = _long_layer(name, handle, chunks, heads, d, reductions, split_every)
+    top = reduction_tree(layer, name, parts, split_every, reductions)
+    final = (name, "agg")
+    layer[final] = (_aggregate_long_all, top, reductions, tensor, int(info.shape[0]),
+                    int(info.shape[1]) if heads else None, int(np.prod(info.shape[1:], dtype=np.int64)),
+                    from_sketch, d)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[])
+    return Delayed(final, graph, layer=name)
+
+
+def _long_layer(name: str, handle: Any, chunks: tuple[tuple[int, ...], ...], heads: bool, d: Design,
+                reductions: tuple[Any, ...], split_every: int) -> tuple[dict[Any, Any], list[Any]]:
+    """The read-and-reduce tasks of every record block and feature column, and the keys the tree combines.
+
+    A unit split between feature columns (*complete* False for it) leaves its band blocks,
+    which meet per record block in :func:`band_partials`; with a split record axis each
+    feature column's blocks are combined and their sums closed (:func:`close_sums`) first.
+    """
+    from gradforensics.analysis.engine.gram import reduction_tree
+
     whole_features = all(len(c) == 1 for c in chunks[2 if heads else 1:])
     complete = (whole_features, whole_features and (not heads or len(chunks[1]) == 1))
-    name = f"longgram-{tokenize(handle, chunks, tensor, d.band, d.edges, d.mixture, reductions)}"
     starts = [np.concatenate([[0], np.cumsum(c)]).astype(int) for c in chunks]
     layer: dict[Any, Any] = {}
     parts: list[Any] = []
@@ -336,26 +356,19 @@ def long_graph(store: Any, tensor: str, d: Design, reductions: tuple[Any, ...] =
             parts.append(col_parts[0])
             continue
         top = reduction_tree(layer, f"{name}-col{len(parts)}", col_parts, split_every, reductions)
-        closed = (name, "close", len(parts))
-        layer[closed] = (close_sums, top)
-        parts.append(closed)
+        layer[(name, "close", len(parts))] = (close_sums, top)
+        parts.append((name, "close", len(parts)))
     if not all(complete):                      # units split between feature columns: their bands meet per block
         for a, keys in enumerate(by_block):
             layer[(name, "bands", a)] = (band_partials, keys, d)
             parts.append((name, "bands", a))
-    top = reduction_tree(layer, name, parts, split_every, reductions)
-    final = (name, "agg")
-    layer[final] = (_aggregate_long_all, top, reductions, tensor, int(info.shape[0]),
-                    int(info.shape[1]) if heads else None, int(np.prod(info.shape[1:], dtype=np.int64)),
-                    from_sketch, d)
-    graph = HighLevelGraph.from_collections(name, layer, dependencies=[])
-    return Delayed(final, graph, layer=name)
+    return layer, parts
 
 
 def _read_long(handle: Any, r0: int, r1: int, fsel: tuple[slice, ...], head0: int, split: bool, d: Design,
                close: bool, reductions: tuple[Any, ...], complete: tuple[bool, bool]) -> Partial:
     """Read records ``r0:r1`` of one feature column (and the band before them) and reduce them in one task."""
-    from gradforensics.analysis.engine.gram import reduce_chunk
+    from gradforensics.analysis.engine.gramkernel import reduce_chunk
 
     sel = (slice(r0, r1), *fsel)
     x = handle[sel]

@@ -10,13 +10,12 @@ trip through zarr's event loop.  A store of 2,000 tensors of 32 floats spent abo
 Here such tensors are grouped (up to :data:`GROUP_BYTES` of stored floats and
 :data:`GROUP_TENSORS` tensors a group) and each group is **one task**: it reads all
 its tensors with one call into zarr's event loop
-(:func:`~gradforensics.store.backends.read_handles`), then runs, per tensor, exactly
-what the one-tensor graph runs - :func:`~gradforensics.analysis.engine.gram.chunk_partial`
+(:func:`~gradforensics.store.backends.read_handles`), then runs, per tensor, the steps
+of the one-tensor graph - :func:`~gradforensics.analysis.engine.gramkernel.chunk_partial`
 and each reduction's ``chunk`` on the slab, then
-:func:`~gradforensics.analysis.engine.gram.aggregate_partial` or
-:func:`~gradforensics.analysis.engine.gram.aggregate_all` on that one partial (a
-one-slab pass has no combine step) - so every Gram matrix, count and reduction is
-the same number as before.  The task's value is the flat list of the tensors'
+:func:`~gradforensics.analysis.engine.gramkernel.aggregate_partial` or
+:func:`~gradforensics.analysis.engine.gramkernel.aggregate_all` on that one partial (a
+one-slab pass has no combine step).  The task's value is the flat list of the tensors'
 outputs, in the order :func:`fused_outputs` names them.
 """
 
@@ -32,15 +31,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.analysis.contract.grams import SlabReduction
-from gradforensics.analysis.engine.gram import (
-    DEFAULT_SLAB_BYTES,
-    PRECISIONS,
-    aggregate_all,
-    aggregate_partial,
-    chunk_partial,
-    reduce_chunk,
-    slab_chunks,
-)
+from gradforensics.analysis.engine.gram import DEFAULT_SLAB_BYTES, PRECISIONS, slab_chunks
+from gradforensics.analysis.engine.gramkernel import aggregate_all, aggregate_partial, chunk_partial, reduce_chunk
 from gradforensics.analysis.engine.spill import write_spilled
 from gradforensics.errors import SpecError
 from gradforensics.store.backends import ArrayHandle, read_handles

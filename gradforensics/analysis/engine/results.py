@@ -8,7 +8,7 @@ them without reading a gradient:
 * ``findings`` - store, records, mode, sources, header, flags and the analyses run;
 * ``tables/<name>`` - each analysis's table, ``{"columns": [...], "data": [[...], ...]}``;
 * ``series/<name>`` - each analysis's series, packed into one ``.npz`` image
-  (:func:`pack_series`);
+  (:func:`~gradforensics.analysis.engine.seriesimage.pack_series`);
 * the Gram matrices of every tensor and head, with the ``gram_index`` document.
 
 A store may come from someone else, so what is read back is checked once, here,
@@ -16,7 +16,7 @@ at the boundary (design, "Store safety"): analysis names must be lower-case
 identifiers (they become ``tables/<name>.csv``), every flag field has its type and
 range, tables are rectangular with string column names and scalar cells, and the
 series blobs are plain, uncompressed ``.npz`` images whose arrays hold the bytes
-their headers declare.  Anything else is a :class:`~gradforensics.errors.CorruptStoreError`
+their headers declare (:func:`~gradforensics.analysis.engine.seriesimage.parse_series`).  Anything else is a :class:`~gradforensics.errors.CorruptStoreError`
 naming the store, the document and what is wrong - never a ``KeyError`` or
 ``TypeError`` traceback.  Names are not otherwise restricted here: they are data,
 and every output escapes them (:mod:`gradforensics._text`).
@@ -24,23 +24,19 @@ and every output escapes them (:mod:`gradforensics._text`).
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import math
 import os
-import struct
-import sys
-import time
-import zipfile
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import AnalysisResult, Findings, Flag, GramResult
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.model import AnalysisResult, Findings, Flag
 from gradforensics.analysis.contract.registry import flag_kinds
+from gradforensics.analysis.engine.seriesimage import pack_series, parse_series
 from gradforensics.errors import CorruptStoreError, UnsafeNameError
 from gradforensics.store.names import check_analysis_name
 from gradforensics.store.results import GramArrays, read_document, read_grams, read_result, write_results
@@ -51,15 +47,14 @@ if TYPE_CHECKING:
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
-__all__ = ["FLAG_FIELDS", "findings_documents", "load_grams", "pack_series", "parse_flag", "parse_series",
-           "parse_table", "read_findings", "save_grams", "save_results", "stored_zip"]
+__all__ = ["FLAG_FIELDS", "findings_documents", "load_grams", "parse_flag", "parse_table", "read_findings",
+           "save_grams", "save_results"]
 
 #: Fields of a flag (the flags.json contract); every one is required.
 FLAG_FIELDS = ("kind", "tensor", "head", "sources", "severity", "records", "evidence", "summary")
 #: Deepest nesting of lists and objects accepted in a header or an evidence object.
 MAX_DEPTH = 16
 MODES = ("training", "replay")
-_NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 
 
 def _bad(where: str, what: str) -> CorruptStoreError:
@@ -192,227 +187,6 @@ def _plain_rows(data: list[Any], n_columns: int) -> bool:
         return False
     kinds = set(map(type, itertools.chain.from_iterable(data)))
     return all(t is type(None) or issubclass(t, (str, int, float)) for t in kinds)
-
-
-def pack_series(series: Mapping[str, Any]) -> np.ndarray:
-    """All series of one analysis as one uint8 array (an ``.npz`` image, no pickle).
-
-    One stored array per analysis instead of one per series: a store with
-    hundreds of tensors would otherwise get thousands of tiny arrays, and their
-    metadata dominated the time of writing the results.  :func:`parse_series`
-    reads it back.
-    """
-    arrays: dict[str, Any] = {f"s{i}": np.asarray(v) for i, v in enumerate(series.values())}
-    arrays["__keys__"] = np.asarray(list(series.keys()), dtype=str)
-    headers: dict[tuple[str, tuple[int, ...], bool], bytes] = {}
-    # what np.savez writes, one header built per distinct shape
-    members = [(f"{key}.npy", _npy_bytes(arr, headers)) for key, arr in arrays.items()]
-    date_time = time.localtime(time.time())[:6]
-    image = stored_zip(members, date_time)
-    if image is None:               # past the plain zip format's limits: zipfile's own writer (zip64)
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for name, data in members:
-                zf.writestr(zipfile.ZipInfo(name, date_time), data)
-        image = buf.getvalue()
-    return np.frombuffer(image, dtype=np.uint8)
-
-
-# the zip records a series image is made of (PKWARE's APPNOTE), every 2-byte field as one H:
-# written by stored_zip, read by _plain_directory
-_LOCAL = struct.Struct("<4s5H3L2H")              # local file header (30 bytes)
-_CENTRAL = struct.Struct("<4s6H3L5H2L")          # central directory file header (46 bytes)
-_END = struct.Struct("<4s4H2LH")                 # end of central directory record (22 bytes)
-_ZIP_LIMIT = (1 << 31) - 1                      # zipfile.ZIP64_LIMIT
-_CREATE_SYSTEM = 0 if sys.platform == "win32" else 3
-
-
-def stored_zip(members: Sequence[tuple[str, bytes]], date_time: tuple[int, ...]) -> bytes | None:
-    """The uncompressed zip of *members* (name, bytes) that ``zipfile`` writes for them, built in one piece.
-
-    Byte for byte what ``zipfile.ZipFile(buf, "w", ZIP_STORED).writestr(ZipInfo(name, date_time),
-    data)`` gives member by member (the same local headers, CRC-32s, central directory and end
-    record), without its per-member file object, seeks and header rewrite: a store of 2,000
-    tensors writes 32,000 members.  None where the plain format does not reach (a name that is
-    not ASCII, more than 65,535 members, a member or archive near 2 GiB: zip64): zipfile then.
-    """
-    if len(members) > 0xFFFF:
-        return None
-    dos_date = (date_time[0] - 1980) << 9 | date_time[1] << 5 | date_time[2]
-    dos_time = date_time[3] << 11 | date_time[4] << 5 | (date_time[5] // 2)
-    parts: list[bytes] = []
-    central: list[bytes] = []
-    offset = 0
-    for name, data in members:
-        if not name.isascii() or len(data) * 1.05 > _ZIP_LIMIT or offset > _ZIP_LIMIT:
-            return None
-        raw_name, crc, size = name.encode("ascii"), zlib.crc32(data), len(data)
-        parts += [_LOCAL.pack(b"PK\x03\x04", 20, 0, zipfile.ZIP_STORED, dos_time, dos_date, crc, size, size,
-                              len(raw_name), 0), raw_name, data]
-        central += [_CENTRAL.pack(b"PK\x01\x02", _CREATE_SYSTEM << 8 | 20, 20, 0, zipfile.ZIP_STORED, dos_time,
-                                  dos_date, crc, size, size, len(raw_name), 0, 0, 0, 0, 0o600 << 16, offset),
-                    raw_name]
-        offset += _LOCAL.size + len(raw_name) + size
-    directory = b"".join(central)
-    if offset > _ZIP_LIMIT or len(directory) > _ZIP_LIMIT:
-        return None
-    end = _END.pack(b"PK\x05\x06", 0, 0, len(members), len(members), len(directory), offset, 0)
-    return b"".join([*parts, directory, end])
-
-
-def _npy_bytes(arr: np.ndarray, headers: dict[tuple[str, tuple[int, ...], bool], bytes]) -> bytes:
-    """The ``.npy`` file of *arr* (as ``np.save`` writes it), its header memoised in *headers*."""
-    fortran = bool(arr.flags.f_contiguous and not arr.flags.c_contiguous)
-    key = (arr.dtype.str, arr.shape, fortran)
-    if key not in headers:
-        out = io.BytesIO()
-        try:
-            if arr.dtype.hasobject or arr.dtype.names is not None:
-                raise ValueError("not a plain array")
-            np.lib.format.write_array_header_1_0(out, np.lib.format.header_data_from_array_1_0(arr))
-        except ValueError:       # anything unusual: NumPy's own writer, whole (and its refusals)
-            out = io.BytesIO()
-            np.lib.format.write_array(out, arr, allow_pickle=False)
-            return out.getvalue()
-        headers[key] = out.getvalue()
-    return headers[key] + (arr.T.tobytes() if fortran else arr.tobytes())
-
-
-def parse_series(raw: Any, where: str = "series") -> dict[str, np.ndarray]:
-    """The series of one analysis from its stored ``.npz`` image (see :func:`pack_series`).
-
-    The image must be what ``pack_series`` writes: a zip of uncompressed ``.npy``
-    members (no pickle), ``__keys__`` a 1-D string array and ``s0``...``s{n-1}``
-    one array per key, each holding the bytes its header declares - so neither
-    a decompression bomb nor an inflated shape can make the reader allocate
-    more than the store holds.
-    """
-    arr = np.asarray(raw)
-    if arr.dtype != np.uint8 or arr.ndim != 1:
-        raise _bad(where, f"must be a 1-D uint8 array (an .npz image); got {arr.dtype} {arr.shape}")
-    blob = bytearray(arr.tobytes())          # writable: the arrays returned are views into it, as np.load's are copies
-    try:
-        if blob[:4] not in _NPZ_MAGIC:
-            raise ValueError("not a zip archive")
-        entries = _plain_directory(blob)
-        if entries is None:                  # not the plain layout pack_series writes: zipfile's own reader
-            with zipfile.ZipFile(io.BytesIO(blob)) as zf:
-                entries = [(i.filename, i.header_offset, i.file_size, i.CRC, i.compress_type) for i in zf.infolist()]
-        members = _members(blob, entries)
-        keys = members.get("__keys__")
-        if keys is None:
-            raise KeyError("__keys__ is not a member of the archive")
-        if keys.ndim != 1 or (keys.size and keys.dtype.kind != "U"):
-            raise ValueError(f"__keys__ is a {keys.dtype} array of shape {keys.shape}, not a list of names")
-        if len(members) != keys.size + 1 or set(members) != {"__keys__", *(f"s{i}" for i in range(keys.size))}:
-            raise ValueError(f"members {sorted(members)[:8]} do not match the {keys.size} keys")
-        return {k: members[f"s{i}"] for i, k in enumerate(keys.tolist())}
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-        raise _bad(where, f"is not a series image gradforensics wrote ({type(exc).__name__}: "
-                   f"{_show(str(exc), 120)})") from exc
-
-
-def _plain_directory(blob: bytearray) -> list[tuple[str, int, int, int, int]] | None:
-    """``(name, header offset, size, CRC-32, compression)`` of each member, read from the central
-    directory of a zip laid out as :func:`pack_series` writes it, else None.
-
-    The plain layout: one disk, no archive comment, no prepended data, no zip64, no extra
-    fields or comments, ASCII names.  Anything else goes to :mod:`zipfile` (None here),
-    so this is a shorter way through the same archives, not a more lenient one; every
-    member is then checked by :func:`_members` either way.  ``zipfile`` builds an
-    object per member: 32,000 series cost a third of a second.
-    """
-    end = len(blob) - _END.size
-    if end < 0 or blob[end:end + 4] != b"PK\x05\x06":
-        return None
-    _, disk, cd_disk, n_here, n, cd_size, cd_start, comment = _END.unpack_from(blob, end)
-    if disk or cd_disk or n_here != n or comment or cd_start + cd_size != end:
-        return None
-    out, pos = [], cd_start
-    for _ in range(n):
-        if pos + _CENTRAL.size > end:
-            return None
-        sig, _, _, flags, method, _, _, crc, csize, size, n_name, n_extra, n_comment, _, _, _, offset = \
-            _CENTRAL.unpack_from(blob, pos)
-        if sig != b"PK\x01\x02" or n_extra or n_comment or flags & 0x1 or csize != size:
-            return None
-        raw = bytes(blob[pos + _CENTRAL.size:pos + _CENTRAL.size + n_name])
-        if len(raw) != n_name or not raw.isascii():
-            return None
-        out.append((raw.decode("ascii"), offset, size, crc, method))
-        pos += _CENTRAL.size + n_name
-    return out if pos == end else None
-
-
-def _members(blob: bytearray, entries: list[tuple[str, int, int, int, int]]) -> dict[str, np.ndarray]:
-    """Every member of *entries* (name, header offset, size, CRC-32, compression) as an array, by its
-    name less ``.npy``, read in place from the stored (uncompressed) zip image *blob*.
-
-    What ``np.load`` and a member-by-member check did, without a file object per member:
-    stored, not compressed; its CRC-32; a ``.npy`` version 1.0 or 2.0 header (parsed once
-    per distinct header: a store's series share a few shapes); no objects; no more data
-    declared than held.  One loop over the members (the image's view, the lookups made
-    once): a store of 2,000 tensors holds 32,000 series.
-    """
-    view = memoryview(blob)
-    n_blob = len(blob)
-    octets = np.frombuffer(blob, dtype=np.uint8)
-    local_size, unpack_local, crc32 = _LOCAL.size, _LOCAL.unpack_from, zlib.crc32
-    parsed: dict[bytes, tuple[tuple[int, ...], bool, np.dtype[Any], int]] = {}
-    out: dict[str, np.ndarray] = {}
-    for filename, header_offset, file_size, crc, compress_type in entries:
-        if compress_type != zipfile.ZIP_STORED:
-            raise ValueError(f"member {filename!r} is compressed; gradforensics stores series uncompressed")
-        if header_offset < 0 or header_offset + local_size > n_blob or view[header_offset:header_offset + 4] != b"PK\x03\x04":
-            raise ValueError(f"member {filename!r} has no local header")
-        n_name, n_extra = unpack_local(blob, header_offset)[-2:]
-        start = header_offset + local_size + n_name + n_extra
-        data = view[start:start + file_size]
-        if len(data) != file_size or crc32(data) != crc:
-            raise ValueError(f"member {filename!r} is truncated or fails its CRC-32")
-        head = bytes(data[:12])
-        if head[:6] != b"\x93NUMPY" or head[6:8] not in (b"\x01\x00", b"\x02\x00"):
-            raise ValueError(f"member {filename!r} has .npy version {tuple(head[6:8])}")
-        size = 2 if head[6] == 1 else 4
-        end = 8 + size + int.from_bytes(head[8:8 + size], "little")
-        raw = bytes(data[:end])
-        known = parsed.get(raw)
-        if known is None:
-            shape, fortran, dtype = _npy_header(raw, filename)
-            known = parsed[raw] = (shape, fortran, dtype, math.prod(shape))
-        shape, fortran, dtype, count = known
-        if count * dtype.itemsize > file_size:
-            raise ValueError(f"member {filename!r} declares shape {shape} of {dtype}, more than its "
-                             f"{file_size} bytes")
-        at = start + end
-        if dtype.itemsize:                  # a view of the image's bytes: what frombuffer gives, at half its cost
-            flat = octets[at:at + count * dtype.itemsize].view(dtype)
-        else:
-            flat = np.frombuffer(blob, dtype=dtype, count=count, offset=at)
-        if fortran:
-            flat = flat.reshape(shape[::-1]).transpose()
-        elif len(shape) != 1:
-            flat = flat.reshape(shape)
-        out[filename[:-4] if filename.endswith(".npy") else filename] = flat
-    return out
-
-
-_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype[Any]]] = {}
-
-
-def _npy_header(raw: bytes, name: str) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
-    """``(shape, fortran_order, dtype)`` of a ``.npy`` header (NumPy's own parser; memoised)."""
-    if raw not in _HEADERS:
-        fp = io.BytesIO(raw)
-        version = np.lib.format.read_magic(fp)
-        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = reader(fp)
-        if dtype.hasobject:
-            raise ValueError(f"member {name!r} holds Python objects")
-        if len(_HEADERS) >= 4096:
-            _HEADERS.clear()
-        _HEADERS[raw] = (tuple(int(n) for n in shape), bool(fortran), dtype)
-    return _HEADERS[raw]
 
 
 # ------------------------------------------------------------------ findings

@@ -29,7 +29,7 @@ when it has not, it says so in one line and the pass falls back to the
 long-history regime (or refuses, when the exact regime was asked for).
 
 Small passes (Gram matrices of at most :data:`SPILL_ABOVE` bytes in all) keep them in
-memory, as before; the engine option ``spill`` forces either way.
+memory; the engine option ``spill`` forces either way.
 
 The long-history regime spills the same way what it keeps of size ``m²`` per unit: the
 super-records' Gram matrix (``m = windows × sources``, 256 × 256 float64 = 512 KiB a unit

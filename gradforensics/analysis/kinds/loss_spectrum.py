@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag
+from gradforensics.analysis.contract.advice import Advice, Finding
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
 from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.series import series_compute
 from gradforensics.analysis.toolkit.signal.detrending import DetrendCache
@@ -291,7 +292,7 @@ class SpectrumAdvice(Advice):
         "Full-batch training has no data order: a line at 2 steps is the update overshooting a sharp direction "
         "(edge of stability); lower the learning rate below 2/lambda_max, or warm it up.")
 
-    def remedies_for(self, flags: Sequence[Flag]) -> list[str]:
+    def remedies_for(self, flags: Sequence[Finding]) -> list[str]:
         items = list(self.remedies)
         if flags and all(f.evidence.get("full_batch") for f in flags):
             return [self.FULL_BATCH_REMEDY, *items[1:]]

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag, GramResult, Need
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.grams import GramResult
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

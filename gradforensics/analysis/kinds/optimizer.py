@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag
 from gradforensics.store.probes import OptimData, read_optim
 
 if TYPE_CHECKING:

@@ -49,16 +49,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import (
-    Advice,
-    Analysis,
-    AnalysisResult,
-    Constraints,
-    Flag,
-    Interval,
-    Need,
-    Options,
-)
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.checks import Constraints, Interval
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag, Need
+from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.toolkit.kspace import window_edges
 from gradforensics.analysis.toolkit.stats import bimodality_coefficient, rank_trend
 

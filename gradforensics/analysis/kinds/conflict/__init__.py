@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics._contrast import annotate
-from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag, Need
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
 from gradforensics.analysis.kinds.conflict.unit import (
     ConflictOptions,
     SourceDesign,

@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import Constraints, Interval, Options
+from gradforensics.analysis.contract.checks import Constraints, Interval
+from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.conflict.permtest import permutations, permuted_source_grams
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks

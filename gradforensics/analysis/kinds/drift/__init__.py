@@ -46,17 +46,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import (
-    Advice,
-    Analysis,
-    AnalysisResult,
-    Constraints,
-    Context,
-    Flag,
-    Interval,
-    Need,
-    Options,
-)
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.checks import Constraints, Interval
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
+from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.drift.stats import UnitDrift, drift_slab
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import units as un

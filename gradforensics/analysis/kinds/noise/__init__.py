@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Context, Flag, Need
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
 from gradforensics.analysis.kinds.noise.findings import NoiseOptions, flags
 from gradforensics.analysis.kinds.noise.scale import BELOW_RESOLUTION
 from gradforensics.analysis.kinds.noise.table import MODEL, N_FEATURES, noise_table

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import AnalysisResult, Constraints, Context, Flag, Interval, Options
+from gradforensics.analysis.contract.checks import Constraints, Interval
+from gradforensics.analysis.contract.model import AnalysisResult, Context, Flag
+from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.noise.scale import BELOW_RESOLUTION, Z90, robust_z
 from gradforensics.analysis.kinds.noise.table import MODEL, N_FEATURES
 from gradforensics.analysis.toolkit.batches import full_batch, learning

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     import pandas as pd
 
-    from gradforensics.analysis.contract.model import GramResult
+    from gradforensics.analysis.contract.grams import GramResult
 
 __all__ = ["COLUMNS", "MODEL", "N_FEATURES", "STACK_BYTES", "Design", "Taken", "design", "model_rows", "noise_rows",
            "noise_rows_many", "noise_table"]

@@ -59,16 +59,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import (
-    Advice,
-    Analysis,
-    AnalysisResult,
-    Constraints,
-    Flag,
-    Interval,
-    Need,
-    Options,
-)
+from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.checks import Constraints, Interval
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag, Need
+from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.precision.formats import (
     COUNTS,
     EXP_MAX,

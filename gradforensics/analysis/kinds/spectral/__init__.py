@@ -60,7 +60,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import Advice, Analysis, AnalysisResult, Flag, Need
+from gradforensics.analysis.contract.advice import Advice, Finding
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag, Need
 from gradforensics.analysis.kinds.spectral.findings import NAME, SpectralOptions, flags
 from gradforensics.analysis.kinds.spectral.reads import lazy, partner_of, role_of, slab_reductions
 from gradforensics.analysis.kinds.spectral.spectra import (
@@ -228,14 +229,14 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 class SpectralAdvice(Advice):
     """Spectral remedies: QK-norm first only for a finding on query/key projections."""
 
-    def remedies_for(self, flags: Sequence[Flag]) -> list[str]:
+    def remedies_for(self, flags: Sequence[Finding]) -> list[str]:
         items = list(self.remedies)
         if flags and not any(_on_query_or_key(f) for f in flags):
             items = items[1:] + items[:1]           # QK-norm is not the first thing to try on an MLP
         return items
 
 
-def _on_query_or_key(flag: Flag) -> bool:
+def _on_query_or_key(flag: Finding) -> bool:
     """Whether *flag* is on a query or key projection (its evidence's role, else its module name)."""
     parts = flag.tensor.split(".")
     if len(parts) > 1 and parts[-1] in ("weight", "bias"):

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import AnalysisResult, Constraints, Flag, Interval, Options
+from gradforensics.analysis.contract.checks import Constraints, Interval
+from gradforensics.analysis.contract.model import AnalysisResult, Flag
+from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.spectral.reads import partner_of
 from gradforensics.analysis.toolkit.units import head_of
 from gradforensics.errors import SpecError

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from gradforensics.analysis.contract.model import Options
+from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.toolkit.signal.background import GainGrid, ar1_fits, expected_welch, welch_dof
 from gradforensics.analysis.toolkit.signal.detrending import (
     DETRENDERS,
