@@ -291,7 +291,7 @@ class TorchRecorder(ArrayRecorder):
         self._act_hooks = {n: _ActHook(n) for n in self._act_modules}
         for n, m in self._act_modules.items():
             self._hooks.append(m.register_forward_hook(self._act_hooks[n]))
-        self._attn = AttentionTaps(attn_modules) if attn_modules else None
+        self._attn = AttentionTaps(named, attn_modules) if attn_modules else None
         self._warned: set[str] = set()
         self._pool: queue.Queue[dict[str, torch.Tensor]] | None = None
         self._pool_lock = threading.Lock()
