@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from gradforensics.replay.probe import CurvatureSpec
     from gradforensics.store.reader import Store
 
-__all__ = ["CaptureInterrupted", "Captured", "capture", "capture_checkpoint", "curvature_spec", "data_sources",
+__all__ = ["Captured", "capture", "capture_checkpoint", "curvature_spec", "data_sources",
            "load_model",
            "store_exists", "store_location"]
 

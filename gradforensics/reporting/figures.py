@@ -23,6 +23,7 @@ import numpy as np
 from gradforensics._text import terminal, visible
 from gradforensics.errors import PlotBugWarning
 from gradforensics.reporting import names
+from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -168,8 +169,8 @@ def overview_data(findings: Findings) -> Overview:
     rows_of_table = {n: names.table_units(findings.table(n)) for n in rows}
     all_names = [t for r in rows_of_table.values() for t, _ in r] + [f.tensor for f in findings.flags]
     all_heads = [h for r in rows_of_table.values() for _, h in r] + [f.head for f in findings.flags]
-    layer_of = {t: names.layer_of(t) for t in dict.fromkeys(all_names)}      # each name parsed once
-    idx = [layer_of[t] for t in all_names]
+    layer_at = {t: layer_of(t) for t in dict.fromkeys(all_names)}      # each name parsed once
+    idx = [layer_at[t] for t in all_names]
     known = sorted({i for i in idx if i is not None})
     layers: list[int | str] = list(known)
     if known and known[-1] - known[0] < MAX_LAYER_SPAN:
@@ -186,7 +187,7 @@ def overview_data(findings: Findings) -> Overview:
     m = np.full((len(rows), max(len(layers), 1) * n_heads), np.nan)
 
     def cols(name: str, head: int | None) -> tuple[int, int]:
-        lay = layer_of[name]
+        lay = layer_at[name]
         j = col[OTHER if lay is None else lay]
         if head is None or n_heads == 1:
             return j * n_heads, (j + 1) * n_heads

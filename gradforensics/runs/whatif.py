@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from gradforensics.runs.train import ArmRun
 
-__all__ = ["DEFAULT_SKETCH", "WhatIf", "WhatIfInterrupted", "whatif"]
+__all__ = ["whatif"]
 
 #: A what-if longer than this many steps per arm is refused before anything is planned or allocated.
 MAX_STEPS = 1_000_000

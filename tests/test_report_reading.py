@@ -1,16 +1,14 @@
-"""The report's cheaper reading and bookkeeping (issue 28) give what the plain code gave.
+"""How the report reads a results store and fills its overview, each held against an oracle.
 
-Each shortcut is held against an oracle computed here by the plain code it replaced:
-
-* series images: one loop over the members -> what ``numpy.load`` reads, over many random
-  series (dtypes, 0-d, empty, Fortran order, NaN) in ``pack_series`` and ``np.savez``
-  images; damaged members refused with the messages they had;
-* tables: the cells checked all at once -> accepted and refused exactly as row by row,
-  the same row named in the same message;
-* flags: kinds looked up once, evidence depth walked only when nested -> the same flags
-  and the same refusals;
-* the overview's matrix and the layer table: each flag's analysis named once, the cells
-  filled in one ``fmax`` -> the per-flag loop's matrix, bit for bit;
+* series images -> what ``numpy.load`` reads, over many random series (dtypes, 0-d, empty,
+  Fortran order, NaN) in ``pack_series`` and ``np.savez`` images; damaged members refused,
+  naming the member and what is wrong;
+* tables -> the table rules written out row by row here (cells: string, number or null; head:
+  null or a non-negative integer), the first failing row named;
+* flags -> the same flags with the kinds given or looked up, evidence nesting bounded;
+* the overview's matrix and the layer table -> each cell is the largest severity of the flags
+  on it (0 where the analysis covered the unit without a flag), written out here flag by flag;
+  exact, since a maximum of given values rounds nothing;
 * ``report``'s garbage collection: fewer collections inside, garbage still collected,
   the collector's settings restored after.
 """
@@ -139,7 +137,7 @@ def test_bad_npy_members_are_refused_with_their_messages() -> None:
 
 # ------------------------------------------------------------------ tables
 def _rows_oracle(data: list, columns: list[str]) -> str | None:
-    """The row-by-row checks of parse_table before issue 28: the message of the first failing row."""
+    """The table rules, row by row: the message of the first failing row (None: the table is valid)."""
     head = columns.index("head") if "head" in columns else None
     for i, row in enumerate(data):
         if not isinstance(row, list) or len(row) != len(columns):
@@ -168,7 +166,7 @@ def _mutate(rng: np.random.Generator, data: list, n_cols: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_tables_are_accepted_and_refused_as_row_by_row(seed: int) -> None:
+def test_tables_are_accepted_and_refused_by_the_rules(seed: int) -> None:
     rng = np.random.default_rng(seed)
     columns = ["tensor", "head", "x", "y"]
     n = int(rng.integers(1, 30))
@@ -233,8 +231,9 @@ def _findings(rng: np.random.Generator, heads: bool) -> Findings:
 
 
 def _overview_oracle(findings: Findings):
-    """The matrix as the per-flag loop filled it before issue 28."""
+    """The matrix by its definition: per cell the largest severity of its flags, 0 where covered."""
     from gradforensics.reporting import figures, names
+    from gradforensics.store.names import layer_of
 
     ov = figures.overview_data(findings)
     rows, h = ov.rows, ov.heads
@@ -242,7 +241,7 @@ def _overview_oracle(findings: Findings):
     m = np.full(ov.matrix.shape, np.nan)
 
     def cols(name: str, head: int | None) -> slice:
-        lay = names.layer_of(name)
+        lay = layer_of(name)
         j = col[figures.OTHER if lay is None else lay]
         if head is None or h == 1:
             return slice(j * h, (j + 1) * h)
@@ -263,12 +262,12 @@ def _overview_oracle(findings: Findings):
 
 
 @pytest.mark.parametrize("seed", range(16))
-def test_overview_matrix_and_layer_table_equal_the_per_flag_loop(seed: int) -> None:
+def test_overview_matrix_and_layer_table_hold_each_cells_largest_severity(seed: int) -> None:
     from gradforensics.reporting import figures, tables
 
     findings = _findings(np.random.default_rng(seed), heads=seed % 2 == 0)
     ov, want = _overview_oracle(findings)
-    assert ov.matrix.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(ov.matrix, want)
     assert figures.flag_analyses(findings) == [figures.analysis_name(f, findings) for f in findings.flags]
     cols, rows = tables.layer_table(findings)
     for f in findings.flags:                          # every flag's cell holds at least its severity
