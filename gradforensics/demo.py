@@ -201,7 +201,7 @@ def make_model(cfg: DemoConfig) -> torch.nn.Module:
         vocab_size=vocab_size(cfg), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
         max_position_embeddings=max(cfg.positions, cfg.seq_len), tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,
-        pad_token_id=None, attn_implementation="eager",
+        pad_token_id=None, attn_implementation="eager",  # type: ignore[call-arg]
     )
     return LlamaForCausalLM(config)
 

@@ -165,14 +165,19 @@ class HeadTap:
 # ------------------------------------------------------------------ the Hugging Face door
 def tapped_eager(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
     """gradforensics' entry in transformers' ``AttentionInterface``: the module's own eager attention, tapped."""
-    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if own is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as own
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) or _llama_eager()
     out = own(module, query, key, value, attention_mask, *args, **kwargs)
     tap = _TAPS.get(module)
     if tap is not None:
         tap.add(query, key, attention_mask, kwargs.get("scaling", args[0] if args else None))
     return out
+
+
+def _llama_eager() -> Any:
+    """The eager attention of LLaMA's modeling file, for a family whose own file defines none."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return eager_attention_forward
 
 
 def _register() -> None:

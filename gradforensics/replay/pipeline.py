@@ -120,7 +120,8 @@ def store_exists(where: Any) -> bool:
 
 def load_model(checkpoint: str | os.PathLike[str], model: ModelSpec, batches: BatchSpec) -> Checkpoint:
     """Load *checkpoint* offline as *model* says, and check ``batches.seq_len`` against its positions."""
-    from gradforensics.replay.checkpoint import load_checkpoint, max_positions, offline
+    from gradforensics.replay.checkpoint import load_checkpoint, max_positions
+    from gradforensics.replay.offline import offline
 
     with offline():     # HF_HUB_OFFLINE=1 before transformers is first imported
         from transformers.utils import logging as hf_logging
