@@ -283,9 +283,9 @@ def run(out_dir: str | os.PathLike[str], seed: int = 0, cfg: DemoConfig | None =
 
     *threads*: torch's intra-op threads for training and replay; ``None`` picks one
     for the demo's tiny model unless ``OMP_NUM_THREADS`` is set
-    (:mod:`gradforensics._threads`: 10-20x faster on a busy machine).
+    (:mod:`gradforensics.replay.threads`: 10-20x faster on a busy machine).
     """
-    from gradforensics._threads import choose_threads, torch_threads
+    from gradforensics.replay.threads import choose_threads, torch_threads
 
     with torch_threads(choose_threads(0, threads)):      # the demo's model is tiny by construction
         return _run(out_dir, seed, cfg, log)

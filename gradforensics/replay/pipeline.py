@@ -211,7 +211,7 @@ def capture_checkpoint(checkpoint: str | os.PathLike[str], data: Mapping[str, An
     model (the input of the ``rankconsistency`` analysis) instead of sharding it.
     """
     from gradforensics._extras import require_extra
-    from gradforensics._threads import parse_threads
+    from gradforensics.replay.threads import parse_threads
 
     require_extra("torch", "gf.capture()")
     require_extra("transformers", "gf.capture()")
@@ -236,9 +236,9 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
          record: RecordSpec, model: ModelSpec, *, storage_options: Mapping[str, Any] | None, force: bool,
          quiet: bool, threads: int | None, launch: Launch | None, check_ranks: bool,
          curvature: CurvatureSpec | None = None) -> Captured:
-    from gradforensics._threads import for_model
     from gradforensics.replay import data, distributed
     from gradforensics.replay.run import replay
+    from gradforensics.replay.threads import for_model
     from gradforensics.store.remote import is_url
 
     ckpt = load_model(checkpoint, model, batches)
