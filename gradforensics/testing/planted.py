@@ -198,7 +198,7 @@ def healthy_store(
                        **kwargs)
 
 
-def _truth_entries(truth: dict[str, Any], t: str, mean: np.ndarray, var: np.ndarray, heads: Mapping[str, Any]) -> None:
+def _truth_entries(truth: dict[str, Any], t: str, mean: np.ndarray, var: np.ndarray, heads: dict[str, Any]) -> None:
     """The truth of tensor *t* and, when *heads* split it, of each ``"<t>#<head>"``."""
     from gradforensics.recording.heads import match_heads
 
