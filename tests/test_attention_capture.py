@@ -223,6 +223,13 @@ def test_sdpa_and_non_attention_modules_refused_in_one_line(tmp_path) -> None:
     with pytest.raises(SpecError, match="no Hugging Face attention module"):
         gf.Recorder(tmp_path / "s.zarr", model=torch.nn.Sequential(torch.nn.Linear(3, 3)), sources=["a"],
                     attention="auto")
+    # an attention module outside any PreTrainedModel: no public door switches it
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    bare = torch.nn.ModuleDict({"attn": LlamaAttention(tiny_llama().config, 0), "out": torch.nn.Linear(32, 2)})
+    with pytest.raises(SpecError, match="in no Hugging Face model"):
+        gf.Recorder(tmp_path / "s.zarr", model=bare, sources=["a"], attention="auto")
+    assert not (tmp_path / "s.zarr").exists()
 
 
 def test_array_recorder_attention_and_validation_at_open(tmp_path) -> None:
