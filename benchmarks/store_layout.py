@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 
-from gradforensics.recording.recorder import encode
+from gradforensics.recording.encoding import encode
 from gradforensics.store import LayoutPolicy, Row, StoreWriter
 from gradforensics.store.layout import MiB
 from gradforensics.store.reader import Store

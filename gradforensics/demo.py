@@ -201,11 +201,9 @@ def make_model(cfg: DemoConfig) -> torch.nn.Module:
         vocab_size=vocab_size(cfg), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
         max_position_embeddings=max(cfg.positions, cfg.seq_len), tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,
-        pad_token_id=None,
+        pad_token_id=None, attn_implementation="eager",  # type: ignore[call-arg]
     )
-    model = LlamaForCausalLM(config)
-    model.config._attn_implementation = "eager"
-    return model
+    return LlamaForCausalLM(config)
 
 
 def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -285,9 +283,9 @@ def run(out_dir: str | os.PathLike[str], seed: int = 0, cfg: DemoConfig | None =
 
     *threads*: torch's intra-op threads for training and replay; ``None`` picks one
     for the demo's tiny model unless ``OMP_NUM_THREADS`` is set
-    (:mod:`gradforensics._threads`: 10-20x faster on a busy machine).
+    (:mod:`gradforensics.replay.threads`: 10-20x faster on a busy machine).
     """
-    from gradforensics._threads import choose_threads, torch_threads
+    from gradforensics.replay.threads import choose_threads, torch_threads
 
     with torch_threads(choose_threads(0, threads)):      # the demo's model is tiny by construction
         return _run(out_dir, seed, cfg, log)

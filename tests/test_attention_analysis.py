@@ -100,8 +100,8 @@ def test_healthy_tiny_llama_replay_with_attention_raises_no_attention_flag(tmp_p
 
     lang_a, lang_b = cal.languages(False, 0, "random")
     ckpt = cal.train_tiny_llama(tmp_path / "ckpt", (lang_a, lang_b), seed=0)
-    data = {"a": cal._write_texts(tmp_path / "a.txt", lang_a.texts(200, 1000)),
-            "b": cal._write_texts(tmp_path / "b.txt", lang_b.texts(200, 2000))}
+    data = {"a": cal.write_texts(tmp_path / "a.txt", lang_a.texts(200, 1000)),
+            "b": cal.write_texts(tmp_path / "b.txt", lang_b.texts(200, 2000))}
     cal.capture_cli(ckpt, data, tmp_path / "s.zarr", "--batches-per-source", "4", "--batch-size", "8",
                     "--seq-len", "32", "--attention")
     findings = gf.analyze(tmp_path / "s.zarr", only="attention", progress=False, options=NO_PERSIST)
@@ -116,8 +116,8 @@ def test_minilm_replay_with_attention_raises_no_attention_flag(tmp_path) -> None
 
     from gradforensics.testing import calibration as cal
 
-    data = {"news": cal._write_texts(tmp_path / "n.txt", cal.ENGLISH[:8]),
-            "stories": cal._write_texts(tmp_path / "s.txt", cal.ENGLISH[8:])}
+    data = {"news": cal.write_texts(tmp_path / "n.txt", cal.ENGLISH[:8]),
+            "stories": cal.write_texts(tmp_path / "s.txt", cal.ENGLISH[8:])}
     cal.capture_cli(Path(pkg.get_model_path()), data, tmp_path / "m.zarr", "--batches-per-source", "3",
                     "--batch-size", "4", "--seq-len", "24", "--loss", "gradforensics.replay.losses:contrastive",
                     "--tensors", "encoder.layer.0.*", "--attention")

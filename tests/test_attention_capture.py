@@ -65,7 +65,7 @@ def llama_logits_by_hand(model: transformers.LlamaForCausalLM, layer: int, ids: 
 
 
 def run_tapped(model: torch.nn.Module, **inputs: torch.Tensor) -> tuple[dict, object]:
-    taps = AttentionTaps(attention_modules(model, "auto"))
+    taps = AttentionTaps(model, attention_modules(model, "auto"))
     try:
         with torch.no_grad():
             out = model(**inputs, output_attentions=True)
@@ -106,17 +106,58 @@ def test_padding_mask_excludes_padded_keys_and_queries() -> None:
         np.testing.assert_allclose(stats["model.layers.1.self_attn"][k], v, atol=TOL)
 
 
-def test_taps_leave_the_output_unchanged_and_restore_the_interface() -> None:
-    from transformers.modeling_utils import AttentionInterface
+def test_taps_leave_the_output_unchanged_and_give_the_model_its_attention_back() -> None:
+    from gradforensics.recording.attention import IMPLEMENTATION
 
     model = tiny_llama()
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
     stats, out = run_tapped(model, input_ids=ids)
+    # the tapped run computes the model's own eager attention: same operations, same output
     assert torch.equal(out.logits, ref)
-    assert "eager" not in AttentionInterface._global_mapping
     assert set(stats) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    # transformers' own entries are untouched: gradforensics adds its own name, "eager" stays unregistered
+    assert "eager" not in transformers.AttentionInterface() and IMPLEMENTATION in transformers.AttentionInterface()
+    # closed: the model runs eager again (an SDPA model would be refused below), and taps anew alike
+    again, _ = run_tapped(model, input_ids=ids)
+    for name, v in stats.items():
+        for k in v:
+            np.testing.assert_array_equal(again[name][k], v[k])
+    taps = AttentionTaps(model, attention_modules(model, "auto"))
+    with pytest.raises(SpecError, match="already recorded"):
+        AttentionTaps(model, attention_modules(model, "auto"))
+    taps.remove()
+    taps.remove()                                  # idempotent
+
+
+def test_head_stats_equal_a_direct_torch_computation() -> None:
+    """max logit and normalised entropy of masked softmax attention, from random logits and a random mask.
+
+    The oracle is float64 softmax; the statistics run in float32, so rtol 1e-5 (float32's rounding over
+    a few dozen keys) with atol 1e-6 for entropies near 0.
+    """
+    from gradforensics.recording.attention import finish, head_stats
+
+    g = torch.Generator().manual_seed(4)
+    s = torch.randn(3, 5, 7, 11, generator=g) * torch.tensor([0.1, 1.0, 3.0, 10.0, 40.0])[None, :, None, None]
+    allowed = torch.rand(3, 1, 7, 11, generator=g) > 0.3
+    allowed[0, 0, 0] = False                       # a query with no key: no choice, left out
+    allowed[1, 0, 1] = False
+    allowed[1, 0, 1, 4] = True                     # a query with one key: no choice, left out
+    got = finish(head_stats(s, allowed))
+    d = s.double().masked_fill(~allowed, -math.inf)
+    n = allowed.sum(-1).expand(3, 5, 7)
+    chosen = n >= 2
+    p = torch.softmax(d, dim=-1).nan_to_num(0.0)
+    ent = -torch.where(p > 0, p * p.log(), 0.0).sum(-1) / n.clamp(min=2).double().log()
+    for h in range(5):
+        c = chosen[:, h]
+        np.testing.assert_allclose(got["max_logit"][h], float(d[:, h][c].amax()), rtol=1e-6)
+        np.testing.assert_allclose(got["entropy_mean"][h], float(ent[:, h][c].mean()), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["entropy_min"][h], float(ent[:, h][c].min()), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["onehot_frac"][h], float((p[:, h].amax(-1)[c] > 0.99).double().mean()))
+    assert got["onehot_frac"][4] > 0.3 > got["onehot_frac"][0]       # sharp heads go one-hot, flat ones do not
 
 
 def test_gpt2_and_bert_families() -> None:
@@ -182,6 +223,13 @@ def test_sdpa_and_non_attention_modules_refused_in_one_line(tmp_path) -> None:
     with pytest.raises(SpecError, match="no Hugging Face attention module"):
         gf.Recorder(tmp_path / "s.zarr", model=torch.nn.Sequential(torch.nn.Linear(3, 3)), sources=["a"],
                     attention="auto")
+    # an attention module outside any PreTrainedModel: no public door switches it
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    bare = torch.nn.ModuleDict({"attn": LlamaAttention(tiny_llama().config, 0), "out": torch.nn.Linear(32, 2)})
+    with pytest.raises(SpecError, match="in no Hugging Face model"):
+        gf.Recorder(tmp_path / "s.zarr", model=bare, sources=["a"], attention="auto")
+    assert not (tmp_path / "s.zarr").exists()
 
 
 def test_array_recorder_attention_and_validation_at_open(tmp_path) -> None:

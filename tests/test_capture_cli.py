@@ -27,7 +27,8 @@ import gradforensics as gf  # noqa: E402
 from gradforensics import cli  # noqa: E402
 from gradforensics.errors import OfflineError  # noqa: E402
 from gradforensics.replay import data, losses  # noqa: E402
-from gradforensics.replay.checkpoint import load_checkpoint, offline  # noqa: E402
+from gradforensics.replay.checkpoint import load_checkpoint  # noqa: E402
+from gradforensics.replay.offline import offline  # noqa: E402
 from gradforensics.replay.plan import record_bytes  # noqa: E402
 from gradforensics.reporting import report  # noqa: E402
 from gradforensics.store.reader import open_store  # noqa: E402

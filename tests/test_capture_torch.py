@@ -12,8 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import gradforensics as gf  # noqa: E402
 from gradforensics.errors import SpecError  # noqa: E402
-from gradforensics.recording import actstats  # noqa: E402
-from gradforensics.recording import torch as gtorch  # noqa: E402
+from gradforensics.recording import actstats, hostcopy  # noqa: E402
 from gradforensics.recording.sketch import Sketcher  # noqa: E402
 from gradforensics.recording.torch import TorchRecorder  # noqa: E402
 from gradforensics.store.schema import decode_bf16  # noqa: E402
@@ -473,8 +472,8 @@ def test_device_path_reuses_buffers_without_corrupting_records(tmp_path, monkeyp
         events.append(FakeEvent())
         return [events[-1]]
 
-    monkeypatch.setattr(gtorch, "_is_device", lambda t: True)
-    monkeypatch.setattr(gtorch, "_copy_async", fake_copy)
+    monkeypatch.setattr(hostcopy, "is_device", lambda t: True)
+    monkeypatch.setattr(hostcopy, "copy_async", fake_copy)
     torch.manual_seed(0)
     model = TinyMLP()
     path = tmp_path / "dev.zarr"
@@ -485,7 +484,7 @@ def test_device_path_reuses_buffers_without_corrupting_records(tmp_path, monkeyp
             seen.append(model.fc1.weight.grad.clone().numpy())
             rec.record(source="a")
             model.zero_grad()
-    assert rec._pool is not None and rec._pool.qsize() == gtorch.N_BUFFER_SETS
+    assert rec._copies.pool is not None and rec._copies.pool.qsize() == hostcopy.N_BUFFER_SETS
     assert [e.waited for e in events] == [1] * 6
     np.testing.assert_array_equal(gf.open_store(path).grad("fc1.weight").compute(), np.stack(seen))
 

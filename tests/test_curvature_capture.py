@@ -59,7 +59,7 @@ def _gd_checkpoint(path, lr: float, steps: int = 300) -> list[float]:
 
 
 def _replay_checkpoint(ckpt, out, spec: CurvatureSpec, batches) -> gf.Findings:
-    from gradforensics.replay.checkpoint import read_state_dict
+    from gradforensics.replay.untrusted import read_state_dict
 
     net = _mlp(1)                                     # other init: the weights come from the file
     net.load_state_dict(read_state_dict(ckpt))
@@ -99,7 +99,7 @@ def test_edge_of_stability_is_flagged_with_the_lr_and_the_blocks(tmp_path):
     table = found.table("curvature")
     whole = table[(table["tensor"] == "model") & (table["source"] == "")].iloc[0]
     net = _mlp(1)
-    from gradforensics.replay.checkpoint import read_state_dict
+    from gradforensics.replay.untrusted import read_state_dict
 
     net.load_state_dict(read_state_dict(tmp_path / "eos.pt"))
     ref = _power_iteration(net, (x, y)) * 1.0

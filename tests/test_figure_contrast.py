@@ -96,7 +96,7 @@ def test_report_caption_says_what_the_overview_draws(tmp_path, monkeypatch):
 
 
 def test_inspect_says_what_its_ratio_is(tmp_path):
-    from gradforensics.commands.inspect import _lines, summarize
+    from gradforensics.commands.inspect import summarize, summary_lines
     from gradforensics.recording import Recorder
     from gradforensics.store.reader import Store
 
@@ -104,7 +104,7 @@ def test_inspect_says_what_its_ratio_is(tmp_path):
     with Recorder(tmp_path / "s.zarr", sources=["a"], background=False, expected_records=4) as rec:
         for i in range(4):
             rec.record(step=i, source="a", grads={"w": rng.standard_normal((512, 1024)).astype(np.float32)})
-    lines = _lines(summarize(Store(tmp_path / "s.zarr")))
+    lines = summary_lines(summarize(Store(tmp_path / "s.zarr")))
     legend = next(line for line in lines if line.startswith("tensors (1):"))
     assert "bytes on disk for the bytes of data" in legend and "x: data / disk" in legend
     row = next(line for line in lines if line.strip().startswith("w "))

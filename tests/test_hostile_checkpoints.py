@@ -34,12 +34,8 @@ from test_capture_cli import corpus, llama_config  # noqa: E402
 import gradforensics as gf  # noqa: E402
 from gradforensics.cli import main  # noqa: E402
 from gradforensics.errors import CheckpointError  # noqa: E402
-from gradforensics.replay.checkpoint import (  # noqa: E402
-    check_safetensors,
-    load_checkpoint,
-    read_json_object,
-    read_state_dict,
-)
+from gradforensics.replay.checkpoint import load_checkpoint  # noqa: E402
+from gradforensics.replay.untrusted import check_safetensors, read_json_object, read_state_dict  # noqa: E402
 
 FACTORY = "test_capture_cli:tiny_llama_factory"
 HUGE = 2**62
@@ -191,14 +187,14 @@ def test_damaged_model_safetensors_is_one_line(tmp_path, base, capsys, case):
 
 def test_header_length_2_62_is_refused_from_the_file_size(tmp_path, monkeypatch):
     """Nothing is allocated for the header: the length is compared with the file size and the cap first."""
-    from gradforensics.replay import checkpoint
+    from gradforensics.replay import untrusted
 
     file = tmp_path / "huge.safetensors"
     file.write_bytes(struct.pack("<Q", HUGE) + b"{}" + b"\0" * 64)
     with pytest.raises(CheckpointError, match=rf"header length says {HUGE} B but the file is 74 B in all"):
         check_safetensors(file)
-    assert checkpoint.MAX_HEADER_BYTES == 100_000_000      # the safetensors library's own cap
-    monkeypatch.setattr(checkpoint, "MAX_HEADER_BYTES", 1000)
+    assert untrusted.MAX_HEADER_BYTES == 100_000_000      # the safetensors library's own cap
+    monkeypatch.setattr(untrusted, "MAX_HEADER_BYTES", 1000)
     big = tmp_path / "big.safetensors"                     # within the file, past the cap: refused by the cap
     big.write_bytes(struct.pack("<Q", 1001) + b" " * 2000)
     with pytest.raises(CheckpointError, match=r"says 1001 B \(the file is 2008 B\); a header may take at most 1000 B"):
@@ -273,11 +269,11 @@ def test_bad_json_in_the_directory_is_one_line(tmp_path, base, capsys, case):
 
 
 def test_json_reader_caps_the_size_and_names_the_file(tmp_path, monkeypatch):
-    from gradforensics.replay import checkpoint
+    from gradforensics.replay import untrusted
 
     file = tmp_path / "config.json"
     file.write_text('{"a": "' + "x" * 200 + '"}')
-    monkeypatch.setattr(checkpoint, "MAX_JSON_BYTES", 100)
+    monkeypatch.setattr(untrusted, "MAX_JSON_BYTES", 100)
     with pytest.raises(CheckpointError, match=r"config\.json: 209 B, too large for a JSON file \(at most 100 B"):
         read_json_object(file)
 

@@ -18,6 +18,7 @@ import pytest
 from gradforensics.cli import main
 from gradforensics.errors import FlagsSchemaError, PlotBugWarning, SpecError
 from gradforensics.reporting import flagsjson, names, report, severity, summary
+from gradforensics.reporting.bands import band
 from gradforensics.reporting.figures import overview_data
 
 # ------------------------------------------------------------------ names
@@ -75,7 +76,7 @@ def test_exit_code_and_band():
     assert severity.exit_code(f, 0.91) == 1          # reaching counts
     assert severity.exit_code(f, 0.92) == 0
     assert severity.exit_code(data.findings(healthy=True), 0.0) == 0
-    assert [severity.band(s) for s in (0.1, 0.25, 0.5, 0.9)] == ["info", "low", "medium", "high"]
+    assert [band(s) for s in (0.1, 0.25, 0.5, 0.9)] == ["info", "low", "medium", "high"]
 
 
 # ------------------------------------------------------------- flags.json

@@ -71,7 +71,7 @@ def test_planted_conflict_separates_the_two_sources(conflict_run) -> None:
     spread = max(np.sqrt(((m.xy[src == s] - c[s]) ** 2).sum(1).mean()) for s in c)
     assert np.linalg.norm(c["zh"] - c["en"]) > 4 * spread                       # two clouds, well apart
     # a healthy unit of the same store: the same sources do not separate
-    k = recordsmap._unit_gram(Store(d / "s.zarr"), "model.layers.0.self_attn.q_proj.weight", 0)[0]
+    k = recordsmap.unit_gram(Store(d / "s.zarr"), "model.layers.0.self_attn.q_proj.weight", 0)[0]
     xy, keep, _ = cosine_map(k)
     cz, ce = xy[src[keep] == "zh"].mean(0), xy[src[keep] == "en"].mean(0)
     within = np.sqrt(((xy - xy.mean(0)) ** 2).sum(1).mean())

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gradforensics import _threads, cli
-from gradforensics._threads import SMALL_MODEL_PARAMS, choose_threads, parse_threads, torch_threads
+from gradforensics import cli
 from gradforensics.errors import SpecError
+from gradforensics.replay import threads
+from gradforensics.replay.threads import SMALL_MODEL_PARAMS, choose_threads, parse_threads, torch_threads
 
 
 def test_small_model_gets_one_thread_large_keeps_torch_default(monkeypatch):
@@ -59,10 +60,10 @@ def test_for_model_counts_parameters(monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     model = torch.nn.Linear(8, 4)
-    assert _threads.n_parameters(model) == 36
+    assert threads.n_parameters(model) == 36
     torch.set_num_threads(2)
     try:
-        with _threads.for_model(model):
+        with threads.for_model(model):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
     finally:

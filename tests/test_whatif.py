@@ -10,7 +10,7 @@ Known answers:
 * **data conflict**: zh and en continue the same context differently; every
   optimizer arm keeps the zh-en conflict, the arm without zh resolves it;
 * the first step of every arm takes the same batch at the same weights: the same
-  loss and gradient (bit for bit);
+  loss and gradient, identical (one computation on one input);
 * :class:`~gradforensics.runs.optim.Lion` against NumPy's rendering of the
   published update rule; a loaded optimizer state against torch's AdamW
   continuing from it.
@@ -163,7 +163,7 @@ def test_high_lr_oscillates_and_the_lower_lr_arm_resolves_it(tmp_path, chain):
     assert "every 2.0 records" in flag.summary
     rows = {(r.kind, r.tensor): r.status for r in res.comparisons["lo"].rows}
     assert rows[("oscillation", "out.weight")] == "resolved"
-    # same first batch at the same weights: same loss, same gradient, bit for bit
+    # same first batch at the same weights: identical loss and gradient
     s_hi, s_lo = open_store(tmp_path / "w" / "hi.zarr"), open_store(tmp_path / "w" / "lo.zarr")
     assert s_hi.mode == "training" and s_hi.n_records == s_lo.n_records == 32
     loss_hi, loss_lo = s_hi.batches()["loss"], s_lo.batches()["loss"]

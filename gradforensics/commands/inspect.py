@@ -17,7 +17,7 @@ from gradforensics._text import terminal
 if TYPE_CHECKING:
     from gradforensics.store.reader import Store
 
-__all__ = ["add_arguments", "run", "summarize"]
+__all__ = ["add_arguments", "run", "summarize", "summary_lines"]
 
 
 
@@ -68,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(s, indent=2))        # JSON escapes control characters itself
         return 0
-    for line in _lines(s):
+    for line in summary_lines(s):
         print(terminal(line))                 # names come from the store: escape sequences are shown, not sent
     return 0
 
 
-def _lines(s: dict) -> list[str]:
+def summary_lines(s: dict) -> list[str]:
     """The human-readable summary, one string per line (not yet made safe for a terminal)."""
     out = []
     if s.get("writer"):

@@ -10,8 +10,8 @@ __all__ = ["add_argument", "threads_value"]
 
 def threads_value(text: str) -> int | None:
     """argparse type of ``--threads``: ``auto`` -> ``None``, else a positive integer."""
-    from gradforensics._threads import parse_threads
     from gradforensics.errors import SpecError
+    from gradforensics.replay.threads import parse_threads
 
     try:
         return parse_threads(text)

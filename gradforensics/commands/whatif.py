@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     require_extra("torch", "gradforensics whatif")
     require_extra("transformers", "gradforensics whatif")
     from gradforensics.errors import SpecError, WhatIfInterrupted
-    from gradforensics.reporting.severity import SEVERITY_NAMES, reaching
+    from gradforensics.reporting.bands import SEVERITY_NAMES
+    from gradforensics.reporting.severity import reaching
     from gradforensics.reporting.summary import group
     from gradforensics.runs.whatif import whatif
 

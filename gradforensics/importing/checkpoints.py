@@ -104,7 +104,7 @@ def _hf_files(d: Path) -> list[Path]:
 
 
 def _index_files(d: Path, index: Path) -> list[Path]:
-    from gradforensics.replay.checkpoint import read_json_object
+    from gradforensics.replay.untrusted import read_json_object
 
     weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -138,7 +138,7 @@ def _unwrap(obj: Any, file: Path) -> tuple[dict[str, torch.Tensor], Any]:
 
 def load_checkpoint_file(file: Path) -> tuple[dict[str, torch.Tensor], Any]:
     """``(state dict, optimizer state or None)`` of one weight file (safetensors or torch)."""
-    from gradforensics.replay.checkpoint import read_state_dict, torch_load
+    from gradforensics.replay.untrusted import read_state_dict, torch_load
 
     if file.suffix == ".safetensors":
         return read_state_dict(file), None
@@ -147,7 +147,7 @@ def load_checkpoint_file(file: Path) -> tuple[dict[str, torch.Tensor], Any]:
 
 def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
     """``(state dict, optimizer state or None)`` of checkpoint *ck* (``optimizer.pt`` beside an HF one)."""
-    from gradforensics.replay.checkpoint import torch_load
+    from gradforensics.replay.untrusted import torch_load
 
     if ck.kind == "torch":
         return load_checkpoint_file(ck.path)
@@ -163,7 +163,7 @@ def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
 # ------------------------------------------------------------------ the trainer's log
 def trainer_log(ckpts: Sequence[Checkpoint]) -> dict[int, dict[str, float]]:
     """``{step: {"loss": ..., "lr": ...}}`` from the latest ``trainer_state.json`` that has a ``log_history``."""
-    from gradforensics.replay.checkpoint import read_json_object
+    from gradforensics.replay.untrusted import read_json_object
 
     for ck in reversed(ckpts):
         state = (ck.path if ck.kind == "hf" else ck.path.parent) / "trainer_state.json"

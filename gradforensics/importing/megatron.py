@@ -177,7 +177,7 @@ def load_shard(path: Path) -> dict[int, dict[str, torch.Tensor]]:
     """``{chunk: {name: tensor}}`` of one rank file, read with ``weights_only=True`` (one-line errors)."""
     import torch
 
-    from gradforensics.replay.checkpoint import torch_load
+    from gradforensics.replay.untrusted import torch_load
 
     obj = torch_load(path, mmap=True)
     if not isinstance(obj, Mapping) or not obj:

@@ -4,7 +4,7 @@
 hand their records to.  A record is ``grads`` (tensor name -> array: the update of
 an interval, or a dumped gradient), the batch metadata (step, loss, lr, n_samples,
 time) and any number of weight snapshots taken at it.  Arrays are stored as they
-come (float32, float16, bfloat16 as its bit patterns: bit for bit); head-split
+come (float32, float16, bfloat16 as its bit patterns: lossless); head-split
 tensors get the layout of :mod:`gradforensics.store.heads`.  The size of the whole
 import is printed before the store is created (and refused when the disk cannot hold
 it, unless ``force``); a progress bar follows.
@@ -48,7 +48,7 @@ class Interval:
 
 
 def as_array(t: torch.Tensor | np.ndarray) -> tuple[np.ndarray, str, str]:
-    """A tensor as ``(stored array, encoding, source dtype)``, bit for bit where the store can hold it.
+    """A tensor as ``(stored array, encoding, source dtype)``, lossless where the store can hold its dtype.
 
     float32 and float16 stay themselves, bfloat16 becomes its uint16 bit patterns;
     float64 (and any other floating type) is stored as float32.

@@ -20,9 +20,15 @@ saturated.  See ``docs/capture.md`` and ``docs/saturation.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from gradforensics.errors import SpecError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = [
     "BOUNDED",
@@ -31,6 +37,7 @@ __all__ = [
     "N_BINS",
     "PARTS",
     "REFERENCE_QUANTILE",
+    "ActHook",
     "ActRange",
     "act_stats",
     "combine",
@@ -201,3 +208,44 @@ def finish(parts: dict[str, Any]) -> dict[str, np.ndarray]:
         "mean": mean.astype(np.float32),
         "std": np.sqrt(var).astype(np.float32),
     }
+
+
+class ActHook:
+    """Forward hook summarising a module's outputs on their own device.
+
+    Until the module's range is fixed (its first record) the outputs are kept,
+    ``(tokens, units)`` float32 on their device; after that every micro-batch is
+    reduced at once to per-unit partial sums (:func:`partial_stats`),
+    so nothing is kept and only the summed statistics cross to the host, at ``record()``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.parts: list[torch.Tensor] = []
+        self.units: int | None = None
+        self.rng: ActRange | None = None
+        self.sums: dict[str, Any] | None = None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        import torch
+
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if not isinstance(out, torch.Tensor):
+            raise SpecError(f"activations: module {self.name} returned {type(output).__name__}, not a tensor; "
+                            "hook a module whose output is the activation (e.g. '*.mlp.act_fn').")
+        a = out.detach().reshape(-1, out.shape[-1]) if out.ndim else out.detach().reshape(1, 1)
+        self.units = int(a.shape[-1])
+        if self.rng is None:
+            self.parts.append(a.to(torch.float32, copy=True))
+        else:
+            self.sums = combine(self.sums, partial_stats(a, self.rng))
+
+    def take(self) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
+        """The kept outputs (before the range is fixed) or the summed parts since the last call."""
+        import torch
+
+        parts, self.parts = self.parts, []
+        sums, self.sums = self.sums, None
+        if not parts:
+            return None, sums
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), sums

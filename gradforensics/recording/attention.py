@@ -17,16 +17,24 @@ or to none (padding) have no choice to make and are left out.  Micro-batches
 between two records are combined (max of maxima, min of minima, summed counts).
 
 How the logits are seen: the Hugging Face families (LLaMA/Mistral/Qwen incl. GQA,
-GPT-2, GPT-NeoX, BERT, Phi-3) call their attention through
-``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)``.
-While a recorder with ``attention=`` is open, the ``"eager"`` entry of that
-interface is a pass-through (:func:`_tapped_eager`) that runs the model's own
-eager function unchanged (its output is the model's output, bit for bit) and, for
-the modules being recorded, reduces the query/key logits to ``(H,)`` statistics
-on their device.  Only those cross to the host, at ``record()``.  A model whose
-attention runs in SDPA or flash kernels has no weights to give: it is refused in
-one line (:class:`~gradforensics.errors.AttentionUnavailableError`) saying to load
-it with ``attn_implementation="eager"``.
+GPT-2, GPT-NeoX, BERT, Phi-3) call their attention through transformers'
+``AttentionInterface`` under the name their config selects.  gradforensics
+registers its own entry there, :data:`IMPLEMENTATION` (``"gradforensics_eager"``,
+:func:`tapped_eager`, with the eager mask in ``AttentionMaskInterface``), and a
+recorder with ``attention=`` switches the recorded model to it with the public
+``model.set_attn_implementation`` - and back to the model's own ``"eager"`` when
+it closes.  The entry runs the model's own eager function (its output is the
+model's output) and, for the modules being recorded, reduces the same query and
+key tensors to ``(H,)`` statistics on their device; only those cross to the
+host, at ``record()``.  No entry of transformers' own is replaced.  A model whose
+attention runs in SDPA or flash kernels is refused in one line
+(:class:`~gradforensics.errors.AttentionUnavailableError`) saying to load it with
+``attn_implementation="eager"``.
+
+The statistics are fed by a door (here the Hugging Face one) that hands each
+call's query, key, mask and scaling to the module's :class:`HeadTap`; a tap of
+another attention call (e.g. ``torch.nn.functional.scaled_dot_product_attention``
+in a model outside transformers) would be another door feeding the same taps.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradforensics._compat import attn_implementation
 from gradforensics.errors import AttentionUnavailableError, SpecError
 from gradforensics.store.schema import ATTN_FIELDS
 
@@ -47,16 +56,17 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ONEHOT", "STATS", "AttentionTaps", "attention_modules", "finish", "head_stats", "merge",
-           "use_eager_attention"]
+__all__ = ["IMPLEMENTATION", "ONEHOT", "STATS", "AttentionTaps", "HeadTap", "attention_modules", "finish",
+           "head_stats", "merge", "switchable_roots", "tapped_eager", "use_eager_attention"]
 
 
 STATS = ATTN_FIELDS
 ONEHOT = 0.99
-_TAPS: weakref.WeakKeyDictionary[Any, _Tap] = weakref.WeakKeyDictionary()
+#: The name of gradforensics' entry in transformers' attention interface.
+IMPLEMENTATION = "gradforensics_eager"
+_TAPS: weakref.WeakKeyDictionary[Any, HeadTap] = weakref.WeakKeyDictionary()
+_SWITCHED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()   # root -> [own impl, users]
 _LOCK = threading.Lock()
-_INSTALLED: list[Any] = []     # [previous "eager" entry or None] while installed
-_USERS = 0
 
 
 # ------------------------------------------------------------------ the maths
@@ -136,14 +146,15 @@ def logits_of(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> 
 
 
 # ------------------------------------------------------------------ the taps
-class _Tap:
-    """The running statistics of one attention module since the last record."""
+class HeadTap:
+    """The running statistics of one attention module since the last record, fed by a door with each call's tensors."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.part: dict[str, torch.Tensor] | None = None
 
     def add(self, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> None:
+        """Add one call: *query* ``(B, H, Q, d)``, *key* ``(B, H_kv, K, d)``, *mask* as eager attention gets it."""
         import torch
 
         with torch.no_grad():
@@ -151,52 +162,86 @@ class _Tap:
             self.part = merge(self.part, head_stats(s, allowed_keys(mask, tuple(s.shape))))
 
 
-def _tapped_eager(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any,
-                  **kwargs: Any) -> Any:
-    """The ``"eager"`` attention entry while recording: the module's own eager function, tapped."""
-    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if own is None:
-        own = _INSTALLED[0] if _INSTALLED and _INSTALLED[0] is not None else _generic_eager()
+# ------------------------------------------------------------------ the Hugging Face door
+def tapped_eager(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+    """gradforensics' entry in transformers' ``AttentionInterface``: the module's own eager attention, tapped."""
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) or _llama_eager()
     out = own(module, query, key, value, attention_mask, *args, **kwargs)
     tap = _TAPS.get(module)
     if tap is not None:
-        scaling = kwargs.get("scaling", args[0] if args else None)
-        tap.add(query, key, attention_mask, scaling)
+        tap.add(query, key, attention_mask, kwargs.get("scaling", args[0] if args else None))
     return out
 
 
-def _generic_eager() -> Any:
+def _llama_eager() -> Any:
+    """The eager attention of LLaMA's modeling file, for a family whose own file defines none."""
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     return eager_attention_forward
 
 
-def _install() -> None:
-    global _USERS
-    from transformers.modeling_utils import AttentionInterface
+def _register() -> None:
+    """Register :func:`tapped_eager` (and the eager mask) under :data:`IMPLEMENTATION`; idempotent."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
 
+    if AttentionInterface().get(IMPLEMENTATION) is not tapped_eager:
+        AttentionInterface.register(IMPLEMENTATION, tapped_eager)
+        AttentionMaskInterface.register(IMPLEMENTATION, eager_mask)
+
+
+def switchable_roots(model: nn.Module, modules: dict[str, nn.Module]) -> list[nn.Module]:
+    """The outermost modules of *model* with ``set_attn_implementation`` (Hugging Face models) holding *modules*.
+
+    Raises
+    ------
+    SpecError
+        A module of *modules* in no such model (its attention cannot be switched by the public door).
+    """
+    roots: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        if callable(getattr(m, "set_attn_implementation", None)) and not any(_under(name, r) for r in roots):
+            roots[name] = m
+    for n in modules:
+        if not any(_under(n, r) for r in roots):
+            raise SpecError(f"attention: {n} is in no Hugging Face model (no set_attn_implementation above it); "
+                            "record the attention of a transformers PreTrainedModel.")
+    return [m for r, m in roots.items() if any(_under(n, r) for n in modules)]
+
+
+def _under(name: str, root: str) -> bool:
+    return root == "" or name == root or name.startswith(root + ".")
+
+
+def _switch(root: nn.Module) -> None:
+    """Switch *root* to :data:`IMPLEMENTATION` (counted: several recorders may hold one model)."""
     with _LOCK:
-        if _USERS == 0:
-            _INSTALLED[:] = [AttentionInterface._global_mapping.get("eager")]
-            AttentionInterface._global_mapping["eager"] = _tapped_eager
-        _USERS += 1
+        held = _SWITCHED.get(root)
+        if held is not None:
+            held[1] += 1
+            return
+        _register()
+        own = attn_implementation(root.config)
+        root.set_attn_implementation(IMPLEMENTATION)       # type: ignore[operator]
+        if attn_implementation(root.config) != IMPLEMENTATION:
+            raise AttentionUnavailableError(f"attention=: {type(root).__name__} does not switch its attention "
+                                            "implementation (set_attn_implementation); its attention cannot be tapped.")
+        _SWITCHED[root] = [own, 1]
 
 
-def _uninstall() -> None:
-    global _USERS
-    from transformers.modeling_utils import AttentionInterface
-
+def _restore(root: nn.Module) -> None:
+    """Hand *root* its own attention implementation back when its last recorder closes."""
     with _LOCK:
-        _USERS -= 1
-        if _USERS == 0:
-            previous = _INSTALLED[0] if _INSTALLED else None
-            if previous is None:
-                AttentionInterface._global_mapping.pop("eager", None)
-            else:
-                AttentionInterface._global_mapping["eager"] = previous
-            _INSTALLED.clear()
+        held = _SWITCHED.get(root)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _SWITCHED[root]
+            root.set_attn_implementation(held[0])          # type: ignore[operator]
 
 
+# ------------------------------------------------------------------ the recorders' side
 def _is_attention(m: Any) -> bool:
     return type(m).__name__.endswith("Attention") and hasattr(m, "config")
 
@@ -207,7 +252,8 @@ def attention_modules(model: nn.Module, spec: str | Sequence[str]) -> dict[str, 
     Raises
     ------
     SpecError
-        Nothing matched, or a glob names a module that is not an attention module.
+        Nothing matched, a glob names a module that is not an attention module, or one outside a
+        Hugging Face model.
     AttentionUnavailableError
         The model's attention runs in a kernel that returns no weights (SDPA, flash).
     """
@@ -219,44 +265,57 @@ def attention_modules(model: nn.Module, spec: str | Sequence[str]) -> dict[str, 
             raise SpecError(f"attention='auto': {type(model).__name__} has no Hugging Face attention module "
                             "(a '*Attention' module with a config); give attention=[module globs].")
     else:
-        globs = [spec] if isinstance(spec, str) else list(spec)
-        found = {}
-        for glob in globs:
-            hits = {n: m for n, m in named.items() if n and fnmatch.fnmatchcase(n, glob)}
-            if not hits:
-                raise SpecError(f"attention: glob {glob!r} matches no module of {type(model).__name__}.")
-            bad = [n for n, m in hits.items() if not _is_attention(m)]
-            if bad:
-                raise SpecError(f"attention: {bad[0]} is a {type(hits[bad[0]]).__name__}, not a Hugging Face "
-                                "attention module; name the '*Attention' modules (e.g. '*.self_attn').")
-            found.update(hits)
+        found = _globbed(named, [spec] if isinstance(spec, str) else list(spec), type(model).__name__)
     for n, m in found.items():
-        impl = getattr(m.config, "_attn_implementation", None) or "eager"
-        if impl != "eager":
+        impl = attn_implementation(m.config) or "eager"
+        if impl not in ("eager", IMPLEMENTATION):
             raise AttentionUnavailableError(
                 f"attention=: {n} runs attention with {impl!r}, whose kernel returns no attention weights; load the "
                 "model with attn_implementation=\"eager\" (or call model.set_attn_implementation(\"eager\")) to "
                 "record them.")
+    switchable_roots(model, found)
+    return found
+
+
+def _globbed(named: dict[str, nn.Module], globs: list[str], what: str) -> dict[str, nn.Module]:
+    found: dict[str, nn.Module] = {}
+    for glob in globs:
+        hits = {n: m for n, m in named.items() if n and fnmatch.fnmatchcase(n, glob)}
+        if not hits:
+            raise SpecError(f"attention: glob {glob!r} matches no module of {what}.")
+        bad = [n for n, m in hits.items() if not _is_attention(m)]
+        if bad:
+            raise SpecError(f"attention: {bad[0]} is a {type(hits[bad[0]]).__name__}, not a Hugging Face "
+                            "attention module; name the '*Attention' modules (e.g. '*.self_attn').")
+        found.update(hits)
     return found
 
 
 def use_eager_attention(model: nn.Module) -> None:
     """Switch a Hugging Face model to eager attention (replay: the weights then exist); others are left as they are."""
     setter = getattr(model, "set_attn_implementation", None)
-    if callable(setter) and getattr(getattr(model, "config", None), "_attn_implementation", "eager") != "eager":
+    if callable(setter) and attn_implementation(getattr(model, "config", None)) not in (None, "eager"):
         setter("eager")
 
 
 class AttentionTaps:
-    """The taps of one recorder: installed at construction, removed by :meth:`remove`."""
+    """The taps of one recorder on *modules* of *model*: switched on at construction, off by :meth:`remove`."""
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.taps = {n: _Tap(n) for n in modules}
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+        self.taps = {n: HeadTap(n) for n in modules}
         self._modules = dict(modules)
         for n, m in modules.items():
             if m in _TAPS:
                 raise SpecError(f"attention: {n} is already recorded by another open recorder.")
-        _install()
+        self._roots: list[nn.Module] = []
+        try:
+            for root in switchable_roots(model, modules):
+                _switch(root)
+                self._roots.append(root)
+        except BaseException:
+            for root in self._roots:
+                _restore(root)
+            raise
         for n, m in modules.items():
             _TAPS[m] = self.taps[n]
         self._live = True
@@ -273,10 +332,11 @@ class AttentionTaps:
         return out
 
     def remove(self) -> None:
-        """Stop tapping (idempotent)."""
+        """Stop tapping and give the model its own attention implementation back (idempotent)."""
         if not self._live:
             return
         self._live = False
         for m in self._modules.values():
             _TAPS.pop(m, None)
-        _uninstall()
+        for root in self._roots:
+            _restore(root)

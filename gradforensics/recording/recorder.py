@@ -20,16 +20,15 @@ import os
 import queue
 import threading
 import time as _time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import numpy as np
 
 from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError, Terminated
 from gradforensics.recording.actstats import ActRange, act_stats, make_range
+from gradforensics.recording.encoding import DTYPES, PendingRecord, encode, is_bf16, mixture_row, parse_sketch, to_f32
 from gradforensics.recording.heads import match_heads
-from gradforensics.recording.sketch import Sketcher
 from gradforensics.store.backends import locate
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.layout import LayoutPolicy
@@ -37,11 +36,10 @@ from gradforensics.store.names import check_name
 from gradforensics.store.ranks import RankPlan, TermGuard, rank_writer
 from gradforensics.store.schema import (
     ATTN_FIELDS,
+    StoreMeta,
     act_path,
     attn_path,
     batch_path,
-    decode_bf16,
-    encode_bf16,
     grad_path,
     new_meta,
     sketch_path,
@@ -49,68 +47,7 @@ from gradforensics.store.schema import (
 )
 from gradforensics.store.writer import Row, StoreWriter
 
-__all__ = ["DTYPES", "ArrayRecorder", "PendingRecord", "encode"]
-
-
-DTYPES = ("float32", "float16", "bfloat16")
-
-
-@dataclass
-class PendingRecord:
-    """One validated record on its way to the writer thread.
-
-    ``settle``, when set, runs on the writer thread before the record is
-    encoded: it finishes what the caller's thread left in flight (the PyTorch
-    recorder waits there for its device-to-host copies, makes them final in
-    ``grads`` and hands its buffers back).  Without it the arrays are final.
-    """
-
-    meta: dict[str, np.ndarray]
-    grads: dict[str, np.ndarray]
-    acts: dict[str, np.ndarray]
-    weights: dict[str, np.ndarray]
-    settle: Callable[[], None] | None = None
-    #: Sketches computed where the gradient lives (:class:`~gradforensics.recording.sketch.DeviceSketch`):
-    #: ``{tensor: (sketch (k,) or (H, k), the tensor's shape, its dtype name)}``; never sketched again.
-    sketches: dict[str, tuple[np.ndarray, tuple[int, ...], str]] = field(default_factory=dict)
-    #: Activation statistics reduced where the activations live: ``{module: {stat: array}}`` (its range
-    #: is in the recorder's ``_ranges``).
-    act_stats: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
-    #: Per-head attention statistics: ``{module: {stat: (H,) float32}}`` (:mod:`gradforensics.recording.attention`).
-    attn: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
-
-
-def _is_bf16(a: np.ndarray) -> bool:
-    return a.dtype.name == "bfloat16"
-
-
-def encode(a: np.ndarray, dtype: str | None, name: str = "") -> tuple[np.ndarray, str]:
-    """Array -> (on-disk array, encoding).  Lossless unless *dtype* narrows it.
-
-    A finite value that a narrowing *dtype* cannot hold (above 65504 in float16)
-    raises :class:`StoreMismatchError` naming *name*: stored as inf it would read
-    back as a training NaN/Inf, which it was not.
-    """
-    if _is_bf16(a):
-        bits = a.view(np.uint16)
-        if dtype in (None, "bfloat16"):
-            return bits, "bfloat16-as-uint16"
-        a = decode_bf16(bits)
-    target = dtype or ("float16" if a.dtype == np.float16 else "float32")
-    if target == "bfloat16":
-        out, encoding = encode_bf16(a), "bfloat16-as-uint16"
-        overflow = ((out & np.uint16(0x7FFF)) == np.uint16(0x7F80))   # +-inf bit patterns
-    else:
-        with np.errstate(over="ignore"):      # overflow is checked just below, and named
-            out, encoding = np.ascontiguousarray(a, dtype=target), target
-        overflow = np.isinf(out) if out.dtype.itemsize < a.dtype.itemsize else None
-    if overflow is not None and overflow.any() and np.isfinite(a[overflow]).any():
-        big = float(np.max(np.abs(a[overflow & np.isfinite(a)])))
-        raise StoreMismatchError(
-            f"record(): {name or 'an array'} holds {big:.4g}, beyond the range of {target} (its chosen store "
-            "dtype); it would be stored as inf. Record it as float32 or bfloat16 (dtype=...)."
-        )
-    return out, encoding
+__all__ = ["ArrayRecorder"]
 
 
 class ArrayRecorder:
@@ -184,37 +121,21 @@ class ArrayRecorder:
     writer-side encoding is not meant to be overridden.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        sources: Sequence[str],
-        heads: Mapping[str, Any] | None = None,
-        sketch: int | Mapping[str, Any] | None = None,
-        full: Sequence[str] | None = None,
-        dtype: str | None = None,
-        mode: str = "training",
-        act_bounds: Mapping[str, tuple[float, float]] | None = None,
-        queue_size: int = 4,
-        background: bool = True,
-        overwrite: bool = False,
-        records_per_chunk: int | None = None,
-        framework: str = "numpy",
-        model_info: Mapping[str, Any] | None = None,
-        compression: str = "none",
-        layout: LayoutPolicy | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        ranks: RankPlan | None = None,
-        extra: Mapping[str, Any] | None = None,
-        dtypes: Mapping[str, str] | None = None,
-        expected_records: int | None = None,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, sources: Sequence[str], heads: Mapping[str, Any] | None = None,
+                 sketch: int | Mapping[str, Any] | None = None, full: Sequence[str] | None = None,
+                 dtype: str | None = None, mode: str = "training",
+                 act_bounds: Mapping[str, tuple[float, float]] | None = None, queue_size: int = 4,
+                 background: bool = True, overwrite: bool = False, records_per_chunk: int | None = None,
+                 framework: str = "numpy", model_info: Mapping[str, Any] | None = None, compression: str = "none",
+                 layout: LayoutPolicy | None = None, storage_options: Mapping[str, Any] | None = None,
+                 ranks: RankPlan | None = None, extra: Mapping[str, Any] | None = None,
+                 dtypes: Mapping[str, str] | None = None, expected_records: int | None = None) -> None:
         if dtype is not None and dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {DTYPES} or None; got {dtype!r}.")
         self.path = str(path)
         self.sources = tuple(sources)
         self.heads = dict(heads or {})
-        self.sketcher = _parse_sketch(sketch)
+        self.sketcher = parse_sketch(sketch)
         self.full = tuple(full) if full is not None else (() if self.sketcher else ("*",))
         self.dtype = dtype
         self.act_bounds = dict(act_bounds or {})
@@ -227,13 +148,7 @@ class ArrayRecorder:
         self.path = self.location.path
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
         self._term: TermGuard | None = None
-        if self.ranks is not None:   # collective: rank 0 creates the store, the others join it
-            writer = rank_writer(self.location, meta, self.ranks, overwrite=overwrite, policy=layout)
-            self._writer: StoreWriter = writer
-            self._term = TermGuard(on_signal=writer.hurry)   # SIGTERM closes the store: rank 0 commits
-        else:
-            self._writer = StoreWriter(self.location, meta, overwrite=overwrite, records_per_chunk=records_per_chunk,
-                                       policy=layout, expected_records=expected_records)
+        self._writer = self._open_writer(meta, overwrite, records_per_chunk, layout, expected_records)
         self._shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         self._head_specs: dict[str, HeadSpec | None] = {}
         self._ranges: dict[str, ActRange] = {}
@@ -247,6 +162,16 @@ class ArrayRecorder:
             self._queue = queue.Queue(maxsize=max(1, queue_size))
             self._thread = threading.Thread(target=self._run, name="gradforensics-writer", daemon=True)
             self._thread.start()
+
+    def _open_writer(self, meta: StoreMeta, overwrite: bool, records_per_chunk: int | None,
+                     layout: LayoutPolicy | None, expected_records: int | None) -> StoreWriter:
+        """The store's writer; under many ranks collective (rank 0 creates the store, the others join it)."""
+        if self.ranks is None:
+            return StoreWriter(self.location, meta, overwrite=overwrite, records_per_chunk=records_per_chunk,
+                               policy=layout, expected_records=expected_records)
+        writer = rank_writer(self.location, meta, self.ranks, overwrite=overwrite, policy=layout)
+        self._term = TermGuard(on_signal=writer.hurry)   # SIGTERM closes the store: rank 0 commits
+        return writer
 
     # ------------------------------------------------------------------ API
     def __enter__(self) -> Self:
@@ -266,22 +191,11 @@ class ArrayRecorder:
         """Records handed to ``record()`` so far."""
         return self._n_submitted
 
-    def record(
-        self,
-        *,
-        step: int | None = None,
-        loss: float = math.nan,
-        source: str | None = None,
-        mixture: Mapping[str, float] | None = None,
-        n_samples: int = 1,
-        lr: float = math.nan,
-        rank: int = 0,
-        time: float | None = None,
-        grads: Mapping[str, Any] | None = None,
-        activations: Mapping[str, Any] | None = None,
-        weights: Mapping[str, Any] | None = None,
-        attention: Mapping[str, Mapping[str, Any]] | None = None,
-    ) -> None:
+    def record(self, *, step: int | None = None, loss: float = math.nan, source: str | None = None,
+               mixture: Mapping[str, float] | None = None, n_samples: int = 1, lr: float = math.nan, rank: int = 0,
+               time: float | None = None, grads: Mapping[str, Any] | None = None,
+               activations: Mapping[str, Any] | None = None, weights: Mapping[str, Any] | None = None,
+               attention: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Record one batch.  Arrays are copied before this returns.
 
         *attention*: ``{module: {stat: (H,) array}}`` with every stat of
@@ -309,22 +223,10 @@ class ArrayRecorder:
             out[module] = row
         return out
 
-    def _make_pending(
-        self,
-        *,
-        step: int | None,
-        loss: float,
-        source: str | None,
-        mixture: Mapping[str, float] | None,
-        n_samples: int,
-        lr: float,
-        rank: int,
-        time: float | None,
-        grads: Mapping[str, Any] | None,
-        activations: Mapping[str, Any] | None,
-        weights: Mapping[str, Any] | None,
-        copy: bool = True,
-    ) -> PendingRecord:
+    def _make_pending(self, *, step: int | None, loss: float, source: str | None, mixture: Mapping[str, float] | None,
+                      n_samples: int, lr: float, rank: int, time: float | None, grads: Mapping[str, Any] | None,
+                      activations: Mapping[str, Any] | None, weights: Mapping[str, Any] | None,
+                      copy: bool = True) -> PendingRecord:
         """Validate one record; ``copy=False`` when the caller hands over fresh arrays."""
         self._raise_if_failed()
         if self._closed:
@@ -333,7 +235,7 @@ class ArrayRecorder:
         meta: dict[str, Any] = {
             "step": np.int64(i if step is None else step),
             "loss": np.float32(loss),
-            "mixture": self._mixture(source, mixture),
+            "mixture": mixture_row(self.sources, source, mixture),
             "n_samples": np.int32(n_samples),
             "rank": np.int32(rank),
             "lr": np.float32(lr),
@@ -356,9 +258,7 @@ class ArrayRecorder:
 
     def flush(self) -> None:
         """Wait until every record so far is written and committed."""
-        if self._queue is not None:
-            self._queue.join()
-        self._raise_if_failed()
+        self.drain()
         self._writer.flush()
 
     def close(self) -> None:
@@ -388,26 +288,12 @@ class ArrayRecorder:
             raise Terminated("SIGTERM")
 
     # ------------------------------------------------------ caller-side work
-    def _mixture(self, source: str | None, mixture: Mapping[str, float] | None) -> np.ndarray:
-        row = np.zeros(len(self.sources), dtype=np.float32)
-        if (source is None) == (mixture is None):
-            raise SpecError("record(): give exactly one of source= or mixture=.")
-        items = {source: 1.0} if source is not None else dict(mixture or {})
-        for name, share in items.items():
-            if name not in self.sources:
-                raise SpecError(f"record(): source {name!r} is not one of the store's sources {list(self.sources)}.")
-            row[self.sources.index(name)] = share
-        total = row.sum()
-        if not total > 0 or np.any(row < 0):
-            raise SpecError(f"record(): mixture shares must be >= 0 with a positive sum; got {items}.")
-        return row / total
-
     def _take(self, label: str, key: str, value: Any, per_record_shape: bool = True,
               copy: bool = True) -> np.ndarray:
         if key not in self._shapes:   # a name is checked once, when it first arrives
             check_name(key.removeprefix("act:"), f"record(): {label.split('[')[0]} key")
         a = np.array(value, copy=True) if copy else np.asarray(value)
-        if a.dtype.kind not in "fV" and not _is_bf16(a):
+        if a.dtype.kind not in "fV" and not is_bf16(a):
             raise StoreMismatchError(f"record(): {label} has dtype {a.dtype}; expected a floating-point array.")
         shape = a.shape if per_record_shape else a.shape[-1:]
         seen = self._shapes.setdefault(key, (shape, a.dtype.name))
@@ -494,7 +380,7 @@ class ArrayRecorder:
             blocks = spec.split(data) if spec is not None else data
             out[grad_path(name)] = Row(blocks, attrs, head_split=spec is not None, compression=self.compression)
         if self.sketcher is not None and name not in self.device_sketched:
-            g32 = g if g.dtype == np.float32 else _to_f32(g)
+            g32 = g if g.dtype == np.float32 else to_f32(g)
             sk = self.sketcher.project_heads(spec.split(g32)) if spec is not None else self.sketcher.project(g32)
             out[sketch_path(name)] = Row(sk, {**attrs, **self.sketcher.attrs(), "encoding": "float32"})
         return out
@@ -502,32 +388,13 @@ class ArrayRecorder:
     def _act_rows(self, module: str, a: np.ndarray) -> dict[str, Row]:
         rng = self._ranges.get(module)
         if rng is None:
-            rng = self._ranges[module] = make_range(_to_f32(a), self._bounds_for(module))
+            rng = self._ranges[module] = make_range(to_f32(a), self._bounds_for(module))
         return {act_path(module, k): Row(v, rng.attrs() if k == "hist" else {})
-                for k, v in act_stats(_to_f32(a), rng).items()}
+                for k, v in act_stats(to_f32(a), rng).items()}
 
     def _bounds_for(self, module: str) -> tuple[float, float] | None:
         return next((b for glob, b in self.act_bounds.items() if fnmatch.fnmatchcase(module, glob)), None)
 
     def _weight_row(self, name: str, w: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        data, encoding = encode(w, None if _is_bf16(w) or w.dtype == np.float16 else "float32")
+        data, encoding = encode(w, None if is_bf16(w) or w.dtype == np.float16 else "float32")
         return data, {"encoding": encoding, "source_dtype": w.dtype.name}
-
-
-def _to_f32(a: np.ndarray) -> np.ndarray:
-    if _is_bf16(a):
-        return decode_bf16(a.view(np.uint16))
-    return np.asarray(a, dtype=np.float32)
-
-
-def _parse_sketch(sketch: int | Mapping[str, Any] | None) -> Sketcher | None:
-    if sketch is None:
-        return None
-    if isinstance(sketch, int) and not isinstance(sketch, bool):
-        return Sketcher(k=sketch)
-    if isinstance(sketch, Mapping):
-        unknown = set(sketch) - {"k", "seed", "method"}
-        if unknown or "k" not in sketch:
-            raise SpecError(f"sketch must be k or a dict with keys k, seed, method; got {dict(sketch)!r}.")
-        return Sketcher(k=int(sketch["k"]), seed=int(sketch.get("seed", 0)), method=str(sketch.get("method", "countsketch")))
-    raise SpecError(f"sketch must be an int k or a dict; got {type(sketch).__name__}.")

@@ -8,22 +8,14 @@ framework-agnostic :class:`~gradforensics.recording.recorder.ArrayRecorder`
 (its base class), whose background thread splits heads, sketches, computes
 activation statistics and writes.
 
-On CUDA the gradients are copied into pinned host buffers with
-``non_blocking=True`` on the current stream and a CUDA event is recorded after
-the copies; ``record()`` returns without waiting, and the writer thread waits
-on that event (``event.synchronize()``, never ``torch.cuda.synchronize()``)
-before it reads the buffers (the record carries that wait as its ``settle``,
-:class:`~gradforensics.recording.recorder.PendingRecord`).  Two buffer sets are
-reused in turn, so a third ``record()`` waits only if the writer has not yet
-taken the first one.
+On CUDA the gradients cross to the host asynchronously, through reused pinned
+buffers (:mod:`gradforensics.recording.hostcopy`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-import queue
-import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,6 +26,7 @@ from gradforensics.errors import SpecError
 from gradforensics.recording import distributed
 from gradforensics.recording.actstats import (
     BOUNDED,
+    ActHook,
     ActRange,
     combine,
     finish,
@@ -43,7 +36,10 @@ from gradforensics.recording.actstats import (
 )
 from gradforensics.recording.attention import AttentionTaps, attention_modules
 from gradforensics.recording.autoheads import resolve_heads
+from gradforensics.recording.encoding import mixture_row
+from gradforensics.recording.hostcopy import HostCopies, device_copies_done, to_numpy
 from gradforensics.recording.recorder import ArrayRecorder
+from gradforensics.recording.selection import model_info, run_dtypes, select_modules, select_parameters
 from gradforensics.recording.sketch import DeviceSketch
 from gradforensics.store.names import check_name
 
@@ -51,142 +47,9 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["CONFIG_KEYS", "N_BUFFER_SETS", "TorchRecorder", "model_info", "run_dtypes", "select_modules", "select_parameters",
-           "to_numpy", "torch_float32"]
+__all__ = ["TorchRecorder", "torch_float32"]
 
 
-#: ``model.config`` fields copied into the store's ``model`` attribute.
-CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "intermediate_size", "vocab_size")
-N_BUFFER_SETS = 2
-
-
-def select_parameters(model: nn.Module, tensors: Sequence[str] | None) -> dict[str, torch.nn.Parameter]:
-    """The parameters named by the globs *tensors* (default: every trainable 2-D weight), in model order.
-
-    Raises
-    ------
-    SpecError
-        A glob that matches no parameter.
-    """
-    params = dict(model.named_parameters())
-    if tensors is None:
-        return {n: p for n, p in params.items() if p.ndim == 2 and p.requires_grad}
-    if isinstance(tensors, str):
-        tensors = [tensors]
-    out: dict[str, torch.nn.Parameter] = {}
-    for glob in tensors:
-        hits = [n for n in params if fnmatch.fnmatchcase(n, glob)]
-        if not hits:
-            raise SpecError(f"tensors: glob {glob!r} matches no parameter of {type(model).__name__} "
-                            f"(names look like {', '.join(list(params)[:3])}).")
-        out.update((n, params[n]) for n in hits)
-    return {n: out[n] for n in params if n in out}   # model order
-
-
-def select_modules(model: nn.Module, globs: Sequence[str] | None) -> dict[str, nn.Module]:
-    """The modules named by the globs *globs* (for activation hooks); a glob that matches none is a SpecError."""
-    if not globs:
-        return {}
-    if isinstance(globs, str):
-        globs = [globs]
-    named = dict(model.named_modules())
-    out: dict[str, nn.Module] = {}
-    for glob in globs:
-        hits = [n for n in named if n and fnmatch.fnmatchcase(n, glob)]
-        if not hits:
-            raise SpecError(f"activations: glob {glob!r} matches no module of {type(model).__name__} "
-                            f"(names look like {', '.join([n for n in named if n][:3])}).")
-        out.update((n, named[n]) for n in hits)
-    return out
-
-
-def model_info(model: nn.Module) -> dict[str, Any]:
-    """Class, parameter count, dtype and a JSON-safe subset of ``model.config``."""
-    info: dict[str, Any] = {"class": type(model).__name__,
-                            "n_params": int(sum(p.numel() for p in model.parameters()))}
-    first = next(iter(model.parameters()), None)
-    if first is not None:
-        info["dtype"] = str(first.dtype).removeprefix("torch.")
-    cfg = getattr(model, "config", None)
-    if cfg is not None:
-        sub = {k: getattr(cfg, k, None) for k in CONFIG_KEYS}
-        info["config"] = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                          for k, v in sub.items() if v is not None}
-    return info
-
-
-def run_dtypes(model: nn.Module, given: Mapping[str, str] | None) -> dict[str, str]:
-    """``{"parameters": ..., "master": ...}``: the trainable parameters' dtype (the most common one), and the
-    master weights' (what *given* says, else the parameters' own: a torch optimizer steps the parameters)."""
-    names = [str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad]
-    out = {"parameters": max(set(names), key=names.count)} if names else {}
-    if out:
-        out["master"] = out["parameters"]
-    out.update(dict(given or {}))
-    return out
-
-
-def _bf16_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU bfloat16 tensor as a NumPy array (ml_dtypes' bfloat16, else an exact float32 upcast)."""
-    import torch
-
-    try:
-        import ml_dtypes
-    except ImportError:  # pragma: no cover - ml_dtypes ships with the torch extra
-        return t.to(torch.float32).numpy()
-    return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as NumPy, sharing memory where the dtype allows (bfloat16 too)."""
-    import torch
-
-    t = t.detach()
-    if t.is_sparse:
-        t = t.to_dense()
-    return _bf16_numpy(t) if t.dtype == torch.bfloat16 else t.numpy()
-
-
-class _ActHook:
-    """Forward hook summarising a module's outputs on their own device.
-
-    Until the module's range is fixed (its first record) the outputs are kept,
-    ``(tokens, units)`` float32 on their device; after that every micro-batch is
-    reduced at once to per-unit partial sums (:func:`~gradforensics.recording.actstats.partial_stats`),
-    so nothing is kept and only the summed statistics cross to the host, at ``record()``.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.parts: list[torch.Tensor] = []
-        self.units: int | None = None
-        self.rng: ActRange | None = None
-        self.sums: dict[str, Any] | None = None
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        import torch
-
-        out = output[0] if isinstance(output, (tuple, list)) and output else output
-        if not isinstance(out, torch.Tensor):
-            raise SpecError(f"activations: module {self.name} returned {type(output).__name__}, not a tensor; "
-                            "hook a module whose output is the activation (e.g. '*.mlp.act_fn').")
-        a = out.detach().reshape(-1, out.shape[-1]) if out.ndim else out.detach().reshape(1, 1)
-        self.units = int(a.shape[-1])
-        if self.rng is None:
-            self.parts.append(a.to(torch.float32, copy=True))
-        else:
-            self.sums = combine(self.sums, partial_stats(a, self.rng))
-
-    def take(self) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
-        """The kept outputs (before the range is fixed) or the summed parts since the last call."""
-        import torch
-
-        parts, self.parts = self.parts, []
-        sums, self.sums = self.sums, None
-        if not parts:
-            return None, sums
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), sums
 
 
 class TorchRecorder(ArrayRecorder):
@@ -247,13 +110,7 @@ class TorchRecorder(ArrayRecorder):
                  activations: Sequence[str] | None = None, weights_every: int | None = None,
                  act_bounds: Mapping[str, tuple[float, float]] | None = None, sketch_on: str = "device",
                  attention: str | Sequence[str] | None = None, **kwargs: Any) -> None:
-        if sketch_on not in ("device", "host"):
-            raise SpecError(f"sketch_on must be 'device' or 'host'; got {sketch_on!r}.")
-        if weights_every is not None and (not isinstance(weights_every, int) or weights_every < 1):
-            raise SpecError(f"weights_every must be a positive int or None; got {weights_every!r}.")
-        for key in ("framework", "model_info"):
-            if key in kwargs:
-                raise SpecError(f"{key}= is set by the PyTorch recorder from the model; do not pass it.")
+        _check_options(sketch_on, weights_every, kwargs)
         self.model = model
         self.dist = distributed.context(model)
         named = distributed.unwrap(model)     # DDP's parameter names without "module."
@@ -288,13 +145,13 @@ class TorchRecorder(ArrayRecorder):
         self._full_names = tuple(n for n in self.params if any(fnmatch.fnmatchcase(n, pat) for pat in self.full))
         self._steps = 0
         self._hooks: list[Any] = []
-        self._act_hooks = {n: _ActHook(n) for n in self._act_modules}
+        self._act_hooks = {n: ActHook(n) for n in self._act_modules}
         for n, m in self._act_modules.items():
             self._hooks.append(m.register_forward_hook(self._act_hooks[n]))
-        self._attn = AttentionTaps(attn_modules) if attn_modules else None
+        self._attn = AttentionTaps(named, attn_modules) if attn_modules else None
         self._warned: set[str] = set()
-        self._pool: queue.Queue[dict[str, torch.Tensor]] | None = None
-        self._pool_lock = threading.Lock()
+        self._copies = HostCopies(self._raise_if_failed,
+                                  lambda: self._queue is None or self._queue.unfinished_tasks == 0)
 
     # ------------------------------------------------------------------ API
     def record(self, *, step: int | None = None, loss: Any = math.nan, source: str | None = None,
@@ -335,7 +192,7 @@ class TorchRecorder(ArrayRecorder):
                 release()
             raise
         if events or release is not None:
-            pending.settle = _device_copies_done(pending.grads, events, release, on_device)
+            pending.settle = device_copies_done(pending.grads, events, release, on_device)
         pending.sketches = sketches
         self._submit(pending)
 
@@ -353,7 +210,7 @@ class TorchRecorder(ArrayRecorder):
             if self._device_sketch is not None else {}
         owner = t % self.dist.world
         whole = {n: distributed.gather_full(grads[n], owner) for n in self._full_names}   # collective
-        loss_all, n_all, mix = distributed.reduce_meta(loss, n_samples, self._mixture(source, mixture))
+        loss_all, n_all, mix = distributed.reduce_meta(loss, n_samples, mixture_row(self.sources, source, mixture))
         if owner != self.dist.rank:
             return
         pending = self._make_pending(
@@ -420,36 +277,11 @@ class TorchRecorder(ArrayRecorder):
             grads = {n: grads[n] for n in self._full_names}
         self.host_bytes += sum(sk.nbytes for sk, _, _ in sketches.values()) + \
             sum(g.numel() * g.element_size() for g in grads.values())
-        on_device = {n: g for n, g in grads.items() if _is_device(g)}
-        out = {n: to_numpy(g.clone()) for n, g in grads.items() if n not in on_device}
-        if not on_device:
-            return out, [], None, (), sketches
-        bufs = self._acquire(on_device)
-        events = _copy_async(on_device, bufs)
-        out.update({n: to_numpy(bufs[n]) for n in on_device})
-        pool = self._pool
-        assert pool is not None
-        return {n: out[n] for n in grads}, events, lambda: pool.put(bufs), tuple(on_device), sketches
-
-    def _acquire(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        def new_set() -> dict[str, torch.Tensor]:
-            return {n: _host_buffer(g.shape, g.dtype) for n, g in like.items()}
-
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = queue.Queue()
-                for _ in range(N_BUFFER_SETS):
-                    self._pool.put(new_set())
-        while True:   # backpressure: wait for the writer to hand a buffer set back
-            try:
-                return self._pool.get(timeout=0.1)
-            except queue.Empty:
-                self._raise_if_failed()
-                if self._queue is None or self._queue.unfinished_tasks == 0:
-                    return new_set()   # the writer is idle: a set was dropped with a failed record
+        out, events, release, on_device = self._copies.start(grads)
+        return out, events, release, on_device, sketches
 
     def _activations(self) -> dict[str, dict[str, np.ndarray]]:
-        """Every hooked module's statistics since the last record, reduced on the device (see :class:`_ActHook`)."""
+        """Every hooked module's statistics since the last record, reduced on the device (see :class:`~gradforensics.recording.actstats.ActHook`)."""
         out = {}
         for name, hook in self._act_hooks.items():
             first, sums = hook.take()
@@ -483,55 +315,6 @@ class TorchRecorder(ArrayRecorder):
         return {n: to_numpy(p.detach().to("cpu", copy=True)) for n, p in self.params.items()}
 
 
-def _device_copies_done(grads: dict[str, np.ndarray], events: list[Any], release: Callable[[], None] | None,
-                        on_device: tuple[str, ...]) -> Callable[[], None]:
-    """The ``settle`` of a record whose gradients are being copied into reused host buffers.
-
-    On the writer thread: wait for this record's copies only, copy the buffers
-    out (in place in *grads*), then hand the buffer set back with *release*.
-    """
-    def settle() -> None:
-        try:
-            for event in events:
-                event.synchronize()       # this record's copies only, never torch.cuda.synchronize()
-            for n in on_device:
-                grads[n] = np.array(grads[n], copy=True)
-        finally:
-            if release is not None:
-                release()
-
-    return settle
-
-
-def _copy_async(grads: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor]) -> list[Any]:
-    """Queue device-to-host copies on each device's current stream; one event per device."""
-    import torch
-
-    events = []
-    for dev in {g.device for g in grads.values()}:
-        stream = torch.cuda.current_stream(dev)
-        with torch.cuda.stream(stream):
-            for n, g in grads.items():
-                if g.device == dev:
-                    bufs[n].copy_(g.to_dense() if g.is_sparse else g, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        events.append(event)
-    return events
-
-
-def _is_device(t: torch.Tensor) -> bool:
-    """Whether *t* lives on an accelerator and is copied asynchronously."""
-    return bool(t.is_cuda)
-
-
-def _host_buffer(shape: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A host buffer for device-to-host copies: pinned where CUDA is present."""
-    import torch
-
-    return torch.empty(tuple(shape), dtype=dtype, pin_memory=torch.cuda.is_available())
-
-
 def _merge(what: str, ours: dict[str, np.ndarray], extra: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
     if not extra:
         return ours
@@ -562,6 +345,17 @@ def torch_float32() -> torch.dtype:
     import torch
 
     return torch.float32
+
+
+def _check_options(sketch_on: str, weights_every: int | None, kwargs: Mapping[str, Any]) -> None:
+    """The recorder's own options, and the base-class ones it sets itself (one line each)."""
+    if sketch_on not in ("device", "host"):
+        raise SpecError(f"sketch_on must be 'device' or 'host'; got {sketch_on!r}.")
+    if weights_every is not None and (not isinstance(weights_every, int) or weights_every < 1):
+        raise SpecError(f"weights_every must be a positive int or None; got {weights_every!r}.")
+    for key in ("framework", "model_info"):
+        if key in kwargs:
+            raise SpecError(f"{key}= is set by the PyTorch recorder from the model; do not pass it.")
 
 
 def _check_distributed(ctx: distributed.Context, activations: Any, weights_every: int | None,

@@ -11,7 +11,8 @@ Built on the recording API (:mod:`gradforensics.recording`), never the other way
 * :mod:`~gradforensics.replay.checkpoint` - load a Hugging Face directory or a
   state-dict file, strictly offline;
 * :mod:`~gradforensics.replay.data` - text files to packed, seeded batches;
-* :mod:`~gradforensics.replay.losses` - the objectives (causal LM, masked LM, contrastive).
+* :mod:`~gradforensics.replay.losses` - the objectives (causal LM, masked LM, contrastive);
+* :mod:`~gradforensics.replay.threads` - torch's intra-op threads for the verbs that run a model.
 
 Importing the package is cheap (the command line reads :mod:`~gradforensics.replay.plan`'s
 constants to build its parsers): :func:`replay` loads on first use.

@@ -17,40 +17,36 @@ Two kinds:
   strictly; the tokenizer comes from ``--tokenizer DIR``.
 
 While loading, a connection to anything but the local machine raises
-:class:`OfflineError` (a guard on ``socket``), so a load that would need the
-network fails with one clear line instead of a timeout or a download.
+:class:`~gradforensics.errors.OfflineError` (:mod:`gradforensics.replay.offline`).
 
-Files someone handed you are checked before a loader sees them, and every way
-one can be broken is one :class:`CheckpointError` naming the file: the JSON
-files (config, shard index, tokenizer) are read with a size cap and must hold a
-JSON object (malformed or absurdly nested JSON is refused); a safetensors
-header must fit the file (its length is checked against the file size before
-anything is read for it, its tensors' ``data_offsets`` must lie inside the
-file); a pickled ``.bin`` is read with ``torch.load(weights_only=True)``, so a
-file that holds objects other than tensors and plain containers is refused
-before anything in it runs.
+Files someone handed you are checked before a loader sees them
+(:mod:`gradforensics.replay.untrusted`).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 import pickle
-import re
-import socket
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.errors import CheckpointError, GradforensicsError, NotACheckpointError, OfflineError, SpecError
+from gradforensics.errors import CheckpointError, NotACheckpointError, SpecError
 from gradforensics.recording.autoheads import text_config
 from gradforensics.replay import losses
+from gradforensics.replay.offline import caused_by_offline, offline
 from gradforensics.replay.plan import BUILTIN_LOSSES, MODEL_DTYPES
+from gradforensics.replay.untrusted import (
+    check_weight_files,
+    json_kind,
+    one_line,
+    read_json_object,
+    read_state_dict,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -60,22 +56,15 @@ __all__ = [
     "CAUSAL_SUFFIXES",
     "JSON_FILES",
     "MASKED_SUFFIXES",
-    "MAX_HEADER_BYTES",
-    "MAX_JSON_BYTES",
     "POSITION_KEYS",
     "WEIGHT_FILES",
     "Checkpoint",
     "LossFn",
-    "check_safetensors",
     "checkpoint_step",
     "load_checkpoint",
     "load_tokenizer",
     "max_positions",
-    "offline",
-    "read_json_object",
-    "read_state_dict",
     "resolve_callable",
-    "torch_load",
 ]
 
 
@@ -86,17 +75,9 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length",
                  "max_seq_len", "block_size")
-_LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "", None})
 #: JSON files of a model directory that transformers reads (each must hold a JSON object)
 JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
               "special_tokens_map.json", "added_tokens.json")
-#: the largest safetensors header read (the cap of the safetensors library itself)
-MAX_HEADER_BYTES = 100_000_000
-#: the largest JSON file (config, shard index, tokenizer) read
-MAX_JSON_BYTES = 100_000_000
-#: bytes per element of the safetensors dtypes whose sizes are checked against the data offsets
-_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
-                   "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
 
 
 @dataclass
@@ -113,54 +94,6 @@ class Checkpoint:
     step: int = 0
 
 
-# ------------------------------------------------------------------ offline
-@contextmanager
-def offline() -> Iterator[None]:
-    """``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` and no non-local connections, for the block."""
-    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
-    old_env = {k: os.environ.get(k) for k in keys}
-    os.environ.update({k: "1" for k in keys})
-    real_connect, real_gai = socket.socket.connect, socket.getaddrinfo
-
-    def connect(sock: socket.socket, address: Any) -> Any:
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in _LOCAL_HOSTS:
-            raise OfflineError(_offline_message(address[0]))
-        return real_connect(sock, address)
-
-    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
-        if host not in _LOCAL_HOSTS:
-            raise OfflineError(_offline_message(host))
-        return real_gai(host, *args, **kwargs)
-
-    socket.socket.connect = connect  # type: ignore[method-assign,assignment]
-    socket.getaddrinfo = getaddrinfo  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        socket.socket.connect = real_connect  # type: ignore[method-assign]
-        socket.getaddrinfo = real_gai  # type: ignore[assignment]
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _offline_message(host: Any) -> str:
-    return (f"loading the checkpoint tried to reach {host!r}; gradforensics capture works offline only: "
-            "put every file (config, weights, tokenizer) in the checkpoint directory.")
-
-
-def _caused_by_offline(exc: BaseException) -> OfflineError | None:
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OfflineError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-# ------------------------------------------------------------------ helpers
 def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
     """``module:function`` or ``path/to/file.py:function`` -> the function."""
     mod_name, colon, fn_name = spec.rpartition(":")
@@ -215,167 +148,6 @@ def checkpoint_step(path: Path) -> int | None:
         return int(read_json_object(state)["global_step"])
     except (CheckpointError, ValueError, KeyError, TypeError, OverflowError):   # no usable step: --step says it
         return None
-
-
-# ------------------------------------------------------------------ files someone handed you
-def _json_kind(obj: Any) -> str:
-    kinds = {list: "an array", str: "a string", bool: "true/false", int: "a number", float: "a number"}
-    return "null" if obj is None else kinds.get(type(obj), type(obj).__name__)
-
-
-def _parse_json(raw: bytes, file: Path, what: str = "") -> dict[str, Any]:
-    where = f"{file}: {what}: " if what else f"{file}: "
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{where}not UTF-8 text (byte {exc.start}).") from exc
-    except ValueError as exc:                     # json.JSONDecodeError: says line and column
-        raise CheckpointError(f"{where}not valid JSON ({_one_line(exc)[:160]}).") from exc
-    except RecursionError as exc:
-        raise CheckpointError(f"{where}JSON nested too deeply to read (past Python's recursion limit); no file "
-                              "transformers or safetensors write looks like that.") from exc
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{where}holds {_json_kind(obj)}, not a JSON object {{...}}.")
-    return obj
-
-
-def read_json_object(file: Path) -> dict[str, Any]:
-    """The JSON object in *file* (at most :data:`MAX_JSON_BYTES`); one-line :class:`CheckpointError` otherwise."""
-    try:
-        size = file.stat().st_size
-        raw = file.read_bytes() if size <= MAX_JSON_BYTES else b""
-    except OSError as exc:
-        raise CheckpointError(f"{file}: cannot be read ({_one_line(exc)}).") from exc
-    if size > MAX_JSON_BYTES:
-        raise CheckpointError(f"{file}: {size} B, too large for a JSON file (at most {MAX_JSON_BYTES} B are read).")
-    return _parse_json(raw, file)
-
-
-def _short(name: str) -> str:
-    return repr(name if len(name) <= 80 else name[:77] + "...")
-
-
-def check_safetensors(file: Path) -> None:
-    """Refuse *file* unless its safetensors header fits it: length, JSON, each tensor's ``data_offsets``.
-
-    A safetensors file is an 8-byte little-endian header length, a JSON header of that many
-    bytes, then the tensors' data.  The length is checked against the file size and
-    :data:`MAX_HEADER_BYTES` before anything is read for it (a length of 2**62 allocates nothing).
-    """
-    try:
-        size = file.stat().st_size
-        with file.open("rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little")
-            raw = f.read(n) if len(head) == 8 and n <= min(size - 8, MAX_HEADER_BYTES) else b""
-    except OSError as exc:
-        raise CheckpointError(f"{file}: cannot be read ({_one_line(exc)}).") from exc
-    if len(head) < 8:
-        raise CheckpointError(f"{file}: {size} B, too short for a safetensors file (it starts with an 8-byte "
-                              "header length).")
-    if n > size - 8:
-        raise CheckpointError(f"{file}: the safetensors header length says {n} B but the file is {size} B in all: "
-                              "truncated, or not a safetensors file.")
-    if n > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{file}: the safetensors header length says {n} B (the file is {size} B); a header "
-                              f"may take at most {MAX_HEADER_BYTES} B.")
-    header = _parse_json(raw, file, "safetensors header")
-    data = size - 8 - n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2
-                and all(type(o) is int and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
-            raise CheckpointError(f"{file}: tensor {_short(name)} has no valid data_offsets [begin, end] in the "
-                                  "safetensors header.")
-        if offsets[1] > data:
-            raise CheckpointError(f"{file}: tensor {_short(name)} ends at byte {offsets[1]} of the data, but the file "
-                                  f"holds {data} B after its header: truncated.")
-        shape, dtype = info.get("shape"), info.get("dtype")
-        if (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-                and isinstance(dtype, str) and dtype in _ST_DTYPE_BYTES):
-            need = _ST_DTYPE_BYTES[dtype]
-            for d in shape:
-                need *= d
-            if need != offsets[1] - offsets[0]:
-                raise CheckpointError(f"{file}: tensor {_short(name)} ({dtype} {shape}) takes {need} B but its "
-                                      f"data_offsets span {offsets[1] - offsets[0]} B.")
-
-
-def _torch_load(file: Path, *, mmap: bool = False) -> Any:
-    """``torch.load(file, weights_only=True)`` (memory-mapped when asked and the file is a zip archive).
-
-    Every way a file handed to it can fail is one :class:`CheckpointError` naming it; a pickle
-    that names a global outside torch's allowlist is refused before anything in it is called.
-    """
-    import struct
-    import zipfile
-
-    import torch
-
-    try:
-        with file.open("rb") as f:
-            zipped = f.read(4) == b"PK\x03\x04"     # what torch.load takes for its zip format
-        whole = zipped and zipfile.is_zipfile(file)
-    except OSError as exc:
-        raise CheckpointError(f"{file}: cannot be read ({_one_line(exc)}).") from exc
-    if zipped and not whole:
-        raise CheckpointError(f"{file}: a zip archive (torch.save's format) without its central directory: "
-                              "truncated.")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap and zipped)
-    except pickle.UnpicklingError as exc:
-        text = " ".join(str(exc).split()).rpartition("WeightsUnpickler error: ")[2]
-        text = text.partition(" Check the documentation of torch.load")[0]
-        found = re.search(r"GLOBAL ([\w.]+)", text)
-        if found is not None or "allowlisted" in text:
-            what = f" ({found.group(1)})" if found is not None else ""
-            raise CheckpointError(f"{file}: refused to unpickle - it holds objects outside plain tensors and "
-                                  f"containers{what}; torch.load(weights_only=True) stopped before calling any, so "
-                                  "nothing in the file was executed. Save model.state_dict() or safetensors "
-                                  "instead.") from exc
-        raise CheckpointError(f"{file}: not a PyTorch checkpoint torch.load can read (the pickle is damaged: "
-                              f"{text[:160]}).") from exc
-    # what torch's readers raise on a truncated or damaged file (the legacy reader: also struct, index and
-    # key errors and its own asserts); a bug of ours does not get here: nothing else runs in the block
-    except (RuntimeError, OSError, EOFError, ValueError, IndexError, KeyError, struct.error, AssertionError) as exc:
-        why = _one_line(exc)[:200] or "the file ends early"
-        raise CheckpointError(f"{file}: not a PyTorch checkpoint torch.load can read ({type(exc).__name__}: "
-                              f"{why}); truncated, or not written by torch.save?") from exc
-
-
-def _shards(index: Path, path: Path) -> list[Path]:
-    weight_map = read_json_object(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index}: the shard index has no weight_map of tensor names -> shard files.")
-    files = []
-    for name in sorted(set(weight_map.values())):
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise CheckpointError(f"{index}: shard {_short(name)} is outside the checkpoint directory.")
-        if not (path / name).is_file():
-            raise CheckpointError(f"{index}: names shard {_short(name)}, which is not in {path}.")
-        files.append(path / name)
-    return files
-
-
-def _check_weight_files(path: Path) -> None:
-    """Check the weight files transformers will load from *path* (safetensors first, as it prefers)."""
-    if (path / "model.safetensors").is_file():
-        files = [path / "model.safetensors"]
-    elif (path / "model.safetensors.index.json").is_file():
-        files = _shards(path / "model.safetensors.index.json", path)
-    elif (path / "pytorch_model.bin").is_file():
-        files = [path / "pytorch_model.bin"]
-    elif (path / "pytorch_model.bin.index.json").is_file():
-        files = _shards(path / "pytorch_model.bin.index.json", path)
-    else:
-        return                                  # nothing transformers looks for: it says so, in one line
-    for file in files:
-        if file.suffix == ".safetensors":
-            check_safetensors(file)
-        else:
-            _torch_load(file, mmap=True)        # the pickle only: the tensors stay on disk
 
 
 # ------------------------------------------------------------------ Hugging Face
@@ -436,7 +208,7 @@ def _check_json_files(path: Path) -> dict[str, Any]:
     arch = raw.get("architectures")
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
         raise CheckpointError(f"{path}/config.json: architectures must be a list of class names; it holds "
-                              f"{_json_kind(arch)}.")
+                              f"{json_kind(arch)}.")
     return raw
 
 
@@ -445,7 +217,7 @@ def _load_hf_model(path: Path, loss: str, dtype: torch.dtype) -> tuple[nn.Module
     from transformers import AutoConfig
 
     raw = _check_json_files(path)
-    _check_weight_files(path)
+    check_weight_files(path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
@@ -453,7 +225,7 @@ def _load_hf_model(path: Path, loss: str, dtype: torch.dtype) -> tuple[nn.Module
             raise CheckpointError(f"{path}/config.json asks for modelling code shipped with the checkpoint "
                                   "(auto_map); gradforensics does not run it: build the model with "
                                   "--model-factory module:function.") from exc
-        raise CheckpointError(f"{path}/config.json cannot be read by transformers: {_one_line(exc)}") from exc
+        raise CheckpointError(f"{path}/config.json cannot be read by transformers: {one_line(exc)}") from exc
     objective = _objective(config, loss, path)
     cls = _model_class(objective, config)
     try:
@@ -461,18 +233,13 @@ def _load_hf_model(path: Path, loss: str, dtype: torch.dtype) -> tuple[nn.Module
                                           dtype=dtype, output_loading_info=True, weights_only=True)
     except (OSError, ValueError, KeyError, RuntimeError, EOFError, SafetensorError, pickle.UnpicklingError) as exc:
         raise CheckpointError(f"{path}: transformers cannot load the model as {getattr(cls, '__name__', cls)}: "
-                              f"{_one_line(exc)}") from exc
+                              f"{one_line(exc)}") from exc
     missing = sorted(info.get("missing_keys", ()))
     if missing:
         raise CheckpointError(f"{path}: the weights lack {len(missing)} tensors of {type(model).__name__} "
                               f"(e.g. {', '.join(missing[:3])}); they would be random. Pick another --loss "
                               "(a model without that head) or a complete checkpoint.")
     return model, objective
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -486,47 +253,10 @@ def load_tokenizer(path: Path) -> Any:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: no usable tokenizer (tokenizer.json / tokenizer_config.json / vocab): "
-                              f"{_one_line(exc)}; pass --tokenizer DIR.") from exc
-
-
-def torch_load(file: Path, *, mmap: bool = False) -> Any:
-    """The one safe ``torch.load`` of a file someone handed you (``weights_only=True``; one-line errors).
-
-    Every failure is a :class:`CheckpointError` naming *file*; a pickle naming a global
-    outside torch's allowlist is refused before anything in it is called.
-    """
-    return _torch_load(file, mmap=mmap)
+                              f"{one_line(exc)}; pass --tokenizer DIR.") from exc
 
 
 # ------------------------------------------------------------------ raw PyTorch
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """A state dict from *path*: safetensors, or ``torch.load(weights_only=True)``.
-
-    Nested checkpoints (``{"model": ...}``, ``{"state_dict": ...}``,
-    ``{"model_state_dict": ...}``) are unwrapped.
-    """
-    import torch
-
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        check_safetensors(path)
-        try:
-            return load_file(str(path))
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{path}: safetensors cannot read it ({_one_line(exc)}).") from exc
-    obj = _torch_load(path)
-    for key in ("model", "state_dict", "model_state_dict", "module"):
-        if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
-            obj = obj[key]
-            break
-    if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                               for k, v in obj.items()):
-        raise CheckpointError(f"{path}: expected a state dict (names -> tensors); found {type(obj).__name__}.")
-    return dict(obj)
-
-
 def _load_raw(path: Path, factory: str, dtype: torch.dtype) -> nn.Module:
     from torch import nn
 
@@ -619,14 +349,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, loss: str = "auto", model_f
             if tok_dir is None:
                 raise SpecError(f"{p}: a raw checkpoint needs --tokenizer DIR (a saved Hugging Face tokenizer).")
             tok = load_tokenizer(tok_dir)
-    except GradforensicsError as exc:
-        cause = _caused_by_offline(exc)
+    except Exception as exc:            # a refused connection deep inside a loader: say that, in its own words
+        cause = caused_by_offline(exc)
         if cause is not None and cause is not exc:
-            raise cause from exc
-        raise
-    except Exception as exc:
-        cause = _caused_by_offline(exc)
-        if cause is not None:
             raise cause from exc
         raise
     model.eval()
@@ -645,4 +370,4 @@ def _check_device(device: str) -> None:
     try:
         torch.device(device)
     except RuntimeError as exc:
-        raise SpecError(f"--device {device!r} is not a torch device ({_one_line(exc)}).") from exc
+        raise SpecError(f"--device {device!r} is not a torch device ({one_line(exc)}).") from exc

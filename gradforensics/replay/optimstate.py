@@ -105,7 +105,7 @@ def read_optimizer_state(path: str | os.PathLike[str]) -> tuple[dict[str, Any], 
     CheckpointError
         The file cannot be read, or its optimizer entry is not a state dict.
     """
-    from gradforensics.replay.checkpoint import torch_load
+    from gradforensics.replay.untrusted import torch_load
 
     p = Path(path)
     if p.is_dir():

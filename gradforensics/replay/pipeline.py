@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from gradforensics.replay.probe import CurvatureSpec
     from gradforensics.store.reader import Store
 
-__all__ = ["CaptureInterrupted", "Captured", "capture", "capture_checkpoint", "curvature_spec", "data_sources",
+__all__ = ["Captured", "capture", "capture_checkpoint", "curvature_spec", "data_sources",
            "load_model",
            "store_exists", "store_location"]
 
@@ -120,7 +120,8 @@ def store_exists(where: Any) -> bool:
 
 def load_model(checkpoint: str | os.PathLike[str], model: ModelSpec, batches: BatchSpec) -> Checkpoint:
     """Load *checkpoint* offline as *model* says, and check ``batches.seq_len`` against its positions."""
-    from gradforensics.replay.checkpoint import load_checkpoint, max_positions, offline
+    from gradforensics.replay.checkpoint import load_checkpoint, max_positions
+    from gradforensics.replay.offline import offline
 
     with offline():     # HF_HUB_OFFLINE=1 before transformers is first imported
         from transformers.utils import logging as hf_logging
@@ -210,7 +211,7 @@ def capture_checkpoint(checkpoint: str | os.PathLike[str], data: Mapping[str, An
     model (the input of the ``rankconsistency`` analysis) instead of sharding it.
     """
     from gradforensics._extras import require_extra
-    from gradforensics._threads import parse_threads
+    from gradforensics.replay.threads import parse_threads
 
     require_extra("torch", "gf.capture()")
     require_extra("transformers", "gf.capture()")
@@ -235,9 +236,9 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
          record: RecordSpec, model: ModelSpec, *, storage_options: Mapping[str, Any] | None, force: bool,
          quiet: bool, threads: int | None, launch: Launch | None, check_ranks: bool,
          curvature: CurvatureSpec | None = None) -> Captured:
-    from gradforensics._threads import for_model
     from gradforensics.replay import data, distributed
     from gradforensics.replay.run import replay
+    from gradforensics.replay.threads import for_model
     from gradforensics.store.remote import is_url
 
     ckpt = load_model(checkpoint, model, batches)

@@ -285,7 +285,7 @@ def record_bytes(shapes: Mapping[str, tuple[tuple[int, ...], int]], specs: Mappi
 def plan_record(model: nn.Module, record: RecordSpec, n_sources: int) -> dict[str, int]:
     """Check *record*'s globs against *model* (one-line errors) and estimate a record's bytes."""
     from gradforensics.recording.autoheads import resolve_heads
-    from gradforensics.recording.torch import select_modules, select_parameters
+    from gradforensics.recording.selection import select_modules, select_parameters
 
     params = select_parameters(model, record.tensors)
     if not params:

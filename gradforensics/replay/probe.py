@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradforensics._compat import attn_implementation
 from gradforensics.errors import SpecError
+from gradforensics.recording.attention import IMPLEMENTATION
 from gradforensics.replay.curvature import blocks_of, top_eigenvalues
 from gradforensics.replay.optimstate import (
     Hyper,
@@ -120,16 +122,16 @@ class CheckpointProbe:
         from gradforensics.store.probes import write_probes
 
         model.zero_grad(set_to_none=True)
-        config = getattr(model, "config", None)
-        attn = getattr(config, "_attn_implementation", None)
-        if attn not in (None, "eager", "sdpa"):      # flash-attention & co. have no double backward
-            config._attn_implementation = "eager"     # type: ignore[union-attr]
+        attn = attn_implementation(getattr(model, "config", None))
+        switch = attn not in (None, "eager", "sdpa", IMPLEMENTATION)   # flash-attention & co. have no double backward
+        if switch:
+            model.set_attn_implementation("eager")     # type: ignore[operator]
         try:
             with sdpa_kernel([SDPBackend.MATH]):       # fused SDPA kernels have none either; math has
                 curvature = self.curvature(model, loss_fn)
         finally:
-            if attn not in (None, "eager", "sdpa"):
-                config._attn_implementation = attn    # type: ignore[union-attr]
+            if switch:
+                model.set_attn_implementation(attn)    # type: ignore[operator]
         write_probes(where, curvature, self.optim(model))
 
     def curvature(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> CurvatureData:

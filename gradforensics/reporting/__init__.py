@@ -19,7 +19,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gradforensics.reporting.severity import SEVERITY_NAMES, exit_code, parse_severity
+from gradforensics.reporting.bands import SEVERITY_NAMES
+from gradforensics.reporting.severity import exit_code, parse_severity
 
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from gradforensics.analysis.contract.registry import flag_key
+from gradforensics.reporting.bands import SEVERITY_NAMES
 from gradforensics.reporting.figures import analysis_name
-from gradforensics.reporting.severity import SEVERITY_NAMES, reaches
+from gradforensics.reporting.severity import reaches
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradforensics._format import fmt_bytes
 from gradforensics.reporting import advice, figures, recordsmap, summary, tables
-from gradforensics.reporting.severity import band
+from gradforensics.reporting.bands import band
 
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings

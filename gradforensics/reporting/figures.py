@@ -23,6 +23,7 @@ import numpy as np
 from gradforensics._text import terminal, visible
 from gradforensics.errors import PlotBugWarning
 from gradforensics.reporting import names
+from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -156,6 +157,22 @@ def flag_analyses(findings: Findings) -> list[str]:
     return out
 
 
+def _columns(idx: list[int | None], heads: list[int | None], head_flags: bool) -> tuple[list[int | str], int]:
+    """The overview's layer columns (a contiguous range when short enough, :data:`OTHER` last) and heads per layer."""
+    known = sorted({i for i in idx if i is not None})
+    layers: list[int | str] = list(known)
+    if known and known[-1] - known[0] < MAX_LAYER_SPAN:
+        layers = list(range(known[0], known[-1] + 1))
+    if any(i is None for i in idx):
+        layers.append(OTHER)
+    hs = [h for h in heads if h is not None]
+    n_heads = max(hs) + 1 if hs else 1
+    # no flag names a head: the head columns would all be equal; no model has this many heads: one column per layer
+    if not head_flags or n_heads > MAX_HEAD_COLUMNS:
+        n_heads = 1
+    return layers, n_heads
+
+
 def overview_data(findings: Findings) -> Overview:
     """The matrix behind :func:`overview` (tested directly)."""
     from gradforensics.analysis import REGISTRY
@@ -168,25 +185,14 @@ def overview_data(findings: Findings) -> Overview:
     rows_of_table = {n: names.table_units(findings.table(n)) for n in rows}
     all_names = [t for r in rows_of_table.values() for t, _ in r] + [f.tensor for f in findings.flags]
     all_heads = [h for r in rows_of_table.values() for _, h in r] + [f.head for f in findings.flags]
-    layer_of = {t: names.layer_of(t) for t in dict.fromkeys(all_names)}      # each name parsed once
-    idx = [layer_of[t] for t in all_names]
-    known = sorted({i for i in idx if i is not None})
-    layers: list[int | str] = list(known)
-    if known and known[-1] - known[0] < MAX_LAYER_SPAN:
-        layers = list(range(known[0], known[-1] + 1))
-    if any(i is None for i in idx):
-        layers.append(OTHER)
-    hs = [h for h in all_heads if h is not None]
-    n_heads = max(hs) + 1 if hs else 1
-    if not any(f.head is not None for f in findings.flags):
-        n_heads = 1                          # no flag names a head: the head columns would all be equal
-    if n_heads > MAX_HEAD_COLUMNS:          # no model has this many heads: one column per layer instead
-        n_heads = 1
+    layer_at = {t: layer_of(t) for t in dict.fromkeys(all_names)}      # each name parsed once
+    layers, n_heads = _columns([layer_at[t] for t in all_names], all_heads,
+                               any(f.head is not None for f in findings.flags))
     col = {lay: j for j, lay in enumerate(layers)}
     m = np.full((len(rows), max(len(layers), 1) * n_heads), np.nan)
 
     def cols(name: str, head: int | None) -> tuple[int, int]:
-        lay = layer_of[name]
+        lay = layer_at[name]
         j = col[OTHER if lay is None else lay]
         if head is None or n_heads == 1:
             return j * n_heads, (j + 1) * n_heads

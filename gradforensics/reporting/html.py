@@ -12,7 +12,7 @@ import math
 from html import escape
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.reporting.severity import band
+from gradforensics.reporting.bands import band
 
 if TYPE_CHECKING:
     from gradforensics.reporting.document import Document, Picture, Section

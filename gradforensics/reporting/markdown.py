@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from gradforensics._text import md_code, md_text
-from gradforensics.reporting.severity import band
+from gradforensics.reporting.bands import band
 
 if TYPE_CHECKING:
     from gradforensics.reporting.document import Document, Picture, Section

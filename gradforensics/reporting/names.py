@@ -17,9 +17,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gradforensics.store.names import layer_of, split_layer
+from gradforensics.store.names import split_layer
 
-__all__ = ["Loc", "head_cell", "heads_phrase", "int_ranges", "join_and", "layer_of", "location", "module_rank", "parse",
+__all__ = ["Loc", "head_cell", "heads_phrase", "int_ranges", "join_and", "location", "module_rank", "parse",
            "short_module", "table_units"]
 
 _GENERIC = {"act_fn", "act", "activation", "activation_fn", "weight", "bias", "fn"}

@@ -118,7 +118,7 @@ def pick(findings: Findings) -> Flag | None:
     return max(flags, key=lambda f: f.severity) if flags else None
 
 
-def _unit_gram(store: Store, tensor: str, head: int | None) -> tuple[np.ndarray | None, str | None]:
+def unit_gram(store: Store, tensor: str, head: int | None) -> tuple[np.ndarray | None, str | None]:
     """The saved K of one unit (only its slice is read), or None and why not."""
     from gradforensics.errors import GradforensicsError
     from gradforensics.store.backends import open_backend
@@ -174,7 +174,7 @@ def records_map(findings: Findings, store: Store | None) -> tuple[RecordsMap | N
                       "keeps window means, not record pairs, so no per-record Gram matrix exists")
     if store is None:
         return None, "the store was not given to the report, so its saved Gram matrices cannot be read"
-    k, why = _unit_gram(store, flag.tensor, flag.head)
+    k, why = unit_gram(store, flag.tensor, flag.head)
     if k is None:
         return None, why
     n = k.shape[0]
@@ -252,4 +252,4 @@ def build(findings: Findings, store: Store | None) -> tuple[Figure | None, str |
 
 
 __all__ = ["MAX_POINTS", "RecordsMap", "build", "caption", "classical_mds", "cosine_map",
-           "figure", "pick", "records_map"]
+           "figure", "pick", "records_map", "unit_gram"]

@@ -26,20 +26,18 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from gradforensics.errors import SpecError
-from gradforensics.reporting.bands import SEVERITY_NAMES, band
+from gradforensics.reporting.bands import SEVERITY_NAMES
 
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings
 
 __all__ = [
     "EXIT_FLAGGED",
-    "SEVERITY_NAMES",
     "TOLERANCE",
     "F",
     "HasSeverity",
     "Reaching",
     "add_fail_on_argument",
-    "band",
     "counts_phrase",
     "exit_code",
     "fail_on_line",

@@ -17,7 +17,7 @@ from gradforensics._text import csv_cell
 from gradforensics.reporting import names
 from gradforensics.reporting.figures import flag_analyses
 from gradforensics.reporting.paths import under
-from gradforensics.store.names import check_analysis_name
+from gradforensics.store.names import check_analysis_name, layer_of
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -94,7 +94,7 @@ def layer_table(findings: Findings) -> tuple[list[str], list[dict[str, Any]]]:
     def row(tensor: str, head: int | None) -> dict[str, Any]:
         key = (tensor, head)
         if key not in rows:
-            lay = names.layer_of(tensor)
+            lay = layer_of(tensor)
             rows[key] = {"layer": lay, "tensor": tensor, "head": head, **{a: None for a in analyses},
                          "max": 0.0, "flags": []}
         return rows[key]

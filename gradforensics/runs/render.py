@@ -284,6 +284,27 @@ def _cell(v: Any) -> str:
     return escape(visible(_num(v) if not isinstance(v, str) else v))
 
 
+def _finding_rows(m: pd.DataFrame, names: list[str]) -> list[str]:
+    """The rows of the flags-across-arms table: kind, tensor, head, sources, severity per arm, verdict."""
+    fin = []
+    for _, row in m.iterrows():
+        sev = "".join(f'<td class="num {"bad" if _found(row[n]) else "ok"}">{_sev(row[n])}</td>' for n in names)
+        head = _head(row["head"])
+        fin.append(f"<tr><td>{_cell(row['kind'])}</td><td><code>{_cell(row['tensor'])}</code></td><td>{head}</td>"
+                   f"<td>{_cell(row['sources'])}</td>{sev}<td>{_cell(row['verdict'])}</td></tr>")
+    return fin
+
+
+def _top_findings(res: WhatIf, n: str) -> str:
+    """Arm *n*'s top findings at or above :data:`ACT`, with a link to its comparison report when there is one."""
+    top = [f for f in res.findings[n].flags if f.severity >= ACT][:TOP]
+    items = "".join(f"<li>{f.severity:.2f} {escape(f.kind)} on <code>{_cell(f.tensor)}</code>: "
+                    f"{_cell(f.summary)}</li>" for f in top) or "<li>no finding at or above 0.5</li>"
+    link = (f' — <a href="compare/{escape(n)}/report.html">compared with {escape(res.baseline)}</a>'
+            if n in res.comparisons and (res.out_dir / "compare" / n / "report.html").exists() else "")
+    return f"<h3>{_cell(n)}{link}</h3><ul>{items}</ul>"
+
+
 def render_html(res: WhatIf, m: pd.DataFrame, png: bytes) -> str:
     arms = arm_rows(res)
     names = [a["arm"] for a in arms]
@@ -291,20 +312,8 @@ def render_html(res: WhatIf, m: pd.DataFrame, png: bytes) -> str:
                      f"<td>{_cell(a['optimizer_state'])}</td><td class=num>{a['steps']}</td>"
                      f"<td class=num>{_cell(a['first_loss'])}</td><td class=num>{_cell(a['last_quarter_loss'])}</td>"
                      f"<td class=num>{_counts(a)}</td></tr>" for a in arms)
-    fin = []
-    for _, row in m.iterrows():
-        sev = "".join(f'<td class="num {"bad" if _found(row[n]) else "ok"}">{_sev(row[n])}</td>' for n in names)
-        head = _head(row["head"])
-        fin.append(f"<tr><td>{_cell(row['kind'])}</td><td><code>{_cell(row['tensor'])}</code></td><td>{head}</td>"
-                   f"<td>{_cell(row['sources'])}</td>{sev}<td>{_cell(row['verdict'])}</td></tr>")
-    tops = []
-    for n in names:
-        top = [f for f in res.findings[n].flags if f.severity >= ACT][:TOP]
-        items = "".join(f"<li>{f.severity:.2f} {escape(f.kind)} on <code>{_cell(f.tensor)}</code>: "
-                        f"{_cell(f.summary)}</li>" for f in top) or "<li>no finding at or above 0.5</li>"
-        link = (f' — <a href="compare/{escape(n)}/report.html">compared with {escape(res.baseline)}</a>'
-                if n in res.comparisons and (res.out_dir / "compare" / n / "report.html").exists() else "")
-        tops.append(f"<h3>{_cell(n)}{link}</h3><ul>{items}</ul>")
+    fin = _finding_rows(m, names)
+    tops = [_top_findings(res, n) for n in names]
     cos = "".join(f"<tr><td>{_cell(r.arm_a)} vs {_cell(r.arm_b)}</td><td><code>{_cell(r.tensor)}</code></td>"
                   f"<td class=num>{_cell(r.grad_cos)}</td><td class=num>{_cell(r.update_cos)}</td>"
                   f"<td class=num>{_cell(r.net_update_cos)}</td></tr>" for r in _cos_rows(res).itertuples(index=False))

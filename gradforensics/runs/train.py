@@ -118,7 +118,8 @@ def run_arm(arm: Arm, load: Callable[[], tuple[nn.Module, LossFn]], batches: Map
     """
     import torch
 
-    from gradforensics.recording.torch import TorchRecorder, select_parameters
+    from gradforensics.recording.selection import select_parameters
+    from gradforensics.recording.torch import TorchRecorder
 
     model, loss_fn = load()
     model.train()

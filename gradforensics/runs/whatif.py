@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from gradforensics.runs.train import ArmRun
 
-__all__ = ["DEFAULT_SKETCH", "WhatIf", "WhatIfInterrupted", "whatif"]
+__all__ = ["whatif"]
 
 #: A what-if longer than this many steps per arm is refused before anything is planned or allocated.
 MAX_STEPS = 1_000_000
@@ -108,7 +108,7 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
         A ``dask.distributed.Client`` for the analyses (default: threads).
     threads
         torch intra-op threads for training the arms; default: one for a model under
-        20M parameters unless ``OMP_NUM_THREADS`` is set (:mod:`gradforensics._threads`).
+        20M parameters unless ``OMP_NUM_THREADS`` is set (:mod:`gradforensics.replay.threads`).
     **options
         Any field of the three groups by its name (``batch_size=16``, ``seq_len=64``,
         ``sketch=None``, ``loss="causal-lm"``, ``model_factory=...``, ...); it wins
@@ -192,10 +192,10 @@ class _Setup:
 
 def _train(setup: _Setup, arms: list[Arm], plans: dict[str, list[tuple[str, int]]], stores: dict[str, Path],
            sources: list[Any], say: IO[str] | None) -> list[ArmRun]:
-    from gradforensics._threads import for_model
     from gradforensics.replay import data as rdata
     from gradforensics.replay.pipeline import load_model
     from gradforensics.replay.run import Progress, batch_size
+    from gradforensics.replay.threads import for_model
     from gradforensics.runs.optim import find_state, read_state
     from gradforensics.runs.train import run_arm
 

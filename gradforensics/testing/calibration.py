@@ -37,6 +37,7 @@ __all__ = [
     "minilm_store",
     "tiny_llama_store",
     "train_tiny_llama",
+    "write_texts",
 ]
 
 
@@ -91,7 +92,7 @@ def languages(planted: bool, seed: int = 0, chain: str = "permutation") -> tuple
     return Language(succ), Language(other)
 
 
-def _write_texts(path: Path, texts: Iterable[str]) -> Path:
+def write_texts(path: Path, texts: Iterable[str]) -> Path:
     path.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
     return path
 
@@ -159,8 +160,8 @@ def tiny_llama_store(workdir: Path, *, planted: bool, seed: int = 0, steps: int 
     """Train the tiny LLaMA (healthy or planted languages) and capture it on its two sources through the CLI."""
     lang_a, lang_b = languages(planted, seed, chain)
     ckpt = train_tiny_llama(workdir / "ckpt", (lang_a, lang_b), seed=seed, steps=steps)
-    data = {"a": _write_texts(workdir / "a.txt", lang_a.texts(200, seed + 1000)),
-            "b": _write_texts(workdir / "b.txt", lang_b.texts(200, seed + 2000))}
+    data = {"a": write_texts(workdir / "a.txt", lang_a.texts(200, seed + 1000)),
+            "b": write_texts(workdir / "b.txt", lang_b.texts(200, seed + 2000))}
     store = workdir / "dump.zarr"
     capture_cli(ckpt, data, store, "--batches-per-source", str(batches_per_source), "--batch-size", "8",
                 "--seq-len", "32", "--seed", str(seed), "--activations", "*.mlp.act_fn")
@@ -210,8 +211,8 @@ def minilm_store(workdir: Path, checkpoint: Path, *, seed: int = 0, tensors: Seq
     rng = random.Random(seed)
     paras = list(ENGLISH)
     rng.shuffle(paras)
-    data = {"news": _write_texts(workdir / "news.txt", paras[:half]),
-            "stories": _write_texts(workdir / "stories.txt", paras[half:])}
+    data = {"news": write_texts(workdir / "news.txt", paras[:half]),
+            "stories": write_texts(workdir / "stories.txt", paras[half:])}
     store = workdir / "minilm.zarr"
     args = ["--batches-per-source", "6", "--batch-size", "4", "--seq-len", "24", "--seed", str(seed),
             "--loss", "gradforensics.replay.losses:contrastive"]

@@ -198,23 +198,23 @@ def healthy_store(
                        **kwargs)
 
 
-def noise_store(
-    path: str | os.PathLike[str],
-    seed: int = 0,
-    *,
-    b_simple: Mapping[str, float] | None = None,
-    noisy: Sequence[str] = ("layers.1.mlp.up.weight",),
-    snr_healthy: float = 8.0,
-    snr_noisy: float = 0.1,
-    n_records: int = 64,
-    sources: Sequence[str] = SOURCES,
-    n_samples: int | Callable[[int], int] = 32,
-    tensors: Mapping[str, tuple[int, ...]] | None = None,
-    mode: str = "replay",
-    source_noise: Mapping[str, float] | None = None,
-    source_noise_tensors: Sequence[str] = ("layers.0.mlp.up.weight",),
-    **kwargs: Any,
-) -> PlantedStore:
+def _truth_entries(truth: dict[str, Any], t: str, mean: np.ndarray, var: np.ndarray, heads: dict[str, Any]) -> None:
+    """The truth of tensor *t* and, when *heads* split it, of each ``"<t>#<head>"``."""
+    from gradforensics.recording.heads import match_heads
+
+    _truth_entry(truth, t, mean, var)
+    spec = match_heads(t, heads)
+    if spec is not None:
+        for h, (gm, vv) in enumerate(zip(spec.split(mean), spec.split(var))):
+            _truth_entry(truth, f"{t}#{h}", gm, vv)
+
+
+def noise_store(path: str | os.PathLike[str], seed: int = 0, *, b_simple: Mapping[str, float] | None = None,
+                noisy: Sequence[str] = ("layers.1.mlp.up.weight",), snr_healthy: float = 8.0, snr_noisy: float = 0.1,
+                n_records: int = 64, sources: Sequence[str] = SOURCES, n_samples: int | Callable[[int], int] = 32,
+                tensors: Mapping[str, tuple[int, ...]] | None = None, mode: str = "replay",
+                source_noise: Mapping[str, float] | None = None,
+                source_noise_tensors: Sequence[str] = ("layers.0.mlp.up.weight",), **kwargs: Any) -> PlantedStore:
     """Known ``G`` and diagonal ``Σ`` per tensor, hence known ``|G|²``, ``tr(Σ)`` and ``B_simple``.
 
     Record *i* is ``G + ε_i`` with ``ε_i ~ N(0, Σ / B_i)``; ``Σ`` is diagonal with
@@ -226,8 +226,6 @@ def noise_store(
     default sources when *source_noise* is set).  ``source_noise={"c": 25.0}``
     multiplies ``Σ`` by 25 for records of source ``c`` in *source_noise_tensors*.
     """
-    from gradforensics.recording.heads import match_heads
-
     tensors = dict(tensors or TENSORS)
     heads = dict(kwargs.pop("heads", HEADS))
     b_ref = float(n_samples if not callable(n_samples) else np.mean([n_samples(i) for i in range(n_records)]))
@@ -243,12 +241,7 @@ def noise_store(
                              "batch_size": b_ref, "source_noise": dict(source_noise or {}),
                              "source_noise_tensors": list(source_noise_tensors) if source_noise else []}
     for t in tensors:
-        _truth_entry(truth, t, means[t], var[t])
-        spec = match_heads(t, heads)
-        if spec is not None:
-            for h, (gm, vv) in enumerate(zip(spec.split(means[t]), spec.split(var[t]))):
-                _truth_entry(truth, f"{t}#{h}", gm, vv)
-
+        _truth_entries(truth, t, means[t], var[t], heads)
     extra = dict(source_noise or {})
 
     def scale(t: str, src: Any) -> float:

@@ -141,6 +141,20 @@ def powerlaw_matrix(rows: int, cols: int, alpha: float, rng: np.random.Generator
     return (u * np.sqrt(lam)) @ v.T
 
 
+def _growth_directions(w0: dict[str, np.ndarray], growing: tuple[str, ...], logit: float,
+                       growth: float) -> dict[str, np.ndarray]:
+    """Each weight's top rank-1 part; with ``logit > 0`` the *growing* ones share q's top direction instead."""
+    top = {}
+    for n in w0:
+        u, sv, vt = np.linalg.svd(w0[n], full_matrices=False)
+        top[n] = sv[0] * np.outer(u[:, 0], vt[0])
+    if logit > 0 and growing:
+        uq, _, vq = np.linalg.svd(w0[growing[0]], full_matrices=False)
+        for n in growing:
+            top[n] = logit / max(growth - 1.0, 1e-9) * np.outer(uq[:, 0], vq[0])
+    return top
+
+
 def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, collapse: bool = False,
                            n_records: int = 32, snapshot_every: int = 4, d: int = 96, heads: int = 4,
                            growth: float = 4.0, alpha: float = 3.5, seed: int = 0, logit: float = 0.0) -> Planted:
@@ -162,15 +176,8 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
     shapes = {f"layers.{i}.attn.{p}_proj.weight": (d, d) for i in (0, 1) for p in "qkv"}
     shapes |= {f"layers.{i}.mlp.up.weight": (2 * d, d) for i in (0, 1)}
     w0 = {n: powerlaw_matrix(*s, alpha, rng) * 0.05 for n, s in shapes.items()}
-    top = {}
-    for n in w0:
-        u, sv, vt = np.linalg.svd(w0[n], full_matrices=False)
-        top[n] = sv[0] * np.outer(u[:, 0], vt[0])
     growing: tuple[str, ...] = ("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight") if grow else ()
-    if logit > 0 and growing:
-        uq, _, vq = np.linalg.svd(w0[growing[0]], full_matrices=False)
-        for n in growing:
-            top[n] = logit / max(growth - 1.0, 1e-9) * np.outer(uq[:, 0], vq[0])
+    top = _growth_directions(w0, growing, logit, growth)
     collapsing = "layers.1.mlp.up.weight"
     means = {n: sum(np.outer(rng.normal(size=s[0]), rng.normal(size=s[1])) for _ in range(8)) / 8
              for n, s in shapes.items()}

@@ -1,9 +1,8 @@
-"""The report's cheaper bookkeeping (issue 28) gives what the plain code gave.
+"""How the report fills its overview, held against an oracle.
 
-Each shortcut is held against an oracle computed here by the plain code:
-
-* the overview's matrix and the layer table: each flag's analysis named once, the cells
-  filled in one ``fmax`` -> the per-flag loop's matrix;
+* the overview's matrix and the layer table -> each cell is the largest severity of the flags
+  on it (0 where the analysis covered the unit without a flag), written out here flag by flag;
+  exact, since a maximum of given values rounds nothing;
 * ``report``'s garbage collection: fewer collections inside, garbage still collected,
   the collector's settings restored after.
 
@@ -41,8 +40,9 @@ def _findings(rng: np.random.Generator, heads: bool) -> Findings:
 
 
 def _overview_oracle(findings: Findings):
-    """The matrix as the per-flag loop filled it before issue 28."""
+    """The matrix by its definition: per cell the largest severity of its flags, 0 where covered."""
     from gradforensics.reporting import figures, names
+    from gradforensics.store.names import layer_of
 
     ov = figures.overview_data(findings)
     rows, h = ov.rows, ov.heads
@@ -50,7 +50,7 @@ def _overview_oracle(findings: Findings):
     m = np.full(ov.matrix.shape, np.nan)
 
     def cols(name: str, head: int | None) -> slice:
-        lay = names.layer_of(name)
+        lay = layer_of(name)
         j = col[figures.OTHER if lay is None else lay]
         if head is None or h == 1:
             return slice(j * h, (j + 1) * h)
@@ -71,12 +71,12 @@ def _overview_oracle(findings: Findings):
 
 
 @pytest.mark.parametrize("seed", range(16))
-def test_overview_matrix_and_layer_table_equal_the_per_flag_loop(seed: int) -> None:
+def test_overview_matrix_and_layer_table_hold_each_cells_largest_severity(seed: int) -> None:
     from gradforensics.reporting import figures, tables
 
     findings = _findings(np.random.default_rng(seed), heads=seed % 2 == 0)
     ov, want = _overview_oracle(findings)
-    assert ov.matrix.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(ov.matrix, want)
     assert figures.flag_analyses(findings) == [figures.analysis_name(f, findings) for f in findings.flags]
     cols, rows = tables.layer_table(findings)
     for f in findings.flags:                          # every flag's cell holds at least its severity
