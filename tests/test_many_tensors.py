@@ -128,6 +128,7 @@ def _cells(table) -> list[list[str]]:
 
 
 # ------------------------------------------------------------------ saved results
+@pytest.mark.slow
 def test_gram_matrices_many_a_chunk_and_the_old_layout_still_loads(tmp_path, monkeypatch) -> None:
     from gradforensics.analysis.contract.grams import GramResult
     from gradforensics.store import results as raw

@@ -342,6 +342,7 @@ def test_fit_ar1_is_the_scipy_brentq_fit(n: int, detrender: str) -> None:
             assert bg.fit_ar1(r, grid) == want
 
 
+@pytest.mark.slow
 def test_the_analyze_path_does_not_import_scipy_signal(tmp_path) -> None:
     import subprocess
     import sys

@@ -175,6 +175,7 @@ def test_pair_coherence_on_the_long_window_path_is_the_scipy_code() -> None:
     assert (got.peaks, got.peak_freq) == (want.peaks, want.peak_freq)
 
 
+@pytest.mark.slow
 def test_coherence_and_the_long_smoother_do_not_import_scipy_signal() -> None:
     code = ("import sys, numpy as np\n"
             "from gradforensics.analysis.kinds import coherence\n"

@@ -60,6 +60,7 @@ def _unfused(monkeypatch) -> None:
     monkeypatch.setattr(run, "one_slab", lambda *a, **k: None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slab_bytes", [None, 1 << 16])     # 64 KiB: the big tensor takes several slabs
 def test_fused_small_tensors_give_every_number_of_the_one_tensor_graph(small, monkeypatch, slab_bytes) -> None:
     opts = {"engine": {"persist": False, **({"slab_bytes": slab_bytes} if slab_bytes else {})}}
@@ -214,6 +215,7 @@ def test_stored_zip_leaves_what_needs_zip64_or_utf8_names_to_zipfile() -> None:
     assert stored_zip(members, dt) == buf.getvalue()
 
 
+@pytest.mark.slow
 def test_results_saved_the_old_way_read_back_as_before(small, tmp_path, monkeypatch) -> None:
     import shutil
 

@@ -79,6 +79,7 @@ def test_per_unit_statistics_on_the_workers_are_the_threads_bit_for_bit(planted,
     assert {(q_name(1), 1), (q_name(1), 2)} <= sick     # the planted trouble is what both found
 
 
+@pytest.mark.slow
 def test_units_go_to_local_workers_only_when_they_add_cores_or_are_told(client) -> None:
     from gradforensics.analysis.engine.run import EngineOptions, _units_client
     from gradforensics.analysis.toolkit.parallel import available_cores, workers_add_cores
