@@ -150,6 +150,7 @@ def test_its_options_are_parsed_once_by_its_class(toy, store) -> None:
     assert quiet.flags == []
 
 
+@pytest.mark.slow
 def test_gradforensics_analyze_reports_it(toy, store, tmp_path) -> None:
     out = tmp_path / "report"
     with warnings.catch_warnings():

@@ -24,6 +24,8 @@ from _hostile import build_store
 from gradforensics.cli import main
 from gradforensics.store.reader import Store
 
+pytestmark = pytest.mark.slow       # every case runs `analyze` in a child process (killed, or two at once)
+
 #: Runs analyze with the store's backend writes counted; at write number K of the
 #: results (or at the commit / the clean-up) the process kills itself.
 CHILD = textwrap.dedent("""

@@ -42,6 +42,7 @@ def _key(findings: gf.analysis.engine.Findings) -> list[tuple]:
     return [(f.kind, f.tensor, f.head, round(f.severity, 9)) for f in findings.flags]
 
 
+@pytest.mark.slow
 def test_analyze_url_with_storage_options(s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import s3fs
 

@@ -74,6 +74,7 @@ def run_tapped(model: torch.nn.Module, **inputs: torch.Tensor) -> tuple[dict, ob
         taps.remove()
 
 
+@pytest.mark.slow
 def test_llama_gqa_stats_equal_eager_weights_and_rope_logits() -> None:
     model = tiny_llama()
     with torch.no_grad():      # one sharp head, so that the one-hot share is not trivially zero

@@ -147,6 +147,7 @@ def threads_seen_loss(model, batch):
 threads_seen_loss.seen = set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, env, expected", [((), None, 1), (("--threads", "2"), None, 2),
                                                  ((), "2", 2), (("--threads", "1"), "2", 1)])
 def test_capture_replays_a_small_model_on_one_thread_unless_told(tmp_path, llama_dir, files, capsys, monkeypatch,
@@ -380,6 +381,7 @@ def minilm() -> Path:
     return Path(pkg.get_model_path())
 
 
+@pytest.mark.slow
 def test_real_minilm_contrastive_with_per_head_split(tmp_path, minilm, files, capsys):
     en = tmp_path / "en.txt"
     en.write_text("\n".join(EN) + "\n", encoding="utf-8")
@@ -456,6 +458,7 @@ def test_masked_lm_masking_is_seeded_and_follows_devlin(minilm):
     assert torch.equal(again[0], masked) and not torch.equal(other[0], masked)
 
 
+@pytest.mark.slow
 def test_masked_lm_head_checkpoint_is_captured_with_seeded_masks(tmp_path, minilm, files, capsys):
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,

@@ -82,6 +82,7 @@ def test_head_spec_errors() -> None:
 
 
 # --------------------------------------------------------------- sketches
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["countsketch", "gaussian"])
 def test_sketch_preserves_cosines_to_jl_bound(method: str) -> None:
     rng = np.random.default_rng(0)

@@ -113,8 +113,9 @@ def attention_tensors(kind: str, names) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize(("kind", "suffix"), [("llama", ".zarr"), ("llama", ".h5"), ("gpt2", ".zarr"),
-                                              ("gpt2", ".h5"), ("neox", ".zarr")])
+@pytest.mark.parametrize(("kind", "suffix"), [("llama", ".zarr"), pytest.param("llama", ".h5", marks=pytest.mark.slow),
+                                              ("gpt2", ".zarr"), pytest.param("gpt2", ".h5", marks=pytest.mark.slow),
+                                              ("neox", ".zarr")])
 def test_head_split_matches_the_model_layout(tmp_path, kind, suffix):
     model = make(kind)
     path = tmp_path / f"d{suffix}"

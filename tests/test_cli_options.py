@@ -96,6 +96,7 @@ def test_out_rerenders_its_own_files(store, tmp_path, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_an_empty_directory_is_new(store, tmp_path, capsys):
     (tmp_path / "e").mkdir()
     assert cli.main(["analyze", str(store), "--out", str(tmp_path / "e"), "--quiet"]) == 0
@@ -173,6 +174,7 @@ def test_help_lists_verbs_in_workflow_order_with_defaults_shown():
     assert "(default: None)" not in capture and "(default: False)" not in capture
 
 
+@pytest.mark.slow
 def test_analyze_says_what_it_does_after_the_bar(store, tmp_path, capsys):
     assert cli.main(["analyze", str(store), "--out", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err

@@ -68,6 +68,7 @@ def test_conflict_before_none_after_is_resolved(tmp_path, monkeypatch):
     assert [r.to_dict() for r in again.rows] == [r.to_dict() for r in c.rows]
 
 
+@pytest.mark.slow
 def test_conflict_appearing_after_is_new_and_fails_on(tmp_path, capsys):
     before, after = healthy(tmp_path / "before.zarr"), conflict(tmp_path / "after.zarr")
     out = tmp_path / "out"
@@ -100,6 +101,7 @@ def test_different_models_are_refused_in_one_line(tmp_path, capsys):
         gf.compare(tmp_path / "wide.zarr", tmp_path / "tall.zarr", tmp_path / "out2")
 
 
+@pytest.mark.slow
 def test_outputs_and_hostile_source_names(tmp_path):
     evil = "=x<b>[a](javascript:1)|"
     sources = ("zh", evil, "code")
@@ -126,6 +128,7 @@ def test_outputs_and_hostile_source_names(tmp_path):
     assert cells and all(not cell.startswith("=") for cell in cells)
 
 
+@pytest.mark.slow
 def test_unlike_runs_get_one_note_line_each(tmp_path, capsys):
     """Findings from another gradforensics version, or runs over other data sources: one note line each."""
     from gradforensics.store.results import read_document, write_results
@@ -148,6 +151,7 @@ def test_unlike_runs_get_one_note_line_each(tmp_path, capsys):
         gf.compare(before, after, tmp_path / "api")
 
 
+@pytest.mark.slow
 def test_like_runs_get_no_note(tmp_path, capsys):
     before, after = healthy(tmp_path / "before.zarr"), conflict(tmp_path / "after.zarr")
     capsys.readouterr()

@@ -133,6 +133,7 @@ def test_table_contract_columns_and_rows() -> None:
     assert t.severity.between(0, 1).all()
 
 
+@pytest.mark.slow
 def test_healthy_control_raises_no_flag_above_half() -> None:
     for seed in range(3):
         for snr in (0.05, 1.0, 10.0):

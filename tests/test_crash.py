@@ -30,6 +30,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix", [".zarr", ".h5"])
 @pytest.mark.parametrize("kill_after", [9, 22])
 def test_killed_writer_leaves_complete_records(tmp_path: Path, suffix: str, kill_after: int) -> None:

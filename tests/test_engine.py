@@ -82,6 +82,7 @@ def test_one_compute_and_each_gradient_byte_read_once(stores, monkeypatch) -> No
     assert findings.flags and findings.flags[0].kind == "nonfinite"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slab_bytes", [1 << 16, 128 << 20])
 def test_slab_reductions_share_the_single_gradient_read(tmp_path, monkeypatch, slab_bytes) -> None:
     """spectral and precision fold their gradient reductions into the Gram pass: every gradient

@@ -26,6 +26,7 @@ def test_every_example_is_exercised_here():
         "instrument_training_loop.py", "replay_per_source.py", "analyze_on_dask_cluster.py", "slurm_jobqueue.py"}
 
 
+@pytest.mark.slow
 def test_slurm_example_prints_its_job_script(tmp_path):
     pytest.importorskip("dask_jobqueue")
     out = run(tmp_path, "slurm_jobqueue.py", "--print-job-script")
@@ -59,6 +60,7 @@ def test_replay_example_replays_each_source(tmp_path):
     assert (tmp_path / "r" / "report.md").read_text().strip()
 
 
+@pytest.mark.slow
 def test_instrument_example_runs(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import matplotlib as mpl
 import numpy as np
+import pytest
 
 import gradforensics as gf
 from gradforensics.reporting import figures
@@ -28,6 +29,7 @@ def test_log_ticks_are_plain_text_with_math_parsing_off():
     assert {"1e\u221203", "1", "10"} <= set(labels), labels       # 1e−03 (a typographic minus), 1, 10
 
 
+@pytest.mark.slow
 def test_every_log_axis_of_a_report_is_readable(tmp_path, monkeypatch):
     """The report's own figures (the noise evidence has a log axis) are checked as drawn."""
     seen: list[list[str]] = []

@@ -221,6 +221,7 @@ def _start_writer(p: Path, min_records: int, stop_on_stdin: bool = True) -> tupl
     return child, int(line.split()[1])
 
 
+@pytest.mark.slow
 @BOTH
 def test_second_process_is_locked_out(tmp_path: Path, suffix: str) -> None:
     p = tmp_path / f"dump{suffix}"
@@ -247,6 +248,7 @@ def test_second_process_is_locked_out(tmp_path: Path, suffix: str) -> None:
     np.testing.assert_array_equal(s.batches()["step"], np.arange(n))
 
 
+@pytest.mark.slow
 @BOTH
 def test_stale_lock_of_killed_writer_is_taken_over_with_warning(tmp_path: Path, suffix: str) -> None:
     p = tmp_path / f"dump{suffix}"
@@ -537,9 +539,14 @@ DAMAGED: dict[str, tuple[tuple[str, ...], Callable[[Path], None], bool]] = {
     "schema=2": ((".zarr", ".h5"), _meta("schema", 2), True),
 }
 DAMAGED_CASES = [(name, s) for name, (backends, _, _) in DAMAGED.items() for s in backends]
+#: One case of each kind of damage runs in the quick lane (``-m "not slow"``), the rest with the full suite.
+DAMAGED_QUICK = {"n_records=-1", "root-attr-list", "root-zarr.json-invalid", "array-zarr.json-invalid", "heads='x'",
+                 "sources-fewer-than-mixture", "mode-unknown", "schema=2"}
 
 
-@pytest.mark.parametrize(("case", "suffix"), DAMAGED_CASES, ids=[f"{c}-{s[1:]}" for c, s in DAMAGED_CASES])
+@pytest.mark.parametrize(("case", "suffix"), [
+    pytest.param(c, s, id=f"{c}-{s[1:]}", marks=() if c in DAMAGED_QUICK else pytest.mark.slow)
+    for c, s in DAMAGED_CASES])
 def test_damaged_metadata_is_one_line(analysed: dict[str, Path], tmp_path: Path, case: str, suffix: str) -> None:
     _, damage, report_refuses = DAMAGED[case]
     p = fresh(analysed, tmp_path, suffix)
@@ -570,6 +577,7 @@ HDF5_OFFSETS = ["frac:0.02", "frac:0.1", "frac:0.3", "frac:0.5", "frac:0.7", "fr
                 f"chunk:acts/{ACT}/frac_high"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", HDF5_OFFSETS)
 def test_random_bytes_in_hdf5_file(analysed: dict[str, Path], tmp_path: Path, where: str) -> None:
     """Garbage at an offset of the file: never a traceback; a hit on live data is an error, never a finding."""

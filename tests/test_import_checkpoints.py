@@ -169,6 +169,7 @@ def test_loss_and_lr_come_from_the_trainer_log(series, tmp_path):
         assert b["n_samples"][i] == hi - lo
 
 
+@pytest.mark.slow
 def test_heads_auto_from_the_config_split_q_and_k(series, tmp_path):
     root, _ = series
     store = gf.import_run(root / "hf", tmp_path / "imp.zarr", tensors=["*.self_attn.*"])

@@ -140,6 +140,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(LAYOUTS))
 def test_joined_gradients_equal_the_unsharded_ones(tmp_path, case):
     lay = LAYOUTS[case]

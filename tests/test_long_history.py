@@ -124,6 +124,7 @@ def _long_gram(x: np.ndarray, band: int, window: int = 200) -> WindowMoments:
     return dense_moments(b, np.zeros(n, dtype=np.int64), d)
 
 
+@pytest.mark.slow
 def test_band_test_locates_a_middle_stretch_and_ignores_a_drift() -> None:
     rng = np.random.default_rng(3)
     n, d = 6000, 6

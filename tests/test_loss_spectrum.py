@@ -185,6 +185,7 @@ def test_sinusoid_in_red_noise_on_a_decaying_trend_is_found(period: float, a: fl
         assert best.amplitude == pytest.approx(amp, rel=0.35)
 
 
+@pytest.mark.slow
 def test_false_alarm_rate_of_trend_plus_red_noise() -> None:
     """200 seeds of trend + AR(1), trends and α cycling over {power, steep, exp, lrdrop}
     × {0, 0.3, 0.7, 0.9}: significant peaks in at most 2 % of the series (measured on

@@ -130,6 +130,7 @@ def test_series_tables_equal_the_per_series_reference(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------ saved results
+@pytest.mark.slow
 def test_gram_matrices_many_a_chunk_and_the_old_layout_still_loads(tmp_path, monkeypatch) -> None:
     from gradforensics.analysis.contract.grams import GramResult
     from gradforensics.store import results as raw

@@ -180,6 +180,7 @@ def healthy_severities(snrs=(0.05, 0.25, 1.0, 4.0, 16.0, 64.0), seeds=range(50),
     return np.array(out)
 
 
+@pytest.mark.slow
 def test_healthy_models_never_flag_above_half() -> None:
     """Calibration: 6 SNRs (0.05-64) x 50 seeds of healthy models; no noise flag above 0.5.
 

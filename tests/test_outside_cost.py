@@ -54,7 +54,8 @@ def _random_sel(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[slice
     return tuple(out)
 
 
-@pytest.mark.parametrize(("compression", "checksum"), CHAINS)
+@pytest.mark.parametrize(("compression", "checksum"),                # the default chain quick, the others slow
+                         [c if c == ("zstd", True) else pytest.param(*c, marks=pytest.mark.slow) for c in CHAINS])
 def test_direct_reads_are_zarrs_bytes(tmp_path: Path, compression: str, checksum: bool) -> None:
     rng = np.random.default_rng(7)
     dtypes = [np.float32, np.float16, np.float64, np.uint16, np.uint8, np.int32, np.int64]
@@ -173,6 +174,7 @@ def test_an_open_without_chunk_checks_lists_no_bulk_chunk_tree(tmp_path: Path) -
         Store(p, check_chunks=False)
 
 
+@pytest.mark.slow
 def test_no_dask_array_nor_distributed_for_a_store_without_activations(tmp_path: Path) -> None:
     """``analyze`` of a gradient store imports neither (1-1.6 and 0.4-0.5 CPU-s), and finds what it found."""
     path = _store(tmp_path / "s.zarr")

@@ -111,6 +111,7 @@ def test_planted_swamped_tensor_is_the_only_one_flagged(tmp_path) -> None:
     assert "bf16 ULP" in flags[0].summary and planted.sick[0] in flags[0].summary
 
 
+@pytest.mark.slow
 def test_pure_bf16_weights_show_lost_updates(tmp_path) -> None:
     planted = planted_precision_store(tmp_path / "p.h5", pure_bf16=True)
     result, flags = run_analysis(planted.path, "precision")
@@ -118,6 +119,7 @@ def test_pure_bf16_weights_show_lost_updates(tmp_path) -> None:
     assert result.table.set_index("tensor").loc[planted.sick[0], "lost_share"] > 0.9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_healthy_control_raises_nothing_above_half(tmp_path, seed: int) -> None:
     planted = planted_precision_store(tmp_path / "h.zarr", swamped=False, seed=seed)

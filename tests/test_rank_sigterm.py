@@ -14,7 +14,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import gradforensics as gf
+
+pytestmark = pytest.mark.slow       # each case runs in a child process that receives SIGTERM
 
 PRELUDE = """
 import json, os, signal, socket, sys, time

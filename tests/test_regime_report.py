@@ -118,6 +118,7 @@ def test_records_map_skips_itself_on_the_regime_even_with_a_store(long_findings:
     assert fig is None and m is None and why is not None and "long-history" in why and "N₀ = 0" in why
 
 
+@pytest.mark.slow
 def test_exact_regime_report_has_the_map_and_no_regime_note(exact_findings: Any, store: Path,
                                                               tmp_path: Path) -> None:
     paths = gf.report(exact_findings, tmp_path / "x", store)

@@ -133,6 +133,7 @@ def test_a_bad_deadline_is_one_line(monkeypatch):
 
 
 # ------------------------------------------------------------------ reads: inspect and analyze
+@pytest.mark.slow
 @pytest.mark.parametrize("verb", ["inspect", "analyze"])
 @pytest.mark.parametrize("mode", ["drop", "stall"])
 def test_an_endpoint_that_never_answers_is_one_line_within_the_deadline(mode, verb, tmp_path, capsys):
@@ -170,6 +171,7 @@ def _record(url: str, endpoint: str) -> None:
                        grads={"w": np.full((4, 3), 1.0 + i, np.float32)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["every PUT", "every PUT but the lock's"])
 def test_a_recorder_whose_puts_are_dropped_stops_with_one_error(s3, which):
     """Every PUT dropped: the lock cannot be created.  Every PUT but the lock's: the store's first objects

@@ -144,12 +144,14 @@ def test_transient_errors_are_retried_and_others_are_not():
 
 
 # ------------------------------------------------------------------ errors: one line
+@pytest.mark.slow
 def test_missing_bucket_is_one_line(s3, capsys):
     assert main(["inspect", "s3://no-such-bucket/dump.zarr"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "bucket does not exist" in err
 
 
+@pytest.mark.slow
 def test_missing_store_and_hdf5_url_are_one_line(s3, capsys):
     assert main(["inspect", f"s3://{BUCKET}/absent.zarr"]) == 2
     err = capsys.readouterr().err.strip()
@@ -159,6 +161,7 @@ def test_missing_store_and_hdf5_url_are_one_line(s3, capsys):
     assert "\n" not in err and "use a Zarr store" in err
 
 
+@pytest.mark.slow
 def test_refused_credentials_are_one_line(s3, monkeypatch, capsys):
     """With moto's authentication on, unknown keys are refused by the server: one line, exit 2."""
     from moto import settings
@@ -171,6 +174,7 @@ def test_refused_credentials_are_one_line(s3, monkeypatch, capsys):
     assert "\n" not in line and "refused the credentials" in line
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint_is_one_line(capsys):
     """Nothing listens on the endpoint (a real closed loopback port): one line after the retries, exit 2."""
     import socket
@@ -204,6 +208,7 @@ def _tiny(url: str, value: float = 1.0, overwrite: bool = False) -> None:
                        grads={"w": np.full((4, 3), value + i, np.float32)})
 
 
+@pytest.mark.slow
 def test_lock_object_one_writer_and_conditional_create(s3):
     from gradforensics.recording import Recorder
 
@@ -220,6 +225,7 @@ def test_lock_object_one_writer_and_conditional_create(s3):
     a.release()
 
 
+@pytest.mark.slow
 def test_stale_lock_object_is_taken_over_with_a_warning(s3):
     url = f"s3://{BUCKET}/stale.zarr"
     old = {"host": "elsewhere", "pid": 1, "started": time.time() - 7200, "lease_s": 60.0,
@@ -234,6 +240,7 @@ def test_stale_lock_object_is_taken_over_with_a_warning(s3):
         StoreLock(url).acquire()
 
 
+@pytest.mark.slow
 def test_no_overwrite_of_a_foreign_prefix(s3):
     from gradforensics.recording import Recorder
 
@@ -249,6 +256,7 @@ def test_no_overwrite_of_a_foreign_prefix(s3):
     assert Store(url).read("grads/w")[0, 0, 0] == 5.0
 
 
+@pytest.mark.slow
 def test_damage_on_object_storage_is_found(s3):
     url, prefix = f"s3://{BUCKET}/damaged.zarr", "damaged.zarr"
     _tiny(url)
@@ -302,6 +310,7 @@ def test_xarray_opens_groups_with_named_dims(tmp_path):
         assert tree["grads"]["wide.weight"].dims[0] == "record"
 
 
+@pytest.mark.slow
 def test_xarray_reads_a_store_at_an_s3_url(pair):
     xr = pytest.importorskip("xarray")
     url, local = pair
@@ -312,6 +321,7 @@ def test_xarray_reads_a_store_at_an_s3_url(pair):
                                       Store(local).read("grads/layers.0.mlp.up.weight"))
 
 
+@pytest.mark.slow
 def test_obstore_read_layer_reads_the_same_bytes(pair, monkeypatch):
     pytest.importorskip("obstore")
     from zarr.storage import ObjectStore
@@ -324,6 +334,7 @@ def test_obstore_read_layer_reads_the_same_bytes(pair, monkeypatch):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["memory", "file"])
 def test_memory_and_file_urls_give_the_flags_of_a_local_path(scheme, tmp_path):
     from gradforensics.analysis.engine.run import analyze
@@ -340,6 +351,7 @@ def test_memory_and_file_urls_give_the_flags_of_a_local_path(scheme, tmp_path):
         nonfinite_store(url, n_records=8, records=(3,))
 
 
+@pytest.mark.slow
 def test_an_oversized_object_in_place_of_a_compressed_chunk_is_refused_from_the_listing(s3, tmp_path):
     """A 64 MiB object where a compressed chunk of a few KiB belongs is refused by its listed size, before any
     download (the issue saw the whole object fetched before the checksum refused it: 1.34 GB RSS for 400 MB)."""

@@ -345,6 +345,7 @@ def _store_with_findings(path: Path, f) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_report_command_rerenders_without_gradients(tmp_path, monkeypatch, capsys):
     from gradforensics.errors import CorruptChunkError
     from gradforensics.store.reader import Store
@@ -369,7 +370,8 @@ def stored(tmp_path_factory):
     return _store_with_findings(tmp_path_factory.mktemp("stored") / "dump.zarr", data.findings())
 
 
-@pytest.mark.parametrize(("fail_on", "rc"), [("high", 1), ("0.91", 1), ("0.95", 0), ("low", 1)])
+@pytest.mark.parametrize(("fail_on", "rc"), [("high", 1), pytest.param("0.91", 1, marks=pytest.mark.slow), ("0.95", 0),
+                                             pytest.param("low", 1, marks=pytest.mark.slow)])
 def test_report_command_fail_on(tmp_path, monkeypatch, stored, fail_on, rc):
     data.install(monkeypatch)
     store = stored

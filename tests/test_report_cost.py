@@ -208,6 +208,7 @@ def test_dimension_names_parse_once_and_a_bad_one_is_refused(tmp_path, monkeypat
         Store(path, check_chunks=False)
 
 
+@pytest.mark.slow
 def test_report_writes_the_same_outputs_twice(reported, tmp_path):
     """The reused figure leaves nothing behind: a second report into another directory is the same bytes."""
     from gradforensics.reporting import report

@@ -341,7 +341,12 @@ def test_well_formed_stored_findings_still_render(analysed, tmp_path):
     assert main(["report", str(analysed), "--out", str(tmp_path / "r")]) == 0
 
 
-@pytest.mark.parametrize("case", list(DAMAGE))
+#: One case of each part of the stored findings runs in the quick lane (``-m "not slow"``), the rest with the full suite.
+DAMAGE_QUICK = {"findings not json", "findings a list", "analysis name path", "missing n_records", "flag kind",
+                "flag severity nan", "flag records outside", "table ragged", "series garbage", "series inflated"}
+
+
+@pytest.mark.parametrize("case", [c if c in DAMAGE_QUICK else pytest.param(c, marks=pytest.mark.slow) for c in DAMAGE])
 def test_malformed_stored_documents_are_one_line_errors(analysed, tmp_path, capsys, case):
     from gradforensics.store.reader import Store
 

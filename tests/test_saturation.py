@@ -66,7 +66,8 @@ def test_lazy_reductions_match_numpy(relu_store) -> None:
         np.testing.assert_allclose(lz[f"high_w|{m}"], want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("act", ["relu", "gelu", "silu", "tanh", "sigmoid"])
+@pytest.mark.parametrize("act", ["relu", *(pytest.param(a, marks=pytest.mark.slow) for a in ("gelu", "silu", "tanh",
+                                                                                         "sigmoid"))])
 def test_planted_polarising_module_is_the_only_one_flagged(tmp_path, act: str) -> None:
     p = planted_saturation_store(tmp_path / f"{act}.zarr", act, **SMALL)
     result, flags = run_analysis(p.path, "saturation")
@@ -85,6 +86,7 @@ def test_planted_polarising_module_is_the_only_one_flagged(tmp_path, act: str) -
         assert row["two_camps"] and row["camp_low"] < -0.5 < 0.5 < row["camp_high"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("seed", "drift"), [(0, 0.0), (1, 0.0), (2, 0.5), (3, 1.0)])
 def test_healthy_control_raises_nothing_above_half(tmp_path, seed: int, drift: float) -> None:
     """Fixed biases, and pre-activations whose scale grows up to 2-fold over the run."""
@@ -93,6 +95,7 @@ def test_healthy_control_raises_nothing_above_half(tmp_path, seed: int, drift: f
     assert max((f.severity for f in flags), default=0.0) <= 0.5
 
 
+@pytest.mark.slow
 def test_replay_mode_has_no_trend_but_still_sees_the_poles(tmp_path) -> None:
     p = planted_saturation_store(tmp_path / "r.h5", "gelu", mode="replay", **SMALL)
     result, flags = run_analysis(p.path, "saturation")
@@ -129,6 +132,7 @@ def test_options_are_validated() -> None:
         S.SaturationOptions.parse({"pole": 0.9})
 
 
+@pytest.mark.slow
 def test_engine_runs_saturation_in_its_single_pass(tmp_path) -> None:
     pytest.importorskip("gradforensics.analysis.engine")
     p = planted_saturation_store(tmp_path / "e.zarr", "gelu", **SMALL)

@@ -201,6 +201,7 @@ def test_loss_command_errors_are_one_line(tmp_path, capsys) -> None:
     assert "alpha must be in" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_loss_command_on_a_store_and_ranks_in_a_log(tmp_path) -> None:
     from gradforensics.testing.planted import write_store
 

@@ -55,6 +55,7 @@ def test_a_short_sketch_store_is_its_data_not_padding(tmp_path, suffix):
     assert s_new.tensors == s_old.tensors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix", [".h5", ".zarr"])
 def test_old_layout_full_store_reads_the_same(tmp_path, suffix):
     import dask

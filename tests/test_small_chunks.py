@@ -46,6 +46,7 @@ def test_chunk_shape_caps_a_small_chunk_at_the_known_records():
                                                                                         head_split=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix", [".zarr", ".h5"])
 def test_a_short_capture_chunks_its_small_arrays_for_its_records(tmp_path, suffix):
     new, old = tmp_path / f"new{suffix}", tmp_path / f"old{suffix}"

@@ -79,6 +79,7 @@ def _oracle(store: Store, tensor: str) -> dict[int | None, tuple[np.ndarray, np.
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slab_bytes", [None, 1 << 16])     # 64 KiB: the big tensor takes several slabs
 def test_fused_small_tensors_give_the_gram_matrices_numpy_gives(small, slab_bytes) -> None:
     store = Store(small)

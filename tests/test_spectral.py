@@ -127,7 +127,7 @@ def test_powerlaw_fit_matches_brute_force_clauset() -> None:
     assert fit.alpha == pytest.approx(alpha, rel=1e-10) and fit.xmin == pytest.approx(xmin)
 
 
-@pytest.mark.parametrize("alpha", [2.5, 3.5, 5.0])
+@pytest.mark.parametrize("alpha", [3.5, *(pytest.param(a, marks=pytest.mark.slow) for a in (2.5, 5.0))])
 def test_powerlaw_fit_recovers_a_known_exponent(alpha: float) -> None:
     rng = np.random.default_rng(4)
     ev = 0.3 * (1 - rng.random(3000)) ** (-1 / (alpha - 1))
@@ -136,7 +136,7 @@ def test_powerlaw_fit_recovers_a_known_exponent(alpha: float) -> None:
     assert fit.ks < 0.05
 
 
-@pytest.mark.parametrize("alpha", [2.0, 3.0, 4.5])
+@pytest.mark.parametrize("alpha", [3.0, *(pytest.param(a, marks=pytest.mark.slow) for a in (2.0, 4.5))])
 def test_alpha_of_a_matrix_with_a_known_heavy_tailed_spectrum(alpha: float) -> None:
     rng = np.random.default_rng(5)
     w = powerlaw_matrix(900, 600, alpha, rng)
@@ -250,6 +250,7 @@ def test_planted_large_aligned_qk_growth_is_flagged_on_its_logit_scale(logit_pla
     assert "attention logit" in q.summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_healthy_control_raises_nothing_above_half(tmp_path, seed: int) -> None:
     p = planted_spectral_store(tmp_path / "h.h5", grow=False, collapse=False, seed=seed, n_records=24)

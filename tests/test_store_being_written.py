@@ -63,6 +63,7 @@ def _kill(p: subprocess.Popen) -> None:
     p.wait()
 
 
+@pytest.mark.slow
 def test_inspect_and_analyze_name_the_live_writer(writer, capsys, tmp_path):
     # local Zarr only: an HDF5 file being written is locked by h5py itself (a reader cannot open it)
     path, p = writer("dump.zarr", k=10, per_chunk=4)

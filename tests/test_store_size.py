@@ -39,6 +39,7 @@ def _write(path: Path, expected: int | None, flush_at: int | None = None) -> np.
     return first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix", [".h5", ".zarr"])
 def test_bytes_on_disk_are_the_bytes_of_the_data_when_the_count_is_known(tmp_path, suffix):
     padded, even, unknown = tmp_path / f"padded{suffix}", tmp_path / f"even{suffix}", tmp_path / f"unknown{suffix}"

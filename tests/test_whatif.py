@@ -237,6 +237,7 @@ def test_every_optimizer_keeps_the_data_conflict_and_dropping_a_source_resolves_
 
 
 # ---------------------------------------------------------------- optimizer state
+@pytest.mark.slow
 def test_optimizer_state_is_loaded_when_it_matches_and_fresh_otherwise(tmp_path, chain):
     ck = dict(chain, ckpt=tmp_path / "model.pt")
     torch.save(chain["model"].state_dict(), ck["ckpt"])

@@ -72,6 +72,7 @@ def test_per_unit_statistics_on_the_workers_are_the_threads(planted, client) -> 
     assert {(q_name(1), 1), (q_name(1), 2)} <= sick     # the planted trouble is what both found
 
 
+@pytest.mark.slow
 def test_units_go_to_local_workers_only_when_they_add_cores_or_are_told(client) -> None:
     from gradforensics.analysis.engine.options import EngineOptions
     from gradforensics.analysis.engine.schedule import units_client
