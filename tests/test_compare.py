@@ -63,7 +63,7 @@ def test_conflict_before_none_after_is_resolved(tmp_path, monkeypatch):
     def no_pass(*args, **kwargs):
         raise AssertionError("a store holding results was analysed again")
 
-    monkeypatch.setattr("gradforensics.analysis.engine.analyze", no_pass)
+    monkeypatch.setattr("gradforensics.analysis.engine.run.analyze", no_pass)
     again = gf.compare(before, after, tmp_path / "again", progress=False)
     assert [r.to_dict() for r in again.rows] == [r.to_dict() for r in c.rows]
 
