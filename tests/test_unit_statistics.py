@@ -23,7 +23,7 @@ from gradforensics.analysis.kinds.drift.stats import drift_slab, hinge_changepoi
 from gradforensics.analysis.kinds.oscillation.stats import oscillation_slab, top_components
 from gradforensics.analysis.toolkit.parallel import map_slabs, map_units, unit_threads
 from gradforensics.analysis.toolkit.stacked import lstsq_each, pinv_stack
-from gradforensics.analysis.toolkit.stats import bimodality_coefficients, rank_trends
+from gradforensics.analysis.toolkit.stats import average_ranks, bimodality_coefficients, rank_trends
 from gradforensics.testing import planted_directions as P
 
 
@@ -57,6 +57,15 @@ def test_rank_trends_are_spearmanr(alternative: str) -> None:
         want = stats.spearmanr(x, y[x], alternative=alternative)
         assert _nan_close(rho, float(want.statistic)) and _nan_close(p, float(want.pvalue)), (y, rho, p, want)
     assert rank_trends([np.array([1.0, np.nan, 3.0, 4.0])]) == [(math.nan, math.nan)]   # NaN kept: no test
+
+
+def test_average_ranks_are_scipys_rankdata() -> None:
+    """Exact: ranks and mean ranks of ties are integers and halves, no rounding (rows of many tie patterns)."""
+    rng = np.random.default_rng(12)
+    for n in (1, 2, 3, 7, 64, 129):
+        Y = np.round(rng.standard_normal((40, n)) * rng.choice([0.5, 2.0, 100.0], size=(40, 1)))
+        Y[0] = 3.0                                             # one tie group over the whole row
+        np.testing.assert_array_equal(average_ranks(Y), stats.rankdata(Y, axis=1))
 
 
 def test_bimodality_coefficients_are_scipys_moments() -> None:

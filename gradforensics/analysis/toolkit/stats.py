@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bimodality_coefficient", "bimodality_coefficients", "rank_trend", "rank_trends"]
+__all__ = ["average_ranks", "bimodality_coefficient", "bimodality_coefficients", "finite_mean", "rank_trend", "rank_trends"]
 
 
 def rank_trend(y: Any, *, min_n: int = 3, alternative: str = "two-sided",
@@ -41,7 +41,7 @@ def rank_trends(ys: list[Any], *, min_n: int = 3, alternative: str = "two-sided"
                 skip_nonfinite: bool = False) -> list[tuple[float, float]]:
     """:func:`rank_trend` of every series of *ys*: those of one length (after *skip_nonfinite*) in one stacked pass.
 
-    The statistic is Pearson's correlation of the average ranks (``scipy.stats.rankdata``) with the
+    The statistic is Pearson's correlation of the average ranks (:func:`average_ranks`) with the
     positions' ranks, its p-value the t approximation ``t = ρ √((n-2) / (1-ρ²))`` on ``n - 2`` degrees
     of freedom, as :func:`scipy.stats.spearmanr` computes them (Kendall & Stuart 1979, §31.19).
     """
@@ -69,10 +69,9 @@ def rank_trends(ys: list[Any], *, min_n: int = 3, alternative: str = "two-sided"
 def _spearman_with_position(Y: np.ndarray, alternative: str) -> tuple[np.ndarray, np.ndarray]:
     """Spearman's ρ of every row of *Y* (finite, non-constant, one length) with its position, and its p-value."""
     from scipy.special import stdtr  # stdtr(df, t) = scipy.stats.t.cdf(t, df)
-    from scipy.stats import rankdata
 
     n = Y.shape[1]
-    ry = rankdata(Y, axis=1)
+    ry = average_ranks(Y)
     ry -= (n + 1) / 2.0
     rx = np.arange(1, n + 1, dtype=np.float64) - (n + 1) / 2.0
     rs = np.clip((ry @ rx) / np.sqrt(np.einsum("ij,ij->i", ry, ry) * (rx @ rx)), -1.0, 1.0)
@@ -84,6 +83,29 @@ def _spearman_with_position(Y: np.ndarray, alternative: str) -> tuple[np.ndarray
     if alternative == "greater":
         return rs, np.asarray(stdtr(dof, -t))
     return rs, np.asarray(2 * stdtr(dof, -np.abs(t)))
+
+
+def average_ranks(Y: np.ndarray) -> np.ndarray:
+    """The ranks (1..n) of each row of *Y* (``(m, n)``, finite), ties given their mean rank.
+
+    What :func:`scipy.stats.rankdata` gives with ``method="average"`` along axis 1, computed here with
+    one sort of the stack (importing ``scipy.stats`` costs about 0.6 s a process, more than every
+    trend test of a pass).
+    """
+    Y = np.asarray(Y, dtype=np.float64)
+    m, n = Y.shape
+    order = np.argsort(Y, axis=1, kind="stable")
+    s = np.take_along_axis(Y, order, axis=1)
+    pos = np.broadcast_to(np.arange(n), (m, n))
+    starts = np.ones((m, n), dtype=bool)
+    starts[:, 1:] = s[:, 1:] != s[:, :-1]                   # a tie group begins here
+    ends = np.ones((m, n), dtype=bool)
+    ends[:, :-1] = starts[:, 1:]                            # ... and ends here
+    first = np.maximum.accumulate(np.where(starts, pos, 0), axis=1)
+    last = np.minimum.accumulate(np.where(ends, pos, n - 1)[:, ::-1], axis=1)[:, ::-1]
+    ranks = np.empty((m, n))
+    np.put_along_axis(ranks, order, (first + last) / 2.0 + 1.0, axis=1)
+    return ranks
 
 
 def bimodality_coefficient(x: Any) -> float:
