@@ -44,10 +44,13 @@ def _short_deadline(monkeypatch):
     monkeypatch.setenv("GRADFORENSICS_REMOTE_DEADLINE_S", DEADLINE)
     monkeypatch.delenv("GRADFORENSICS_REMOTE_RETRY_BUDGET", raising=False)
     monkeypatch.setattr(remote, "ATTEMPTS", 10_000)
-    monkeypatch.setattr(remote, "_BUDGET", remote._RetryBudget())
-    monkeypatch.setattr(remote, "_READ_STORES", {})
+    remote.reset_retry_budget()
+    remote.clear_read_stores()
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
+    yield
+    remote.reset_retry_budget()
+    remote.clear_read_stores()
 
 
 def _within(fn: Callable[[], Any], wait_s: float = WAIT_S) -> Any:

@@ -14,6 +14,7 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -41,9 +42,11 @@ ONLY = "nonfinite,noise,drift"
 
 
 @pytest.fixture(autouse=True)
-def _fresh_registry(monkeypatch):
+def _fresh_registry() -> Iterator[None]:
     """Each test opens its own zarr stores for the pass's reads (a proxy's endpoint must not reach the next)."""
-    monkeypatch.setattr(remote, "_READ_STORES", {})
+    remote.clear_read_stores()
+    yield
+    remote.clear_read_stores()
 
 
 @pytest.fixture(scope="module")

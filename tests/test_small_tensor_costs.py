@@ -44,7 +44,7 @@ def test_opened_arrays_read_what_zarr_open_array_reads_and_parse_shared_metadata
             got = np.asarray(handles.open_zarr_array(str(p), name)[:])
             want = _fresh(p, name)
             assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name
-    assert len(handles._PARSED) == 1          # five arrays, names and attributes aside one metadata: parsed once
+    assert handles.parsed_count() == 1         # five arrays, names and attributes aside one metadata: parsed once
 
 
 @pytest.mark.parametrize("change", ["data", "shape", "records"])
@@ -87,7 +87,7 @@ def test_unreadable_metadata_goes_to_zarr_and_its_error(tmp_path) -> None:
 
     with pytest.raises(type(got.value)):
         zarr.open_array(str(p / "grads" / "w"), mode="r")
-    assert not handles._PARSED
+    assert handles.parsed_count() == 0
 
 
 # ------------------------------------------------------------------ series shared by the loss-curve analyses

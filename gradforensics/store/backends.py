@@ -570,7 +570,7 @@ class ArrayHandle:
 
     def __getitem__(self, sel: Any) -> np.ndarray:
         try:
-            raw = self._read(sel)
+            raw = self.read_raw(sel)
         except GradforensicsError:
             raise
         except (OSError, RuntimeError, ValueError) as exc:
@@ -583,7 +583,8 @@ class ArrayHandle:
             return decode_bf16(raw)
         return raw.astype(np.float32, copy=False)
 
-    def _read(self, sel: Any) -> np.ndarray:
+    def read_raw(self, sel: Any) -> np.ndarray:
+        """*sel* as stored (undecoded), read from the store for this call only; errors are the backend's."""
         return backend_class(self.kind).read_array(self.location, self.name, sel)
 
     def _describe(self, sel: Any, exc: Exception) -> str:
@@ -617,19 +618,20 @@ class ArrayHandle:
             box = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(chunk, self.chunks, self.shape,
                                                                               strict=True))
             try:
-                self._read(box)
+                self.read_raw(box)
             except (OSError, RuntimeError, ValueError) as exc:
                 return chunk, exc
         return None
 
 
 def read_handles(handles: list[ArrayHandle], sels: list[Any]) -> list[np.ndarray]:
-    """``handle[sel]`` of every pair, as float32; the reads of local Zarr stores in one zarr event-loop call.
+    """``handle[sel]`` of every pair, as float32; the reads of local Zarr stores in one event-loop run.
 
-    One round trip into zarr's event loop for all of them instead of one each (what a
-    task reading hundreds of small tensors pays for).  Any failure of that call reads
-    the pairs again one at a time, so a damaged chunk is named as ``handle[sel]`` names
-    it (:class:`~gradforensics.errors.CorruptChunkError`); HDF5 stores and stores at a
+    One run of this thread's event loop for all of them
+    (:func:`~gradforensics.store.handles.read_zarr_many`) instead of a hand-off into zarr's
+    loop each (what a task reading hundreds of small tensors pays for).  Any failure of that
+    run reads the pairs again one at a time, so a damaged chunk is named as ``handle[sel]``
+    names it (:class:`~gradforensics.errors.CorruptChunkError`); HDF5 stores and stores at a
     URL are read one at a time.
     """
     from gradforensics.store.handles import read_zarr_many

@@ -34,6 +34,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "Inventory",
     "StoredArray",
+    "clear_parsed",
     "from_h5_attr",
     "hdf5_inventory",
     "refuse_links",
@@ -312,24 +313,21 @@ def _zarr_array(path: str, rel: str, meta: dict[str, Any]) -> StoredArray:
 def _zarr_parse(path: str, where: str, meta: dict[str, Any]) -> None:
     """Let zarr parse the array metadata now, so its complaints (codec configuration,
     fill value, ...) are one line naming the file, not a traceback at the first read."""
-    from zarr.core.metadata.v3 import ArrayV3Metadata, parse_dimension_names
-
     # hundreds of arrays share their metadata but for the attributes (any JSON object, which zarr
-    # keeps as given): parse each distinct rest once per process
-    # nor the dimension names (one per tensor: they name it): zarr checks only their type and number,
-    # which are checked here with zarr's own parser, the rest parsed with neutral names in their place
-    rest = {k: v for k, v in meta.items() if k != "attributes"}
+    # keeps as given) and the dimension names (one per tensor: they name it, and zarr checks only
+    # their type and number, checked here): each distinct rest is parsed once per process
+    rest = {k: v for k, v in meta.items() if k not in ("attributes", "dimension_names")}
+    names = meta.get("dimension_names")
+    if names is not None:
+        if not isinstance(names, list) or not all(n is None or isinstance(n, str) for n in names):
+            raise _corrupt(path, where, f"dimension_names {names!r} is not a list of strings or nulls")
+        if isinstance(meta.get("shape"), list) and len(names) != len(meta["shape"]):
+            raise _corrupt(path, where, f"{len(names)} dimension_names for {len(meta['shape'])} dimensions")
+    key = json.dumps(rest, sort_keys=True, default=repr)
+    if key in _PARSED:
+        return
     try:
-        if rest.get("dimension_names") is not None:
-            names = parse_dimension_names(rest["dimension_names"])
-            rest["dimension_names"] = [None] * len(names or ())
-            if isinstance(meta.get("shape"), list) and len(names or ()) != len(meta["shape"]):
-                raise ValueError("`dimension_names` and `shape` need to have the same number of dimensions.")
-        key = json.dumps(rest, sort_keys=True, default=repr)
-        if key in _PARSED:
-            return
-        ArrayV3Metadata.from_dict(dict(rest, attributes=meta.get("attributes", {})) if "attributes" in meta
-                                  else dict(rest))
+        _zarr_metadata(rest)
     except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
         raise _corrupt(path, where, f"zarr cannot parse it ({type(exc).__name__}: {exc})") from exc
     if len(_PARSED) >= _MAX_PARSED:
@@ -337,9 +335,22 @@ def _zarr_parse(path: str, where: str, meta: dict[str, Any]) -> None:
     _PARSED.add(key)
 
 
-#: Array metadata (without attributes) zarr has parsed without complaint, as canonical JSON.
+def _zarr_metadata(meta: Any) -> Any:
+    """zarr's parse of the array metadata *meta* (``zarr.AsyncArray``'s, on an empty in-memory store)."""
+    import zarr
+    from zarr.storage import MemoryStore, StorePath
+
+    return zarr.AsyncArray(meta, StorePath(MemoryStore())).metadata
+
+
+#: Array metadata (without attributes and dimension names) zarr has parsed without complaint, as canonical JSON.
 _PARSED: set[str] = set()
 _MAX_PARSED = 4096
+
+
+def clear_parsed() -> None:
+    """Forget which array metadata zarr has parsed (each distinct one is parsed again on its next listing)."""
+    _PARSED.clear()
 
 
 def _exact_chunk_bytes(path: str, where: str, codecs: Any, nbytes: int) -> int | None:

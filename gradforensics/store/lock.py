@@ -325,7 +325,7 @@ class RemoteLock:
         """Create the lock object if absent; True when this call created it."""
         data = self._doc()
         if remote.scheme(self.url) == "file":       # a local file system has directories to make first
-            self._fs.makedirs(self._fs._parent(self._path), exist_ok=True)
+            self._fs.makedirs(self._path.rsplit("/", 1)[0], exist_ok=True)
         try:
             remote.translated(self.store_url, lambda: self._fs.pipe_file(self._path, data, mode="create"))
             return True

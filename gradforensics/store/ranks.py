@@ -187,13 +187,12 @@ def row_view(arr: Any, n_rows: int) -> Any:
     enough; rank 0 grows the stored shape before it commits those rows.
     """
     import zarr
-    from zarr.core.array import AsyncArray
 
-    inner = arr._async_array
+    inner = arr.async_array
     if inner.metadata.shape[0] >= n_rows:
         return arr
     meta = inner.metadata.update_shape((n_rows, *inner.metadata.shape[1:]))
-    return zarr.Array(AsyncArray(meta, inner.store_path, config=inner.config))
+    return zarr.Array(zarr.AsyncArray(meta, inner.store_path, config=inner.config))
 
 
 def wait_for_array(root: Any, name: str, wait_s: float) -> Any:

@@ -211,6 +211,11 @@ def read_store(url: str, storage_options: Mapping[str, Any] | None = None) -> An
     return store
 
 
+def clear_read_stores() -> None:
+    """Forget the stores :func:`read_store` keeps (the next read opens the URL again, with its options now)."""
+    _READ_STORES.clear()
+
+
 def _obstore_s3(url: str, opts: Mapping[str, Any]) -> Any:
     """zarr ObjectStore over obstore's S3Store for *url*, or None when obstore is missing or *opts* don't map."""
     from datetime import timedelta
@@ -311,6 +316,11 @@ class _RetryBudget:
 _BUDGET = _RetryBudget()
 
 
+def reset_retry_budget() -> None:
+    """Give this process its whole retry budget back (``GRADFORENSICS_REMOTE_RETRY_BUDGET`` retries)."""
+    _BUDGET.reset()
+
+
 def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, backoff_s: float = BACKOFF_S,
                  deadline: float | None = None) -> T:
     """``fn()``, retried with exponential backoff (and jitter) while it fails transiently.
@@ -401,9 +411,9 @@ def translated(url: str, fn: Callable[[], T], what: str = "") -> T:
         raise
 
 
-__all__ = ["ATTEMPTS", "BACKOFF_S", "DEADLINE_S", "RETRY_BUDGET", "deadline_s", "describe_error", "filesystem",
-           "is_transient", "is_url", "normalize", "options_for", "parse_options", "scheme", "translated",
-           "with_retries", "zarr_store"]
+__all__ = ["ATTEMPTS", "BACKOFF_S", "DEADLINE_S", "RETRY_BUDGET", "clear_read_stores", "deadline_s",
+           "describe_error", "filesystem", "is_transient", "is_url", "normalize", "options_for", "parse_options",
+           "reset_retry_budget", "scheme", "translated", "with_retries", "zarr_store"]
 
 
 def clear_url(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None = None) -> None:
