@@ -42,8 +42,12 @@ def _array(root: Path, name: str, data: np.ndarray, chunks: tuple[int, ...], cha
     return a
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+def _assert_zarrs(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    """Each read is zarr's own (same dtype and shape, every value, NaN where zarr has NaN: exact, lossless codecs)."""
+    assert len(got) == len(want)
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
 
 
 def _random_sel(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -74,7 +78,7 @@ def test_read_zarr_many_reads_what_zarr_open_array_reads(tmp_path: Path, chain: 
             reads.append((str(tmp_path), f"a{k}", sel))
             want.append(np.asarray(zarr.open_array(str(tmp_path / f"a{k}"), mode="r")[sel]))
     got = handles.read_zarr_many(reads)
-    assert len(got) == len(want) and all(_same(x, y) for x, y in zip(got, want, strict=True))
+    _assert_zarrs(got, want)
 
 
 def test_read_zarr_many_gives_fill_values_and_zarrs_checksum_error(tmp_path: Path) -> None:
@@ -89,7 +93,7 @@ def test_read_zarr_many_gives_fill_values_and_zarrs_checksum_error(tmp_path: Pat
         reads.append((str(tmp_path), f"m{k}", (slice(0, 8), slice(0, 4))))
         want.append(np.asarray(a[:8]))
     got = handles.read_zarr_many(reads)
-    assert len(got) == len(want) and all(_same(x, y) for x, y in zip(got, want, strict=True))
+    _assert_zarrs(got, want)
     assert not got[1][4:].any()                              # the missing chunk: zarr's fill value
     f = tmp_path / "m0" / "c" / "0" / "0"
     f.write_bytes(f.read_bytes()[:-1] + bytes([f.read_bytes()[-1] ^ 1]))
