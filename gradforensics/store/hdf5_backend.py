@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from gradforensics.errors import NotAStoreError
-from gradforensics.store.inventory import Inventory, from_h5_attr, hdf5_inventory
+from gradforensics.store.hdf5_inventory import from_h5_attr, hdf5_inventory
+from gradforensics.store.inventory import Inventory
 from gradforensics.store.location import Location
 
 __all__ = ["HDF5Backend"]

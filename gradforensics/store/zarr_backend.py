@@ -17,9 +17,10 @@ import numpy as np
 
 from gradforensics.errors import CorruptStoreError, NotAStoreError
 from gradforensics.store import remote
-from gradforensics.store.inventory import Inventory, refuse_links, remote_zarr_inventory, zarr_inventory
+from gradforensics.store.inventory import Inventory, refuse_links, zarr_inventory
 from gradforensics.store.layout import dimension_names
 from gradforensics.store.location import Location
+from gradforensics.store.remote_inventory import remote_zarr_inventory
 
 __all__ = ["ZarrBackend", "read_url_array"]
 
