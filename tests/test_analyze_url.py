@@ -19,7 +19,7 @@ pytest.importorskip("s3fs")
 
 import gradforensics as gf
 from gradforensics.errors import SpecError
-from gradforensics.store import remote
+from gradforensics.store import url_reads
 from gradforensics.store.reader import Store, open_store
 from gradforensics.testing.planted import nonfinite_store
 from tests._s3 import BUCKET, moto_server
@@ -30,9 +30,9 @@ ONLY = "nonfinite"
 @pytest.fixture(autouse=True)
 def _fresh_registry() -> Iterator[None]:
     """Each test opens its own zarr stores for the pass's reads (one call's proxy endpoint must not reach the next)."""
-    remote.clear_read_stores()
+    url_reads.clear_read_stores()
     yield
-    remote.clear_read_stores()
+    url_reads.clear_read_stores()
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_analyze_url_with_storage_options(s3: str, tmp_path: Path, monkeypatch: 
     opts = {"endpoint_url": s3, "skip_instance_cache": True}
     got = gf.analyze(url, only=ONLY, progress=False, storage_options=opts)
     assert _key(got) == _key(want) and any(f.kind == "nonfinite" for f in got.flags)
-    remote.clear_read_stores()
+    url_reads.clear_read_stores()
     saved = read_findings(Store(url, storage_options=opts))         # results written back to the URL
     assert [k[:3] for k in _key(saved)] == [k[:3] for k in _key(got)] and saved.header["regime"]["name"] == "exact"
     assert [f.severity for f in saved.flags] == pytest.approx([f.severity for f in got.flags], abs=1e-4)

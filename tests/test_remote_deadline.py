@@ -28,7 +28,7 @@ pytest.importorskip("s3fs")
 
 from gradforensics.cli import main
 from gradforensics.errors import SpecError, StoreUnreachableError
-from gradforensics.store import remote
+from gradforensics.store import remote, url_reads
 from tests._s3 import BUCKET, ENV, BlackHoleProxy, FaultyProxy, moto_server
 
 #: how long a call may take before the test calls it hung (the deadline below is 5 s)
@@ -45,12 +45,12 @@ def _short_deadline(monkeypatch):
     monkeypatch.delenv("GRADFORENSICS_REMOTE_RETRY_BUDGET", raising=False)
     monkeypatch.setattr(remote, "ATTEMPTS", 10_000)
     remote.reset_retry_budget()
-    remote.clear_read_stores()
+    url_reads.clear_read_stores()
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
     yield
     remote.reset_retry_budget()
-    remote.clear_read_stores()
+    url_reads.clear_read_stores()
 
 
 def _within(fn: Callable[[], Any], wait_s: float = WAIT_S) -> Any:

@@ -90,7 +90,7 @@ def test_a_writer_frozen_past_its_lease_writes_nothing_into_the_new_owners_store
 def test_takeover_bumps_the_fencing_token_and_a_lost_create_response_is_recognised(s3, monkeypatch):
     import boto3
 
-    from gradforensics.store.lock import RemoteLock
+    from gradforensics.store.remote_lock import RemoteLock
 
     url = f"s3://{BUCKET}/fence.zarr"
     old = {"host": "elsewhere", "pid": 1, "started": time.time() - 7200, "lease_s": 60.0,

@@ -21,6 +21,7 @@ from gradforensics.store.inventory import Inventory, refuse_links, zarr_inventor
 from gradforensics.store.layout import dimension_names
 from gradforensics.store.location import Location
 from gradforensics.store.remote_inventory import remote_zarr_inventory
+from gradforensics.store.url_reads import read_store
 
 __all__ = ["ZarrBackend", "read_url_array"]
 
@@ -241,7 +242,7 @@ def read_url_array(url: str, name: str, sel: Any, storage_options: Mapping[str, 
     import zarr
 
     def read() -> np.ndarray:
-        store = remote.read_store(url, storage_options)
+        store = read_store(url, storage_options)
         return np.asarray(zarr.open_array(store, path=name, mode="r")[sel])
 
     return remote.translated(url, read)
