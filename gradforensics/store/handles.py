@@ -89,7 +89,8 @@ def open_zarr_async(path: str, name: str) -> Any:
             return _build(os.path.abspath(path), name, meta)
         except Exception:                 # zarr's own open says what is wrong, in its words
             pass
-    return zarr.open_array(os.path.join(path, name), mode="r").async_array
+    opened = zarr.open_array(os.path.join(path, name), mode="r")
+    return zarr.AsyncArray(opened.metadata, opened.store_path)
 
 
 def open_zarr_array(path: str, name: str) -> Any:

@@ -182,15 +182,15 @@ def row_view(arr: Any, n_rows: int) -> Any:
     The chunk files a rank writes do not depend on the array's recorded shape
     (one record per chunk, Zarr v3's chunk key encoding), so a rank other than 0
     writes through a copy of the array object whose in-memory shape is long
-    enough; rank 0 grows the stored shape before it commits those rows.
+    enough; rank 0 grows the stored shape before it commits those rows.  The copy
+    writes empty chunks too, as the rank writer's arrays do.
     """
     import zarr
 
-    inner = arr.async_array
-    if inner.metadata.shape[0] >= n_rows:
+    if arr.metadata.shape[0] >= n_rows:
         return arr
-    meta = inner.metadata.update_shape((n_rows, *inner.metadata.shape[1:]))
-    return zarr.Array(zarr.AsyncArray(meta, inner.store_path, config=inner.config))
+    meta = arr.metadata.update_shape((n_rows, *arr.metadata.shape[1:]))
+    return zarr.Array(zarr.AsyncArray(meta, arr.store_path, config={"write_empty_chunks": True}))
 
 
 def wait_for_array(root: Any, name: str, wait_s: float) -> Any:
