@@ -147,11 +147,7 @@ def zarr_inventory(path: str, only: str | None = None, unlisted: Callable[[str],
     link inside them not seen): a store opened with ``check_chunks=False`` checks none
     of their chunks (``report`` of 2,000 tensors: 0.45 s of listing).
     """
-    root = Path(path)
-    if root.is_symlink() and not root.is_dir():
-        raise NotAStoreError(f"{path}: a symbolic link to nothing; expected a gradforensics store.")
-    if not (root / "zarr.json").is_file():
-        raise NotAStoreError(f"{path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
+    root = _zarr_root(path)
     arrays: list[StoredArray] = []
     root_attrs: dict[str, Any] = {}
     current: str | None = None
@@ -189,6 +185,16 @@ def zarr_inventory(path: str, only: str | None = None, unlisted: Callable[[str],
             dirs = [d for d in dirs if sel.visible(f"{rel}/{d}")]
         stack.extend(f"{rel}/{d}" if rel else d for d in reversed(dirs))
     return finish(path, root_attrs, {a.name: a for a in arrays}, current, damaged)
+
+
+def _zarr_root(path: str) -> Path:
+    """The directory of the Zarr group at *path*, or :class:`NotAStoreError` (a dangling link, no ``zarr.json``)."""
+    root = Path(path)
+    if root.is_symlink() and not root.is_dir():
+        raise NotAStoreError(f"{path}: a symbolic link to nothing; expected a gradforensics store.")
+    if not (root / "zarr.json").is_file():
+        raise NotAStoreError(f"{path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
+    return root
 
 
 def _zarr_node(path: str, rel: str, here: Path, files: list[str]) -> dict[str, Any] | None:
