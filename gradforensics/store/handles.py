@@ -22,8 +22,9 @@ at a URL are not handled here (their reads open by URL).
 
 :func:`read_zarr_many` reads many arrays in one event-loop run: the ``getitem``
 coroutines of zarr's public ``AsyncArray``, gathered on an ``asyncio.Runner`` kept
-per thread (no hand-off to another thread; a thread that already runs an event
-loop reads each array through ``zarr.Array`` instead).
+per thread whose executor runs zarr's file reads and decoding in that thread (no
+hand-off to another thread; a thread that already runs an event loop reads each
+array through ``zarr.Array`` instead).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import asyncio
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,6 @@ import numpy as np
 __all__ = [
     "MANY_BYTES",
     "MAX_PARSED",
-    "RUNNER_THREADS",
     "clear",
     "open_zarr_array",
     "open_zarr_async",
@@ -58,9 +59,6 @@ _NOT_READ = ("attributes", "dimension_names")
 #: few of its records are written: 2,000 small tensors in chunks of 4,096 records, read all at once,
 #: held 0.5 MiB a tensor).
 MANY_BYTES = 8 << 20
-
-#: Threads each reading thread's event loop hands zarr's file reads and decoding to.
-RUNNER_THREADS = 2
 
 _PARSED: dict[str, Any] = {}
 _STORES: dict[str, Any] = {}
@@ -143,13 +141,29 @@ def _runner() -> asyncio.Runner | None:
         return None
     pid = os.getpid()
     if getattr(_LOCAL, "pid", None) != pid:
-        from concurrent.futures import ThreadPoolExecutor
-
         new = asyncio.Runner()
-        new.get_loop().set_default_executor(ThreadPoolExecutor(RUNNER_THREADS, "gradforensics-read"))
+        new.get_loop().set_default_executor(_InThread())
         _LOCAL.runner, _LOCAL.pid = new, pid
     runner: asyncio.Runner = _LOCAL.runner
     return runner
+
+
+class _InThread(ThreadPoolExecutor):
+    """An executor that runs each call at once in the calling thread (the loop's own).
+
+    zarr hands every chunk file read and every decode to the loop's default executor;
+    for the small chunk files of a store those hand-offs cost more than the work (each
+    a thread switch under the GIL while the pass computes on the other threads), so the
+    reading thread does the work itself, as a plain ``open``/``read`` would.
+    """
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:          # the caller's await raises it, as from a thread
+            done.set_exception(exc)
+        return done
 
 
 def _chunk_bytes(a: Any, sel: Any) -> int:
@@ -176,11 +190,10 @@ def _build(root: str, name: str, meta: dict[str, Any]) -> Any:
         store = LocalStore(root, read_only=True)
     array = zarr.AsyncArray(rest if parsed is None else parsed, StorePath(store, name))
     with _LOCK:
-        if len(_PARSED) >= MAX_PARSED:
-            _PARSED.clear()
+        for kept in (_PARSED, _STORES):
+            if len(kept) >= MAX_PARSED:
+                kept.clear()
         _PARSED[key] = array.metadata
-        if len(_STORES) >= MAX_PARSED:
-            _STORES.clear()
         _STORES.setdefault(root, store)
     return array
 
