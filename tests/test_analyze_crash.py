@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow       # every case runs `analyze` in a child proce
 #: results (or at the commit / the clean-up) the process kills itself.
 CHILD = textwrap.dedent("""
     import os, signal, sys
-    from gradforensics.store import backends
+    from gradforensics.store.hdf5_backend import HDF5Backend
+    from gradforensics.store.zarr_backend import ZarrBackend
     mode, where, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
     count = {"n": 0}
 
@@ -55,7 +56,7 @@ CHILD = textwrap.dedent("""
             return fn(self, *a, **kw)
         return wrapped
 
-    for cls in (backends.ZarrBackend, backends.HDF5Backend):
+    for cls in (ZarrBackend, HDF5Backend):
         cls.write_rows = counting(cls.write_rows)
         cls.set_group_attr = at(cls.set_group_attr, "commit")
         cls.delete = at(cls.delete, "cleanup")
@@ -67,8 +68,8 @@ CHILD = textwrap.dedent("""
 def _analyze_child(tmp: Path, store: Path, mode: str, where: str, k: int = 0) -> subprocess.CompletedProcess[str]:
     argv = ["analyze", str(store), "--out", str(tmp / f"out-{mode}-{where}-{k}"), "--quiet"]
     return subprocess.run([sys.executable, "-c", CHILD, mode, where, str(k), *argv], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"},
-                          cwd=tmp)
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg",
+                               "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, cwd=tmp)
 
 
 def _flags(out: Path) -> list[tuple[str, str, object, float]]:

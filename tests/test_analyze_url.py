@@ -8,6 +8,7 @@ environment: only ``storage_options`` then say where the store is.  The capture 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ pytest.importorskip("s3fs")
 
 import gradforensics as gf
 from gradforensics.errors import SpecError
-from gradforensics.store import remote
+from gradforensics.store import url_reads
 from gradforensics.store.reader import Store, open_store
 from gradforensics.testing.planted import nonfinite_store
 from tests._s3 import BUCKET, moto_server
@@ -27,9 +28,11 @@ ONLY = "nonfinite"
 
 
 @pytest.fixture(autouse=True)
-def _fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fresh_registry() -> Iterator[None]:
     """Each test opens its own zarr stores for the pass's reads (one call's proxy endpoint must not reach the next)."""
-    monkeypatch.setattr(remote, "_READ_STORES", {})
+    url_reads.clear_read_stores()
+    yield
+    url_reads.clear_read_stores()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def test_analyze_url_with_storage_options(s3: str, tmp_path: Path, monkeypatch: 
     opts = {"endpoint_url": s3, "skip_instance_cache": True}
     got = gf.analyze(url, only=ONLY, progress=False, storage_options=opts)
     assert _key(got) == _key(want) and any(f.kind == "nonfinite" for f in got.flags)
-    remote._READ_STORES.clear()
+    url_reads.clear_read_stores()
     saved = read_findings(Store(url, storage_options=opts))         # results written back to the URL
     assert [k[:3] for k in _key(saved)] == [k[:3] for k in _key(got)] and saved.header["regime"]["name"] == "exact"
     assert [f.severity for f in saved.flags] == pytest.approx([f.severity for f in got.flags], abs=1e-4)

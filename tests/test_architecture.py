@@ -411,7 +411,6 @@ def test_private_reaches_are_seen():
          "._attn_implementation"]), hits
 
 
-@pytest.mark.xfail(reason="issue 38: cleared when the store/recording/unitsA branches merge", strict=False)
 def test_other_libraries_only_through_public_doors():
     """Issue 38: numpy, scipy, zarr, numcodecs, dask, torch and transformers are used through their public
     names only; what truly must stay private lives in ``gradforensics/_compat.py`` (and nowhere else)."""

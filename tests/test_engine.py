@@ -52,7 +52,7 @@ def test_one_compute_and_each_gradient_byte_read_once(stores, monkeypatch) -> No
     path = stores[".zarr"].path
     calls = []
     read_bytes: dict[str, int] = {}
-    original_read = ArrayHandle._read
+    original_read = ArrayHandle.read_raw
 
     def counting_get(dsk, keys, **kwargs):
         calls.append(keys)
@@ -71,7 +71,7 @@ def test_one_compute_and_each_gradient_byte_read_once(stores, monkeypatch) -> No
             read_bytes[name] = read_bytes.get(name, 0) + x.nbytes
         return out
 
-    monkeypatch.setattr(ArrayHandle, "_read", counting_read)
+    monkeypatch.setattr(ArrayHandle, "read_raw", counting_read)
     monkeypatch.setattr(handles, "read_zarr_many", counting_many)
     with dask.config.set(scheduler=counting_get):
         findings = analyze(path, only=ONLY, progress=False, options={"engine": {"persist": False}})
@@ -95,7 +95,7 @@ def test_slab_reductions_share_the_single_gradient_read(tmp_path, monkeypatch, s
     opts = {"engine": {"persist": False, "slab_bytes": slab_bytes}}
     alone = {name: analyze(path, only=[name], progress=False, options=opts) for name in only}
     calls, reads = [], []
-    original_read = ArrayHandle._read
+    original_read = ArrayHandle.read_raw
 
     def counting_get(dsk, keys, **kwargs):
         calls.append(keys)
@@ -116,7 +116,7 @@ def test_slab_reductions_share_the_single_gradient_read(tmp_path, monkeypatch, s
                 reads.append((name, tuple((s.start, s.stop) for s in sel), x.nbytes))
         return out
 
-    monkeypatch.setattr(ArrayHandle, "_read", counting_read)
+    monkeypatch.setattr(ArrayHandle, "read_raw", counting_read)
     monkeypatch.setattr(handles, "read_zarr_many", counting_many)
     with dask.config.set(scheduler=counting_get):
         findings = analyze(path, only=only, progress=False, options=opts)

@@ -3,7 +3,7 @@
 The series is written here with ``torch.distributed.checkpoint.save`` (one process, no
 process group) from a small MLP trained a few steps with Adam, each ``step_N/`` holding
 ``{"model": ..., "optimizer": ...}``; the oracle is the model's own ``state_dict()`` at
-each save: the store's weight snapshots equal it bit for bit, its records the differences.
+each save: the store's weight snapshots equal it exactly (a lossless copy), its records the differences.
 A sharded save is planted by hand (a tensor written as two row chunks) to check assembly.
 Hostile: a ``.metadata`` pickle payload, a truncated ``.distcp``, an offset past the end,
 a storage path escaping the directory.
@@ -68,7 +68,7 @@ def series(tmp_path_factory) -> tuple[Path, dict, dict]:
     return (root / "run", *write_series(root / "run"))
 
 
-def test_weights_bit_for_bit_and_updates_are_the_differences(series, tmp_path):
+def test_weights_are_the_saved_state_dicts_and_updates_the_differences(series, tmp_path):
     root, saved, _ = series
     store = gf.import_run(root, tmp_path / "imp.zarr")
     assert store.n_records == len(STEPS) - 1 and store.batches()["step"].tolist() == list(STEPS[1:])
@@ -76,7 +76,7 @@ def test_weights_bit_for_bit_and_updates_are_the_differences(series, tmp_path):
     for name in ("0.weight", "2.weight"):
         snaps = store.read(f"weights/{name}")
         for j, s in enumerate(STEPS):
-            assert np.array_equal(snaps[j].view(np.uint32), saved[s][name].numpy().view(np.uint32)), (name, s)
+            assert np.array_equal(snaps[j].view(np.uint32), saved[s][name].numpy().view(np.uint32)), (name, s)  # copies
         got = np.asarray(store.read(f"grads/{name}"))
         for i in range(len(STEPS) - 1):
             want = (saved[STEPS[i + 1]][name] - saved[STEPS[i]][name]).numpy()

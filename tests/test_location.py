@@ -103,8 +103,9 @@ def test_a_new_backend_is_one_class_and_one_table_row(tmp_path, monkeypatch):
     """Nothing but the table knows the backends: a new kind (here a Zarr layout under its own suffix) is
     written, validated, analysed and re-read with no other edit."""
     from gradforensics.store import backends
+    from gradforensics.store.zarr_backend import ZarrBackend
 
-    class RunDir(backends.ZarrBackend):
+    class RunDir(ZarrBackend):
         kind = "rundir"
         suffixes = (".gfrun",)
         description = "a run directory"

@@ -34,9 +34,9 @@ from gradforensics.analysis.engine import spill as spill_mod
 from gradforensics.analysis.engine.results import load_grams
 from gradforensics.analysis.engine.spill import SPILL_RESERVE, GramSpill, write_spilled
 from gradforensics.errors import WriteRefusedError
-from gradforensics.store import backends
 from gradforensics.store import results as store_results
 from gradforensics.store.reader import Store
+from gradforensics.store.zarr_backend import ZarrBackend
 from gradforensics.testing.planted_long import CONFLICT, DRIFT, HEALTHY, OSC, long_history_store
 
 N = 512
@@ -206,13 +206,13 @@ def test_saving_a_spilled_pass_does_not_double_the_disk(heads_store: str, tmp_pa
     monkeypatch.setattr(store_results, "GRAM_CHUNK_BYTES", 8 * N * N)
     monkeypatch.setattr(spill_mod, "SPILL_FILE_BYTES", 2 * 8 * N * N)     # a tensor's units share files of 2
     samples: list[int] = []
-    real = backends.ZarrBackend.write_rows
+    real = ZarrBackend.write_rows
 
     def sampled(self: Any, name: str, start: int, data: np.ndarray) -> None:
         real(self, name, start, data)
         samples.append(_bytes(tmp_root, store))
 
-    monkeypatch.setattr(backends.ZarrBackend, "write_rows", sampled)
+    monkeypatch.setattr(ZarrBackend, "write_rows", sampled)
     base = _bytes(store)
     gf.analyze(store, only="drift", options={"engine": {"spill": True, "long_history": N}}, progress=False)
     unit = 8 * N * N                                                     # one Gram matrix: 2 MiB

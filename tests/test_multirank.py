@@ -27,7 +27,8 @@ from test_capture_cli import files, llama_dir  # noqa: E402,F401  (fixtures: the
 import gradforensics as gf  # noqa: E402
 from gradforensics.recording.sketch import Sketcher  # noqa: E402
 from gradforensics.store.heads import HeadSpec  # noqa: E402
-from gradforensics.store.ranks import committed_prefix, compaction_moves  # noqa: E402
+from gradforensics.store.ranks import compaction_moves  # noqa: E402
+from gradforensics.store.schema import committed_prefix  # noqa: E402
 
 
 def free_port() -> int:

@@ -1,9 +1,10 @@
-"""What ``analyze`` spends outside the analyses: reads without zarr's loop, imports it does not need.
+"""What ``analyze`` spends outside the analyses: reads gathered into one event-loop run, imports it does not need.
 
-The chunk files read straight (:mod:`gradforensics.store.chunkread`) give zarr's bytes (the
-oracle) for every codec chain gradforensics writes, and zarr's own value or error everywhere
-else; the pass over a store without activations imports neither ``dask.array`` nor
-``distributed``, nor h5py to name its version.
+Many arrays read through zarr's public ``AsyncArray`` in one run
+(:func:`gradforensics.store.handles.read_zarr_many`) give what ``zarr.open_array(...)[sel]``
+gives, for every codec chain gradforensics writes (a missing chunk as its fill value, a
+damaged chunk zarr's checksum error); the pass over a store without activations imports
+neither ``dask.array`` nor ``distributed``.
 """
 
 from __future__ import annotations
@@ -19,31 +20,34 @@ import pytest
 import zarr
 import zarr.codecs as zc
 
-from gradforensics.store import chunkread, handles
-from gradforensics.store.backends import _zarr_codecs
+from gradforensics.store import handles
 
-CHAINS = [("none", False), ("none", True), ("zstd", False), ("zstd", True), ("bitshuffle", True)]
+#: ``(compressors)`` of each codec chain gradforensics writes, and a foreign one (gzip)
+CHAINS = {
+    "raw": [],
+    "crc": [zc.Crc32cCodec()],
+    "zstd": [zc.BloscCodec(cname="zstd", clevel=1, shuffle="shuffle")],
+    "zstd-crc": [zc.BloscCodec(cname="zstd", clevel=1, shuffle="shuffle"), zc.Crc32cCodec()],
+    "bitshuffle-crc": [zc.BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle"), zc.Crc32cCodec()],
+    "gzip": [zc.GzipCodec()],
+}
 
 
-def _array(root: Path, name: str, data: np.ndarray, chunks: tuple[int, ...], compression: str = "zstd",
-           checksum: bool = True, shape: tuple[int, ...] | None = None) -> zarr.Array:
+def _array(root: Path, name: str, data: np.ndarray, chunks: tuple[int, ...], chain: str,
+           shape: tuple[int, ...] | None = None) -> zarr.Array:
     g = zarr.open_group(root, mode="a")
     a = g.create_array(name, shape=shape or data.shape, chunks=chunks, dtype=data.dtype, fill_value=0,
-                       config={"write_empty_chunks": True}, **_zarr_codecs(compression, checksum))
+                       config={"write_empty_chunks": True}, compressors=CHAINS[chain] or None, overwrite=True)
     a[: data.shape[0]] = data
     return a
 
 
-def _direct(root: Path, name: str, sel: tuple[slice, ...]) -> np.ndarray | None:
-    meta = handles._metadata(str(root), name)
-    assert meta is not None
-    return chunkread.read_direct(str(root), name, meta, sel)
-
-
-def _equal_read(a: np.ndarray, b: np.ndarray) -> bool:
-    """What a read gave equals zarr's (the oracle): dtype, shape, layout and bytes (a read computes nothing: exact)."""
-    return a.dtype == b.dtype and a.shape == b.shape and a.flags.c_contiguous == b.flags.c_contiguous \
-        and a.tobytes() == b.tobytes()
+def _assert_zarrs(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    """Each read is zarr's own (same dtype and shape, every value, NaN where zarr has NaN: exact, lossless codecs)."""
+    assert len(got) == len(want)
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
 
 
 def _random_sel(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -54,77 +58,60 @@ def _random_sel(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[slice
     return tuple(out)
 
 
-@pytest.mark.parametrize(("compression", "checksum"),                # the default chain quick, the others slow
-                         [c if c == ("zstd", True) else pytest.param(*c, marks=pytest.mark.slow) for c in CHAINS])
-def test_direct_reads_are_zarrs_bytes(tmp_path: Path, compression: str, checksum: bool) -> None:
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_read_zarr_many_reads_what_zarr_open_array_reads(tmp_path: Path, chain: str) -> None:
+    """Every dtype gradforensics stores, random shapes, chunks and slices, NaN and inf: the same bytes."""
     rng = np.random.default_rng(7)
     dtypes = [np.float32, np.float16, np.float64, np.uint16, np.uint8, np.int32, np.int64]
+    reads, want = [], []
     for k in range(24):
         dtype = dtypes[k % len(dtypes)]
         shape = tuple(int(rng.integers(1, 12)) for _ in range(int(rng.integers(1, 4))))
         chunks = tuple(int(rng.integers(1, n + 3)) for n in shape)
-        raw = rng.standard_normal(shape) * 100
-        data = raw.astype(dtype)
+        data = (rng.standard_normal(shape) * 100).astype(dtype)
         if k % 5 == 0 and np.issubdtype(dtype, np.floating):
-            data.flat[:: 3] = np.nan                         # NaN and inf are bytes like any other
+            data.flat[:: 3] = np.nan
             data.flat[1:: 7] = np.inf
-        name = f"a{k}"
-        a = _array(tmp_path, name, data, chunks, compression, checksum)
-        for _ in range(6):
+        _array(tmp_path, f"a{k}", data, chunks, chain)
+        for _ in range(3):
             sel = _random_sel(rng, shape)
-            got = _direct(tmp_path, name, sel)
-            assert got is not None, (shape, chunks, sel)
-            assert _equal_read(got, np.asarray(a[sel])), (shape, chunks, sel)
+            reads.append((str(tmp_path), f"a{k}", sel))
+            want.append(np.asarray(zarr.open_array(str(tmp_path / f"a{k}"), mode="r")[sel]))
+    got = handles.read_zarr_many(reads)
+    _assert_zarrs(got, want)
 
 
-def test_what_is_not_read_here_goes_to_zarr(tmp_path: Path) -> None:
-    data = np.arange(40, dtype=np.float32).reshape(8, 5)
-    _array(tmp_path, "ok", data, (4, 5))
-    assert _equal_read(_direct(tmp_path, "ok", (slice(0, 8),)), data)
-    # a chunk missing (zarr gives its fill value), a failed checksum, a truncated chunk: zarr reads them
-    _array(tmp_path, "gone", data, (4, 5))
-    os.remove(tmp_path / "gone" / "c" / "1" / "0")
-    assert _direct(tmp_path, "gone", (slice(0, 8),)) is None
-    assert _direct(tmp_path, "gone", (slice(0, 4),)) is not None      # the chunks it needs are there
-    for how in ("flip", "cut"):
-        _array(tmp_path, how, data, (4, 5))
-        f = tmp_path / how / "c" / "0" / "0"
-        b = bytearray(f.read_bytes())
-        if how == "flip":
-            b[len(b) // 2] ^= 0xFF
-        f.write_bytes(bytes(b) if how == "flip" else bytes(b[:-9]))
-        assert _direct(tmp_path, how, (slice(0, 8),)) is None
-    # codecs gradforensics does not write, selections that are not plain slices
-    g = zarr.open_group(tmp_path, mode="a")
-    g.create_array("gz", shape=(8, 5), chunks=(4, 5), dtype="float32", compressors=[zc.GzipCodec()])[:] = data
-    assert _direct(tmp_path, "gz", (slice(0, 8),)) is None
-    assert _direct(tmp_path, "ok", (slice(0, 8, 2),)) is None
-    assert _direct(tmp_path, "ok", (slice(3, 3),)) is None
-
-
-def test_read_zarr_many_mixes_both_ways(tmp_path: Path) -> None:
-    """Arrays read here and arrays zarr must read, in one call: every value in its place, zarr's where it
-    reads (a missing chunk as its fill value), a damaged chunk still zarr's error."""
+def test_read_zarr_many_gives_fill_values_and_zarrs_checksum_error(tmp_path: Path) -> None:
+    """A missing chunk reads as zarr's fill value; a damaged chunk raises zarr's checksum error."""
     rng = np.random.default_rng(3)
     reads, want = [], []
     for k in range(12):
         data = rng.standard_normal((6, 4)).astype(np.float32)
-        a = _array(tmp_path, f"m{k}", data, (4, 4), shape=(8, 4))
+        a = _array(tmp_path, f"m{k}", data, (4, 4), "gzip" if k % 4 == 2 else "zstd-crc", shape=(8, 4))
         if k % 3 == 1:
             os.remove(tmp_path / f"m{k}" / "c" / "1" / "0")
-        if k % 4 == 2:
-            g = zarr.open_group(tmp_path, mode="a")
-            g.create_array(f"m{k}", shape=(8, 4), chunks=(4, 4), dtype="float32", overwrite=True,
-                           compressors=[zc.GzipCodec()])[:6] = data
-            a = g[f"m{k}"]
         reads.append((str(tmp_path), f"m{k}", (slice(0, 8), slice(0, 4))))
         want.append(np.asarray(a[:8]))
     got = handles.read_zarr_many(reads)
-    assert len(got) == len(want) and all(_equal_read(x, y) for x, y in zip(got, want, strict=True))
+    _assert_zarrs(got, want)
+    assert not got[1][4:].any()                              # the missing chunk: zarr's fill value
     f = tmp_path / "m0" / "c" / "0" / "0"
     f.write_bytes(f.read_bytes()[:-1] + bytes([f.read_bytes()[-1] ^ 1]))
     with pytest.raises(ValueError, match="checksum"):
         handles.read_zarr_many(reads[:1])
+
+
+def test_read_zarr_many_inside_a_running_event_loop(tmp_path: Path) -> None:
+    """Called from a coroutine (a notebook's loop), the reads go through ``zarr.Array`` one by one, same values."""
+    import asyncio
+
+    data = np.arange(40, dtype=np.float32).reshape(8, 5)
+    _array(tmp_path, "x", data, (4, 5), "zstd-crc")
+
+    async def inside() -> list[np.ndarray]:
+        return handles.read_zarr_many([(str(tmp_path), "x", (slice(2, 7),))])
+
+    np.testing.assert_array_equal(asyncio.run(inside())[0], data[2:7])
 
 
 def _store(path: Path, tensors: int = 3, records: int = 16) -> Path:

@@ -1,6 +1,6 @@
 """SIGTERM while a multi-rank recorder is open: the store is closed and rank 0 commits (one process, no torch).
 
-torchrun answers a dead rank by sending SIGTERM to the others; :class:`~gradforensics.store.ranks.TermGuard`
+torchrun answers a dead rank by sending SIGTERM to the others; :class:`~gradforensics.store.termguard.TermGuard`
 turns it into :class:`~gradforensics.errors.Terminated` in the main thread.  Each case runs in a child
 process (a SIGTERM that is not caught must not take the test runner with it); rank 0 of 2 records alone,
 with a hand-written marker for rank 1.  The real torchrun cases are in ``tests/test_multirank.py``.

@@ -28,7 +28,7 @@ pytest.importorskip("s3fs")
 
 from gradforensics.cli import main
 from gradforensics.errors import SpecError, StoreUnreachableError
-from gradforensics.store import remote
+from gradforensics.store import remote, url_reads
 from tests._s3 import BUCKET, ENV, BlackHoleProxy, FaultyProxy, moto_server
 
 #: how long a call may take before the test calls it hung (the deadline below is 5 s)
@@ -44,10 +44,13 @@ def _short_deadline(monkeypatch):
     monkeypatch.setenv("GRADFORENSICS_REMOTE_DEADLINE_S", DEADLINE)
     monkeypatch.delenv("GRADFORENSICS_REMOTE_RETRY_BUDGET", raising=False)
     monkeypatch.setattr(remote, "ATTEMPTS", 10_000)
-    monkeypatch.setattr(remote, "_BUDGET", remote._RetryBudget())
-    monkeypatch.setattr(remote, "_READ_STORES", {})
+    remote.reset_retry_budget()
+    url_reads.clear_read_stores()
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
+    yield
+    remote.reset_retry_budget()
+    url_reads.clear_read_stores()
 
 
 def _within(fn: Callable[[], Any], wait_s: float = WAIT_S) -> Any:

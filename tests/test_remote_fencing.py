@@ -90,7 +90,7 @@ def test_a_writer_frozen_past_its_lease_writes_nothing_into_the_new_owners_store
 def test_takeover_bumps_the_fencing_token_and_a_lost_create_response_is_recognised(s3, monkeypatch):
     import boto3
 
-    from gradforensics.store.lock import RemoteLock
+    from gradforensics.store.remote_lock import RemoteLock
 
     url = f"s3://{BUCKET}/fence.zarr"
     old = {"host": "elsewhere", "pid": 1, "started": time.time() - 7200, "lease_s": 60.0,
@@ -100,8 +100,7 @@ def test_takeover_bumps_the_fencing_token_and_a_lost_create_response_is_recognis
     with pytest.warns(UserWarning, match="took over a stale writer lock"):
         lock = RemoteLock(url).acquire()
     doc = json.loads(client.get_object(Bucket=BUCKET, Key="fence.zarr.lock")["Body"].read())
-    assert doc["fence"] == 5 and doc["token"] == lock._token
-    lock.check()                               # still ours
+    assert doc["fence"] == 5 and lock.check()["token"] == doc["token"]     # still ours
     client.put_object(Bucket=BUCKET, Key="fence.zarr.lock", Body=json.dumps({**doc, "token": "other"}).encode())
     from gradforensics.errors import StoreLockedError
 
@@ -109,17 +108,26 @@ def test_takeover_bumps_the_fencing_token_and_a_lost_create_response_is_recognis
         lock.check()
     client.delete_object(Bucket=BUCKET, Key="fence.zarr.lock")
 
-    # The create lands but its response is lost: the retry sees the object exist (412); reading it back
-    # finds this writer's own token, so the lock is taken, not refused as "another process".
-    lost = RemoteLock(f"s3://{BUCKET}/lost.zarr")
-    real_create = RemoteLock._create
+    # The create lands but its response is lost (the connection drops after the PUT): the retry sees the
+    # object exist (412); reading it back finds this writer's own token, so the lock is taken, not refused
+    # as "another process".
+    from gradforensics.store import remote
 
-    def create_then_lose_response(self: RemoteLock) -> bool:
-        real_create(self)
-        return False
-    monkeypatch.setattr(RemoteLock, "_create", create_then_lose_response)
+    lost = RemoteLock(f"s3://{BUCKET}/lost.zarr")
+    fs = remote.filesystem(lost.url)[0]          # fsspec's cached instance: the lock's own
+    real_pipe = fs.pipe_file
+    dropped: list[str] = []
+
+    def pipe_then_drop_connection(path, value, **kwargs):
+        out = real_pipe(path, value, **kwargs)
+        if kwargs.get("mode") == "create" and not dropped:
+            dropped.append(path)
+            raise ConnectionResetError("connection reset by peer")
+        return out
+    monkeypatch.setattr(fs, "pipe_file", pipe_then_drop_connection)
     lost.acquire()
+    assert dropped
     lost.check()
-    monkeypatch.setattr(RemoteLock, "_create", real_create)
+    monkeypatch.undo()
     lost.release()
     assert "Contents" not in client.list_objects_v2(Bucket=BUCKET, Prefix="lost.zarr.lock")

@@ -14,6 +14,7 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -30,10 +31,11 @@ from gradforensics.errors import (
     StoreExistsError,
     StoreLockedError,
 )
-from gradforensics.store import remote
+from gradforensics.store import remote, url_reads
 from gradforensics.store.layout import dimension_names
-from gradforensics.store.lock import RemoteLock, StoreLock
+from gradforensics.store.lock import StoreLock
 from gradforensics.store.reader import Store
+from gradforensics.store.remote_lock import RemoteLock
 from gradforensics.testing.planted import nonfinite_store
 from tests._s3 import BUCKET, FaultyProxy, moto_server
 
@@ -41,9 +43,11 @@ ONLY = "nonfinite,noise,drift"
 
 
 @pytest.fixture(autouse=True)
-def _fresh_registry(monkeypatch):
+def _fresh_registry() -> Iterator[None]:
     """Each test opens its own zarr stores for the pass's reads (a proxy's endpoint must not reach the next)."""
-    monkeypatch.setattr(remote, "_READ_STORES", {})
+    url_reads.clear_read_stores()
+    yield
+    url_reads.clear_read_stores()
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +332,7 @@ def test_obstore_read_layer_reads_the_same_bytes(pair, monkeypatch):
 
     url, local = pair
     monkeypatch.setenv("GRADFORENSICS_READ_LAYER", "obstore")
-    assert isinstance(remote.read_store(url), ObjectStore)
+    assert isinstance(url_reads.read_store(url), ObjectStore)
     got = Store(url).grad("layers.0.attn.q.weight").compute()
     np.testing.assert_array_equal(got, Store(local).grad("layers.0.attn.q.weight").compute())
 

@@ -43,7 +43,8 @@ def test_opened_arrays_read_what_zarr_open_array_reads(tmp_path) -> None:
         if name.startswith("grads/"):
             got = np.asarray(handles.open_zarr_array(str(p), name)[:])
             want = _fresh(p, name)
-            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name      # a read: exact
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name
+    assert handles.parsed_count() == 1         # five arrays, names and attributes aside one metadata: parsed once
 
 
 @pytest.mark.parametrize("change", ["data", "shape", "records"])
@@ -86,6 +87,7 @@ def test_unreadable_metadata_goes_to_zarr_and_its_error(tmp_path) -> None:
 
     with pytest.raises(type(got.value)):
         zarr.open_array(str(p / "grads" / "w"), mode="r")
+    assert handles.parsed_count() == 0
 
 
 # ------------------------------------------------------------------ series shared by the loss-curve analyses
@@ -110,10 +112,19 @@ def test_series_analyses_share_one_read_only_set_of_series(tmp_path) -> None:
 # ------------------------------------------------------------------ saving without listing the store again
 def test_saving_carries_over_what_it_does_not_replace(tmp_path) -> None:
     from gradforensics.store import results as sr
+    from gradforensics.store.inventory import zarr_inventory
 
     p = tmp_path / "s.zarr"
     _store(p, 1.0)
     sr.write_results(p, documents={"first": {"x": 1}}, arrays={"series/a": np.arange(5.0)})
+    listed = zarr_inventory(str(p), only="analysis")          # the root and analysis/ only (what saving lists)
+    store = Store(p, check_chunks=False)                      # the whole store, as before
+    assert listed.selection.current == store.analysis_selection.current is not None
+    want = {n: a for n, a in store.arrays.items() if n.startswith("analysis/")}
+    assert sorted(n for n in listed.arrays if n.startswith("analysis/")) == sorted(want)
+    for n, a in want.items():
+        got = listed.arrays[n]
+        assert (tuple(got.shape), tuple(got.chunks), got.dtype, got.attrs) == (a.shape, a.chunks, a.dtype, a.attrs)
     sr.write_results(p, documents={"second": {"y": 2}})
     again = Store(p)
     assert sr.read_document(again, "first") == {"x": 1} and sr.read_document(again, "second") == {"y": 2}

@@ -30,9 +30,12 @@ if TYPE_CHECKING:
 __all__ = ["is_dcp", "read_dcp"]
 
 _MD = "torch.distributed.checkpoint.metadata"
+#: The class torch's file-system writer pickles per chunk (file, offset, length), named, never imported:
+#: the unpickler resolves it by name, and a storage entry is checked to be of it by name.
+_STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 _ALLOWED = {(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
                                "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    _STORAGE_INFO, ("torch", "Size"),
     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
     ("pathlib", "PureWindowsPath")}
@@ -82,13 +85,12 @@ def _metadata(d: Path) -> Any:
 
 def _storage(d: Path, md: Any) -> dict[tuple[str, tuple[int, ...]], tuple[Path, int, int]]:
     """``{(fqn, chunk offsets): (file, byte offset, length)}``, each checked against the directory."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     out = {}
     root = d.resolve()
     for key, info in md.storage_data.items():
-        if not isinstance(key, MetadataIndex) or not isinstance(info, _StorageInfo):
+        if not isinstance(key, MetadataIndex) or (type(info).__module__, type(info).__qualname__) != _STORAGE_INFO:
             raise CheckpointError(f"{d / '.metadata'}: a storage entry is {type(key).__name__} -> "
                                   f"{type(info).__name__}, not MetadataIndex -> _StorageInfo.")
         rel, off, n = info.relative_path, info.offset, info.length

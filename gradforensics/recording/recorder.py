@@ -33,7 +33,7 @@ from gradforensics.store.backends import locate
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.layout import LayoutPolicy
 from gradforensics.store.names import check_name
-from gradforensics.store.ranks import RankPlan, TermGuard, rank_writer
+from gradforensics.store.ranks import RankPlan, rank_writer
 from gradforensics.store.schema import (
     ATTN_FIELDS,
     StoreMeta,
@@ -45,6 +45,7 @@ from gradforensics.store.schema import (
     sketch_path,
     weight_path,
 )
+from gradforensics.store.termguard import TermGuard
 from gradforensics.store.writer import Row, StoreWriter
 
 __all__ = ["ArrayRecorder"]
@@ -108,7 +109,7 @@ class ArrayRecorder:
         such a recorder is open, SIGTERM (torchrun stopping the ranks when one
         died) raises :class:`~gradforensics.errors.Terminated` in the main thread,
         so that leaving ``with`` closes the store and rank 0 commits every rank's
-        complete records (:class:`~gradforensics.store.ranks.TermGuard`).
+        complete records (:class:`~gradforensics.store.termguard.TermGuard`).
     storage_options
         For *path* an fsspec URL (``s3://bucket/dump.zarr``): options of its file
         system (credentials, ``endpoint_url``, ...); default: the environment.

@@ -1,5 +1,8 @@
 """Two on-disk backends, one logical layout: a Zarr v3 directory or an HDF5 file.
 
+The backends themselves are :class:`~gradforensics.store.zarr_backend.ZarrBackend`
+and :class:`~gradforensics.store.hdf5_backend.HDF5Backend`.
+
 A backend knows how to create, grow, write, read and list arrays and attributes
 (the methods of :class:`StoreBackend`, the protocol every backend follows).  It
 knows nothing of the schema (``schema.py``) or of buffering and commits
@@ -16,39 +19,24 @@ processes (h5py handles do not pickle).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from gradforensics.errors import (
-    CorruptChunkError,
-    CorruptStoreError,
-    GradforensicsError,
-    NotAStoreError,
-    SpecError,
-)
+from gradforensics.errors import CorruptChunkError, GradforensicsError, NotAStoreError, SpecError
 from gradforensics.store import remote
-from gradforensics.store.inventory import (
-    Inventory,
-    from_h5_attr,
-    hdf5_inventory,
-    refuse_links,
-    remote_zarr_inventory,
-    zarr_inventory,
-)
-from gradforensics.store.layout import dimension_names
+from gradforensics.store.hdf5_backend import HDF5Backend
+from gradforensics.store.inventory import Inventory
 from gradforensics.store.location import Location
 from gradforensics.store.schema import decode_bf16
+from gradforensics.store.zarr_backend import ZarrBackend
 
-__all__ = ["BACKENDS", "STORE_SUFFIXES", "ArrayHandle", "HDF5Backend", "StoreBackend", "ZarrBackend",
-           "backend_class", "backend_kind", "guess_backend", "locate", "open_backend", "read_handles",
-           "read_url_array"]
+__all__ = ["BACKENDS", "STORE_SUFFIXES", "ArrayHandle", "StoreBackend", "backend_class", "backend_kind",
+           "guess_backend", "locate", "open_backend", "read_handles"]
 
 
 class StoreBackend(Protocol):
@@ -109,358 +97,6 @@ class StoreBackend(Protocol):
     def close(self) -> None: ...
 
 
-def _zarr_codecs(compression: str, checksum: bool) -> dict[str, Any]:
-    """Bytes-to-bytes codecs of a new array: the compressor, then the chunk's CRC-32C."""
-    import zarr.codecs as zc
-
-    codecs: list[Any] = []
-    if compression == "zstd":
-        codecs.append(zc.BloscCodec(cname="zstd", clevel=1, shuffle="shuffle"))
-    elif compression == "bitshuffle":
-        codecs.append(zc.BloscCodec(cname="zstd", clevel=1, shuffle="bitshuffle"))
-    elif compression != "none":
-        raise ValueError(compression)
-    if checksum:
-        codecs.append(zc.Crc32cCodec())
-    return {"compressors": codecs or None}
-
-
-class ZarrBackend:
-    """Zarr v3 store: a local directory, or a prefix at an fsspec URL (:mod:`gradforensics.store.remote`)."""
-
-    kind: ClassVar[str] = "zarr"
-    suffixes: ClassVar[tuple[str, ...]] = (".zarr",)
-    description: ClassVar[str] = "a Zarr directory"
-    remote_ok: ClassVar[bool] = True
-    remote_refusal: ClassVar[str] = ""
-    rewrites_chunks: ClassVar[bool] = True
-
-    @classmethod
-    def read_array(cls, location: Location, name: str, sel: Any) -> np.ndarray:
-        from gradforensics.store.handles import open_zarr_array
-
-        if location.is_url:
-            return read_url_array(location.path, name, sel, location.storage_options)
-        return np.asarray(open_zarr_array(location.path, name)[sel])     # opened once while its zarr.json holds
-
-    @classmethod
-    def not_a_store(cls, path: Path) -> str | None:
-        if not path.is_dir():
-            return "is not a directory"
-        try:
-            root = json.loads((path / "zarr.json").read_text())
-            if not isinstance(root.get("attributes", {}).get("gradforensics"), dict):
-                return "is a Zarr group but not a gradforensics store"
-        except (OSError, ValueError, AttributeError):
-            return "is not a Zarr group (no readable zarr.json)"
-        for top, dirs, files in os.walk(path):
-            rel = Path(top).relative_to(path).parts
-            for entry in [*dirs, *files]:
-                if (Path(top) / entry).is_symlink():
-                    return f"holds a symbolic link ({Path(*rel, entry)})"
-            for f in files:
-                if f != "zarr.json" and "c" not in rel:
-                    return f"holds {Path(*rel, f)}, which no gradforensics store holds"
-        return None
-
-    def __init__(self, where: Location | str | os.PathLike[str], mode: str = "r",
-                 storage_options: Mapping[str, Any] | None = None) -> None:
-        self.location = locate(where, storage_options)
-        self.path = self.location.path
-        self.mode = mode
-        self.url = self.location.is_url
-        self.storage_options = dict(self.location.storage_options)
-        if mode == "r" and not self.url and not (Path(self.path) / "zarr.json").is_file():
-            raise NotAStoreError(f"{self.path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
-        self.writable = mode != "r"
-        self._open: dict[str, Any] = {}   # arrays opened here keep their write config
-        if mode == "a" and not self.url:   # object storage has no links; its names are checked by the inventory
-            refuse_links(self.path)
-        if self.writable:
-            self._root  # noqa: B018  (a writer creates or opens the group now)
-
-    @cached_property
-    def _root(self) -> Any:
-        """The zarr group, opened on first use (a reader lists the store by :meth:`inventory` first)."""
-        import zarr
-
-        if self.url:
-            store = remote.zarr_store(self.path, self.mode == "r", self.storage_options)
-            return remote.translated(self.path, lambda: zarr.open_group(
-                store, mode=self.mode, zarr_format=3, use_consolidated=False))  # type: ignore[arg-type]
-        try:
-            return zarr.open_group(self.path, mode=self.mode, zarr_format=3, use_consolidated=False)  # type: ignore[arg-type]
-        except (ValueError, TypeError, KeyError) as exc:
-            raise CorruptStoreError(f"{self.path}: zarr cannot open the root group ({type(exc).__name__}: {exc}); "
-                                    "the store's metadata is damaged.") from exc
-
-    def inventory(self, unlisted: Callable[[str], bool] | None = None) -> Inventory:
-        """Root attributes and every array, from the store's own files, without trusting them.
-
-        Locally the chunk trees of the arrays *unlisted* accepts are not listed; at a URL
-        one listing gives every key anyway.
-        """
-        if self.url:
-            return remote_zarr_inventory(self.path, self.storage_options)
-        return zarr_inventory(self.path, unlisted=unlisted)
-
-    def _array(self, name: str) -> Any:
-        arr = self._open.get(name)
-        if arr is None:
-            arr = self._root[name]
-            if self.writable:
-                arr = arr.with_config({"write_empty_chunks": True})
-            self._open[name] = arr
-        return arr
-
-    # attributes -----------------------------------------------------------
-    def root_attrs(self) -> dict[str, Any]:
-        return dict(self._root.attrs)
-
-    def set_root_attr(self, key: str, value: dict[str, Any]) -> None:
-        self._io(lambda: self._root.attrs.__setitem__(key, value))
-
-    def attrs(self, name: str) -> dict[str, Any]:
-        return dict(self._root[name].attrs)
-
-    def _io(self, fn: Any) -> Any:
-        """``fn()``; at a URL retried on transient network errors (every write here is idempotent)."""
-        return remote.translated(self.path, fn) if self.url else fn()
-
-    # arrays ---------------------------------------------------------------
-    def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
-               attrs: dict[str, Any], compression: str = "none", checksum: bool = True) -> None:
-        self._open[name] = self._io(lambda: self._root.create_array(
-            name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
-            attributes=attrs, config={"write_empty_chunks": True},
-            overwrite=not (self.url and self.mode == "w"),   # a new store at a URL: skip listing each prefix
-            dimension_names=dimension_names(name, len(shape), attrs),
-            **_zarr_codecs(compression, checksum),
-        ))
-
-    def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
-        arr = self._array(name)
-        stop = start + data.shape[0]
-        if arr.shape[0] < stop:
-            self._io(lambda: arr.resize((stop, *arr.shape[1:])))
-        self._io(lambda: arr.__setitem__(slice(start, stop), data))
-
-    def truncate(self, name: str, n: int) -> None:
-        arr = self._array(name)
-        if arr.shape[0] != n:
-            self._io(lambda: arr.resize((n, *arr.shape[1:])))
-
-    def names(self) -> list[str]:
-        return sorted(_walk_zarr(self._root))
-
-    def info(self, name: str) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
-        arr = self._root[name]
-        return tuple(arr.shape), str(arr.dtype), tuple(arr.chunks)
-
-    def has(self, name: str) -> bool:
-        try:
-            self._root[name]
-        except KeyError:
-            return False
-        return True
-
-    def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
-        return np.asarray(self._io(lambda: self._root[name][sel]))
-
-    # groups (the analysis generations) -------------------------------------
-    def group_attrs(self, name: str) -> dict[str, Any]:
-        """Attributes of group *name*; ``{}`` if there is none (or it cannot be read)."""
-        try:
-            return dict(self._io(lambda: self._root[name].attrs))
-        except (KeyError, ValueError, TypeError, OSError):
-            return {}
-
-    def set_group_attr(self, name: str, key: str, value: Any) -> None:
-        """One metadata write: zarr replaces ``name/zarr.json`` whole (a rename locally, one PUT at a URL)."""
-        group = self._io(lambda: self._root.require_group(name))
-        self._io(lambda: group.attrs.__setitem__(key, value))
-
-    def children(self, name: str) -> list[str]:
-        """The names of the nodes directly inside group *name* (from the file system, not zarr's metadata)."""
-        if self.url:
-            fs, root = remote.filesystem(self.path, self.storage_options)
-            try:
-                entries = self._io(lambda: fs.ls(f"{root}/{name}", detail=True))
-            except FileNotFoundError:
-                return []
-            return sorted(str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries
-                          if e.get("type") == "directory")
-        d = Path(self.path) / name
-        return sorted(p.name for p in d.iterdir() if p.is_dir() and not p.is_symlink()) if d.is_dir() else []
-
-    def delete(self, name: str) -> None:
-        """Remove node *name* and everything under it."""
-        if self.url:
-            fs, root = remote.filesystem(self.path, self.storage_options)
-            self._io(lambda: fs.rm(f"{root}/{name}", recursive=True))
-        else:
-            import shutil
-
-            shutil.rmtree(Path(self.path) / name, ignore_errors=False)
-        self._open = {k: v for k, v in self._open.items() if k != name and not k.startswith(name + "/")}
-
-    def flush(self) -> None:
-        """Nothing to do: every zarr write above has landed when it returns."""
-
-    def close(self) -> None:
-        pass
-
-
-def _walk_zarr(group: Any) -> list[str]:
-    out = [name for name, _ in group.arrays()]
-    for gname, sub in group.groups():
-        out += [f"{gname}/{a}" for a in _walk_zarr(sub)]
-    return out
-
-
-def _h5_filter(compression: str) -> dict[str, Any]:
-    if compression == "none":
-        return {}
-    # Without hdf5plugin the portable choice is gzip-1 with the shuffle filter ("zstd" maps to it).
-    return {"compression": "gzip", "compression_opts": 1, "shuffle": True}
-
-
-class HDF5Backend:
-    """HDF5 file store (one writer per file; readers open it per task)."""
-
-    kind: ClassVar[str] = "hdf5"
-    suffixes: ClassVar[tuple[str, ...]] = (".h5", ".hdf5")
-    description: ClassVar[str] = "an HDF5 file"
-    remote_ok: ClassVar[bool] = False
-    remote_refusal: ClassVar[str] = (
-        "HDF5 stores are local files only (h5py reads a remote file through many small dependent requests "
-        "and cannot write one); use a Zarr store ('*.zarr') on object storage.")
-    rewrites_chunks: ClassVar[bool] = False
-
-    @classmethod
-    def read_array(cls, location: Location, name: str, sel: Any) -> np.ndarray:
-        import h5py
-
-        with h5py.File(location.path, "r") as f:
-            return np.asarray(f[name][sel])
-
-    @classmethod
-    def not_a_store(cls, path: Path) -> str | None:
-        import h5py
-
-        if not path.is_file():
-            return "is not a file"
-        try:
-            with h5py.File(path, "r") as f:
-                if "gradforensics" not in f.attrs:
-                    return "is an HDF5 file but not a gradforensics store"
-        except OSError:
-            return "is not an HDF5 file"
-        return None
-
-    def __init__(self, where: Location | str | os.PathLike[str], mode: str = "r") -> None:
-        import h5py
-
-        self.location = locate(where)
-        self.path = self.location.path
-        if mode == "r":
-            if Path(self.path).is_dir():
-                raise NotAStoreError(f"{self.path}: is a directory, not an HDF5 file; expected a gradforensics store "
-                                     "(an HDF5 store is one file; a Zarr store is a *.zarr directory).")
-            if not Path(self.path).is_file():
-                raise NotAStoreError(f"{self.path}: no such HDF5 file; expected a gradforensics store.")
-            try:
-                self._f = h5py.File(self.path, "r")
-            except OSError as exc:
-                raise NotAStoreError(f"{self.path}: not an HDF5 file ({exc}); expected a gradforensics store.") from exc
-        else:
-            self._f = h5py.File(self.path, "w" if mode == "w" else "a")
-        self.writable = mode != "r"
-
-    def root_attrs(self) -> dict[str, Any]:
-        return {k: from_h5_attr(v) for k, v in self._f.attrs.items()}
-
-    def set_root_attr(self, key: str, value: dict[str, Any]) -> None:
-        self._f.attrs[key] = json.dumps(value)
-        self._f.flush()
-
-    def attrs(self, name: str) -> dict[str, Any]:
-        return {k: from_h5_attr(v) for k, v in self._f[name].attrs.items()}
-
-    def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
-               attrs: dict[str, Any], compression: str = "none", checksum: bool = True) -> None:
-        if name in self._f:
-            del self._f[name]
-        # Fletcher-32 adds 4 bytes to every chunk: its size never changes on a rewrite, so
-        # rewritten chunks stay in place (what the crash test needs; see writer.py).
-        ds = self._f.create_dataset(
-            name, shape=shape, maxshape=(None, *shape[1:]), dtype=dtype, chunks=chunks,
-            fillvalue=0, fletcher32=checksum, **_h5_filter(compression),
-        )
-        for k, v in attrs.items():
-            ds.attrs[k] = json.dumps(v)
-
-    def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
-        ds = self._f[name]
-        stop = start + data.shape[0]
-        if ds.shape[0] < stop:
-            ds.resize(stop, axis=0)
-        ds[start:stop] = data
-
-    def truncate(self, name: str, n: int) -> None:
-        ds = self._f[name]
-        if ds.shape[0] != n:
-            ds.resize(n, axis=0)
-
-    def names(self) -> list[str]:
-        import h5py
-
-        out: list[str] = []
-        self._f.visititems(lambda n, obj: out.append(n) if isinstance(obj, h5py.Dataset) else None)
-        return sorted(out)
-
-    def info(self, name: str) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
-        ds = self._f[name]
-        return tuple(ds.shape), str(ds.dtype), tuple(ds.chunks or ds.shape)
-
-    def has(self, name: str) -> bool:
-        return name in self._f
-
-    def group_attrs(self, name: str) -> dict[str, Any]:
-        import h5py
-
-        g = self._f.get(name)
-        return {k: from_h5_attr(v) for k, v in g.attrs.items()} if isinstance(g, h5py.Group) else {}
-
-    def set_group_attr(self, name: str, key: str, value: Any) -> None:
-        self._f.require_group(name).attrs[key] = json.dumps(value)
-        self._f.flush()
-
-    def children(self, name: str) -> list[str]:
-        import h5py
-
-        g = self._f.get(name)
-        return sorted(g.keys()) if isinstance(g, h5py.Group) else []
-
-    def delete(self, name: str) -> None:
-        if name in self._f:
-            del self._f[name]
-
-    def inventory(self, unlisted: Callable[[str], bool] | None = None) -> Inventory:
-        """Root attributes and every dataset; links and external data refused (*unlisted*: counted anyway)."""
-        return hdf5_inventory(self.path, self._f)
-
-    def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
-        return np.asarray(self._f[name][sel])
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-#: The backend table: every backend, in the order a path's suffix is tried against them.
 BACKENDS: tuple[type[StoreBackend], ...] = (ZarrBackend, HDF5Backend)
 #: Every suffix a store path may end in (``.zarr``, ``.h5``, ``.hdf5``).
 STORE_SUFFIXES: tuple[str, ...] = tuple(x for b in BACKENDS for x in b.suffixes)
@@ -526,17 +162,6 @@ def open_backend(where: Location | str | os.PathLike[str], mode: str = "r",
     return backend_class(loc.kind)(loc, mode)  # type: ignore[call-arg]
 
 
-def read_url_array(url: str, name: str, sel: Any, storage_options: Mapping[str, Any] | None) -> np.ndarray:
-    """``sel`` of array *name* of the Zarr store at *url*: two requests (its metadata, its chunks), retried."""
-    import zarr
-
-    def read() -> np.ndarray:
-        store = remote.read_store(url, storage_options)
-        return np.asarray(zarr.open_array(store, path=name, mode="r")[sel])
-
-    return remote.translated(url, read)
-
-
 @dataclass(frozen=True)
 class ArrayHandle:
     """A picklable, lazily opened view of one stored array, decoded to float32.
@@ -570,7 +195,7 @@ class ArrayHandle:
 
     def __getitem__(self, sel: Any) -> np.ndarray:
         try:
-            raw = self._read(sel)
+            raw = self.read_raw(sel)
         except GradforensicsError:
             raise
         except (OSError, RuntimeError, ValueError) as exc:
@@ -583,7 +208,8 @@ class ArrayHandle:
             return decode_bf16(raw)
         return raw.astype(np.float32, copy=False)
 
-    def _read(self, sel: Any) -> np.ndarray:
+    def read_raw(self, sel: Any) -> np.ndarray:
+        """*sel* as stored (undecoded), read from the store for this call only; errors are the backend's."""
         return backend_class(self.kind).read_array(self.location, self.name, sel)
 
     def _describe(self, sel: Any, exc: Exception) -> str:
@@ -617,19 +243,20 @@ class ArrayHandle:
             box = tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(chunk, self.chunks, self.shape,
                                                                               strict=True))
             try:
-                self._read(box)
+                self.read_raw(box)
             except (OSError, RuntimeError, ValueError) as exc:
                 return chunk, exc
         return None
 
 
 def read_handles(handles: list[ArrayHandle], sels: list[Any]) -> list[np.ndarray]:
-    """``handle[sel]`` of every pair, as float32; the reads of local Zarr stores in one zarr event-loop call.
+    """``handle[sel]`` of every pair, as float32; the reads of local Zarr stores in one event-loop run.
 
-    One round trip into zarr's event loop for all of them instead of one each (what a
-    task reading hundreds of small tensors pays for).  Any failure of that call reads
-    the pairs again one at a time, so a damaged chunk is named as ``handle[sel]`` names
-    it (:class:`~gradforensics.errors.CorruptChunkError`); HDF5 stores and stores at a
+    One run of this thread's event loop for all of them
+    (:func:`~gradforensics.store.handles.read_zarr_many`) instead of a hand-off into zarr's
+    loop each (what a task reading hundreds of small tensors pays for).  Any failure of that
+    run reads the pairs again one at a time, so a damaged chunk is named as ``handle[sel]``
+    names it (:class:`~gradforensics.errors.CorruptChunkError`); HDF5 stores and stores at a
     URL are read one at a time.
     """
     from gradforensics.store.handles import read_zarr_many

@@ -1,14 +1,14 @@
-"""Opening a local store's Zarr arrays for reading, without parsing the same metadata twice.
+"""Opening a local store's Zarr arrays for reading through zarr's public API, parsing shared metadata once.
 
-Every read task of the Gram pass reads one slab of one array and opened it with
-``zarr.open_array``: a round trip through zarr's event loop, the metadata file read
-and parsed, its codec pipeline built - about 2 ms, more than reading a small
-tensor's chunk, so a store of 2,000 small tensors paid 4 s a pass for it.  The
-arrays of a store share their metadata but for their attributes and dimension names
-(which no read uses): :func:`open_zarr_array` reads the array's ``zarr.json`` from
-disk **every time** (tens of microseconds), parses each distinct rest of it once
-per process, and builds the array on that parsed metadata and one read-only
-``LocalStore`` per store (0.04 ms).
+Every read task of the Gram pass reads one slab of one array.  ``zarr.open_array``
+would read and parse the array's ``zarr.json`` and build its codec pipeline each
+time - about 2 ms, more than reading a small tensor's chunk.  The arrays of a store
+share their metadata but for their attributes and dimension names (which no read
+uses): :func:`open_zarr_async` reads the array's ``zarr.json`` from disk **every
+time** (tens of microseconds), lets zarr parse each distinct rest of it once per
+process (``zarr.AsyncArray(metadata_dict, store_path)``, its ``.metadata`` kept),
+and builds the array on that parsed metadata and one read-only ``LocalStore`` per
+store.
 
 Why that cannot serve stale data: nothing is kept but parsed metadata, keyed by
 its own content.  The ``zarr.json`` read now decides the shape, data type, chunk
@@ -19,6 +19,12 @@ again (``overwrite=True``, a capture that grew the array, another dtype or
 chunking) is read as it is now.  Anything unusual (a metadata file that cannot be
 read or parsed) goes to ``zarr.open_array`` itself, with its own errors.  Stores
 at a URL are not handled here (their reads open by URL).
+
+:func:`read_zarr_many` reads many arrays in one event-loop run: the ``getitem``
+coroutines of zarr's public ``AsyncArray``, gathered on an ``asyncio.Runner`` kept
+per thread whose executor runs zarr's file reads and decoding in that thread (no
+hand-off to another thread; a thread that already runs an event loop reads each
+array through ``zarr.Array`` instead).
 """
 
 from __future__ import annotations
@@ -27,12 +33,21 @@ import asyncio
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MANY_BYTES", "MAX_PARSED", "clear", "open_zarr_array", "read_zarr_many"]
+__all__ = [
+    "MANY_BYTES",
+    "MAX_PARSED",
+    "clear",
+    "open_zarr_array",
+    "open_zarr_async",
+    "parsed_count",
+    "read_zarr_many",
+]
 
 #: Distinct array metadata kept parsed per process (all dropped when full).
 MAX_PARSED = 4096
@@ -40,10 +55,15 @@ MAX_PARSED = 4096
 _MAX_META = 1 << 20
 #: Metadata entries no chunk read depends on.
 _NOT_READ = ("attributes", "dimension_names")
+#: Decoded chunk bytes read at once by :func:`read_zarr_many` (zarr decodes a chunk whole, however
+#: few of its records are written: 2,000 small tensors in chunks of 4,096 records, read all at once,
+#: held 0.5 MiB a tensor).
+MANY_BYTES = 8 << 20
 
 _PARSED: dict[str, Any] = {}
 _STORES: dict[str, Any] = {}
 _LOCK = threading.Lock()
+_LOCAL = threading.local()
 
 
 def _metadata(path: str, name: str) -> dict[str, Any] | None:
@@ -57,51 +77,39 @@ def _metadata(path: str, name: str) -> dict[str, Any] | None:
     return meta if ok else None
 
 
+def open_zarr_async(path: str, name: str) -> Any:
+    """``zarr.AsyncArray`` of ``<path>/<name>`` for reading, its metadata parsed once per distinct content."""
+    import zarr
+
+    meta = _metadata(path, name)
+    if meta is not None:
+        try:
+            return _build(os.path.abspath(path), name, meta)
+        except Exception:                 # zarr's own open says what is wrong, in its words
+            pass
+    opened = zarr.open_array(os.path.join(path, name), mode="r")
+    return zarr.AsyncArray(opened.metadata, opened.store_path)
+
+
 def open_zarr_array(path: str, name: str) -> Any:
     """``zarr.open_array(<path>/<name>, mode="r")``: the same array for every read, its metadata parsed once."""
     import zarr
 
-    meta = _metadata(path, name)
-    if meta is None:
-        return zarr.open_array(os.path.join(path, name), mode="r")
-    try:
-        return _build(os.path.abspath(path), name, meta)
-    except Exception:                     # zarr's own open says what is wrong, in its words
-        return zarr.open_array(os.path.join(path, name), mode="r")
-
-
-#: Decoded chunk bytes read at once by :func:`read_zarr_many` (zarr decodes a chunk whole, however
-#: few of its records are written: 2,000 small tensors in chunks of 4,096 records, read all at once,
-#: held 0.5 MiB a tensor).
-MANY_BYTES = 8 << 20
+    return zarr.Array(open_zarr_async(path, name))
 
 
 def read_zarr_many(reads: Sequence[tuple[str, str, Any]]) -> list[np.ndarray]:
-    """``open_zarr_array(path, name)[sel]`` of every ``(path, name, sel)``, in one call into zarr's event loop.
+    """``open_zarr_array(path, name)[sel]`` of every ``(path, name, sel)``, in one event-loop run.
 
-    Arrays whose chunk files :func:`~gradforensics.store.chunkread.read_direct` can read
-    (the codec chains gradforensics writes, every chunk present and sound) are read
-    there, in this thread, without zarr's loop; the others go to zarr.  Each of those is opened as :func:`open_zarr_array` opens it and read with its own basic
-    selection (``AsyncArray.getitem``, what ``Array.__getitem__`` runs for slices); the
-    reads run concurrently on zarr's loop, :data:`MANY_BYTES` of decoded chunks at a time,
-    one thread hand-off for all of them.
+    Each array is opened as :func:`open_zarr_async` opens it and read with its own basic
+    selection (``AsyncArray.getitem``, what ``Array.__getitem__`` runs); the reads run
+    concurrently, :data:`MANY_BYTES` of decoded chunks at a time, on this thread's
+    ``asyncio.Runner``.
     """
-    from zarr.core.sync import sync
-
-    from gradforensics.store.chunkread import read_direct
-
-    done: list[np.ndarray | None] = []
-    for path, name, sel in reads:          # the chunk files read here where they can be (chunkread)
-        meta = _metadata(path, name)
-        done.append(None if meta is None else read_direct(path, name, meta, sel))
-    left = [i for i, x in enumerate(done) if x is None]
-    if not left:
-        return [x for x in done if x is not None]
-    arrays = {i: open_zarr_array(reads[i][0], reads[i][1]) for i in left}
+    arrays = [open_zarr_async(path, name) for path, name, _ in reads]
     batches: list[list[int]] = [[]]
     held = 0
-    for i in left:
-        a, sel = arrays[i], reads[i][2]
+    for i, (a, (_, _, sel)) in enumerate(zip(arrays, reads, strict=True)):
         nbytes = _chunk_bytes(a, sel)
         if batches[-1] and held + nbytes > MANY_BYTES:
             batches.append([])
@@ -112,12 +120,50 @@ def read_zarr_many(reads: Sequence[tuple[str, str, Any]]) -> list[np.ndarray]:
     async def gather() -> list[Any]:
         out: list[Any] = []
         for batch in batches:
-            out += await asyncio.gather(*(arrays[i].async_array.getitem(reads[i][2]) for i in batch))
+            out += await asyncio.gather(*(arrays[i].getitem(reads[i][2]) for i in batch))
         return out
 
-    for i, x in zip(left, sync(gather()), strict=True):
-        done[i] = np.asarray(x)
-    return [x for x in done if x is not None]
+    runner = _runner()
+    if runner is None:                    # this thread runs an event loop: zarr's own, one array at a time
+        import zarr
+
+        return [np.asarray(zarr.Array(a)[r[2]]) for a, r in zip(arrays, reads, strict=True)]
+    return [np.asarray(x) for x in runner.run(gather())]
+
+
+def _runner() -> asyncio.Runner | None:
+    """This thread's event-loop runner (a new one after a fork), or None where a loop runs here already."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return None
+    pid = os.getpid()
+    if getattr(_LOCAL, "pid", None) != pid:
+        new = asyncio.Runner()
+        new.get_loop().set_default_executor(_InThread())
+        _LOCAL.runner, _LOCAL.pid = new, pid
+    runner: asyncio.Runner = _LOCAL.runner
+    return runner
+
+
+class _InThread(ThreadPoolExecutor):
+    """An executor that runs each call at once in the calling thread (the loop's own).
+
+    zarr hands every chunk file read and every decode to the loop's default executor;
+    for the small chunk files of a store those hand-offs cost more than the work (each
+    a thread switch under the GIL while the pass computes on the other threads), so the
+    reading thread does the work itself, as a plain ``open``/``read`` would.
+    """
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:          # the caller's await raises it, as from a thread
+            done.set_exception(exc)
+        return done
 
 
 def _chunk_bytes(a: Any, sel: Any) -> int:
@@ -132,26 +178,30 @@ def _chunk_bytes(a: Any, sel: Any) -> int:
 
 
 def _build(root: str, name: str, meta: dict[str, Any]) -> Any:
-    from zarr.core.array import Array, AsyncArray
-    from zarr.core.metadata.v3 import ArrayV3Metadata
+    import zarr
     from zarr.storage import LocalStore, StorePath
 
-    key = json.dumps({k: v for k, v in meta.items() if k not in _NOT_READ}, sort_keys=True)
+    rest: Any = {k: v for k, v in meta.items() if k not in _NOT_READ}     # zarr's JSON form of the metadata
+    key = json.dumps(rest, sort_keys=True)
     with _LOCK:
         parsed = _PARSED.get(key)
         store = _STORES.get(root)
-    if parsed is None:
-        parsed = ArrayV3Metadata.from_dict({k: v for k, v in meta.items() if k not in _NOT_READ})
     if store is None:
         store = LocalStore(root, read_only=True)
+    array = zarr.AsyncArray(rest if parsed is None else parsed, StorePath(store, name))
     with _LOCK:
-        if len(_PARSED) >= MAX_PARSED:
-            _PARSED.clear()
-        _PARSED[key] = parsed
-        if len(_STORES) >= MAX_PARSED:
-            _STORES.clear()
+        for kept in (_PARSED, _STORES):
+            if len(kept) >= MAX_PARSED:
+                kept.clear()
+        _PARSED[key] = array.metadata
         _STORES.setdefault(root, store)
-    return Array(AsyncArray(metadata=parsed, store_path=StorePath(store, name)))
+    return array
+
+
+def parsed_count() -> int:
+    """Distinct array metadata parsed and kept now (what :func:`clear` forgets)."""
+    with _LOCK:
+        return len(_PARSED)
 
 
 def clear() -> None:

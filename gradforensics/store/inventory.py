@@ -6,8 +6,10 @@ is parsed with size limits and type checks, every chunk file is counted and
 sized, and anything that could point outside the store (a symbolic link; an
 HDF5 external link, external storage or virtual dataset) is refused.  The result
 is a list of :class:`StoredArray`, which :mod:`gradforensics.store.reader`
-checks against the schema.  Chunk presence is computed from the files that exist,
-never by walking a chunk grid whose size the metadata claims (an inflated
+checks against the schema.  A local Zarr directory is listed here; a Zarr store at a
+URL by :mod:`gradforensics.store.remote_inventory`, an HDF5 file by
+:mod:`gradforensics.store.hdf5_inventory`.  Chunk presence is computed from the files
+that exist, never by walking a chunk grid whose size the metadata claims (an inflated
 ``shape`` would otherwise hang the open or allocate gigabytes).
 """
 
@@ -27,19 +29,9 @@ from gradforensics.errors import CorruptStoreError, NotAStoreError
 from gradforensics.store import generations
 from gradforensics.store.generations import Selection
 
-__all__ = [
-    "DTYPES",
-    "MAX_CHUNK_BYTES",
-    "MAX_GRID_WALK",
-    "MAX_METADATA_BYTES",
-    "Inventory",
-    "StoredArray",
-    "from_h5_attr",
-    "hdf5_inventory",
-    "refuse_links",
-    "remote_zarr_inventory",
-    "zarr_inventory",
-]
+__all__ = ["DTYPES", "MAX_CHUNK_BYTES", "MAX_GRID_WALK", "MAX_METADATA_BYTES", "Inventory", "StoredArray",
+           "chunk_index", "clear_parsed", "corrupt", "finish", "in_analysis", "parse_metadata", "refuse_links",
+           "tolerate", "zarr_array", "zarr_inventory"]
 
 
 #: A ``zarr.json`` larger than this is not metadata gradforensics wrote.
@@ -130,17 +122,17 @@ class Inventory:
     analysis_note: str | None = None
 
 
-def _in_analysis(rel: str) -> bool:
+def in_analysis(rel: str) -> bool:
     return rel == generations.GROUP or rel.startswith(generations.GROUP + "/")
 
 
-def _finish(path: str, root_attrs: dict[str, Any], arrays: dict[str, StoredArray], current: str | None,
+def finish(path: str, root_attrs: dict[str, Any], arrays: dict[str, StoredArray], current: str | None,
             damaged: list[str]) -> Inventory:
     visible, sel, note = generations.select(path, arrays, current, damaged)
     return Inventory(root_attrs, visible, sel, note)
 
 
-def _corrupt(path: str, where: str, what: str) -> CorruptStoreError:
+def corrupt(path: str, where: str, what: str) -> CorruptStoreError:
     return CorruptStoreError(f"{path}: {where}: {what}; the store's metadata is damaged.")
 
 
@@ -155,11 +147,7 @@ def zarr_inventory(path: str, only: str | None = None, unlisted: Callable[[str],
     link inside them not seen): a store opened with ``check_chunks=False`` checks none
     of their chunks (``report`` of 2,000 tensors: 0.45 s of listing).
     """
-    root = Path(path)
-    if root.is_symlink() and not root.is_dir():
-        raise NotAStoreError(f"{path}: a symbolic link to nothing; expected a gradforensics store.")
-    if not (root / "zarr.json").is_file():
-        raise NotAStoreError(f"{path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
+    root = _zarr_root(path)
     arrays: list[StoredArray] = []
     root_attrs: dict[str, Any] = {}
     current: str | None = None
@@ -176,9 +164,9 @@ def zarr_inventory(path: str, only: str | None = None, unlisted: Callable[[str],
             )
         try:
             meta = _zarr_node(path, rel, here, [f.name for f in files])
-            arr = _zarr_array(path, rel, meta) if meta is not None and meta.get("node_type") == "array" else None
+            arr = zarr_array(path, rel, meta) if meta is not None and meta.get("node_type") == "array" else None
         except CorruptStoreError:
-            if not _in_analysis(rel):
+            if not in_analysis(rel):
                 raise
             damaged.append(rel)         # analysis results are derived data: ignored, never fatal
             continue
@@ -196,19 +184,29 @@ def zarr_inventory(path: str, only: str | None = None, unlisted: Callable[[str],
             sel = Selection(current)     # walk only the generation readers see
             dirs = [d for d in dirs if sel.visible(f"{rel}/{d}")]
         stack.extend(f"{rel}/{d}" if rel else d for d in reversed(dirs))
-    return _finish(path, root_attrs, {a.name: a for a in arrays}, current, damaged)
+    return finish(path, root_attrs, {a.name: a for a in arrays}, current, damaged)
+
+
+def _zarr_root(path: str) -> Path:
+    """The directory of the Zarr group at *path*, or :class:`NotAStoreError` (a dangling link, no ``zarr.json``)."""
+    root = Path(path)
+    if root.is_symlink() and not root.is_dir():
+        raise NotAStoreError(f"{path}: a symbolic link to nothing; expected a gradforensics store.")
+    if not (root / "zarr.json").is_file():
+        raise NotAStoreError(f"{path}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
+    return root
 
 
 def _zarr_node(path: str, rel: str, here: Path, files: list[str]) -> dict[str, Any] | None:
     """The parsed ``zarr.json`` of the directory *here* (None for a root without one), checked as a node."""
     if "zarr.json" not in files:
         if rel:
-            raise _corrupt(path, f"{rel}/", "the directory has no zarr.json (its metadata was deleted)")
+            raise corrupt(path, f"{rel}/", "the directory has no zarr.json (its metadata was deleted)")
         return None
     meta = _read_json(path, rel, here / "zarr.json")
     node = meta.get("node_type")
     if node not in ("group", "array"):
-        raise _corrupt(path, rel or "/", f"node_type {node!r} is neither 'group' nor 'array'")
+        raise corrupt(path, rel or "/", f"node_type {node!r} is neither 'group' nor 'array'")
     if node == "array" and not rel:
         raise NotAStoreError(f"{path}: a Zarr array, not a group; expected a gradforensics store.")
     return meta
@@ -259,22 +257,22 @@ def _read_json(path: str, rel: str, file: Path) -> dict[str, Any]:
     where = f"{rel}/zarr.json" if rel else "zarr.json"
     size = file.stat().st_size
     if size > MAX_METADATA_BYTES:
-        raise _corrupt(path, where, f"{size} bytes, more than any metadata gradforensics writes")
-    return _parse_json(path, where, file.read_bytes())
+        raise corrupt(path, where, f"{size} bytes, more than any metadata gradforensics writes")
+    return parse_metadata(path, where, file.read_bytes())
 
 
-def _parse_json(path: str, where: str, raw: bytes) -> dict[str, Any]:
+def parse_metadata(path: str, where: str, raw: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise _corrupt(path, where, f"not valid JSON ({exc})") from exc
+        raise corrupt(path, where, f"not valid JSON ({exc})") from exc
     if not isinstance(doc, dict):
-        raise _corrupt(path, where, f"a JSON {type(doc).__name__}, not an object")
+        raise corrupt(path, where, f"a JSON {type(doc).__name__}, not an object")
     if doc.get("zarr_format") != 3:
-        raise _corrupt(path, where, f"zarr_format {doc.get('zarr_format')!r}; gradforensics reads Zarr v3")
+        raise corrupt(path, where, f"zarr_format {doc.get('zarr_format')!r}; gradforensics reads Zarr v3")
     attrs = doc.get("attributes", {})
     if not isinstance(attrs, dict):
-        raise _corrupt(path, where, "'attributes' is not an object")
+        raise corrupt(path, where, "'attributes' is not an object")
     return doc
 
 
@@ -284,26 +282,26 @@ def _int_list(x: Any, minimum: int) -> tuple[int, ...] | None:
     return tuple(x)
 
 
-def _zarr_array(path: str, rel: str, meta: dict[str, Any]) -> StoredArray:
+def zarr_array(path: str, rel: str, meta: dict[str, Any]) -> StoredArray:
     where = f"{rel}/zarr.json"
     shape = _int_list(meta.get("shape"), 0)
     if shape is None or not shape:
-        raise _corrupt(path, where, f"shape {meta.get('shape')!r} is not a list of non-negative integers")
+        raise corrupt(path, where, f"shape {meta.get('shape')!r} is not a list of non-negative integers")
     grid = meta.get("chunk_grid")
     conf = grid.get("configuration") if isinstance(grid, dict) else None
     chunks = _int_list(conf.get("chunk_shape") if isinstance(conf, dict) else None, 1)
     if not isinstance(grid, dict) or grid.get("name") != "regular" or chunks is None or len(chunks) != len(shape):
-        raise _corrupt(path, where, f"chunk_grid {grid!r} is not a regular grid of {len(shape)} positive sizes")
+        raise corrupt(path, where, f"chunk_grid {grid!r} is not a regular grid of {len(shape)} positive sizes")
     dtype = meta.get("data_type")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise _corrupt(path, where, f"data_type {dtype!r} is not one gradforensics writes ({sorted(DTYPES)})")
+        raise corrupt(path, where, f"data_type {dtype!r} is not one gradforensics writes ({sorted(DTYPES)})")
     enc = meta.get("chunk_key_encoding")
     if enc != {"name": "default", "configuration": {"separator": "/"}}:
-        raise _corrupt(path, where, f"chunk_key_encoding {enc!r} is not the default '/' one gradforensics writes")
+        raise corrupt(path, where, f"chunk_key_encoding {enc!r} is not the default '/' one gradforensics writes")
     _zarr_parse(path, where, meta)
     arr = StoredArray(rel, shape, chunks, str(dtype), dict(meta.get("attributes") or {}))
     if arr.chunk_nbytes > MAX_CHUNK_BYTES:
-        raise _corrupt(path, where, f"chunks of {arr.chunk_nbytes} bytes, beyond {MAX_CHUNK_BYTES} "
+        raise corrupt(path, where, f"chunks of {arr.chunk_nbytes} bytes, beyond {MAX_CHUNK_BYTES} "
                                     "(gradforensics writes chunks of a few MiB)")
     arr.chunk_file_bytes = _exact_chunk_bytes(path, where, meta.get("codecs"), arr.chunk_nbytes)
     return arr
@@ -312,43 +310,53 @@ def _zarr_array(path: str, rel: str, meta: dict[str, Any]) -> StoredArray:
 def _zarr_parse(path: str, where: str, meta: dict[str, Any]) -> None:
     """Let zarr parse the array metadata now, so its complaints (codec configuration,
     fill value, ...) are one line naming the file, not a traceback at the first read."""
-    from zarr.core.metadata.v3 import ArrayV3Metadata, parse_dimension_names
-
     # hundreds of arrays share their metadata but for the attributes (any JSON object, which zarr
-    # keeps as given): parse each distinct rest once per process
-    # nor the dimension names (one per tensor: they name it): zarr checks only their type and number,
-    # which are checked here with zarr's own parser, the rest parsed with neutral names in their place
-    rest = {k: v for k, v in meta.items() if k != "attributes"}
+    # keeps as given) and the dimension names (one per tensor: they name it, and zarr checks only
+    # their type and number, checked here): each distinct rest is parsed once per process
+    rest = {k: v for k, v in meta.items() if k not in ("attributes", "dimension_names")}
+    names = meta.get("dimension_names")
+    if names is not None:
+        if not isinstance(names, list) or not all(n is None or isinstance(n, str) for n in names):
+            raise corrupt(path, where, f"dimension_names {names!r} is not a list of strings or nulls")
+        if isinstance(meta.get("shape"), list) and len(names) != len(meta["shape"]):
+            raise corrupt(path, where, f"{len(names)} dimension_names for {len(meta['shape'])} dimensions")
+    key = json.dumps(rest, sort_keys=True, default=repr)
+    if key in _PARSED:
+        return
     try:
-        if rest.get("dimension_names") is not None:
-            names = parse_dimension_names(rest["dimension_names"])
-            rest["dimension_names"] = [None] * len(names or ())
-            if isinstance(meta.get("shape"), list) and len(names or ()) != len(meta["shape"]):
-                raise ValueError("`dimension_names` and `shape` need to have the same number of dimensions.")
-        key = json.dumps(rest, sort_keys=True, default=repr)
-        if key in _PARSED:
-            return
-        ArrayV3Metadata.from_dict(dict(rest, attributes=meta.get("attributes", {})) if "attributes" in meta
-                                  else dict(rest))
+        _zarr_metadata(rest)
     except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
-        raise _corrupt(path, where, f"zarr cannot parse it ({type(exc).__name__}: {exc})") from exc
+        raise corrupt(path, where, f"zarr cannot parse it ({type(exc).__name__}: {exc})") from exc
     if len(_PARSED) >= _MAX_PARSED:
         _PARSED.clear()
     _PARSED.add(key)
 
 
-#: Array metadata (without attributes) zarr has parsed without complaint, as canonical JSON.
+def _zarr_metadata(meta: Any) -> Any:
+    """zarr's parse of the array metadata *meta* (``zarr.AsyncArray``'s, on an empty in-memory store)."""
+    import zarr
+    from zarr.storage import MemoryStore, StorePath
+
+    return zarr.AsyncArray(meta, StorePath(MemoryStore())).metadata
+
+
+#: Array metadata (without attributes and dimension names) zarr has parsed without complaint, as canonical JSON.
 _PARSED: set[str] = set()
 _MAX_PARSED = 4096
+
+
+def clear_parsed() -> None:
+    """Forget which array metadata zarr has parsed (each distinct one is parsed again on its next listing)."""
+    _PARSED.clear()
 
 
 def _exact_chunk_bytes(path: str, where: str, codecs: Any, nbytes: int) -> int | None:
     """The exact chunk file size the codec chain writes, when it is fixed (no compressor)."""
     if not isinstance(codecs, list) or not codecs or not all(isinstance(c, dict) for c in codecs):
-        raise _corrupt(path, where, f"codecs {codecs!r} is not a list of codec objects")
+        raise corrupt(path, where, f"codecs {codecs!r} is not a list of codec objects")
     names = [c.get("name") for c in codecs]
     if names[0] != "bytes":
-        raise _corrupt(path, where, f"codecs {names!r} do not start with 'bytes' as gradforensics writes them")
+        raise corrupt(path, where, f"codecs {names!r} do not start with 'bytes' as gradforensics writes them")
     if names == ["bytes"]:
         return nbytes
     if names == ["bytes", "crc32c"]:
@@ -370,7 +378,7 @@ def _scan_chunks(path: str, arr: StoredArray, cdir: Path) -> None:
             raise CorruptStoreError(f"{path}: {rel} is a symbolic link; a store is data and may not point "
                                     "outside itself.")
         for f in files:
-            idx = _chunk_index((*parts, f.name), ndim)
+            idx = chunk_index((*parts, f.name), ndim)
             size = f.stat(follow_symlinks=False).st_size
             total += size
             if idx is not None:
@@ -379,229 +387,14 @@ def _scan_chunks(path: str, arr: StoredArray, cdir: Path) -> None:
     arr.nbytes_stored = total
 
 
-# ------------------------------------------------------- Zarr v3 at a URL
-def remote_zarr_inventory(url: str, storage_options: dict[str, Any] | None = None) -> Inventory:
-    """:func:`zarr_inventory` of a Zarr store at an fsspec URL, from one listing of its keys.
-
-    The same checks as on a local directory: every ``zarr.json`` is size-limited
-    and parsed strictly, chunk objects are counted and sized from the listing (never
-    from the grid the metadata claims), a prefix holding keys but no ``zarr.json``
-    is damage, and a key with an empty, ``.`` or ``..`` segment (which could name
-    something outside the store once mapped to a path) is refused.
-    """
-    from gradforensics.store import remote
-
-    fs, root = remote.filesystem(url, storage_options)
-    listing = remote.translated(url, lambda: fs.find(root, withdirs=False, detail=True))
-    files: dict[str, int] = {}
-    for full, info in listing.items():
-        full = str(full)
-        if not full.startswith(root + "/"):
-            continue
-        rel = full[len(root) + 1:]
-        if any(part in ("", ".", "..") for part in rel.split("/")):
-            raise CorruptStoreError(f"{url}: key {rel!r} has an empty, '.' or '..' segment; a store's names stay "
-                                    "inside the store.")
-        files[rel] = int(info.get("size") or 0)
-    if not files:                    # the message of a local path that does not exist
-        raise NotAStoreError(f"{url}: no such file or directory (no object under this prefix, zarr.json missing); "
-                             "expected a gradforensics store.")
-    if "zarr.json" not in files:
-        raise NotAStoreError(f"{url}: no Zarr v3 group here (zarr.json missing); expected a gradforensics store.")
-    damaged: list[str] = []
-    group_json = f"{generations.GROUP}/zarr.json"
-    current = None
-    group: dict[str, dict[str, Any]] = {}
-    if group_json in files:          # the pointer first: the listing is then cut to what readers see
-        group = _remote_metadata(url, fs, root, {group_json: files[group_json]}, damaged)
-        current = generations.pointer((group.get(generations.GROUP) or {}).get("attributes"))[0]
-    sel = Selection(current)
-    files = {k: v for k, v in files.items() if sel.visible(k)}
-    rest = {k: v for k, v in files.items() if k != group_json}     # the pointer's group is fetched already
-    metas = {**_remote_metadata(url, fs, root, rest, damaged), **group}
-    return _inventory_of_listing(url, files, metas, current, damaged)
-
-
-def _remote_metadata(url: str, fs: Any, root: str, files: dict[str, int],
-                     damaged: list[str]) -> dict[str, dict[str, Any]]:
-    """Every ``zarr.json`` outside an array's chunk tree, size-checked, fetched in one batch, parsed.
-
-    Damage under ``analysis/`` is appended to *damaged* instead of raised.
-    """
-    from gradforensics.store import remote
-
-    keys = sorted(k for k in files if k == "zarr.json" or k.endswith("/zarr.json"))
-    keys = [k for k in keys if "/c/" not in f"/{k}"]
-    for k in list(keys):
-        if files[k] > MAX_METADATA_BYTES:
-            err = _corrupt(url, k, f"{files[k]} bytes, more than any metadata gradforensics writes")
-            _tolerate(err, k, damaged)
-            keys.remove(k)
-    raw = remote.translated(url, lambda: fs.cat([f"{root}/{k}" for k in keys], on_error="raise"))
-    out = {}
-    for k in keys:
-        node = k.rsplit("zarr.json", 1)[0].rstrip("/")
-        try:
-            out[node] = _parse_json(url, k, raw[f"{root}/{k}"])
-        except CorruptStoreError as exc:
-            _tolerate(exc, node, damaged)
-    return out
-
-
-def _tolerate(exc: CorruptStoreError, rel: str, damaged: list[str]) -> None:
+def tolerate(exc: CorruptStoreError, rel: str, damaged: list[str]) -> None:
     """Damage under ``analysis/`` is noted (the results are derived data); anywhere else it is raised."""
-    if not _in_analysis(rel):
+    if not in_analysis(rel):
         raise exc
     damaged.append(rel)
 
 
-def _inventory_of_listing(url: str, files: dict[str, int], metas: dict[str, dict[str, Any]],
-                          current: str | None = None, damaged: list[str] | None = None) -> Inventory:
-    """The inventory from a flat listing (relative key -> size) and the parsed metadata by node prefix."""
-    damaged = [] if damaged is None else damaged
-    arrays: dict[str, StoredArray] = {}
-    for rel in sorted(metas):
-        if _owner(rel, arrays) is not None:
-            continue                     # an array's prefix holds only its chunk tree
-        meta = metas[rel]
-        node = meta.get("node_type")
-        if node == "group":
-            continue
-        try:
-            if node != "array":
-                raise _corrupt(url, rel or "/", f"node_type {node!r} is neither 'group' nor 'array'")
-            if not rel:
-                raise NotAStoreError(f"{url}: a Zarr array, not a group; expected a gradforensics store.")
-            arrays[rel] = _zarr_array(url, rel, meta)
-        except CorruptStoreError as exc:
-            _tolerate(exc, rel, damaged)
-    for key, size in files.items():      # every prefix above a key is a node, or inside an array
-        parts = key.split("/")
-        for i in range(1, len(parts)):
-            prefix = "/".join(parts[:i])
-            arr = arrays.get(prefix)
-            if arr is not None:
-                if parts[i] == "c" and len(parts) > i + 1:
-                    arr.nbytes_stored += size
-                    idx = _chunk_index(tuple(parts[i + 1:]), len(arr.shape))
-                    if idx is not None:
-                        arr.chunk_files[idx] = size
-                break
-            if prefix not in metas:
-                if any(prefix == d or prefix.startswith(d + "/") for d in damaged):
-                    break
-                _tolerate(_corrupt(url, f"{prefix}/", "the prefix has no zarr.json (its metadata was deleted)"),
-                          prefix, damaged)
-                break
-    root = metas[""]
-    root_attrs = (root.get("attributes") or {}) if root.get("node_type") == "group" else {}
-    return _finish(url, root_attrs, arrays, current, damaged)
-
-
-def _owner(rel: str, arrays: dict[str, StoredArray]) -> str | None:
-    """The array whose prefix strictly contains *rel*, if any."""
-    parts = rel.split("/")
-    for i in range(1, len(parts)):
-        prefix = "/".join(parts[:i])
-        if prefix in arrays:
-            return prefix
-    return None
-
-
-def _chunk_index(parts: tuple[str, ...], ndim: int) -> tuple[int, ...] | None:
+def chunk_index(parts: tuple[str, ...], ndim: int) -> tuple[int, ...] | None:
     if len(parts) != ndim or not all(p.isascii() and p.isdigit() for p in parts):
         return None
     return tuple(int(p) for p in parts)
-
-
-# --------------------------------------------------------------------- HDF5
-def hdf5_inventory(path: str, f: Any) -> Inventory:
-    """Every dataset of the open HDF5 file *f*; links and external data are refused."""
-    import h5py
-
-    names: list[str] = []
-    f_visit = names.append       # raise nothing inside h5py's callback: it garbles exceptions (SystemError)
-    out: list[StoredArray] = []
-    damaged: list[str] = []
-    try:
-        f.visit_links(f_visit)
-        current = _hdf5_pointer(f, damaged)
-        sel = Selection(current)
-        for name in names:
-            link = f.get(name, getlink=True)
-            if isinstance(link, (h5py.SoftLink, h5py.ExternalLink)):
-                raise CorruptStoreError(f"{path}: {name} is a {type(link).__name__}; a store is data and may not "
-                                        "point elsewhere.")
-            if not sel.visible(name):
-                continue
-            obj = f.get(name)
-            if isinstance(obj, h5py.Dataset):
-                try:
-                    out.append(_hdf5_array(path, name, obj))
-                except CorruptStoreError as exc:
-                    _tolerate(exc, name, damaged)
-        root_attrs = {k: from_h5_attr(v) for k, v in f.attrs.items()}
-    except CorruptStoreError:
-        raise
-    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:
-        raise CorruptStoreError(f"{path}: the HDF5 file cannot be listed ({type(exc).__name__}: {exc}); "
-                                "the file is damaged.") from exc
-    return _finish(path, root_attrs, {a.name: a for a in out}, current, damaged)
-
-
-def _hdf5_pointer(f: Any, damaged: list[str]) -> str | None:
-    import h5py
-
-    group = f.get(generations.GROUP)
-    if not isinstance(group, h5py.Group) or generations.ATTR not in group.attrs:
-        return None
-    try:
-        return generations.pointer({generations.ATTR: from_h5_attr(group.attrs[generations.ATTR])})[0]
-    except (OSError, RuntimeError, KeyError, ValueError, TypeError):
-        damaged.append(generations.GROUP)
-        return None
-
-
-def _hdf5_array(path: str, name: str, ds: Any) -> StoredArray:
-    if ds.is_virtual or ds.external:
-        raise CorruptStoreError(f"{path}: {name} keeps its data outside the file (virtual or external storage); "
-                                "a store is data and may not point elsewhere.")
-    dtype = ds.dtype.name
-    if dtype not in DTYPES or not ds.shape:
-        raise _corrupt(path, name, f"dtype {ds.dtype} / shape {ds.shape} is not one gradforensics writes")
-    chunks = tuple(int(c) for c in (ds.chunks or ds.shape))
-    shape = tuple(int(s) for s in ds.shape)
-    arr = StoredArray(name, shape, tuple(max(c, 1) for c in chunks), dtype,
-                      {k: from_h5_attr(v) for k, v in ds.attrs.items()}, int(ds.id.get_storage_size()))
-    if arr.chunk_nbytes > MAX_CHUNK_BYTES:
-        raise _corrupt(path, name, f"chunks of {arr.chunk_nbytes} bytes, beyond {MAX_CHUNK_BYTES}")
-    if ds.chunks is None:       # contiguous: all of it is there
-        arr.all_present = True
-    else:
-        _hdf5_chunks(ds, arr)
-    return arr
-
-
-def _hdf5_chunks(ds: Any, arr: StoredArray) -> None:
-    n = ds.id.get_num_chunks()
-    if n >= math.prod(arr.grid(arr.shape[0])):     # all allocated: no need to list them
-        arr.all_present = True
-        return
-    for i in range(n):
-        info = ds.id.get_chunk_info(i)
-        arr.chunk_files[tuple(o // c for o, c in zip(info.chunk_offset, arr.chunks, strict=True))] = int(info.size)
-
-
-def from_h5_attr(v: Any) -> Any:
-    if isinstance(v, bytes):
-        v = v.decode("utf-8", "replace")
-    if isinstance(v, str):
-        try:
-            return json.loads(v)
-        except json.JSONDecodeError:
-            return v
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    return v

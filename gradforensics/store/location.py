@@ -24,7 +24,7 @@ from typing import Any
 
 from gradforensics.store import remote
 
-__all__ = ["Location"]
+__all__ = ["Location", "located"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +60,14 @@ class Location:
 
     def __str__(self) -> str:
         return self.path
+
+
+def located(where: Any, storage_options: Any = None) -> Location:
+    """*where* itself: a backend is constructed on a :class:`Location` that
+    :func:`gradforensics.store.backends.locate` made (``open_backend`` does), never on a bare path."""
+    if not isinstance(where, Location):
+        raise TypeError(f"a store backend opens a Location, not {type(where).__name__}: "
+                        "use gradforensics.store.backends.open_backend(path)")
+    if storage_options and dict(storage_options) != dict(where.storage_options):
+        raise TypeError(f"{where.path}: storage_options given twice (in its Location and beside it)")
+    return where

@@ -14,7 +14,7 @@ store so that creating it is atomic before the store exists, and so that a store
 copied elsewhere never carries a lock with it.
 
 For a store at a URL (``s3://bucket/dump.zarr``) the lock is the object
-``<store>.lock`` (:class:`RemoteLock`), created with a conditional write (S3
+``<store>.lock`` (:class:`~gradforensics.store.remote_lock.RemoteLock`), created with a conditional write (S3
 ``PUT`` with ``If-None-Match: *``; moto 5.2.5 honours it, measured in
 ``tests/test_remote_stores.py``): of two writers starting at once, exactly one
 creates it.  Object storage has no ``flock`` and no pids of other hosts, so the
@@ -30,74 +30,22 @@ import json
 import os
 import socket
 import time
-import uuid
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from gradforensics.errors import StoreLockedError
 from gradforensics.store import remote
+from gradforensics.store.holder import LEASE_SECONDS, Holder
 from gradforensics.store.location import Location
 
-__all__ = ["LEASE_SECONDS", "WRITING", "Holder", "RemoteLock", "StoreLock", "current_writer", "lock_path"]
+__all__ = ["StoreLock", "current_writer", "lock_path"]
 
 
-#: Seconds without a heartbeat after which a lock that cannot be checked by flock is stale
-#: (``GRADFORENSICS_LOCK_LEASE_S`` sets it: shorter for writers that must fail over quickly).
-LEASE_SECONDS = float(os.environ.get("GRADFORENSICS_LOCK_LEASE_S", "900"))
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
-#: what a lock's holder may be writing (said when a stale lock is taken over)
-WRITING = ("records", "analysis results")
-
-
 def lock_path(store_path: str) -> str:
     """The sidecar lock file of the store at *store_path*."""
     return os.path.normpath(os.path.abspath(store_path)) + ".lock"
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who holds (or held) a lock, as written in the lock file."""
-
-    host: str
-    pid: int
-    started: float
-    lease_s: float
-    #: what the holder was writing: ``"records"`` (a capture) or ``"analysis results"`` (an analyze)
-    writing: str = "records"
-
-    @classmethod
-    def parse(cls, raw: bytes) -> Holder | None:
-        try:
-            d = json.loads(raw.decode())
-            writing = d.get("writing", "records")
-            return cls(str(d["host"]), int(d["pid"]), float(d["started"]), float(d["lease_s"]),
-                       writing if writing in WRITING else "records")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
-            return None
-
-    def lost(self) -> str:
-        """What a takeover of this holder's lock cost, in words."""
-        if self.writing == "analysis results":
-            return "its unfinished analysis results are discarded, the committed ones are kept"
-        return "its records in flight were lost, committed records are kept"
-
-    def describe(self) -> str:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        return f"host {self.host}, pid {self.pid}, since {since}"
-
-    def alive_here(self) -> bool:
-        """False when the holder ran on this host and its pid is gone."""
-        if self.host != socket.gethostname():
-            return True
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 def current_writer(store: str | Location, storage_options: Mapping[str, Any] | None = None) -> Holder | None:
@@ -117,7 +65,9 @@ def current_writer(store: str | Location, storage_options: Mapping[str, Any] | N
         store = store.path
     try:
         if remote.is_url(store):
-            return _remote_writer(store, storage_options)
+            from gradforensics.store.remote_lock import RemoteLock
+
+            return RemoteLock(store, storage_options=storage_options).live_holder()
         return _local_writer(lock_path(store))
     except Exception:   # a reader's courtesy line: an unreadable lock is no writer
         return None
@@ -149,15 +99,6 @@ def _local_writer(path: str) -> Holder | None:
         os.close(fd)                        # closing drops any flock of this descriptor
 
 
-def _remote_writer(url: str, storage_options: Mapping[str, Any] | None) -> Holder | None:
-    lock = RemoteLock(url, storage_options=storage_options)
-    doc = lock._read()
-    if not doc:
-        return None
-    holder = Holder.parse(json.dumps(doc).encode())
-    return holder if holder is not None and not lock._stale(holder, doc) else None
-
-
 class StoreLock:
     """The exclusive writer lock of one store; ``acquire()`` or :class:`StoreLockedError`."""
 
@@ -170,6 +111,8 @@ class StoreLock:
         self.lease_s = lease_s
         self.writing = writing
         self._fd: int | None = None
+        from gradforensics.store.remote_lock import RemoteLock
+
         self._remote = RemoteLock(store_path, lease_s, storage_options, writing=writing) \
             if remote.is_url(store_path) else None
         self.path = self._remote.url if self._remote else lock_path(store_path)
@@ -275,130 +218,3 @@ class StoreLock:
 
 
 _REPLACED = object()
-
-
-class RemoteLock:
-    """The writer lock of a store at a URL: the object ``<store>.lock``, held by lease.
-
-    The object holds the holder's JSON (host, pid, start, lease, a random token,
-    and ``heartbeat``, the holder's clock at its last heartbeat).  It is created
-    with a conditional write (``mode="create"``: S3 ``If-None-Match: *``), so only
-    one writer can create it; a file system without conditional writes falls back
-    to write-then-read-back of the token (a race window of one round trip).
-    """
-
-    def __init__(self, store_url: str | Location, lease_s: float = LEASE_SECONDS,
-                 storage_options: Mapping[str, Any] | None = None, *, writing: str = "records") -> None:
-        self.writing = writing
-        if isinstance(store_url, Location):
-            storage_options = {**store_url.storage_options, **(storage_options or {})}
-            store_url = store_url.path
-        self.store_url = remote.normalize(store_url)
-        self.url = self.store_url + ".lock"
-        self.lease_s = lease_s
-        self._fs, self._path = remote.filesystem(self.url, storage_options)
-        self._token: str | None = None
-        #: fencing token: one more than the lock this writer took over (0 for a fresh lock)
-        self._fence = 0
-        self._started = 0.0
-        self._beat = 0.0
-
-    def _doc(self) -> bytes:
-        now = time.time()
-        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": self._started,
-                           "lease_s": self.lease_s, "heartbeat": now, "token": self._token,
-                           "fence": self._fence, "store": self.store_url.rsplit("/", 1)[-1],
-                           "writing": self.writing}).encode()
-
-    def _read(self) -> dict[str, Any] | None:
-        try:
-            raw = remote.translated(self.store_url, lambda: self._fs.cat_file(self._path))
-        except FileNotFoundError:
-            return None
-        try:
-            doc = json.loads(raw.decode())
-        except (ValueError, UnicodeDecodeError):
-            return {}
-        return doc if isinstance(doc, dict) else {}
-
-    def _create(self) -> bool:
-        """Create the lock object if absent; True when this call created it."""
-        data = self._doc()
-        if remote.scheme(self.url) == "file":       # a local file system has directories to make first
-            self._fs.makedirs(self._fs._parent(self._path), exist_ok=True)
-        try:
-            remote.translated(self.store_url, lambda: self._fs.pipe_file(self._path, data, mode="create"))
-            return True
-        except FileExistsError:
-            return False
-        except (TypeError, NotImplementedError):   # no conditional write here: write, then read back
-            if self._fs.exists(self._path):
-                return False
-            self._fs.pipe_file(self._path, data)
-            got = self._read()
-            return got is not None and got.get("token") == self._token
-
-    def acquire(self) -> RemoteLock:
-        self._token = uuid.uuid4().hex
-        self._started = time.time()
-        for _ in range(5):
-            if self._create():
-                self._beat = time.time()
-                return self
-            doc = self._read()
-            if doc is None:
-                continue                  # released between our create and read: try again
-            if doc.get("token") == self._token:
-                self._beat = time.time()  # our own create, whose response was lost: a retry saw it exist
-                return self
-            holder = Holder.parse(json.dumps(doc).encode())
-            if holder is not None and not self._stale(holder, doc):
-                raise StoreLockedError(
-                    f"{self.store_url} is being written by another process ({holder.describe()}; lock object "
-                    f"{self.url}); one writer per store: wait for it, or write to another URL.")
-            fence = doc.get("fence")
-            self._fence = (fence if isinstance(fence, int) and not isinstance(fence, bool) and fence >= 0 else 0) + 1
-            remote.translated(self.store_url, lambda: self._fs.rm_file(self._path))
-            who = holder.describe() if holder else "an unreadable holder"
-            lost = holder.lost() if holder else Holder("", 0, 0.0, 0.0).lost()
-            warnings.warn(f"{self.store_url}: took over a stale writer lock ({who}); {lost}.", stacklevel=5)
-        raise StoreLockedError(f"{self.store_url}: the lock object {self.url} keeps being replaced; another writer "
-                               "is starting here.")
-
-    def _stale(self, holder: Holder, doc: dict[str, Any]) -> bool:
-        beat = doc.get("heartbeat", holder.started)
-        age = time.time() - (float(beat) if isinstance(beat, (int, float)) else holder.started)
-        return not holder.alive_here() or age > holder.lease_s
-
-    def check(self) -> dict[str, Any]:
-        """Read the lock object; :class:`StoreLockedError` unless it still holds this writer's token.
-
-        Called before every flush writes a chunk and again right before its commit: a
-        writer whose lease ran out and whose lock was taken over stops there, before it
-        writes a byte into the new owner's store.  The window left is the time one flush
-        takes to write its chunks (S3 has no write conditioned on another object): a
-        writer frozen *inside* a flush, past its lease, can still write that flush's
-        chunks when it resumes, but not commit them.
-        """
-        doc = self._read()
-        if self._token is None or not doc or doc.get("token") != self._token:
-            raise StoreLockedError(f"{self.store_url}: this writer's lock object {self.url} was taken over "
-                                   "(its lease ran out); stop writing: another writer owns the store now.")
-        return doc
-
-    def heartbeat(self) -> None:
-        """Rewrite the heartbeat (at most every tenth of the lease), if the lock is still ours."""
-        if self._token is None or time.time() - self._beat < self.lease_s / 10:
-            return
-        self.check()
-        data = self._doc()
-        remote.translated(self.store_url, lambda: self._fs.pipe_file(self._path, data))
-        self._beat = time.time()
-
-    def release(self) -> None:
-        if self._token is None:
-            return
-        token, self._token = self._token, None
-        doc = self._read()
-        if doc and doc.get("token") == token:
-            remote.translated(self.store_url, lambda: self._fs.rm_file(self._path))

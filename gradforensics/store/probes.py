@@ -2,7 +2,7 @@
 
 Small arrays with their meaning in attributes, written once after the records
 (:func:`write_probes`, under the store's writer lock) and checked at open
-(:func:`check_probe`, called by :mod:`gradforensics.store.validate`):
+(:func:`~gradforensics.store.probe_schema.check_probe`, called by :mod:`gradforensics.store.validate`):
 
 ==========================  ==================  =============================================================
 array                       dtype, shape        attrs
@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.store.probe_schema import CURVATURE_ARRAYS, OPTIM_ARRAYS, PROBE_GROUPS, check_probe
+from gradforensics.store.probe_schema import CURVATURE_ARRAYS, OPTIM_ARRAYS
 
 if TYPE_CHECKING:
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
-__all__ = ["CURVATURE_ARRAYS", "OPTIM_ARRAYS", "PROBE_GROUPS", "CurvatureData", "OptimData", "check_probe",
-           "read_curvature", "read_optim", "write_probes"]
+__all__ = ["CurvatureData", "OptimData", "read_curvature", "read_optim", "write_probes"]
 
 
 

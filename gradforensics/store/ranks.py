@@ -21,9 +21,9 @@ Zarr store at the same time, without a lock on the data:
   root attribute: world size, ranks that completed, records per rank.
 
 A rank killed with ``kill -9`` therefore loses only its records in flight; the
-other ranks' records, before and after, are kept.  A launcher that answers a dead
-rank by sending SIGTERM to the others (torchrun) is met by :class:`TermGuard`: while
-a multi-rank recorder is open, SIGTERM raises :class:`~gradforensics.errors.Terminated`
+other ranks' records, before and after, are kept.  A launcher that answers a dead rank
+by sending SIGTERM to the others (torchrun) is met by :mod:`~gradforensics.store.termguard`:
+while a multi-rank recorder is open, SIGTERM raises :class:`~gradforensics.errors.Terminated`
 in the main thread, the recorder closes, and rank 0 waits at most
 :data:`TERM_WAIT_S` for the others before it commits.  A record is *complete* when
 the rank that owns it says so: rank 0 for its own, rank ``q``'s marker count for
@@ -42,9 +42,7 @@ import contextlib
 import json
 import os
 import pickle
-import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -53,16 +51,16 @@ from typing import Any
 
 import numpy as np
 
-from gradforensics.errors import GradforensicsError, SpecError, StoreMismatchError, Terminated
+from gradforensics.errors import GradforensicsError, SpecError, StoreMismatchError
 from gradforensics.store.backends import backend_kind, open_backend
 from gradforensics.store.layout import chunk_shape
 from gradforensics.store.location import Location
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta, committed_prefix
 from gradforensics.store.writer import WEIGHT_RECORD, Row, StoreWriter
 
-__all__ = ["DEFAULT_WAIT_S", "MARKERS", "TERM_WAIT_S", "RankPlan", "TermGuard", "alive", "check_backend",
-           "committed_prefix", "compaction_moves", "counts", "ensure_markers_group", "rank_writer", "read_marker",
-           "row_view", "wait_for_array", "write_marker"]
+__all__ = ["DEFAULT_WAIT_S", "MARKERS", "TERM_WAIT_S", "RankPlan", "alive", "check_backend", "compaction_moves",
+           "counts", "ensure_markers_group", "rank_writer", "read_marker", "row_view", "wait_for_array",
+           "write_marker"]
 
 
 MARKERS = "ranks"
@@ -184,16 +182,15 @@ def row_view(arr: Any, n_rows: int) -> Any:
     The chunk files a rank writes do not depend on the array's recorded shape
     (one record per chunk, Zarr v3's chunk key encoding), so a rank other than 0
     writes through a copy of the array object whose in-memory shape is long
-    enough; rank 0 grows the stored shape before it commits those rows.
+    enough; rank 0 grows the stored shape before it commits those rows.  The copy
+    writes empty chunks too, as the rank writer's arrays do.
     """
     import zarr
-    from zarr.core.array import AsyncArray
 
-    inner = arr._async_array
-    if inner.metadata.shape[0] >= n_rows:
+    if arr.metadata.shape[0] >= n_rows:
         return arr
-    meta = inner.metadata.update_shape((n_rows, *inner.metadata.shape[1:]))
-    return zarr.Array(AsyncArray(meta, inner.store_path, config=inner.config))
+    meta = arr.metadata.update_shape((n_rows, *arr.metadata.shape[1:]))
+    return zarr.Array(zarr.AsyncArray(meta, arr.store_path, config={"write_empty_chunks": True}))
 
 
 def wait_for_array(root: Any, name: str, wait_s: float) -> Any:
@@ -209,49 +206,6 @@ def wait_for_array(root: Any, name: str, wait_s: float) -> Any:
                                          "must record the same tensors.") from exc
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
-
-
-# ------------------------------------------------------------------ SIGTERM
-class TermGuard:
-    """SIGTERM as :class:`~gradforensics.errors.Terminated` in the main thread while a multi-rank recorder is open.
-
-    torchrun answers a dead rank by sending SIGTERM to the others; by default they
-    die where they stand, and rank 0 never commits the records they wrote.  The
-    handler raises once, so the ``with`` block unwinds and the recorder closes;
-    *on_signal* runs first (rank 0 bounds its wait for the other ranks).  A SIGTERM
-    that arrives while the recorder closes is held (:attr:`pending`) and raised
-    by the recorder once the store is committed.  Installed only from the main
-    thread over the default action (a program's own SIGTERM handler is left alone);
-    :meth:`restore` puts the default back.
-    """
-
-    def __init__(self, on_signal: Callable[[], None] = lambda: None) -> None:
-        self.on_signal = on_signal
-        self.received = False
-        self.raised = False
-        #: set by the recorder when it starts to close: from then on a SIGTERM is held, not raised
-        self.closing = False
-        self.installed = (threading.current_thread() is threading.main_thread()
-                          and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
-        if self.installed:
-            signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
-        self.on_signal()
-        if not (self.closing or self.raised):
-            self.raised = True
-            raise Terminated("SIGTERM")
-
-    @property
-    def pending(self) -> bool:
-        """A SIGTERM arrived and was not raised (it came while the recorder closed)."""
-        return self.received and not self.raised
-
-    def restore(self) -> None:
-        if self.installed and signal.getsignal(signal.SIGTERM) == self._handle:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        self.installed = False
 
 
 def _word(exc: BaseException, path: str) -> BaseException:

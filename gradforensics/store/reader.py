@@ -18,17 +18,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.errors import CorruptChunkError, GradforensicsError, MissingArrayError, NotAStoreError
-from gradforensics.store.backends import ArrayHandle, locate, open_backend, read_url_array
+from gradforensics.store.backends import ArrayHandle, locate, open_backend
 from gradforensics.store.layout import MiB
 from gradforensics.store.location import Location
 from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
 from gradforensics.store.validate import check_arrays, check_ranks, chunks_checked, rows_of
 from gradforensics.store.writer import WEIGHT_RECORD
+from gradforensics.store.zarr_backend import read_url_array
 
 if TYPE_CHECKING:
     import dask.array as da
 
-    from gradforensics.store.lock import Holder
+    from gradforensics.store.holder import Holder
 
 __all__ = ["MAX_SLAB", "ArrayInfo", "Store", "open_store"]
 

@@ -3,7 +3,7 @@
 A store path is either a local path or a URL with a scheme (``scheme://...``).
 For a URL, the Zarr store is zarr's :class:`~zarr.storage.FsspecStore` over the
 fsspec file system of the scheme (s3fs for ``s3://``); obstore is an opt-in layer
-for the pass's chunk reads (:func:`read_store`; measured by ``benchmarks/analyze.py
+for the pass's chunk reads (:func:`gradforensics.store.url_reads.read_store`; measured by ``benchmarks/analyze.py
 --url``, the choice argued in ``docs/cluster.md``).  HDF5 files at
 a URL are refused (one line saying to use Zarr): h5py reads a remote file through
 many small, dependent range requests, and cannot write one at all.
@@ -179,69 +179,6 @@ def zarr_store(url: str, read_only: bool, storage_options: Mapping[str, Any] | N
     return store
 
 
-#: s3fs storage options -> obstore S3 config keys (anything else: the read stays on FsspecStore)
-_OBSTORE_KEYS = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
-                 "endpoint_url": "endpoint", "anon": "skip_signature"}
-_IGNORED_FOR_OBSTORE = {"config_kwargs", "skip_instance_cache", "use_listings_cache", "default_block_size"}
-_READ_STORES: dict[tuple[str, str], Any] = {}
-
-
-def read_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """The zarr store the pass reads chunks through, cached per process.
-
-    zarr's ``FsspecStore`` (s3fs for ``s3://``), like every other access.  With
-    ``GRADFORENSICS_READ_LAYER=obstore`` in the environment (of the workers) and
-    obstore installed, ``s3://`` chunk reads go through zarr's ``ObjectStore``
-    over obstore's Rust client instead.  Measured (``benchmarks/analyze.py --url
-    moto``): the same throughput on large reads (0.9x the time of s3fs on 0.42 GB),
-    but a smaller fixed cost per process (75 MB: 0.8-0.9 s vs 2.4-4.3 s); not the
-    default because obstore resolves credentials differently from botocore (no
-    ``~/.aws`` profiles), so a setup that works for listing could fail on reads.
-    """
-    import json
-
-    opts = options_for(url, storage_options)
-    key = (normalize(url), json.dumps(opts, sort_keys=True, default=repr))
-    store = _READ_STORES.get(key)
-    if store is None:
-        use_obstore = os.environ.get("GRADFORENSICS_READ_LAYER", "fsspec") == "obstore" and scheme(url) == "s3"
-        store = _obstore_s3(url, opts) if use_obstore else None
-        store = store if store is not None else zarr_store(url, True, storage_options)
-        _READ_STORES[key] = store
-    return store
-
-
-def _obstore_s3(url: str, opts: Mapping[str, Any]) -> Any:
-    """zarr ObjectStore over obstore's S3Store for *url*, or None when obstore is missing or *opts* don't map."""
-    from datetime import timedelta
-
-    try:
-        from obstore.store import S3Store
-        from zarr.storage import ObjectStore
-    except ImportError:
-        return None
-    config: dict[str, Any] = {}
-    for k, v in opts.items():
-        if k in _OBSTORE_KEYS:
-            config[_OBSTORE_KEYS[k]] = v
-        elif k == "client_kwargs" and isinstance(v, dict) and set(v) <= {"region_name", "endpoint_url"}:
-            config.update({"region" if kk == "region_name" else "endpoint": vv for kk, vv in v.items()})
-        elif k not in _IGNORED_FOR_OBSTORE:
-            return None
-    endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        config["endpoint"] = endpoint
-    config.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
-    bucket, _, prefix = normalize(url).split("://", 1)[1].partition("/")
-    client: Any = {"allow_http": True} if str(endpoint or "").startswith("http:") else None
-    retry: Any = {"retry_timeout": timedelta(seconds=deadline_s())}     # obstore's own retries end at the deadline too
-    try:
-        return ObjectStore(S3Store(bucket, prefix=prefix or None, client_options=client, retry_config=retry,
-                                   **config), read_only=True)
-    except (ValueError, TypeError):      # a configuration obstore refuses: read through fsspec instead
-        return None
-
-
 #: Exception types (by name, anywhere in the class's ancestry: botocore, aiohttp and s3fs are optional) of a
 #: request that got no usable answer: dropped, timed out, cut short (what s3fs itself retried).
 _TRANSIENT_TYPES = frozenset({"HTTPClientError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
@@ -309,6 +246,11 @@ class _RetryBudget:
 
 
 _BUDGET = _RetryBudget()
+
+
+def reset_retry_budget() -> None:
+    """Give this process its whole retry budget back (``GRADFORENSICS_REMOTE_RETRY_BUDGET`` retries)."""
+    _BUDGET.reset()
 
 
 def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, backoff_s: float = BACKOFF_S,
@@ -401,9 +343,9 @@ def translated(url: str, fn: Callable[[], T], what: str = "") -> T:
         raise
 
 
-__all__ = ["ATTEMPTS", "BACKOFF_S", "DEADLINE_S", "RETRY_BUDGET", "deadline_s", "describe_error", "filesystem",
-           "is_transient", "is_url", "normalize", "options_for", "parse_options", "scheme", "translated",
-           "with_retries", "zarr_store"]
+__all__ = ["ATTEMPTS", "BACKOFF_S", "DEADLINE_S", "RETRY_BUDGET", "deadline_s",
+           "describe_error", "filesystem", "is_transient", "is_url", "normalize", "options_for", "parse_options",
+           "reset_retry_budget", "scheme", "translated", "with_retries", "zarr_store"]
 
 
 def clear_url(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None = None) -> None:

@@ -1,0 +1,167 @@
+"""The HDF5 backend: one local file (one writer per file; readers open it per task).
+
+One of the backends of :data:`~gradforensics.store.backends.BACKENDS`; it follows the
+:class:`~gradforensics.store.backends.StoreBackend` protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from gradforensics.errors import NotAStoreError
+from gradforensics.store.hdf5_inventory import from_h5_attr, hdf5_inventory
+from gradforensics.store.inventory import Inventory
+from gradforensics.store.location import Location, located
+
+__all__ = ["HDF5Backend"]
+
+
+def _h5_filter(compression: str) -> dict[str, Any]:
+    if compression == "none":
+        return {}
+    # Without hdf5plugin the portable choice is gzip-1 with the shuffle filter ("zstd" maps to it).
+    return {"compression": "gzip", "compression_opts": 1, "shuffle": True}
+
+
+class HDF5Backend:
+    """HDF5 file store (one writer per file; readers open it per task)."""
+
+    kind: ClassVar[str] = "hdf5"
+    suffixes: ClassVar[tuple[str, ...]] = (".h5", ".hdf5")
+    description: ClassVar[str] = "an HDF5 file"
+    remote_ok: ClassVar[bool] = False
+    remote_refusal: ClassVar[str] = (
+        "HDF5 stores are local files only (h5py reads a remote file through many small dependent requests "
+        "and cannot write one); use a Zarr store ('*.zarr') on object storage.")
+    rewrites_chunks: ClassVar[bool] = False
+
+    @classmethod
+    def read_array(cls, location: Location, name: str, sel: Any) -> np.ndarray:
+        import h5py
+
+        with h5py.File(location.path, "r") as f:
+            return np.asarray(f[name][sel])
+
+    @classmethod
+    def not_a_store(cls, path: Path) -> str | None:
+        import h5py
+
+        if not path.is_file():
+            return "is not a file"
+        try:
+            with h5py.File(path, "r") as f:
+                if "gradforensics" not in f.attrs:
+                    return "is an HDF5 file but not a gradforensics store"
+        except OSError:
+            return "is not an HDF5 file"
+        return None
+
+    def __init__(self, where: Location | str | os.PathLike[str], mode: str = "r") -> None:
+        import h5py
+
+        self.location = located(where)
+        self.path = self.location.path
+        if mode == "r":
+            if Path(self.path).is_dir():
+                raise NotAStoreError(f"{self.path}: is a directory, not an HDF5 file; expected a gradforensics store "
+                                     "(an HDF5 store is one file; a Zarr store is a *.zarr directory).")
+            if not Path(self.path).is_file():
+                raise NotAStoreError(f"{self.path}: no such HDF5 file; expected a gradforensics store.")
+            try:
+                self._f = h5py.File(self.path, "r")
+            except OSError as exc:
+                raise NotAStoreError(f"{self.path}: not an HDF5 file ({exc}); expected a gradforensics store.") from exc
+        else:
+            self._f = h5py.File(self.path, "w" if mode == "w" else "a")
+        self.writable = mode != "r"
+
+    def root_attrs(self) -> dict[str, Any]:
+        return {k: from_h5_attr(v) for k, v in self._f.attrs.items()}
+
+    def set_root_attr(self, key: str, value: dict[str, Any]) -> None:
+        self._f.attrs[key] = json.dumps(value)
+        self._f.flush()
+
+    def attrs(self, name: str) -> dict[str, Any]:
+        return {k: from_h5_attr(v) for k, v in self._f[name].attrs.items()}
+
+    def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
+               attrs: dict[str, Any], compression: str = "none", checksum: bool = True) -> None:
+        if name in self._f:
+            del self._f[name]
+        # Fletcher-32 adds 4 bytes to every chunk: its size never changes on a rewrite, so
+        # rewritten chunks stay in place (what the crash test needs; see writer.py).
+        ds = self._f.create_dataset(
+            name, shape=shape, maxshape=(None, *shape[1:]), dtype=dtype, chunks=chunks,
+            fillvalue=0, fletcher32=checksum, **_h5_filter(compression),
+        )
+        for k, v in attrs.items():
+            ds.attrs[k] = json.dumps(v)
+
+    def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
+        ds = self._f[name]
+        stop = start + data.shape[0]
+        if ds.shape[0] < stop:
+            ds.resize(stop, axis=0)
+        ds[start:stop] = data
+
+    def truncate(self, name: str, n: int) -> None:
+        ds = self._f[name]
+        if ds.shape[0] != n:
+            ds.resize(n, axis=0)
+
+    def names(self) -> list[str]:
+        import h5py
+
+        out: list[str] = []
+        self._f.visititems(lambda n, obj: out.append(n) if isinstance(obj, h5py.Dataset) else None)
+        return sorted(out)
+
+    def info(self, name: str) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
+        ds = self._f[name]
+        return tuple(ds.shape), str(ds.dtype), tuple(ds.chunks or ds.shape)
+
+    def has(self, name: str) -> bool:
+        return name in self._f
+
+    def group_attrs(self, name: str) -> dict[str, Any]:
+        import h5py
+
+        g = self._f.get(name)
+        return {k: from_h5_attr(v) for k, v in g.attrs.items()} if isinstance(g, h5py.Group) else {}
+
+    def set_group_attr(self, name: str, key: str, value: Any) -> None:
+        self._f.require_group(name).attrs[key] = json.dumps(value)
+        self._f.flush()
+
+    def children(self, name: str) -> list[str]:
+        import h5py
+
+        g = self._f.get(name)
+        return sorted(g.keys()) if isinstance(g, h5py.Group) else []
+
+    def delete(self, name: str) -> None:
+        if name in self._f:
+            del self._f[name]
+
+    def inventory(self, unlisted: Callable[[str], bool] | None = None) -> Inventory:
+        """Root attributes and every dataset; links and external data refused (*unlisted*: counted anyway)."""
+        return hdf5_inventory(self.path, self._f)
+
+    def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
+        return np.asarray(self._f[name][sel])
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+#: The backend table: every backend, in the order a path's suffix is tried against them.
