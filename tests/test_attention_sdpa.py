@@ -345,3 +345,25 @@ def test_hf_gradient_checkpointing_is_not_counted_twice() -> None:
         assert taps.hf.taps["model.layers.0.self_attn"].part["n"].tolist() == [2 * 8] * 4   # type: ignore[index]
     finally:
         taps.remove()
+
+
+def test_replay_of_a_non_hf_model_records_sdpa_attention(tmp_path) -> None:
+    """The replay behind ``capture --attention`` uses the same recorder: an SDPA model is tapped there too."""
+    from gradforensics.replay import replay
+
+    model = make(kv_heads=2, qk_norm=True)
+    sharpen(model)
+    for blk in model.blocks:
+        blk.attn.seen = []
+
+    def loss_fn(m: GPT, ids: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m(ids)[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+
+    store = replay(model, {"a": batches(2), "b": batches(2, seed=7)}, loss_fn, tmp_path / "r.zarr", n_per_source=2,
+                   progress=False, attention="auto", heads=None, sketch=8)
+    assert store.attn_modules == ["blocks.0.attn", "blocks.1.attn"]
+    for j, blk in enumerate(model.blocks):
+        assert len(blk.attn.seen) == 4                     # one forward per record, in record order
+        for i, call in enumerate(blk.attn.seen):
+            for stat, v in oracle([call]).items():
+                np.testing.assert_allclose(store.attn(f"blocks.{j}.attn", stat)[i], v, atol=TOL, rtol=TOL)
