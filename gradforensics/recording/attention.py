@@ -32,9 +32,10 @@ attention runs in SDPA or flash kernels is refused in one line
 ``attn_implementation="eager"``.
 
 The statistics are fed by a door (here the Hugging Face one) that hands each
-call's query, key, mask and scaling to the module's :class:`HeadTap`; a tap of
-another attention call (e.g. ``torch.nn.functional.scaled_dot_product_attention``
-in a model outside transformers) would be another door feeding the same taps.
+call's query, key, mask and scaling to the module's :class:`HeadTap`; the other
+door, :mod:`gradforensics.recording.sdpa`, feeds the same taps from every
+``torch.nn.functional.scaled_dot_product_attention`` call of a model outside
+transformers.
 """
 
 from __future__ import annotations
