@@ -219,11 +219,18 @@ def test_sdpa_and_non_attention_modules_refused_in_one_line(tmp_path) -> None:
     with pytest.raises(AttentionUnavailableError, match=r"'sdpa'.*attn_implementation=\"eager\"") as e:
         gf.Recorder(tmp_path / "s.zarr", model=tiny_llama("sdpa"), sources=["a"], attention="auto")
     assert "\n" not in str(e.value) and not (tmp_path / "s.zarr").exists()
-    with pytest.raises(SpecError, match="not a Hugging Face attention module"):
-        gf.Recorder(tmp_path / "s.zarr", model=tiny_llama(), sources=["a"], attention=["*.mlp"])
-    with pytest.raises(SpecError, match="no Hugging Face attention module"):
-        gf.Recorder(tmp_path / "s.zarr", model=torch.nn.Sequential(torch.nn.Linear(3, 3)), sources=["a"],
-                    attention="auto")
+    # a module that is not a Hugging Face attention goes through the SDPA door: refused at the record
+    # where it made no scaled_dot_product_attention call (an eager LLaMA's MLP makes none)
+    model = tiny_llama()
+    with gf.Recorder(tmp_path / "m.zarr", model=model, sources=["a"], attention=["*.mlp"], sketch=4) as rec:
+        model(input_ids=torch.zeros((1, 3), dtype=torch.long))
+        with pytest.raises(SpecError, match="made no scaled_dot_product_attention call"):
+            rec.record(step=0, source="a")
+    lin = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    with gf.Recorder(tmp_path / "l.zarr", model=lin, sources=["a"], attention="auto", sketch=4) as rec:
+        lin(torch.ones(1, 3))
+        with pytest.raises(SpecError, match="ran no scaled_dot_product_attention call and has no Hugging Face"):
+            rec.record(step=0, source="a")
     # an attention module outside any PreTrainedModel: no public door switches it
     from transformers.models.llama.modeling_llama import LlamaAttention
 

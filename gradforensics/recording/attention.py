@@ -32,9 +32,10 @@ attention runs in SDPA or flash kernels is refused in one line
 ``attn_implementation="eager"``.
 
 The statistics are fed by a door (here the Hugging Face one) that hands each
-call's query, key, mask and scaling to the module's :class:`HeadTap`; a tap of
-another attention call (e.g. ``torch.nn.functional.scaled_dot_product_attention``
-in a model outside transformers) would be another door feeding the same taps.
+call's query, key, mask and scaling to the module's :class:`HeadTap`; the other
+door, :mod:`gradforensics.recording.sdpa`, feeds the same taps from every
+``torch.nn.functional.scaled_dot_product_attention`` call of a model outside
+transformers.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import fnmatch
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -147,19 +148,59 @@ def logits_of(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> 
 
 # ------------------------------------------------------------------ the taps
 class HeadTap:
-    """The running statistics of one attention module since the last record, fed by a door with each call's tensors."""
+    """The running statistics of one attention module since the last record, fed by a door with each call's tensors.
 
-    def __init__(self, name: str) -> None:
+    *gate*: when given, a call is counted only while it returns true (the recorded model's own forward
+    is running: a forward re-run by gradient checkpointing during backward is not counted twice).
+    """
+
+    def __init__(self, name: str, gate: Callable[[], bool] | None = None) -> None:
         self.name = name
         self.part: dict[str, torch.Tensor] | None = None
+        self.gate = gate
 
-    def add(self, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None) -> None:
-        """Add one call: *query* ``(B, H, Q, d)``, *key* ``(B, H_kv, K, d)``, *mask* as eager attention gets it."""
+    def add(self, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, *,
+            causal: bool = False, block: int | None = None) -> None:
+        """Add one call: *query* ``(B, H, Q, d)``, *key* ``(B, H_kv, K, d)``, *mask* as eager attention gets it.
+
+        A float *mask* is added to the logits where it allows the key (an additive bias counts, as
+        in the softmax); *causal*: query ``i`` sees keys ``0..i`` (top-left aligned, as
+        ``scaled_dot_product_attention``'s ``is_causal``).  Computed ``block`` queries at a time
+        (default: as many as keep a block's logits under :data:`BLOCK` elements), so no ``Q×K``
+        matrix of every head is ever held.
+        """
         import torch
 
+        if self.gate is not None and not self.gate():
+            return
         with torch.no_grad():
-            s = logits_of(query, key, scaling)
-            self.part = merge(self.part, head_stats(s, allowed_keys(mask, tuple(s.shape))))
+            q, k = query.detach(), key.detach().to(torch.float32)
+            if k.shape[-3] != q.shape[-3]:
+                k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            n_q, n_k = q.shape[-2], k.shape[-2]
+            step = block or max(1, BLOCK // max(1, q.shape[0] * q.shape[1] * n_k))
+            for i in range(0, n_q, step):
+                j = min(n_q, i + step)
+                s = logits_of(q[..., i:j, :], k, scaling)
+                m = _rows(mask, i, j, n_q)
+                if causal:
+                    ok = torch.arange(n_k, device=s.device)[None, :] <= torch.arange(i, j, device=s.device)[:, None]
+                else:
+                    ok = allowed_keys(m, tuple(s.shape)).to(s.device)
+                if m is not None and m.dtype != torch.bool:
+                    s = s + torch.where(ok, m.to(s.device, torch.float32), 0.0)
+                self.part = merge(self.part, head_stats(s, ok))
+
+
+#: Elements of one query block's logits ``(B, H, block, K)`` (float32: 16 MiB).
+BLOCK = 1 << 22
+
+
+def _rows(mask: torch.Tensor | None, i: int, j: int, n_q: int) -> torch.Tensor | None:
+    """Rows ``i:j`` of a mask broadcast against ``(..., Q, K)`` (a mask with one query row is everyone's)."""
+    if mask is None or mask.ndim < 2 or mask.shape[-2] != n_q:
+        return mask
+    return mask[..., i:j, :]
 
 
 # ------------------------------------------------------------------ the Hugging Face door
@@ -168,7 +209,7 @@ def tapped_eager(module: Any, query: Any, key: Any, value: Any, attention_mask: 
     own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) or _llama_eager()
     out = own(module, query, key, value, attention_mask, *args, **kwargs)
     tap = _TAPS.get(module)
-    if tap is not None:
+    if tap is not None:        # HeadTap.add skips the call when its gate is shut
         tap.add(query, key, attention_mask, kwargs.get("scaling", args[0] if args else None))
     return out
 

@@ -34,11 +34,11 @@ from gradforensics.recording.actstats import (
     partial_stats,
     with_scale,
 )
-from gradforensics.recording.attention import AttentionTaps, attention_modules
 from gradforensics.recording.autoheads import resolve_heads
 from gradforensics.recording.encoding import mixture_row
 from gradforensics.recording.hostcopy import HostCopies, device_copies_done, to_numpy
 from gradforensics.recording.recorder import ArrayRecorder
+from gradforensics.recording.sdpa import open_taps
 from gradforensics.recording.selection import model_info, run_dtypes, select_modules, select_parameters
 from gradforensics.recording.sketch import DeviceSketch
 from gradforensics.store.names import check_name
@@ -77,11 +77,13 @@ class TorchRecorder(ArrayRecorder):
         Snapshot the recorded weights every ``k`` records (record 0 included);
         ``None``: never.
     attention
-        ``"auto"`` (every Hugging Face attention module) or module globs: per
-        record and head, the max attention logit, the mean and minimum attention
-        entropy and the share of one-hot queries, reduced on the device
-        (:mod:`gradforensics.recording.attention`).  The model must run eager
-        attention (``attn_implementation="eager"``); SDPA/flash are refused.
+        ``"auto"`` (every Hugging Face attention module; in a model without any,
+        every module that calls ``scaled_dot_product_attention``, found on the
+        first forward) or module globs: per record and head, the max attention
+        logit, the mean and minimum attention entropy and the share of one-hot
+        queries, reduced on the device (:mod:`gradforensics.recording.attention`,
+        :mod:`gradforensics.recording.sdpa`).  A Hugging Face model must run
+        eager attention (``attn_implementation="eager"``); its SDPA/flash are refused.
     sketch_on
         ``"device"`` (default): a countsketch is computed where the gradient lives
         (the GPU), so only ``k`` floats per head cross to the host; ``"host"``: the
@@ -120,8 +122,7 @@ class TorchRecorder(ArrayRecorder):
                             "pass tensors=[globs].")
         specs = resolve_heads(named, {n: tuple(p.shape) for n, p in self.params.items()}, heads)
         self._act_modules = select_modules(named, activations)
-        attn_modules = attention_modules(named, attention) if attention else {}
-        if attn_modules and self.dist is not None and self.dist.kind == "fsdp":
+        if attention and self.dist is not None and self.dist.kind == "fsdp":
             raise SpecError("FSDP capture does not take attention= yet; record it from a DDP or single-process run.")
         if self.dist is not None:
             _check_distributed(self.dist, activations, weights_every, kwargs)
@@ -131,8 +132,14 @@ class TorchRecorder(ArrayRecorder):
         bounds.update(act_bounds or {})
         self.weights_every = weights_every
         kwargs["dtypes"] = run_dtypes(named, kwargs.get("dtypes"))
-        super().__init__(path, sources=sources, heads=specs, act_bounds=bounds, framework="torch",
-                         model_info=model_info(named), **kwargs)
+        self._attn = open_taps(named, attention) if attention else None
+        try:
+            super().__init__(path, sources=sources, heads=specs, act_bounds=bounds, framework="torch",
+                             model_info=model_info(named), **kwargs)
+        except BaseException:
+            if self._attn is not None:
+                self._attn.remove()
+            raise
         self.head_specs = specs
         self._local = distributed.LocalGrads(model, self.params) if self.dist and self.dist.kind == "ddp" else None
         on_device = self.sketcher is not None and self.sketcher.method == "countsketch" and (
@@ -148,7 +155,6 @@ class TorchRecorder(ArrayRecorder):
         self._act_hooks = {n: ActHook(n) for n in self._act_modules}
         for n, m in self._act_modules.items():
             self._hooks.append(m.register_forward_hook(self._act_hooks[n]))
-        self._attn = AttentionTaps(named, attn_modules) if attn_modules else None
         self._warned: set[str] = set()
         self._copies = HostCopies(self._raise_if_failed,
                                   lambda: self._queue is None or self._queue.unfinished_tasks == 0)
