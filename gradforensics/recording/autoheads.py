@@ -111,14 +111,16 @@ def glob_for(name: str) -> str:
     """A glob for *name* across layers: ``model.layers.3.x`` -> ``*.layers.*.x``."""
     parts = name.split(".")
     out = ["*" if p.isdigit() else p for p in parts]
-    return ".".join(["*", *out[1:]]) if len(out) > 2 else ".".join(out)
+    out = ["*", *out[1:]] if len(out) > 2 else out
+    return ".".join(p for i, p in enumerate(out) if not (p == "*" and i and out[i - 1] == "*"))
 
 
 class HeadsRefusal(SpecError):
     """A head split that cannot be made or checked; ``str()`` gives the Python fix, :attr:`cli` the CLI one."""
 
-    def __init__(self, name: str, module: Any, why: str, fix: dict[str, Any] | None = None) -> None:
-        g = glob_for(name)
+    def __init__(self, name: str, module: Any, why: str, fix: dict[str, Any] | None = None,
+                 glob: str | None = None) -> None:
+        g = glob or glob_for(name)
         cls = type(module).__name__ if module is not None else "?"
         head = f"heads cannot split {name} ({cls}): {why}; pass "
         py = (f"{python_fix(g, fix)} (the right layout) or " if fix else
@@ -129,8 +131,9 @@ class HeadsRefusal(SpecError):
         self.cli = head + cl + f"{cli_fix(g, None)} to store it whole."
 
 
-def _undecided(name: str, why: str, module: Any = None, fix: dict[str, Any] | None = None) -> HeadsRefusal:
-    return HeadsRefusal(name, module, why, fix)
+def _undecided(name: str, why: str, module: Any = None, fix: dict[str, Any] | None = None,
+               glob: str | None = None) -> HeadsRefusal:
+    return HeadsRefusal(name, module, why, fix, glob)
 
 
 #: Leaves of a q, k, v or fused q|k|v projection: with a head count, they make a module attention.
@@ -187,7 +190,7 @@ def _fix(spec: HeadSpec) -> dict[str, Any]:
         out["fused"] = "qkv" if spec.fused == 3 else spec.fused
     if spec.interleaved:
         out["interleaved"] = True
-    if spec.role and not spec.parts:
+    if spec.role and not spec.parts and not (spec.fused == 3 and spec.role == "qkv"):
         out["role"] = spec.role
     return out
 
@@ -390,7 +393,7 @@ def check_split(name: str, owner: nn.Module, spec: HeadSpec) -> str | None:
     return None
 
 
-def _checked(model: nn.Module, name: str, spec: HeadSpec, auto: bool) -> None:
+def _checked(model: nn.Module, name: str, spec: HeadSpec, glob: str | None) -> None:
     """Run :func:`check_split` where *name* is the ``weight`` of a leaf module (refuse in one line if it fails).
 
     An ``nn.Linear`` / ``Conv1D`` whose forward cannot take a plain probe (a
@@ -411,7 +414,7 @@ def _checked(model: nn.Module, name: str, spec: HeadSpec, auto: bool) -> None:
     try:
         problem = check_split(name, owner, spec)
     except HeadsRefusal:
-        if auto or known:
+        if glob is None or known:
             raise
         return
     if problem:
@@ -421,7 +424,7 @@ def _checked(model: nn.Module, name: str, spec: HeadSpec, auto: bool) -> None:
             right = ax if spec.role != "o" else 1 - ax
             if right != spec.axis % 2:
                 fixed = _fix(replace(spec, axis=right))
-        raise _undecided(name, problem, owner, fixed)
+        raise _undecided(name, problem, owner, fixed, glob)
 
 
 def resolve_heads(model: nn.Module, shapes: Mapping[str, tuple[int, ...]],
@@ -457,9 +460,9 @@ def resolve_heads(model: nn.Module, shapes: Mapping[str, tuple[int, ...]],
         else:
             spec = None
         if spec is not None:
-            _fits(model, name, shape, spec)
+            _fits(model, name, shape, spec, glob)
             if len(shape) == 2:
-                _checked(model, name, spec, auto=glob is None)
+                _checked(model, name, spec, glob)
             out[name] = spec
     unused = [g for g in explicit if g not in used]
     if unused:
@@ -476,14 +479,14 @@ def _owner(model: nn.Module, name: str) -> Any:
         return None
 
 
-def _fits(model: nn.Module, name: str, shape: tuple[int, ...], spec: HeadSpec) -> None:
+def _fits(model: nn.Module, name: str, shape: tuple[int, ...], spec: HeadSpec, glob: str | None = None) -> None:
     """The split axis exists and divides into the heads (one-line refusal, Python and CLI forms)."""
     if not -len(shape) <= spec.axis < len(shape):
-        raise _undecided(name, f"axis {spec.axis} is out of range for shape {shape}", _owner(model, name))
+        raise _undecided(name, f"axis {spec.axis} is out of range for shape {shape}", _owner(model, name), None, glob)
     n = shape[spec.axis]
     if n % spec.total:
         raise _undecided(name, f"axis {spec.axis} of {shape} has {n} entries, not divisible by {spec.total} heads",
-                         _owner(model, name))
+                         _owner(model, name), None, glob)
 
 
 def _check_head_dim(model: nn.Module, name: str, shape: tuple[int, ...], spec: HeadSpec) -> None:
