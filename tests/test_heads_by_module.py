@@ -16,8 +16,8 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import gradforensics as gf  # noqa: E402
-from gradforensics.errors import SpecError  # noqa: E402
-from gradforensics.recording.autoheads import HeadsRefusal, check_split, resolve_heads  # noqa: E402
+from gradforensics.errors import HeadSplitError, SpecError  # noqa: E402
+from gradforensics.recording.autoheads import check_split, resolve_heads  # noqa: E402
 from gradforensics.recording.heads import parse_cli_heads  # noqa: E402
 from gradforensics.store.heads import HeadSpec  # noqa: E402
 
@@ -216,6 +216,7 @@ def test_a_query_head_is_what_the_model_computes_for_that_head():
 
 
 # ------------------------------------------------------------------ Hugging Face GPT-2 (Conv1D) and LLaMA (GQA)
+@pytest.mark.slow
 def test_hf_gpt2_conv1d_splits_columns_and_c_proj_rows(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(3)
@@ -234,6 +235,7 @@ def test_hf_gpt2_conv1d_splits_columns_and_c_proj_rows(tmp_path):
                                   np.stack([grads[o][h * 16:(h + 1) * 16].numpy() for h in range(4)]))
 
 
+@pytest.mark.slow
 def test_hf_llama_gqa_q_k_v_o(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(4)
@@ -268,7 +270,7 @@ def test_explicit_wrong_axis_is_refused_with_the_fix_in_python_and_cli_form():
     model = NanoGPT(192, 4, layers=1)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.ndim == 2}
     bad = {"*.c_attn.weight": {"heads": 4, "axis": 1, "fused": "qkv"}, "auto": True}
-    with pytest.raises(HeadsRefusal) as err:
+    with pytest.raises(HeadSplitError) as err:
         resolve_heads(model, shapes, bad)
     msg, cli = str(err.value), err.value.cli
     assert "\n" not in msg and "(Linear)" in msg and "axis 0" in msg
@@ -280,7 +282,7 @@ def test_explicit_wrong_axis_is_refused_with_the_fix_in_python_and_cli_form():
     assert specs["h.0.attn.c_attn.weight"] == HeadSpec(4, 0, "qkv", fused=3)
     assert "h.0.attn.c_proj.weight" not in specs
     # an output projection split on its output axis is refused too
-    with pytest.raises(HeadsRefusal, match=r"role o splits the input axis, which is axis 1"):
+    with pytest.raises(HeadSplitError, match=r"role o splits the input axis, which is axis 1"):
         resolve_heads(model, shapes, {"*.attn.c_proj.weight": {"heads": 4, "axis": 0, "role": "o"}})
 
 
@@ -306,5 +308,5 @@ def test_gqa_width_that_contradicts_the_counts_is_refused():
             self.c_attn = nn.Linear(64, 192)        # 3 D: not (4 + 2*2) * 16 = 128
             self.c_proj = nn.Linear(64, 64)
 
-    with pytest.raises(HeadsRefusal, match=r"output width 192 is not \(H \+ 2 KV\) d = \(4 \+ 2\*2\)\*16"):
+    with pytest.raises(HeadSplitError, match=r"output width 192 is not \(H \+ 2 KV\) d = \(4 \+ 2\*2\)\*16"):
         resolve_heads(Attn(), {"c_attn.weight": (192, 64)}, "auto")

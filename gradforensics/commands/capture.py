@@ -128,8 +128,7 @@ def run(args: argparse.Namespace) -> int:
     require_extra("torch", "gradforensics capture")
     require_extra("transformers", "gradforensics capture")
     from gradforensics.commands import output
-    from gradforensics.errors import CaptureInterrupted
-    from gradforensics.recording.autoheads import HeadsRefusal
+    from gradforensics.errors import CaptureInterrupted, HeadSplitError
     from gradforensics.replay.pipeline import capture_checkpoint
 
     batches, record, model = specs(args)
@@ -152,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     except CaptureInterrupted as exc:
         print(f"gradforensics capture: {exc}", file=sys.stderr)
         return 130
-    except HeadsRefusal as exc:           # the fix in the command's words (--heads), not Python's
+    except HeadSplitError as exc:           # the fix in the command's words (--heads), not Python's
         raise SpecError(exc.cli) from None
     finally:
         if ranks is not None:

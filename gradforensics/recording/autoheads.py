@@ -39,14 +39,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.errors import SpecError
+from gradforensics.errors import HeadSplitError, SpecError
 from gradforensics.recording.heads import cli_fix, parse_head_spec, python_fix
 from gradforensics.store.heads import HeadSpec
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ATTENTION_LEAVES", "Counts", "HeadsRefusal", "auto_spec", "check_split", "counts_for", "glob_for",
+__all__ = ["ATTENTION_LEAVES", "Counts", "auto_spec", "check_split", "counts_for", "glob_for",
            "out_axis", "resolve_heads", "text_config"]
 
 
@@ -115,25 +115,18 @@ def glob_for(name: str) -> str:
     return ".".join(p for i, p in enumerate(out) if not (p == "*" and i and out[i - 1] == "*"))
 
 
-class HeadsRefusal(SpecError):
-    """A head split that cannot be made or checked; ``str()`` gives the Python fix, :attr:`cli` the CLI one."""
-
-    def __init__(self, name: str, module: Any, why: str, fix: dict[str, Any] | None = None,
-                 glob: str | None = None) -> None:
-        g = glob or glob_for(name)
-        cls = type(module).__name__ if module is not None else "?"
-        head = f"heads cannot split {name} ({cls}): {why}; pass "
-        py = (f"{python_fix(g, fix)} (the right layout) or " if fix else
-              f"heads={{{g!r}: {{'heads': H, 'axis': A, 'fused': 'qkv', 'role': R}}, 'auto': True}} or ")
-        cl = (f"{cli_fix(g, fix)} (the right layout) or " if fix else
-              f"--heads auto '{g}=H:axis=A,fused=qkv,role=R' or ")
-        super().__init__(head + py + f"{python_fix(g, None)} to store it whole.")
-        self.cli = head + cl + f"{cli_fix(g, None)} to store it whole."
-
-
 def _undecided(name: str, why: str, module: Any = None, fix: dict[str, Any] | None = None,
-               glob: str | None = None) -> HeadsRefusal:
-    return HeadsRefusal(name, module, why, fix, glob)
+               glob: str | None = None) -> HeadSplitError:
+    """The one-line refusal of a split, with its fix in Python form (``str()``) and CLI form (``.cli``)."""
+    g = glob or glob_for(name)
+    cls = type(module).__name__ if module is not None else "?"
+    head = f"heads cannot split {name} ({cls}): {why}; pass "
+    py = (f"{python_fix(g, fix)} (the right layout) or " if fix else
+          f"heads={{{g!r}: {{'heads': H, 'axis': A, 'fused': 'qkv', 'role': R}}, 'auto': True}} or ")
+    cl = (f"{cli_fix(g, fix)} (the right layout) or " if fix else
+          f"--heads auto '{g}=H:axis=A,fused=qkv,role=R' or ")
+    return HeadSplitError(head + py + f"{python_fix(g, None)} to store it whole.",
+                          head + cl + f"{cli_fix(g, None)} to store it whole.")
 
 
 #: Leaves of a q, k, v or fused q|k|v projection: with a head count, they make a module attention.
@@ -310,7 +303,7 @@ def _probe(owner: nn.Module, width: int) -> tuple[Any, Any] | None:
     """``(x, f(x) - f(0))`` for a seeded random probe ``x`` of *width* features, hooks bypassed; None if it fails."""
     import torch
 
-    w = owner.weight
+    w: Any = owner.weight
     gen = torch.Generator().manual_seed(12345)
     x = torch.randn(3, width, generator=gen, dtype=torch.float64).to(device=w.device, dtype=w.dtype)
     try:
@@ -351,11 +344,11 @@ def check_split(name: str, owner: nn.Module, spec: HeadSpec) -> str | None:
     equals head *h*'s slice of the module's output; for an output projection
     (role o, the input axis): the probe restricted to head *h*'s inputs gives the
     module output of that head's block.  Returns what is wrong, ``None`` if the split
-    holds; raises :class:`HeadsRefusal` for a module whose output axis no probe shows.
+    holds; raises :class:`HeadSplitError` for a module whose output axis no probe shows.
     """
     import torch
 
-    w = owner.weight
+    w: Any = owner.weight
     ax = _probe_out_axis(owner)
     if ax is None:
         raise _undecided(name, "a probe input does not show which axis of its weight is the output "
@@ -413,7 +406,7 @@ def _checked(model: nn.Module, name: str, spec: HeadSpec, glob: str | None) -> N
         return
     try:
         problem = check_split(name, owner, spec)
-    except HeadsRefusal:
+    except HeadSplitError:
         if glob is None or known:
             raise
         return
