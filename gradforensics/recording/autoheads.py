@@ -23,13 +23,25 @@ BERT ``attention.output.dense``        Linear ``(out, H d)``           axis 1, r
                                        ``out_proj (E, E)``             axis 1, role o
 =====================================  ==============================  =======================================
 
+The axis follows the module type, not the shape: ``nn.Linear`` ``(out, in)``
+splits its output axis 0, transformers' ``Conv1D`` ``(in, out)`` axis 1, any
+other module the axis a probe shows to be its output; an output projection
+(``o_proj``, ``c_proj``, ``out_proj``, ``dense``, ``wo`` of an attention
+module) splits its input axis.  A fused q|k|v of width ``H d + 2 KV d`` is split
+into roles q, k, v with their own head counts (``HeadSpec.parts``).  Every split
+of a leaf module's weight, automatic or explicit, is checked by
+:func:`check_split` against the module's own output on a seeded probe.  A
+module that is not attention (no attention class name; no head count with a
+q/k/v projection: a Mamba ``in_proj``) is not split, and not refused.
+
 Biases of q/k/v projections split like the rows of their weight; output
 biases are not per head and stay whole.  Head counts come from the attention
 module's own attributes (``num_heads``, ``num_key_value_heads``, ``head_dim``,
 ...) and then from ``model.config`` (``num_attention_heads``,
-``num_key_value_heads``, ``head_dim``).  A tensor that looks like attention
-but that no rule decides raises :class:`~gradforensics.errors.SpecError` naming
-it and the explicit spec to pass instead.
+``num_key_value_heads``, ``head_dim``).  A tensor of an attention module that
+no rule decides raises :class:`~gradforensics.errors.HeadSplitError` naming it,
+its module class and the explicit spec to pass instead (``str()``: the Python
+form; ``.cli``: the ``--heads`` form the ``capture`` command prints).
 """
 
 from __future__ import annotations
@@ -95,7 +107,7 @@ def counts_for(attn: nn.Module, model: nn.Module) -> Counts:
     """Head counts of attention module *attn*: its own attributes first, then the config."""
     cfg = text_config(model)
     objs = (attn, getattr(attn, "config", None), cfg)
-    heads = _int_attr(objs, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
+    heads = _int_attr(objs, ("num_heads", "num_attention_heads", "n_heads", "n_head", "nheads"))
     kv = _int_attr(objs, ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head"))
     head_dim = _int_attr(objs, ("head_dim", "head_size", "attention_head_size"))
     if kv is None and heads is not None:
@@ -121,14 +133,17 @@ def _undecided(name: str, why: str, module: Any = None, fix: dict[str, Any] | No
     g = glob or glob_for(name)
     cls = type(module).__name__ if module is not None else "?"
     head = f"heads cannot split {name} ({cls}): {why}; pass "
+    fused = name.rsplit(".", 2)[-2] in _FUSED_LEAVES if "." in name else False
     py = (f"{python_fix(g, fix)} (the right layout) or " if fix else
-          f"heads={{{g!r}: {{'heads': H, 'axis': A, 'fused': 'qkv', 'role': R}}, 'auto': True}} or ")
+          f"heads={{{g!r}: {{'heads': H, 'axis': A, " + ("'fused': 'qkv'" if fused else "'role': R")
+          + "}, 'auto': True} or ")
     cl = (f"{cli_fix(g, fix)} (the right layout) or " if fix else
-          f"--heads auto '{g}=H:axis=A,fused=qkv,role=R' or ")
+          f"--heads auto '{g}=H:axis=A," + ("fused=qkv" if fused else "role=R") + "' or ")
     return HeadSplitError(head + py + f"{python_fix(g, None)} to store it whole.",
                           head + cl + f"{cli_fix(g, None)} to store it whole.")
 
 
+_FUSED_LEAVES = frozenset({"c_attn", "qkv_proj", "qkv", "wqkv", "Wqkv", "query_key_value", "in_proj"})
 #: Leaves of a q, k, v or fused q|k|v projection: with a head count, they make a module attention.
 _QKV_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "q_attn", "query_key_value", "qkv",
                          "wqkv", "Wqkv", "wq", "wk", "wv"})
