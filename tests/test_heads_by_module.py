@@ -154,7 +154,7 @@ def _heads_of_rows(g, parts, d):
 # ------------------------------------------------------------------ nanoGPT, the issue's case
 def test_nanogpt_fused_linear_d192_4_heads_splits_rows_and_c_proj_columns(tmp_path):
     torch.manual_seed(0)
-    model = NanoGPT(192, 4)
+    model = NanoGPT(192, 4, layers=1)
     store, grads = _record(tmp_path, model)
     d = 48
     name = "h.0.attn.c_attn.weight"
@@ -166,7 +166,7 @@ def test_nanogpt_fused_linear_d192_4_heads_splits_rows_and_c_proj_columns(tmp_pa
     want = np.stack([b.numpy() for b in _heads_of_rows(grads[name], [4, 4, 4], d)])
     np.testing.assert_array_equal(got, want)
     # the output projection: split on its INPUT axis (columns of Linear (out, in))
-    o = "h.1.attn.c_proj.weight"
+    o = "h.0.attn.c_proj.weight"
     assert (store.grads[o].attrs["role"], store.grads[o].attrs["split_axis"]) == ("o", 1)
     got = store.grad(o)[0].compute()
     assert got.shape == (4, 192, d)
@@ -310,3 +310,52 @@ def test_gqa_width_that_contradicts_the_counts_is_refused():
 
     with pytest.raises(HeadSplitError, match=r"output width 192 is not \(H \+ 2 KV\) d = \(4 \+ 2\*2\)\*16"):
         resolve_heads(Attn(), {"c_attn.weight": (192, 64)}, "auto")
+
+
+class XW(nn.Module):
+    """A projection of its own type whose weight is (in, out), used as x @ W (like Conv1D, not nn.Linear)."""
+
+    def __init__(self, n_in: int, n_out: int, squash: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in ** 0.5)
+        self.squash = squash
+
+    def forward(self, x):
+        y = x @ self.weight
+        return torch.tanh(y) if self.squash else y
+
+
+class OwnAttention(nn.Module):
+    def __init__(self, squash: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.hidden_size = 4, 32
+        self.q_proj, self.o_proj = XW(32, 32, squash), XW(32, 32)
+
+    def forward(self, x):
+        return self.o_proj(self.q_proj(x))
+
+
+def test_a_module_of_its_own_type_is_split_on_the_axis_the_probe_shows(tmp_path):
+    torch.manual_seed(7)
+    model = OwnAttention()
+    path = tmp_path / "own.zarr"
+    with gf.Recorder(path, model=model, sources=["a"]) as rec:
+        model(torch.randn(3, 32)).pow(2).sum().backward()
+        rec.record(source="a")
+    store = gf.open_store(path)
+    assert store.grads["q_proj.weight"].attrs["split_axis"] == 1          # its output axis: x @ W
+    assert store.grads["o_proj.weight"].attrs["split_axis"] == 0          # its input axis
+    gq, go = model.q_proj.weight.grad, model.o_proj.weight.grad
+    np.testing.assert_array_equal(store.grad("q_proj.weight")[0].compute(),
+                                  np.stack([gq[:, h * 8:(h + 1) * 8].numpy() for h in range(4)]))
+    np.testing.assert_array_equal(store.grad("o_proj.weight")[0].compute(),
+                                  np.stack([go[h * 8:(h + 1) * 8].numpy() for h in range(4)]))
+
+
+def test_a_module_no_probe_can_read_is_refused_by_auto_and_taken_explicitly():
+    model = OwnAttention(squash=True)                 # tanh(x @ W): neither x @ W.T nor x @ W
+    with pytest.raises(HeadSplitError, match=r"cannot split q_proj\.weight \(XW\): .*probe") as err:
+        resolve_heads(model, {"q_proj.weight": (32, 32)}, "auto")
+    assert "--heads auto 'q_proj.weight=H:axis=A,role=R'" in err.value.cli
+    specs = resolve_heads(model, {"q_proj.weight": (32, 32)}, {"q_proj.weight": {"heads": 4, "axis": 1, "role": "q"}})
+    assert specs["q_proj.weight"] == HeadSpec(4, 1, "q")
