@@ -410,14 +410,14 @@ def _checked(model: nn.Module, name: str, spec: HeadSpec, glob: str | None) -> N
     """
     from torch import nn as tnn
 
-    owner_name, _, param = name.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
+    owner = _owner(model, name) if model is not None else None     # an import without a model: no module
+    param = name.rpartition(".")[2]
     w = getattr(owner, "weight", None)
-    if param != "weight" or isinstance(owner, tnn.MultiheadAttention) or w is None or getattr(w, "ndim", 0) != 2 \
-            or any(True for _ in owner.children()):
+    if owner is None or param != "weight" or isinstance(owner, tnn.MultiheadAttention) or w is None \
+            or getattr(w, "ndim", 0) != 2 or w.device.type == "meta" or any(True for _ in owner.children()):
         return
     known = isinstance(owner, tnn.Linear) or type(owner).__name__ == "Conv1D"
-    if known and (w.device.type == "meta" or _probe(owner, w.shape[1 - (out_axis(owner) or 0)]) is None):
+    if known and _probe(owner, w.shape[1 - (out_axis(owner) or 0)]) is None:
         return
     try:
         problem = check_split(name, owner, spec)
