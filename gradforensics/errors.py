@@ -13,7 +13,7 @@ import errno
 
 __all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CheckpointError", "CompareWarning",
            "CorruptChunkError", "CorruptStoreError", "DataError", "DataFileNotFoundError", "EmptyStoreError",
-           "FlagsSchemaError", "GradforensicsError", "ImportSourceError", "LogReadError", "MissingArrayError",
+           "FlagsSchemaError", "GradforensicsError", "HeadSplitError", "ImportSourceError", "LogReadError", "MissingArrayError",
            "MissingExtraError", "MissingShardError", "ModelMismatchError", "NotACheckpointError", "NotAStoreError",
            "OfflineError", "OutExistsError", "PlotBugWarning", "SchemaVersionError", "ShardMismatchError",
            "SpecError", "StoreClosedError", "StoreExistsError", "StoreLockedError", "StoreMismatchError",
@@ -54,6 +54,14 @@ class EmptyStoreError(GradforensicsError, ValueError):
 
 class SpecError(GradforensicsError, ValueError):
     """An option or specification given by the user is invalid."""
+
+
+class HeadSplitError(SpecError):
+    """A head split that cannot be made or fails its probe check; ``str()`` is the Python fix, :attr:`cli` the CLI one."""
+
+    def __init__(self, message: str, cli: str | None = None) -> None:
+        super().__init__(message)
+        self.cli = cli or message
 
 
 class AttentionUnavailableError(SpecError):

@@ -404,7 +404,7 @@ class Block(nn.Module):
 
 
 def test_auto_cannot_decide_names_the_tensor_and_the_spec(tmp_path):
-    with pytest.raises(SpecError, match=r"cannot split attn\.qkv\.weight .*heads=\{'\*\.qkv\.weight': H\}"):
+    with pytest.raises(SpecError, match=r"cannot split attn\.qkv\.weight \(Linear\).*heads=\{'\*\.qkv\.weight': \{'heads': H"):
         gf.Recorder(tmp_path / "e.zarr", model=Block(), sources=["a"])
 
 

@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("what to record")
     r.add_argument("--tensors", nargs="+", metavar="GLOB", help="parameter globs (default: every 2-D weight)")
     r.add_argument("--heads", nargs="+", default=["auto"], metavar="SPEC",
-                   help="auto (default), none, or GLOB=H entries (with auto among them to keep the rules)")
+                   help="auto (default), none, FILE.json, or GLOB=H[:axis=A,fused=F,role=R] / GLOB=none entries "
+                        "(F: qkv, kv or q8k2v2 for grouped-query; add auto to keep the rules for the rest)")
     r.add_argument("--activations", nargs="+", metavar="GLOB", help="module globs: per-unit activation statistics")
     r.add_argument("--attention", nargs="*", metavar="GLOB",
                    help="per-head attention logits and entropy (no GLOB: every attention module); runs eager attention")
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     require_extra("torch", "gradforensics capture")
     require_extra("transformers", "gradforensics capture")
     from gradforensics.commands import output
-    from gradforensics.errors import CaptureInterrupted
+    from gradforensics.errors import CaptureInterrupted, HeadSplitError
     from gradforensics.replay.pipeline import capture_checkpoint
 
     batches, record, model = specs(args)
@@ -150,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     except CaptureInterrupted as exc:
         print(f"gradforensics capture: {exc}", file=sys.stderr)
         return 130
+    except HeadSplitError as exc:           # the fix in the command's words (--heads), not Python's
+        raise SpecError(exc.cli) from None
     finally:
         if ranks is not None:
             from gradforensics.replay import distributed

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("what to import")
     r.add_argument("--tensors", nargs="+", metavar="GLOB", help="tensor globs (default: every 2-D floating tensor)")
     r.add_argument("--heads", nargs="+", default=["auto"], metavar="SPEC",
-                   help="auto (default), none, or GLOB=H entries (with auto among them to keep the rules)")
+                   help="auto (default), none, FILE.json, or GLOB=H[:axis=A,fused=F,role=R] / GLOB=none entries "
+                        "(add auto to keep the rules for the rest)")
     m = p.add_argument_group("megatron")
     m.add_argument("--kind", choices=("wgrads", "dgrads", "params"), default="wgrads",
                    help="which dump to import (default wgrads: the reduced main_grad)")
@@ -51,16 +52,20 @@ def run(args: argparse.Namespace) -> int:
     require_extra("torch", "gradforensics import")
     from gradforensics.commands import output
     from gradforensics.commands import storage as storage_flags
+    from gradforensics.errors import HeadSplitError, SpecError
     from gradforensics.importing import import_run
     from gradforensics.replay.plan import parse_heads
     from gradforensics.store.remote import is_url
 
     output.check_store(args.out, args.overwrite)
     options = storage_flags.location(args, args.out).storage_options if is_url(args.out) else None
-    store = import_run(args.source, args.out, format=args.format, tensors=args.tensors,
-                       heads=parse_heads(args.heads), kind=args.kind, num_heads=args.num_heads,
-                       num_query_groups=args.num_query_groups, gated_mlp=args.gated_mlp,
-                       overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force)
+    try:
+        store = import_run(args.source, args.out, format=args.format, tensors=args.tensors,
+                           heads=parse_heads(args.heads), kind=args.kind, num_heads=args.num_heads,
+                           num_query_groups=args.num_query_groups, gated_mlp=args.gated_mlp,
+                           overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force)
+    except HeadSplitError as exc:         # the fix in the command's words (--heads), not Python's
+        raise SpecError(exc.cli) from None
     print(f"{args.out}: {store.n_records} records, {len(store.grads)} tensors, {store.meta.n_weights} weight "
           f"snapshots; next: gradforensics analyze {args.out} --out REPORT_DIR", file=sys.stderr)
     return 0

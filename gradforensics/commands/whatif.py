@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("what to record")
     r.add_argument("--tensors", nargs="+", metavar="GLOB", help="parameter globs (default: every 2-D weight)")
     r.add_argument("--heads", nargs="+", default=["auto"], metavar="SPEC",
-                   help="auto (default), none, or GLOB=H entries (with auto among them to keep the rules)")
+                   help="auto (default), none, FILE.json, or GLOB=H[:axis=A,fused=F,role=R] / GLOB=none entries "
+                        "(add auto to keep the rules for the rest)")
     r.add_argument("--activations", nargs="+", metavar="GLOB", help="module globs: per-unit activation statistics")
     r.add_argument("--sketch", type=int, default=DEFAULT_SKETCH, metavar="K",
                    help=f"K-dim sketch per tensor (per head); default {DEFAULT_SKETCH}; 0: whole tensors only")
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     require_extra("torch", "gradforensics whatif")
     require_extra("transformers", "gradforensics whatif")
-    from gradforensics.errors import SpecError, WhatIfInterrupted
+    from gradforensics.errors import HeadSplitError, SpecError, WhatIfInterrupted
     from gradforensics.reporting.bands import SEVERITY_NAMES
     from gradforensics.reporting.severity import reaching
     from gradforensics.reporting.summary import group
@@ -90,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     except WhatIfInterrupted as exc:
         print(f"gradforensics whatif: {exc}", file=sys.stderr)
         return 130
+    except HeadSplitError as exc:         # the fix in the command's words (--heads), not Python's
+        raise SpecError(exc.cli) from None
     for r in res.runs:
         hits = reaching(res.findings[r.arm.name].flags, SEVERITY_NAMES["medium"])
         n, g = len(hits), len(group(hits))

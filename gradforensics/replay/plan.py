@@ -61,21 +61,10 @@ CAPTURE_REFUSAL = ("{path} needs ~{total} but only {free} is free; record fewer 
 
 # ------------------------------------------------------------------ parsing
 def parse_heads(specs: Sequence[str]) -> str | dict[str, Any] | None:
-    """``["auto"]`` -> ``"auto"``; ``["none"]`` -> ``None``; ``["*.q.weight=8", "auto"]`` -> a dict."""
-    if list(specs) == ["auto"]:
-        return "auto"
-    if list(specs) == ["none"]:
-        return None
-    out: dict[str, Any] = {}
-    for spec in specs:
-        if spec == "auto":
-            out["auto"] = True
-            continue
-        glob, eq, h = spec.rpartition("=")
-        if not eq or not glob or not h.isdigit() or int(h) < 1:
-            raise SpecError(f"--heads {spec!r}: expected auto, none, or GLOB=H with H a positive integer.")
-        out[glob] = int(h)
-    return out
+    """``--heads`` entries: auto, none, ``GLOB=H[:axis=A,fused=F,role=R]``, ``GLOB=none``, ``FILE.json``."""
+    from gradforensics.recording.heads import parse_cli_heads
+
+    return parse_cli_heads(specs)
 
 
 def check_seq_len(seq_len: int, max_pos: int | None, where: str) -> None:

@@ -18,6 +18,7 @@ The writer stores :meth:`HeadSpec.attrs` on the array (``heads``, ``split_axis``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,27 +27,57 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 
-__all__ = ["ROLES", "HeadSpec"]
+__all__ = ["ROLES", "HeadSpec", "parse_parts"]
 
 
-ROLES = ("q", "k", "v", "o", "qkv")
+ROLES = ("q", "k", "v", "o", "qkv", "kv")
+
+
+def parse_parts(text: str, heads: int | None = None) -> tuple[tuple[str, int], ...]:
+    """``"q8k2v2"`` -> ``(("q", 8), ("k", 2), ("v", 2))``; a role without a count has *heads* heads (``"qkv"``)."""
+    parts = re.findall(r"([qkv])(\d*)", text)
+    if not parts or "".join(r + c for r, c in parts) != text or len({r for r, _ in parts}) != len(parts):
+        raise SpecError(f"fused {text!r}: expected roles q, k, v in order, each once, with or without a head "
+                        "count (qkv, kv, q8k2v2).")
+    if any(not c for _, c in parts) and heads is None:
+        raise SpecError(f"fused {text!r}: a role without a head count needs the head count H.")
+    out = tuple((r, int(c) if c else int(heads)) for r, c in parts)  # type: ignore[arg-type]
+    if any(n < 1 for _, n in out):
+        raise SpecError(f"fused {text!r}: head counts must be >= 1.")
+    return out
 
 
 @dataclass(frozen=True)
 class HeadSpec:
-    """``heads`` heads per part along ``axis``; ``fused`` parts (q|k|v), maybe ``interleaved`` per head."""
+    """``heads`` heads per part along ``axis``; ``fused`` parts (q|k|v), maybe ``interleaved`` per head.
+
+    ``parts`` (e.g. ``(("q", 8), ("k", 2), ("v", 2))``: a grouped-query fused q|k|v)
+    names consecutive runs of heads of the same size with their own counts; then
+    ``heads`` is their sum and ``fused`` is 1 (the split is a plain one).
+    """
 
     heads: int
     axis: int = 0
     role: str | None = None
     fused: int = 1
     interleaved: bool = False
+    parts: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of_parts(cls, parts: tuple[tuple[str, int], ...], axis: int = 0, role: str | None = None) -> HeadSpec:
+        """Fused roles with their own head counts; equal q|k|v counts become the plain ``fused=3`` layout."""
+        roles = "".join(r for r, _ in parts)
+        if roles == "qkv" and len({n for _, n in parts}) == 1:
+            return cls(parts[0][1], axis, role or "qkv", fused=3)
+        return cls(sum(n for _, n in parts), axis, role or (roles if roles in ROLES else "qkv"), parts=parts)
 
     @property
     def total(self) -> int:
         return self.heads * self.fused
 
     def labels(self) -> list[str]:
+        if self.parts:
+            return [f"{r}{h}" for r, n in self.parts for h in range(n)]
         if self.fused == 1:
             return [str(h) for h in range(self.heads)]
         parts = "qkv"[: self.fused] if self.fused <= 3 else [str(i) for i in range(self.fused)]
@@ -58,6 +89,8 @@ class HeadSpec:
                                "head_labels": self.labels()}
         if self.fused > 1:
             out.update(fused=self.fused, interleaved=self.interleaved, heads_per_part=self.heads)
+        if self.parts:
+            out["parts"] = "".join(f"{r}{n}" for r, n in self.parts)
         return out
 
     @classmethod
@@ -69,6 +102,9 @@ class HeadSpec:
         """
         if not attrs.get("heads"):
             return None
+        if attrs.get("parts"):
+            return cls(int(attrs["heads"]), int(attrs.get("split_axis", 0)), attrs.get("role") or None,
+                       parts=parse_parts(str(attrs["parts"])))
         return cls(int(attrs.get("heads_per_part", attrs["heads"])), int(attrs.get("split_axis", 0)),
                    attrs.get("role") or None, int(attrs.get("fused", 1)), bool(attrs.get("interleaved", False)))
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from gradforensics.errors import CorruptChunkError, CorruptStoreError, MissingArrayError
+from gradforensics.errors import CorruptChunkError, CorruptStoreError, MissingArrayError, SpecError
 from gradforensics.store.inventory import StoredArray
 from gradforensics.store.names import name_problem
 from gradforensics.store.probe_schema import PROBE_GROUPS, check_probe
@@ -150,6 +150,16 @@ def _gradient(path: str, name: str, arr: StoredArray, sketch: bool, per_record: 
                                                ", with as many elements as a row"))
 
 
+def _parts_total(text: str) -> int | None:
+    """The head count of a ``parts`` attribute (``"q8k2v2"`` -> 12); ``None`` if it does not parse."""
+    from gradforensics.store.heads import parse_parts
+
+    try:
+        return sum(n for _, n in parse_parts(text))
+    except SpecError:
+        return None
+
+
 def _head_attrs(path: str, name: str, a: dict[str, Any], heads: int) -> None:
     checks: dict[str, Callable[[Any], bool]] = {
         "split_axis": lambda v: _is_int(v, None) and -8 <= v < 8,
@@ -157,6 +167,7 @@ def _head_attrs(path: str, name: str, a: dict[str, Any], heads: int) -> None:
         "fused": lambda v: _is_int(v, 1) and heads % v == 0,
         "heads_per_part": lambda v: _is_int(v, 1) and heads % v == 0,
         "interleaved": lambda v: isinstance(v, bool),
+        "parts": lambda v: isinstance(v, str) and _parts_total(v) == heads,
         "head_labels": lambda v: isinstance(v, list) and len(v) == heads and all(isinstance(s, str) for s in v),
     }
     for key, ok in checks.items():
