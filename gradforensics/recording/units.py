@@ -19,7 +19,7 @@ module's output is found, in this order:
 
 3. any other module (activation functions such as ``nn.ReLU`` or a library's
    ``GELUActivation``, dropout, identity, a module of your own): the axis of the
-   tensor it was given.  During the first forward every module of the model is
+   tensor it was given.  During the model's first forward every module is
    watched; when the hooked module's input is the output of another module and it
    returns a tensor of the same shape, it takes that module's unit axis (rules 1-3
    again, so ``Conv2d -> BatchNorm2d -> ReLU -> Dropout`` all use the channel axis);
@@ -94,8 +94,9 @@ class AxisFinder:
     """Finds the unit axis of each hooked module at its first forward (see the module docstring).
 
     While a hooked module of another kind is unresolved, a forward hook on every
-    module of *model* notes which module produced which tensor; they are removed as
-    soon as every hooked module is resolved (after the first forward).
+    module of *model* (put on when the model's forward starts) notes which module
+    produced which tensor; they are removed as soon as every hooked module is
+    resolved (in the first forward).
     """
 
     def __init__(self, model: nn.Module, hooked: Mapping[str, nn.Module],
@@ -115,8 +116,13 @@ class AxisFinder:
         self._pending = {n for n, m in hooked.items()
                          if self._override(n) is None and kind_axis(m, 4) is None}
         self._hooks: list[Any] = []
-        if self._pending:
-            for name, m in model.named_modules():
+        if self._pending:    # the watchers go on at the start of the model's first forward
+            self._hooks.append(model.register_forward_pre_hook(self._install))
+        self._model = model
+
+    def _install(self, module: nn.Module, args: Any) -> None:
+        if len(self._hooks) == 1:
+            for name, m in self._model.named_modules():
                 self._hooks.append(m.register_forward_hook(self._watch(name)))
 
     def _override(self, name: str) -> int | None:
