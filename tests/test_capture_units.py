@@ -168,7 +168,7 @@ def test_gru_units_are_the_hidden_axis(tmp_path, batch_first):
     seen = run(m, tmp_path / "gru.zarr", batches, lambda y: y.logsumexp(-1).mean(), ["rnn", "act"],
                act_bounds={"rnn": (-1.0, 1.0)})
     store = open_store(tmp_path / "gru.zarr")
-    axis = 2 if batch_first else 2         # (B, T, H) or (T, B, H): the hidden axis is the last either way
+    axis = 2                               # (B, T, H) or (T, B, H): the hidden axis is the last either way
     for mod in ("rnn", "act"):
         check_against_oracle(store, mod, [[o] for o in seen[mod]], axis=axis, bounds=(-1.0, 1.0))
         assert store.act_attrs(mod)["units"] == 24
@@ -350,3 +350,15 @@ def test_model_factory_causal_lm_calls_model_input_ids(tmp_path, word_tokenizer,
                       "--out", tmp_path / "t.zarr", capsys=capsys)
     assert rc != 0 and "Traceback" not in err
     assert "TwoInputs.forward cannot be called as model(input_ids)" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_saturation_analysis_flags_the_cnn_with_twelve_dead_channels(tmp_path):
+    """Before the channel axis, the units were the image's 8 columns and nothing was flagged."""
+    m = dead_cnn()
+    torch.manual_seed(1)
+    batches = [torch.randn(4, 3, 8, 8) for _ in range(40)]
+    run(m, tmp_path / "c.zarr", batches, lambda y: y.pow(2).mean(), ["act1", "act2"])
+    flags = gf.analyze(tmp_path / "c.zarr", only="saturation", progress=False).flags
+    assert [f.tensor for f in flags] == ["act2"]
+    assert flags[0].evidence["dead_share"] == pytest.approx(12 / 32)
