@@ -362,3 +362,23 @@ def test_saturation_analysis_flags_the_cnn_with_twelve_dead_channels(tmp_path):
     flags = gf.analyze(tmp_path / "c.zarr", only="saturation", progress=False).flags
     assert [f.tensor for f in flags] == ["act2"]
     assert flags[0].evidence["dead_share"] == pytest.approx(12 / 32)
+
+
+@pytest.mark.slow
+def test_gpt2_conv1d_mlp_activation_is_the_feature_axis_without_a_warning(tmp_path):
+    """GPT-2's ``Conv1D`` is no torch kind: its weights (D, 4D) tell the last axis; the act follows it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=50,
+                                                                 n_positions=16, bos_token_id=0, eos_token_id=0))
+    ids = [torch.randint(0, 50, (2, 8))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        seen = run(m, tmp_path / "g.zarr", ids, lambda y: y.logits.logsumexp(-1).mean(),
+                   ["transformer.h.0.mlp.act", "transformer.h.0.mlp.c_fc"])
+    s = open_store(tmp_path / "g.zarr")
+    assert s.act_attrs("transformer.h.0.mlp.act")["unit_axis_from"] == \
+        "input from transformer.h.0.mlp.c_fc: Conv1D's weights have 128: last axis"
+    check_against_oracle(s, "transformer.h.0.mlp.act", [[seen["transformer.h.0.mlp.act"][0]]], axis=2)

@@ -23,10 +23,12 @@ module's output is found, in this order:
    watched; when the hooked module's input is the output of another module and it
    returns a tensor of the same shape, it takes that module's unit axis (rules 1-3
    again, so ``Conv2d -> BatchNorm2d -> ReLU -> Dropout`` all use the channel axis);
-4. otherwise (the input came from a function, not a module; the shape changed) by
-   the output's rank: 4-D and 5-D outputs are channel-first images and volumes
-   (axis 1), anything else uses its last axis - with a warning for 3-D outputs,
-   which could be either ``(N, T, D)`` or ``(N, C, L)``.
+4. otherwise (the input came from a function, not a module; the shape changed): a 3-D
+   output of a module with weights (GPT-2's ``Conv1D``, a block of your own) takes the
+   axis, last or 1, whose length is one of its weights' dimensions when the other's is
+   not; else by the output's rank: 4-D and 5-D outputs are channel-first images and volumes
+   (axis 1), anything else uses its last axis - with a warning when a hooked
+   module's 3-D output (``(N, T, D)`` or ``(N, C, L)``?) gets its axis so.
 
 The rule used is stored (attribute ``unit_axis_from`` of ``acts/<module>/hist``)
 beside ``unit_axis`` and ``units``.
@@ -108,7 +110,6 @@ class AxisFinder:
             if not any(fnmatch.fnmatchcase(n, glob) for n in hooked):
                 raise SpecError(f"unit_axes: glob {glob!r} matches none of the hooked activation modules "
                                 f"({', '.join(list(hooked)[:3])}).")
-        self.names = {id(m): n for n, m in model.named_modules()}
         self.modules = dict(model.named_modules())
         #: resolved (negative axis, rule) per module name
         self.resolved: dict[str, tuple[int, str]] = {}
@@ -135,7 +136,7 @@ class AxisFinder:
             out = output[0] if isinstance(output, (tuple, list)) and output else output
             old = self._seen.get(id(out)) if isinstance(out, torch.Tensor) else None
             if isinstance(out, torch.Tensor) and (old is None or old[0]() is not out):   # the innermost keeps it
-                neg, rule = self._find(name, module, args, out, max(int(out.ndim), 1), warn=False)
+                neg, rule = self._find(name, module, args, out, max(int(out.ndim), 1))
                 self._seen[id(out)] = (weakref.ref(out), name, neg, rule)
         return hook
 
@@ -143,7 +144,11 @@ class AxisFinder:
         """The non-negative unit axis of *out* (the module's output) and the rule that gave it."""
         ndim = max(int(out.ndim), 1)
         if name not in self.resolved:
-            self.resolved[name] = self._find(name, module, args, out, ndim, warn=True)
+            self.resolved[name] = self._find(name, module, args, out, ndim)
+            if "rank 3" in self.resolved[name][1]:
+                warnings.warn(f"gradforensics: activations: {name}'s 3-D output is taken as (N, T, units) (last "
+                              f"axis; {self.resolved[name][1]}). For (N, C, L) pass unit_axes={{{name!r}: 1}}.",
+                              RuntimeWarning, stacklevel=4)
             self._pending.discard(name)
             if not self._pending:
                 self.remove()
@@ -154,8 +159,7 @@ class AxisFinder:
                             f"({rule}) is not one of its axes. Pass unit_axes={{{name!r}: AXIS}}.")
         return axis, rule
 
-    def _find(self, name: str, module: nn.Module, args: Any, out: Any, ndim: int, *,
-              warn: bool) -> tuple[int, str]:
+    def _find(self, name: str, module: nn.Module, args: Any, out: Any, ndim: int) -> tuple[int, str]:
         """(negative axis, rule) of *out*: rules 1-4 of the module docstring."""
         if name in self.resolved:
             return self.resolved[name]
@@ -171,7 +175,11 @@ class AxisFinder:
         if src is not None:
             producer, neg, rule = src
             return neg, rule if rule.startswith("input from") else f"input from {producer}: {rule}"
-        return _by_rank(ndim, name, warn=warn)
+        if ndim == 3:
+            by_weights = _by_weights(module, tuple(out.shape))
+            if by_weights is not None:
+                return by_weights
+        return _by_rank(ndim)
 
     def _producer(self, args: Any, out: Any) -> tuple[str, int, str] | None:
         import torch
@@ -191,11 +199,18 @@ class AxisFinder:
         self._seen.clear()
 
 
-def _by_rank(ndim: int, name: str, *, warn: bool) -> tuple[int, str]:
+def _by_rank(ndim: int) -> tuple[int, str]:
     if ndim in (4, 5):
         return 1 - ndim, f"rank {ndim}: channel axis 1"
-    if ndim == 3 and warn:
-        warnings.warn(f"gradforensics: activations: the input of {name} was not made by a module; its 3-D "
-                      "output is taken as (N, T, units) (last axis). For (N, C, L) pass "
-                      f"unit_axes={{{name!r}: 1}}.", RuntimeWarning, stacklevel=5)
     return -1, f"rank {ndim}: last axis"
+
+
+def _by_weights(module: nn.Module, shape: tuple[int, ...]) -> tuple[int, str] | None:
+    """A 3-D output of a module of another kind with weights (GPT-2's ``Conv1D``, a block of your own):
+    the axis, last or 1, whose length is a dimension of its weights when the other's is not."""
+    dims = {int(d) for p in module.parameters() for d in p.shape}
+    last, chan = shape[-1] in dims, shape[1] in dims
+    if last != chan:
+        return (-1, f"{type(module).__name__}'s weights have {shape[-1]}: last axis") if last else \
+            (-2, f"{type(module).__name__}'s weights have {shape[1]}: channel axis 1")
+    return None
