@@ -1,8 +1,10 @@
 """Per-batch, per-unit activation statistics.
 
-For a module's output ``A`` of shape ``(tokens, units)`` in one batch we keep, per
-unit: the share of tokens *near zero*, the share *at the top of the range*, the
-mean and the standard deviation; and, for the module, a histogram over fixed
+For a module's output ``A`` of shape ``(tokens, units)`` in one batch (the units
+on the module kind's feature axis, every other axis a "position": see
+:mod:`gradforensics.recording.units`) we keep, per unit: the share of tokens
+*near zero*, the share *at the top of the range*, the mean and the standard
+deviation; and, for the module, a histogram over fixed
 edges.  The thresholds are fixed per module at its first record, so shares are
 comparable across records:
 
@@ -14,7 +16,9 @@ comparable across records:
 *Near zero* means ``|a| <= 0.05 S``; *top of range* means ``|a| >= 0.9 S``
 (``a >= 0.9 hi`` or ``a <= 0.9 lo`` for bounded ones).  A unit that is near
 zero on almost every token is dead; one at the top on almost every token is
-saturated.  See ``docs/capture.md`` and ``docs/saturation.md``.
+saturated; one near zero (at the top) on *every* position of the batch is stored
+as such (``dead`` / ``saturated``, 0 or 1).  See ``docs/capture.md`` and
+``docs/saturation.md``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from gradforensics.recording.units import AxisFinder
 
 __all__ = [
     "BOUNDED",
@@ -71,11 +77,18 @@ class ActRange:
     high: float
     edges: tuple[float, ...]
     bounds: tuple[float, float] | None = None
+    #: the unit axis of the module's output, its length, and the rule that chose it (:mod:`.units`)
+    unit_axis: int | None = None
+    units: int | None = None
+    unit_axis_from: str | None = None
 
     def attrs(self) -> dict[str, Any]:
-        return {"scale": self.scale, "low": self.low, "high": self.high, "edges": list(self.edges),
-                "bounds": list(self.bounds) if self.bounds else None,
-                "low_fraction": LOW_FRACTION, "high_fraction": HIGH_FRACTION}
+        out = {"scale": self.scale, "low": self.low, "high": self.high, "edges": list(self.edges),
+               "bounds": list(self.bounds) if self.bounds else None,
+               "low_fraction": LOW_FRACTION, "high_fraction": HIGH_FRACTION}
+        if self.units is not None:
+            out.update(unit_axis=self.unit_axis, units=self.units, unit_axis_from=self.unit_axis_from)
+        return out
 
 
 def make_range(first: np.ndarray, bounds: tuple[float, float] | None = None) -> ActRange:
@@ -96,7 +109,10 @@ def make_range(first: np.ndarray, bounds: tuple[float, float] | None = None) -> 
 
 
 def act_stats(a: np.ndarray, rng: ActRange) -> dict[str, np.ndarray]:
-    """Statistics of one batch: ``hist`` (B,), and (U,) ``frac_low/frac_high/mean/std``.
+    """Statistics of one batch: ``hist`` (B,), (U,) ``frac_low/frac_high/mean/std`` and ``dead/saturated``.
+
+    The units are on the last axis of *a*.  ``dead`` (``saturated``) is 1 for a unit
+    near zero (at the top of the range) on every finite position of the batch.
 
     Non-finite values count in no share and no moment; they land in the
     histogram's outer bins (±inf) or nowhere (NaN).
@@ -125,7 +141,13 @@ def act_stats(a: np.ndarray, rng: ActRange) -> dict[str, np.ndarray]:
         "frac_high": (high.sum(axis=0) / n).astype(np.float32),
         "mean": mean.astype(np.float32),
         "std": np.sqrt(var).astype(np.float32),
+        **_everywhere(finite.sum(axis=0), low.sum(axis=0), high.sum(axis=0)),
     }
+
+
+def _everywhere(n: np.ndarray, low: np.ndarray, high: np.ndarray) -> dict[str, np.ndarray]:
+    """``dead`` / ``saturated`` (U,) uint8: every finite position near zero / at the top (and at least one)."""
+    return {"dead": ((low == n) & (n > 0)).astype(np.uint8), "saturated": ((high == n) & (n > 0)).astype(np.uint8)}
 
 
 # ------------------------------------------------------------------ on the device (torch)
@@ -207,22 +229,28 @@ def finish(parts: dict[str, Any]) -> dict[str, np.ndarray]:
         "frac_high": (host["high"] / n).astype(np.float32),
         "mean": mean.astype(np.float32),
         "std": np.sqrt(var).astype(np.float32),
+        **_everywhere(host["n"], host["low"], host["high"]),
     }
 
 
 class ActHook:
     """Forward hook summarising a module's outputs on their own device.
 
-    Until the module's range is fixed (its first record) the outputs are kept,
+    The output's units are on the axis *axes* finds (:mod:`gradforensics.recording.units`;
+    without it, the last axis).  Until the module's range is fixed (its first record) the outputs are kept,
     ``(tokens, units)`` float32 on their device; after that every micro-batch is
     reduced at once to per-unit partial sums (:func:`partial_stats`),
     so nothing is kept and only the summed statistics cross to the host, at ``record()``.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, axes: AxisFinder | None = None) -> None:
         self.name = name
+        self.axes = axes
         self.parts: list[torch.Tensor] = []
         self.units: int | None = None
+        #: the unit axis of the first output and the rule that chose it (:mod:`gradforensics.recording.units`)
+        self.unit_axis: int | None = None
+        self.unit_axis_from: str | None = None
         self.rng: ActRange | None = None
         self.sums: dict[str, Any] | None = None
 
@@ -233,7 +261,21 @@ class ActHook:
         if not isinstance(out, torch.Tensor):
             raise SpecError(f"activations: module {self.name} returned {type(output).__name__}, not a tensor; "
                             "hook a module whose output is the activation (e.g. '*.mlp.act_fn').")
-        a = out.detach().reshape(-1, out.shape[-1]) if out.ndim else out.detach().reshape(1, 1)
+        if not out.ndim:
+            a = out.detach().reshape(1, 1)
+            axis, rule = 0, "scalar output"
+        elif self.axes is not None:
+            axis, rule = self.axes.axis(self.name, module, args, out)
+            a = out.detach().movedim(axis, -1)
+            a = a.reshape(-1, a.shape[-1])
+        else:
+            axis, rule = out.ndim - 1, "last axis"
+            a = out.detach().reshape(-1, out.shape[-1])
+        if self.units is not None and int(a.shape[-1]) != self.units:
+            raise SpecError(f"activations: module {self.name} returned {int(a.shape[-1])} units on axis {axis} "
+                            f"({rule}); it had {self.units} before. Pass unit_axes={{{self.name!r}: AXIS}}.")
+        if self.units is None:
+            self.unit_axis, self.unit_axis_from = axis, rule
         self.units = int(a.shape[-1])
         if self.rng is None:
             self.parts.append(a.to(torch.float32, copy=True))

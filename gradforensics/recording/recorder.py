@@ -14,6 +14,7 @@ path.  ``gf.Recorder`` (:func:`gradforensics.recording.Recorder`) picks one of t
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import os
@@ -389,7 +390,9 @@ class ArrayRecorder:
     def _act_rows(self, module: str, a: np.ndarray) -> dict[str, Row]:
         rng = self._ranges.get(module)
         if rng is None:
-            rng = self._ranges[module] = make_range(to_f32(a), self._bounds_for(module))
+            rng = self._ranges[module] = dataclasses.replace(      # units: the last axis of arrays given
+                make_range(to_f32(a), self._bounds_for(module)), unit_axis=max(a.ndim - 1, 0),
+                units=int(a.shape[-1]) if a.ndim else 1, unit_axis_from="last axis (an array given to record())")
         return {act_path(module, k): Row(v, rng.attrs() if k == "hist" else {})
                 for k, v in act_stats(to_f32(a), rng).items()}
 

@@ -14,6 +14,7 @@ buffers (:mod:`gradforensics.recording.hostcopy`).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import warnings
@@ -41,6 +42,7 @@ from gradforensics.recording.recorder import ArrayRecorder
 from gradforensics.recording.sdpa import open_taps
 from gradforensics.recording.selection import model_info, run_dtypes, select_modules, select_parameters
 from gradforensics.recording.sketch import DeviceSketch
+from gradforensics.recording.units import AxisFinder
 from gradforensics.store.names import check_name
 
 if TYPE_CHECKING:
@@ -71,8 +73,14 @@ class TorchRecorder(ArrayRecorder):
         combine with the automatic rules), or ``None`` (no head split).
     activations
         Module-name globs; each module's outputs are kept (all micro-batches since
-        the previous record) and summarised per unit.  Known bounded activations
-        (``nn.Tanh``, ``nn.Sigmoid``, ``nn.Hardtanh``, ...) get their bounds.
+        the previous record) and summarised per unit, the units on the module kind's
+        feature axis (:mod:`gradforensics.recording.units`: channels of convolutions,
+        BatchNorm and pooling; the last axis of Linear and RNN outputs; for activation
+        functions the axis of the module that made their input).  Known bounded
+        activations (``nn.Tanh``, ``nn.Sigmoid``, ``nn.Hardtanh``, ...) get their bounds.
+    unit_axes
+        ``{module_glob: axis}``: the unit axis of those hooked modules' outputs,
+        overriding the rule.
     weights_every
         Snapshot the recorded weights every ``k`` records (record 0 included);
         ``None``: never.
@@ -111,7 +119,8 @@ class TorchRecorder(ArrayRecorder):
                  tensors: Sequence[str] | None = None, heads: str | Mapping[str, Any] | None = "auto",
                  activations: Sequence[str] | None = None, weights_every: int | None = None,
                  act_bounds: Mapping[str, tuple[float, float]] | None = None, sketch_on: str = "device",
-                 attention: str | Sequence[str] | None = None, **kwargs: Any) -> None:
+                 attention: str | Sequence[str] | None = None, unit_axes: Mapping[str, int] | None = None,
+                 **kwargs: Any) -> None:
         _check_options(sketch_on, weights_every, kwargs)
         self.model = model
         self.dist = distributed.context(model)
@@ -152,7 +161,8 @@ class TorchRecorder(ArrayRecorder):
         self._full_names = tuple(n for n in self.params if any(fnmatch.fnmatchcase(n, pat) for pat in self.full))
         self._steps = 0
         self._hooks: list[Any] = []
-        self._act_hooks = {n: ActHook(n) for n in self._act_modules}
+        self._axes = AxisFinder(named, self._act_modules, unit_axes) if self._act_modules or unit_axes else None
+        self._act_hooks = {n: ActHook(n, self._axes) for n in self._act_modules}
         for n, m in self._act_modules.items():
             self._hooks.append(m.register_forward_hook(self._act_hooks[n]))
         self._warned: set[str] = set()
@@ -242,6 +252,9 @@ class TorchRecorder(ArrayRecorder):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        axes = getattr(self, "_axes", None)
+        if axes is not None:
+            axes.remove()
         taps = getattr(self, "_attn", None)
         if taps is not None:
             taps.remove()
@@ -296,7 +309,9 @@ class TorchRecorder(ArrayRecorder):
                                 "every hooked module must run in every recorded batch.")
             if first is not None:     # the module's first record: fix its range from it (all ranks alike)
                 check_name(name, "activations module")
-                hook.rng = self._ranges[name] = self._agreed_range(first, self._bounds_for(name))
+                hook.rng = self._ranges[name] = dataclasses.replace(
+                    self._agreed_range(first, self._bounds_for(name)), unit_axis=hook.unit_axis, units=hook.units,
+                    unit_axis_from=hook.unit_axis_from)
                 sums = combine(sums, partial_stats(first, hook.rng))
             assert sums is not None
             out[name] = finish(sums)

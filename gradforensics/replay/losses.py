@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["IGNORE", "SCALE", "MaskedLM", "causal_lm", "contrastive", "mean_pool", "span_masks"]
+__all__ = ["IGNORE", "SCALE", "MaskedLM", "causal_lm", "contrastive", "is_hf_model", "mean_pool", "span_masks"]
 
 
 IGNORE = -100
@@ -37,11 +37,38 @@ IGNORE = -100
 SCALE = 20.0
 
 
-def _forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kw: Any) -> Any:
-    """Call a Hugging Face model with keywords, anything else with the ids alone."""
-    if getattr(model, "config", None) is not None:
-        return model(input_ids=input_ids, attention_mask=attention_mask, **kw)
+def is_hf_model(model: nn.Module) -> bool:
+    """A Hugging Face model (a ``transformers`` class, or a wrapper whose ``config`` is a transformers config).
+
+    A ``config`` attribute alone does not make one: nanoGPT-style models keep their own.
+    """
+    def from_transformers(obj: Any) -> bool:
+        return any((c.__module__ or "").split(".")[0] == "transformers" for c in type(obj).__mro__)
+
+    return from_transformers(model) or from_transformers(getattr(model, "config", None))
+
+
+def _call_plain(model: nn.Module, input_ids: torch.Tensor) -> Any:
+    """``model(input_ids)``, or one line saying what a ``--model-factory`` model must accept."""
+    import inspect
+
+    try:
+        inspect.signature(model.forward).bind(input_ids)
+    except TypeError as exc:
+        raise SpecError(f"{type(model).__name__}.forward cannot be called as model(input_ids) ({exc}); a "
+                        "--model-factory model must accept the (B, T) int64 token ids as its one positional "
+                        "argument and return the logits (B, T, V) (or a tuple / an object with .logits holding "
+                        "them), else pass --loss module:function.") from None
+    except ValueError:      # no signature to read (a C extension): just call it
+        pass
     return model(input_ids)
+
+
+def _forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kw: Any) -> Any:
+    """Call a Hugging Face model with keywords, anything else as ``model(input_ids)``."""
+    if is_hf_model(model):
+        return model(input_ids=input_ids, attention_mask=attention_mask, **kw)
+    return _call_plain(model, input_ids)
 
 
 def _logits(out: Any) -> torch.Tensor:
@@ -69,6 +96,11 @@ def causal_lm(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
     logits = _logits(_forward(model, ids, mask))
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
+        raise SpecError(f"causal-lm: {type(model).__name__} returned logits of shape {tuple(logits.shape)} for "
+                        f"token ids {tuple(ids.shape)}; the loss needs logits at every position (B, T, V) "
+                        "(a nanoGPT-style forward without targets returns only the last one), "
+                        "else pass --loss module:function.")
     target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE)
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                            ignore_index=IGNORE)
@@ -137,8 +169,8 @@ def _hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Te
     """Last hidden states ``(B, T, D)`` of an encoder (or of any model that returns them)."""
     import torch
 
-    if getattr(model, "config", None) is None:
-        out = model(ids)
+    if not is_hf_model(model):
+        out = _call_plain(model, ids)
         return out if isinstance(out, torch.Tensor) else out[0]
     out = _forward(model, ids, mask, output_hidden_states=True)
     h = getattr(out, "last_hidden_state", None)

@@ -233,9 +233,10 @@ def as_spec(cls: type[S], value: S | Mapping[str, Any] | None, defaults: Mapping
 # ------------------------------------------------------------------ size estimate
 def _units(module: nn.Module, model: nn.Module, name: str) -> int:
     """Output units of a hooked module (for the estimate): Linear's out_features, else a config width."""
-    units = getattr(module, "out_features", None)
-    if isinstance(units, int):
-        return units
+    for attr in ("out_features", "out_channels", "num_features", "hidden_size"):    # Linear, Conv, BatchNorm, RNN
+        units = getattr(module, attr, None)
+        if isinstance(units, int):
+            return units
     cfg = getattr(model, "config", None)
     key = "intermediate_size" if "mlp" in name or "act" in name else "hidden_size"
     return int(getattr(cfg, key, 0) or 0)
@@ -249,8 +250,8 @@ def record_bytes(shapes: Mapping[str, tuple[tuple[int, ...], int]], specs: Mappi
     *shapes* maps each recorded tensor to ``(shape, bytes per element)``.  A
     whole tensor costs ``numel x itemsize``; a sketch ``k x 4 x heads`` (one
     ``k`` float32 vector per head, or one for an unsplit tensor); an activated
-    module ``B x 8 + 4 x units x 4`` (int64 histogram of ``B`` bins and four per-unit
-    statistics); the batch metadata ``32 + 4 x sources``.
+    module ``B x 8 + 4 x units x 4 + 2 x units`` (int64 histogram of ``B`` bins, four
+    float32 per-unit statistics and the uint8 ``dead`` / ``saturated``); the batch metadata ``32 + 4 x sources``.
     """
     from gradforensics.recording.actstats import N_BINS
 
@@ -265,7 +266,7 @@ def record_bytes(shapes: Mapping[str, tuple[tuple[int, ...], int]], specs: Mappi
         if sketch:
             spec = specs.get(name)
             sketches += sketch * 4 * (spec.total if spec is not None else 1)
-    acts = sum(N_BINS * 8 + 4 * u * 4 for u in act_units)
+    acts = sum(N_BINS * 8 + 4 * u * 4 + 2 * u for u in act_units)
     meta = META_BYTES + 4 * n_sources
     return {"grads": grads, "sketch": sketches, "acts": acts, "meta": meta,
             "total": grads + sketches + acts + meta}

@@ -59,7 +59,7 @@ BATCH_FIELDS: dict[str, str] = {
 }
 
 #: Per-record activation statistics under ``acts/<module>/``.
-ACT_FIELDS: tuple[str, ...] = ("hist", "frac_low", "frac_high", "mean", "std")
+ACT_FIELDS: tuple[str, ...] = ("hist", "frac_low", "frac_high", "mean", "std", "dead", "saturated")
 
 #: Per-record, per-head attention statistics under ``attn/<module>/``, float32 ``(N, H)``.
 ATTN_FIELDS: tuple[str, ...] = ("max_logit", "entropy_mean", "entropy_min", "onehot_frac")

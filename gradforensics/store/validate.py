@@ -179,11 +179,19 @@ def _acts(path: str, name: str, arr: StoredArray) -> None:
     parts = name.split("/")
     if len(parts) != 3 or parts[2] not in ACT_FIELDS:
         raise _bad(path, name, "an unknown name", f"acts/<module>/<stat>, stat one of {ACT_FIELDS}")
+    if parts[2] in ("dead", "saturated"):
+        if len(arr.shape) != 2 or arr.dtype != "uint8":
+            raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}", "uint8 (0 or 1) of shape (N, units)")
+        return
     if len(arr.shape) != 2 or arr.dtype not in ("float32", "float64", "int64", "int32"):
         raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}", "numbers of shape (N, units or bins)")
     if parts[2] != "hist":
         return
     a = arr.attrs
+    for key in ("units", "unit_axis"):
+        if key in a and not _is_int(a[key], 1 if key == "units" else 0):
+            raise _bad(path, name, f"attribute {key}={a[key]!r}", "a non-negative int" if key == "unit_axis"
+                       else "a positive int (the units of the module's statistics)")
     edges = a.get("edges")
     if not (isinstance(edges, list) and len(edges) == arr.shape[1] + 1 and all(_is_number(e) for e in edges)):
         raise _bad(path, name, f"edges={_short(edges)}", f"{arr.shape[1] + 1} numbers (the bin edges)")
