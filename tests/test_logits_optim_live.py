@@ -13,7 +13,6 @@ import gradforensics as gf  # noqa: E402
 from gradforensics.errors import SpecError  # noqa: E402
 from gradforensics.recording.logits import logit_modules  # noqa: E402
 from gradforensics.recording.optimlive import STALE  # noqa: E402
-from gradforensics.replay.optimstate import RatioHistogram, map_state, optim_data, read_optimizer_state  # noqa: E402
 from gradforensics.store.reader import open_store  # noqa: E402
 
 nn = torch.nn
@@ -106,3 +105,126 @@ def test_logit_stats_and_row_norm_ratio_equal_torch(tmp_path) -> None:
         got = s.read(f"logits/lm_head/{k}")
         assert got.dtype == np.float32 and got.shape == (5,)
         np.testing.assert_allclose(got, [w[k] for w in want], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def _direct(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, float]:
+    """The per-tensor fields straight from ``opt.state`` (AdamW, one param group)."""
+    g = opt.param_groups[0]
+    (b1, b2), eps, lr = g["betas"], g["eps"], g["lr"]
+    st = opt.state[p]
+    t = float(st["step"])
+    m = st["exp_avg"].double() / (1 - b1 ** t)
+    sv = (st["exp_avg_sq"].double() / (1 - b2 ** t)).sqrt()
+    upd = lr * (m / (sv + eps)).pow(2).mean().sqrt().item()
+    w = p.detach().double().pow(2).mean().sqrt().item()
+    return {"update_rms": upd, "weight_rms": w, "update_ratio": upd / w, "eps_share": (sv < eps).double().mean().item(),
+            "m_norm": st["exp_avg"].double().norm().item(), "sqrt_v_norm": sv.norm().item(), "step": t,
+            "numel": float(p.numel())}
+
+
+def _ratio(g: torch.Tensor, v_hat: torch.Tensor) -> np.ndarray:
+    g2, v = g.double().pow(2).numpy(), v_hat.double().numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(g2 == 0, 0.0, g2 / v)
+
+
+def _rows_oracle(g: torch.Tensor, v_hat: torch.Tensor) -> np.ndarray:
+    r = _ratio(g, v_hat)
+    return np.concatenate([np.quantile(r, [0.5, 0.9, 0.99], axis=1).T, r.max(axis=1)[:, None]], axis=1)
+
+
+def test_live_optimizer_summaries_equal_opt_state_and_capture(tmp_path) -> None:
+    from gradforensics.replay.probe import CheckpointProbe, CurvatureSpec
+
+    torch.manual_seed(1)
+    torch.set_num_threads(1)
+    model = NanoGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    names = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    n_rec = 4
+    with gf.Recorder(tmp_path / "r.zarr", model=model, sources=["a"], optimizer=opt, optimizer_every=2,
+                     sketch=8, heads=None) as rec:
+        for i, xy in enumerate(batches(n_rec)):
+            loss = step(model, xy)
+            if i == n_rec - 2:      # a record on the grid, after steps: check it against opt.state and capture
+                want = {n: _direct(opt, params[n]) for n in names}
+                b2 = opt.param_groups[0]["betas"][1]
+                rows_want = {n: _rows_oracle(params[n].grad, opt.state[params[n]]["exp_avg_sq"]
+                                             / (1 - b2 ** float(opt.state[params[n]]["step"])))
+                             for n in names if params[n].ndim == 2}
+                ratio_full = {n: _ratio(params[n].grad, opt.state[params[n]]["exp_avg_sq"]
+                                        / (1 - b2 ** float(opt.state[params[n]]["step"]))).ravel() for n in names}
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+                probe = CheckpointProbe.from_checkpoint(tmp_path / "ckpt.pt", model, CurvatureSpec())
+                probe.observe(model, "a", xy)      # capture's g²/v̂ on the replayed batch: the same gradient
+                captured = probe.optim(model)
+            rec.record(step=i, loss=loss, source="a")
+            opt.step()
+            opt.zero_grad()
+    s = open_store(tmp_path / "r.zarr")
+    summ = s.read("optim_live/summary")
+    attrs = s.arrays["optim_live/summary"].attrs
+    assert summ.shape == (n_rec, len(names), len(attrs["fields"])) and attrs["tensors"] == names
+    assert np.isnan(summ[0]).all() and np.isnan(summ[1]).all() and np.isnan(summ[3]).all()   # no state yet / off grid
+    got = summ[n_rec - 2]
+    for ti, n in enumerate(names):
+        for f, v in want[n].items():
+            np.testing.assert_allclose(got[ti, attrs["fields"].index(f)], v, rtol=1e-6, err_msg=f"{n} {f}")
+    assert captured is not None and captured.tensors == names and captured.fields == attrs["fields"]
+    np.testing.assert_array_equal(got, captured.summary)       # capture's summary of the same state, bit for bit
+    for n, q in rows_want.items():
+        rr = s.read(f"optim_live/{n}/row_ratio")
+        assert rr.shape == (n_rec, params[n].shape[0], 4) and np.isnan(rr[1]).all()
+        np.testing.assert_allclose(rr[n_rec - 2], q, rtol=1e-6, err_msg=n)
+    for ti, n in enumerate(names):      # the summary's binned quantiles (1/8 decade, upper edge) hold the exact ones
+        exact = np.clip(np.quantile(ratio_full[n], [0.5, 0.9, 0.99], method="inverted_cdf"), 1e-12, 1e12)
+        binned = got[ti, [attrs["fields"].index(f"ratio_q{q}") for q in (50, 90, 99)]]
+        assert np.all(exact <= binned * (1 + 1e-9)) and np.all(exact >= binned / 10 ** 0.125 * (1 - 1e-9)), n
+
+
+def test_rows_first_seen_late_are_stale(tmp_path) -> None:
+    torch.manual_seed(2)
+    torch.set_num_threads(1)
+    model = NanoGPT()
+    model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())      # untied: wte sees only inputs
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    early = [xy % 48 for xy in batches(6, seed=3)]          # tokens 48..63 never seen in the first steps
+    late = batches(1, seed=4)[0]
+    with gf.Recorder(tmp_path / "r.zarr", model=model, sources=["a"], optimizer=opt, optimizer_every=1,
+                     sketch=8, heads=None) as rec:
+        for i, xy in enumerate([*early, late]):
+            loss = step(model, xy)
+            rec.record(step=i, loss=loss, source="a")
+            opt.step()
+            opt.zero_grad()
+    s = open_store(tmp_path / "r.zarr")
+    stale = s.read("optim_live/wte.weight/stale")
+    seen_late = sorted({int(t) for t in late[:, :-1].ravel() if t >= 48})
+    assert seen_late and np.flatnonzero(stale[-1]).tolist() == seen_late
+    assert int(stale[-1].sum()) == len(seen_late)
+    seen: set[int] = set()
+    for i, xy in enumerate([*early, late]):      # stale exactly where a row's first gradient arrives (after step 1)
+        now = {int(t) for t in xy[:, :-1].ravel()}
+        assert np.flatnonzero(stale[i]).tolist() == (sorted(now - seen) if i else []), i
+        seen |= now
+    rr = s.read("optim_live/wte.weight/row_ratio")[-1]
+    assert np.isinf(rr[seen_late, 3]).all() and np.isfinite(rr[:48, 3]).all()
+    # the per-tensor median hides them: what the issue's run showed
+    summ = s.read("optim_live/summary")[-1]
+    fields = s.arrays["optim_live/summary"].attrs["fields"]
+    tensors = s.arrays["optim_live/summary"].attrs["tensors"]
+    assert summ[tensors.index("wte.weight"), fields.index("ratio_q50")] < STALE
+
+
+def test_bad_optimizer_is_one_line(tmp_path) -> None:
+    model = NanoGPT()
+    with pytest.raises(SpecError, match="not Adam-family"):
+        gf.Recorder(tmp_path / "a.zarr", model=model, sources=["a"], heads=None,
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(SpecError, match="optimizer_every must be a positive int"):
+        gf.Recorder(tmp_path / "b.zarr", model=model, sources=["a"], heads=None,
+                    optimizer=torch.optim.AdamW(model.parameters()), optimizer_every=0)
+    with pytest.raises(SpecError, match="not the recorded model's"):
+        gf.Recorder(tmp_path / "c.zarr", model=model, sources=["a"], heads=None,
+                    optimizer=torch.optim.AdamW(NanoGPT().parameters()))

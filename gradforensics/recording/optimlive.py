@@ -119,8 +119,8 @@ class LiveOptim:
                 if p.grad is None:
                     continue
                 t = float(e["step"])
-                q, s = row_ratios(p.grad, e["exp_avg_sq"] / (1.0 - b2 ** t))
-                per_row[n] = (q.float().cpu().numpy(), s.to(dtype=_uint8()).cpu().numpy())
+                qt, st = row_ratios(p.grad, e["exp_avg_sq"] / (1.0 - b2 ** t))
+                per_row[n] = (qt.float().cpu().numpy(), st.to(dtype=_uint8()).cpu().numpy())
         out: dict[str, tuple[np.ndarray, dict[str, Any]]] = {"optim_live/summary": (summary, attrs)}
         for n, (q, s) in per_row.items():
             out[f"optim_live/{n}/row_ratio"] = (q, {"fields": list(ROW_FIELDS)})

@@ -37,8 +37,8 @@ from gradforensics.recording.actstats import (
 from gradforensics.recording.attention import AttentionTaps, attention_modules
 from gradforensics.recording.autoheads import resolve_heads
 from gradforensics.recording.encoding import mixture_row
-from gradforensics.recording.logits import LogitTaps, logit_modules
 from gradforensics.recording.hostcopy import HostCopies, device_copies_done, to_numpy
+from gradforensics.recording.logits import LogitTaps, logit_modules
 from gradforensics.recording.recorder import ArrayRecorder
 from gradforensics.recording.selection import model_info, run_dtypes, select_modules, select_parameters
 from gradforensics.recording.sketch import DeviceSketch
