@@ -228,3 +228,35 @@ def test_bad_optimizer_is_one_line(tmp_path) -> None:
     with pytest.raises(SpecError, match="not the recorded model's"):
         gf.Recorder(tmp_path / "c.zarr", model=model, sources=["a"], heads=None,
                     optimizer=torch.optim.AdamW(NanoGPT().parameters()))
+
+
+def test_logits_and_optim_live_arrays_are_checked_at_open(tmp_path) -> None:
+    zarr = pytest.importorskip("zarr")
+    from gradforensics.errors import CorruptStoreError
+
+    torch.manual_seed(0)
+    model = NanoGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    path = tmp_path / "r.zarr"
+    with gf.Recorder(path, model=model, sources=["a"], logits="lm_head", optimizer=opt, sketch=8, heads=None) as rec:
+        for i, xy in enumerate(batches(2)):
+            rec.record(step=i, loss=step(model, xy), source="a")
+            opt.step()
+            opt.zero_grad()
+    s = open_store(path)
+    assert s.read("optim_live/summary").shape[:2] == (2, len(list(model.parameters())))
+    root = zarr.open_group(path, mode="r+")
+    for bad, shape, dtype, match in (("logits/lm_head/bogus", (2,), "float32", "logits/<module>/<stat>"),
+                                     ("logits/x/logz_max", (2, 3), "float32", r"float32 of shape \(N,\)"),
+                                     ("optim_live/wte.weight/stale", (2, 4), "float32", "uint8"),
+                                     ("optim_live/x/row_ratio", (2, 4, 3), "float32", r"\(N, R, 4\)")):
+        old = root[bad] if bad in root else None
+        if old is not None:
+            del root[bad]
+        root.create_array(bad, shape=shape, dtype=dtype)
+        with pytest.raises(CorruptStoreError, match=match):
+            open_store(path)
+        del root[bad]
+    root["optim_live/summary"].attrs["tensors"] = ["only.one"]
+    with pytest.raises(CorruptStoreError, match="optim_live/summary"):
+        open_store(path)
