@@ -176,7 +176,7 @@ def test_live_optimizer_summaries_equal_opt_state_and_capture(tmp_path) -> None:
     for n, q in rows_want.items():
         rr = s.read(f"optim_live/{n}/row_ratio")
         assert rr.shape == (n_rec, params[n].shape[0], 4) and np.isnan(rr[1]).all()
-        np.testing.assert_allclose(rr[n_rec - 2], q, rtol=1e-6, err_msg=n)
+        np.testing.assert_allclose(rr[n_rec - 2], q, rtol=1e-5, err_msg=n)   # float32 ratios and sorts
     for ti, n in enumerate(names):      # the summary's binned quantiles (1/8 decade, upper edge) hold the exact ones
         exact = np.clip(np.quantile(ratio_full[n], [0.5, 0.9, 0.99], method="inverted_cdf"), 1e-12, 1e12)
         binned = got[ti, [attrs["fields"].index(f"ratio_q{q}") for q in (50, 90, 99)]]
@@ -250,8 +250,7 @@ def test_logits_and_optim_live_arrays_are_checked_at_open(tmp_path) -> None:
                                      ("logits/x/logz_max", (2, 3), "float32", r"float32 of shape \(N,\)"),
                                      ("optim_live/wte.weight/stale", (2, 4), "float32", "uint8"),
                                      ("optim_live/x/row_ratio", (2, 4, 3), "float32", r"\(N, R, 4\)")):
-        old = root[bad] if bad in root else None
-        if old is not None:
+        if bad in root:
             del root[bad]
         root.create_array(bad, shape=shape, dtype=dtype)
         with pytest.raises(CorruptStoreError, match=match):
