@@ -67,7 +67,10 @@ def step(model: nn.Module, xy: torch.Tensor) -> torch.Tensor:
 
 def test_auto_finds_the_tied_head_and_refuses_in_one_line() -> None:
     torch.manual_seed(0)
-    assert list(logit_modules(NanoGPT(), "auto")) == ["lm_head"]
+    assert list(logit_modules(NanoGPT(), "auto")) == ["lm_head"]          # tied: the same Parameter as wte
+    untied = NanoGPT()
+    untied.lm_head.weight = nn.Parameter(untied.wte.weight.detach().clone())
+    assert list(logit_modules(untied, "auto")) == ["lm_head"]            # untied: shaped like wte
     with pytest.raises(SpecError, match=r"pass logits='<module name>'"):
         logit_modules(nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2)), "auto")
     with pytest.raises(SpecError, match="matches no module"):

@@ -123,7 +123,7 @@ class LogitTaps:
     """Hooks on the logit modules; :meth:`take` gives each one's per-record row ``{path: (array, attrs)}``."""
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.modules = modules
+        self.modules = {check_name(n, "logits module"): m for n, m in modules.items()}
         self.hooks = {n: LogitHook(n) for n in modules}
         self.handles = [m.register_forward_hook(self.hooks[n]) for n, m in modules.items()]
 

@@ -132,6 +132,9 @@ class TorchRecorder(ArrayRecorder):
         attn_modules = attention_modules(named, attention) if attention else {}
         if attn_modules and self.dist is not None and self.dist.kind == "fsdp":
             raise SpecError("FSDP capture does not take attention= yet; record it from a DDP or single-process run.")
+        if (logits or optimizer is not None) and self.dist is not None and self.dist.kind == "fsdp":
+            raise SpecError("FSDP capture does not take logits= or optimizer= yet; record them from a DDP or "
+                            "single-process run.")
         if self.dist is not None:
             _check_distributed(self.dist, activations, weights_every, kwargs)
             kwargs["ranks"] = self.dist.plan()
