@@ -85,7 +85,7 @@ def test_logit_stats_and_row_norm_ratio_equal_torch(tmp_path) -> None:
     want: list[dict[str, float]] = []
     with gf.Recorder(tmp_path / "r.zarr", model=model, sources=["a"], logits="auto", weights_every=2,
                      sketch=8, heads=None) as rec:
-        for i, xy in enumerate(batches(5)):
+        for i, xy in enumerate(batches(3)):
             micro = [xy[:2], xy[2:]]             # two micro-batches per record
             lz, lg = [], []
             for mb in micro:
@@ -106,7 +106,7 @@ def test_logit_stats_and_row_norm_ratio_equal_torch(tmp_path) -> None:
     s = open_store(tmp_path / "r.zarr")
     for k in want[0]:
         got = s.read(f"logits/lm_head/{k}")
-        assert got.dtype == np.float32 and got.shape == (5,)
+        assert got.dtype == np.float32 and got.shape == (3,)
         np.testing.assert_allclose(got, [w[k] for w in want], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
@@ -262,3 +262,28 @@ def test_logits_and_optim_live_arrays_are_checked_at_open(tmp_path) -> None:
     root["optim_live/summary"].attrs["tensors"] = ["only.one"]
     with pytest.raises(CorruptStoreError, match="optim_live/summary"):
         open_store(path)
+
+
+def test_rows_back_after_a_long_absence_are_stale_with_a_finite_ratio(tmp_path) -> None:
+    """The issue's case: rows seen once, then absent while v decays (β₂ = 0.8, 70 steps: g²/v̂ ≈ 0.8–3.7e5 on those rows, ≤ 5 on the rest), then back."""
+    torch.manual_seed(5)
+    torch.set_num_threads(1)
+    model = NanoGPT()
+    model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.8))
+    first = batches(1, seed=6)[0]
+    middle = [xy % 48 for xy in batches(69, seed=7)]
+    last = first.clone()                       # the same tokens again: every row >= 48 was seen at step 0
+    n = 71
+    with gf.Recorder(tmp_path / "r.zarr", model=model, sources=["a"], optimizer=opt, optimizer_every=n - 1,
+                     sketch=8, heads=None) as rec:
+        for i, xy in enumerate([first, *middle, last]):
+            rec.record(step=i, loss=step(model, xy), source="a")
+            opt.step()
+            opt.zero_grad()
+    s = open_store(tmp_path / "r.zarr")
+    stale = s.read("optim_live/wte.weight/stale")[-1]
+    back = sorted({int(t) for t in last[:, :-1].ravel() if t >= 48})
+    assert back and np.flatnonzero(stale).tolist() == back
+    mx = s.read("optim_live/wte.weight/row_ratio")[-1][back, 3]
+    assert np.isfinite(mx).all() and (mx > STALE).all()      # v decayed by 0.8^70, not zero: a finite, huge g²/v̂
