@@ -10,7 +10,7 @@ the loss' logits, found by these rules, first that answers:
 
 Otherwise one line asks for ``logits="<module name>"``.  A glob names the modules itself.
 
-What is stored per record (:class:`LogitHook`, reduced on the device; four scalars
+What is stored per record (:class:`LogitHook`, reduced on the device; six numbers
 cross to the host), under ``logits/<module>/``, float32 ``(N,)``: over every position
 of every micro-batch since the previous record, with ``log Z = logsumexp`` over the last
 (vocabulary) axis, ``logz_mean`` and ``logz_max``; over every logit, ``logit_max`` and
