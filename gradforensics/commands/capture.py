@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--activations", nargs="+", metavar="GLOB", help="module globs: per-unit activation statistics")
     r.add_argument("--attention", nargs="*", metavar="GLOB",
                    help="per-head attention logits and entropy (no GLOB: every attention module); runs eager attention")
+    r.add_argument("--logits", nargs="*", metavar="GLOB",
+                   help="log Z and logit statistics of the output logits (no GLOB: the output embedding)")
     r.add_argument("--sketch", type=int, metavar="K", help="store a K-dim sketch per tensor (per head)")
     r.add_argument("--full", nargs="+", metavar="GLOB",
                    help="with --sketch: tensors whose whole gradient is stored too (default none)")

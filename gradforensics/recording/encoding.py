@@ -46,6 +46,8 @@ class PendingRecord:
     act_stats: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     #: Per-head attention statistics: ``{module: {stat: (H,) float32}}`` (:mod:`gradforensics.recording.attention`).
     attn: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    #: Other per-record arrays, by store path: ``{path: (row, attrs)}`` (``logits/``, ``optim_live/``).
+    rows: dict[str, tuple[np.ndarray, dict[str, Any]]] = field(default_factory=dict)
 
 
 def is_bf16(a: np.ndarray) -> bool:

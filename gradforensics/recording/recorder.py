@@ -355,6 +355,7 @@ class ArrayRecorder:
             rows.update({act_path(module, k): Row(v, rng.attrs() if k == "hist" else {}) for k, v in stats.items()})
         for module, stats in p.attn.items():
             rows.update({attn_path(module, k): Row(v, {"heads": int(v.shape[0])}) for k, v in stats.items()})
+        rows.update({k: Row(v, a) for k, (v, a) in p.rows.items()})
         weights = {weight_path(k): Row(*self._weight_row(k, w)) for k, w in p.weights.items()}
         if self.bytes_per_record is None:
             self.bytes_per_record = sum(r.data.nbytes for r in rows.values())

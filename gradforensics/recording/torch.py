@@ -38,6 +38,7 @@ from gradforensics.recording.actstats import (
 from gradforensics.recording.autoheads import resolve_heads
 from gradforensics.recording.encoding import mixture_row
 from gradforensics.recording.hostcopy import HostCopies, device_copies_done, to_numpy
+from gradforensics.recording.logits import LogitTaps, logit_modules
 from gradforensics.recording.recorder import ArrayRecorder
 from gradforensics.recording.sdpa import open_taps
 from gradforensics.recording.selection import model_info, run_dtypes, select_modules, select_parameters
@@ -92,6 +93,13 @@ class TorchRecorder(ArrayRecorder):
         queries, reduced on the device (:mod:`gradforensics.recording.attention`,
         :mod:`gradforensics.recording.sdpa`).  A Hugging Face model must run
         eager attention (``attn_implementation="eager"``); its SDPA/flash are refused.
+    logits
+        ``"auto"`` (the output embedding / ``lm_head``, tied included) or module globs: per
+        record log Z and logit statistics of the output logits, and the output embedding's
+        row-norm ratio at weight snapshots (:mod:`gradforensics.recording.logits`).
+    optimizer, optimizer_every
+        An Adam-family ``torch.optim`` optimizer of *model*: every ``optimizer_every`` records
+        its state is summarised per tensor and per row (:mod:`gradforensics.recording.optimlive`).
     sketch_on
         ``"device"`` (default): a countsketch is computed where the gradient lives
         (the GPU), so only ``k`` floats per head cross to the host; ``"host"``: the
@@ -120,6 +128,7 @@ class TorchRecorder(ArrayRecorder):
                  activations: Sequence[str] | None = None, weights_every: int | None = None,
                  act_bounds: Mapping[str, tuple[float, float]] | None = None, sketch_on: str = "device",
                  attention: str | Sequence[str] | None = None, unit_axes: Mapping[str, int] | None = None,
+                 logits: str | Sequence[str] | None = None, optimizer: Any = None, optimizer_every: int = 1,
                  **kwargs: Any) -> None:
         _check_options(sketch_on, weights_every, kwargs)
         self.model = model
@@ -133,6 +142,9 @@ class TorchRecorder(ArrayRecorder):
         self._act_modules = select_modules(named, activations)
         if attention and self.dist is not None and self.dist.kind == "fsdp":
             raise SpecError("FSDP capture does not take attention= yet; record it from a DDP or single-process run.")
+        if (logits or optimizer is not None) and self.dist is not None and self.dist.kind == "fsdp":
+            raise SpecError("FSDP capture does not take logits= or optimizer= yet; record them from a DDP or "
+                            "single-process run.")
         if self.dist is not None:
             _check_distributed(self.dist, activations, weights_every, kwargs)
             kwargs["ranks"] = self.dist.plan()
@@ -165,6 +177,12 @@ class TorchRecorder(ArrayRecorder):
         self._act_hooks = {n: ActHook(n, self._axes) for n in self._act_modules}
         for n, m in self._act_modules.items():
             self._hooks.append(m.register_forward_hook(self._act_hooks[n]))
+        self._logits = LogitTaps(logit_modules(named, logits)) if logits else None
+        self._optim = None
+        if optimizer is not None:
+            from gradforensics.recording.optimlive import LiveOptim
+
+            self._optim = LiveOptim(named, optimizer, optimizer_every)
         self._warned: set[str] = set()
         self._copies = HostCopies(self._raise_if_failed,
                                   lambda: self._queue is None or self._queue.unfinished_tasks == 0)
@@ -199,6 +217,11 @@ class TorchRecorder(ArrayRecorder):
             pending.attn = self._take_attn(attention or {})
             if self._attn is not None:
                 pending.attn = _merge_attn(pending.attn, self._attn.take())
+            n = self.n_records
+            if self._logits is not None:
+                pending.rows.update(self._logits.take(self.weights_every is None or n % self.weights_every == 0))
+            if self._optim is not None:
+                pending.rows.update(self._optim.take(n))
             clash = sorted(set(pending.act_stats) & set(pending.acts))
             if clash:
                 raise SpecError(f"record(): activations[{clash[0]!r}] is already recorded from the model; "
@@ -258,6 +281,9 @@ class TorchRecorder(ArrayRecorder):
         taps = getattr(self, "_attn", None)
         if taps is not None:
             taps.remove()
+        logit_taps = getattr(self, "_logits", None)
+        if logit_taps is not None:
+            logit_taps.remove()
         if self._local is not None:
             self._local.remove()
 

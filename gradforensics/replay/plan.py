@@ -129,6 +129,9 @@ class RecordSpec:
     attention
         ``"auto"`` or attention-module globs: per-head attention statistics
         (the checkpoint then runs eager attention); ``None``: none.
+    logits
+        ``"auto"`` (the output embedding) or module globs: per-record log Z and logit
+        statistics (:mod:`gradforensics.recording.logits`); ``None``: none.
     """
 
     tensors: tuple[str, ...] | None = None
@@ -138,9 +141,11 @@ class RecordSpec:
     full: tuple[str, ...] | None = None
     dtype: str | None = None
     attention: str | tuple[str, ...] | None = None
+    logits: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", _attention(self.attention))
+        object.__setattr__(self, "logits", _attention(self.logits))     # the same auto / none / globs form
         for name in ("tensors", "activations", "full"):
             object.__setattr__(self, name, _globs(getattr(self, name)))
         heads = self.heads
@@ -165,7 +170,8 @@ class RecordSpec:
     def recorder_options(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~gradforensics.recording.torch.TorchRecorder` these stand for."""
         return {"tensors": self.tensors, "heads": self.heads, "activations": self.activations,
-                "sketch": self.sketch, "full": self.full, "dtype": self.dtype, "attention": self.attention}
+                "sketch": self.sketch, "full": self.full, "dtype": self.dtype, "attention": self.attention,
+                **({"logits": self.logits} if self.logits else {})}
 
 
 def _attention(value: str | Sequence[str] | None) -> str | tuple[str, ...] | None:

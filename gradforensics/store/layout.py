@@ -111,7 +111,7 @@ def _balanced(size: int, most: int) -> int:
 
 # Axis names of the stored arrays (Zarr v3 ``dimension_names``; see docs/store-schema.md).
 #: groups whose arrays have one row per record (axis 0 is the shared ``record`` dimension)
-_PER_RECORD = ("batches", "grads", "sketch", "acts", "attn")
+_PER_RECORD = ("batches", "grads", "sketch", "acts", "attn", "logits", "optim_live")
 
 
 def dimension_names(name: str, ndim: int, attrs: dict[str, object] | None = None) -> tuple[str, ...]:

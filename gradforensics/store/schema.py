@@ -21,6 +21,7 @@ __all__ = [
     "ATTN_FIELDS",
     "BATCH_FIELDS",
     "ENCODINGS",
+    "LOGIT_FIELDS",
     "MODES",
     "ROOT_ATTR",
     "SCHEMA_VERSION",
@@ -63,6 +64,10 @@ ACT_FIELDS: tuple[str, ...] = ("hist", "frac_low", "frac_high", "mean", "std", "
 
 #: Per-record, per-head attention statistics under ``attn/<module>/``, float32 ``(N, H)``.
 ATTN_FIELDS: tuple[str, ...] = ("max_logit", "entropy_mean", "entropy_min", "onehot_frac")
+
+#: Per-record output-logit statistics under ``logits/<module>/``, float32 ``(N,)``
+#: (``row_norm_ratio`` NaN off the weight snapshots; :mod:`gradforensics.recording.logits`).
+LOGIT_FIELDS: tuple[str, ...] = ("logz_mean", "logz_max", "logit_max", "logit_mean", "row_norm_ratio")
 
 #: How a gradient array is encoded on disk.  The reader always yields float32.
 ENCODINGS: tuple[str, ...] = ("float32", "float16", "bfloat16-as-uint16")

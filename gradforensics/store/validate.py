@@ -18,7 +18,7 @@ from gradforensics.errors import CorruptChunkError, CorruptStoreError, MissingAr
 from gradforensics.store.inventory import StoredArray
 from gradforensics.store.names import name_problem
 from gradforensics.store.probe_schema import PROBE_GROUPS, check_probe
-from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, StoreMeta
+from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, LOGIT_FIELDS, StoreMeta
 
 __all__ = ["BULK_GROUPS", "REQUIRED_BATCHES", "check_arrays", "check_ranks", "chunks_checked", "rows_of"]
 
@@ -28,7 +28,7 @@ REQUIRED_BATCHES = ("step", "loss", "mixture", "n_samples")
 BULK_GROUPS = ("grads", "sketch", "weights")
 _ENCODING_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16-as-uint16": "uint16"}
 _SKETCH_METHODS = ("countsketch", "gaussian")
-_GROUPS = ("batches", "grads", "sketch", "weights", "acts", "analysis", "attn")
+_GROUPS = ("batches", "grads", "sketch", "weights", "acts", "analysis", "attn", "logits", "optim_live")
 
 
 def rows_of(name: str, meta: StoreMeta) -> int | None:
@@ -101,6 +101,10 @@ def _check_kind(path: str, name: str, arr: StoredArray, meta: StoreMeta) -> None
         _acts(path, name, arr)
     elif group == "attn":
         _attn(path, name, arr)
+    elif group == "logits":
+        _logits(path, name, arr)
+    elif group == "optim_live":
+        _optim_live(path, name, arr)
     elif name == "weights/_record" and (arr.dtype != "int64" or len(arr.shape) != 1):
         raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}", "int64 (M,)")
 
@@ -212,6 +216,33 @@ def _attn(path: str, name: str, arr: StoredArray) -> None:
     if len(arr.shape) != 2 or arr.dtype != "float32" or heads != arr.shape[1]:
         raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape} heads={heads!r}",
                    "float32 of shape (N, H) with attribute heads = H")
+
+
+def _logits(path: str, name: str, arr: StoredArray) -> None:
+    parts = name.split("/")
+    if len(parts) != 3 or parts[2] not in LOGIT_FIELDS:
+        raise _bad(path, name, "an unknown name", f"logits/<module>/<stat>, stat one of {LOGIT_FIELDS}")
+    if len(arr.shape) != 1 or arr.dtype != "float32":
+        raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}", "float32 of shape (N,)")
+
+
+def _optim_live(path: str, name: str, arr: StoredArray) -> None:
+    a = arr.attrs
+    if name == "optim_live/summary":
+        tensors, fields = a.get("tensors"), a.get("fields")
+        if (arr.dtype != "float64" or len(arr.shape) != 3 or not isinstance(tensors, list)
+                or not isinstance(fields, list) or arr.shape[1:] != (len(tensors), len(fields))):
+            raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape} with {_short(tensors)} x {_short(fields)}",
+                       "float64 (N, T, F) with attributes tensors (T names) and fields (F names)")
+        return
+    stat = name.rpartition("/")[2]
+    if stat == "row_ratio" and arr.dtype == "float32" and len(arr.shape) == 3 and arr.shape[2] == 4:
+        return
+    if stat == "stale" and arr.dtype == "uint8" and len(arr.shape) == 2:
+        return
+    raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}",
+               "optim_live/summary, optim_live/<tensor>/row_ratio float32 (N, R, 4) or "
+               "optim_live/<tensor>/stale uint8 (N, R)")
 
 
 def check_ranks(path: str, ranks: Any, world: int | None) -> None:
