@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["LOGIT_FIELDS", "LogitHook", "LogitTaps", "logit_modules", "row_norm_ratio"]
+__all__ = ["LogitHook", "LogitTaps", "logit_modules", "row_norm_ratio"]
 
 
 
