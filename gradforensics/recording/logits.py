@@ -31,7 +31,6 @@ import numpy as np
 
 from gradforensics.errors import SpecError
 from gradforensics.store.names import check_name
-from gradforensics.store.schema import LOGIT_FIELDS
 
 if TYPE_CHECKING:
     import torch
