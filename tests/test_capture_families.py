@@ -185,7 +185,7 @@ def check_optim(store, opt, state, name: str) -> None:
     attrs = store.arrays["optim_live/summary"].attrs
     assert summ.shape == (STEPS, len(attrs["tensors"]), len(attrs["fields"]))
     assert np.isnan(summ[1]).all() and np.isnan(summ[3]).all()          # off the optimizer_every=2 grid
-    p, st = state[name]
+    _, st = state[name]
     g = opt.param_groups[0]
     (b1, b2), eps, lr, t = g["betas"], g["eps"], g["lr"], float(st["step"])
     m = st["exp_avg"].double() / (1 - b1 ** t)
@@ -197,11 +197,11 @@ def check_optim(store, opt, state, name: str) -> None:
 
 def refused_attention(path, model: nn.Module, x: torch.Tensor) -> None:
     """attention="auto" on a model without attention: one line naming its class, at the first record."""
-    with pytest.raises(SpecError, match=rf"attention='auto': {type(model).__name__} ran no "
-                                        "scaled_dot_product_attention call") as err:
-        with gf.Recorder(path, model=model, sources=["s"], attention="auto") as rec:
-            model(x).float().mean().backward()
-            rec.record(step=0, loss=0.0, source="s")
+    want = rf"attention='auto': {type(model).__name__} ran no scaled_dot_product_attention call"
+    with pytest.raises(SpecError, match=want) as err, \
+            gf.Recorder(path, model=model, sources=["s"], attention="auto") as rec:
+        model(x).float().mean().backward()
+        rec.record(step=0, loss=0.0, source="s")
     assert "\n" not in str(err.value)
     model.zero_grad()
 
@@ -272,10 +272,10 @@ def test_mamba_like_without_attention(tmp_path) -> None:
     torch.manual_seed(0)
     model = MambaLM()
     refused_attention(tmp_path / "x.zarr", model, tokens()[0])
-    with pytest.warns(RuntimeWarning, match=r"pass unit_axes=\{'layers.0.act': 1\}"):
-        with gf.Recorder(tmp_path / "w.zarr", model=model, sources=["s"], activations=["layers.0.act"]) as rec:
-            model(tokens()[0]).sum().backward()     # SiLU of a sliced Conv1d output: (N, C, L) or (N, T, D)?
-            rec.record(step=0, loss=0.0, source="s")
+    with pytest.warns(RuntimeWarning, match=r"pass unit_axes=\{'layers.0.act': 1\}"), \
+            gf.Recorder(tmp_path / "w.zarr", model=model, sources=["s"], activations=["layers.0.act"]) as rec:
+        model(tokens()[0]).sum().backward()     # SiLU of a sliced Conv1d output: (N, C, L) or (N, T, D)?
+        rec.record(step=0, loss=0.0, source="s")
     model.zero_grad()
     store, opt, outs, state = train(tmp_path, model, tokens(2), lm_loss, activations=["layers.*.act"],
                                     unit_axes={"layers.*.act": 1}, logits="auto")
