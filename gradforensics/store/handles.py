@@ -61,7 +61,10 @@ _NOT_READ = ("attributes", "dimension_names")
 MANY_BYTES = 8 << 20
 
 _PARSED: dict[str, Any] = {}
-_STORES: dict[str, Any] = {}
+#: One read-only ``LocalStore`` per (thread, root): a zarr store opens itself on first use
+#: (``_ensure_open``: check, then set), which two threads' event loops racing on one shared
+#: store turn into "store is already open"; a thread's store is only ever used by its loop.
+_STORES: dict[tuple[int, str], Any] = {}
 _LOCK = threading.Lock()
 _LOCAL = threading.local()
 
@@ -185,7 +188,7 @@ def _build(root: str, name: str, meta: dict[str, Any]) -> Any:
     key = json.dumps(rest, sort_keys=True)
     with _LOCK:
         parsed = _PARSED.get(key)
-        store = _STORES.get(root)
+        store = _STORES.get((threading.get_ident(), root))
     if store is None:
         store = LocalStore(root, read_only=True)
     array = zarr.AsyncArray(rest if parsed is None else parsed, StorePath(store, name))
@@ -194,7 +197,7 @@ def _build(root: str, name: str, meta: dict[str, Any]) -> Any:
             if len(kept) >= MAX_PARSED:
                 kept.clear()
         _PARSED[key] = array.metadata
-        _STORES.setdefault(root, store)
+        _STORES.setdefault((threading.get_ident(), root), store)
     return array
 
 
