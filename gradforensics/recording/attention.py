@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["IMPLEMENTATION", "ONEHOT", "STATS", "AttentionTaps", "HeadTap", "attention_modules", "finish",
-           "head_stats", "merge", "switchable_roots", "tapped_eager", "use_eager_attention"]
+           "head_stats", "merge", "switchable_roots", "take_taps", "tapped_eager", "use_eager_attention"]
 
 
 STATS = ATTN_FIELDS
@@ -134,6 +134,18 @@ def finish(part: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
            "onehot_frac": torch.where(none, nan, part["onehot"] / n.clamp(min=1))}
     host = torch.stack([out[k] for k in STATS]).to("cpu", torch.float32).numpy()
     return {k: host[i].copy() for i, k in enumerate(STATS)}
+
+
+def take_taps(taps: dict[str, HeadTap], missing: str) -> dict[str, dict[str, np.ndarray]]:
+    """Every tap's ``(H,)`` statistics since the last call, each tap emptied; a tap that saw no call is
+    refused: ``attention: module <name> <missing>``."""
+    out = {}
+    for name, tap in taps.items():
+        part, tap.part = tap.part, None
+        if part is None:
+            raise SpecError(f"attention: module {name} {missing}")
+        out[name] = finish(part)
+    return out
 
 
 def logits_of(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -363,14 +375,8 @@ class AttentionTaps:
 
     def take(self) -> dict[str, dict[str, np.ndarray]]:
         """Every module's ``(H,)`` statistics since the last call."""
-        out = {}
-        for name, tap in self.taps.items():
-            part, tap.part = tap.part, None
-            if part is None:
-                raise SpecError(f"attention: module {name} ran no attention since the previous record; every "
-                                "recorded attention module must run in every recorded batch.")
-            out[name] = finish(part)
-        return out
+        return take_taps(self.taps, "ran no attention since the previous record; every recorded attention "
+                                    "module must run in every recorded batch.")
 
     def remove(self) -> None:
         """Stop tapping and give the model its own attention implementation back (idempotent)."""

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.errors import SpecError
-from gradforensics.recording.attention import AttentionTaps, HeadTap, attention_modules, finish
+from gradforensics.recording.attention import AttentionTaps, HeadTap, attention_modules, take_taps
 
 if TYPE_CHECKING:
     from torch import nn
@@ -164,14 +164,8 @@ class SdpaTaps:
             model = self._model()
             raise SpecError(f"attention='auto': {type(model).__name__} ran no scaled_dot_product_attention call and "
                             "has no Hugging Face attention module; give attention=[module globs].")
-        out = {}
-        for name, tap in self.taps.items():
-            part, tap.part = tap.part, None
-            if part is None:
-                raise SpecError(f"attention: module {name} made no scaled_dot_product_attention call since the previous "
-                                "record; name modules that call it in every recorded batch.")
-            out[name] = finish(part)
-        return out
+        return take_taps(self.taps, "made no scaled_dot_product_attention call since the previous record; "
+                                    "name modules that call it in every recorded batch.")
 
     def remove(self) -> None:
         """Remove every hook and release the model (idempotent)."""
