@@ -1,0 +1,154 @@
+"""The twin zoo: real training runs of several model families, each a sick run beside a healthy twin.
+
+Every family trains, in plain torch, on one CPU core in seconds to a minute, a *sick* arm and one or
+more *healthy* twins that differ from it in one thing (the learning rate, a q/k LayerNorm, gradient
+clipping, one data source), same data, same seed.  Each arm is recorded live with ``gf.Recorder``
+(``mode="training"``) and returns its **truth**: what the family module measured of the run in its
+own torch code, independently of the store (dead-unit shares, the measured max attention logit,
+log Z of the output logits, each source's loss, ...).
+
+A family module ``gradforensics.testing.twins.<module>`` defines
+
+    train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]
+
+which records arm *arm* at *path* (overwriting) and returns the truth.  :data:`FAMILIES` lists every
+family, its arms and what the sick arm's first flag must be (:class:`Expect`); :func:`judge`
+trains and analyses one family at one seed.  ``benchmarks/calibration.py --twins`` prints the
+table of docs/calibration.md from it; ``tests/test_twins.py`` asserts it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import json
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAMILIES", "Expect", "Family", "Judged", "judge", "train"]
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the sick arm's first flag (the largest, at or above 0.5) must be."""
+
+    kind: str
+    tensor: str = "*"                 # fnmatch glob on the flag's tensor
+    head: int | None = None           # None: any head (or none)
+    sources: tuple[str, ...] = ()     # the flag must name each of these
+
+    def matches(self, flag: Any) -> bool:
+        return (flag.kind == self.kind and fnmatch.fnmatchcase(flag.tensor, self.tensor)
+                and (self.head is None or flag.head == self.head)
+                and set(self.sources) <= set(flag.sources))
+
+    def __str__(self) -> str:
+        where = self.tensor + (f" head {self.head}" if self.head is not None else "")
+        return f"{self.kind} on {where}" + (f" naming {', '.join(self.sources)}" if self.sources else "")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family of the zoo: its module, its arms, and the sick arm's expected first flag."""
+
+    name: str
+    module: str                       # gradforensics.testing.twins.<module>
+    sick: str                         # the sick arm
+    healthy: tuple[str, ...]          # the healthy twins: no flag >= 0.5 allowed
+    expect: Expect
+    info: tuple[str, ...] = ()        # arms shown for information only (e.g. a z-loss arm)
+    note: str = ""
+    analyze_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        return (self.sick, *self.healthy, *self.info)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("relu-mlp", "relu_mlp", "high-lr", ("sane-lr",), Expect("saturation"),
+           note="ReLU MLP: most units die at a high learning rate; a few at a sane one"),
+    Family("cnn-bn", "cnn_bn", "dead", ("sane",), Expect("saturation"),
+           note="CNN with BatchNorm: dead channels / a sane run"),
+    Family("gru-lm", "gru_lm", "no-clip", ("clip",), Expect("spectral"),
+           note="GRU language model: exploding gradients without clipping / with clipping"),
+    Family("nanogpt", "nanogpt", "high-lr", ("qk-ln", "low-lr"), Expect("attention"),
+           note="nanoGPT-style SDPA model: attention-logit growth / the same LR with q/k LayerNorm / a low LR"),
+    Family("logits", "logit_divergence", "high-lr", ("low-lr",), Expect("logits"), info=("z-loss",),
+           note="output-logit divergence (log Z grows) / a low LR; a z-loss arm as information"),
+    Family("mixture", "mixture", "broken", ("clean",), Expect("conflict", sources=("broken",)),
+           note="three sources, one with random targets / three clean sources of different domains"),
+    Family("late-rows", "late_rows", "late", ("steady",), Expect("optimizer"),
+           note="Adam, embedding rows first seen late (a loss spike) / steady data"),
+    Family("llama", "hf_runs", "llama-high-lr", ("llama",), Expect("attention"),
+           note="tiny HF LLaMA (GQA, eager attention), AdamW lr 3e-2 / 3e-3"),
+    Family("gpt2", "hf_runs", "gpt2-high-lr", ("gpt2",), Expect("attention"),
+           note="tiny HF GPT-2 (fused Conv1D qkv), AdamW lr 3e-2 / 3e-3"),
+    Family("mlp-eos", "hf_runs", "mlp-eos", ("mlp-gd",), Expect("oscillation"),
+           note="tanh MLP on digits, full-batch GD past the edge of stability / at eta 0.1"),
+]}
+
+
+def _module(family: Family) -> Any:
+    return importlib.import_module(f"{__name__}.{family.module}")
+
+
+def train(family: str, arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
+    """Record arm *arm* of *family* at *path*; returns the truth its module measured in plain torch."""
+    fam = FAMILIES[family]
+    if arm not in fam.arms:
+        raise ValueError(f"family {family!r} has arms {', '.join(fam.arms)}; got {arm!r}.")
+    fn: Callable[..., dict[str, float]] = _module(fam).train
+    return fn(arm, Path(path), seed=seed)
+
+
+@dataclass
+class Judged:
+    """One arm, trained and analysed: its truth, its flags (largest first) and the timings."""
+
+    family: str
+    arm: str
+    seed: int
+    truth: dict[str, float]
+    flags: list[Any]
+    train_s: float
+    analyze_s: float
+
+    def first(self, threshold: float = 0.5) -> Any | None:
+        return self.flags[0] if self.flags and self.flags[0].severity >= threshold else None
+
+    def largest(self, kind: str) -> float:
+        return max((f.severity for f in self.flags if f.kind == kind), default=0.0)
+
+
+def judge(family: str, work: Path, *, seed: int = 0, arms: Sequence[str] | None = None,
+          options: Mapping[str, Any] | None = None) -> dict[str, Judged]:
+    """Train and analyse every arm of *family* (or *arms*) under *work* at *seed*."""
+    import gradforensics as gf
+
+    fam = FAMILIES[family]
+    out: dict[str, Judged] = {}
+    for arm in arms or fam.arms:
+        store = Path(work) / f"{family}-{arm}-{seed}.zarr"
+        t0 = time.perf_counter()
+        truth = train(family, arm, store, seed=seed)
+        t1 = time.perf_counter()
+        opts = {"engine": {"persist": False}, **dict(fam.analyze_options), **dict(options or {})}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            findings = gf.analyze(store, progress=False, options=opts)
+        out[arm] = Judged(family, arm, seed, truth, list(findings.flags), t1 - t0, time.perf_counter() - t1)
+    return out
+
+
+def describe(j: Judged, n: int = 5) -> str:
+    """A few lines: the arm's truth and its largest flags (for notes and failing tests)."""
+    lines = [f"{j.family}/{j.arm} seed {j.seed}: truth {json.dumps({k: round(v, 4) for k, v in j.truth.items()})}"]
+    for f in j.flags[:n]:
+        lines.append(f"  {f.severity:.2f} {f.kind} {f.tensor}" + (f" head {f.head}" if f.head is not None else "")
+                     + (f" [{', '.join(f.sources)}]" if f.sources else "") + f": {f.summary}")
+    return "\n".join(lines)
