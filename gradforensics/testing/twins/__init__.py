@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "Expect", "Family", "Judged", "judge", "train"]
+__all__ = ["FAMILIES", "Expect", "Family", "Judged", "describe", "judge", "train"]
 
 
 @dataclass(frozen=True)
