@@ -90,6 +90,7 @@ def _conflicts(findings: Findings) -> dict[tuple[str, int | None], Flag]:
             and f.head in (1, 2)}
 
 
+@pytest.mark.slow
 def test_planted_conflict_shared_with_the_baseline_drops_new_one_stays(tmp_path) -> None:
     target = conflict(tmp_path / "target.zarr", seed=1)
     alone = _conflicts(gf.analyze(target, progress=False, options={"engine": {"persist": False}}))
@@ -115,6 +116,7 @@ def test_planted_conflict_shared_with_the_baseline_drops_new_one_stays(tmp_path)
     assert [f.to_dict() for f in again.flags] == [f.to_dict() for f in judged.flags]
 
 
+@pytest.mark.slow
 def test_baseline_of_another_model_or_itself_is_refused(tmp_path) -> None:
     target = healthy(tmp_path / "target.zarr")
     other = planted.healthy_store(tmp_path / "other.zarr", n_records=8).path
@@ -124,6 +126,7 @@ def test_baseline_of_another_model_or_itself_is_refused(tmp_path) -> None:
         gf.analyze(target, progress=False, baseline=target)
 
 
+@pytest.mark.slow
 def test_cli_baseline(tmp_path, capsys) -> None:
     target, base = conflict(tmp_path / "target.zarr"), conflict(tmp_path / "earlier.zarr", seed=2)
     other = planted.healthy_store(tmp_path / "other.zarr", n_records=8).path
