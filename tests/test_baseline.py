@@ -141,3 +141,14 @@ def test_cli_baseline(tmp_path, capsys) -> None:
         assert main(["analyze", target, "--out", str(tmp_path / "o2"), "--quiet", "--baseline", bad]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("gradforensics analyze: error:") and says in err
+
+
+def test_report_header_names_the_baseline() -> None:
+    from gradforensics.reporting.document import header_items
+
+    target = _findings([_flag("drift", 0.8, "a")])
+    judged = B.judge(target, _findings([_flag("drift", 0.7, "a")]), "early.zarr", store="/r/early.zarr", reused=True)
+    items = dict(header_items(judged, None))
+    assert items["Baseline"] == ("judged against /r/early.zarr (10 records): 1 finding(s) it shows as strongly are "
+                                 "context, below 0.5")
+    assert "Baseline" not in dict(header_items(target, None))
