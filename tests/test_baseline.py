@@ -152,3 +152,27 @@ def test_report_header_names_the_baseline() -> None:
     assert items["Baseline"] == ("judged against /r/early.zarr (10 records): 1 finding(s) it shows as strongly are "
                                  "context, below 0.5")
     assert "Baseline" not in dict(header_items(target, None))
+
+
+@pytest.mark.slow
+def test_real_runs_eos_against_its_healthy_twin_and_against_itself(tmp_path) -> None:
+    """Real digits-MLP runs (``real_runs``): GD past the edge of stability keeps its oscillation against
+    the eta-0.1 twin of the same model (new there), and it is context against another EoS run."""
+    pytest.importorskip("torch")
+    from gradforensics.testing import real_runs
+
+    eos = real_runs.train("mlp-eos", tmp_path / "eos.zarr", seed=0)
+    twin = real_runs.train("mlp-gd", tmp_path / "gd.zarr", seed=0)
+    other = real_runs.train("mlp-eos", tmp_path / "eos-1.zarr", seed=1)
+    opts = {"engine": {"persist": False}}
+    only = "oscillation"            # the finding of these runs (test_real_runs: every analysis, no other flag)
+    alone = gf.analyze(eos, progress=False, options=opts, only=only)
+    loud = [x for x in alone.flags if x.severity >= 0.5]
+    assert loud and loud[0].kind == "oscillation"
+    against_twin = gf.analyze(eos, progress=False, options=opts, only=only, baseline=twin)
+    assert [(x.kind, x.tensor, x.severity) for x in against_twin.flags if x.severity >= 0.5] == \
+        [(x.kind, x.tensor, x.severity) for x in loud]
+    against_sick = gf.analyze(eos, progress=False, options=opts, only=only, baseline=other)
+    assert not [x for x in against_sick.flags if x.severity >= 0.5]
+    assert any("as in the baseline eos-1.zarr" in x.summary for x in against_sick.flags)
+    assert against_sick.header["baseline"]["context"] == len(loud)
