@@ -126,9 +126,16 @@ def run_twins(families: list[str], seeds: range, as_json: bool, out=None) -> lis
             work = Path(tempfile.mkdtemp(prefix=f"gf-twins-{family}-"))
             try:
                 row = twins.score(family, twins.judge(family, work, seed=seed))
+            except Exception as exc:  # one family's failure is a row of the table, not the end of the run
+                row = {"family": family, "seed": seed, "status": f"failed: {type(exc).__name__}: {exc}"[:300]}
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             rows.append(row)
+            if "status" in row:
+                lines.append(f"{family:10s} {seed:4d}  {row['status']}")
+                if as_json:
+                    print(json.dumps(row), file=out, flush=True)
+                continue
             if as_json:
                 print(json.dumps(row), file=out, flush=True)
             tw = row["twins"]  # type: dict[str, dict[str, object]]  # type: ignore[assignment]

@@ -92,6 +92,20 @@ def test_benchmark_reports_a_family_not_built(monkeypatch, capsys) -> None:
     assert out[-1].split() == ["ghost", "-", "not", "built"]
 
 
+def test_benchmark_reports_a_family_that_fails(monkeypatch, capsys) -> None:
+    def broken(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
+        raise RuntimeError("the family module is under construction")
+
+    mod = types.ModuleType(STUB)
+    mod.train = broken  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, STUB, mod)
+    monkeypatch.setitem(FAMILIES, "stub", Family("stub", "stub_family", "high", ("low",), Expect("drift")))
+    assert _benchmark().main(["--twins", "stub", "--seeds", "1", "--json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert json.loads(out[0])["status"] == "failed: RuntimeError: the family module is under construction"
+    assert out[-1].startswith("stub") and "failed" in out[-1]
+
+
 # ------------------------------------------------------------------ slow: real runs
 def _stub_train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
     """A real 6-step full-batch GD run of a small tanh MLP on digits, recorded live; truth: the losses."""
