@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from gradforensics.store.reader import open_store  # noqa: E402
-from gradforensics.testing.twins import FAMILIES, describe, judge  # noqa: E402
-from gradforensics.testing.twins.logit_divergence import EDGE, VOCAB  # noqa: E402
+from gradforensics.store.reader import open_store
+from gradforensics.testing.twins import FAMILIES, describe, judge
+from gradforensics.testing.twins.logit_divergence import EDGE, VOCAB
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ Chowdhery, A. et al. (2022). PaLM: scaling language modeling with pathways (z-lo
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -84,7 +85,7 @@ def windowed(x: Any, edges: np.ndarray, how: str = "mean") -> np.ndarray:
     """Per window of records (``edges``): the mean (or max) of the finite values of *x*; NaN where none is."""
     x = np.asarray(x, float)
     out = np.full(len(edges) - 1, np.nan)
-    for w, (a, b) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+    for w, (a, b) in enumerate(itertools.pairwise(edges)):
         v = x[a:b][np.isfinite(x[a:b])]
         if v.size:
             out[w] = v.max() if how == "max" else v.mean()
