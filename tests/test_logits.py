@@ -68,6 +68,23 @@ def test_healthy_and_falling_log_z_are_not_flagged() -> None:
         assert row["since_record"] is None and L.severity(row["rel_growth"]) == 0.0
 
 
+def test_a_spread_grown_while_the_loss_fell_is_learning_but_a_shift_is_not() -> None:
+    """log Z +30 nats with the loss falling 3 -> 0.5: as spread (confidence) context, as common shift a flag."""
+    n, log_v = 150, math.log(10)
+    edges = window_edges(n, L.WINDOWS)
+    logz = log_v + 30 * np.clip((np.arange(n) - 30) / 100, 0, 1)
+    loss = 3.0 - 2.5 * np.clip(np.arange(n) / 140, 0, 1)
+    confident = _stats(logz, log_v)
+    confident["logit_mean"] = np.zeros(n)                           # mean logit held: the spread grew
+    row = L.logit_row("head", confident, loss, np.arange(n, dtype=float), edges)
+    assert row["loss_change"] < -0.5 and row["shift"] == pytest.approx(0, abs=1e-9)
+    assert L.row_severity(row) == (0.0, True)
+    drifting = L.logit_row("head", _stats(logz, log_v), loss, np.arange(n, dtype=float), edges)   # a shift
+    assert L.row_severity(drifting) == (1.0, True)
+    rising = L.logit_row("head", confident, loss[::-1].copy(), np.arange(n, dtype=float), edges)  # loss climbs
+    assert L.row_severity(rising) == (1.0, False)
+
+
 @pytest.fixture(scope="module")
 def sick(tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("torch")

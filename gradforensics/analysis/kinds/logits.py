@@ -17,7 +17,11 @@ its mean and max over the record's positions, and the largest and the mean logit
 * the **slope** (nats per record and per step): Theil-Sen over the windows from the onset on.
 
 Severity (training mode, with an onset): ``log(rel_growth) / log 4``, clipped to [0, 1]:
-0.5 when log Z grew by twice the opening spread, 1 from four times.  A healthy language
+0.5 when log Z grew by twice the opening spread, 1 from four times.  A model that learns grows
+confident, and a confident softmax has a large spread: when the loss *fell* meanwhile (from the
+onset window to the last, by :data:`~gradforensics.analysis.toolkit.batches.LEARNING_DROP` or more),
+the growth of the spread is that learning, and only the common shift counts
+(``log(max(shift, 0) / s0) / log 4``: the logits drifting, which learning does not need).  A healthy language
 model's log Z starts near ``log V`` and stays within a few nats of it, or falls; a growth of
 tens of nats (``rel_growth`` of several) is the output-logit divergence of Wortsman et al.
 (2023): the logits blow up, the softmax saturates, and the loss follows.  A fall of log Z
@@ -48,6 +52,7 @@ from gradforensics.analysis.contract.advice import Advice
 from gradforensics.analysis.contract.checks import Constraints, Interval
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
 from gradforensics.analysis.contract.options import Options
+from gradforensics.analysis.toolkit.batches import LEARNING_DROP
 from gradforensics.analysis.toolkit.kspace import window_edges
 from gradforensics.analysis.toolkit.stats import rank_trend
 
@@ -57,7 +62,7 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
 
 __all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "NAME", "WINDOWS", "LogitsOptions", "compute", "flags", "logit_row",
-           "onset_window", "plot", "severity", "windowed"]
+           "onset_window", "plot", "row_severity", "severity", "windowed"]
 
 NAME = "logits"
 WINDOWS = 32
@@ -107,6 +112,16 @@ def severity(rel_growth: float) -> float:
     return float(min(1.0, np.log(rel_growth) / np.log(4.0)))
 
 
+def row_severity(row: dict[str, Any]) -> tuple[float, bool]:
+    """``(severity, learning)`` of a table row: of the whole growth, or of the shift alone while the loss fell."""
+    change = float(row["loss_change"])
+    learning = bool(np.isfinite(change) and change <= -LEARNING_DROP)
+    s0 = float(row["spread_first"])
+    if learning:
+        return (severity(max(float(row["shift"]), 0.0) / s0) if s0 > 0 else 0.0), True
+    return severity(float(row["rel_growth"])), False
+
+
 def _theil_sen(x: np.ndarray, y: np.ndarray) -> float:
     """Median of the pairwise slopes (Theil-Sen); NaN with fewer than two finite points."""
     ok = np.isfinite(x) & np.isfinite(y)
@@ -142,6 +157,7 @@ def logit_row(module: str, stats: dict[str, np.ndarray], loss: np.ndarray, steps
     per_record = span_steps / (steps.size - 1) if steps.size > 1 and span_steps > 0 else np.nan
     rho, p = rank_trend(lz, min_n=6, skip_nonfinite=True)
     since = int(edges[start]) if start is not None else None
+    lw = windowed(loss, edges)
     norm_first, norm_last = _first_last(np.asarray(stats["row_norm_ratio"], float))
     return {
         "tensor": module, "head": None, "logz_first": open_, "logz_last": close, "growth": growth,
@@ -151,14 +167,16 @@ def logit_row(module: str, stats: dict[str, np.ndarray], loss: np.ndarray, steps
         "slope": slope, "slope_step": slope / per_record if np.isfinite(per_record) else np.nan,
         "trend_rho": rho, "trend_p": p, "since_record": since,
         "since_step": int(steps[since]) if since is not None and since < steps.size else None,
-        "loss_first": float(windowed(loss, edges)[0]), "loss_last": float(windowed(loss, edges)[-1]),
+        "loss_first": float(lw[0]), "loss_last": float(lw[-1]),
+        "loss_change": float(lw[-1] / lw[start or 0] - 1.0) if lw[start or 0] > 0 else np.nan,
         "row_norm_first": norm_first, "row_norm_last": norm_last,
     }
 
 
 COLUMNS = ["tensor", "head", "logz_first", "logz_last", "growth", "rel_growth", "since_record", "since_step",
            "slope", "slope_step", "spread_first", "spread_last", "shift", "logz_max_first", "logz_max_last",
-           "logit_max_last", "trend_rho", "trend_p", "loss_first", "loss_last", "row_norm_first", "row_norm_last"]
+           "logit_max_last", "trend_rho", "trend_p", "loss_first", "loss_last", "loss_change", "row_norm_first",
+           "row_norm_last"]
 
 
 def compute(ctx: Context) -> AnalysisResult:
@@ -194,7 +212,7 @@ def _fmt(x: Any, spec: str = ".3g") -> str:
         return "n/a"
 
 
-def _summary(row: dict[str, Any]) -> str:
+def _summary(row: dict[str, Any], learning: bool) -> str:
     since = int(row["since_record"])
     step = row["since_step"]
     at = f"record {since}" + (f" (step {int(step)})" if step is not None and np.isfinite(step) else "")
@@ -204,7 +222,9 @@ def _summary(row: dict[str, Any]) -> str:
             f"{_fmt(row['spread_first'])} ~ log V) since {at}, {_fmt(row['slope'])} nats a record; max log Z "
             f"{_fmt(row['logz_max_last'])}, largest logit {_fmt(row['logit_max_last'])}; the loss went "
             f"{_fmt(row['loss_first'])} -> {_fmt(row['loss_last'])}. Of the growth, {_fmt(spread_part)} nats is the "
-            f"logits' spread (the softmax saturating) and {_fmt(row['shift'])} their common shift.")
+            f"logits' spread (the softmax saturating) and {_fmt(row['shift'])} their common shift"
+            + (f"; the loss fell {-float(row['loss_change']):.0%} meanwhile, so the spread is the model growing "
+               "confident (context): only the shift counts." if learning else "."))
 
 
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
@@ -218,14 +238,16 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         since = row["since_record"]
         if since is None or not np.isfinite(since):
             continue
-        sev = severity(float(row["rel_growth"]))
+        sev, learning = row_severity(row)
         if sev < opt.min_severity:
             continue
         keys = ("logz_first", "logz_last", "growth", "rel_growth", "spread_first", "spread_last", "shift",
                 "logz_max_last", "logit_max_last", "slope", "slope_step", "loss_first", "loss_last",
-                "row_norm_last")
-        evidence = {k: float(row[k]) for k in keys} | {"since_record": int(since)}
-        out.append(Flag(NAME, row["tensor"], None, (), sev, (int(since), last), evidence, _summary(row)))
+                "loss_change", "row_norm_last")
+        evidence: dict[str, Any] = {k: float(row[k]) for k in keys} | {"since_record": int(since)}
+        if learning:
+            evidence["context"] = "learning"
+        out.append(Flag(NAME, row["tensor"], None, (), sev, (int(since), last), evidence, _summary(row, learning)))
     return out
 
 
@@ -256,7 +278,6 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 #: Log Z of the output logits grows without bound.
 ADVICE = Advice(
     title="Output-logit divergence",
-    cause="learning_rate",
     phrase="the output logits diverge (log Z grows)",
     evidence_keys={"logz_last": "log Z", "growth": "growth in nats", "rel_growth": "x opening spread",
                    "slope": "nats a record", "loss_last": "loss"},
