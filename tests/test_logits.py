@@ -40,7 +40,7 @@ def test_planted_series_onset_growth_and_slope() -> None:
     w = L.windowed(logz, edges)
     k = np.searchsorted(edges, row["since_record"])
     assert row["slope"] == pytest.approx(theilslopes(w[k:], centres[k:])[0], rel=1e-9)   # scipy's Theil-Sen
-    assert row["shift"] == pytest.approx(row["growth"], abs=1e-9)              # the spread held: a pure shift
+    assert row["logit_shift"] == pytest.approx(row["growth"], abs=1e-9)              # the spread held: a pure shift
     assert L.severity(row["rel_growth"]) == 1.0                                # 19 nats/5.5 > 4
 
 
@@ -77,7 +77,7 @@ def test_a_spread_grown_while_the_loss_fell_is_learning_but_a_shift_is_not() -> 
     confident = _stats(logz, log_v)
     confident["logit_mean"] = np.zeros(n)                           # mean logit held: the spread grew
     row = L.logit_row("head", confident, loss, np.arange(n, dtype=float), edges)
-    assert row["loss_change"] < -0.5 and row["shift"] == pytest.approx(0, abs=1e-9)
+    assert row["loss_change"] < -0.5 and row["logit_shift"] == pytest.approx(0, abs=1e-9)
     assert L.row_severity(row) == (0.0, True)
     drifting = L.logit_row("head", _stats(logz, log_v), loss, np.arange(n, dtype=float), edges)   # a shift
     assert L.row_severity(drifting) == (1.0, True)

@@ -118,7 +118,7 @@ def row_severity(row: dict[str, Any]) -> tuple[float, bool]:
     learning = bool(np.isfinite(change) and change <= -LEARNING_DROP)
     s0 = float(row["spread_first"])
     if learning:
-        return (severity(max(float(row["shift"]), 0.0) / s0) if s0 > 0 else 0.0), True
+        return (severity(max(float(row["logit_shift"]), 0.0) / s0) if s0 > 0 else 0.0), True
     return severity(float(row["rel_growth"])), False
 
 
@@ -162,7 +162,7 @@ def logit_row(module: str, stats: dict[str, np.ndarray], loss: np.ndarray, steps
     return {
         "tensor": module, "head": None, "logz_first": open_, "logz_last": close, "growth": growth,
         "rel_growth": rel, "spread_first": s0, "spread_last": float(spread[-1]),
-        "shift": growth - (float(spread[-1]) - s0), "logz_max_first": float(lzmax[0]),
+        "logit_shift": growth - (float(spread[-1]) - s0), "logz_max_first": float(lzmax[0]),
         "logz_max_last": float(lzmax[-1]), "logit_max_last": float(windowed(stats["logit_max"], edges, "max")[-1]),
         "slope": slope, "slope_step": slope / per_record if np.isfinite(per_record) else np.nan,
         "trend_rho": rho, "trend_p": p, "since_record": since,
@@ -174,7 +174,7 @@ def logit_row(module: str, stats: dict[str, np.ndarray], loss: np.ndarray, steps
 
 
 COLUMNS = ["tensor", "head", "logz_first", "logz_last", "growth", "rel_growth", "since_record", "since_step",
-           "slope", "slope_step", "spread_first", "spread_last", "shift", "logz_max_first", "logz_max_last",
+           "slope", "slope_step", "spread_first", "spread_last", "logit_shift", "logz_max_first", "logz_max_last",
            "logit_max_last", "trend_rho", "trend_p", "loss_first", "loss_last", "loss_change", "row_norm_first",
            "row_norm_last"]
 
@@ -222,7 +222,7 @@ def _summary(row: dict[str, Any], learning: bool) -> str:
             f"{_fmt(row['spread_first'])} ~ log V) since {at}, {_fmt(row['slope'])} nats a record; max log Z "
             f"{_fmt(row['logz_max_last'])}, largest logit {_fmt(row['logit_max_last'])}; the loss went "
             f"{_fmt(row['loss_first'])} -> {_fmt(row['loss_last'])}. Of the growth, {_fmt(spread_part)} nats is the "
-            f"logits' spread (the softmax saturating) and {_fmt(row['shift'])} their common shift"
+            f"logits' spread (the softmax saturating) and {_fmt(row['logit_shift'])} their common shift"
             + (f"; the loss fell {-float(row['loss_change']):.0%} meanwhile, so the spread is the model growing "
                "confident (context): only the shift counts." if learning else "."))
 
@@ -241,7 +241,7 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         sev, learning = row_severity(row)
         if sev < opt.min_severity:
             continue
-        keys = ("logz_first", "logz_last", "growth", "rel_growth", "spread_first", "spread_last", "shift",
+        keys = ("logz_first", "logz_last", "growth", "rel_growth", "spread_first", "spread_last", "logit_shift",
                 "logz_max_last", "logit_max_last", "slope", "slope_step", "loss_first", "loss_last",
                 "loss_change", "row_norm_last")
         evidence: dict[str, Any] = {k: float(row[k]) for k in keys} | {"since_record": int(since)}
