@@ -119,6 +119,8 @@ def test_planted_divergence_is_flagged_on_the_head_since_its_onset(sick, tmp_pat
     gf.report(findings, tmp_path / "out")
     md = (tmp_path / "out" / "report.md").read_text()
     assert "Output-logit divergence" in md and "z-loss" in md
+    assert "Output-logit divergence" in (tmp_path / "out" / "report.html").read_text()
+    assert (tmp_path / "out" / "figures" / "finding-01-logits.png").is_file()
 
 
 @pytest.mark.parametrize("kw", [{"shift": 0.0, "scale": 1.0}, {"shift": -40.0, "scale": 1.0}])
