@@ -45,7 +45,7 @@ def test_planted_series_onset_growth_and_slope() -> None:
 
 
 @pytest.mark.parametrize(("rel", "want"), [(0.5, 0.0), (1.0, 0.0), (2.0, 0.5), (4.0, 1.0), (40.0, 1.0),
-                                           (math.sqrt(8), 0.75), (math.nan, 0.0)])
+                                           (math.sqrt(8), 0.75), (math.nan, 0.0), (math.inf, 1.0)])
 def test_severity_is_log4_of_the_growth_over_the_opening_spread(rel: float, want: float) -> None:
     assert L.severity(rel) == pytest.approx(want, abs=1e-12)
 
@@ -55,6 +55,14 @@ def test_onset_needs_a_sustained_rise() -> None:
     assert L.onset_window(np.array([0, 0, 5, 0, 5, 5.0]), 1.0) == 4            # the dip resets it
     assert L.onset_window(np.array([0, 0, 0, 0, 5.0]), 1.0) is None            # the last window alone: a spike
     assert L.onset_window(np.array([0, 0, 5, np.nan, 5.0]), 1.0) is None       # a non-finite window is not above
+
+
+def test_an_overflowed_log_z_is_a_growth_not_a_gap() -> None:
+    n = 64
+    edges = window_edges(n, L.WINDOWS)
+    logz = np.where(np.arange(n) < 40, 5.5, np.inf)
+    row = L.logit_row("head", _stats(logz, 5.5), np.full(n, 3.0), np.arange(n, dtype=float), edges)
+    assert row["since_record"] == 40 and row["growth"] == np.inf and L.row_severity(row) == (1.0, False)
 
 
 def test_healthy_and_falling_log_z_are_not_flagged() -> None:

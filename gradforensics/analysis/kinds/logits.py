@@ -87,11 +87,12 @@ class LogitsOptions(Options):
 
 # --------------------------------------------------------------------- statistics
 def windowed(x: Any, edges: np.ndarray, how: str = "mean") -> np.ndarray:
-    """Per window of records (``edges``): the mean (or max) of the finite values of *x*; NaN where none is."""
+    """Per window of records (``edges``): the mean (or max) of the values of *x* that are not NaN (an
+    overflowed +inf log Z counts: the window is +inf); NaN where every value is NaN."""
     x = np.asarray(x, float)
     out = np.full(len(edges) - 1, np.nan)
     for w, (a, b) in enumerate(itertools.pairwise(edges)):
-        v = x[a:b][np.isfinite(x[a:b])]
+        v = x[a:b][~np.isnan(x[a:b])]
         if v.size:
             out[w] = v.max() if how == "max" else v.mean()
     return out
@@ -107,6 +108,8 @@ def onset_window(level: np.ndarray, threshold: float, min_after: int = MIN_AFTER
 
 def severity(rel_growth: float) -> float:
     """``log(rel_growth) / log 4`` in [0, 1]: 0 up to 1, 0.5 at 2, 1 from 4 (growth over the opening spread)."""
+    if rel_growth == np.inf:
+        return 1.0                    # log Z overflowed
     if not np.isfinite(rel_growth) or rel_growth <= 1.0:
         return 0.0
     return float(min(1.0, np.log(rel_growth) / np.log(4.0)))
@@ -143,7 +146,8 @@ def logit_row(module: str, stats: dict[str, np.ndarray], loss: np.ndarray, steps
               edges: np.ndarray) -> dict[str, Any]:
     """The table row of one logit module from its per-record ``stats`` (``LOGIT_FIELDS``), the loss and the steps."""
     lz = windowed(stats["logz_mean"], edges)
-    spread = windowed(np.asarray(stats["logz_mean"], float) - np.asarray(stats["logit_mean"], float), edges)
+    with np.errstate(invalid="ignore"):       # an overflowed record: inf - inf is no spread
+        spread = windowed(np.asarray(stats["logz_mean"], float) - np.asarray(stats["logit_mean"], float), edges)
     lzmax = windowed(stats["logz_max"], edges, "max")
     open_, close = float(lz[0]), float(lz[-1])
     s0 = float(spread[0])
@@ -207,7 +211,7 @@ def compute(ctx: Context) -> AnalysisResult:
 # ---------------------------------------------------------------------------- flags
 def _fmt(x: Any, spec: str = ".3g") -> str:
     try:
-        return format(float(x), spec) if np.isfinite(float(x)) else "n/a"
+        return format(float(x), spec) if np.isfinite(float(x)) or np.isinf(float(x)) else "n/a"
     except (TypeError, ValueError):
         return "n/a"
 
