@@ -26,6 +26,7 @@ from gradforensics.analysis.kinds import (
     curvature,
     drift,
     fractal,
+    logits,
     loss_spectrum,
     noise,
     nonfinite,
@@ -53,6 +54,7 @@ register(rankconsistency.ANALYSIS)
 register(curvature.ANALYSIS)
 register(optimizer.ANALYSIS)
 register(attention.ANALYSIS)
+register(logits.ANALYSIS)
 
 __all__ = ["REGISTRY", "Advice", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult",
            "register", "registered", "unregister"]

@@ -21,7 +21,15 @@ from gradforensics.errors import CorruptChunkError, GradforensicsError, MissingA
 from gradforensics.store.backends import ArrayHandle, locate, open_backend
 from gradforensics.store.layout import MiB
 from gradforensics.store.location import Location
-from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, ROOT_ATTR, StoreMeta, parse_root_attrs
+from gradforensics.store.schema import (
+    ACT_FIELDS,
+    ATTN_FIELDS,
+    BATCH_FIELDS,
+    LOGIT_FIELDS,
+    ROOT_ATTR,
+    StoreMeta,
+    parse_root_attrs,
+)
 from gradforensics.store.validate import check_arrays, check_ranks, chunks_checked, rows_of
 from gradforensics.store.writer import WEIGHT_RECORD
 from gradforensics.store.zarr_backend import read_url_array
@@ -165,6 +173,11 @@ class Store:
         """The attention modules with per-head statistics (``attn/<module>/...``), sorted."""
         return sorted({k.rsplit("/", 1)[0] for k in self._group("attn")})
 
+    @cached_property
+    def logit_modules(self) -> list[str]:
+        """The modules with output-logit statistics (``logits/<module>/...``), sorted."""
+        return sorted({k.rsplit("/", 1)[0] for k in self._group("logits")})
+
     @property
     def tensors(self) -> list[str]:
         """Every tensor with gradient information (whole or sketched), sorted."""
@@ -265,6 +278,12 @@ class Store:
         if stat not in ATTN_FIELDS:
             raise KeyError(stat)
         return self.read(f"attn/{module}/{stat}")
+
+    def logits(self, module: str, stat: str) -> np.ndarray:
+        """Output-logit statistic *stat* (one of ``LOGIT_FIELDS``) of *module*, float32 ``(N,)``."""
+        if stat not in LOGIT_FIELDS:
+            raise KeyError(stat)
+        return self.read(f"logits/{module}/{stat}")
 
     def act_attrs(self, module: str) -> dict[str, Any]:
         return self.arrays[f"acts/{module}/hist"].attrs

@@ -78,7 +78,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            note="GRU language model: exploding gradients without clipping / with clipping"),
     Family("nanogpt", "nanogpt", "high-lr", ("qk-ln", "low-lr"), Expect("attention_logits"),
            note="nanoGPT-style SDPA model: attention-logit growth / the same LR with q/k LayerNorm / a low LR"),
-    Family("logits", "logit_divergence", "high-lr", ("low-lr",), Expect("logits"), info=("z-loss",),
+    Family("logits", "logit_divergence", "high-lr", ("low-lr",), Expect("logits", "lm_head"), info=("z-loss",),
            note="output-logit divergence (log Z grows) / a low LR; a z-loss arm as information"),
     Family("mixture", "mixture", "broken", ("clean",), Expect("conflict", sources=("broken",)),
            note="three sources, one with random targets / three clean sources of different domains"),
