@@ -1,7 +1,9 @@
-"""The optimizer's own state at the checkpoint: a stale preconditioner, ε-dominated tensors, outlying updates.
+"""The optimizer's own state: a stale preconditioner, ε-dominated tensors, outlying updates, stale rows.
 
 ``capture --curvature`` summarises the checkpoint's optimizer state per tensor
-(:mod:`gradforensics.store.probes`, ``optim/``).  Three findings:
+(:mod:`gradforensics.store.probes`, ``optim/``); ``Recorder(optimizer=opt)`` the live
+state per record, per tensor and per row of each 2-D tensor (``optim_live/``,
+:mod:`gradforensics.recording.optimlive`).  Four findings:
 
 * **stale preconditioner** - on the replayed batches the median over a tensor's
   elements of ``g²/v̂`` (the squared gradient over Adam's bias-corrected second
@@ -16,10 +18,20 @@
 * **update/weight out of line** - the RMS of the next update over the weight's RMS,
   against the median over the model's 2-D tensors; ``>= 10x`` the median is a
   flag (0.5, 0.9 from 1000x), ``>= 4x`` context.
+* **stale rows** (live only) - rows of a 2-D tensor whose gradient its second moment
+  has not seen (``v̂`` ~0: rows first seen late, or back after a long absence), at a
+  record where they stand out from the run's own base rate of such rows and the loss
+  spikes: cause "optimizer state" (:mod:`.rows`).  Without a spike: context.
+
+The three per-tensor findings read the checkpoint's ``optim/``; a store with only the
+live state is judged on its last live record (the state the run ended in).
 
 Table ``optimizer.csv``: a row per tensor: ``tensor``, ``head``, ``update_rms``,
 ``weight_rms``, ``update_ratio``, ``relative_update``, ``eps_share``, ``m_norm``,
-``sqrt_v_norm``, ``ratio_q50``, ``ratio_q90``, ``ratio_q99``, ``ratio_max``, ``step``.
+``sqrt_v_norm``, ``ratio_q50``, ``ratio_q90``, ``ratio_q99``, ``ratio_max``, ``step``,
+``matrix``, ``origin`` (``checkpoint`` or ``live``), and from the live per-row tails
+``stale_record``, ``stale_rows`` (count there), ``stale_base`` (the run's base rate),
+``loss_z`` (the loss spike there, noise units), ``stale_indices`` (the rows, space-separated).
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import numpy as np
 
 from gradforensics.analysis.contract.advice import Advice
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag
+from gradforensics.analysis.kinds.optimizer.rows import StaleEvent, loss_spike_z, severity, stale_event
 from gradforensics.store.probes import OptimData, read_optim
 
 if TYPE_CHECKING:
@@ -41,19 +54,27 @@ __all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "compute", "flags", "optimizer_table
 
 NAME = "optimizer"
 COLUMNS = ("tensor", "head", "update_rms", "weight_rms", "update_ratio", "relative_update", "eps_share",
-           "m_norm", "sqrt_v_norm", "ratio_q50", "ratio_q90", "ratio_q99", "ratio_max", "step", "matrix")
+           "m_norm", "sqrt_v_norm", "ratio_q50", "ratio_q90", "ratio_q99", "ratio_max", "step", "matrix", "origin",
+           "stale_record", "stale_rows", "stale_base", "loss_z", "stale_indices")
+LIVE = "optim_live"     # the live group (DESIGN.md names it optim/; the checkpoint's summary is there)
 STALE = 10.0            # median g²/v̂ at which a preconditioner is stale
 OUT_OF_LINE = 10.0      # update/weight over the median of the 2-D tensors
 EPS_SHARE = 0.5
 
 
-def optimizer_table(data: Any, shapes: dict[str, int]) -> pd.DataFrame:
-    """``optimizer.csv`` from :class:`~gradforensics.store.probes.OptimData` (*shapes*: tensor -> ndim)."""
+def optimizer_table(data: Any, shapes: dict[str, int], origin: str = "checkpoint",
+                    events: dict[str, StaleEvent] | None = None) -> pd.DataFrame:
+    """``optimizer.csv`` from :class:`~gradforensics.store.probes.OptimData` (*shapes*: tensor -> ndim),
+    with each tensor's stale-row event of the live per-row tails (*events*)."""
     import pandas as pd
 
     rows = []
     for i, name in enumerate(data.tensors):
-        row: dict[str, Any] = {"tensor": name, "head": None}
+        row: dict[str, Any] = {"tensor": name, "head": None, "origin": origin}
+        ev = (events or {}).get(name)
+        if ev is not None:
+            row.update(stale_record=ev.record, stale_rows=int(ev.rows.size), stale_base=ev.base, loss_z=ev.loss_z,
+                       stale_indices=" ".join(str(int(i)) for i in ev.rows))
         for f in data.fields:
             row[f] = float(data.summary[i, data.fields.index(f)])
         row["matrix"] = shapes.get(name, 2) >= 2
@@ -71,10 +92,53 @@ def optimizer_table(data: Any, shapes: dict[str, int]) -> pd.DataFrame:
 
 def compute(ctx: Context) -> AnalysisResult:
     data = read_optim(ctx.store) if ctx.store is not None else None
-    if data is None:
+    live = read_live(ctx)
+    if data is None and live is None:
         return AnalysisResult(table=optimizer_table(OptimData([], [], np.zeros((0, 0)), np.zeros((0, 0)), {}), {}))
-    ndim = data.attrs.get("ndim") or {}
-    return AnalysisResult(table=optimizer_table(data, {str(k): int(v) for k, v in ndim.items()}))
+    if data is not None:
+        ndim = data.attrs.get("ndim") or {}
+        return AnalysisResult(table=optimizer_table(data, {str(k): int(v) for k, v in ndim.items()},
+                                                    events=live[1] if live is not None else None))
+    assert live is not None
+    summary, events, shapes = live
+    return AnalysisResult(table=optimizer_table(summary, shapes, "live", events))
+
+
+def read_live(ctx: Context) -> tuple[OptimData, dict[str, StaleEvent], dict[str, int]] | None:
+    """The live group: its last live per-tensor summary, each 2-D tensor's stale-row event, the tensors' ndim."""
+    store = ctx.store
+    key = f"{LIVE}/summary"
+    if store is None or not store.has(key):
+        return None
+    attrs = dict(store.arrays[key].attrs)
+    tensors, fields = [str(t) for t in attrs["tensors"]], [str(f) for f in attrs["fields"]]
+    summ = np.asarray(store.read(key), dtype=np.float64)
+    live = np.asarray(~np.isnan(summ).all(axis=(1, 2)) if summ.size else np.zeros(summ.shape[0], dtype=bool),
+                      dtype=bool)
+    last = np.flatnonzero(live)
+    row = summ[last[-1]] if last.size else np.full((len(tensors), len(fields)), np.nan)
+    loss = np.asarray(ctx.batches.get("loss", np.full(summ.shape[0], np.nan)), dtype=np.float64)
+    z = (loss_spike_z(loss, _source_groups(ctx)) if loss.shape[0] == summ.shape[0]
+         else np.full(summ.shape[0], np.nan))
+    events: dict[str, StaleEvent] = {}
+    shapes = {t: 1 for t in tensors}
+    for t in tensors:
+        if not store.has(f"{LIVE}/{t}/stale"):
+            continue
+        shapes[t] = 2
+        ev = stale_event(store.read(f"{LIVE}/{t}/stale"), live, z)
+        if ev is not None:
+            events[t] = ev
+    data = OptimData(tensors, fields, row, np.zeros((len(tensors), 0)), {"hyper": attrs.get("hyper", {})})
+    return data, events, shapes
+
+
+def _source_groups(ctx: Context) -> list[np.ndarray] | None:
+    """Record indices per source (mixed batches together), or None for one series."""
+    if len(ctx.sources) < 2 or "mixture" not in ctx.batches:
+        return None
+    src = ctx.source_of_record()
+    return [np.flatnonzero(src == s) for s in np.unique(src)]
 
 
 def severity_log(value: float, at: float, context: float = 4.0) -> float:
@@ -91,11 +155,38 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     last = max(ctx.meta.n_records - 1, 0)
     out = []
     for _, row in t.iterrows():
-        for problem in (_stale, _eps, _out_of_line):
+        for problem in (_stale, _eps, _out_of_line, _stale_rows):
             f = problem(row, last)
             if f is not None:
                 out.append(f)
     return out
+
+
+def _stale_rows(row: Any, last: int) -> Flag | None:
+    rec = row.get("stale_record")
+    if rec is None or not isinstance(rec, (int, float, np.integer, np.floating)) or not math.isfinite(float(rec)):
+        return None
+    r = int(rec)
+    idx = [int(i) for i in str(row["stale_indices"]).split()]
+    n, base, z = len(idx), float(row["stale_base"]), float(row["loss_z"])
+    ev = StaleEvent(record=r, rows=np.asarray(idx), n_rows=0, base=base, excess=n / base, loss_z=z, live_records=0)
+    sev = severity(ev)
+    shown = ", ".join(str(i) for i in idx[:5]) + (", ..." if n > 5 else "")
+    rows_text = (f"{row['tensor']}: {n} row{'s' if n != 1 else ''} ({shown}) get a gradient Adam's second moment has "
+                 f"not seen at record {r} (sum of g^2 over 1000x the row's v_hat: rows first seen now or back after a "
+                 f"long absence; the run's base rate is {base:.3g} such rows per record)")
+    if ev.spike:
+        text = (f"{rows_text}, and the loss spikes there ({z:.3g} noise units above its level): cause optimizer "
+                "state. Adam's next updates on those rows are about lr per element whatever their gradient, several "
+                "times their usual step; warm up new rows (a per-row LR ramp, or seed their v), lower beta2, clip "
+                "updates per tensor, or bring the new data in gradually.")
+    else:
+        text = (f"{rows_text}; the loss stays at its level there (z {z:.2g}): context, their first updates are "
+                "large but the run did not jump.")
+    return Flag(kind=NAME, tensor=row["tensor"], head=None, sources=(), severity=sev, records=(r, r),
+                evidence={"problem": "stale rows", "record": r, "stale_rows": n, "rows": idx[:16],
+                          "base_rate": base, "excess": n / base, "loss_z": z, "cause": "optimizer state"
+                          if ev.spike else ""}, summary=text)
 
 
 def _evidence(row: Any, **extra: Any) -> dict[str, Any]:

@@ -1,0 +1,101 @@
+"""The stale-row rule of the optimizer analysis (issue 40): loss-spike z and the stand-out record, against oracles."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gradforensics.analysis.kinds.optimizer.rows import (
+    EXCESS,
+    HISTORY,
+    WINDOW,
+    Z_SPIKE,
+    StaleEvent,
+    loss_spike_z,
+    severity,
+    stale_event,
+)
+
+
+def _oracle_z(y: np.ndarray, j: int) -> float:
+    prev = y[max(0, j - HISTORY):j]
+    d = np.diff(prev)
+    mad = np.median(np.abs(d - np.median(d)))
+    return float((y[j] - np.median(prev[-WINDOW:])) / (1.4826 * mad / math.sqrt(2)))
+
+
+def test_spike_z_equals_the_oracle_and_finds_a_planted_spike() -> None:
+    rng = np.random.default_rng(0)
+    y = 3.0 - 0.01 * np.arange(120) + 0.1 * rng.standard_normal(120)
+    y[90] += 2.0                                            # a 2-nat spike, 20 noise sd
+    z = loss_spike_z(y)
+    assert np.isnan(z[:WINDOW]).all() and np.isfinite(z[WINDOW:]).all()
+    for j in (WINDOW, 45, 90, 119):
+        assert z[j] == pytest.approx(_oracle_z(y, j), rel=1e-12)
+    assert int(np.nanargmax(z)) == 90 and z[90] > 10
+    assert np.nanmax(np.delete(z, 90)) < Z_SPIKE             # Gaussian noise: nothing else reaches the threshold
+
+
+def test_spike_z_per_source_compares_a_record_with_its_own_source() -> None:
+    rng = np.random.default_rng(1)
+    a = 2.0 + 0.05 * rng.standard_normal(60)
+    b = 5.0 + 0.05 * rng.standard_normal(60)              # another source, another level: no spike when interleaved
+    y = np.empty(120)
+    y[0::2], y[1::2] = a, b
+    groups = [np.arange(0, 120, 2), np.arange(1, 120, 2)]
+    assert np.nanmax(loss_spike_z(y, groups)) < Z_SPIKE
+    assert np.nanmax(loss_spike_z(y)) > Z_SPIKE            # one series: the level flips every record
+
+
+def _masks(n: int, rows: int, base_rows: int, at: int, burst: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    m = np.zeros((n, rows), dtype=np.uint8)
+    for r in range(n):
+        m[r, rng.choice(rows, size=rng.integers(0, base_rows + 1), replace=False)] = 1
+    m[at] = 0
+    m[at, :burst] = 1
+    return m
+
+
+def test_stale_event_names_the_burst_that_coincides_with_a_spike() -> None:
+    n = 80
+    m = _masks(n, 100, 2, at=60, burst=30)
+    z = np.zeros(n)
+    z[:WINDOW] = np.nan
+    z[60] = 8.0
+    ev = stale_event(m, np.ones(n, bool), z)
+    assert ev is not None and ev.record == 60 and ev.rows.tolist() == list(range(30)) and ev.spike
+    others = m.sum(1)[np.arange(n) != 60]
+    assert ev.base == max(1.0, float(np.quantile(others, 0.9)))
+    assert ev.excess == pytest.approx(30 / ev.base)
+    # severity: 0.5 at the thresholds, +0.1 per doubling of either
+    assert severity(ev) == pytest.approx(min(0.95, 0.5 + 0.1 * math.log2(8 / Z_SPIKE) + 0.1 * math.log2(ev.excess / EXCESS)))
+    at = StaleEvent(record=0, rows=np.arange(3), n_rows=10, base=1.0, excess=EXCESS, loss_z=Z_SPIKE, live_records=5)
+    assert severity(at) == pytest.approx(0.5)
+
+
+def test_base_rate_rows_and_rows_at_the_start_are_not_findings() -> None:
+    n = 80
+    m = _masks(n, 100, 3, at=5, burst=40)              # a burst at record 5: before WINDOW records of loss
+    z = np.zeros(n)
+    z[:WINDOW] = np.nan
+    z[40] = 9.0                                          # a spike where only base-rate rows are stale
+    ev = stale_event(m, np.ones(n, bool), z)
+    assert ev is None or (not ev.spike and severity(ev) < 0.5)
+    # off the live grid, a mask is not read
+    live = np.ones(n, bool)
+    m2 = _masks(n, 100, 1, at=50, burst=30)
+    live[50] = False
+    z[50] = 9.0
+    ev2 = stale_event(m2, live, z)
+    assert ev2 is None or ev2.record != 50
+
+
+def test_a_burst_without_a_spike_is_context() -> None:
+    n = 60
+    m = _masks(n, 50, 1, at=30, burst=20)
+    z = np.zeros(n)
+    ev = stale_event(m, np.ones(n, bool), z)
+    assert ev is not None and ev.record == 30 and not ev.spike and severity(ev) == 0.3
