@@ -99,3 +99,40 @@ def test_a_burst_without_a_spike_is_context() -> None:
     z = np.zeros(n)
     ev = stale_event(m, np.ones(n, bool), z)
     assert ev is not None and ev.record == 30 and not ev.spike and severity(ev) == 0.3
+
+
+def test_recorder_takes_stale_masks_off_the_grid(tmp_path) -> None:
+    """Rows first seen at a record off the ``optimizer_every`` grid are stale there (oracle: opt.state, float64)."""
+    torch = pytest.importorskip("torch")
+    import gradforensics as gf
+    from gradforensics.store.reader import open_store
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 6), torch.nn.Flatten(), torch.nn.Linear(18, 20))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    want = []
+    with gf.Recorder(tmp_path / "r.zarr", model=model, sources=["a"], optimizer=opt, optimizer_every=3,
+                     heads=None) as rec:
+        for i in range(8):
+            x = torch.randint(0, 10 if i < 5 else 20, (16, 3), generator=g)     # rows 10..19 from record 5 on
+            loss = torch.nn.functional.cross_entropy(model(x), torch.randint(0, 20, (16,), generator=g))
+            loss.backward()
+            w = model[0].weight
+            st = opt.state.get(w)
+            if st:
+                v = st["exp_avg_sq"].double() / (1 - 0.999 ** float(st["step"]))
+                gs = w.grad.double().pow(2).sum(1)
+                want.append(((gs > 0) & (gs > 1e3 * v.sum(1))).numpy())
+            else:
+                want.append(np.zeros(20, dtype=bool))
+            rec.record(step=i, loss=loss, source="a")
+            opt.step()
+            opt.zero_grad()
+    s = open_store(tmp_path / "r.zarr")
+    stale = s.read("optim_live/0.weight/stale")
+    assert s.arrays["optim_live/0.weight/stale"].attrs["every_record"] is True
+    np.testing.assert_array_equal(stale.astype(bool), np.stack(want))
+    assert stale[5, 10:].sum() >= 5 and not stale[5, :10].any()        # the arrival, off the grid (5 % 3 != 0)
+    assert np.isnan(s.read("optim_live/0.weight/row_ratio")[5]).all()  # the quantiles stay on the grid

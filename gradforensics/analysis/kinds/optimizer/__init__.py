@@ -120,17 +120,29 @@ def read_live(ctx: Context) -> tuple[OptimData, dict[str, StaleEvent], dict[str,
     loss = np.asarray(ctx.batches.get("loss", np.full(summ.shape[0], np.nan)), dtype=np.float64)
     z = (loss_spike_z(loss, _source_groups(ctx)) if loss.shape[0] == summ.shape[0]
          else np.full(summ.shape[0], np.nan))
+    masks = {t: store.read(f"{LIVE}/{t}/stale") for t in tensors if store.has(f"{LIVE}/{t}/stale")}
+    measured = {t: _measured(store.arrays[f"{LIVE}/{t}/stale"].attrs, live, masks) for t in masks}
     events: dict[str, StaleEvent] = {}
-    shapes = {t: 1 for t in tensors}
-    for t in tensors:
-        if not store.has(f"{LIVE}/{t}/stale"):
-            continue
-        shapes[t] = 2
-        ev = stale_event(store.read(f"{LIVE}/{t}/stale"), live, z)
+    shapes = {t: 2 if t in masks else 1 for t in tensors}
+    for t, m in masks.items():
+        ev = stale_event(m, measured[t], z)
         if ev is not None:
             events[t] = ev
     data = OptimData(tensors, fields, row, np.zeros((len(tensors), 0)), {"hyper": attrs.get("hyper", {})})
     return data, events, shapes
+
+
+def _measured(attrs: Any, live: np.ndarray, masks: dict[str, np.ndarray]) -> np.ndarray:
+    """The records a stale mask was taken at: every record from the state's first step (attr ``every_record``:
+    the first live summary or the first stale row of any tensor, whichever comes first), else the live grid."""
+    if not attrs.get("every_record"):
+        return live
+    firsts = [int(np.flatnonzero(live)[0])] if live.any() else []
+    firsts += [int(np.flatnonzero(m.any(axis=1))[0]) for m in masks.values() if m.any()]
+    out = np.zeros(live.shape[0], dtype=bool)
+    if firsts:
+        out[min(firsts):] = True
+    return out
 
 
 def _source_groups(ctx: Context) -> list[np.ndarray] | None:
