@@ -136,3 +136,16 @@ def test_recorder_takes_stale_masks_off_the_grid(tmp_path) -> None:
     np.testing.assert_array_equal(stale.astype(bool), np.stack(want))
     assert stale[5, 10:].sum() >= 5 and not stale[5, :10].any()        # the arrival, off the grid (5 % 3 != 0)
     assert np.isnan(s.read("optim_live/0.weight/row_ratio")[5]).all()  # the quantiles stay on the grid
+
+
+def test_the_report_tries_the_remedy_of_the_problem_first() -> None:
+    from gradforensics.analysis.contract.model import Flag
+    from gradforensics.analysis.kinds.optimizer import ADVICE
+
+    def flag(problem: str) -> Flag:
+        return Flag(kind="optimizer", tensor="w", head=None, sources=(), severity=0.7, records=(0, 0),
+                    evidence={"problem": problem}, summary="")
+
+    assert ADVICE.remedies_for([flag("stale rows")])[0].startswith("Stale rows")
+    assert ADVICE.remedies_for([flag("stale preconditioner")]) == list(ADVICE.remedies)
+    assert sorted(ADVICE.remedies_for([flag("eps-dominated")])) == sorted(ADVICE.remedies)

@@ -37,6 +37,8 @@ Table ``optimizer.csv``: a row per tensor: ``tensor``, ``head``, ``update_rms``,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,6 +51,8 @@ from gradforensics.store.probes import OptimData, read_optim
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
+
+    from gradforensics.analysis.contract.advice import Finding
 
 __all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "compute", "flags", "optimizer_table", "plot", "severity_log"]
 
@@ -263,17 +267,33 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
 #: .. [Molybog2023] I. Molybog et al., "A Theory on Adam Instability in Large-Scale Machine Learning", 2023.
 #: .. [Wortsman2023] M. Wortsman et al., "Small-scale proxies for large-scale Transformer training
 #:    instabilities", 2023 (epsilon, update RMS).
-ADVICE = Advice(
+@dataclass(frozen=True)
+class OptimizerAdvice(Advice):
+    """The remedy of the problem the flags show first (the flag's ``evidence["problem"]``)."""
+
+    def remedies_for(self, flags: Sequence[Finding]) -> list[str]:
+        items = list(self.remedies)
+        order = {"stale preconditioner": 0, "eps-dominated": 1, "update/weight out of line": 2, "stale rows": 3}
+        first = next((order.get(str(f.evidence.get("problem"))) for f in flags), None)
+        if first is None or first >= len(items):
+            return items
+        return [items[first], *items[:first], *items[first + 1:]]
+
+
+ADVICE = OptimizerAdvice(
     title="Optimizer state out of line",
     cause="optimizer",
-    phrase="has an optimizer state out of line (stale preconditioner, eps-dominated, or outlying update)",
+    phrase="has an optimizer state out of line (stale preconditioner or rows, eps-dominated, or outlying update)",
     evidence_keys={"ratio_q50": "median g^2/v_hat", "eps_share": "eps-dominated share",
                    "relative_update": "update/weight vs median"},
     remedies=(
         "A stale preconditioner (g^2/v_hat >> 1): clip the update per tensor (or Adam's update RMS), lower "
         "beta2 so v follows the gradients faster, or skip the returning batches; restart before the spike.",
         "eps-dominated tensors: lower eps if their gradients matter, or freeze them.",
-        "An update/weight ratio far above the model's others: give that tensor its own lower LR."),
+        "An update/weight ratio far above the model's others: give that tensor its own lower LR.",
+        "Stale rows at a loss spike (new tokens or data arriving with v_hat ~0): warm the new rows up (a per-row "
+        "LR ramp, or seed their v from the other rows), lower beta2, clip updates per tensor, or mix the new data "
+        "in gradually."),
     references=("Molybog et al. 2023, A Theory on Adam Instability in Large-Scale Machine Learning",
                 "Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities"),
 )
