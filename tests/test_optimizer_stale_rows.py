@@ -149,3 +149,27 @@ def test_the_report_tries_the_remedy_of_the_problem_first() -> None:
     assert ADVICE.remedies_for([flag("stale rows")])[0].startswith("Stale rows")
     assert ADVICE.remedies_for([flag("stale preconditioner")]) == list(ADVICE.remedies)
     assert sorted(ADVICE.remedies_for([flag("eps-dominated")])) == sorted(ADVICE.remedies)
+
+
+def test_the_runs_base_rate_sets_the_bar_for_a_quiet_tensor_and_the_spike_may_lag() -> None:
+    from gradforensics.analysis.kinds.optimizer.rows import LAG, base_rate
+
+    n = 60
+    busy = _masks(n, 200, 6, at=40, burst=60, seed=3)       # an embedding: a few first-seen rows every record
+    quiet = np.zeros((n, 32), dtype=np.uint8)
+    quiet[40, :5] = 1                                       # five waking units, where the spike is
+    on = np.ones(n, bool)
+    floor = base_rate([busy, quiet], [on, on])
+    assert floor == max(1.0, float(np.quantile(busy.sum(1), 0.9)))
+    z = np.zeros(n)
+    z[:WINDOW] = np.nan
+    z[40 + LAG] = 10.0                                      # the loss jumps LAG records after the arrival
+    ev = stale_event(busy, on, z, floor)
+    assert ev is not None and ev.record == 40 and ev.spike and ev.loss_z == 10.0
+    assert stale_event(quiet, on, z, floor) is None         # 5 rows < EXCESS x the run's base rate
+    assert stale_event(quiet, on, z) is not None            # against its own base of zero it would stand out
+    z2 = np.zeros(n)
+    z2[:WINDOW] = np.nan
+    z2[40 + LAG + 1] = 10.0                                 # too late: context
+    ev2 = stale_event(busy, on, z2, floor)
+    assert ev2 is not None and not ev2.spike

@@ -21,7 +21,8 @@ state per record, per tensor and per row of each 2-D tensor (``optim_live/``,
 * **stale rows** (live only) - rows of a 2-D tensor whose gradient its second moment
   has not seen (``v̂`` ~0: rows first seen late, or back after a long absence), at a
   record where they stand out from the run's own base rate of such rows and the loss
-  spikes: cause "optimizer state" (:mod:`.rows`).  Without a spike: context.
+  spikes there or just after: cause "optimizer state" (:mod:`.rows`).  Without a spike:
+  context.
 
 The three per-tensor findings read the checkpoint's ``optim/``; a store with only the
 live state is judged on its last live record (the state the run ended in).
@@ -45,7 +46,7 @@ import numpy as np
 
 from gradforensics.analysis.contract.advice import Advice
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag
-from gradforensics.analysis.kinds.optimizer.rows import StaleEvent, loss_spike_z, severity, stale_event
+from gradforensics.analysis.kinds.optimizer.rows import StaleEvent, base_rate, loss_spike_z, severity, stale_event
 from gradforensics.store.probes import OptimData, read_optim
 
 if TYPE_CHECKING:
@@ -126,10 +127,11 @@ def read_live(ctx: Context) -> tuple[OptimData, dict[str, StaleEvent], dict[str,
          else np.full(summ.shape[0], np.nan))
     masks = {t: store.read(f"{LIVE}/{t}/stale") for t in tensors if store.has(f"{LIVE}/{t}/stale")}
     measured = {t: _measured(store.arrays[f"{LIVE}/{t}/stale"].attrs, live, masks) for t in masks}
+    floor = base_rate(list(masks.values()), [measured[t] for t in masks])
     events: dict[str, StaleEvent] = {}
     shapes = {t: 2 if t in masks else 1 for t in tensors}
     for t, m in masks.items():
-        ev = stale_event(m, measured[t], z)
+        ev = stale_event(m, measured[t], z, floor)
         if ev is not None:
             events[t] = ev
     data = OptimData(tensors, fields, row, np.zeros((len(tensors), 0)), {"hyper": attrs.get("hyper", {})})

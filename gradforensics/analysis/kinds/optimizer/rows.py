@@ -6,14 +6,21 @@ gradient the second moment has not seen (``optim_live/<tensor>/stale``: ``Σ_row
 Adam's next updates on such a row are about ``lr`` per element (``lr·(1-β₁)/√(1-β₂)`` ≈ 3 lr at
 the first) whatever its gradient: far beyond the row's usual step.
 
-A language model gets a few such rows all along: rare tokens seen for the first time.  That is
-the run's own base rate.  A record **stands out** when its count of stale rows is at least
-:data:`EXCESS` times the base rate (the 90th percentile of the counts at the run's other live
-records, at least 1).  A **loss spike** at a record is its loss above the median of the
-:data:`WINDOW` records before, in units of the run's own record-to-record noise (1.4826 MAD of
-the first differences of the previous :data:`HISTORY` records, over √2): ``z >=`` :data:`Z_SPIKE`.
-Both at one record: cause "optimizer state" (severity 0.5 at the thresholds, rising with the
-spike and with the excess).  Stale rows that stand out without a spike are context.
+A language model gets a few such rows all along: rare tokens seen for the first time, a unit
+that wakes up.  That is the run's own base rate, and it is the **run's**, not one tensor's: the
+tensor with the most such rows (the input embedding) sets it (:func:`base_rate`: the largest
+90th percentile of a tensor's counts over the measured records, at least :data:`MIN_BASE`), so
+a quiet tensor's handful of waking rows does not stand out against a base of zero.  A record
+**stands out** in a tensor when its count of stale rows is at least :data:`EXCESS` times the
+larger of that and the tensor's own 90th percentile at its other records.
+
+A **loss spike** at a record is its loss above the median of the :data:`WINDOW` records before,
+in units of the run's own record-to-record noise (1.4826 MAD of the first differences of the
+previous :data:`HISTORY` records, over √2): ``z >=`` :data:`Z_SPIKE` (the loss of small batches is
+heavy-tailed: healthy runs reach z 5).  The spike counts at the stale record or within
+:data:`LAG` records after it (the large updates land at the next steps).  Both: cause "optimizer
+state", severity 0.5 at the thresholds, +0.1 per doubling of the spike and of the excess.
+Stale rows that stand out without a spike are context.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EXCESS", "HISTORY", "WINDOW", "Z_SPIKE", "StaleEvent", "loss_spike_z", "severity", "stale_event"]
+__all__ = ["EXCESS", "HISTORY", "LAG", "MIN_BASE", "WINDOW", "Z_SPIKE", "StaleEvent", "base_rate", "loss_spike_z",
+           "severity", "stale_event"]
 
 WINDOW = 10        # records whose median is the level before a record
 HISTORY = 30       # records whose first differences give the noise
-Z_SPIKE = 4.0      # a loss this many noise units above the level is a spike
+Z_SPIKE = 6.0      # a loss this many noise units above the level is a spike
+LAG = 2            # records after the stale record in which the spike may come
 EXCESS = 3.0       # stale rows this many times the run's base rate stand out
 MIN_BASE = 1.0     # the base rate is at least one row
 
@@ -76,37 +85,51 @@ class StaleEvent:
         return bool(self.loss_z >= Z_SPIKE)
 
 
-def stale_event(stale: np.ndarray, live: np.ndarray, z: np.ndarray) -> StaleEvent | None:
+def base_rate(masks: Sequence[np.ndarray], measured: Sequence[np.ndarray]) -> float:
+    """The run's base rate of stale rows: the largest 90th percentile over tensors of the counts per measured
+    record (at least :data:`MIN_BASE`)."""
+    q = [float(np.quantile(np.asarray(m, dtype=bool).sum(axis=1)[np.asarray(on, dtype=bool)], 0.9))
+         for m, on in zip(masks, measured, strict=True) if np.asarray(on, dtype=bool).any()]
+    return max([MIN_BASE, *q])
+
+
+def stale_event(stale: np.ndarray, live: np.ndarray, z: np.ndarray, floor: float = MIN_BASE) -> StaleEvent | None:
     """The most telling record of one tensor: *stale* (N, R) masks, *live* (N,) bool, *z* (N,) spike z.
 
-    Among the live records whose stale rows stand out (``>= EXCESS`` x the base rate of the
-    others) and whose loss can be judged (``WINDOW`` records before it: at the start of a run
-    every row is seen for the first time), the one with a loss spike and the largest excess,
-    else the largest excess; None when no record stands out.
+    *floor*: the run's base rate (:func:`base_rate`).  Among the measured records whose stale rows
+    stand out (``>= EXCESS`` x the larger of *floor* and the tensor's own 90th percentile at its
+    other records) and whose loss can be judged (``WINDOW`` records before it: at the start of a
+    run every row is seen for the first time), the one with a loss spike (at it or ``LAG``
+    records after) and the largest excess, else the largest excess; None when none stands out.
     """
     counts = np.asarray(stale, dtype=bool).sum(axis=1)
     on = np.flatnonzero(np.asarray(live, dtype=bool))
     if on.size == 0 or not counts[on].any():
         return None
+    zlag = np.full(z.shape, np.nan)
+    for i in range(z.size):
+        zlag[i] = np.nan if np.isnan(z[i]) else float(np.nanmax(z[i:i + LAG + 1]))
+
+    def base_of(at: int) -> float:
+        others = counts[on[on != at]]
+        return max(floor, MIN_BASE, float(np.quantile(others, 0.9)) if others.size else 0.0)
+
     best: tuple[bool, float, int] | None = None
     for r in on:
-        if counts[r] == 0 or np.isnan(z[r]):
+        if counts[r] == 0 or np.isnan(zlag[r]):
             continue
-        others = counts[on[on != r]]
-        base = max(MIN_BASE, float(np.quantile(others, 0.9))) if others.size else MIN_BASE
-        excess = counts[r] / base
+        excess = counts[r] / base_of(int(r))
         if excess < EXCESS:
             continue
-        key = (bool(z[r] >= Z_SPIKE), float(excess), int(r))
+        key = (bool(zlag[r] >= Z_SPIKE), float(excess), int(r))
         if best is None or key[:2] > best[:2]:
             best = key
     if best is None:
         return None
     rec = best[2]
-    others = counts[on[on != rec]]
-    base = max(MIN_BASE, float(np.quantile(others, 0.9))) if others.size else MIN_BASE
+    base = base_of(rec)
     return StaleEvent(record=rec, rows=np.flatnonzero(stale[rec]), n_rows=int(stale.shape[1]), base=base,
-                      excess=float(counts[rec] / base), loss_z=float(z[rec]), live_records=int(on.size))
+                      excess=float(counts[rec] / base), loss_z=float(zlag[rec]), live_records=int(on.size))
 
 
 def severity(ev: StaleEvent) -> float:
