@@ -173,3 +173,39 @@ def test_the_runs_base_rate_sets_the_bar_for_a_quiet_tensor_and_the_spike_may_la
     z2[40 + LAG + 1] = 10.0                                 # too late: context
     ev2 = stale_event(busy, on, z2, floor)
     assert ev2 is not None and not ev2.spike
+
+
+def test_a_live_store_is_judged_on_the_median_of_its_last_records(tmp_path) -> None:
+    """One heavy batch at the end (gradients x30) is not a stale preconditioner; the table holds the median."""
+    torch = pytest.importorskip("torch")
+    import gradforensics as gf
+    from gradforensics.analysis.kinds.optimizer import LAST
+    from gradforensics.store.reader import open_store
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    n = 30
+    with gf.Recorder(tmp_path / "r.zarr", model=model, sources=["a"], optimizer=opt, heads=None) as rec:
+        for i in range(n):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if i == n - 1:
+                for p in model.parameters():
+                    p.grad.mul_(30.0)
+            rec.record(step=i, loss=loss, source="a")
+            opt.step()
+            opt.zero_grad()
+    s = open_store(tmp_path / "r.zarr")
+    summ = s.read("optim_live/summary")
+    a = s.arrays["optim_live/summary"].attrs
+    q50 = summ[:, :, a["fields"].index("ratio_q50")]
+    assert (q50[-1] >= 100).all()                                  # the last batch alone reads stale
+    found = gf.analyze(tmp_path / "r.zarr", only=["optimizer"], progress=False)
+    t = found.table("optimizer").set_index("tensor")
+    np.testing.assert_allclose(t.loc[a["tensors"], "ratio_q50"].to_numpy(dtype=float),
+                               np.median(q50[-LAST:], axis=0), rtol=1e-12)
+    assert set(t["origin"]) == {"live"}
+    assert not [f for f in found.flags if f.severity >= 0.5], [f.summary for f in found.flags]
