@@ -14,13 +14,18 @@ it adds, per row (:func:`row_ratios`), with ``v̂ = v/(1-β₂ᵗ)``:
   moment has not seen the gradient the row gets now (an embedding row first seen late:
   its ``v̂`` is ~0 or decayed, the update is ~``lr`` per element whatever ``g`` is).
 
-Stored, per record (NaN / 0 at records off the ``K`` grid and before the first step):
+The stale masks are cheap (two row sums per tensor) and are taken at **every** record once the
+state has a step (attr ``every_record``): a row that arrives between two grid records is stale
+only at the record of its first gradient, and a grid would miss it.
+
+Stored, per record (NaN off the ``K`` grid; NaN / 0 before the first step):
 
 ==================================  ===================  ============================================
 ``optim_live/summary``              float64 ``(N, T, F)``  ``tensors``, ``fields`` (= ``optim/summary``'s),
                                                          ``hyper``, ``every``, ``stale_threshold``
 ``optim_live/<tensor>/row_ratio``   float32 ``(N, R, 4)``  q50, q90, q99, max of g²/v̂ per row
-``optim_live/<tensor>/stale``       uint8 ``(N, R)``       1 on a stale row
+``optim_live/<tensor>/stale``       uint8 ``(N, R)``       1 on a stale row (every record; attrs
+                                                         ``threshold``, ``every_record``)
 ==================================  ===================  ============================================
 """
 
@@ -38,7 +43,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ROW_FIELDS", "STALE", "LiveOptim", "row_ratios"]
+__all__ = ["ROW_FIELDS", "STALE", "LiveOptim", "row_ratios", "stale_rows"]
 
 #: A row is stale when its Σ g² exceeds this many times its Σ v̂.
 STALE = 1e3
@@ -60,8 +65,13 @@ def row_ratios(g: torch.Tensor, v_hat: torch.Tensor, stale: float = STALE) -> tu
     q = torch.quantile(r, torch.tensor([0.5, 0.9, 0.99], dtype=r.dtype, device=r.device), dim=1).T
     out = torch.cat([q, r.max(dim=1).values[:, None]], dim=1)
     out = torch.where(out >= big, torch.full_like(out, math.inf), out)
-    gs, vs = g2.double().sum(dim=1), v.double().sum(dim=1)
-    return out, (gs > 0) & (gs > stale * vs)
+    return out, stale_rows(g, v_hat, stale)
+
+
+def stale_rows(g: torch.Tensor, v_hat: torch.Tensor, stale: float = STALE) -> torch.Tensor:
+    """Per row of 2-D *g* and *v_hat*: ``Σ_row g² > stale · Σ_row v̂`` (and ``g ≠ 0``), from float64 row sums."""
+    gs, vs = g.detach().double().pow(2).sum(dim=1), v_hat.double().sum(dim=1)
+    return (gs > 0) & (gs > stale * vs)
 
 
 class LiveOptim:
@@ -104,8 +114,16 @@ class LiveOptim:
         attrs: dict[str, Any] = {"tensors": self.names, "fields": list(FIELDS), "every": self.every,
                                  "stale_threshold": STALE, "hyper": self.hyper}
         entries = {n: self.opt.state.get(p) for n, p in self.params.items()}
-        live = n_record % self.every == 0 and all(
-            isinstance(e, Mapping) and "exp_avg_sq" in e and float(e.get("step", 0)) >= 1 for e in entries.values())
+        stepped = all(isinstance(e, Mapping) and "exp_avg_sq" in e and float(e.get("step", 0)) >= 1
+                      for e in entries.values())
+        live = stepped and n_record % self.every == 0
+        if stepped and not live:        # off the grid: the stale masks only (two row sums per tensor)
+            for n in per_row:
+                p, e = self.params[n], entries[n]
+                b2 = float(self.opt.param_groups[self.lrs[n]]["betas"][1])
+                if p.grad is not None:
+                    st = stale_rows(p.grad, e["exp_avg_sq"] / (1.0 - b2 ** float(e["step"])))
+                    per_row[n] = (per_row[n][0], st.to(dtype=_uint8()).cpu().numpy())
         if live:
             groups = self.opt.param_groups
             light = {"state": dict(enumerate(entries.values())),
@@ -128,7 +146,7 @@ class LiveOptim:
         out: dict[str, tuple[np.ndarray, dict[str, Any]]] = {"optim_live/summary": (summary, attrs)}
         for n, (q, s) in per_row.items():
             out[f"optim_live/{n}/row_ratio"] = (q, {"fields": list(ROW_FIELDS)})
-            out[f"optim_live/{n}/stale"] = (s, {"threshold": STALE})
+            out[f"optim_live/{n}/stale"] = (s, {"threshold": STALE, "every_record": True})
         return out
 
 

@@ -82,7 +82,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            note="output-logit divergence (log Z grows) / a low LR; a z-loss arm as information"),
     Family("mixture", "mixture", "broken", ("clean",), Expect("conflict", sources=("broken",)),
            note="three sources, one with random targets / three clean sources of different domains"),
-    Family("late-rows", "late_rows", "late", ("steady",), Expect("optimizer"),
+    Family("late-rows", "late_rows", "late", ("steady",), Expect("optimizer", tensor="embed.weight"),
            note="Adam, embedding rows first seen late (a loss spike) / steady data"),
     Family("llama", "hf_runs", "llama-high-lr", ("llama",), Expect("attention_logits", "model.layers.*.self_attn"),
            note="tiny HF LLaMA (GQA, eager attention), AdamW lr 3e-2 / 3e-3"),
