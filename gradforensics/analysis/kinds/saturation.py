@@ -5,15 +5,24 @@ and *at the top of the range* (``frac_high``), with thresholds fixed per module 
 its first record (bounds for tanh/sigmoid, the healthy 99th percentile of ``|a|``
 for ReLU/GELU/SiLU; see :mod:`gradforensics.recording.actstats`).  From them:
 
-* a unit is **dead** in a record when ``frac_low ≥ pole`` (default 0.9: near zero on
-  almost every token), **saturated** when ``frac_high ≥ pole``; the module's
-  *polar share* is the share of units that are either;
+* for a *bounded* activation (tanh, sigmoid, ``act_bounds``) a unit is **dead** in a
+  record when ``frac_low ≥ pole`` (default 0.9: near zero on almost every token),
+  **saturated** when ``frac_high ≥ pole``; for an *unbounded* one (ReLU, GELU, SiLU)
+  only the capture's facts count: near zero (at the top) on *every* position of the
+  batch (``acts/<module>/dead``, ``saturated``) - a ReLU unit at zero on 90 % of the
+  tokens is selective and learns from the rest.  The module's *polar share* is the
+  share of units that are either;
+* **dead for good**: units dead (saturated) on every record of the closing window of
+  records, against the opening window; those that *died* in between get no gradient
+  through the activation and do not come back (Lu et al. 2020) - a fact of the run;
 * each unit's **polarity** ``frac_high - frac_low ∈ [-1, 1]`` places it between the
   dead pole (-1) and the saturated pole (+1).  The **bimodality** of the unit
   population, per window of records, is judged by a two-component Gaussian
   mixture against one component (BIC, Schwarz 1978) and the separation of the two
   camps, Ashman's ``D = √2 |μ₁ - μ₂| / √(σ₁² + σ₂²)`` (Ashman, Bird & Zepf 1994;
   ``D > 2`` is a clean split), each camp holding at least ``min_camp`` of the units.
+  Only a bounded activation's camps are a finding: a ReLU/GELU layer always has a
+  camp near zero and a spread of positive values - its baseline.
   Sarle's bimodality coefficient ``BC = (g² + 1) / (κ + 3(n-1)²/((n-2)(n-3)))``
   (SAS Institute 1990; Pfister et al. 2013) is reported too, but not flagged on: a
   skewed, unimodal population - the normal shape of a ReLU or GELU layer - already
