@@ -97,3 +97,12 @@ def test_the_same_run_in_bf16_weights_loses_the_bias_updates(tmp_path) -> None:
     loud = {f.tensor for f in flags if f.severity >= 0.5}
     assert loud == {"conv.bias"}
     assert "did not change at all" in next(f for f in flags if f.tensor == "conv.bias").summary
+
+
+def test_lost_updates_of_bf16_weights_checked_for_fp16_are_this_runs_problem(tmp_path) -> None:
+    """The what-if format (fp16) is context; the bf16 snapshots' own lost updates are not, and say so."""
+    _fp32_run(tmp_path / "b.zarr", "bfloat16")
+    _, flags = run_analysis(tmp_path / "b.zarr", "precision", options={"format": "fp16"})
+    f = next(f for f in flags if f.tensor == "conv.bias")
+    assert f.severity >= 0.5 and "what-if" not in f.summary and "bf16 weights themselves lost" in f.summary
+    assert all(g.severity < 0.5 for g in flags if g.tensor != "conv.bias")

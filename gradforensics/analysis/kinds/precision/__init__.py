@@ -268,7 +268,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         under = underflow_severity(row) if fmt == "fp16" else 0.0
         first = int(row["record_first"]) if row["n_pairs"] else 0
         last = int(row["record_last"]) if row["n_pairs"] else max(ctx.n_records - 1, 0)
-        text = _summary(row, fmt, sw, parts["lost"], under, first, last) + _format_note(own, fmt, row)
+        lost_leads = parts["lost"] >= max(parts["swamped"], parts["underflow"])
+        text = _summary(row, fmt, sw, parts["lost"], under, first, last) + _format_note(own, fmt, row, lost_leads)
         out.append(Flag(
             kind="precision", tensor=row["tensor"], head=None, sources=(), severity=sev,
             records=(first, last),
@@ -280,12 +281,14 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     return out
 
 
-def _format_note(own: str | None, fmt: str, row: dict[str, Any]) -> str:
+def _format_note(own: str | None, fmt: str, row: dict[str, Any], lost_leads: bool = False) -> str:
     gap = _num(row.get("snapshot_gap", 1.0)) or 1.0
     note = (f" (snapshots {gap:g} steps apart: the share is of updates swamped over the whole gap; per step "
             f"{_num(row[f'swamped_{fmt}']):.0%} at most)") if gap > 1 else ""
     if own is None:
         return note + f" The store records no dtypes (root attribute 'dtypes'): {fmt} weights assumed."
+    if own != fmt and lost_leads:        # lost in the run's own snapshots: a problem of this run, whatever fmt
+        return note + f" The run keeps its weights in {own}: the stored {own} weights themselves lost these updates."
     if own != fmt:
         note += f" The run keeps its weights in {own}, so {fmt} is a what-if: context, not a problem of this run"
         still = _num(row.get(f"run_swamped_{fmt}"))
