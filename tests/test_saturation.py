@@ -96,8 +96,11 @@ def test_healthy_control_raises_nothing_above_half(tmp_path, seed: int, drift: f
 
 
 @pytest.mark.slow
-def test_replay_mode_has_no_trend_but_still_sees_the_poles(tmp_path) -> None:
-    p = planted_saturation_store(tmp_path / "r.h5", "gelu", mode="replay", **SMALL)
+@pytest.mark.parametrize(("act", "others"), [("tanh", 0.4), ("gelu", 1.0)])
+def test_replay_mode_has_no_trend_but_still_sees_the_poles(tmp_path, act: str, others: float) -> None:
+    """A bounded activation's poles from the shares; a GELU's from units dead (saturated) on every batch of the
+    closing records - pushed on every source's batches: dead on one source's inputs only is selective, not dead."""
+    p = planted_saturation_store(tmp_path / "r.h5", act, mode="replay", others=others, **SMALL)
     result, flags = run_analysis(p.path, "saturation")
     rows = result.table[result.table.source == ""]
     assert rows["trend_p"].isna().all() and rows["onset_record"].isna().all()

@@ -5,15 +5,24 @@ and *at the top of the range* (``frac_high``), with thresholds fixed per module 
 its first record (bounds for tanh/sigmoid, the healthy 99th percentile of ``|a|``
 for ReLU/GELU/SiLU; see :mod:`gradforensics.recording.actstats`).  From them:
 
-* a unit is **dead** in a record when ``frac_low ≥ pole`` (default 0.9: near zero on
-  almost every token), **saturated** when ``frac_high ≥ pole``; the module's
-  *polar share* is the share of units that are either;
+* for a *bounded* activation (tanh, sigmoid, ``act_bounds``) a unit is **dead** in a
+  record when ``frac_low ≥ pole`` (default 0.9: near zero on almost every token),
+  **saturated** when ``frac_high ≥ pole``; for an *unbounded* one (ReLU, GELU, SiLU)
+  only the capture's facts count: near zero (at the top) on *every* position of the
+  batch (``acts/<module>/dead``, ``saturated``) - a ReLU unit at zero on 90 % of the
+  tokens is selective and learns from the rest.  The module's *polar share* is the
+  share of units that are either;
+* **dead for good**: units dead (saturated) on every record of the closing window of
+  records, against the opening window; those that *died* in between get no gradient
+  through the activation and do not come back (Lu et al. 2020) - a fact of the run;
 * each unit's **polarity** ``frac_high - frac_low ∈ [-1, 1]`` places it between the
   dead pole (-1) and the saturated pole (+1).  The **bimodality** of the unit
   population, per window of records, is judged by a two-component Gaussian
   mixture against one component (BIC, Schwarz 1978) and the separation of the two
   camps, Ashman's ``D = √2 |μ₁ - μ₂| / √(σ₁² + σ₂²)`` (Ashman, Bird & Zepf 1994;
   ``D > 2`` is a clean split), each camp holding at least ``min_camp`` of the units.
+  Only a bounded activation's camps are a finding: a ReLU/GELU layer always has a
+  camp near zero and a spread of positive values - its baseline.
   Sarle's bimodality coefficient ``BC = (g² + 1) / (κ + 3(n-1)²/((n-2)(n-3)))``
   (SAS Institute 1990; Pfister et al. 2013) is reported too, but not flagged on: a
   skewed, unimodal population - the normal shape of a ReLU or GELU layer - already
@@ -62,9 +71,9 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
-__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "MAX_GMM_UNITS", "NAME", "NO_CAMPS", "POLARITY_BINS", "POLE",
-           "WINDOWS", "Camps", "SaturationOptions", "compute", "flags", "lazy", "module_result",
-           "onset_record", "plot", "severity", "source_rows", "two_camps"]
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "MAX_GMM_UNITS", "NAME", "NO_CAMPS", "PERSISTENT", "POLARITY_BINS",
+           "POLE", "WINDOWS", "Camps", "Facts", "SaturationOptions", "compute", "flags", "lazy", "module_result",
+           "onset_record", "persistent", "plot", "severity", "source_rows", "two_camps"]
 
 
 NAME = "saturation"
@@ -119,6 +128,12 @@ def lazy(store: Store) -> dict[str, Any]:
         out[f"saturated|{m}"] = (high >= POLE).mean(axis=1)
         for name, x in (("low_w", low), ("high_w", high)):
             out[f"{name}|{m}"] = da.stack([x[a:b].mean(axis=0) for a, b in itertools.pairwise(edges)])
+        for fact, frac in (("dead", low), ("saturated", high)):
+            # the capture's fact (zero / at the top on every position); stores written before it: frac == 1
+            f = store.lazy(f"acts/{m}/{fact}") if store.has(f"acts/{m}/{fact}") else (frac >= 1.0)
+            f = f.astype(bool)
+            out[f"fact_{fact}|{m}"] = f.mean(axis=1)
+            out[f"fact_{fact}_w|{m}"] = da.stack([f[a:b].all(axis=0) for a, b in itertools.pairwise(edges)])
     return out
 
 
@@ -187,9 +202,46 @@ def _activation(attrs: dict[str, Any]) -> str:
     return f"bounded [{b[0]:g}, {b[1]:g}]" if b else f"unbounded (scale {float(attrs.get('scale', np.nan)):.3g})"
 
 
+@dataclass(frozen=True)
+class Facts:
+    """The capture's per-unit facts of one module: per record the share of units dead (saturated) on every
+    position of the batch, and per window of records which units were so on every record of the window."""
+
+    dead: np.ndarray          # (N,) share of units dead in the record
+    saturated: np.ndarray     # (N,)
+    dead_w: np.ndarray        # (W, U) bool: dead in every record of window w
+    saturated_w: np.ndarray   # (W, U)
+
+
+def persistent(facts: Facts) -> dict[str, float]:
+    """Units dead or saturated on every record of the opening and of the closing window, and those that died.
+
+    ``died`` is the share of all units that were not polar throughout the opening window and are
+    throughout the closing one; ``died_rel`` the same as a share of the units alive at the opening.
+    """
+    dead, sat = np.asarray(facts.dead_w, bool), np.asarray(facts.saturated_w, bool)
+    polar = dead | sat
+    first, last = polar[0], polar[-1]
+    died = float(np.mean(last & ~first))
+    alive = 1.0 - float(np.mean(first))
+    return {"units_polar_first": float(np.mean(first)), "units_polar_last": float(np.mean(last)),
+            "units_dead_last": float(np.mean(dead[-1])), "units_saturated_last": float(np.mean(sat[-1])),
+            "units_died": died, "units_died_count": int(np.sum(last & ~first)),
+            "died_rel": died / alive if alive > 0 else 0.0}
+
+
 def module_result(module: str, dead: np.ndarray, sat: np.ndarray, low_w: np.ndarray, high_w: np.ndarray,
-                  edges: np.ndarray, training: bool, opt: SaturationOptions) -> tuple[dict[str, Any], dict]:
-    """The module's table row and its series, from the lazy reductions."""
+                  edges: np.ndarray, training: bool, opt: SaturationOptions, facts: Facts | None = None,
+                  bounded: bool = True) -> tuple[dict[str, Any], dict]:
+    """The module's table row and its series, from the lazy reductions.
+
+    The polar share per record is, for a *bounded* activation, the share of units near a bound on
+    almost every token (``frac >= POLE``); for an unbounded one (ReLU, GELU, SiLU) the share of
+    units dead or saturated on *every* position of the batch (the capture's facts, *facts*): a ReLU
+    unit at zero on 90 % of the tokens is selective, not dead, and still learns from the rest.
+    """
+    if not bounded and facts is not None:
+        dead, sat = facts.dead, facts.saturated
     polar = np.asarray(dead, float) + np.asarray(sat, float)
     pol = np.asarray(high_w, float) - np.asarray(low_w, float)          # (W, U) unit polarity per window
     camps = [two_camps(p, opt.min_camp, opt.min_bic_gain, opt.min_gap) for p in pol]
@@ -203,19 +255,27 @@ def module_result(module: str, dead: np.ndarray, sat: np.ndarray, low_w: np.ndar
     c = camps[-1]
     row = {
         "tensor": module, "head": None, "source": "", "units": int(pol.shape[1]), "records": int(polar.size),
+        "bounded": bounded,
         "dead_share": float(np.mean(np.asarray(dead, float)[last])),
         "saturated_share": float(np.mean(np.asarray(sat, float)[last])),
-        "polar_share": end, "polar_share_first": base, "rise": rise, "trend_rho": rho, "trend_p": p,
+        "polar_share": end, "polar_share_first": base, "rise": rise,
+        "rise_rel": rise / (1.0 - base) if base < 1.0 else 0.0, "trend_rho": rho, "trend_p": p,
         "onset_record": onset, "two_camps": c.two_camps, "separation": c.separation,
         "camp_low": c.means[0], "camp_high": c.means[1], "camp_low_share": c.weights[0],
         "camp_high_share": c.weights[1], "bimodality_coefficient": bimodality_coefficient(pol[-1]),
         "camps_since_record": None if w_since is None else int(edges[w_since]), "p_value": float("nan"),
+        "window_first": (int(edges[0]), int(edges[1]) - 1), "window_last": (int(edges[-2]), int(edges[-1]) - 1),
+        **(persistent(facts) if facts is not None else dict.fromkeys(PERSISTENT, float("nan"))),
     }
     series = {f"polar/{module}": polar, f"dead/{module}": np.asarray(dead, float),
               f"saturated/{module}": np.asarray(sat, float), f"window_edges/{module}": edges,
               f"separation/{module}": np.array([x.separation if x.two_camps else 0.0 for x in camps]),
               f"polarity_hist/{module}": np.stack([np.histogram(x, POLARITY_BINS)[0] / max(x.size, 1) for x in pol])}
     return row, series
+
+
+PERSISTENT = ("units_polar_first", "units_polar_last", "units_dead_last", "units_saturated_last", "units_died",
+              "units_died_count", "died_rel")
 
 
 def source_rows(module: str, polar: np.ndarray, dead: np.ndarray, sat: np.ndarray, mixture: np.ndarray,
@@ -242,10 +302,10 @@ def source_rows(module: str, polar: np.ndarray, dead: np.ndarray, sat: np.ndarra
     return rows
 
 
-COLUMNS = ["tensor", "head", "source", "activation", "units", "records", "dead_share", "saturated_share",
-           "polar_share", "polar_share_first", "polar_share_others", "rise", "trend_rho", "trend_p", "onset_record",
-           "two_camps", "separation", "camp_low", "camp_high", "camp_low_share", "camp_high_share",
-           "bimodality_coefficient", "camps_since_record", "p_value"]
+COLUMNS = ["tensor", "head", "source", "activation", "bounded", "units", "records", "dead_share", "saturated_share",
+           "polar_share", "polar_share_first", "polar_share_others", "rise", "rise_rel", "trend_rho", "trend_p",
+           "onset_record", *PERSISTENT, "window_first", "window_last", "two_camps", "separation", "camp_low",
+           "camp_high", "camp_low_share", "camp_high_share", "bimodality_coefficient", "camps_since_record", "p_value"]
 
 
 def compute(ctx: Context) -> AnalysisResult:
@@ -259,9 +319,12 @@ def compute(ctx: Context) -> AnalysisResult:
     rows: list[dict[str, Any]] = []
     series: dict[str, np.ndarray] = {}
     for m in sorted(k.split("|", 1)[1] for k in lz if k.startswith("dead|")):
+        attrs = ctx.require_store().act_attrs(m)
+        facts = (Facts(lz[f"fact_dead|{m}"], lz[f"fact_saturated|{m}"], lz[f"fact_dead_w|{m}"],
+                       lz[f"fact_saturated_w|{m}"]) if f"fact_dead|{m}" in lz else None)
         row, s = module_result(m, lz[f"dead|{m}"], lz[f"saturated|{m}"], lz[f"low_w|{m}"], lz[f"high_w|{m}"],
-                               edges, training, opt)
-        row["activation"] = _activation(ctx.require_store().act_attrs(m))
+                               edges, training, opt, facts, bounded=bool(attrs.get("bounds")))
+        row["activation"] = _activation(attrs)
         rows.append(row)
         series.update(s)
         since = row["onset_record"] or 0
@@ -272,17 +335,39 @@ def compute(ctx: Context) -> AnalysisResult:
 
 # -------------------------------------------------------------------------- flags
 def severity(row: dict[str, Any], trend_p: float = 0.01) -> tuple[float, dict[str, float]]:
-    """max(level, trend, camps): 0.5 at 35 % polar units, at a +20-point significant rise, or at D = 2.5 with
-    the outer camp at a pole.  Two camps count by how near the pole the outer one sits (its mean polarity
-    ``|p|``: 0 up to 0.5, in full from 0.9): two camps in the middle of the range are not saturation."""
-    level = float(np.clip((row["polar_share"] - 0.10) / 0.5, 0, 1))
-    trend = float(np.clip(row["rise"] / 0.4, 0, 1)) if _finite(row["trend_p"]) and row["trend_p"] < trend_p else 0.0
-    camps = float(np.clip((row["separation"] - 1.0) / 3.0, 0, 1)) if row["two_camps"] else 0.0
+    """max(level, trend, died, camps), each judged against the run itself or against the physics.
+
+    * ``died``: units alive in the opening window and dead (saturated) on *every* record of the closing
+      one, as a share of the units alive at the opening: 0.5 at 20 %.  Dead on every input, a ReLU unit
+      gets no gradient through the activation and cannot come back (a fact, no test needed; training
+      mode, two units at least).
+    * ``trend``: the per-record polar share's significant rise (Spearman p < *trend_p*), as a share of
+      the units not polar at the opening: 0.5 at +20 %.
+    * ``level``: for an unbounded activation the share of units dead or saturated on every record of
+      the closing window, 0.5 at half the layer (whatever the run's history: that width is lost); for
+      a bounded one the polar share (near a bound on almost every token), 0.5 at 35 %.
+    * ``camps`` (bounded activations only): two camps of units at the two ends of the range, 0.5 at
+      D = 2.5 with the outer camp at a pole.  A ReLU/GELU layer's units always fall into a camp near zero
+      and a spread of positive values: its family baseline, not a finding.
+    """
+    bounded = bool(row.get("bounded", True))
+    persisted = _num(row.get("units_polar_last"), float(row["polar_share"]))
+    level = float(np.clip((row["polar_share"] - 0.10) / 0.5 if bounded else (persisted - 0.25) / 0.5, 0, 1))
+    significant = _finite(row["trend_p"]) and row["trend_p"] < trend_p
+    rise = _num(row.get("rise_rel"), float(row["rise"]))
+    trend = float(np.clip(rise / 0.4, 0, 1)) if significant else 0.0
+    died = (float(np.clip(_num(row.get("died_rel"), 0.0) / 0.4, 0, 1))
+            if _finite(row["trend_p"]) and _num(row.get("units_died_count"), 0.0) >= 2 else 0.0)
+    camps = float(np.clip((row["separation"] - 1.0) / 3.0, 0, 1)) if row["two_camps"] and bounded else 0.0
     if camps > 0:
         extent = max(float(row["camp_high"]), -float(row["camp_low"])) if _finite(row["camp_high"]) else 1.0
         camps *= float(np.clip((extent - 0.5) / 0.4, 0, 1))
-    parts = {"level": level, "trend": trend, "camps": camps}
+    parts = {"level": level, "trend": trend, "died": died, "camps": camps}
     return max(parts.values()), parts
+
+
+def _num(x: Any, default: float) -> float:
+    return float(x) if _finite(x) else default
 
 
 def _finite(x: Any) -> bool:
@@ -307,9 +392,9 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
                          and r["polar_share"] - r["polar_share_others"] >= 0.05)
         onset = row["onset_record"] if _finite(row["onset_record"]) else None
         since = int(onset) if onset is not None else 0
-        ev = {k: row[k] for k in ("dead_share", "saturated_share", "polar_share", "polar_share_first", "rise",
-                                  "trend_p", "two_camps", "separation", "camp_low", "camp_high",
-                                  "bimodality_coefficient", "activation")} | parts
+        ev = {k: row.get(k) for k in ("dead_share", "saturated_share", "polar_share", "polar_share_first", "rise",
+                                      "trend_p", "two_camps", "separation", "camp_low", "camp_high",
+                                      "bimodality_coefficient", "activation", *PERSISTENT)} | parts
         ev["source_polar_share"] = {r["source"]: r["polar_share"] for r in per_src}
         out.append(Flag(kind="saturation", tensor=row["tensor"], head=None, sources=culprits, severity=sev,
                         records=(since, ctx.n_records - 1), evidence=ev,
@@ -318,15 +403,34 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
 
 
 def _summary(row: dict[str, Any], onset: Any, culprits: tuple[str, ...], by_src: dict[str, float]) -> str:
-    text = (f"{row['tensor']}: {row['dead_share']:.0%} of units dead and {row['saturated_share']:.0%} saturated "
-            f"at the end of the run (polar share {row['polar_share_first']:.0%} -> {row['polar_share']:.0%}")
-    text += f", rising since record {int(onset)})" if onset is not None else ")"
-    if row["two_camps"]:
-        text += (f"; the units split into two camps (polarity {row['camp_low']:+.2f} and {row['camp_high']:+.2f}, "
-                 f"separation D={row['separation']:.1f})")
+    if row.get("bounded", True) or not _finite(row.get("units_polar_last")):
+        text = (f"{row['tensor']}: {row['dead_share']:.0%} of units dead and {row['saturated_share']:.0%} saturated "
+                f"at the end of the run (polar share {row['polar_share_first']:.0%} -> {row['polar_share']:.0%}")
+        text += f", rising since record {int(onset)})" if onset is not None else ")"
+        if row["two_camps"] and row.get("bounded", True):
+            text += (f"; the units split into two camps (polarity {row['camp_low']:+.2f} and "
+                     f"{row['camp_high']:+.2f}, separation D={row['separation']:.1f})")
+    else:
+        text = _facts_text(row, onset)
     if culprits:
         text += "; batches from " + ", ".join(f"'{s}' ({by_src[s]:.0%})" for s in culprits) + " push it to the poles"
     return text + "."
+
+
+def _facts_text(row: dict[str, Any], onset: Any) -> str:
+    """The unbounded activation's sentence: units dead (saturated) on every batch, at the close and the opening."""
+    (a0, b0), (a1, b1) = row["window_first"], row["window_last"]
+    n = int(row["units"])
+    what = f"{row['units_dead_last']:.0%} of its {n} units dead"
+    if row["units_saturated_last"] > 0:
+        what += f" and {row['units_saturated_last']:.0%} saturated"
+    text = (f"{row['tensor']}: {what} on every batch of records {a1}-{b1}, against {row['units_polar_first']:.0%} "
+            f"in records {a0}-{b0}")
+    if row["units_died_count"] > 0:
+        text += (f": {int(row['units_died_count'])} units ({row['died_rel']:.0%} of those alive at the start) "
+                 f"died; a unit dead on every input gets no gradient through the activation and does not come back")
+    text += f" (per batch {row['polar_share_first']:.0%} -> {row['polar_share']:.0%}"
+    return text + (f", rising since record {int(onset)})" if onset is not None else ")")
 
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:

@@ -81,8 +81,8 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import Context
 
-__all__ = ["ADVICE", "ANALYSIS", "NAME", "PrecisionOptions", "compute", "flags", "plot", "run_format", "swamped_share",
-           "tensor_row", "underflow_severity"]
+__all__ = ["ADVICE", "ANALYSIS", "HIGH_PRECISION", "NAME", "WHATIF_WEIGHT", "PrecisionOptions", "compute", "flags",
+           "plot", "run_format", "severity", "swamped_share", "tensor_row", "underflow_severity"]
 
 
 NAME = "precision"
@@ -90,6 +90,8 @@ NAME = "precision"
 DTYPE_FORMATS = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}
 #: Severity weight of swamping in a format the run does not keep its weights in: a what-if, context below 0.5.
 WHATIF_WEIGHT = 0.45
+#: Formats whose lost updates (below half their ULP: < 2^-24 of the weight) cannot matter in any run length.
+HIGH_PRECISION = ("fp32", "fp64")
 #: Share of the gradient energy (sum of g^2) carried by fp16-flushed values at which underflow counts in full.
 UNDERFLOW_ENERGY_FULL = 0.01
 
@@ -134,8 +136,9 @@ def _ratio(a: float, b: float) -> float:
 
 
 def tensor_row(tensor: str, pairs: list[dict[str, Any]] | None, grad_hist: np.ndarray | None,
-               loss_scale: float, grad_amax: float | None = None) -> dict[str, Any]:
-    """One table row from the pair counts, the gradient exponent histogram and the gradient amax."""
+               loss_scale: float, grad_amax: float | None = None, run: dict[str, int] | None = None) -> dict[str, Any]:
+    """One table row from the pair counts, the gradient exponent histogram, the gradient amax and the whole
+    run's net update counts (*run*: :func:`~gradforensics.analysis.kinds.precision.formats.run_counts`)."""
     tot = {k: sum(int(p[k]) for p in pairs or []) for k in COUNTS}
     has_grad = any(p["has_grad"] for p in pairs or [])
     row: dict[str, Any] = {
@@ -151,6 +154,8 @@ def tensor_row(tensor: str, pairs: list[dict[str, Any]] | None, grad_hist: np.nd
         "lost_share": _ratio(tot["lost"], tot["grad_nonzero"]) if has_grad else float("nan"),
         "median_update_ulps_bf16": _median_ulps(pairs),
         "loss_scale": loss_scale,
+        **{f"run_swamped_{f}": _ratio(run[f"run_swamped_{f}"], run["n"]) if run else float("nan")
+           for f in FLAG_FORMATS},
     }
     hist = grad_hist if grad_hist is not None else np.zeros(EXP_MAX - EXP_MIN + 3, np.int64)
     row.update(fp16_gradient_shares(hist, loss_scale))
@@ -180,7 +185,7 @@ def compute(ctx: Context) -> AnalysisResult:
     rows, series = [], {}
     for t in tensors:
         pairs = lz.get(f"pairs|{t}")
-        rows.append(tensor_row(t, pairs, lz.get(f"grad_exp|{t}"), scale, lz.get(f"grad_amax|{t}")))
+        rows.append(tensor_row(t, pairs, lz.get(f"grad_exp|{t}"), scale, lz.get(f"grad_amax|{t}"), lz.get(f"run|{t}")))
         if pairs:
             series[f"ulp_hist/{t}"] = np.sum([p["ulp_hist"] for p in pairs], axis=0)
             for f in ("bf16", *FP8):
@@ -191,7 +196,8 @@ def compute(ctx: Context) -> AnalysisResult:
             "swamped_fp16", "swamped_fp8_e4m3", "swamped_fp8_e5m2", "lost_share", "median_update_ulps_bf16",
             "grad_underflow_fp16", "grad_subnormal_fp16", "grad_overflow_fp16", "grad_underflow_fp8_e4m3",
             "grad_subnormal_fp8_e4m3", "grad_underflow_fp8_e5m2", "grad_subnormal_fp8_e5m2", "grad_zero_share",
-            "loss_scale", "net_swamped_bf16", "net_swamped_fp16", "snapshot_gap", "grad_underflow_fp16_energy"]
+            "loss_scale", "net_swamped_bf16", "net_swamped_fp16", "snapshot_gap", "grad_underflow_fp16_energy",
+            "run_swamped_bf16", "run_swamped_fp16"]
     return AnalysisResult(table=pd.DataFrame(rows, columns=cols), series=series)
 
 
@@ -218,6 +224,35 @@ def underflow_severity(row: dict[str, Any]) -> float:
     return share * min(1.0, energy / UNDERFLOW_ENERGY_FULL)
 
 
+def severity(row: dict[str, Any], fmt: str, own: str | None) -> tuple[float, dict[str, float]]:
+    """max(swamped, lost, underflow), each as this run can suffer it.
+
+    * In the run's own format (or an unrecorded one, *own* None) the swamped share and the fp16
+      underflow count in full.  In a format the run does not keep its weights in (a what-if) they are
+      context: weighted by :data:`WHATIF_WEIGHT`, and by the share of elements the whole run moved by
+      half an ULP of that format or more (``1 - run_swamped``): a tensor whose net change over the run
+      stays below the format's resolution - a bias before a normalisation, whose gradient is rounding
+      noise - had nothing for that format to round away.
+    * ``lost`` (weights with a gradient that did not change at all) counts where the snapshots are in a
+      coarse format; in an fp32/fp64 run a lost update is below 2^-24 of its weight, too small to move it
+      in any run one trains, and is no finding.
+    """
+    whatif = own is not None and own != fmt
+    reach = 1.0 - _num(row.get(f"run_swamped_{fmt}")) if whatif and _finite(row.get(f"run_swamped_{fmt}")) else 1.0
+    weight = WHATIF_WEIGHT * reach if whatif else 1.0
+    parts = {"swamped": swamped_share(row, fmt) * weight,
+             "lost": _num(row["lost_share"]) if own not in HIGH_PRECISION else 0.0,
+             "underflow": (underflow_severity(row) if fmt == "fp16" else 0.0) * weight}
+    return float(min(max(parts.values()), 1.0)), parts
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return bool(np.isfinite(float(x)))
+    except (TypeError, ValueError):
+        return False
+
+
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     """A flag per tensor whose updates are swamped in the run's format (a what-if format: context), or lost."""
     opt = ctx.options_for(NAME, PrecisionOptions)
@@ -226,35 +261,41 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     whatif = own is not None and own != fmt
     out = []
     for row in result.table.to_dict("records"):
-        sw = swamped_share(row, fmt)
-        lost = _num(row["lost_share"])
-        under = underflow_severity(row) if fmt == "fp16" else 0.0
-        sev = max(sw * (WHATIF_WEIGHT if whatif else 1.0), lost, under * (WHATIF_WEIGHT if whatif else 1.0))
+        sev, parts = severity(row, fmt, own)
         if sev < opt.min_severity:
             continue
+        sw = swamped_share(row, fmt)
+        under = underflow_severity(row) if fmt == "fp16" else 0.0
         first = int(row["record_first"]) if row["n_pairs"] else 0
         last = int(row["record_last"]) if row["n_pairs"] else max(ctx.n_records - 1, 0)
-        text = _summary(row, fmt, sw, lost, under, first, last) + _format_note(own, fmt, row)
+        lost_leads = parts["lost"] >= max(parts["swamped"], parts["underflow"])
+        text = _summary(row, fmt, sw, parts["lost"], under, first, last) + _format_note(own, fmt, row, lost_leads)
         out.append(Flag(
-            kind="precision", tensor=row["tensor"], head=None, sources=(), severity=float(min(sev, 1.0)),
+            kind="precision", tensor=row["tensor"], head=None, sources=(), severity=sev,
             records=(first, last),
             evidence={k: row.get(k) for k in ("swamped_bf16", "swamped_fp16", "lost_share", "median_update_ulps_bf16",
                                               "grad_underflow_fp16", "grad_overflow_fp16", "loss_scale",
-                                              "snapshot_gap", "grad_underflow_fp16_energy")}
-            | {"format": fmt, "run_format": own or "unknown", "whatif": whatif},
+                                              "snapshot_gap", "grad_underflow_fp16_energy", f"run_swamped_{fmt}")}
+            | {"format": fmt, "run_format": own or "unknown", "whatif": whatif} | parts,
             summary=text))
     return out
 
 
-def _format_note(own: str | None, fmt: str, row: dict[str, Any]) -> str:
+def _format_note(own: str | None, fmt: str, row: dict[str, Any], lost_leads: bool = False) -> str:
     gap = _num(row.get("snapshot_gap", 1.0)) or 1.0
     note = (f" (snapshots {gap:g} steps apart: the share is of updates swamped over the whole gap; per step "
             f"{_num(row[f'swamped_{fmt}']):.0%} at most)") if gap > 1 else ""
     if own is None:
         return note + f" The store records no dtypes (root attribute 'dtypes'): {fmt} weights assumed."
+    if own != fmt and lost_leads:        # lost in the run's own snapshots: a problem of this run, whatever fmt
+        return note + f" The run keeps its weights in {own}: the stored {own} weights themselves lost these updates."
     if own != fmt:
-        return note + (f" The run keeps its weights in {own}, so {fmt} is a what-if: context, not a "
-                       f"problem of this run.")
+        note += f" The run keeps its weights in {own}, so {fmt} is a what-if: context, not a problem of this run"
+        still = _num(row.get(f"run_swamped_{fmt}"))
+        if still >= 0.5:
+            note += (f"; over the whole run {still:.0%} of its weights moved by less than half a {fmt} ULP: "
+                     f"{fmt} would have had little of this tensor's learning to round away")
+        return note + "."
     return note
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 __all__ = ["BLOCK", "COUNTS", "EXP_MAX", "EXP_MIN", "FLAG_FORMATS", "FORMATS", "FP8", "ULP_EDGES", "amax_scale",
            "byte_counts", "exponent_hist", "finite_amax", "fp8_gradient_shares", "fp16_gradient_shares", "pair_counts",
-           "round_to", "swamped", "ulp"]
+           "round_to", "run_counts", "swamped", "ulp"]
 
 
 #: name -> (explicit mantissa bits, smallest normal exponent, largest finite value)
@@ -164,6 +164,22 @@ def fp8_gradient_shares(hist: np.ndarray, amax: float | None) -> dict[str, float
         e = np.arange(EXP_MIN, EXP_MAX + 1) + np.log2(amax_scale(amax, fmt))
         out[f"grad_underflow_{fmt}"] = counts[e <= emin - p].sum() / n
         out[f"grad_subnormal_{fmt}"] = counts[(e > emin - p) & (e <= emin)].sum() / n
+    return out
+
+
+def run_counts(w0: np.ndarray, w1: np.ndarray) -> dict[str, int]:
+    """How far the whole run moved each weight, first snapshot to last: per flag format, the elements whose
+    net change is below half its ULP at ``w0`` (zero included) - what that format would have kept anyway."""
+    w0 = np.asarray(w0, dtype=np.float32).ravel()
+    w1 = np.asarray(w1, dtype=np.float32).ravel()
+    out = {"n": 0, **{f"run_swamped_{f}": 0 for f in FLAG_FORMATS}}
+    for a in range(0, w0.size, BLOCK):
+        x0, x1 = w0[a:a + BLOCK].astype(np.float64), w1[a:a + BLOCK].astype(np.float64)
+        fin = np.isfinite(x0) & np.isfinite(x1)
+        d = np.where(fin, x1 - x0, 0.0)
+        out["n"] += int(fin.sum())
+        for f in FLAG_FORMATS:
+            out[f"run_swamped_{f}"] += int((fin & ((d == 0) | swamped(x0, d, f))).sum())
     return out
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.analysis.kinds.precision.formats import BLOCK, exponent_hist, finite_amax, pair_counts
+from gradforensics.analysis.kinds.precision.formats import BLOCK, exponent_hist, finite_amax, pair_counts, run_counts
 from gradforensics.store.heads import HeadSpec
 
 if TYPE_CHECKING:
@@ -74,11 +74,18 @@ def _pair_tasks(store: Store, tensor: str, pairs: list[tuple[int, int, int, floa
 
 
 def lazy(store: Store) -> dict[str, Any]:
-    """Snapshot-pair update counts of tensors with weights but no stored gradient (the rest: :func:`slab_reductions`)."""
+    """Snapshot-pair update counts of tensors with weights but no stored gradient (the rest: :func:`slab_reductions`),
+    and of every tensor with weights the whole run's net update (first snapshot to last)."""
+    import dask
+
     pairs = _pair_specs(store)
     if not pairs:
         return {}
-    return {f"pairs|{t}": _pair_tasks(store, t, pairs) for t in sorted(store.weights) if t not in store.grads}
+    out = {f"pairs|{t}": _pair_tasks(store, t, pairs) for t in sorted(store.weights) if t not in store.grads}
+    for t in sorted(store.weights):
+        w = store.weight(t)
+        out[f"run|{t}"] = dask.delayed(run_counts)(w[0], w[w.shape[0] - 1])
+    return out
 
 
 def nonzero_masks(x: np.ndarray, sel: tuple[slice, ...], spans: list[tuple[int, int]]) -> dict[Any, np.ndarray]:
