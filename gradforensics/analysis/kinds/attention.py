@@ -54,12 +54,14 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
-__all__ = ["ADVICE_COLLAPSE", "ADVICE_LOGITS", "ANALYSIS", "COLUMNS", "NAME", "WINDOWS", "AttentionOptions",
+__all__ = ["ADVICE_COLLAPSE", "ADVICE_LOGITS", "ANALYSIS", "COLUMNS", "NAME", "SYMPTOM", "WINDOWS", "AttentionOptions",
            "collapse_severity", "compute", "flags", "head_rows", "lazy", "logit_level", "logits_severity", "plot"]
 
 
 NAME = "attention"
 WINDOWS = 32
+#: In training, a head's collapse is reported at this share of its severity, under its logit growth (the cause).
+SYMPTOM = 0.95
 
 
 @dataclass(frozen=True)
@@ -243,13 +245,20 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
             if row["qk_tensors"] else ""
         where = f"{row['tensor']} head {row['head']}"
         sev, parts = collapse_severity(row, training, opt.trend_p)
+        lsev, lparts = logits_severity(row, training, opt.trend_p)
+        if training and sev > lsev:
+            # in training a collapse needs logits that grew: it is their growth seen in the entropy, so the
+            # growth (the cause) carries the head's severity and the collapse (the symptom) ranks just below
+            lsev, lparts = sev, lparts | {"collapse": sev}
+        if training:
+            sev = SYMPTOM * sev
         if sev >= opt.min_severity:
             text = (f"{where}: attention entropy {_fmt(row['entropy'], '.3f')} (normalised; the model's other heads "
                     f"{_fmt(row['entropy_others'], '.2f')}), {_fmt(row['onehot_frac'], '.0%')} of queries one-hot, "
                     f"max logit {_fmt(row['max_logit'])}{qk}.")
             out.append(Flag("attention_collapse", row["tensor"], int(row["head"]), (), sev, (0, last),
                             base | parts, text))
-        sev, parts = logits_severity(row, training, opt.trend_p)
+        sev, parts = lsev, lparts
         if sev >= opt.min_severity:
             since = row["since_record"]
             since = int(since) if since is not None and np.isfinite(since) else 0
