@@ -21,6 +21,12 @@ normalised by ``log n`` (1 uniform, 0 one-hot), and the share of one-hot queries
   the heads whose max logit is out of line with the model's other heads (0.5 at 4x
   their median, with the same level gate).
 
+In training a collapse needs logits that grew: it is their growth seen in the entropy.
+The head's ``attention_logits`` flag carries the larger of the two severities and its
+``attention_collapse`` flag follows at :data:`SYMPTOM` of its own, so the cause leads.
+Where these statistics are captured they, not the q/k weights' bound, judge the logits
+(the spectral analysis's q/k growth is then context).
+
 The fixes in the advice are the standard ones: QK-norm / QK-layernorm (Dehghani et
 al. 2023; Wortsman et al. 2023), QK-clip at τ (rescale W_Q, W_K of a head whose max
 logit exceeds τ, Kimi K2 2025), the z-loss, a lower learning rate on W_Q/W_K.
