@@ -26,7 +26,7 @@ from gradforensics.analysis.contract.model import AnalysisResult, Flag
 from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.spectral.reads import partner_of
 from gradforensics.analysis.toolkit.units import head_of
-from gradforensics.errors import SpecError
+from gradforensics.errors import GradforensicsError, SpecError
 
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
@@ -182,7 +182,7 @@ def _measured(ctx: Context) -> Any:
             return None
         try:
             x = np.asarray(store.read(f"attn/{module}/max_logit"), float)
-        except Exception:       # an unreadable statistic only drops the number from the clause
+        except (KeyError, OSError, GradforensicsError):   # unreadable: only the number leaves the clause
             return None
         tail = x[-max(1, len(x) // 8):]
         return float(np.nanmax(tail)) if tail.size and np.isfinite(tail).any() else None
