@@ -128,3 +128,29 @@ def test_minilm_replay_with_attention_raises_no_attention_flag(tmp_path) -> None
     # its sharpest head (layer 0 head 2) is sharp at moderate logits: reported, not flagged
     sharp = table.sort_values("entropy").iloc[0]
     assert sharp["entropy"] < 0.2 and sharp["max_logit"] < 60
+
+
+def test_training_collapse_ranks_under_its_own_logit_growth(tmp_path) -> None:
+    """Issue 40: in training a one-hot head whose logits grew (1 -> 25, below the logit flag's own level gate of
+    30) is logit growth seen in the entropy: attention_logits carries the collapse's severity (the oracle:
+    collapse_severity on the head's row) and leads, the collapse follows at SYMPTOM of it."""
+    rng = np.random.default_rng(3)
+    n = 64
+    with gf.Recorder(tmp_path / "t.zarr", sources=["a"], mode="training", background=False) as rec:
+        for i in range(n):
+            t = i / (n - 1)
+            mx = 2 + 0.2 * rng.random(4)
+            ent = 0.7 + 0.05 * rng.random(4)
+            mx[3], ent[3] = 1.0 * 25.0 ** t, 0.7 - 0.68 * t
+            stats = {"max_logit": mx, "entropy_mean": ent, "entropy_min": ent, "onehot_frac": 1 - ent}
+            rec.record(step=i, source="a", grads={"w": np.ones((2, 2), np.float32)}, attention={"l": stats})
+    findings = gf.analyze(tmp_path / "t.zarr", only="attention", progress=False, options=NO_PERSIST)
+    row = findings.table("attention").query("head == 3").iloc[0].to_dict()
+    raw, _ = A.collapse_severity(row, True, 0.01)
+    own, _ = A.logits_severity(row, True, 0.01)
+    assert raw > 0.5 and own < raw                        # the logits alone are below their own level gate
+    first, second = findings.flags[:2]
+    assert (first.kind, first.head, second.kind, second.head) == ("attention_logits", 3, "attention_collapse", 3)
+    assert first.severity == pytest.approx(raw) and first.evidence["collapse"] == pytest.approx(raw)
+    assert second.severity == pytest.approx(A.SYMPTOM * raw)
+    assert loud(findings) == {(k, "l", 3) for k in KINDS}

@@ -305,3 +305,63 @@ def test_options_are_validated() -> None:
 class TestSpectralContract(AnalysisContract):
     analysis_name = "spectral"
     factory = staticmethod(lambda path, seed: planted_spectral_store(path, seed=seed, n_records=24, logit=6.0))
+
+
+# ------------------------------------------- q/k growth behind a norm, a clip or measured logits (issue 40)
+@pytest.mark.parametrize("how", ["qk_norm", "qk_clip", "measured"])
+def test_aligned_qk_growth_is_context_where_the_logits_are_bounded_or_measured(tmp_path, how) -> None:
+    """The same planted growth as above (logit scale > 3x LOGIT_OK, flagged >= 0.5 without a guard) is context,
+    severity CONTEXT x its own (< 0.5), its summary says why: a q/k norm module beside the projections, a
+    stated QK-clip, or the attention logits measured for the module (they judge, the weights do not)."""
+    kw = {"qk_norm": {"model_info": {"qk_norm": ["layers.0.attn.q_norm", "layers.0.attn.k_norm"]}},
+          "qk_clip": {"extra": {"qk_clip": 100}}, "measured": {"attention": True}}[how]
+    p = planted_spectral_store(tmp_path / "g.zarr", grow=True, collapse=False, logit=6.0, **kw)
+    result, flags = run_analysis(p.path, "spectral")
+    q = next(f for f in flags if f.tensor == "layers.0.attn.q_proj.weight" and f.head is None)
+    assert q.evidence["context"] == how and q.severity < 0.5
+    assert q.evidence["logit_scale"] > 3 * findings.LOGIT_OK                   # the bound itself is unchanged
+    t = result.table
+    row = t[(t.tensor == q.tensor) & (t.matrix == "weight") & t["head"].isna()].iloc[0].to_dict()
+    unguarded = findings.qk_severity(row)
+    assert unguarded >= 0.5 and q.severity == pytest.approx(findings.CONTEXT * unguarded, rel=1e-9)
+    assert max(f.severity for f in flags if f.evidence.get("cause") == "attention") < 0.5
+    words = {"qk_norm": "layers.0.attn.q_norm", "qk_clip": "QK-clip", "measured": "measured (max 3.1"}[how]
+    assert words in q.summary and "consider QK-norm" not in q.summary, q.summary
+
+
+def test_qk_guard_matches_the_module_that_holds_the_tensor() -> None:
+    g = findings.qk_guard
+    assert g("m.h.0.attn.c_attn.weight", [], []) is None
+    assert g("m.h.0.attn.c_attn.weight", ["m.h.1.attn"], ["m.h.1.attn.q_norm"]) is None    # another layer's
+    assert g("m.h.0.attn.c_attn.weight", ["m.h.0.attn"], [])[0] == "measured"
+    assert g("m.h.0.attn.c_attn.weight", ["m.h.0.attn"], [], measured=lambda m: 8.0)[1].count("max 8") == 1
+    assert g("m.h.0.attn.c_attn.weight", [], ["m.h.0.attn.k_norm", "m.h.0.attn.q_norm"])[0] == "qk_norm"
+    assert g("m.l.0.self_attn.q_proj.weight", [], ["m.l.0.self_attn.q_norm"])[0] == "qk_norm"
+    assert g("m.h.0.attn.c_attn.weight", [], [], qk_clip=50)[0] == "qk_clip"
+    assert g("m.h.0.attn.c_attn.weight", ["m.h.0.attn"], ["m.h.0.attn.q_norm"])[0] == "measured"  # measured wins
+
+
+def test_recorder_notes_qk_norm_modules_by_type_and_name() -> None:
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from gradforensics.recording.selection import model_info, qk_norms
+
+    class RMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+    class Attn(nn.Module):
+        def __init__(self, norm: bool) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+            if norm:
+                self.q_norm, self.k_layernorm = nn.LayerNorm(4), RMSNorm()
+            self.post_ln = nn.LayerNorm(8)            # a norm, not on q or k
+            self.q_ln = nn.Linear(4, 4)               # named like one, not a norm
+
+    model = nn.ModuleDict({"a": Attn(True), "b": Attn(False)})
+    assert qk_norms(model) == ["a.k_layernorm", "a.q_norm"]
+    assert model_info(model)["qk_norm"] == ["a.k_layernorm", "a.q_norm"]
+    assert "qk_norm" not in model_info(nn.ModuleDict({"b": Attn(False)}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["CONFIG_KEYS", "model_info", "run_dtypes", "select_modules", "select_parameters"]
+__all__ = ["CONFIG_KEYS", "model_info", "qk_norms", "run_dtypes", "select_modules", "select_parameters"]
 
 
 #: ``model.config`` fields copied into the store's ``model`` attribute.
@@ -60,10 +61,32 @@ def select_modules(model: nn.Module, globs: Sequence[str] | None) -> dict[str, n
     return out
 
 
+#: Leaf names of a normalisation applied to queries or keys (Qwen3/OLMo2/Gemma3 ``q_norm``, Persimmon
+#: ``q_layernorm``, nanoGPT variants ``q_ln``, ``query_norm``, ``qk_norm``; ``norm_q``).
+_QK_NORM = re.compile(r"^(?:(?:q|k|qk|query|key)_?(?:norm|ln|layernorm|layer_norm|rmsnorm|rms_norm)"
+                      r"|(?:norm|ln)_?(?:q|k|qk))$", re.IGNORECASE)
+
+
+def qk_norms(model: nn.Module) -> list[str]:
+    """The modules that normalise queries or keys before the dot product: a norm by type (its class name
+    holds ``Norm``) whose own name says q or k (``q_norm``, ``k_layernorm``, ``q_ln``, ...), sorted.
+
+    A q/k normalisation bounds the attention logits whatever W_Q, W_K do (``|q.k|/sqrt(d) <= g_q g_k sqrt(d)``
+    for unit-RMS q, k with gains g), so the spectral analysis does not judge those weights' growth as logit
+    growth.  One applied by a function call (``F.layer_norm(q, ...)``) has no module and is not seen.
+    """
+    return sorted(n for n, m in model.named_modules()
+                  if n and "norm" in type(m).__name__.lower() and _QK_NORM.match(n.rsplit(".", 1)[-1]))
+
+
 def model_info(model: nn.Module) -> dict[str, Any]:
-    """Class, parameter count, dtype and a JSON-safe subset of ``model.config``."""
+    """Class, parameter count, dtype, the q/k normalisations (:func:`qk_norms`, when there are any) and a
+    JSON-safe subset of ``model.config``."""
     info: dict[str, Any] = {"class": type(model).__name__,
                             "n_params": int(sum(p.numel() for p in model.parameters()))}
+    norms = qk_norms(model)
+    if norms:
+        info["qk_norm"] = norms
     first = next(iter(model.parameters()), None)
     if first is not None:
         info["dtype"] = str(first.dtype).removeprefix("torch.")

@@ -157,7 +157,9 @@ def _growth_directions(w0: dict[str, np.ndarray], growing: tuple[str, ...], logi
 
 def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, collapse: bool = False,
                            n_records: int = 32, snapshot_every: int = 4, d: int = 96, heads: int = 4,
-                           growth: float = 4.0, alpha: float = 3.5, seed: int = 0, logit: float = 0.0) -> Planted:
+                           growth: float = 4.0, alpha: float = 3.5, seed: int = 0, logit: float = 0.0,
+                           model_info: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+                           attention: bool = False) -> Planted:
     """Two attention layers and an MLP; layer 0's q/k spectral norm grows *growth*-fold.
 
     ``logit > 0``: layer 0's q and k grow along one shared rank-1 direction (``u_q v_qᵀ``) of
@@ -169,6 +171,9 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
     the top singular value of ``q_proj`` and ``k_proj`` is scaled from 1 to
     *growth* across the run.  With *collapse*, ``layers.1.mlp.up.weight``'s
     gradients go from a rank-8 mean to a single direction after half the run.
+    *model_info* and *extra* go to the store as the recorder's (e.g. ``{"qk_norm": [...]}``,
+    ``{"qk_clip": 100}``); *attention*: per-head attention statistics of ``layers.0.attn`` (flat
+    logits near 3) are recorded too, as a capture with ``attention=`` would.
     """
     import gradforensics as gf
 
@@ -184,7 +189,7 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
     direction = np.outer(rng.normal(size=shapes[collapsing][0]), rng.normal(size=shapes[collapsing][1]))
     drift = {n: np.zeros(s) for n, s in shapes.items()}
     with gf.Recorder(path, sources=("a", "b"), heads={"*_proj.weight": heads}, mode="training",
-                     background=False) as rec:
+                     background=False, model_info=model_info, extra=extra) as rec:
         for i in range(n_records):
             t = i / max(n_records - 1, 1)
             grads = {n: (means[n] + 0.3 * rng.normal(size=s)).astype(np.float32) for n, s in shapes.items()}
@@ -194,11 +199,17 @@ def planted_spectral_store(path: str | os.PathLike[str], *, grow: bool = True, c
             if i % snapshot_every == 0 or i == n_records - 1:
                 snap = {}
                 for n in shapes:
-                    extra = (growth - 1.0) * t * top[n] if n in growing else 0.0
-                    snap[n] = (w0[n] + drift[n] + extra).astype(np.float32)
+                    lift = (growth - 1.0) * t * top[n] if n in growing else 0.0
+                    snap[n] = (w0[n] + drift[n] + lift).astype(np.float32)
             for n, s in shapes.items():
                 drift[n] += 0.0005 * rng.normal(size=s)
-            rec.record(step=i, loss=1.0, source="ab"[i % 2], grads=grads, weights=snap)
+            att = None
+            if attention:
+                mx = (3.0 + 0.1 * rng.random(heads)).astype(np.float32)
+                ent = np.full(heads, 0.7, np.float32)
+                att = {"layers.0.attn": {"max_logit": mx, "entropy_mean": ent, "entropy_min": ent - 0.1,
+                                         "onehot_frac": np.zeros(heads, np.float32)}}
+            rec.record(step=i, loss=1.0, source="ab"[i % 2], grads=grads, weights=snap, attention=att)
     # a q/k pair's logit scale is judged on its q (the k side of the pair is read with it)
     sick = (growing[:1] if logit > 0 else growing) + ((collapsing,) if collapse else ())
     return Planted(str(path), sick, tuple(n for n in shapes if n not in sick))

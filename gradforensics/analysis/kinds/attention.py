@@ -21,6 +21,12 @@ normalised by ``log n`` (1 uniform, 0 one-hot), and the share of one-hot queries
   the heads whose max logit is out of line with the model's other heads (0.5 at 4x
   their median, with the same level gate).
 
+In training a collapse needs logits that grew: it is their growth seen in the entropy.
+The head's ``attention_logits`` flag carries the larger of the two severities and its
+``attention_collapse`` flag follows at :data:`SYMPTOM` of its own, so the cause leads.
+Where these statistics are captured they, not the q/k weights' bound, judge the logits
+(the spectral analysis's q/k growth is then context).
+
 The fixes in the advice are the standard ones: QK-norm / QK-layernorm (Dehghani et
 al. 2023; Wortsman et al. 2023), QK-clip at τ (rescale W_Q, W_K of a head whose max
 logit exceeds τ, Kimi K2 2025), the z-loss, a lower learning rate on W_Q/W_K.
@@ -54,12 +60,14 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
-__all__ = ["ADVICE_COLLAPSE", "ADVICE_LOGITS", "ANALYSIS", "COLUMNS", "NAME", "WINDOWS", "AttentionOptions",
+__all__ = ["ADVICE_COLLAPSE", "ADVICE_LOGITS", "ANALYSIS", "COLUMNS", "NAME", "SYMPTOM", "WINDOWS", "AttentionOptions",
            "collapse_severity", "compute", "flags", "head_rows", "lazy", "logit_level", "logits_severity", "plot"]
 
 
 NAME = "attention"
 WINDOWS = 32
+#: In training, a head's collapse is reported at this share of its severity, under its logit growth (the cause).
+SYMPTOM = 0.95
 
 
 @dataclass(frozen=True)
@@ -243,13 +251,20 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
             if row["qk_tensors"] else ""
         where = f"{row['tensor']} head {row['head']}"
         sev, parts = collapse_severity(row, training, opt.trend_p)
+        lsev, lparts = logits_severity(row, training, opt.trend_p)
+        if training and sev > lsev:
+            # in training a collapse needs logits that grew: it is their growth seen in the entropy, so the
+            # growth (the cause) carries the head's severity and the collapse (the symptom) ranks just below
+            lsev, lparts = sev, lparts | {"collapse": sev}
+        if training:
+            sev = SYMPTOM * sev
         if sev >= opt.min_severity:
             text = (f"{where}: attention entropy {_fmt(row['entropy'], '.3f')} (normalised; the model's other heads "
                     f"{_fmt(row['entropy_others'], '.2f')}), {_fmt(row['onehot_frac'], '.0%')} of queries one-hot, "
                     f"max logit {_fmt(row['max_logit'])}{qk}.")
             out.append(Flag("attention_collapse", row["tensor"], int(row["head"]), (), sev, (0, last),
                             base | parts, text))
-        sev, parts = logits_severity(row, training, opt.trend_p)
+        sev, parts = lsev, lparts
         if sev >= opt.min_severity:
             since = row["since_record"]
             since = int(since) if since is not None and np.isfinite(since) else 0

@@ -2,6 +2,14 @@
 
 The severities and their thresholds; the statistics are the package's
 (:mod:`gradforensics.analysis.kinds.spectral`).
+
+q/k growth is judged from the weights only where nothing else can judge it better and the weights bound
+the logits: where the store holds the *measured* attention logits of the q/k's attention module
+(``attn/<module>/max_logit``: the attention analysis's ``attention_logits`` judges them), where a q/k
+normalisation sits between the projections and the dot product (the recorder's ``model.qk_norm``:
+LayerNorm/RMSNorm modules on q and k), or where the run states a QK-clip (``extra.qk_clip``: the max logit
+is clipped to tau after every step), the weights' growth is **context**: its severity is scaled by
+:data:`CONTEXT` (below 0.5) and its summary says why.
 """
 
 from __future__ import annotations
@@ -18,13 +26,13 @@ from gradforensics.analysis.contract.model import AnalysisResult, Flag
 from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.spectral.reads import partner_of
 from gradforensics.analysis.toolkit.units import head_of
-from gradforensics.errors import SpecError
+from gradforensics.errors import GradforensicsError, SpecError
 
 if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
 
-__all__ = ["LOGIT_FULL", "LOGIT_OK", "MIN_TAIL", "NAME", "SpectralOptions", "alpha_severity", "collapse_severity",
-           "flags", "growth_severity", "logit_severity", "qk_severity"]
+__all__ = ["CONTEXT", "LOGIT_FULL", "LOGIT_OK", "MIN_TAIL", "NAME", "SpectralOptions", "alpha_severity", "collapse_severity",
+           "flags", "growth_severity", "logit_severity", "qk_guard", "qk_severity"]
 
 NAME = "spectral"
 MIN_TAIL = 10              # alpha with a shorter tail is not flagged
@@ -33,6 +41,9 @@ MIN_TAIL = 10              # alpha with a shorter tail is not flagged
 #: their twins at 10x the learning rate at 80-150: docs/calibration.md).
 LOGIT_OK = 20.0
 LOGIT_FULL = 200.0
+#: Scale of a q/k growth severity whose logits are judged elsewhere or bounded (measured logits, a q/k
+#: norm, QK-clip): the growth is context, never a finding (< 0.5).
+CONTEXT = 0.45
 # Embedding tables are lookups, not linear maps: the 2-6 range is not theirs (a healthy
 # BERT position-embedding table has alpha 1.55).  Reported, never flagged on alpha.
 _EMBEDDING = re.compile(r"embed|(^|[._])(wte|wpe|tok_embeddings)([._]|$)")
@@ -136,6 +147,49 @@ def _head(r: dict[str, Any]) -> int | None:
     return head_of(r["head"])
 
 
+def qk_guard(tensor: str, attn_modules: list[str], norms: list[str], qk_clip: Any = None,
+             measured: Any = None) -> tuple[str, str] | None:
+    """Why the weight growth of q/k *tensor* is context, or None: ``(reason, clause)``.
+
+    ``"measured"``: a module in *attn_modules* (those with ``attn/<module>/...`` statistics) holds the tensor
+    (its name is a prefix of the tensor's); ``"qk_norm"``: a module of *norms* (the recorder's
+    ``model.qk_norm``) is a child of a module that holds the tensor (``...attn.q_norm`` beside
+    ``...attn.c_attn.weight``); ``"qk_clip"``: the run states a QK-clip threshold.  *measured(module)* gives
+    the measured max logit at the end of the run for the clause (None: not said).
+    """
+    owner = next((m for m in sorted(attn_modules, key=len, reverse=True) if tensor.startswith(m + ".")), None)
+    if owner is not None:
+        mx = measured(owner) if measured is not None else None
+        level = f" (max {mx:.3g} over the last records)" if mx is not None and np.isfinite(mx) else ""
+        return "measured", (f"the attention logits of {owner} are measured{level}: they, not this bound, say "
+                            f"whether the logits grow (attention_logits), so the weights' growth is context")
+    near = [n for n in norms if tensor.startswith(n.rsplit(".", 1)[0] + ".") or "." not in n]
+    if near:
+        return "qk_norm", (f"a q/k normalisation ({', '.join(near)}) sits between these projections and the dot "
+                           f"product: whatever W_Q, W_K do, it bounds the logits, so the weights' growth is context")
+    if qk_clip is not None:
+        return "qk_clip", (f"the run clips the max attention logit to {qk_clip} (QK-clip): the weights' growth "
+                           f"cannot grow the logits past it, so it is context")
+    return None
+
+
+def _measured(ctx: Context) -> Any:
+    """``module -> measured max attention logit`` over the last eighth of the records (max over heads)."""
+    store = ctx.store
+
+    def read(module: str) -> float | None:
+        if store is None:
+            return None
+        try:
+            x = np.asarray(store.read(f"attn/{module}/max_logit"), float)
+        except (KeyError, OSError, GradforensicsError):   # unreadable: only the number leaves the clause
+            return None
+        tail = x[-max(1, len(x) // 8):]
+        return float(np.nanmax(tail)) if tail.size and np.isfinite(tail).any() else None
+
+    return read
+
+
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     """Norm growth in q/k projections, gradient rank collapse, alpha outside the healthy range."""
     opt = ctx.options_for(NAME, SpectralOptions)
@@ -143,12 +197,19 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     out: list[Flag] = []
     weights = _rows(table, "weight")
     whole = {r["tensor"]: r for r in weights if _head(r) is None}
+    attn = list(ctx.store.attn_modules) if ctx.store is not None else []
+    norms = [str(n) for n in (ctx.meta.model.get("qk_norm") or [])]
+    clip = ctx.meta.extra.get("qk_clip")
+    measured = _measured(ctx)
     for r in weights:
         sev = qk_severity(r, opt.growth_half)
         if _head(r) is not None:   # a head only when it grows clearly faster than its tensor
             sev = sev if sev - qk_severity(whole[r["tensor"]], opt.growth_half) >= 0.15 else 0
+        guard = qk_guard(r["tensor"], attn, norms, clip, measured) if sev >= opt.min_severity else None
+        if guard is not None:
+            sev = CONTEXT * sev
         if sev >= opt.min_severity:
-            out.append(_growth_flag(r, sev, whole))
+            out.append(_growth_flag(r, sev, whole, guard))
         a_sev = alpha_severity(r["alpha"], *opt.alpha_range) if r["alpha_n_tail"] >= MIN_TAIL else 0.0
         a_sev = 0.0 if _EMBEDDING.search(r["tensor"].lower()) else a_sev
         if _head(r) is None and a_sev >= opt.min_severity:
@@ -176,7 +237,19 @@ def _flag(r: dict[str, Any], sev: float, reason: str, summary: str) -> Flag:
                 records=(int(r["record_first"]), int(r["record_last"])), evidence=ev, summary=summary)
 
 
-def _growth_flag(r: dict[str, Any], sev: float, whole: dict[str, dict[str, Any]]) -> Flag:
+def _growth_flag(r: dict[str, Any], sev: float, whole: dict[str, dict[str, Any]],
+                 guard: tuple[str, str] | None = None) -> Flag:
+    f = _weight_growth_flag(r, sev, whole)
+    if guard is None:
+        return f
+    text = f.summary[:-1]
+    for clause in (": softmax saturates there, watch for entropy collapse, consider QK-norm",
+                   ": watch for entropy collapse, consider QK-norm"):
+        text = text.replace(clause, "")
+    return replace(f, summary=text + f"; but {guard[1]}.", evidence={**f.evidence, "context": guard[0]})
+
+
+def _weight_growth_flag(r: dict[str, Any], sev: float, whole: dict[str, dict[str, Any]]) -> Flag:
     partner = partner_of(r["tensor"])
     pr = whole.get(partner) if partner else None
     where = r["tensor"] + (f" head {_head(r)}" if _head(r) is not None else "")
