@@ -38,6 +38,12 @@ records against the sum over the model's whole tensors):
 confined to a unit with 0.5 % of the energy stays below 0.5 (it cannot move the training
 much) but is still listed (a clear one at 0.25, the report's floor), and one in 6 % of
 the energy or more keeps its full severity.
+
+Last, the run's own base rate (:mod:`~gradforensics.analysis.kinds.conflict.standout`): sources
+of different domains disagree in a healthy mixture, so the severity is capped at
+``0.45 + 0.55 × standing``, with ``standing`` from a pair that stands out beyond how its sources
+relate to the others, or a source whose own loss stalls while the others fall (named in the flag);
+a conflict the run does not single out is context.
 """
 
 from __future__ import annotations
