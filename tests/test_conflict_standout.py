@@ -136,3 +136,36 @@ def test_planted_pair_is_named_as_a_pair() -> None:
     res = cf.compute(ctx)
     loud = [f for f in cf.flags(res, ctx) if f.severity >= 0.5]
     assert loud and all(f.evidence["why"] == "pair" and set(f.evidence["named"]) == {"zh", "en"} for f in loud)
+
+
+def _two_sources(n: int, late_scale: float, c_norm: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray, float]:
+    """Noise-free records of sources a, b (alternating): the shared unit mean m until n/2, then
+    ``late_scale·(m' ± c)`` with |m'| = 1, |c| = c_norm, m' ⟂ c; returns K, mixture, the exact rise."""
+    rng = np.random.default_rng(seed)
+    m, m2, c = np.linalg.qr(rng.standard_normal((16, 3)))[0].T
+    src = np.arange(n) % 2
+    X = np.where((np.arange(n) < n // 2)[:, None], m[None, :],
+                 late_scale * (m2[None, :] + np.where(src == 0, 1.0, -1.0)[:, None] * c_norm * c[None, :]))
+    want = -late_scale**2 * (1 - c_norm**2)             # -G_ab(late) / sqrt(G_aa G_bb)(early), |m| = 1
+    return X @ X.T, np.eye(2)[src], want
+
+
+@pytest.mark.parametrize(("late_scale", "c_norm"), [(1.0, 3.0), (0.3, 1.5), (0.5, 0.5)])
+def test_rise_matches_the_exact_inner_products(late_scale: float, c_norm: float) -> None:
+    K, mix, want = _two_sources(64, late_scale, c_norm)
+    assert so.rise(K, mix, 0, 1) == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_a_falling_cosine_of_shrinking_gradients_is_no_rise() -> None:
+    """cos +1 early, (1 - 2.25)/(1 + 2.25) = -0.38 late, but the late gradients are 0.3 of the early ones."""
+    K, mix, want = _two_sources(64, 0.3, 1.5)
+    assert want < 1 and so.rise(K, mix, 0, 1) < 1
+
+
+def test_two_source_conflict_that_appears_mid_run_is_a_rise() -> None:
+    """planted_long's conflict tensor (cos +1 -> -0.8 at half the run, |c| = 3|m|) in a two-source store."""
+    from gradforensics.testing.planted_long import CONFLICT, long_history_arrays
+
+    g, src, _ = long_history_arrays(400, seed=0)
+    X = g[CONFLICT].astype(np.float64)
+    assert so.rise(X @ X.T, np.eye(2)[src], 0, 1) > 5

@@ -57,7 +57,7 @@ import numpy as np
 from gradforensics._contrast import annotate
 from gradforensics.analysis.contract.advice import Advice
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
-from gradforensics.analysis.kinds.conflict.standout import SourceLoss, source_losses, stand_out
+from gradforensics.analysis.kinds.conflict.standout import SourceLoss, rise, source_losses, stand_out
 from gradforensics.analysis.kinds.conflict.unit import (
     ConflictOptions,
     SourceDesign,
@@ -81,7 +81,7 @@ __all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "SEGMENTS", "compute", "flags", "plo
 COLUMNS = [
     "tensor", "head", "layer", "source_a", "source_b", "cosine", "p_value", "cosine_debiased", "z",
     "n_a", "n_b", "n_records", "n_excluded", "z_cross", "record_first", "record_last", "energy", "energy_share",
-    "severity", "standing", "named", "why",
+    "rise", "severity", "standing", "named", "why",
 ]
 SEGMENTS = 8           # long histories: stretches of the run a conflict is located in
 ENERGY_FULL = 0.06     # a unit's share of the gradient energy at which a conflict keeps its full severity
@@ -114,6 +114,7 @@ def _conflict_of(u: un.Unit, mix: np.ndarray, opts: ConflictOptions, training: b
     energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
     for r in pairs:
         r["energy"] = energy
+        r["rise"] = rise(u.gram, mix[u.records], r["a"], r["b"]) if idx.size == 2 else math.nan
         r["record_first"], r["record_last"] = 0, n_records - 1
         if spans is not None:           # long histories: rows are super-records, locate the stretch
             r["record_first"], r["record_last"] = _stretch(u, mix, spans, r["a"], r["b"])
@@ -221,7 +222,7 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         band = None if band is None else list(band)
         heads = list(heads_of.get(r.tensor, []))
         why = r.why if isinstance(r.why, str) else None
-        named = [r.named] if why == "loss" else [r.source_a, r.source_b] if why == "pair" else []
+        named = [r.named] if why == "loss" else [r.source_a, r.source_b] if why in ("pair", "rise") else []
         ev = {"cosine": r.cosine, "p_value": r.p_value, "cosine_debiased": r.cosine_debiased, "z": r.z,
               "depth_band": band, "heads": heads, "n_a": r.n_a, "n_b": r.n_b, "energy_share": r.energy_share,
               "standing": float(r.standing), "why": why, "named": named}
@@ -270,6 +271,10 @@ def _standing_text(r: Any, why: str | None, sources: tuple[str, ...], losses: li
         return (f" The pair stands out: '{r.source_a}' and '{r.source_b}' conflict with each other beyond what "
                 "either shows with the other sources (contradictory data between the two?). Re-balance or separate "
                 "these sources (e.g. per-source loss weights or gradient surgery).")
+    if why == "rise" and r.standing >= 0.5:
+        return (f" The conflict grew over the run: its late inner product is {r.rise:.1f}× the two sources' early "
+                "mean-gradient scale. Re-balance or separate these sources (e.g. per-source loss weights or "
+                "gradient surgery), or check what changed in their data.")
     return (" Context: sources of different domains disagree (the base rate of a mixture); this pair does not stand "
             "out from how its sources relate to the others, and no source's loss stalls while the others' fall.")
 

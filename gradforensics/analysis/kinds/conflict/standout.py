@@ -20,14 +20,18 @@ healthy mixture").  A conflict becomes a finding (severity >= 0.5) only when the
   the smallest progress of the *other* sources (1 when its loss does not fall at all, 0 at half the
   slowest other's progress), times the significance of the slowest other source's fall
   (``flagging.significance`` of its one-sided z, over the sources).  A source the model cannot
-  learn (random targets) pulls against everything the others teach and its loss stays put.
+  learn (random targets) pulls against everything the others teach and its loss stays put;
+* **a conflict that grew beyond the sources' own early gradients** (``why = "rise"``, two sources,
+  where there are no others to judge a pair against): :func:`rise`, the last quarter's
+  noise-corrected inner product ``-G_ab`` over the first quarter's ``sqrt(G_aa G_bb)``;
+  ``q = ramp(rise - 1, 1)``.  A cosine that merely falls from its early level is not enough: in a
+  clean mixture every pair's cosine falls as the shared part is learned (+0.8 to -0.7 on the
+  mixture twin), while the gradients shrink, so the late inner product stays below the early scale.
 
-``standing = max`` of the two (of the pair's members for the loss), and the severity is capped at
+``standing`` is the largest of these (for the loss, of the pair's two sources), and the severity is capped at
 ``CONTEXT + (1 - CONTEXT) × standing``: a conflict the run does not single out stays context, at most
 :data:`CONTEXT` (< 0.5); below the cap it keeps its severity (significance × effect × energy weight).
-The flag names the source that stands out (``evidence.named``).  A rise of a pair's conflict over
-the run is not used: in a clean mixture every pair's cosine falls from its early (shared-learning)
-level, so a fall alone is the base rate too.
+The flag names the source that stands out (``evidence.named``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ __all__ = ["CONTEXT", "SourceLoss", "loss_stall", "pair_standout", "source_losse
 
 CONTEXT = 0.45         # the largest severity of a conflict the run does not single out
 PAIR_FULL = 0.3        # how far beyond the base rate a pair's cosine lies for a full stand-out
+RISE_PARTS = 4         # stretches of the run: the rise compares the last with the first
+RISE_FULL = 1.0        # a rise this far above 1 (the sources' early scale) stands out fully
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,35 @@ def pair_standout(C: np.ndarray, a: int, b: int) -> float:
     return fl.ramp(r - c - max(0.0, -r), PAIR_FULL)
 
 
+def rise(K: np.ndarray, mixture: np.ndarray, a: int, b: int, parts: int = RISE_PARTS) -> float:
+    """How far the conflict of sources *a*, *b* grew over the run, against their own early gradients.
+
+    The unit's records (rows of *K*, in time order) in *parts* consecutive stretches; in the first
+    and the last, the noise-corrected Gram of the two sources' means (as the table's, on that
+    stretch alone): ``-G_ab(last) / sqrt(G_aa(first) G_bb(first))``.  Above 1 the late conflict is
+    larger than the sources' early mean gradients themselves; a clean pair whose cosine merely falls
+    as the shared part is learned stays well below (the mixture twins: at most 0.52).  NaN when a
+    stretch lacks either source or an early norm is not positive.
+    """
+    from gradforensics.analysis.toolkit import kspace as ks
+
+    n = K.shape[0]
+    seg = np.arange(n) * parts // max(n, 1)
+    grams = []
+    for g in (0, parts - 1):
+        rows = np.flatnonzero((seg == g) & (mixture[:, [a, b]].sum(axis=1) > 0))
+        sub = mixture[rows][:, [a, b]]
+        if rows.size < 4 or not (sub.sum(axis=0) > 0).all():
+            return math.nan
+        fit = ks.fit_sources(sub)
+        if not fit.rank_ok or fit.index.size != 2:
+            return math.nan
+        grams.append(ks.source_gram(K[np.ix_(rows, rows)], fit, debias=True))
+    first, last = grams
+    scale = float(first[0, 0]) * float(first[1, 1])
+    return -float(last[0, 1]) / math.sqrt(scale) if scale > 0 and first[0, 0] > 0 else math.nan
+
+
 def stand_out(table: Any, sources: tuple[str, ...], losses: list[SourceLoss | None]) -> None:
     """Add ``standing``, ``named`` and ``why`` to the conflict *table* and weigh its severity by them."""
     n = len(table)
@@ -130,8 +165,11 @@ def stand_out(table: Any, sources: tuple[str, ...], losses: list[SourceLoss | No
             a, b = index[sa], index[sb]
             q_pair = pair_standout(matrices[u], a, b)
             k = a if stall[a] >= stall[b] else b
+            two = int(np.isfinite(matrices[u]).any(axis=0).sum()) == 2
+            if two:                                 # no other sources to judge against: the rise instead
+                q_pair = fl.ramp(float(table["rise"].iat[i]) - 1.0, RISE_FULL)
             if q_pair >= stall[k] and q_pair > 0:
-                standing[i], why[i] = q_pair, "pair"            # the pair names itself
+                standing[i], why[i] = q_pair, "rise" if two else "pair"     # the pair names itself
             elif stall[k] > 0:
                 standing[i], named[i], why[i] = stall[k], sources[k], "loss"
     table["standing"] = standing
