@@ -275,8 +275,10 @@ def _standing_text(r: Any, why: str | None, sources: tuple[str, ...], losses: li
         return (f" The conflict grew over the run: its late inner product is {r.rise:.1f}× the two sources' early "
                 "mean-gradient scale. Re-balance or separate these sources (e.g. per-source loss weights or "
                 "gradient surgery), or check what changed in their data.")
-    return (" Context: sources of different domains disagree (the base rate of a mixture); this pair does not stand "
-            "out from how its sources relate to the others, and no source's loss stalls while the others' fall.")
+    pair = ("its conflict did not grow beyond the two sources' early gradients" if np.isfinite(r.rise) else
+            "this pair does not stand out from how its sources relate to the others")
+    return (f" Context: sources of different domains disagree (the base rate of a mixture); {pair}, and no "
+            "source's loss stalls while the others' fall.")
 
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
