@@ -38,6 +38,12 @@ records against the sum over the model's whole tensors):
 confined to a unit with 0.5 % of the energy stays below 0.5 (it cannot move the training
 much) but is still listed (a clear one at 0.25, the report's floor), and one in 6 % of
 the energy or more keeps its full severity.
+
+Last, the run's own base rate (:mod:`~gradforensics.analysis.kinds.conflict.standout`): sources
+of different domains disagree in a healthy mixture, so the severity is capped at
+``0.45 + 0.55 × standing``, with ``standing`` from a pair that stands out beyond how its sources
+relate to the others, or a source whose own loss stalls while the others fall (named in the flag);
+a conflict the run does not single out is context.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import numpy as np
 from gradforensics._contrast import annotate
 from gradforensics.analysis.contract.advice import Advice
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
+from gradforensics.analysis.kinds.conflict.standout import SourceLoss, rise, source_losses, stand_out
 from gradforensics.analysis.kinds.conflict.unit import (
     ConflictOptions,
     SourceDesign,
@@ -74,7 +81,7 @@ __all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "SEGMENTS", "compute", "flags", "plo
 COLUMNS = [
     "tensor", "head", "layer", "source_a", "source_b", "cosine", "p_value", "cosine_debiased", "z",
     "n_a", "n_b", "n_records", "n_excluded", "z_cross", "record_first", "record_last", "energy", "energy_share",
-    "severity",
+    "rise", "severity", "standing", "named", "why",
 ]
 SEGMENTS = 8           # long histories: stretches of the run a conflict is located in
 ENERGY_FULL = 0.06     # a unit's share of the gradient energy at which a conflict keeps its full severity
@@ -87,11 +94,13 @@ def compute(ctx: Context) -> AnalysisResult:
     mean gradients, and each row's ``record_first``/``record_last`` is the stretch
     of the run (of :data:`SEGMENTS`) where the pair points apart.
     """
+    losses = source_losses(ctx.batches.get("loss", np.full(ctx.n_records, np.nan)),
+                           np.asarray(ctx.batches["mixture"], dtype=np.float64))
     if ctx.long is None:
-        return _compute(ctx, None)
+        return _compute(ctx, None, losses)
     long = ctx.long
     first, last = long.first_record(), long.last_record()
-    res = _compute(ctx.super_records(), (first, last))
+    res = _compute(ctx.super_records(), (first, last), losses)
     return res
 
 
@@ -105,13 +114,15 @@ def _conflict_of(u: un.Unit, mix: np.ndarray, opts: ConflictOptions, training: b
     energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
     for r in pairs:
         r["energy"] = energy
+        r["rise"] = rise(u.gram, mix[u.records], r["a"], r["b"]) if idx.size == 2 else math.nan
         r["record_first"], r["record_last"] = 0, n_records - 1
         if spans is not None:           # long histories: rows are super-records, locate the stretch
             r["record_first"], r["record_last"] = _stretch(u, mix, spans, r["a"], r["b"])
     return pairs, cos, idx
 
 
-def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> AnalysisResult:
+def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None,
+             losses: list[SourceLoss | None]) -> AnalysisResult:
     import pandas as pd
 
     opts = ctx.options_for("conflict", ConflictOptions)
@@ -146,6 +157,7 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None) -> Analy
                                     table["cosine"])
     ]
     weigh_by_energy(table)
+    stand_out(table, tuple(ctx.sources), losses)
     series = {**pack.to_series("cosine_matrix"), **_depth_profiles(table),
               "source_names": un.encode_names(ctx.sources)}
     return AnalysisResult(table=table, series=series)
@@ -193,6 +205,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     floor = 1.0 / (ctx.options_for("conflict", ConflictOptions).permutations + 1)
     out = []
     last = ctx.n_records - 1
+    losses = source_losses(ctx.batches.get("loss", np.full(ctx.n_records, np.nan)),
+                           np.asarray(ctx.batches["mixture"], dtype=np.float64))
     per_pair: dict[tuple[str, str], tuple[Any, list[int] | None, dict[str, list[int]]]] = {}   # once a pair
     for r in t.itertuples(index=False):
         if not r.severity >= fl.REPORT_FLOOR:
@@ -207,11 +221,15 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         hot, band, heads_of = per_pair[(r.source_a, r.source_b)]
         band = None if band is None else list(band)
         heads = list(heads_of.get(r.tensor, []))
+        why = r.why if isinstance(r.why, str) else None
+        named = [r.named] if why == "loss" else [r.source_a, r.source_b] if why in ("pair", "rise") else []
         ev = {"cosine": r.cosine, "p_value": r.p_value, "cosine_debiased": r.cosine_debiased, "z": r.z,
-              "depth_band": band, "heads": heads, "n_a": r.n_a, "n_b": r.n_b, "energy_share": r.energy_share}
+              "depth_band": band, "heads": heads, "n_a": r.n_a, "n_b": r.n_b, "energy_share": r.energy_share,
+              "standing": float(r.standing), "why": why, "named": named}
         out.append(Flag(kind="conflict", tensor=r.tensor, head=head, sources=(r.source_a, r.source_b),
                         severity=float(r.severity), records=span, evidence=ev,
-                        summary=_summary(r, head, band, heads, len(hot), floor)))
+                        summary=_summary(r, head, band, heads, len(hot), floor)
+                        + _standing_text(r, why, ctx.sources, losses)))
     cos_eff = t["cosine_debiased"].where(t["cosine_debiased"].notna(), t["cosine"])
     involved = fl.involved_heads(t, (cos_eff < 0) & (t["p_value"] < 0.05), by_sources=True)
     return fl.dedupe_heads(out, un.heads_per_tensor(t), involved, by_sources=True)
@@ -237,7 +255,30 @@ def _summary(r: Any, head: int | None, band: list[int] | None, heads: list[int],
         s += f"; across the model this pair conflicts in {n_hot} unit(s), layers {band[0]}-{band[1]}"
     if heads:
         s += f"; in this tensor heads {', '.join(map(str, heads))}"
-    return s + ". Re-balance or separate these sources (e.g. per-source loss weights or gradient surgery)."
+    return s + "."
+
+
+def _standing_text(r: Any, why: str | None, sources: tuple[str, ...], losses: list[SourceLoss | None]) -> str:
+    """Why the run singles this conflict out (and the remedy), or why it is context (docs/conflict.md)."""
+    if why == "loss" and r.standing >= 0.5:
+        k = sources.index(r.named)
+        own, others = losses[k], [(s, ls) for s, ls in zip(sources, losses) if s != r.named and ls is not None]
+        assert own is not None
+        rest = ", ".join(f"'{s}' {ls.early:.2f} → {ls.late:.2f}" for s, ls in others)
+        return (f" '{r.named}' stands out: its own loss does not fall ({own.early:.2f} → {own.late:.2f}) while the "
+                f"others' do ({rest}). Check that source's data (targets, formatting), or re-weight or drop it.")
+    if why == "pair" and r.standing >= 0.5:
+        return (f" The pair stands out: '{r.source_a}' and '{r.source_b}' conflict with each other beyond what "
+                "either shows with the other sources (contradictory data between the two?). Re-balance or separate "
+                "these sources (e.g. per-source loss weights or gradient surgery).")
+    if why == "rise" and r.standing >= 0.5:
+        return (f" The conflict grew over the run: its late inner product is {r.rise:.1f}× the two sources' early "
+                "mean-gradient scale. Re-balance or separate these sources (e.g. per-source loss weights or "
+                "gradient surgery), or check what changed in their data.")
+    pair = ("its conflict did not grow beyond the two sources' early gradients" if np.isfinite(r.rise) else
+            "this pair does not stand out from how its sources relate to the others")
+    return (f" Context: sources of different domains disagree (the base rate of a mixture); {pair}, and no "
+            "source's loss stalls while the others' fall.")
 
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
