@@ -24,7 +24,7 @@ from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit.stats import bimodality_coefficients, finite_mean
 
 __all__ = ["LANCZOS_MIN", "POLE_SHARE", "Component", "ComponentOptions", "band_oscillation", "centred",
-           "consecutive_cosines", "oscillation_slab", "periodogram_tests", "residual_gram", "top_components",
+           "consecutive_cosines", "noise_tails", "oscillation_slab", "periodogram_tests", "residual_gram", "top_components",
            "two_means_split"]
 
 POLE_SHARE = 0.6          # a source "sits at a pole" when it holds this share of the pole's records
@@ -122,7 +122,7 @@ def _syevr_work(n: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------- periodogram test
-def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None = None,
+def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None = None, noise: bool = False,
                       ) -> tuple[np.ndarray, np.ndarray]:
     """Strongest periodic component of every row of *X* (``(m, n)``) with ≥ *min_cycles* cycles: ``(periods, ps)``.
 
@@ -134,6 +134,10 @@ def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None 
     source means).  A quadratic trend in time is removed first (two more degrees
     of freedom): a slowly turning mean gradient scores as a smooth ramp whose
     spectral leakage would otherwise reach ``min_cycles`` cycles (drift's business).
+
+    ``noise=True`` tests against what healthy training noise shows instead of white noise
+    (:func:`noise_tails`): a flip (period under 4 records) beyond the batch-noise baseline, a
+    slower period above the continuum of its neighbouring frequencies.
     Rows of fewer than 8 values, or with no frequency to test: NaN.
     """
     from scipy.special import betaincc  # betaincc(a, b, x) = scipy.stats.beta.sf(x, a, b)
@@ -144,17 +148,75 @@ def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None 
     if n < 8 or j.size == 0 or not m:
         return np.full(m, math.nan), np.full(m, math.nan)
     xc = X - (X @ Q) @ Q.T                       # the mean and the quadratic trend removed
-    ss = np.einsum("ij,ij->i", xc, xc)
-    power = np.abs(np.fft.rfft(xc, axis=-1)[:, j]) ** 2
-    power = np.where(dof == 1.0, power, 2.0 * power) / n      # share of SS carried by each frequency
-    ok = ss > 0
+    ordinates = _ordinates(xc)                   # (m, n//2): d_k |F_k|^2 / n, summing to SS
     nu = (n - 1 if dof_total is None else int(dof_total)) - 2
-    share = np.clip(power / np.where(ok, ss, 1.0)[:, None], 0.0, 1.0)
-    tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
+    if noise:
+        tail = noise_tails(ordinates, j, dof, nu, n)
+    else:
+        ss = ordinates.sum(axis=1)
+        share = np.clip(ordinates[:, j - 1] / np.where(ss > 0, ss, 1.0)[:, None], 0.0, 1.0)
+        tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
+    ok = ordinates.sum(axis=1) > 0
     best = np.argmin(tail, axis=1)
     period = np.where(ok, n / j[best].astype(np.float64), math.nan)
     p = np.where(ok, np.minimum(tail[np.arange(m), best] * j.size, 1.0), math.nan)
     return period, p
+
+
+def _ordinates(xc: np.ndarray) -> np.ndarray:
+    """``d_k |F_k|² / n`` of Fourier frequencies ``k = 1 .. n//2`` of zero-mean rows (they sum to the rows' sum of
+    squares, Parseval; ``d_k`` = 2, 1 at Nyquist)."""
+    n = xc.shape[1]
+    F = np.abs(np.fft.rfft(xc, axis=-1)[:, 1:n // 2 + 1]) ** 2
+    F[:, :(n - 1) // 2] *= 2.0
+    return F / n
+
+
+#: Frequencies nearest a slow period (its own two neighbours, where a line leaks, left out) whose mean estimates
+#: the continuum under it: the same number for every period, so the tests' tails rank as their ratios do.
+CONTINUUM = 14
+
+
+def noise_tails(ordinates: np.ndarray, j: np.ndarray, dof: np.ndarray, nu: int, n: int) -> np.ndarray:
+    """Tail probabilities of the tested frequencies *j* of each row of *ordinates* (of series of *n* values;
+    *nu* degrees of freedom of their sum of squares) against healthy training noise.
+
+    A record's projection on a direction of curvature ``λ`` under SGD at step ``η`` with
+    batch noise ``ξ`` is ``g_{t+1} = (1 - ηλ) g_t + ξ_{t+1} - ξ_t`` (ARMA(1,1) with its MA
+    root on the unit circle: the step answers the last batch's noise).  While ``ηλ ≤ 1``
+    its spectrum lies between the white (``ηλ → 0``) and the differenced noise
+    ``1 - cos ω`` (``ηλ = 1``: lag-1 autocorrelation -1/2, twice the white power at
+    Nyquist): consecutive records reverse somewhat by chance.  So
+
+    * a **flip** (``ω > π/2``, period under 4 records: the frequencies whose sinusoid has a
+      negative lag-1 autocorrelation) is tested as by the white test, each ordinate first
+      divided by ``max(1, 1 - cos ω)``: it must reverse beyond the batch-noise baseline;
+    * a **slow period** (``ω ≤ π/2``) rides on the red continuum of slow weight motion,
+      momentum and Adam's averaging, whose level no one model fixes: the ordinate over
+      the mean of the :data:`CONTINUUM` ordinates nearest it (its own two neighbours,
+      where a line leaks, left out; none below 3 cycles, which the trend removal thins) is
+      ``F(2, 2M)`` for a locally smooth spectrum, so a period must stand out from the
+      frequencies around it.  Series too short for M such ordinates keep the white test.
+    """
+    from scipy.special import betaincc, fdtrc
+
+    n2 = ordinates.shape[1]
+    fast = 4 * j > n
+    floor = np.maximum(1.0, 1.0 - np.cos(2.0 * np.pi * np.arange(1, n2 + 1) / n))
+    white = ordinates / floor[None, :]
+    ss = white.sum(axis=1)
+    share = np.clip(white[:, j - 1] / np.where(ss > 0, ss, 1.0)[:, None], 0.0, 1.0)
+    tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
+    lo = max(int(j.min()) if j.size else 1, 3)
+    for c in np.flatnonzero(~fast):
+        k = int(j[c])
+        near = sorted((q for q in range(lo, n2) if abs(q - k) > 1), key=lambda q: (abs(q - k), q))[:CONTINUUM]
+        if len(near) < CONTINUUM:
+            continue
+        level = ordinates[:, [q - 1 for q in near]].mean(axis=1) / 2.0       # per degree of freedom
+        ratio = np.where(level > 0, ordinates[:, k - 1] / dof[c] / np.where(level > 0, level, 1.0), 0.0)
+        tail[:, c] = fdtrc(dof[c], 2.0 * len(near), ratio)
+    return tail
 
 
 @functools.lru_cache(maxsize=64)
@@ -278,7 +340,7 @@ def oscillation_slab(slab: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]
     chosen: dict[int, list[Component]] = {}
     for (_, dof), members in groups.items():
         period, p = periodogram_tests(np.concatenate([started[i].scores for i in members]),  # type: ignore[misc]
-                                      opts.min_cycles, dof)
+                                      opts.min_cycles, dof, noise=not replay)
         at = 0
         for i in members:
             s = started[i]
