@@ -24,7 +24,7 @@ from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit.stats import bimodality_coefficients, finite_mean
 
 __all__ = ["LANCZOS_MIN", "POLE_SHARE", "Component", "ComponentOptions", "band_oscillation", "centred",
-           "consecutive_cosines", "noise_tails", "oscillation_slab", "periodogram_tests", "residual_gram", "top_components",
+           "consecutive_cosines", "noise_tests", "oscillation_slab", "periodogram_tests", "residual_gram", "top_components",
            "two_means_split"]
 
 POLE_SHARE = 0.6          # a source "sits at a pole" when it holds this share of the pole's records
@@ -136,8 +136,8 @@ def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None 
     spectral leakage would otherwise reach ``min_cycles`` cycles (drift's business).
 
     ``noise=True`` tests against what healthy training noise shows instead of white noise
-    (:func:`noise_tails`): a flip (period under 4 records) beyond the batch-noise baseline, a
-    slower period above the continuum of its neighbouring frequencies.
+    (:func:`noise_tests`): a flip (consecutive values reversing) beyond the batch-noise
+    baseline, a slower period above the continuum of its neighbouring frequencies.
     Rows of fewer than 8 values, or with no frequency to test: NaN.
     """
     from scipy.special import betaincc  # betaincc(a, b, x) = scipy.stats.beta.sf(x, a, b)
@@ -150,13 +150,13 @@ def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None 
     xc = X - (X @ Q) @ Q.T                       # the mean and the quadratic trend removed
     ordinates = _ordinates(xc)                   # (m, n//2): d_k |F_k|^2 / n, summing to SS
     nu = (n - 1 if dof_total is None else int(dof_total)) - 2
-    if noise:
-        tail = noise_tails(ordinates, j, dof, nu, n)
-    else:
-        ss = ordinates.sum(axis=1)
-        share = np.clip(ordinates[:, j - 1] / np.where(ss > 0, ss, 1.0)[:, None], 0.0, 1.0)
-        tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
     ok = ordinates.sum(axis=1) > 0
+    if noise:
+        period, p = noise_tests(xc, ordinates, j, dof, nu)
+        return np.where(ok, period, math.nan), np.where(ok, p, math.nan)
+    ss = ordinates.sum(axis=1)
+    share = np.clip(ordinates[:, j - 1] / np.where(ss > 0, ss, 1.0)[:, None], 0.0, 1.0)
+    tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
     best = np.argmin(tail, axis=1)
     period = np.where(ok, n / j[best].astype(np.float64), math.nan)
     p = np.where(ok, np.minimum(tail[np.arange(m), best] * j.size, 1.0), math.nan)
@@ -172,51 +172,85 @@ def _ordinates(xc: np.ndarray) -> np.ndarray:
     return F / n
 
 
-#: Frequencies nearest a slow period (its own two neighbours, where a line leaks, left out) whose mean estimates
-#: the continuum under it: the same number for every period, so the tests' tails rank as their ratios do.
+#: Frequencies nearest a slow period (its own two neighbours, where a line leaks, left out) on which the
+#: continuum under it is fitted.
 CONTINUUM = 14
+_EULER = 0.5772156649015329
+_GH = np.polynomial.hermite_e.hermegauss(24)          # nodes and weights for E over a standard normal
 
 
-def noise_tails(ordinates: np.ndarray, j: np.ndarray, dof: np.ndarray, nu: int, n: int) -> np.ndarray:
-    """Tail probabilities of the tested frequencies *j* of each row of *ordinates* (of series of *n* values;
-    *nu* degrees of freedom of their sum of squares) against healthy training noise.
+def noise_tests(xc: np.ndarray, ordinates: np.ndarray, j: np.ndarray, dof: np.ndarray, nu: int,
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The alternation test of the detrended rows *xc* (their *ordinates*, tested frequencies *j* of ``dof``
+    degrees of freedom; *nu* those of their sum of squares) against healthy training noise: ``(periods, ps)``.
 
     A record's projection on a direction of curvature ``λ`` under SGD at step ``η`` with
     batch noise ``ξ`` is ``g_{t+1} = (1 - ηλ) g_t + ξ_{t+1} - ξ_t`` (ARMA(1,1) with its MA
     root on the unit circle: the step answers the last batch's noise).  While ``ηλ ≤ 1``
-    its spectrum lies between the white (``ηλ → 0``) and the differenced noise
-    ``1 - cos ω`` (``ηλ = 1``: lag-1 autocorrelation -1/2, twice the white power at
-    Nyquist): consecutive records reverse somewhat by chance.  So
+    its lag-1 autocorrelation is ``-(ηλ)/2 ≥ -1/2`` (-1/2 at ``ηλ = 1``, the differenced
+    noise): consecutive records reverse somewhat by chance; slow weight motion, momentum
+    and Adam's averaging only make the series redder.  Two tests, Bonferroni over both:
 
-    * a **flip** (``ω > π/2``, period under 4 records: the frequencies whose sinusoid has a
-      negative lag-1 autocorrelation) is tested as by the white test, each ordinate first
-      divided by ``max(1, 1 - cos ω)``: it must reverse beyond the batch-noise baseline;
-    * a **slow period** (``ω ≤ π/2``) rides on the red continuum of slow weight motion,
-      momentum and Adam's averaging, whose level no one model fixes: the ordinate over
-      the mean of the :data:`CONTINUUM` ordinates nearest it (its own two neighbours,
-      where a line leaks, left out; none below 3 cycles, which the trend removal thins) is
-      ``F(2, 2M)`` for a locally smooth spectrum, so a period must stand out from the
-      frequencies around it.  Series too short for M such ordinates keep the white test.
+    * a **flip**: the lag-1 autocorrelation ``r1`` of the row below the batch-noise
+      baseline -1/2, one-sided, ``r1`` normal with Bartlett's variance ``(1 - 3ρ² + 4ρ⁴)/n
+      = 1/(2n)`` at ``ρ = -1/2``; its period is that of the strongest ordinate above
+      ``n/4`` cycles (under 4 records: the frequencies whose sinusoid reverses);
+    * a **slow period** (at most ``n/4`` cycles) rides on the red continuum, whose shape no
+      one model fixes: a power law is fitted to the :data:`CONTINUUM` ordinates nearest it
+      (its own two neighbours, where a line leaks, left out; none below 3 cycles, which the
+      trend removal thins) by least squares in log-log (the log of an ordinate is its level
+      plus a log-exponential variate of mean ``-γ`` and variance ``π²/6``); its tail is the
+      log-exponential's, averaged over the normal error of the fitted level
+      (:func:`_continuum_tail`), Bonferroni over the slow frequencies.  A period must stand
+      out from the frequencies around it; series too short for the fit keep the white test.
     """
-    from scipy.special import betaincc, fdtrc
+    from scipy.special import betaincc, ndtr
 
+    m, n = xc.shape
     n2 = ordinates.shape[1]
-    fast = 4 * j > n
-    floor = np.maximum(1.0, 1.0 - np.cos(2.0 * np.pi * np.arange(1, n2 + 1) / n))
-    white = ordinates / floor[None, :]
-    ss = white.sum(axis=1)
-    share = np.clip(white[:, j - 1] / np.where(ss > 0, ss, 1.0)[:, None], 0.0, 1.0)
-    tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
-    lo = max(int(j.min()) if j.size else 1, 3)
-    for c in np.flatnonzero(~fast):
-        k = int(j[c])
-        near = sorted((q for q in range(lo, n2) if abs(q - k) > 1), key=lambda q: (abs(q - k), q))[:CONTINUUM]
-        if len(near) < CONTINUUM:
-            continue
-        level = ordinates[:, [q - 1 for q in near]].mean(axis=1) / 2.0       # per degree of freedom
-        ratio = np.where(level > 0, ordinates[:, k - 1] / dof[c] / np.where(level > 0, level, 1.0), 0.0)
-        tail[:, c] = fdtrc(dof[c], 2.0 * len(near), ratio)
-    return tail
+    ss = np.einsum("ij,ij->i", xc, xc)
+    r1 = np.einsum("ij,ij->i", xc[:, 1:], xc[:, :-1]) / np.where(ss > 0, ss, 1.0)
+    p_flip = ndtr((r1 + 0.5) / math.sqrt(0.5 / n))
+    band = np.arange(n // 4 + 1, n2 + 1)
+    k_flip = band[np.argmax(ordinates[:, band - 1], axis=1)] if band.size else np.full(m, n2)
+    slow = np.flatnonzero(4 * j <= n)
+    p_slow, k_slow = np.ones(m), np.full(m, n2)
+    if slow.size:
+        tails, excess = np.empty((m, slow.size)), np.empty((m, slow.size))
+        total = ordinates.sum(axis=1)
+        lo = max(int(j.min()), 3)
+        logs = np.log(np.maximum(ordinates, 1e-300))
+        for i, c in enumerate(slow):
+            k = int(j[c])
+            near = sorted((q for q in range(lo, n2) if abs(q - k) > 1), key=lambda q: (abs(q - k), q))[:CONTINUUM]
+            if len(near) < CONTINUUM:             # the white test
+                share = np.clip(ordinates[:, k - 1] / np.where(total > 0, total, 1.0), 0.0, 1.0)
+                tails[:, i] = betaincc(dof[c] / 2.0, max(nu - dof[c], 1.0) / 2.0, share)
+                excess[:, i] = np.log(np.maximum(share * n2, 1e-300))
+            else:
+                tails[:, i], excess[:, i] = _continuum_tail(logs[:, [q - 1 for q in near]], np.log(near),
+                                                            logs[:, k - 1], math.log(k))
+        best = np.argmax(excess, axis=1)        # the period standing out most (tails underflow alike)
+        p_slow = np.minimum(tails[np.arange(m), best] * slow.size, 1.0)
+        k_slow = j[slow][best]
+    flip = p_flip <= p_slow
+    period = n / np.where(flip, k_flip, k_slow).astype(np.float64)
+    return period, np.minimum(2.0 * np.minimum(p_flip, p_slow), 1.0)
+
+
+def _continuum_tail(y: np.ndarray, x: np.ndarray, yk: np.ndarray, xk: float) -> tuple[np.ndarray, np.ndarray]:
+    """``P(ordinate ≥ observed)`` of each row under a power-law continuum fitted to its log ordinates *y* at log
+    frequencies *x* (:func:`noise_tests`), and the log of the ordinate over the fitted continuum."""
+    xm = x.mean()
+    sxx = float(((x - xm) ** 2).sum())
+    ym = y.mean(axis=1)
+    slope = (y - ym[:, None]) @ (x - xm) / sxx
+    level = ym + slope * (xk - xm) + _EULER                       # log of the continuum's mean at the frequency
+    sd = math.sqrt(math.pi**2 / 6.0 * (1.0 / x.size + (xk - xm) ** 2 / sxx))
+    nodes, weights = _GH
+    t = (yk - level)[:, None] - sd * nodes[None, :]
+    tail = np.clip((np.exp(-np.exp(np.minimum(t, 700.0))) @ weights) / math.sqrt(2.0 * math.pi), 0.0, 1.0)
+    return tail, yk - level
 
 
 @functools.lru_cache(maxsize=64)
