@@ -97,7 +97,7 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             gnorm.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))))
             ghh.append(float(w_hh.grad.norm()))
-            losses.append(float(loss))
+            losses.append(loss.item())
             if arm == "clip":
                 nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
