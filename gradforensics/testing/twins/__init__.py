@@ -74,7 +74,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            note="ReLU MLP: most units die at a high learning rate; a few at a sane one"),
     Family("cnn-bn", "cnn_bn", "dead", ("sane",), Expect("saturation"),
            note="CNN with BatchNorm: dead channels / a sane run"),
-    Family("gru-lm", "gru_lm", "no-clip", ("clip",), Expect("spectral"),
+    Family("gru-lm", "gru_lm", "no-clip", ("clip",), Expect("spectral", "*weight_hh*"),
            note="GRU language model: exploding gradients without clipping / with clipping"),
     Family("nanogpt", "nanogpt", "high-lr", ("qk-ln", "low-lr"), Expect("attention_logits"),
            note="nanoGPT-style SDPA model: attention-logit growth / the same LR with q/k LayerNorm / a low LR"),

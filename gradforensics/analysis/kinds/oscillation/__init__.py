@@ -14,7 +14,11 @@ For each tensor and head, from its Gram matrix ``K`` only (see :mod:`~gradforens
   eigenvectors of a Wishart matrix are Haar-distributed and the ratio is scale
   free (Fisher 1929's g test, per ordinate, Bonferroni over the frequencies and
   components).  Only periods with at least ``min_cycles`` cycles in the records
-  count, so a slow trend (drift's business) is not an oscillation;
+  count, so a slow trend (drift's business) is not an oscillation.  That null is exact in a
+  ``replay`` store; in a ``training`` store the records are SGD's, red or reversing by
+  themselves, and the test is against healthy training noise instead
+  (:func:`~gradforensics.analysis.kinds.oscillation.stats.noise_tests`: a flip beyond the
+  batch-noise lag-1 autocorrelation -1/2, a slow period above its fitted continuum);
 * the **poles**: the optimal two-group split of the scores (1-D 2-means); the
   mean uncentred projection of each pole (opposite signs: the gradient along
   ``v`` reverses), the bimodality coefficient of the scores

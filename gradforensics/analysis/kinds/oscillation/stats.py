@@ -24,7 +24,7 @@ from gradforensics.analysis.toolkit import kspace as ks
 from gradforensics.analysis.toolkit.stats import bimodality_coefficients, finite_mean
 
 __all__ = ["LANCZOS_MIN", "POLE_SHARE", "Component", "ComponentOptions", "band_oscillation", "centred",
-           "consecutive_cosines", "oscillation_slab", "periodogram_tests", "residual_gram", "top_components",
+           "consecutive_cosines", "noise_tests", "oscillation_slab", "periodogram_tests", "residual_gram", "top_components",
            "two_means_split"]
 
 POLE_SHARE = 0.6          # a source "sits at a pole" when it holds this share of the pole's records
@@ -122,7 +122,7 @@ def _syevr_work(n: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------- periodogram test
-def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None = None,
+def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None = None, noise: bool = False,
                       ) -> tuple[np.ndarray, np.ndarray]:
     """Strongest periodic component of every row of *X* (``(m, n)``) with ≥ *min_cycles* cycles: ``(periods, ps)``.
 
@@ -134,6 +134,10 @@ def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None 
     source means).  A quadratic trend in time is removed first (two more degrees
     of freedom): a slowly turning mean gradient scores as a smooth ramp whose
     spectral leakage would otherwise reach ``min_cycles`` cycles (drift's business).
+
+    ``noise=True`` tests against what healthy training noise shows instead of white noise
+    (:func:`noise_tests`): a flip (consecutive values reversing) beyond the batch-noise
+    baseline, a slower period above the continuum of its neighbouring frequencies.
     Rows of fewer than 8 values, or with no frequency to test: NaN.
     """
     from scipy.special import betaincc  # betaincc(a, b, x) = scipy.stats.beta.sf(x, a, b)
@@ -144,17 +148,109 @@ def periodogram_tests(X: np.ndarray, min_cycles: int = 3, dof_total: int | None 
     if n < 8 or j.size == 0 or not m:
         return np.full(m, math.nan), np.full(m, math.nan)
     xc = X - (X @ Q) @ Q.T                       # the mean and the quadratic trend removed
-    ss = np.einsum("ij,ij->i", xc, xc)
-    power = np.abs(np.fft.rfft(xc, axis=-1)[:, j]) ** 2
-    power = np.where(dof == 1.0, power, 2.0 * power) / n      # share of SS carried by each frequency
-    ok = ss > 0
+    ordinates = _ordinates(xc)                   # (m, n//2): d_k |F_k|^2 / n, summing to SS
     nu = (n - 1 if dof_total is None else int(dof_total)) - 2
-    share = np.clip(power / np.where(ok, ss, 1.0)[:, None], 0.0, 1.0)
+    ok = ordinates.sum(axis=1) > 0
+    if noise:
+        period, p = noise_tests(xc, ordinates, j, dof, nu)
+        return np.where(ok, period, math.nan), np.where(ok, p, math.nan)
+    ss = ordinates.sum(axis=1)
+    share = np.clip(ordinates[:, j - 1] / np.where(ss > 0, ss, 1.0)[:, None], 0.0, 1.0)
     tail = betaincc(dof / 2.0, np.maximum(nu - dof, 1.0) / 2.0, share)
     best = np.argmin(tail, axis=1)
     period = np.where(ok, n / j[best].astype(np.float64), math.nan)
     p = np.where(ok, np.minimum(tail[np.arange(m), best] * j.size, 1.0), math.nan)
     return period, p
+
+
+def _ordinates(xc: np.ndarray) -> np.ndarray:
+    """``d_k |F_k|² / n`` of Fourier frequencies ``k = 1 .. n//2`` of zero-mean rows (they sum to the rows' sum of
+    squares, Parseval; ``d_k`` = 2, 1 at Nyquist)."""
+    n = xc.shape[1]
+    F = np.abs(np.fft.rfft(xc, axis=-1)[:, 1:n // 2 + 1]) ** 2
+    F[:, :(n - 1) // 2] *= 2.0
+    return F / n
+
+
+#: Frequencies nearest a slow period (its own two neighbours, where a line leaks, left out) on which the
+#: continuum under it is fitted.
+CONTINUUM = 14
+_EULER = 0.5772156649015329
+_GH = np.polynomial.hermite_e.hermegauss(24)          # nodes and weights for E over a standard normal
+
+
+def noise_tests(xc: np.ndarray, ordinates: np.ndarray, j: np.ndarray, dof: np.ndarray, nu: int,
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The alternation test of the detrended rows *xc* (their *ordinates*, tested frequencies *j* of ``dof``
+    degrees of freedom; *nu* those of their sum of squares) against healthy training noise: ``(periods, ps)``.
+
+    A record's projection on a direction of curvature ``λ`` under SGD at step ``η`` with
+    batch noise ``ξ`` is ``g_{t+1} = (1 - ηλ) g_t + ξ_{t+1} - ξ_t`` (ARMA(1,1) with its MA
+    root on the unit circle: the step answers the last batch's noise).  While ``ηλ ≤ 1``
+    its lag-1 autocorrelation is ``-(ηλ)/2 ≥ -1/2`` (-1/2 at ``ηλ = 1``, the differenced
+    noise): consecutive records reverse somewhat by chance; slow weight motion, momentum
+    and Adam's averaging only make the series redder.  Two tests, Bonferroni over both:
+
+    * a **flip**: the lag-1 autocorrelation ``r1`` of the row below the batch-noise
+      baseline -1/2, one-sided, ``r1`` normal with Bartlett's variance ``(1 - 3ρ² + 4ρ⁴)/n
+      = 1/(2n)`` at ``ρ = -1/2``; its period is that of the strongest ordinate above
+      ``n/4`` cycles (under 4 records: the frequencies whose sinusoid reverses);
+    * a **slow period** (at most ``n/4`` cycles) rides on the red continuum, whose shape no
+      one model fixes: a power law is fitted to the :data:`CONTINUUM` ordinates nearest it
+      (its own two neighbours, where a line leaks, left out; none below 3 cycles, which the
+      trend removal thins) by least squares in log-log (the log of an ordinate is its level
+      plus a log-exponential variate of mean ``-γ`` and variance ``π²/6``); its tail is the
+      log-exponential's, averaged over the normal error of the fitted level
+      (:func:`_continuum_tail`), Bonferroni over the slow frequencies.  A period must stand
+      out from the frequencies around it; series too short for the fit keep the white test.
+    """
+    from scipy.special import betaincc, ndtr
+
+    m, n = xc.shape
+    n2 = ordinates.shape[1]
+    ss = np.einsum("ij,ij->i", xc, xc)
+    r1 = np.einsum("ij,ij->i", xc[:, 1:], xc[:, :-1]) / np.where(ss > 0, ss, 1.0)
+    p_flip = ndtr((r1 + 0.5) / math.sqrt(0.5 / n))
+    band = np.arange(n // 4 + 1, n2 + 1)
+    k_flip = band[np.argmax(ordinates[:, band - 1], axis=1)] if band.size else np.full(m, n2)
+    slow = np.flatnonzero(4 * j <= n)
+    p_slow, k_slow = np.ones(m), np.full(m, n2)
+    if slow.size:
+        tails, excess = np.empty((m, slow.size)), np.empty((m, slow.size))
+        total = ordinates.sum(axis=1)
+        lo = max(int(j.min()), 3)
+        logs = np.log(np.maximum(ordinates, 1e-300))
+        for i, c in enumerate(slow):
+            k = int(j[c])
+            near = sorted((q for q in range(lo, n2) if abs(q - k) > 1), key=lambda q: (abs(q - k), q))[:CONTINUUM]
+            if len(near) < CONTINUUM:             # the white test
+                share = np.clip(ordinates[:, k - 1] / np.where(total > 0, total, 1.0), 0.0, 1.0)
+                tails[:, i] = betaincc(dof[c] / 2.0, max(nu - dof[c], 1.0) / 2.0, share)
+                excess[:, i] = np.log(np.maximum(share * n2, 1e-300))
+            else:
+                tails[:, i], excess[:, i] = _continuum_tail(logs[:, [q - 1 for q in near]], np.log(near),
+                                                            logs[:, k - 1], math.log(k))
+        best = np.argmax(excess, axis=1)        # the period standing out most (tails underflow alike)
+        p_slow = np.minimum(tails[np.arange(m), best] * slow.size, 1.0)
+        k_slow = j[slow][best]
+    flip = p_flip <= p_slow
+    period = n / np.where(flip, k_flip, k_slow).astype(np.float64)
+    return period, np.minimum(2.0 * np.minimum(p_flip, p_slow), 1.0)
+
+
+def _continuum_tail(y: np.ndarray, x: np.ndarray, yk: np.ndarray, xk: float) -> tuple[np.ndarray, np.ndarray]:
+    """``P(ordinate ≥ observed)`` of each row under a power-law continuum fitted to its log ordinates *y* at log
+    frequencies *x* (:func:`noise_tests`), and the log of the ordinate over the fitted continuum."""
+    xm = x.mean()
+    sxx = float(((x - xm) ** 2).sum())
+    ym = y.mean(axis=1)
+    slope = (y - ym[:, None]) @ (x - xm) / sxx
+    level = ym + slope * (xk - xm) + _EULER                       # log of the continuum's mean at the frequency
+    sd = math.sqrt(math.pi**2 / 6.0 * (1.0 / x.size + (xk - xm) ** 2 / sxx))
+    nodes, weights = _GH
+    t = (yk - level)[:, None] - sd * nodes[None, :]
+    tail = np.clip((np.exp(-np.exp(np.minimum(t, 700.0))) @ weights) / math.sqrt(2.0 * math.pi), 0.0, 1.0)
+    return tail, yk - level
 
 
 @functools.lru_cache(maxsize=64)
@@ -278,7 +374,7 @@ def oscillation_slab(slab: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]
     chosen: dict[int, list[Component]] = {}
     for (_, dof), members in groups.items():
         period, p = periodogram_tests(np.concatenate([started[i].scores for i in members]),  # type: ignore[misc]
-                                      opts.min_cycles, dof)
+                                      opts.min_cycles, dof, noise=not replay)
         at = 0
         for i in members:
             s = started[i]

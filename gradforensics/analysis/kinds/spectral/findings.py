@@ -25,6 +25,7 @@ from gradforensics.analysis.contract.checks import Constraints, Interval
 from gradforensics.analysis.contract.model import AnalysisResult, Flag
 from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.spectral.reads import partner_of
+from gradforensics.analysis.kinds.spectral.recurrent import recurrent_flags
 from gradforensics.analysis.toolkit.units import head_of
 from gradforensics.errors import GradforensicsError, SpecError
 
@@ -191,7 +192,8 @@ def _measured(ctx: Context) -> Any:
 
 
 def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
-    """Norm growth in q/k projections, gradient rank collapse, alpha outside the healthy range."""
+    """Norm growth in q/k projections, gradient rank collapse, alpha outside the healthy range, a recurrent
+    weight's spectral norm jumping (:mod:`~gradforensics.analysis.kinds.spectral.recurrent`)."""
     opt = ctx.options_for(NAME, SpectralOptions)
     table = result.table
     out: list[Flag] = []
@@ -226,7 +228,7 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
                     f"{r['tensor']}: the window-mean gradient's stable rank fell "
                     f"{r['stable_rank_drop']:.1f}-fold, to {r['stable_rank']:.1f}, between records {r['record_first']} and {r['record_last']}: its "
                     f"updates collapse onto {max(1, round(r['stable_rank']))} direction(s).")))
-    return out
+    return out + recurrent_flags(result, opt.min_severity)
 
 
 def _flag(r: dict[str, Any], sev: float, reason: str, summary: str) -> Flag:
