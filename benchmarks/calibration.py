@@ -25,6 +25,16 @@ and Adam, the tiny LLaMA and GPT-2 under AdamW at lr 3e-3 (healthy), and the sic
     python benchmarks/calibration.py --seeds 5
     python benchmarks/calibration.py --seeds 3 --models llama,planted
     python benchmarks/calibration.py --real --seeds 2
+
+And with ``--twins [FAMILIES]``, the twin zoo (:mod:`gradforensics.testing.twins`, issue 40): per
+family and seed, the sick arm and its healthy twins trained, analysed and scored - the sick arm's
+first flag (kind, tensor/head/sources, severity) and whether it is the expected one, each twin's
+count of flags >= 0.5 and its largest flag, and the margin (the sick first severity minus the
+twins' largest severity of that kind); info arms listed too.  Default: every family (one whose
+module is not built yet is reported as such).  ``--json`` adds one JSON line per family and seed.
+
+    python benchmarks/calibration.py --twins --seeds 2
+    python benchmarks/calibration.py --twins llama,gpt2 --seeds 1 --json
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import gradforensics as gf  # noqa: E402
 from gradforensics.testing import calibration as cal  # noqa: E402
 from gradforensics.testing import real_runs as rr  # noqa: E402
+from gradforensics.testing import twins  # noqa: E402
 
 MODELS = ("llama", "llama-random", "planted", "minilm")
 REAL = ("mlp-gd", "mlp-momentum", "mlp-adam", "llama-adamw", "gpt2-adamw", "mlp-eos", "llama-adamw@0.03",
@@ -88,13 +99,76 @@ def run_one(model: str, seed: int, work: Path) -> dict[str, object]:
             "ran": sorted(findings.results), "counts": {k: [n, round(s, 3)] for k, (n, s) in sorted(counts.items())}}
 
 
+def _flag_text(f: dict[str, object] | None) -> str:
+    if f is None:
+        return "-"
+    where = str(f["tensor"]) + (f" h{f['head']}" if f["head"] is not None else "")
+    srcs = f" [{','.join(f['sources'])}]" if f["sources"] else ""  # type: ignore[arg-type]
+    return f"{f['kind']} {where}{srcs} {float(f['severity']):.2f}"  # type: ignore[arg-type]
+
+
+def run_twins(families: list[str], seeds: range, as_json: bool, out=None) -> list[dict[str, object]]:
+    """Judge each family at each seed; print the zoo's table (and JSON lines); return the rows."""
+    out = out or sys.stdout
+    rows: list[dict[str, object]] = []
+    lines = [f"{'family':10s} {'seed':>4s}  {'sick first flag':58s} {'ok':3s} {'twins >=0.5':12s} "
+             f"{'twin largest':50s} {'margin':>6s} {'expected kind (margin)':40s} info"]
+    for family in families:
+        why = twins.built(family)
+        if why is not None:
+            row: dict[str, object] = {"family": family, "status": why}
+            rows.append(row)
+            lines.append(f"{family:10s} {'-':>4s}  {why}")
+            if as_json:
+                print(json.dumps(row), file=out, flush=True)
+            continue
+        for seed in seeds:
+            work = Path(tempfile.mkdtemp(prefix=f"gf-twins-{family}-"))
+            try:
+                row = twins.score(family, twins.judge(family, work, seed=seed))
+            except Exception as exc:  # one family's failure is a row of the table, not the end of the run
+                row = {"family": family, "seed": seed, "status": f"failed: {type(exc).__name__}: {exc}"[:300]}
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            rows.append(row)
+            if "status" in row:
+                lines.append(f"{family:10s} {seed:4d}  {row['status']}")
+                if as_json:
+                    print(json.dumps(row), file=out, flush=True)
+                continue
+            if as_json:
+                print(json.dumps(row), file=out, flush=True)
+            tw = row["twins"]  # type: dict[str, dict[str, object]]  # type: ignore[assignment]
+            counts = " ".join(str(t["flags_ge_0.5"]) for t in tw.values())
+            largest = "; ".join(_flag_text(t["largest"]) for t in tw.values())  # type: ignore[arg-type]
+            info = "; ".join(f"{a}: {_flag_text(f)}" for a, f in row["info"].items())  # type: ignore[attr-defined]
+            margin = "-" if row["margin"] is None else f"{row['margin']:+.2f}"
+            expected = "-" if row["expected"] is None else \
+                f"{_flag_text(row['expected'])} ({row['expected_margin']:+.2f})"  # type: ignore[arg-type]
+            lines.append(f"{family:10s} {seed:4d}  {_flag_text(row['sick']):58s} "  # type: ignore[arg-type]
+                         f"{'yes' if row['matches'] else 'NO':3s} {counts:12s} {largest:50s} {margin:>6s} {expected:40s} {info}")
+    print("\n".join(lines), file=out, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=None, help="seeds per model (default 5; 2 with --twins)")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--models", default=None)
     ap.add_argument("--real", action="store_true", help="the real training runs instead (issue 22)")
+    ap.add_argument("--twins", nargs="?", const="", default=None, metavar="FAMILIES",
+                    help="the twin zoo instead: these families (comma-separated; default: all)")
+    ap.add_argument("--json", action="store_true", help="with --twins: one JSON line per family and seed")
     args = ap.parse_args(argv)
+    if args.twins is not None:
+        families = [f for f in args.twins.split(",") if f] or list(twins.FAMILIES)
+        if set(families) - set(twins.FAMILIES):
+            ap.error(f"--twins: families among {', '.join(twins.FAMILIES)}")
+        n = 2 if args.seeds is None else args.seeds
+        run_twins(families, range(args.first_seed, args.first_seed + n), args.json)
+        return 0
+    args.seeds = 5 if args.seeds is None else args.seeds
     known = REAL if args.real else MODELS
     models = [m for m in (args.models or ",".join(known)).split(",") if m]
     if set(models) - set(known):

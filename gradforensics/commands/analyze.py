@@ -3,7 +3,9 @@
 Threads by default, or ``--workers N`` / ``--scheduler ADDRESS``
 (:mod:`gradforensics.commands.workers`); ``--out`` by the rule of
 :mod:`gradforensics.commands.output`.  Exit 0 whatever is found; with
-``--fail-on SEVERITY``, 1 when a flag reaches it.
+``--fail-on SEVERITY``, 1 when a flag reaches it.  ``--baseline STORE`` judges each
+finding against an earlier healthy window or run of the same model
+(:mod:`gradforensics.analysis.engine.baseline`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     storage_flags.add_argument(p)
     workers.add_arguments(p)
     p.add_argument("--only", metavar="A,B", help="run only these analyses (comma-separated)")
+    p.add_argument("--baseline", metavar="STORE", default=None,
+                   help="an earlier healthy window or run of the same model: each finding is judged against it, "
+                        "and one the baseline shows as strongly is context, below 0.5 (docs/baseline.md)")
     p.add_argument("--slab-mb", type=float, default=None, metavar="MB",
                    help="MiB per dask chunk of gradients (peak memory ~ slab x workers)")
     output.add_quiet(p)
@@ -48,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     where = storage_flags.location(args, args.store)
     options = {"engine": {"slab_bytes": int(args.slab_mb * (1 << 20))}} if args.slab_mb else None
     with workers.client(args) as client:
-        findings = analyze(where, client=client, only=args.only, options=options, progress=not args.quiet)
+        findings = analyze(where, client=client, only=args.only, options=options, progress=not args.quiet,
+                           baseline=None if args.baseline is None else storage_flags.location(args, args.baseline))
     t0 = time.perf_counter()
     if not args.quiet:                                  # the figures take a while: say so after the bar's 100 %
         print(terminal(f"writing the report into {args.out} (figures, tables) ..."), file=sys.stderr, flush=True)
@@ -60,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         print(terminal(f"note: the store is being written by {partial['writer']}; analysed the "
                        f"{partial['n_records']} records committed so far (results not saved in the store)"),
               file=sys.stderr)
+    if base := findings.header.get("baseline"):
+        print(terminal(f"judged against the baseline {base['store']}: {base['context']} finding(s) it shows as "
+                       "strongly are context (below 0.5)"), file=sys.stderr)
     print(terminal(f"{findings.store}: {counts_phrase(findings.flags)}; report in {args.out}"), file=sys.stderr)
     return exit_code(findings, args.fail_on, verb="analyze")
 

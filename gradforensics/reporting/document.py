@@ -118,7 +118,7 @@ def _versions(findings: Findings) -> dict[str, str]:
     return out
 
 
-_SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions", "regime"}
+_SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions", "regime", "baseline"}
 
 
 def is_long_history(findings: Findings) -> bool:
@@ -158,6 +158,8 @@ def _extra(key: str, value: Any) -> tuple[str, str]:
 
 def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str]]:
     """(label, text) pairs for the report's header, known fields first."""
+    from gradforensics.analysis.contract.model import baseline_of
+
     h = findings.header
     items = [("Store", findings.store)]
     model = h.get("model") or (store.meta.model if store is not None else None)
@@ -175,6 +177,10 @@ def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str
     regime = regime_sentence(findings)
     if regime:
         items.append(("Regime", regime))
+    base = baseline_of(h.get("baseline"))
+    if base is not None:
+        items.append(("Baseline", f"judged against {base['store']} ({base['n_records']:,} records): "
+                                  f"{base['context']} finding(s) it shows as strongly are context, below 0.5"))
     for k, v in h.items():
         if k not in _SHOWN and v not in (None, "", {}, []):
             items.append(_extra(k, v))

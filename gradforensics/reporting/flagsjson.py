@@ -68,6 +68,20 @@ _REGIME_SCHEMA: dict[str, Any] = {
     ],
 }
 
+#: The baseline each finding was judged against (optional: ``analyze --baseline STORE`` only).
+_BASELINE_SCHEMA: dict[str, Any] = {
+    "description": "the earlier healthy window or run of the same model each finding was judged against "
+                   "(analyze --baseline): a finding it shows as strongly is context, below 0.5",
+    "type": "object", "additionalProperties": False, "required": ["store", "n_records", "reused", "context"],
+    "properties": {
+        "store": {"type": "string", "description": "the baseline store"},
+        "n_records": {"type": "integer", "minimum": 0, "description": "its records"},
+        "reused": {"type": "boolean", "description": "its saved analysis results were used (else a fresh pass)"},
+        "context": {"type": "integer", "minimum": 0,
+                    "description": "findings (>= 0.5 before) the baseline showed as strongly, now context"},
+    },
+}
+
 #: The document; :func:`flags_schema` adds the flag schema.
 _FLAGS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -82,6 +96,7 @@ _FLAGS_SCHEMA: dict[str, Any] = {
         "n_records": {"type": "integer", "minimum": 0, "description": "every record, non-finite ones included"},
         "mode": {"enum": ["training", "replay"]},
         "regime": _REGIME_SCHEMA,
+        "baseline": _BASELINE_SCHEMA,
         "flags": {"type": "array", "description": "sorted by severity, descending"},
     },
 }

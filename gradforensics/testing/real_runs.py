@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,14 @@ def _transformer(arch: str, seed: int) -> Any:
     return transformers.GPT2LMHeadModel(gpt)
 
 
-def train(name: str, path: Path, *, seed: int = 0, steps: int | None = None, **override: Any) -> Path:
-    """Train run *name* of :data:`RUNS` (fields overridable) and record it live at *path*; returns *path*."""
+def train(name: str, path: Path, *, seed: int = 0, steps: int | None = None,
+          watch: Callable[[Any], None] | None = None, **override: Any) -> Path:
+    """Train run *name* of :data:`RUNS` (fields overridable) and record it live at *path*; returns *path*.
+
+    *watch*, if given, is called with the model once it is built, before the recorder attaches:
+    the twin zoo (:mod:`gradforensics.testing.twins.hf_runs`) hangs its own forward hooks there to
+    measure the run's truth independently of the store.
+    """
     import dataclasses
 
     import torch
@@ -144,16 +151,19 @@ def train(name: str, path: Path, *, seed: int = 0, steps: int | None = None, **o
     steps = spec.steps if steps is None else steps
     torch.set_num_threads(1)
     if spec.model == "mlp":
-        _train_mlp(spec, path, seed, steps, gf)
+        _train_mlp(spec, path, seed, steps, gf, watch)
     else:
-        _train_text(spec, path, seed, steps, gf)
+        _train_text(spec, path, seed, steps, gf, watch)
     return path
 
 
-def _train_mlp(spec: RunSpec, path: Path, seed: int, steps: int, gf: Any) -> None:
+def _train_mlp(spec: RunSpec, path: Path, seed: int, steps: int, gf: Any,
+               watch: Callable[[Any], None] | None = None) -> None:
 
     x, y = digits()
     model = _mlp(seed)
+    if watch is not None:
+        watch(model)
     opt = _optimizer(model.parameters(), spec.optimizer, spec.lr)
     with gf.Recorder(path, model=model, sources=["digits"], tensors=["*"], activations=["1", "3"],
                      weights_every=spec.weights_every, overwrite=True,
@@ -166,11 +176,14 @@ def _train_mlp(spec: RunSpec, path: Path, seed: int, steps: int, gf: Any) -> Non
             opt.zero_grad(set_to_none=True)
 
 
-def _train_text(spec: RunSpec, path: Path, seed: int, steps: int, gf: Any, batch: int = 8, seq: int = 32) -> None:
+def _train_text(spec: RunSpec, path: Path, seed: int, steps: int, gf: Any,
+                watch: Callable[[Any], None] | None = None, batch: int = 8, seq: int = 32) -> None:
     import torch
 
     data = np.frombuffer(real_text(), dtype=np.uint8).astype(np.int64)
     model = _transformer(spec.model, seed)
+    if watch is not None:
+        watch(model)
     opt = _optimizer(model.parameters(), spec.optimizer, spec.lr)
     rng = np.random.default_rng([seed, 5])
     act = "*.mlp.act_fn" if spec.model == "llama" else "*.mlp.act"

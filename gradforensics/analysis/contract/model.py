@@ -370,11 +370,15 @@ class Findings:
         self.flags = sorted(self.flags, key=lambda f: (-f.severity, f.kind, f.tensor, -1 if f.head is None else f.head))
 
     def flags_json(self) -> dict[str, Any]:
-        """The ``flags.json`` document (contract in the design); ``regime`` when the header states a valid one."""
+        """The ``flags.json`` document (contract in the design); ``regime`` and ``baseline`` when the header
+        states a valid one."""
         doc: dict[str, Any] = {"schema": 1, "store": self.store, "n_records": int(self.n_records), "mode": self.mode}
         regime = regime_of(self.header.get("regime"))
         if regime is not None:
             doc["regime"] = regime
+        baseline = baseline_of(self.header.get("baseline"))
+        if baseline is not None:
+            doc["baseline"] = baseline
         doc["flags"] = [f.to_dict() for f in self.flags]
         return doc
 
@@ -397,4 +401,18 @@ def regime_of(r: Any) -> dict[str, Any] | None:
     return {"name": r["name"], **{k: r[k] for k in keys}}
 
 
-__all__ = ["REGIME_FIELDS", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "Need", "regime_of"]
+#: The fields of the header's ``baseline`` (``analyze(..., baseline=STORE)``; ``flags.json`` ``baseline``).
+BASELINE_FIELDS: dict[str, type] = {"store": str, "n_records": int, "reused": bool, "context": int}
+
+
+def baseline_of(b: Any) -> dict[str, Any] | None:
+    """The header's ``baseline`` when it is well formed, else None (findings judged against no baseline)."""
+    if not isinstance(b, dict) or set(b) != set(BASELINE_FIELDS):
+        return None
+    if not all(type(b[k]) is t for k, t in BASELINE_FIELDS.items()) or b["n_records"] < 0 or b["context"] < 0:
+        return None
+    return {k: b[k] for k in BASELINE_FIELDS}
+
+
+__all__ = ["BASELINE_FIELDS", "REGIME_FIELDS", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "Need",
+           "baseline_of", "regime_of"]

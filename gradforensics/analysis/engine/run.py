@@ -31,7 +31,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,7 +62,8 @@ Grams = Mapping[tuple[str, int | None], GramResult]
 
 def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | None = None,
             only: str | Iterable[str] | None = None, options: Mapping[str, Any] | None = None,
-            progress: bool = True, *, storage_options: Mapping[str, Any] | None = None) -> Findings:
+            progress: bool = True, *, storage_options: Mapping[str, Any] | None = None,
+            baseline: str | os.PathLike[str] | Location | Store | None = None) -> Findings:
     """Run the forensic pass over a store and return its :class:`Findings`.
 
     Parameters
@@ -88,6 +89,12 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
         tasks and for writing the results back (as ``--storage-option`` on the
         command line).  A :class:`Store` given as *path* keeps the options it was
         opened with.
+    baseline
+        An earlier healthy window or run of the same model (a store, as *path*; a URL takes
+        *storage_options* too): each finding is judged against the baseline's same finding, and
+        one it shows as strongly is context, below 0.5 (:mod:`~gradforensics.analysis.engine.baseline`).
+        Its saved results are used when current, else it is analysed with the same analyses and
+        options.  The header (and ``flags.json``) records it.
 
     Returns
     -------
@@ -100,6 +107,8 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
         An unknown analysis or option, or *storage_options* with a local path or an open :class:`Store`.
     EmptyStoreError
         The store holds no committed record.
+    ModelMismatchError
+        The baseline shares no gradient tensor with the store (another model).
     WriteRefusedError
         The exact regime was asked for (engine option ``long_history``), or an analysis
         that runs in no other is selected, and its Gram matrices do not fit the free
@@ -108,13 +117,40 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
         for (engine option ``spill = true``) and its super-record Gram matrices do not fit
         there (otherwise they are held in memory, with a one-line warning).
     """
+    store = _open(path, storage_options)
+    judge = None
+    if baseline is not None:
+        judge = _baseline_judge(store, baseline, storage_options, client, only, options, progress)
     with GramSpill() as spill:      # the Gram matrices spilled (either regime) on disk until the pass ends, error or not
-        return _analyze(path, client, only, options, progress, storage_options, spill)
+        return _analyze(store, client, only, options, progress, None, spill, judge)
+
+
+def _baseline_judge(store: Store, baseline: str | os.PathLike[str] | Location | Store,
+                    storage_options: Mapping[str, Any] | None, client: Client | None,
+                    only: str | Iterable[str] | None, options: Mapping[str, Any] | None,
+                    progress: bool) -> Callable[[Findings], Findings]:
+    """The baseline opened and checked (before any gradient is read); the function that judges the findings."""
+    from gradforensics.analysis.engine import baseline as judged
+
+    where = baseline.path if isinstance(baseline, Location) else None if isinstance(baseline, Store) \
+        else os.fspath(baseline)
+    base = _open(baseline, storage_options if where is not None and remote.is_url(where) else None)
+    judged.check_tensors(store, base)
+
+    def pass_(s: Store) -> Findings:
+        return analyze(s, client=client, only=only, options=options, progress=progress)
+
+    def judge(findings: Findings) -> Findings:
+        base_findings, reused = judged.findings_of(base, set(findings.results), pass_, options)
+        return judged.judge(findings, base_findings, judged.name_of(base), store=base.path, reused=reused)
+
+    return judge
 
 
 def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | None,
              only: str | Iterable[str] | None, options: Mapping[str, Any] | None, progress: bool,
-             storage_options: Mapping[str, Any] | None, spill: GramSpill) -> Findings:
+             storage_options: Mapping[str, Any] | None, spill: GramSpill,
+             judge: Callable[[Findings], Findings] | None = None) -> Findings:
     t0 = time.perf_counter()
     client = client if client is not None else default_client()    # resolved once: the pass, units and header agree
     store = _open(path, storage_options)
@@ -147,6 +183,8 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
                              "n_records": store.n_records, "saved": False}
     findings = Findings(store=store.path, n_records=store.n_records, mode=store.mode, sources=store.sources,
                         header=header, results=results, flags=flags)
+    if judge is not None:                   # analyze(..., baseline=): each finding against the baseline's
+        findings = judge(findings)
     if engine.persist and writer is None:
         _persist(store, findings, grams, long is not None)
     return findings

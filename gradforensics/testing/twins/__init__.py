@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "Expect", "Family", "Judged", "judge", "train"]
+__all__ = ["FAMILIES", "Expect", "Family", "Judged", "built", "describe", "judge", "score", "train"]
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            note="three sources, one with random targets / three clean sources of different domains"),
     Family("late-rows", "late_rows", "late", ("steady",), Expect("optimizer"),
            note="Adam, embedding rows first seen late (a loss spike) / steady data"),
-    Family("llama", "hf_runs", "llama-high-lr", ("llama",), Expect("attention_logits"),
+    Family("llama", "hf_runs", "llama-high-lr", ("llama",), Expect("attention_logits", "model.layers.*.self_attn"),
            note="tiny HF LLaMA (GQA, eager attention), AdamW lr 3e-2 / 3e-3"),
-    Family("gpt2", "hf_runs", "gpt2-high-lr", ("gpt2",), Expect("attention_logits"),
+    Family("gpt2", "hf_runs", "gpt2-high-lr", ("gpt2",), Expect("attention_logits", "transformer.h.*.attn"),
            note="tiny HF GPT-2 (fused Conv1D qkv), AdamW lr 3e-2 / 3e-3"),
     Family("mlp-eos", "hf_runs", "mlp-eos", ("mlp-gd",), Expect("oscillation"),
            note="tanh MLP on digits, full-batch GD past the edge of stability / at eta 0.1"),
@@ -152,3 +152,55 @@ def describe(j: Judged, n: int = 5) -> str:
         lines.append(f"  {f.severity:.2f} {f.kind} {f.tensor}" + (f" head {f.head}" if f.head is not None else "")
                      + (f" [{', '.join(f.sources)}]" if f.sources else "") + f": {f.summary}")
     return "\n".join(lines)
+
+
+def built(family: str) -> str | None:
+    """None when *family*'s module imports; else why not (``"not built"`` when the module does not exist)."""
+    name = f"{__name__}.{FAMILIES[family].module}"
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:
+            return "not built"
+        return f"does not import: {exc}"
+    except Exception as exc:  # a family module under construction: reported, not raised
+        return f"does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _flag(f: Any) -> dict[str, Any] | None:
+    if f is None:
+        return None
+    return {"kind": f.kind, "tensor": f.tensor, "head": f.head, "sources": list(f.sources),
+            "severity": round(float(f.severity), 4)}
+
+
+def score(family: str, judged: Mapping[str, Judged]) -> dict[str, Any]:
+    """One row of the zoo's table (``benchmarks/calibration.py --twins``) from :func:`judge`'s arms.
+
+    ``sick``: the sick arm's largest flag (the first, when it reaches 0.5) and ``matches``: whether it
+    reaches 0.5 and meets the family's :class:`Expect`.  ``twins``: per healthy arm, its count of flags
+    >= 0.5 and its largest flag of any kind.  ``margin``: the sick arm's largest severity minus the
+    twins' largest severity of that flag's kind (None without a sick flag); ``expected`` the sick arm's
+    largest flag of the expected kind and ``expected_margin`` the same margin for that kind.  ``info``: the info arms'
+    largest flags.  ``truth`` and ``seconds`` (train, analyse) per arm.
+    """
+    fam = FAMILIES[family]
+    sick = judged[fam.sick]
+    top = sick.flags[0] if sick.flags else None
+    twins = {arm: {"flags_ge_0.5": sum(f.severity >= 0.5 for f in judged[arm].flags),
+                   "largest": _flag(judged[arm].flags[0] if judged[arm].flags else None)}
+             for arm in fam.healthy if arm in judged}
+    margin = None if top is None else round(float(top.severity) - max(
+        (judged[arm].largest(top.kind) for arm in fam.healthy if arm in judged), default=0.0), 4)
+    seed = sick.seed
+    want = next((f for f in sick.flags if f.kind == fam.expect.kind), None)
+    expected_margin = None if want is None else round(float(want.severity) - max(
+        (judged[arm].largest(want.kind) for arm in fam.healthy if arm in judged), default=0.0), 4)
+    return {"family": family, "seed": seed, "sick_arm": fam.sick, "expect": str(fam.expect),
+            "sick": _flag(top), "matches": bool(top is not None and top.severity >= 0.5 and fam.expect.matches(top)),
+            "twins": twins, "margin": margin, "expected": _flag(want), "expected_margin": expected_margin,
+            "info": {arm: _flag(judged[arm].flags[0] if judged[arm].flags else None)
+                     for arm in fam.info if arm in judged},
+            "truth": {arm: {k: round(float(v), 4) for k, v in j.truth.items()} for arm, j in judged.items()},
+            "seconds": {arm: [round(j.train_s, 1), round(j.analyze_s, 1)] for arm, j in judged.items()}}
