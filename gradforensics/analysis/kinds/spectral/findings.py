@@ -10,6 +10,12 @@ normalisation sits between the projections and the dot product (the recorder's `
 LayerNorm/RMSNorm modules on q and k), or where the run states a QK-clip (``extra.qk_clip``: the max logit
 is clipped to tau after every step), the weights' growth is **context**: its severity is scaled by
 :data:`CONTEXT` (below 0.5) and its summary says why.
+
+alpha below the healthy range is judged against what the fit supports and against the run itself
+(:func:`alpha_context`): a finding needs alpha below the range by :data:`ALPHA_Z` standard errors of the
+fit over a tail of :data:`MIN_TAIL` or more eigenvalues, and a layer that stands out from the model's
+other weight matrices (their median alpha inside the range, or this one a robust outlier below them).
+Otherwise it is context (scaled by :data:`CONTEXT`) and its summary says why.
 """
 
 from __future__ import annotations
@@ -30,13 +36,17 @@ from gradforensics.analysis.toolkit.units import head_of
 from gradforensics.errors import GradforensicsError, SpecError
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from gradforensics.analysis.contract.model import Context
 
-__all__ = ["CONTEXT", "LOGIT_FULL", "LOGIT_OK", "MIN_TAIL", "NAME", "SpectralOptions", "alpha_severity", "collapse_severity",
+__all__ = ["ALPHA_Z", "CONTEXT", "LOGIT_FULL", "LOGIT_OK", "MIN_TAIL", "NAME", "SpectralOptions", "alpha_context", "alpha_se", "alpha_severity", "collapse_severity",
            "flags", "growth_severity", "logit_severity", "qk_guard", "qk_severity"]
 
 NAME = "spectral"
 MIN_TAIL = 10              # alpha with a shorter tail is not flagged
+#: Standard errors by which an alpha must sit below the range to be a finding (the fit's support).
+ALPHA_Z = 2.0
 #: Logit scale (largest attention logit the q/k weights give inputs of unit RMS) below which growth is no flag,
 #: and at which the severity is 1 (healthy tiny models trained at ordinary learning rates end near 3-10;
 #: their twins at 10x the learning rate at 80-150: docs/calibration.md).
@@ -130,7 +140,9 @@ def collapse_severity(drop: float) -> float:
 
 
 def alpha_severity(alpha: float, lo: float = 2.0, hi: float = 6.0) -> float:
-    """Below *lo*: 0.5 at ``lo - 1/3``, 0.9 at most; above *hi*: mild (at most 0.3, under-trained)."""
+    """Below *lo*: 0.5 at ``lo - 1/3``, 0.9 at most; above *hi*: mild (at most 0.3, under-trained).
+
+    The level only: whether a level below *lo* is a finding or context is :func:`alpha_context`'s call."""
     if not np.isfinite(alpha):
         return 0.0
     if alpha < lo:
@@ -138,6 +150,46 @@ def alpha_severity(alpha: float, lo: float = 2.0, hi: float = 6.0) -> float:
     if alpha > hi:
         return float(min(0.3, 0.05 * (alpha - hi)))
     return 0.0
+
+
+def alpha_se(alpha: float, n_tail: int) -> float:
+    """Standard error of the maximum-likelihood power-law exponent, ``(alpha - 1) / sqrt(n_tail)``
+    (Clauset, Shalizi & Newman 2009, eq. 3.2); NaN without a fit."""
+    if not np.isfinite(alpha) or n_tail <= 0:
+        return math.nan
+    return float((alpha - 1.0) / math.sqrt(n_tail))
+
+
+def alpha_context(alpha: float, n_tail: int, peers: Sequence[float], lo: float = 2.0) -> tuple[str, str] | None:
+    """Why an alpha below *lo* is context, not a finding, or None (a finding): ``(reason, clause)``.
+
+    A finding needs both
+
+    * **the fit's support** (``"fit"``): a tail of at least :data:`MIN_TAIL` eigenvalues and alpha below
+      *lo* by at least :data:`ALPHA_Z` standard errors (:func:`alpha_se`);
+    * **a layer that stands out from its run** (``"run"``): *peers*, the alphas of the model's other
+      weight matrices (supported fits), have their median inside the range (``>= lo``: the rest of the
+      model stays put while this layer's tail grew heavy), or this alpha lies below their median by more
+      than :data:`ALPHA_Z` + 1 = 3 times ``sqrt(se² + s²)``, ``s = 1.4826 MAD`` of the peers (a robust
+      outlier).  Without peers the fit is all there is.
+
+    Where the whole model sits below *lo*, heavy tails are the run's regime (small matrices learning fast
+    grow them in every layer), not one layer's pathology.
+    """
+    se = alpha_se(alpha, n_tail)
+    if n_tail < MIN_TAIL or not np.isfinite(se) or lo - alpha < ALPHA_Z * se:
+        return "fit", (f"the fit cannot tell it from {lo:g}: {n_tail} eigenvalues in the tail, standard error "
+                       f"{se:.2f} (Clauset et al. 2009), alpha less than {ALPHA_Z:g} standard errors below {lo:g}")
+    p = np.asarray([a for a in peers if np.isfinite(a)], dtype=np.float64)
+    if p.size == 0:
+        return None
+    med = float(np.median(p))
+    spread = 1.4826 * float(np.median(np.abs(p - med)))
+    if med >= lo or med - alpha > (ALPHA_Z + 1) * math.hypot(se, spread):
+        return None
+    return "run", (f"the rest of the model is heavy-tailed too (median alpha {med:.2f} over {p.size} other weight "
+                   f"matrices, spread {spread:.2f}): a heavy tail in every layer is how this run learns, not one "
+                   f"layer's trouble")
 
 
 def _rows(table: Any, matrix: str) -> list[dict[str, Any]]:
@@ -203,6 +255,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     norms = [str(n) for n in (ctx.meta.model.get("qk_norm") or [])]
     clip = ctx.meta.extra.get("qk_clip")
     measured = _measured(ctx)
+    fits = {r["tensor"]: float(r["alpha"]) for r in whole.values()
+            if r["alpha_n_tail"] >= MIN_TAIL and np.isfinite(r["alpha"]) and not _EMBEDDING.search(r["tensor"].lower())}
     for r in weights:
         sev = qk_severity(r, opt.growth_half)
         if _head(r) is not None:   # a head only when it grows clearly faster than its tensor
@@ -212,14 +266,10 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
             sev = CONTEXT * sev
         if sev >= opt.min_severity:
             out.append(_growth_flag(r, sev, whole, guard))
-        a_sev = alpha_severity(r["alpha"], *opt.alpha_range) if r["alpha_n_tail"] >= MIN_TAIL else 0.0
-        a_sev = 0.0 if _EMBEDDING.search(r["tensor"].lower()) else a_sev
-        if _head(r) is None and a_sev >= opt.min_severity:
-            out.append(_flag(r, a_sev, "alpha", (
-                f"{r['tensor']}: the eigenvalue spectrum of WᵀW has power-law exponent alpha={r['alpha']:.2f} at "
-                f"record {r['record_last']}, outside the healthy {opt.alpha_range[0]:g}-{opt.alpha_range[1]:g}: "
-                + ("a very heavy tail, typical of an over-fit or ill-conditioned layer."
-                   if r["alpha"] < opt.alpha_range[0] else "a random-like, under-trained layer."))))
+        if _head(r) is None:
+            a_flag = _alpha_flag(r, opt, fits)
+            if a_flag is not None:
+                out.append(a_flag)
     if ctx.meta.mode == "training":
         for r in _rows(table, "gradient"):
             sev = collapse_severity(r["stable_rank_drop"])
@@ -229,6 +279,38 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
                     f"{r['stable_rank_drop']:.1f}-fold, to {r['stable_rank']:.1f}, between records {r['record_first']} and {r['record_last']}: its "
                     f"updates collapse onto {max(1, round(r['stable_rank']))} direction(s).")))
     return out + recurrent_flags(result, opt.min_severity)
+
+
+def _alpha_flag(r: dict[str, Any], opt: SpectralOptions, fits: dict[str, float]) -> Flag | None:
+    """The alpha flag of a whole tensor's row, or None: a level below the range is a finding only where
+    :func:`alpha_context` finds none, else scaled by :data:`CONTEXT` and its summary says why."""
+    if _EMBEDDING.search(r["tensor"].lower()) or r["alpha_n_tail"] < MIN_TAIL:
+        return None
+    lo, hi = opt.alpha_range
+    sev = alpha_severity(r["alpha"], lo, hi)
+    if sev < opt.min_severity:
+        return None
+    n_tail = int(r["alpha_n_tail"])
+    se = alpha_se(r["alpha"], n_tail)
+    text = (f"{r['tensor']}: the eigenvalue spectrum of WᵀW has power-law exponent alpha={r['alpha']:.2f} "
+            f"(± {se:.2f} over a tail of {n_tail} eigenvalues) at record {r['record_last']}, outside the healthy "
+            f"{lo:g}-{hi:g}: ")
+    why = None
+    if r["alpha"] < lo:
+        why = alpha_context(r["alpha"], n_tail, [a for t, a in fits.items() if t != r["tensor"]], lo)
+        text += "a very heavy tail, typical of an over-fit or ill-conditioned layer"
+    else:
+        text += "a random-like, under-trained layer"
+    if why is not None:
+        sev = CONTEXT * sev
+        text = text.replace(", typical of an over-fit or ill-conditioned layer", "") + f"; but {why[1]}: context"
+    if sev < opt.min_severity:
+        return None
+    f = _flag(r, sev, "alpha", text + ".")
+    ev = {**f.evidence, "alpha_n_tail": n_tail, "alpha_se": se}
+    if why is not None:
+        ev["context"] = why[0]
+    return replace(f, evidence=ev)
 
 
 def _flag(r: dict[str, Any], sev: float, reason: str, summary: str) -> Flag:
