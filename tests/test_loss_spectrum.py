@@ -286,6 +286,24 @@ def test_family_correction_over_gradient_norms() -> None:
     assert ls.flags_from_table(many) == []
 
 
+def test_a_gradient_norm_line_the_loss_does_not_share_is_context() -> None:
+    """Issue 40: a healthy momentum run's first layer rings at 5 steps while its loss does not; that is the
+    optimizer's own dynamics (context, below 0.5); the same line in the loss keeps its severity."""
+    row = {"tensor": "w", "series": "grad_norm/w", "significant": True, "harmonic_number": 1, "p_adjusted": 1e-9,
+           "period": 5.0, "harmonic_of": np.nan, "ar1": 0.1, "period_unit": "step", "period_steps": 5.0,
+           "power": 1.0, "frequency": 0.2, "p_value": 1e-11, "power_ratio": 9.0, "amplitude": 0.1,
+           "excess_share": 0.26, "record_first": 0, "record_last": 119}
+    quiet_loss = {**row, "tensor": "batches/loss", "series": "batches/loss", "significant": False}
+    alone = ls.flags_from_table(pd.DataFrame([row, quiet_loss]))
+    assert len(alone) == 1 and alone[0].severity <= 0.45 and "Context" in alone[0].summary
+    assert alone[0].evidence["loss_shares_period"] is False
+    shared = ls.flags_from_table(pd.DataFrame([row, {**quiet_loss, "significant": True, "period_steps": 5.2}]))
+    by_series = {f.evidence["series"]: f for f in shared}
+    assert by_series["grad_norm/w"].severity > 0.5 and by_series["grad_norm/w"].evidence["loss_shares_period"]
+    no_loss = ls.flags_from_table(pd.DataFrame([row]))      # no loss series tested: the tensor's line stands
+    assert no_loss[0].severity > 0.5
+
+
 def test_plots_draw_on_given_axes() -> None:
     from matplotlib.figure import Figure
 

@@ -178,30 +178,53 @@ def flags_from_table(table: pd.DataFrame, options: SpectrumOptions | None = None
         return []
     analysed = table[table["ar1"].notna()] if "ar1" in table else table.iloc[:0]
     sizes = analysed.groupby(analysed["series"].map(family))["series"].nunique().to_dict()
+    significant = table[table["significant"].astype("boolean").fillna(False).astype(bool)]
+    loss_tested = bool((analysed["series"] == LOSS).any())
+    loss_steps = [float(p) for p in significant.loc[significant["series"] == LOSS, "period_steps"]]
     out = []
-    for _, row in table[table["significant"].astype("boolean").fillna(False).astype(bool)].iterrows():
+    for _, row in significant.iterrows():
         n_fam = int(sizes.get(family(row["series"]), 1))
         if row["harmonic_number"] != 1 or row["p_adjusted"] * n_fam >= opt.alpha:
             continue
         harm = table[(table["series"] == row["series"]) & np.isclose(table["harmonic_of"], row["period"])]
-        out.append(_flag(row, [float(p) for p in harm["period"]], severity(row["p_adjusted"] * n_fam, opt.alpha,
-                                                                            row["excess_share"]), n_fam))
+        sev = severity(row["p_adjusted"] * n_fam, opt.alpha, row["excess_share"])
+        alone = family(row["series"]) == "grad_norm" and loss_tested and not shares_period(
+            float(row["period_steps"]), loss_steps)
+        out.append(_flag(row, [float(p) for p in harm["period"]], min(sev, CONTEXT) if alone else sev, n_fam,
+                         alone=alone))
     return out
 
 
-def _flag(row: Any, harmonics: list[float], sev: float, n_fam: int) -> Flag:
+LOSS = "batches/loss"
+CONTEXT = 0.45       # a tensor's ringing the loss does not share: reported, below "act"
+
+
+def shares_period(period_steps: float, loss_periods: list[float], rel: float = 0.1) -> bool:
+    """True when the loss has a significant line within *rel* of *period_steps* (one period, not a harmonic).
+
+    A gradient norm ringing at a period the loss does not show is that tensor's optimizer dynamics (heavy-ball
+    momentum rings at a period set by lr x curvature, a healthy run's stiff directions included): context.
+    """
+    return any(abs(period_steps / p - 1.0) <= rel for p in loss_periods if np.isfinite(p) and p > 0)
+
+
+def _flag(row: Any, harmonics: list[float], sev: float, n_fam: int, alone: bool = False) -> Flag:
     unit = {"step": "steps", "s": "s", "record": "records"}.get(row["period_unit"], row["period_unit"])
     what = "the gradient norm of " + row["tensor"] if family(row["series"]) == "grad_norm" else row["series"]
     harm = f", with harmonics at {', '.join(f'{h:.4g}' for h in harmonics)} {unit}" if harmonics else ""
     summary = (f"{what} oscillates with a period of {row['period']:.4g} {unit} (amplitude {row['amplitude']:.3g}, "
                f"{row['excess_share']:.0%} of the detrended variance; p = {row['p_adjusted']:.2g} against AR(1) "
                f"red noise){harm}.")
+    if alone:
+        summary += (" Context: the loss shows no line at this period, so it is this tensor's own dynamics "
+                    "(momentum and Adam ring at a period set by the learning rate and the curvature), not a "
+                    "periodic loss.")
     evidence = {"series": row["series"], "period": row["period"], "period_unit": row["period_unit"],
                 "period_steps": row["period_steps"], "power": row["power"], "frequency": row["frequency"],
                 "p_value": row["p_value"],
                 "p_adjusted": row["p_adjusted"], "family_size": n_fam, "power_ratio": row["power_ratio"],
                 "amplitude": row["amplitude"], "excess_share": row["excess_share"], "ar1": row["ar1"],
-                "harmonics": harmonics}
+                "harmonics": harmonics, "loss_shares_period": not alone}
     return Flag(kind="loss_spectrum", tensor=row["tensor"], head=None, sources=(), severity=float(min(sev, 1.0)),
                 records=(int(row["record_first"]), int(row["record_last"])), evidence=evidence, summary=summary)
 
