@@ -36,6 +36,4 @@ def test_nanogpt_sick_arm_leads_with_logit_growth_and_its_twins_are_quiet(tmp_pa
     grown = [f for f in qk.flags if f.kind == "spectral" and f.evidence.get("cause") == "attention"]
     assert grown and all(f.severity < 0.5 and f.evidence.get("context") for f in grown), describe(qk)
     for twin in (qk, low):
-        loud = [f for f in twin.flags if f.severity >= 0.5 and (f.kind.startswith("attention")
-                                                                or f.evidence.get("cause") == "attention")]
-        assert not loud, describe(twin)
+        assert twin.first() is None, describe(twin)      # no flag of any kind at or above 0.5

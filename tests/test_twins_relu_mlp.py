@@ -33,8 +33,6 @@ def test_relu_mlp_sick_arm_leads_with_its_dead_units(judged) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="oscillation 0.59 and loss_spectrum 0.54 on 0.weight of the sane twin (kinds of issue 40's "
-                          "oscillation / loss_spectrum work, not of saturation)", strict=False)
 def test_relu_mlp_healthy_twin_raises_no_flag(judged) -> None:
     twin = judged["sane-lr"]
     assert twin.first() is None, describe(twin)
