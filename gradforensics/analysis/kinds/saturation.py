@@ -264,7 +264,8 @@ def module_result(module: str, dead: np.ndarray, sat: np.ndarray, low_w: np.ndar
         "camp_low": c.means[0], "camp_high": c.means[1], "camp_low_share": c.weights[0],
         "camp_high_share": c.weights[1], "bimodality_coefficient": bimodality_coefficient(pol[-1]),
         "camps_since_record": None if w_since is None else int(edges[w_since]), "p_value": float("nan"),
-        "window_first": (int(edges[0]), int(edges[1]) - 1), "window_last": (int(edges[-2]), int(edges[-1]) - 1),
+        "window_first_start": int(edges[0]), "window_first_end": int(edges[1]) - 1,      # inclusive record ranges
+        "window_last_start": int(edges[-2]), "window_last_end": int(edges[-1]) - 1,
         **(persistent(facts) if facts is not None else dict.fromkeys(PERSISTENT, float("nan"))),
     }
     series = {f"polar/{module}": polar, f"dead/{module}": np.asarray(dead, float),
@@ -304,7 +305,8 @@ def source_rows(module: str, polar: np.ndarray, dead: np.ndarray, sat: np.ndarra
 
 COLUMNS = ["tensor", "head", "source", "activation", "bounded", "units", "records", "dead_share", "saturated_share",
            "polar_share", "polar_share_first", "polar_share_others", "rise", "rise_rel", "trend_rho", "trend_p",
-           "onset_record", *PERSISTENT, "window_first", "window_last", "two_camps", "separation", "camp_low",
+           "onset_record", *PERSISTENT, "window_first_start", "window_first_end",
+           "window_last_start", "window_last_end", "two_camps", "separation", "camp_low",
            "camp_high", "camp_low_share", "camp_high_share", "bimodality_coefficient", "camps_since_record", "p_value"]
 
 
@@ -419,7 +421,8 @@ def _summary(row: dict[str, Any], onset: Any, culprits: tuple[str, ...], by_src:
 
 def _facts_text(row: dict[str, Any], onset: Any) -> str:
     """The unbounded activation's sentence: units dead (saturated) on every batch, at the close and the opening."""
-    (a0, b0), (a1, b1) = row["window_first"], row["window_last"]
+    a0, b0, a1, b1 = (int(row[k]) for k in ("window_first_start", "window_first_end", "window_last_start",
+                                             "window_last_end"))
     n = int(row["units"])
     what = f"{row['units_dead_last']:.0%} of its {n} units dead"
     if row["units_saturated_last"] > 0:
