@@ -175,6 +175,10 @@ def _ordinates(xc: np.ndarray) -> np.ndarray:
 #: Frequencies nearest a slow period (its own two neighbours, where a line leaks, left out) on which the
 #: continuum under it is fitted.
 CONTINUUM = 14
+#: A period that lasts only part of the run (a burst of c cycles at frequency k/n) spreads its line over about
+#: k/c ordinates; the continuum is fitted beyond k / LINE_CYCLES of them, so a burst of 8 cycles or more does not
+#: raise the continuum it is tested against.
+LINE_CYCLES = 8
 _EULER = 0.5772156649015329
 _GH = np.polynomial.hermite_e.hermegauss(24)          # nodes and weights for E over a standard normal
 
@@ -197,7 +201,8 @@ def noise_tests(xc: np.ndarray, ordinates: np.ndarray, j: np.ndarray, dof: np.nd
       ``n/4`` cycles (under 4 records: the frequencies whose sinusoid reverses);
     * a **slow period** (at most ``n/4`` cycles) rides on the red continuum, whose shape no
       one model fixes: a power law is fitted to the :data:`CONTINUUM` ordinates nearest it
-      (its own two neighbours, where a line leaks, left out; none below 3 cycles, which the
+      (those within ``max(1, k/8)`` of it, where a line - or a burst of 8 cycles or more - leaks,
+      left out; none below 3 cycles, which the
       trend removal thins) by least squares in log-log (the log of an ordinate is its level
       plus a log-exponential variate of mean ``-γ`` and variance ``π²/6``); its tail is the
       log-exponential's, averaged over the normal error of the fitted level
@@ -222,7 +227,9 @@ def noise_tests(xc: np.ndarray, ordinates: np.ndarray, j: np.ndarray, dof: np.nd
         logs = np.log(np.maximum(ordinates, 1e-300))
         for i, c in enumerate(slow):
             k = int(j[c])
-            near = sorted((q for q in range(lo, n2) if abs(q - k) > 1), key=lambda q: (abs(q - k), q))[:CONTINUUM]
+            guard = max(1, k // LINE_CYCLES)      # a burst of LINE_CYCLES cycles leaks into k / LINE_CYCLES bins
+            near = sorted((q for q in range(lo, n2) if abs(q - k) > guard),
+                          key=lambda q: (abs(q - k), q))[:CONTINUUM]
             if len(near) < CONTINUUM:             # the white test
                 share = np.clip(ordinates[:, k - 1] / np.where(total > 0, total, 1.0), 0.0, 1.0)
                 tails[:, i] = betaincc(dof[c] / 2.0, max(nu - dof[c], 1.0) / 2.0, share)
