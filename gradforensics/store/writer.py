@@ -302,11 +302,15 @@ def _clear_path(p: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise StoreExistsError(f"{p} already exists; pass overwrite=True to replace a gradforensics store, "
-                               "or choose another path.")
+                               "or choose another path.",
+                               cli=f"{p} already exists; pass --overwrite to replace a gradforensics store, "
+                                   "or choose another --out.")
     problem = _not_a_store(p)
     if problem:
         raise StoreExistsError(f"{p} {problem}; refusing to delete it, even with overwrite=True. "
-                               "Choose another path, or remove it yourself.")
+                               "Choose another path, or remove it yourself.",
+                               cli=f"{p} {problem}; refusing to delete it, even with --overwrite. "
+                                   "Choose another --out, or remove it yourself.")
     if p.is_dir():
         shutil.rmtree(p)
     else:
