@@ -588,6 +588,26 @@ def test_disk_too_small_is_refused_unless_forced(tmp_path, llama_dir, files, cap
     assert open_store(out).n_records == 6
 
 
+def test_capture_force_on_a_full_disk_names_the_store(tmp_path, llama_dir, files):
+    """``capture --force`` past the estimate: the line names the store (it named no path before)."""
+    import re
+    import sys
+
+    from test_full_disk import _on_a_full_disk
+
+    mnt = tmp_path / "disk"
+    path = f"{mnt}/dump.zarr"
+    r = _on_a_full_disk(mnt, "64k", sys.executable, "-m", "gradforensics", "capture", str(llama_dir), "--data",
+                        f"en={files['en']}", "--data", f"zh={files['zh']}", "--out", path, "--batches-per-source",
+                        "3", "--batch-size", "2", "--seq-len", "32", "--force", "--quiet")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert re.fullmatch(rf"gradforensics capture: error: {re.escape(path)}: "
+                        r"(creating its arrays|writing records 0-\d+) failed: the machine refused a write "
+                        r"\(No space left on device\); no record was committed before it\. Free space on its disk "
+                        r"\(or choose another path\) and record again\.", lines[0]), lines[0]
+
+
 def test_ctrl_c_leaves_a_valid_store_with_the_records_so_far(tmp_path, llama_dir, files, capsys):
     interrupting_loss.calls = 0
     out = tmp_path / "i.zarr"
