@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except GradforensicsError as exc:
-        print(terminal(f"gradforensics {args.verb}: error: {exc}"), file=sys.stderr)   # one line, whatever it names
+        said = exc.cli or str(exc)       # in the command's words (--overwrite), not Python's (overwrite=True)
+        print(terminal(f"gradforensics {args.verb}: error: {said}"), file=sys.stderr)   # one line, whatever it names
         _quiet_abandoned_reads()
         return 2
     except KeyboardInterrupt:

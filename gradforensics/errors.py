@@ -22,7 +22,20 @@ __all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CheckpointError",
 
 
 class GradforensicsError(Exception):
-    """Base class of every error gradforensics raises on bad input."""
+    """Base class of every error gradforensics raises on bad input.
+
+    *cli*: the same line in the command line's words (``--overwrite``, ``--attention GLOB``) where the
+    Python one names a keyword (``overwrite=True``, ``attention=[module globs]``); the CLI prints
+    :attr:`cli` when it is set, ``str()`` otherwise.
+    """
+
+    #: the message in the command line's words, where it differs from ``str()`` (None: the same)
+    cli: str | None = None
+
+    def __init__(self, *args: object, cli: str | None = None) -> None:
+        super().__init__(*args)
+        if cli is not None:
+            self.cli = cli
 
 
 class NotAStoreError(GradforensicsError, FileNotFoundError):
@@ -60,8 +73,7 @@ class HeadSplitError(SpecError):
     """A head split that cannot be made or fails its probe check; ``str()`` is the Python fix, :attr:`cli` the CLI one."""
 
     def __init__(self, message: str, cli: str | None = None) -> None:
-        super().__init__(message)
-        self.cli = cli or message
+        super().__init__(message, cli=cli or message)
 
 
 class AttentionUnavailableError(SpecError):

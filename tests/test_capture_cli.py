@@ -62,6 +62,25 @@ def wrong_factory():
     return torch.nn.Linear(3, 3)
 
 
+class _ScanLM(torch.nn.Module):
+    """A model without attention (a Mamba-like gated ``in_proj`` / ``out_proj`` block): no SDPA call, no HF module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(300, HIDDEN)
+        self.in_proj = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.out_proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, 300, bias=False)
+
+    def forward(self, input_ids, attention_mask=None):
+        u, z = self.in_proj(self.embedding(input_ids)).chunk(2, dim=-1)
+        return self.lm_head(self.out_proj(torch.cumsum(u, dim=1) * torch.nn.functional.silu(z)))
+
+
+def scan_factory():
+    return _ScanLM()
+
+
 def interrupting_loss(model, batch):
     """--loss that stops the capture like Ctrl-C at its third batch."""
     interrupting_loss.calls += 1
@@ -346,6 +365,22 @@ def test_raw_checkpoint_refuses_arbitrary_pickles_and_wrong_factories(tmp_path, 
     assert rc == 2 and "missing tensors" in err and "the factory must build the model" in err
 
 
+def test_attention_on_a_model_without_attention_is_refused_in_the_commands_words(tmp_path, llama_dir, files,
+                                                                                  capsys):
+    """Issue 42: the CLI said "give attention=[module globs]" (Python); it says --attention GLOB."""
+    torch.manual_seed(0)
+    torch.save(_ScanLM().state_dict(), tmp_path / "scan.pt")
+    rc, err = capture(*base_args(tmp_path / "scan.pt", files, tmp_path / "x.zarr", "--model-factory",
+                                 "test_capture_cli:scan_factory", "--tokenizer", llama_dir, "--loss", "causal-lm",
+                                 "--attention"),
+                      capsys=capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("gradforensics capture: error: --attention: _ScanLM ran no "), lines[0]
+    assert "give --attention GLOB" in lines[0] and "attention=" not in lines[0], lines[0]
+    assert not (tmp_path / "x.zarr").exists()
+
+
 # ---------------------------------------------------------------- the real checkpoint
 EN = [
     "The recipe calls for two cups of flour, a pinch of salt and soft butter. Knead the dough for ten "
@@ -551,6 +586,26 @@ def test_disk_too_small_is_refused_unless_forced(tmp_path, llama_dir, files, cap
     rc, err = capture(*base_args(llama_dir, files, out, "--force"), capsys=capsys)
     assert rc == 0, err
     assert open_store(out).n_records == 6
+
+
+def test_capture_force_on_a_full_disk_names_the_store(tmp_path, llama_dir, files):
+    """``capture --force`` past the estimate: the line names the store (it named no path before)."""
+    import re
+    import sys
+
+    from test_full_disk import _on_a_full_disk
+
+    mnt = tmp_path / "disk"
+    path = f"{mnt}/dump.zarr"
+    r = _on_a_full_disk(mnt, "64k", sys.executable, "-m", "gradforensics", "capture", str(llama_dir), "--data",
+                        f"en={files['en']}", "--data", f"zh={files['zh']}", "--out", path, "--batches-per-source",
+                        "3", "--batch-size", "2", "--seq-len", "32", "--force", "--quiet")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert re.fullmatch(rf"gradforensics capture: error: {re.escape(path)}: "
+                        r"(creating its arrays|writing records 0-\d+) failed: the machine refused a write "
+                        r"\(No space left on device\); no record was committed before it\. Free space on its disk "
+                        r"\(or choose another path\) and record again\.", lines[0]), lines[0]
 
 
 def test_ctrl_c_leaves_a_valid_store_with_the_records_so_far(tmp_path, llama_dir, files, capsys):

@@ -196,6 +196,30 @@ def test_healthy_adam_raises_no_optimizer_flag(tmp_path):
     assert pre["threshold"] == pytest.approx(38.0) and pre["ratio"] < 1
 
 
+def test_nan_weights_are_named_before_any_batch_not_a_preconditioner_failure(tmp_path):
+    """Issue 42: NaN weights with an Adam state failed after every batch with "preconditioner: P = ... must be
+    finite"; the tensor is named at once and nothing is written."""
+    from gradforensics.errors import CheckpointError
+
+    torch.set_num_threads(1)
+    x, y = _digits()
+    net = _side_model()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for i in range(0, 256, 64):                     # a few real Adam steps: exp_avg_sq exists for every tensor
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net((x[i:i + 64], torch.ones(64, 8))), y[i:i + 64]).backward()
+        opt.step()
+    with torch.no_grad():
+        net.body.weight[3, :5] = float("nan")
+        net.head.weight[0, 0] = float("inf")
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "nan.pt")
+    with pytest.raises(CheckpointError) as info:
+        CheckpointProbe.from_checkpoint(tmp_path / "nan.pt", net, CurvatureSpec(k=1, batches=1, max_iter=5))
+    assert str(info.value).startswith("curvature=: the checkpoint's weights are not finite: body.weight (5 NaN of "
+                                      "2048), head.weight (1 infinite of 320); "), str(info.value)
+    assert "preconditioner" not in str(info.value) and info.value.cli.startswith("--curvature: ")
+
+
 # ---------------------------------------------------------------- the stored groups
 def _tiny_store(path) -> None:
     rng = np.random.default_rng(0)

@@ -83,3 +83,21 @@ def test_curvature_flags_are_checked(llama_dir, files, tmp_path, capsys):   # no
     assert rc != 0 and "curvature k must be an integer >= 1" in err and "Traceback" not in err
     rc, err = capture(*base_args(llama_dir, files, tmp_path / "y.zarr", "--curvature"), capsys=capsys)
     assert rc != 0 and "holds no optimizer state" in err and "--lr" in err
+
+
+def test_nan_weights_refuse_curvature_naming_the_tensor(llama_dir, files, tmp_path, capsys):   # noqa: F811
+    """Issue 42: the tensor with non-finite weights is named, in one line, before any batch or store."""
+    ckpt = tmp_path / "nan"
+    shutil.copytree(llama_dir, ckpt)
+    model = transformers.LlamaForCausalLM.from_pretrained(ckpt)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, :7] = float("nan")
+    model.save_pretrained(ckpt)
+    capsys.readouterr()                        # transformers' own progress lines while saving
+    rc, err = capture(*base_args(ckpt, files, tmp_path / "n.zarr", "--curvature", "--optimizer", "sgd", "--lr",
+                                 "1e-3"), capsys=capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("gradforensics capture: error: --curvature: the checkpoint's weights are not finite: "
+                               "model.layers.1.mlp.up_proj.weight (7 NaN of 2048); "), lines[0]
+    assert "curvature=" not in lines[0] and not (tmp_path / "n.zarr").exists()

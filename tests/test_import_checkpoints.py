@@ -213,7 +213,11 @@ def test_cli_import_then_inspect(series, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "estimate: 4 records" in err and "4 records, 2 tensors, 5 weight snapshots" in err
     assert main(["import", str(root / "raw"), "--out", str(out), "--tensors", "*.q_proj.weight"]) == 2
-    assert "already exists" in capsys.readouterr().err
+    line = capsys.readouterr().err.strip().splitlines()[-1]     # issue 42: the flag, not Python's keyword
+    assert line == (f"gradforensics import: error: {out} already exists; pass --overwrite to replace a "
+                    "gradforensics store, or choose another --out."), line
+    with pytest.raises(gf.errors.StoreExistsError, match=r"pass overwrite=True"):     # the API keeps its keyword
+        gf.import_run(root / "raw", out, tensors=["*.q_proj.weight"])
     assert main(["import", str(root / "raw"), "--out", str(out), "--overwrite", "--quiet", "--tensors",
                  "*.k_proj.weight"]) == 0
     assert main(["inspect", str(out)]) == 0

@@ -229,3 +229,15 @@ def test_bytes_that_are_not_a_tensor_are_refused(series, tmp_path, capsys):
     data[info.offset:info.offset + info.length] = b"\0" * info.length
     f.write_bytes(bytes(data))
     _refused(tmp_path, capsys, src, "step_3/__0_0.distcp", "model.2.weight", "are not a torch tensor")
+
+
+def test_a_dcp_refusal_is_said_once_not_wrapped_again(series, tmp_path, capsys):
+    """Issue 42: the chunk's own line, not "<.metadata>: a tensor entry is malformed (CheckpointError: <it>)"."""
+    src = _copy(series[0], tmp_path / "src")
+    f = src / "step_6" / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:-100])
+    out = tmp_path / "out.zarr"
+    assert main(["import", str(src), "--out", str(out), "--quiet"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"gradforensics import: error: {f}: "), line
+    assert "CheckpointError" not in line and "malformed" not in line and line.count(str(f)) == 1, line

@@ -144,3 +144,20 @@ def test_a_recorder_that_fails_after_a_record_keeps_what_it_committed(tmp_path):
         rec.record(step=0, source="a", loss=1.0, grads={"w": np.ones((3, 2), np.float32)})
         raise RuntimeError("the loop broke")
     assert gf.open_store(path).n_records == 1
+
+
+def test_an_hdf5_store_being_written_is_said_to_be_written_not_to_be_no_hdf5_file(writer, capsys, tmp_path):
+    """Issue 42: HDF5 locks the file it writes; readers said "not an HDF5 file (unable to lock file)"."""
+    from gradforensics.errors import StoreLockedError
+
+    path, p = writer("dump.h5", k=6, per_chunk=4)
+    for argv in (["inspect", path], ["analyze", path, "--out", str(tmp_path / "rep"), "--quiet"]):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert f"{path}: being written by another process (host " in lines[0] and f"pid {p.pid}, since " in lines[0]
+        assert "not an HDF5 file" not in lines[0] and "unable to lock" not in lines[0], lines[0]
+    with pytest.raises(StoreLockedError, match="being written by another process"):
+        gf.Store(path)
+    _kill(p)                                   # the writer gone, HDF5's lock goes with it: the file opens
+    assert gf.Store(path).n_records == 4

@@ -185,6 +185,8 @@ def read_dcp(d: Path) -> tuple[dict[str, torch.Tensor], Any]:
         storage = _storage(d, md)
         sd = {name: _assemble(prefix + name, tmd, storage, d) for name, tmd in chosen.items()}
         return sd, _optimizer(d, md, storage)
+    except CheckpointError:      # already the one line, naming the file (a ValueError too: not wrapped again)
+        raise
     except (TypeError, ValueError, AttributeError) as e:    # metadata fields of the wrong type
         raise CheckpointError(f"{d / '.metadata'}: a tensor entry is malformed ({type(e).__name__}: {e}).") from None
 

@@ -315,8 +315,10 @@ def attention_modules(model: nn.Module, spec: str | Sequence[str]) -> dict[str, 
         found = {n: m for n, m in named.items() if n and _is_attention(m)
                  and not any(_is_attention(c) for c in m.modules() if c is not m)}
         if not found:
-            raise SpecError(f"attention='auto': {type(model).__name__} has no Hugging Face attention module "
-                            "(a '*Attention' module with a config); give attention=[module globs].")
+            what = f"{type(model).__name__} has no Hugging Face attention module (a '*Attention' module with a config)"
+            raise SpecError(f"attention='auto': {what}; give attention=[module globs].",
+                            cli=f"--attention: {what}; give --attention GLOB (the modules that compute attention), "
+                                "or capture without --attention.")
     else:
         found = _globbed(named, [spec] if isinstance(spec, str) else list(spec), type(model).__name__)
     for n, m in found.items():

@@ -74,8 +74,10 @@ def logit_modules(model: nn.Module, spec: str | Sequence[str]) -> dict[str, nn.M
         shaped = [(n, m) for n, m in linears if tuple(m.weight.shape) == tuple(big.weight.shape)]
         if shaped:
             return dict(shaped[-1:])
-    raise SpecError(f"logits='auto': {type(model).__name__} has no output embedding (no get_output_embeddings(), "
-                    "no nn.Linear tied to or shaped like an nn.Embedding); pass logits='<module name>'.")
+    what = (f"{type(model).__name__} has no output embedding (no get_output_embeddings(), no nn.Linear tied to or "
+            "shaped like an nn.Embedding)")
+    raise SpecError(f"logits='auto': {what}; pass logits='<module name>'.",
+                    cli=f"--logits: {what}; pass --logits GLOB naming the output module.")
 
 
 def row_norm_ratio(weight: torch.Tensor) -> torch.Tensor:
@@ -97,9 +99,10 @@ class LogitHook:
         import torch
 
         if not isinstance(output, torch.Tensor) or output.ndim < 1:
-            raise SpecError(f"logits: module {self.name} ({type(module).__name__}) returned "
-                            f"{type(output).__name__}, not a (..., V) tensor; pass logits='<module name>' of the "
-                            "module that outputs the logits.")
+            what = (f"module {self.name} ({type(module).__name__}) returned {type(output).__name__}, not a (..., V) "
+                    "tensor")
+            raise SpecError(f"logits: {what}; pass logits='<module name>' of the module that outputs the logits.",
+                            cli=f"--logits: {what}; pass --logits GLOB naming the module that outputs the logits.")
         with torch.no_grad():
             x = output.detach().float()
             lz = torch.logsumexp(x, dim=-1)

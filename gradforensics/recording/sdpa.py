@@ -162,8 +162,11 @@ class SdpaTaps:
         """Every tapped module's ``(H,)`` statistics since the last call."""
         if not self.taps:
             model = self._model()
-            raise SpecError(f"attention='auto': {type(model).__name__} ran no scaled_dot_product_attention call and "
-                            "has no Hugging Face attention module; give attention=[module globs].")
+            what = (f"{type(model).__name__} ran no scaled_dot_product_attention call and has no Hugging Face "
+                    "attention module")
+            raise SpecError(f"attention='auto': {what}; give attention=[module globs].",
+                            cli=f"--attention: {what}; give --attention GLOB (the modules that compute attention), "
+                                "or capture without --attention.")
         return take_taps(self.taps, "made no scaled_dot_product_attention call since the previous record; "
                                     "name modules that call it in every recorded batch.")
 

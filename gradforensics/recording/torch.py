@@ -137,7 +137,9 @@ class TorchRecorder(ArrayRecorder):
         self.params = select_parameters(named, tensors)
         if not self.params:
             raise SpecError(f"tensors: {type(named).__name__} has no trainable 2-D weight to record; "
-                            "pass tensors=[globs].")
+                            "pass tensors=[globs].",
+                            cli=f"--tensors: {type(named).__name__} has no trainable 2-D weight to record; "
+                                "pass --tensors GLOB.")
         specs = resolve_heads(named, {n: tuple(p.shape) for n, p in self.params.items()}, heads)
         self._act_modules = select_modules(named, activations)
         if attention and self.dist is not None and self.dist.kind == "fsdp":

@@ -211,9 +211,14 @@ def top_eigenvalues(losses: Sequence[Callable[[], Any]], params: Mapping[str, to
         missing = [n for n in op.names if n not in precondition]
         if missing:
             raise SpecError(f"preconditioner: no diagonal for {missing[0]}; it covers {len(precondition)} tensors.")
-        diag = torch.cat([precondition[n].detach().reshape(-1).double().cpu() for n in op.names])
-        if not bool((diag > 0).all()) or not bool(torch.isfinite(diag).all()):
-            raise SpecError("preconditioner: P = sqrt(v_hat) + eps must be finite and > 0 everywhere.")
+        parts = [precondition[n].detach().reshape(-1).double().cpu() for n in op.names]
+        bad = [n for n, d in zip(op.names, parts, strict=True) if not bool(((d > 0) & torch.isfinite(d)).all())]
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise SpecError(f"preconditioner: P = sqrt(v_hat) + eps is not finite and > 0 for {', '.join(bad[:3])}"
+                            f"{more} (its optimizer state exp_avg_sq, or the replayed gradients, hold NaN or "
+                            "infinite values); no preconditioned sharpness for them.")
+        diag = torch.cat(parts)
         apply = preconditioned(op, diag)
     dev = op.params[0].device
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics._compat import attn_implementation
-from gradforensics.errors import SpecError
+from gradforensics.errors import CheckpointError, SpecError
 from gradforensics.recording.attention import IMPLEMENTATION
 from gradforensics.replay.curvature import blocks_of, top_eigenvalues
 from gradforensics.replay.optimstate import (
@@ -99,7 +99,14 @@ class CheckpointProbe:
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str], model: nn.Module, spec: CurvatureSpec) -> CheckpointProbe:
-        """The probe of the checkpoint at *path*: its optimizer state if it has one (mapped to *model*)."""
+        """The probe of the checkpoint at *path*: its optimizer state if it has one (mapped to *model*).
+
+        Raises
+        ------
+        CheckpointError
+            A weight of *model* is NaN or infinite (named, before any batch): its Hessian has no eigenvalues.
+        """
+        check_finite_weights(model)
         found = read_optimizer_state(path)
         if found is None:
             return cls(spec, hyper_of(None, spec.overrides()))
@@ -184,6 +191,32 @@ class CheckpointProbe:
         if self.state is None:
             return None
         return optim_data(self.state, model, self.ratios)
+
+
+def check_finite_weights(model: nn.Module) -> None:
+    """Refuse, naming the tensors, a model whose trainable weights hold NaN or infinite values.
+
+    Such a loss has no Hessian spectrum, and the preconditioner built from its gradients is not
+    finite either: said here, before any batch, rather than as a preconditioner failure after them.
+    """
+    import torch
+
+    bad = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        w = p.detach()
+        n_nan, n_inf = int(torch.isnan(w).sum()), int(torch.isinf(w).sum())
+        if n_nan or n_inf:
+            what = " and ".join(f"{n} {k}" for n, k in ((n_nan, "NaN"), (n_inf, "infinite")) if n)
+            bad.append(f"{name} ({what} of {w.numel()})")
+    if not bad:
+        return
+    more = f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""
+    what = (f"the checkpoint's weights are not finite: {', '.join(bad[:3])}{more}; a loss with non-finite weights "
+            "has no Hessian eigenvalues")
+    raise CheckpointError(f"curvature=: {what}. Capture without curvature= to record its gradients.",
+                          cli=f"--curvature: {what}. Capture without --curvature to record its gradients.")
 
 
 def _lrs(state: OptimState | None, hyper: Hyper, blocks: Mapping[str, list[str]]) -> dict[str, float]:

@@ -6,6 +6,7 @@ One of the backends of :data:`~gradforensics.store.backends.BACKENDS`; it follow
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Callable
@@ -14,12 +15,30 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from gradforensics.errors import NotAStoreError
+from gradforensics.errors import NotAStoreError, StoreLockedError
 from gradforensics.store.hdf5_inventory import from_h5_attr, hdf5_inventory
 from gradforensics.store.inventory import Inventory
 from gradforensics.store.location import Location, located
 
 __all__ = ["HDF5Backend"]
+
+
+def _locked(path: str, exc: OSError) -> StoreLockedError | None:
+    """The one line for a file HDF5 could not open because a writer holds its file lock, else None.
+
+    h5py says ``[Errno 11] ... (unable to lock file, errno = 11, ...)``: the file is open for
+    writing in another process (a Recorder, a capture, an import).  The holder is named from
+    the store's own lock (:func:`~gradforensics.store.lock.current_writer`) when it has one.
+    """
+    if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK) and "unable to lock file" not in str(exc):
+        return None
+    from gradforensics.store.lock import current_writer
+
+    holder = current_writer(path)
+    who = f" ({holder.describe()})" if holder is not None else ""
+    return StoreLockedError(f"{path}: being written by another process{who}; an HDF5 store cannot be read until its "
+                            "writer closes it (HDF5 locks the file). Try again then, or write a Zarr store (*.zarr) "
+                            "to read it while it is written.")
 
 
 def _h5_filter(compression: str) -> dict[str, Any]:
@@ -45,7 +64,11 @@ class HDF5Backend:
     def read_array(cls, location: Location, name: str, sel: Any) -> np.ndarray:
         import h5py
 
-        with h5py.File(location.path, "r") as f:
+        try:
+            f = h5py.File(location.path, "r")
+        except OSError as exc:
+            raise _locked(location.path, exc) or exc from exc
+        with f:
             return np.asarray(f[name][sel])
 
     @classmethod
@@ -58,7 +81,10 @@ class HDF5Backend:
             with h5py.File(path, "r") as f:
                 if "gradforensics" not in f.attrs:
                     return "is an HDF5 file but not a gradforensics store"
-        except OSError:
+        except OSError as exc:
+            locked = _locked(str(path), exc)
+            if locked is not None:      # a writer has it open: what it is cannot be read now, and is not replaced
+                raise locked from exc
             return "is not an HDF5 file"
         return None
 
@@ -76,7 +102,8 @@ class HDF5Backend:
             try:
                 self._f = h5py.File(self.path, "r")
             except OSError as exc:
-                raise NotAStoreError(f"{self.path}: not an HDF5 file ({exc}); expected a gradforensics store.") from exc
+                raise _locked(self.path, exc) or NotAStoreError(
+                    f"{self.path}: not an HDF5 file ({exc}); expected a gradforensics store.") from exc
         else:
             self._f = h5py.File(self.path, "w" if mode == "w" else "a")
         self.writable = mode != "r"

@@ -113,11 +113,10 @@ class HeadSpec:
             raise SpecError(f"heads for {name}: axis {self.axis} is out of range for shape {shape}.")
         n = shape[self.axis]
         if n % self.total:
-            raise SpecError(
-                f"heads for {name}: axis {self.axis} has {n} entries, not divisible by "
-                f"{self.total} heads{f' ({self.fused} fused parts x {self.heads})' if self.fused > 1 else ''}; "
-                f"pass heads={{'{name}': {{'heads': H, 'axis': A}}}} with the right layout."
-            )
+            what = (f"heads for {name}: axis {self.axis} has {n} entries, not divisible by "
+                    f"{self.total} heads{f' ({self.fused} fused parts x {self.heads})' if self.fused > 1 else ''}")
+            raise SpecError(f"{what}; pass heads={{'{name}': {{'heads': H, 'axis': A}}}} with the right layout.",
+                            cli=f"{what}; pass --heads {name}=H:axis=A with the right layout.")
 
     def split(self, x: np.ndarray) -> np.ndarray:
         """``x`` -> ``(H_total, ...)``: one block per head, the head axis first."""

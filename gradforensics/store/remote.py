@@ -367,7 +367,9 @@ def clear_url(url: str, overwrite: bool, storage_options: Mapping[str, Any] | No
         return
     if not overwrite:
         raise StoreExistsError(f"{url} already exists; pass overwrite=True to replace a gradforensics store, "
-                               "or choose another URL.")
+                               "or choose another URL.",
+                               cli=f"{url} already exists; pass --overwrite to replace a gradforensics store, "
+                                   "or choose another --out.")
     problem = None
     try:
         doc = json.loads(translated(url, lambda: fs.cat_file(f"{root}/zarr.json")))
@@ -381,5 +383,7 @@ def clear_url(url: str, overwrite: bool, storage_options: Mapping[str, Any] | No
             problem = f"holds {k}, which no gradforensics store holds"
     if problem:
         raise StoreExistsError(f"{url} {problem}; refusing to delete it, even with overwrite=True. "
-                               "Choose another URL, or remove it yourself.")
+                               "Choose another URL, or remove it yourself.",
+                               cli=f"{url} {problem}; refusing to delete it, even with --overwrite. "
+                                   "Choose another --out, or remove it yourself.")
     translated(url, lambda: fs.rm([f"{root}/{k}" for k in keys]))

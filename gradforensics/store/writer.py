@@ -9,6 +9,10 @@ Protocol, per flush of ``R`` buffered records:
 
 A process killed at any point leaves a store whose committed count names only
 complete records; arrays may be longer than that and readers ignore the tail.
+A write the machine refuses (a full disk, a file-size limit, a read-only file
+system) is a :class:`~gradforensics.errors.WriteRefusedError` naming the store
+and the records it keeps (those committed before it); the writer then writes
+nothing more, and closing it only releases the lock.
 There is exactly one writer per store (zarr 3 and h5py both lose data under
 concurrent writers to one array): the writer holds the store's lock
 (:mod:`gradforensics.store.lock`) from open to close.  An existing path is
@@ -20,14 +24,15 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gradforensics.errors import StoreClosedError, StoreExistsError, StoreMismatchError
+from gradforensics.errors import StoreClosedError, StoreExistsError, StoreMismatchError, WriteRefusedError, refusal
 from gradforensics.store.backends import guess_backend, locate, open_backend
 from gradforensics.store.layout import LayoutPolicy, chunk_shape, records_per_chunk
 from gradforensics.store.location import Location
@@ -83,7 +88,14 @@ class StoreWriter:
         self._nw = 0
         self._r = 0
         self._closed = False
-        self._commit()
+        #: the refusal that stopped this writer (a full disk ...): nothing more is written after it
+        self._refused: WriteRefusedError | None = None
+        try:
+            with self._refusals("creating the store"):
+                self._commit()
+        except BaseException:
+            self._close_quietly()
+            raise
 
     def _open(self, overwrite: bool) -> tuple[Any, Any]:
         """Take the writer lock, make room and create the store (a multi-rank writer overrides it)."""
@@ -94,6 +106,13 @@ class StoreWriter:
             else:
                 _clear_path(Path(self.path), overwrite)
             return lock, open_backend(self.location, "w")
+        except OSError as exc:
+            lock.release()
+            why = refusal(exc)
+            if why is None or isinstance(exc, WriteRefusedError):
+                raise
+            raise WriteRefusedError(f"{self.path}: creating the store failed: the machine refused a write ({why}). "
+                                    "Free space on its disk (or choose another path) and record again.") from exc
         except BaseException:
             lock.release()
             raise
@@ -124,8 +143,11 @@ class StoreWriter:
         """Buffer one record; flush when ``R`` records are buffered."""
         if self._closed:
             raise StoreClosedError(f"{self.path}: the store writer is closed.")
+        if self._refused is not None:
+            raise self._refused
         if not self._layout:
-            self._plan(rows)
+            with self._refusals("creating its arrays"):
+                self._plan(rows)
         self._check(rows)
         if weights:
             self._weights.append((self._n + len(self._buffer), weights))
@@ -148,9 +170,23 @@ class StoreWriter:
         self._weights.append((self._n + len(self._buffer), weights))
 
     def flush(self) -> None:
-        """Write the buffered records and commit them."""
+        """Write the buffered records and commit them.
+
+        Raises
+        ------
+        WriteRefusedError
+            The machine refused a write (full disk, ...): names the store and the records it keeps.
+        """
+        if self._refused is not None:
+            raise self._refused
         if not self._buffer and not self._weights:
             return
+        m = len(self._buffer)
+        with self._refusals(f"writing records {self._n}-{self._n + m - 1}" if m > 1 else
+                            f"writing record {self._n}" if m else "writing a weight snapshot"):
+            self._flush()
+
+    def _flush(self) -> None:
         self._lock.check()        # fenced: a writer whose lock was taken over writes nothing more
         m = len(self._buffer)
         if m:
@@ -170,18 +206,49 @@ class StoreWriter:
         if self._closed:
             return
         try:
+            if self._refused is not None:     # said already; the store keeps what was committed before it
+                return
             if self._n == 0 and self._fixed_r is None and 0 < len(self._buffer) < self._r:
-                self._fit_chunks(len(self._buffer))
+                with self._refusals(f"writing records 0-{len(self._buffer) - 1}"):
+                    self._fit_chunks(len(self._buffer))
             self.flush()
             if self._rows > self._n:      # arrays grown ahead: back to the records written
-                for name in self._layout:
-                    self._backend.truncate(name, self._n)
+                with self._refusals("trimming the arrays to the records written"):
+                    for name in self._layout:
+                        self._backend.truncate(name, self._n)
         finally:
-            self._closed = True
+            self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        """Close the backend and release the lock (after a refusal, the backend's own close may fail too)."""
+        self._closed = True
+        try:
             try:
                 self._backend.close()
-            finally:
-                self._lock.release()
+            except OSError as exc:
+                if self._refused is None or refusal(exc) is None:
+                    raise
+        finally:
+            self._lock.release()
+
+    @contextmanager
+    def _refusals(self, doing: str) -> Iterator[None]:
+        """Turn the machine refusing a write (full disk, file-size limit, read-only) into one
+        :class:`WriteRefusedError` naming the store and what it keeps; the writer writes nothing more."""
+        try:
+            yield
+        except OSError as exc:
+            why = refusal(exc)
+            if why is None or isinstance(exc, WriteRefusedError):
+                raise
+            kept = (f"it keeps the {self._n} record{'s' if self._n != 1 else ''} committed before"
+                    if self._n else "no record was committed before")
+            self._refused = WriteRefusedError(
+                f"{self.path}: {doing} failed: the machine refused a write ({why}); {kept} it. Free space on its "
+                "disk (or choose another path) and record again.")
+            self._buffer.clear()
+            self._weights.clear()
+            raise self._refused from exc
 
     # ------------------------------------------------------------- internals
     def _fit_chunks(self, m: int) -> None:
@@ -302,11 +369,15 @@ def _clear_path(p: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise StoreExistsError(f"{p} already exists; pass overwrite=True to replace a gradforensics store, "
-                               "or choose another path.")
+                               "or choose another path.",
+                               cli=f"{p} already exists; pass --overwrite to replace a gradforensics store, "
+                                   "or choose another --out.")
     problem = _not_a_store(p)
     if problem:
         raise StoreExistsError(f"{p} {problem}; refusing to delete it, even with overwrite=True. "
-                               "Choose another path, or remove it yourself.")
+                               "Choose another path, or remove it yourself.",
+                               cli=f"{p} {problem}; refusing to delete it, even with --overwrite. "
+                                   "Choose another --out, or remove it yourself.")
     if p.is_dir():
         shutil.rmtree(p)
     else:
