@@ -17,6 +17,7 @@ from gradforensics.store.inventory import (
     chunk_index,
     corrupt,
     finish,
+    is_marker_temporary,
     parse_metadata,
     tolerate,
     zarr_array,
@@ -47,7 +48,8 @@ def remote_zarr_inventory(url: str, storage_options: dict[str, Any] | None = Non
         if any(part in ("", ".", "..") for part in rel.split("/")):
             raise CorruptStoreError(f"{url}: key {rel!r} has an empty, '.' or '..' segment; a store's names stay "
                                     "inside the store.")
-        files[rel] = int(info.get("size") or 0)
+        if not is_marker_temporary(rel):       # a dead rank's unfinished marker: not part of the store
+            files[rel] = int(info.get("size") or 0)
     if not files:                    # the message of a local path that does not exist
         raise NotAStoreError(f"{url}: no such file or directory (no object under this prefix, zarr.json missing); "
                              "expected a gradforensics store.")

@@ -142,6 +142,10 @@ def _write_generation(path: str | os.PathLike[str] | Location, arrays: Mapping[s
 
     where = locate(path)                               # a Location carries a URL's storage options
     with StoreLock(where, writing="analysis results") as lock:
+        if where.kind == "zarr" and not where.is_url:
+            from gradforensics.store.ranks import clean_marker_temporaries
+
+            clean_marker_temporaries(where.path)         # what a rank that died left (readers ignore it)
         previous = _committed(where)
         b = open_backend(where, "a")
         try:
