@@ -175,12 +175,20 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     return _bounded(fs), str(path).rstrip("/")
 
 
-def zarr_store(url: str, read_only: bool, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """zarr's FsspecStore for the store at *url*."""
+def zarr_store(url: str, read_only: bool, storage_options: Mapping[str, Any] | None = None,
+               fenced: bool = False) -> Any:
+    """zarr's FsspecStore for the store at *url*.
+
+    ``fenced=True`` (a writer, ``s3://``): every write a conditional PUT, armed by the writer's lock
+    (:mod:`gradforensics.store.fenced`).
+    """
     from zarr.storage import FsspecStore
 
+    from gradforensics.store.fenced import FENCED_SCHEMES, fenced_store_class
+
+    cls: Any = fenced_store_class() if fenced and not read_only and scheme(url) in FENCED_SCHEMES else FsspecStore
     try:
-        store = FsspecStore.from_url(normalize(url), storage_options=options_for(url, storage_options),
+        store = cls.from_url(normalize(url), storage_options=options_for(url, storage_options),
                                      read_only=read_only)
     except (ImportError, ValueError, TypeError) as exc:
         raise GradforensicsError(f"{url}: zarr cannot open this URL ({type(exc).__name__}: {exc}).") from exc

@@ -127,10 +127,10 @@ class RemoteLock:
 
         Called before every flush writes a chunk and again right before its commit: a
         writer whose lease ran out and whose lock was taken over stops there, before it
-        writes a byte into the new owner's store.  The window left is the time one flush
-        takes to write its chunks (S3 has no write conditioned on another object): a
-        writer frozen *inside* a flush, past its lease, can still write that flush's
-        chunks when it resumes, but not commit them.
+        writes a byte into the new owner's store.  A writer frozen *inside* a flush, past
+        its lease, is stopped by its PUTs themselves on ``s3://``: each is conditional on
+        the object being what this writer last left there (:mod:`gradforensics.store.fenced`),
+        and a failed condition calls this check.
         """
         doc = self._read()
         if self._token is None or not doc or doc.get("token") != self._token:

@@ -148,6 +148,9 @@ def _write_generation(path: str | os.PathLike[str] | Location, arrays: Mapping[s
             clean_marker_temporaries(where.path)         # what a rank that died left (readers ignore it)
         previous = _committed(where)
         b = open_backend(where, "a")
+        fence = getattr(b, "fence", None)
+        if fence is not None:        # at an s3:// URL every PUT conditional: a fenced writer lands none
+            fence(lock.check)
         try:
             # the generation readers see now: the reader's listing says it (under this lock it cannot change)
             current = previous.analysis_selection.current if previous is not None else \

@@ -102,7 +102,8 @@ class ZarrBackend:
         import zarr
 
         if self.url:
-            store = remote.zarr_store(self.path, self.mode == "r", self.storage_options)
+            store = self._zarr_store = remote.zarr_store(self.path, self.mode == "r", self.storage_options,
+                                                         fenced=self.mode != "r")
             return remote.translated(self.path, lambda: zarr.open_group(
                 store, mode=self.mode, zarr_format=3, use_consolidated=False),  # type: ignore[arg-type]
                 op="opening the store")
@@ -111,6 +112,16 @@ class ZarrBackend:
         except (ValueError, TypeError, KeyError) as exc:
             raise CorruptStoreError(f"{self.path}: zarr cannot open the root group ({type(exc).__name__}: {exc}); "
                                     "the store's metadata is damaged.") from exc
+
+    def fence(self, check: Callable[[], None]) -> None:
+        """Make every later write at an ``s3://`` URL conditional, *check* (the writer lock's) asked on a failed one.
+
+        From here on a write of this writer cannot land in a store another writer took
+        over (:mod:`gradforensics.store.fenced`); a local store has its lock file instead.
+        """
+        store = getattr(self, "_zarr_store", None) if self.url else None
+        if store is not None and hasattr(type(store), "check"):
+            store.check = check
 
     def inventory(self, unlisted: Callable[[str], bool] | None = None) -> Inventory:
         """Root attributes and every array, from the store's own files, without trusting them.
