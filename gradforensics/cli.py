@@ -145,11 +145,21 @@ def _quiet_abandoned_reads() -> None:
     A chunk that fails its checksum aborts zarr's concurrent read of its
     neighbours; asyncio then reports each abandoned read ("Task was destroyed but
     it is pending!") when the interpreter exits.  They are the same error, told
-    already.
+    already.  So are the writes zarr ran beside one that failed for good at a URL
+    (a service answering 503 to every request): their coroutines, closed when the
+    interpreter exits, end in "Exception ignored in: <coroutine ...>" tracebacks.
     """
+    import inspect
     import logging
 
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not inspect.iscoroutine(unraisable.object):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -182,3 +182,45 @@ if __name__ == "__main__":    # python -m torch.distributed.run --nproc-per-node
     import sys
 
     {"ddp_sigterm": ddp_sigterm}[sys.argv[1]](sys.argv[2])
+
+
+
+
+# ------------------------------------------------------------------ a rank that dies writing its marker
+class _DieAtRename:
+    """Stands in for ``os`` inside :mod:`gradforensics.store.ranks`: once armed, the marker's rename kills the rank."""
+
+    armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def replace(self, src: Any, dst: Any) -> None:
+        if self.armed:
+            os.kill(os.getpid(), signal.SIGKILL)      # the temporary is written, the rename never happens
+        os.replace(src, dst)
+
+
+def temporaries_worker(rank: int, world: int, port: int, out: str, before: int) -> None:
+    """Rank 1 of 2 is killed between writing its marker's temporary and renaming it, after *before* records.
+
+    ``before=0``: at its first marker (written at open), so ``ranks/1`` holds the temporary alone;
+    ``before=3``: at the marker after its 4th record, next to the marker of 3.  Rank 0 records 4 and closes.
+    """
+    import gradforensics.store.ranks as ranks
+
+    _init(rank, world, port)
+    shim = _DieAtRename()
+    if rank == 1:
+        ranks.os = shim     # type: ignore[assignment]
+        shim.armed = before == 0
+    model = tiny()
+    rec = gf.Recorder(f"{out}/store.zarr", model=model, sources=["a"], tensors=["0.weight"])
+    for t in range(4 if rank == 0 else before + 1):
+        model.zero_grad()
+        loss_of(model, batch(rank, t)).backward()
+        if rank == 1 and t == before:
+            rec.flush()
+            shim.armed = True
+        rec.record(step=t, loss=float(rank), source="a", n_samples=5)
+    rec.close()

@@ -73,17 +73,40 @@ _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
              b"<Message>Please reduce your request rate.</Message></Error>")
 
 
+_ERRORS = {503: _SLOWDOWN, 500: b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+                               b"<Message>We encountered an internal error. Please try again.</Message></Error>"}
+
+
+class FirstK:
+    """``fail=`` of :class:`FaultyProxy`: answer the first *k* requests that *which* accepts with *status*.
+
+    ``k=None``: every one of them.  ``failed`` counts the refusals.
+    """
+
+    def __init__(self, k: int | None, which: Callable[[str, str], bool], status: int = 503) -> None:
+        self.k, self.which, self.status, self.failed = k, which, status, 0
+
+    def __call__(self, method: str, path: str) -> int | None:
+        if not self.which(method, path) or (self.k is not None and self.failed >= self.k):
+            return None
+        self.failed += 1
+        return self.status
+
+
 class FaultyProxy:
     """Forward HTTP requests to *upstream*, answering every *every*-th one with 503 SlowDown.
 
-    ``every=0``: no 503s.  A request for which ``drop(method, path)`` is true is
+    ``every=0``: no 503s.  ``fail(method, path)``, called for each request, may return a status
+    (503 or 500) to answer that request with instead (its S3 error XML).  A request for which ``drop(method, path)`` is true is
     read and then its connection closed without a response (counted in ``dropped``).
     """
 
-    def __init__(self, upstream: str, every: int = 4, drop: Callable[[str, str], bool] | None = None) -> None:
+    def __init__(self, upstream: str, every: int = 4, drop: Callable[[str, str], bool] | None = None,
+                 fail: Callable[[str, str], int | None] | None = None) -> None:
         host, port = upstream.removeprefix("http://").split(":")
         self.every = every
         self.drop = drop
+        self.fail = fail
         self.seen = 0
         self.refused = 0
         self.dropped = 0
@@ -105,14 +128,18 @@ class FaultyProxy:
                     return
                 with proxy._lock:
                     proxy.seen += 1
-                    refuse = bool(proxy.every) and proxy.seen % proxy.every == 0
-                    proxy.refused += refuse
-                if refuse:
-                    self.send_response(503)
+                    status = proxy.fail(self.command, self.path) if proxy.fail is not None else None
+                    if status is None and proxy.every and proxy.seen % proxy.every == 0:
+                        status = 503
+                    proxy.refused += status is not None
+                if status is not None:
+                    body = _ERRORS.get(status, _SLOWDOWN)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(_SLOWDOWN)))
+                    self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(_SLOWDOWN)
+                    if self.command != "HEAD":
+                        self.wfile.write(body)
                     return
                 conn = http.client.HTTPConnection(host, int(port), timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}

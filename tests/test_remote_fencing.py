@@ -31,6 +31,17 @@ WRITER = textwrap.dedent("""
     import gradforensics as gf
     from gradforensics.errors import StoreLockedError
     url, first, count, pause = sys.argv[1], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    freeze_at = float(os.environ.get("FREEZE_AT_STEP", "nan"))
+    if freeze_at == freeze_at:     # freeze this process inside the flush of that step: checked, chunks not written
+        import signal
+        from gradforensics.store.zarr_backend import ZarrBackend
+        real_write_rows = ZarrBackend.write_rows
+        def write_rows(self, name, start, data):
+            if name == "grads/w" and float(data.flat[0]) == freeze_at:
+                print("FROZEN", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real_write_rows(self, name, start, data)
+        ZarrBackend.write_rows = write_rows
     # background=False: record() returns once its flush is committed, so the test freezes A between flushes
     rec = gf.Recorder(url, sources=["a"], mode="training", records_per_chunk=1, overwrite=True, background=False)
     try:
@@ -52,8 +63,11 @@ def s3():
         yield endpoint
 
 
-def _writer(url: str, host: str, first: int, count: int, pause: float) -> subprocess.Popen[str]:
+def _writer(url: str, host: str, first: int, count: int, pause: float,
+            freeze_at: int | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "GRADFORENSICS_LOCK_LEASE_S": "2", "OMP_NUM_THREADS": "1"}
+    if freeze_at is not None:
+        env["FREEZE_AT_STEP"] = str(freeze_at)
     return subprocess.Popen([sys.executable, "-c", WRITER, url, host, str(first), str(count), str(pause)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -131,3 +145,37 @@ def test_takeover_bumps_the_fencing_token_and_a_lost_create_response_is_recognis
     monkeypatch.undo()
     lost.release()
     assert "Contents" not in client.list_objects_v2(Bucket=BUCKET, Prefix="lost.zarr.lock")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("b_records", [6, 2])
+def test_a_writer_frozen_inside_a_flush_lands_no_byte_in_the_new_owners_store(s3, b_records):
+    """Issue 42: A frozen *inside* its flush of step 1002 (its lock checked, the chunk not yet written), past its
+    lease; B takes over and writes *b_records*; A resumes.  Before: A's in-flight chunk landed in B's store
+    (``grads/w`` = [5000, 5001, 1002, ...]).  Now every PUT of a writer is conditional (If-None-Match / If-Match
+    on its own ETag): A's chunk PUT fails, A asks its lock and stops; with 2 records of B, A's chunk would land
+    on a key B never wrote, beyond B's committed records, where no reader looks."""
+    from gradforensics.store.reader import Store
+
+    url = f"s3://{BUCKET}/fenced-inflight-{b_records}.zarr"
+    a = _writer(url, "host-a", 1000, 50, 0.0, freeze_at=1002)
+    assert a.stdout is not None
+    for line in a.stdout:
+        if line.strip() == "FROZEN":
+            break
+    try:
+        time.sleep(3.0)                         # past A's 2 s lease, A stopped inside its flush
+        b = _writer(url, "host-b", 5000, b_records, 0.0)
+        out, err = b.communicate(timeout=120)
+        assert b.returncode == 0 and out.strip().endswith("DONE"), err[-2000:]
+    finally:
+        a.send_signal(signal.SIGCONT)
+    rest, a_err = a.communicate(timeout=120)
+    assert a.returncode == 3, (rest, a_err[-2000:])
+    assert "LOCKED" in rest
+    store = Store(url)
+    assert store.n_records == b_records
+    np.testing.assert_array_equal(store.batches()["step"], np.arange(5000, 5000 + b_records))
+    w = store.grad("w").compute()
+    np.testing.assert_array_equal(w[:, 0, 0], np.arange(5000, 5000 + b_records, dtype=np.float32))
+    assert (w == w[:, :1, :1]).all()           # every byte of every record is B's

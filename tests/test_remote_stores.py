@@ -127,12 +127,14 @@ def test_a_server_refusing_one_request_in_8_gives_the_same_flags(pair, s3):
 
 
 def test_transient_errors_are_retried_and_others_are_not():
+    from tests.test_remote_throttling import s3_error
+
     calls = []
 
     def flaky():
         calls.append(1)
         if len(calls) < 3:
-            raise OSError("503 SlowDown: Please reduce your request rate")
+            raise s3_error(503, "SlowDown")
         return "ok"
 
     assert remote.with_retries(flaky, "x", backoff_s=0.001) == "ok" and len(calls) == 3

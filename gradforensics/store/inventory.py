@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from gradforensics.store import generations
 from gradforensics.store.generations import Selection
 
 __all__ = ["DTYPES", "MAX_CHUNK_BYTES", "MAX_GRID_WALK", "MAX_METADATA_BYTES", "Inventory", "StoredArray",
-           "chunk_index", "clear_parsed", "corrupt", "finish", "in_analysis", "parse_metadata", "refuse_links",
+           "chunk_index", "clear_parsed", "corrupt", "finish", "in_analysis", "is_marker_temporary", "parse_metadata", "refuse_links",
            "tolerate", "zarr_array", "zarr_inventory"]
 
 
@@ -40,6 +41,10 @@ MAX_METADATA_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 1 << 30
 #: Beyond this many chunks in a grid, a missing chunk is counted, not located.
 MAX_GRID_WALK = 1_000_000
+#: the temporary a rank writes its progress marker into before renaming it to ``zarr.json``
+#: (``ranks/<q>/.zarr.json.<pid>``, :func:`gradforensics.store.ranks.write_marker`); one left by a rank that died
+#: is not part of the store: readers ignore it, the next writer removes it
+_MARKER_TEMPORARY = re.compile(r"^\.zarr\.json\.\d+$")
 DTYPES = frozenset({"float32", "float16", "float64", "uint16", "uint8", "int32", "int64"})
 
 
@@ -122,6 +127,12 @@ class Inventory:
     analysis_note: str | None = None
 
 
+def is_marker_temporary(rel: str) -> bool:
+    """Whether *rel* (a path inside a store) is a rank's unfinished progress marker ``ranks/<q>/.zarr.json.<pid>``."""
+    parts = rel.split("/")
+    return len(parts) == 3 and parts[0] == "ranks" and bool(_MARKER_TEMPORARY.match(parts[2]))
+
+
 def in_analysis(rel: str) -> bool:
     return rel == generations.GROUP or rel.startswith(generations.GROUP + "/")
 
@@ -162,6 +173,9 @@ def zarr_inventory(path: str, only: str | None = None, unlisted: Callable[[str],
                 f"{path}: {'/'.join(filter(None, (rel, links[0])))} is a symbolic link; a store is data and may not "
                 "point outside itself. Copy the store with the link resolved (cp -rL) if you trust it."
             )
+        if not dirs and "zarr.json" not in (names := [f.name for f in files]) and files and \
+                all(is_marker_temporary(f"{rel}/{n}") for n in names):
+            continue                # a rank that died writing its first marker: nothing of the store
         try:
             meta = _zarr_node(path, rel, here, [f.name for f in files])
             arr = zarr_array(path, rel, meta) if meta is not None and meta.get("node_type") == "array" else None

@@ -53,13 +53,14 @@ import numpy as np
 
 from gradforensics.errors import GradforensicsError, SpecError, StoreMismatchError
 from gradforensics.store.backends import backend_kind, open_backend
+from gradforensics.store.inventory import is_marker_temporary
 from gradforensics.store.layout import chunk_shape
 from gradforensics.store.location import Location
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta, committed_prefix
 from gradforensics.store.writer import WEIGHT_RECORD, Row, StoreWriter
 
-__all__ = ["DEFAULT_WAIT_S", "MARKERS", "TERM_WAIT_S", "RankPlan", "alive", "check_backend", "compaction_moves",
-           "counts", "ensure_markers_group", "rank_writer", "read_marker", "row_view", "wait_for_array",
+__all__ = ["DEFAULT_WAIT_S", "MARKERS", "TERM_WAIT_S", "RankPlan", "alive", "check_backend",
+           "clean_marker_temporaries", "compaction_moves", "counts", "ensure_markers_group", "rank_writer", "read_marker", "row_view", "wait_for_array",
            "write_marker"]
 
 
@@ -69,6 +70,8 @@ MARKERS = "ranks"
 DEFAULT_WAIT_S = float(os.environ.get("GRADFORENSICS_RANK_WAIT_S", "600"))
 #: After SIGTERM, rank 0's wait is at most this long: torchrun kills a rank 30 s after its SIGTERM.
 TERM_WAIT_S = 10.0
+#: A marker's temporary older than this is abandoned whoever wrote it (writing one takes milliseconds).
+TEMPORARY_STALE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -119,12 +122,60 @@ def write_marker(path: str, plan: RankPlan, n_records: int, done: bool) -> None:
     tmp = d / f".zarr.json.{os.getpid()}"
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, d / "zarr.json")
+    clean_marker_temporaries(path, only=plan.rank)       # one left here by an earlier process of this rank
+
+
+def clean_marker_temporaries(path: str | Path, only: int | None = None) -> int:
+    """Remove the marker temporaries ``ranks/<q>/.zarr.json.<pid>`` that ranks which died left; how many.
+
+    A temporary is abandoned when it names this host and a process that is gone, or when it is
+    older than :data:`TEMPORARY_STALE_S` (a rank on another host of a shared file system); this
+    process's own is never touched.  A rank directory left empty goes too.  Readers ignore such
+    temporaries anyway (:func:`gradforensics.store.inventory.is_marker_temporary`); the writers
+    remove them: a rank after each marker (its own directory, *only*), rank 0 at open, and every
+    write of analysis results.
+    """
+    base = Path(path) / MARKERS
+    removed = 0
+    try:
+        dirs = [base / str(only)] if only is not None else [d for d in base.iterdir() if d.is_dir()]
+    except OSError:
+        return 0
+    for d in dirs:
+        try:
+            names = [n for n in os.listdir(d) if is_marker_temporary(f"{MARKERS}/{d.name}/{n}")]
+        except OSError:
+            continue
+        here = 0
+        for n in names:
+            if n == f".zarr.json.{os.getpid()}" or not _abandoned(d / n):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                (d / n).unlink()
+                here += 1
+        removed += here
+        if here:
+            with contextlib.suppress(OSError):     # rmdir takes only an empty directory
+                d.rmdir()
+    return removed
+
+
+def _abandoned(tmp: Path) -> bool:
+    try:
+        if time.time() - tmp.stat().st_mtime > TEMPORARY_STALE_S:
+            return True
+        doc = json.loads(tmp.read_text())
+        attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        return False                     # being written right now, or unreadable: its age decides later
+    return isinstance(attrs, dict) and not alive(attrs)
 
 
 def ensure_markers_group(path: str) -> None:
-    """The ``ranks`` group itself (rank 0, at open)."""
+    """The ``ranks`` group itself (rank 0, at open), without the temporaries of ranks that died."""
     d = Path(path) / MARKERS
     d.mkdir(parents=True, exist_ok=True)
+    clean_marker_temporaries(path)
     (d / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
 
 

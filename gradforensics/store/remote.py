@@ -17,7 +17,8 @@ read by the file system itself) or from ``storage_options``
 lock, results written back, and each dask task, which opens the store on its
 worker.  Nothing is remembered per URL in the process.
 
-Transient failures (connection resets, timeouts, HTTP 5xx, throttling) are
+Transient failures (connection resets, timeouts, HTTP 5xx, throttling: judged by
+status code and exception type, :func:`is_transient`) are
 retried with exponential backoff (:func:`with_retries`); a missing bucket or
 refused credentials is one :class:`~gradforensics.errors.GradforensicsError`
 line (:func:`describe_error`).
@@ -39,6 +40,7 @@ attempts and the time they took.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -77,9 +79,16 @@ _S3_DEFAULTS: dict[str, Any] = {"config_kwargs": {"connect_timeout": 5, "read_ti
 _S3FS_RETRIES = 1
 #: default options per scheme (file://: create directories as zarr writes into them)
 _DEFAULTS: dict[str, dict[str, Any]] = {"s3": _S3_DEFAULTS, "s3a": _S3_DEFAULTS, "file": {"auto_mkdir": True}}
-_TRANSIENT_WORDS = ("503", "500", "502", "504", "slowdown", "slow down", "serviceunavailable", "service unavailable",
-                    "internalerror", "timeout", "timed out", "connection reset", "connection aborted",
-                    "server disconnected", "temporarily", "throttl", "requesttimeout")
+#: HTTP statuses of an answer worth retrying: request timeout, too many requests, the server's own failures
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: S3 (and other AWS-style) error codes of throttling and of the service's own failures, whatever the status
+_TRANSIENT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                              "ThrottlingException", "ThrottledException", "RequestThrottled", "TooManyRequests",
+                              "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+                              "ProvisionedThroughputExceededException", "OperationAborted"})
+#: errnos s3fs gives the OSError it turns a 503 / SlowDown / ServiceUnavailable / 409 (EBUSY) or a
+#: 500 / InternalError (EREMOTEIO) into (``s3fs.errors``); the botocore error is its cause only sometimes
+_TRANSIENT_ERRNOS = frozenset({errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO)})
 
 
 def scheme(path: Any) -> str | None:
@@ -166,12 +175,20 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     return _bounded(fs), str(path).rstrip("/")
 
 
-def zarr_store(url: str, read_only: bool, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """zarr's FsspecStore for the store at *url*."""
+def zarr_store(url: str, read_only: bool, storage_options: Mapping[str, Any] | None = None,
+               fenced: bool = False) -> Any:
+    """zarr's FsspecStore for the store at *url*.
+
+    ``fenced=True`` (a writer, ``s3://``): every write a conditional PUT, armed by the writer's lock
+    (:mod:`gradforensics.store.fenced`).
+    """
     from zarr.storage import FsspecStore
 
+    from gradforensics.store.fenced import FENCED_SCHEMES, fenced_store_class
+
+    cls: Any = fenced_store_class() if fenced and not read_only and scheme(url) in FENCED_SCHEMES else FsspecStore
     try:
-        store = FsspecStore.from_url(normalize(url), storage_options=options_for(url, storage_options),
+        store = cls.from_url(normalize(url), storage_options=options_for(url, storage_options),
                                      read_only=read_only)
     except (ImportError, ValueError, TypeError) as exc:
         raise GradforensicsError(f"{url}: zarr cannot open this URL ({type(exc).__name__}: {exc}).") from exc
@@ -188,18 +205,53 @@ _TRANSIENT_TYPES = frozenset({"HTTPClientError", "ConnectionClosedError", "ReadT
 
 
 def is_transient(exc: BaseException) -> bool:
-    """A network failure worth retrying (not a missing object, a refusal or a damaged chunk)."""
-    if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, GradforensicsError)):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if any(c.__name__ in _TRANSIENT_TYPES for c in type(exc).__mro__):
-        return True
-    if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] not in ("aiohttp", "botocore",
-                                                                                   "aiobotocore", "urllib3"):
-        return False
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(w in text for w in _TRANSIENT_WORDS)
+    """A failure worth retrying: a request with no usable answer, or an answer that says "try again".
+
+    Judged by type and by status, never by the words of the message: the exception or
+    any in its chain of causes is a connection / timeout error (:data:`_TRANSIENT_TYPES`),
+    or carries an HTTP status of :data:`_TRANSIENT_STATUS` or an error code of
+    :data:`_TRANSIENT_CODES` (botocore's ``response``, aiohttp's ``status``, gcsfs's
+    ``code``, azure's ``status_code``), or is the ``OSError`` s3fs makes of a 503 or a 500
+    (errno ``EBUSY`` / ``EREMOTEIO``).  A missing object, a refusal or a damaged chunk is not.
+    """
+    for e in _chain(exc):
+        if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, GradforensicsError)):
+            return False
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        if any(c.__name__ in _TRANSIENT_TYPES for c in type(e).__mro__):
+            return True
+        status, code = _status_of(e)
+        if status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES:
+            return True
+        if status is not None or code is not None:
+            return False                 # an answer that is not "try again": 4xx, a refusal
+        if type(e) is OSError and e.errno in _TRANSIENT_ERRNOS:
+            return True
+    return False
+
+
+def _status_of(exc: BaseException) -> tuple[int | None, str | None]:
+    """``(HTTP status, error code)`` an exception of an HTTP client carries, each None when it says none."""
+    status: int | None = None
+    code: str | None = None
+    resp = getattr(exc, "response", None)
+    if isinstance(resp, Mapping):                                 # botocore ClientError
+        meta = resp.get("ResponseMetadata")
+        got = meta.get("HTTPStatusCode") if isinstance(meta, Mapping) else None
+        status = got if isinstance(got, int) else None
+        err = resp.get("Error")
+        c = err.get("Code") if isinstance(err, Mapping) else None
+        code = c if isinstance(c, str) and c else None
+        if status is None and code is not None and code.isdigit():
+            status = int(code)
+    if status is None:
+        for attr in ("status", "status_code", "code"):            # aiohttp, azure, gcsfs
+            got = getattr(exc, attr, None)
+            if isinstance(got, int) and not isinstance(got, bool) and 100 <= got <= 599:
+                status = got
+                break
+    return status, code
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -254,14 +306,15 @@ def reset_retry_budget() -> None:
 
 
 def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, backoff_s: float = BACKOFF_S,
-                 deadline: float | None = None) -> T:
+                 deadline: float | None = None, op: str | None = None) -> T:
     """``fn()``, retried with exponential backoff (and jitter) while it fails transiently.
 
     Retrying stops at *attempts* (:data:`ATTEMPTS`), when the next attempt (the backoff, then as long as
     the last attempt took) would end past *deadline* seconds from the start
     (:func:`deadline_s` by default), or when the process's retry budget is spent;
     then the last transient error becomes one
-    :class:`~gradforensics.errors.StoreUnreachableError` naming *what* (the URL).
+    :class:`~gradforensics.errors.StoreUnreachableError` naming *what* (the URL) and the
+    operation (*op*, e.g. ``"reading batches/step"``, else botocore's operation name).
     Any other error is raised as it is.
     """
     attempts = ATTEMPTS if attempts is None else attempts
@@ -286,17 +339,57 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, ba
             else:
                 time.sleep(pause)
                 continue
-            raise _gave_up(what, exc, i + 1, now - start, why) from exc
+            raise _gave_up(what, exc, i + 1, now - start, why, op) from exc
         _BUDGET.refund()
         return out
     raise AssertionError(what)   # pragma: no cover  (the loop returns or raises)
 
 
-def _gave_up(what: str, exc: BaseException, tries: int, took: float, why: str) -> StoreUnreachableError:
+def _gave_up(what: str, exc: BaseException, tries: int, took: float, why: str,
+             op: str | None = None) -> StoreUnreachableError:
+    status, code = _answer_of(exc)
+    op = op or _operation_of(exc)
+    attempts = f"{tries} attempt{'s' if tries > 1 else ''} in {took:.1f} s, {why}"
+    last = f"last error: {type(exc).__name__}: {_short(str(exc), 120)}"
+    if status is not None or code is not None:          # the service answered, every time "try again"
+        answer = " ".join(str(x) for x in (status, code) if x is not None)
+        return StoreUnreachableError(
+            f"{what}: {op or 'a request'} failed: the storage service kept answering {answer} (throttled or "
+            f"failing): {attempts} ({last}); retry later, or ask less of it at once (fewer --workers).")
     return StoreUnreachableError(
-        f"{what}: the storage service could not be reached: {tries} attempt{'s' if tries > 1 else ''} in "
-        f"{took:.1f} s, {why} (last error: {type(exc).__name__}: {_short(str(exc), 120)}); check the endpoint "
-        "(AWS_ENDPOINT_URL or --storage-option endpoint_url=...), the network and the service's status.")
+        f"{what}: the storage service could not be reached: {attempts}{f' while {op}' if op else ''} ({last}); "
+        "check the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...), the network and the "
+        "service's status.")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and all(e is not x for x in out):
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _answer_of(exc: BaseException) -> tuple[int | str | None, str | None]:
+    """The HTTP status and error code a failure in *exc*'s chain carries (an s3fs errno: its status class)."""
+    for e in _chain(exc):
+        status, code = _status_of(e)
+        if status is not None or code is not None:
+            return status, code
+    for e in _chain(exc):
+        if type(e) is OSError and e.errno in _TRANSIENT_ERRNOS:
+            return ("HTTP 503-class (busy)" if e.errno == errno.EBUSY else "HTTP 500-class (internal error)"), None
+    return None, None
+
+
+def _operation_of(exc: BaseException) -> str | None:
+    """botocore's name of the request that failed (``GetObject``, ``PutObject``...), if the chain has it."""
+    for e in _chain(exc):
+        name = getattr(e, "operation_name", None)
+        if isinstance(name, str) and name:
+            return name
+    return None
 
 
 def describe_error(url: str, exc: BaseException) -> GradforensicsError | None:
@@ -330,10 +423,13 @@ def _short(text: str, n: int = 160) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def translated(url: str, fn: Callable[[], T], what: str = "") -> T:
-    """``with_retries(fn)``, a missing bucket, refused credentials or a service that keeps failing turned into one line."""
+def translated(url: str, fn: Callable[[], T], what: str = "", op: str | None = None) -> T:
+    """``with_retries(fn)``, a missing bucket, refused credentials or a service that keeps failing turned into one line.
+
+    *op* names the operation in that line (``"listing the store"``, ``"writing analysis/..."``).
+    """
     try:
-        return with_retries(fn, what or url)
+        return with_retries(fn, what or url, op=op)
     except GradforensicsError:
         raise
     except Exception as exc:

@@ -17,6 +17,7 @@ from gradforensics.store.inventory import (
     chunk_index,
     corrupt,
     finish,
+    is_marker_temporary,
     parse_metadata,
     tolerate,
     zarr_array,
@@ -37,7 +38,8 @@ def remote_zarr_inventory(url: str, storage_options: dict[str, Any] | None = Non
     from gradforensics.store import remote
 
     fs, root = remote.filesystem(url, storage_options)
-    listing = remote.translated(url, lambda: fs.find(root, withdirs=False, detail=True))
+    listing = remote.translated(url, lambda: fs.find(root, withdirs=False, detail=True),
+                                op="listing the store")
     files: dict[str, int] = {}
     for full, info in listing.items():
         full = str(full)
@@ -47,7 +49,8 @@ def remote_zarr_inventory(url: str, storage_options: dict[str, Any] | None = Non
         if any(part in ("", ".", "..") for part in rel.split("/")):
             raise CorruptStoreError(f"{url}: key {rel!r} has an empty, '.' or '..' segment; a store's names stay "
                                     "inside the store.")
-        files[rel] = int(info.get("size") or 0)
+        if not is_marker_temporary(rel):       # a dead rank's unfinished marker: not part of the store
+            files[rel] = int(info.get("size") or 0)
     if not files:                    # the message of a local path that does not exist
         raise NotAStoreError(f"{url}: no such file or directory (no object under this prefix, zarr.json missing); "
                              "expected a gradforensics store.")
@@ -82,7 +85,8 @@ def _remote_metadata(url: str, fs: Any, root: str, files: dict[str, int],
             err = corrupt(url, k, f"{files[k]} bytes, more than any metadata gradforensics writes")
             tolerate(err, k, damaged)
             keys.remove(k)
-    raw = remote.translated(url, lambda: fs.cat([f"{root}/{k}" for k in keys], on_error="raise"))
+    raw = remote.translated(url, lambda: fs.cat([f"{root}/{k}" for k in keys], on_error="raise"),
+                            op="reading the metadata")
     out = {}
     for k in keys:
         node = k.rsplit("zarr.json", 1)[0].rstrip("/")

@@ -54,7 +54,8 @@ class RemoteLock:
 
     def _read(self) -> dict[str, Any] | None:
         try:
-            raw = remote.translated(self.store_url, lambda: self._fs.cat_file(self._path))
+            raw = remote.translated(self.store_url, lambda: self._fs.cat_file(self._path),
+                                    op="reading the lock object")
         except FileNotFoundError:
             return None
         try:
@@ -69,7 +70,8 @@ class RemoteLock:
         if remote.scheme(self.url) == "file":       # a local file system has directories to make first
             self._fs.makedirs(self._path.rsplit("/", 1)[0], exist_ok=True)
         try:
-            remote.translated(self.store_url, lambda: self._fs.pipe_file(self._path, data, mode="create"))
+            remote.translated(self.store_url, lambda: self._fs.pipe_file(self._path, data, mode="create"),
+                              op="creating the lock object")
             return True
         except FileExistsError:
             return False
@@ -100,7 +102,7 @@ class RemoteLock:
                     f"{self.url}); one writer per store: wait for it, or write to another URL.")
             fence = doc.get("fence")
             self._fence = (fence if isinstance(fence, int) and not isinstance(fence, bool) and fence >= 0 else 0) + 1
-            remote.translated(self.store_url, lambda: self._fs.rm_file(self._path))
+            remote.translated(self.store_url, lambda: self._fs.rm_file(self._path), op="deleting the lock object")
             who = holder.describe() if holder else "an unreadable holder"
             lost = holder.lost() if holder else Holder("", 0, 0.0, 0.0).lost()
             warnings.warn(f"{self.store_url}: took over a stale writer lock ({who}); {lost}.", stacklevel=5)
@@ -125,10 +127,10 @@ class RemoteLock:
 
         Called before every flush writes a chunk and again right before its commit: a
         writer whose lease ran out and whose lock was taken over stops there, before it
-        writes a byte into the new owner's store.  The window left is the time one flush
-        takes to write its chunks (S3 has no write conditioned on another object): a
-        writer frozen *inside* a flush, past its lease, can still write that flush's
-        chunks when it resumes, but not commit them.
+        writes a byte into the new owner's store.  A writer frozen *inside* a flush, past
+        its lease, is stopped by its PUTs themselves on ``s3://``: each is conditional on
+        the object being what this writer last left there (:mod:`gradforensics.store.fenced`),
+        and a failed condition calls this check.
         """
         doc = self._read()
         if self._token is None or not doc or doc.get("token") != self._token:
@@ -142,7 +144,8 @@ class RemoteLock:
             return
         self.check()
         data = self._doc()
-        remote.translated(self.store_url, lambda: self._fs.pipe_file(self._path, data))
+        remote.translated(self.store_url, lambda: self._fs.pipe_file(self._path, data),
+                          op="writing the lock object")
         self._beat = time.time()
 
     def release(self) -> None:
@@ -151,4 +154,4 @@ class RemoteLock:
         token, self._token = self._token, None
         doc = self._read()
         if doc and doc.get("token") == token:
-            remote.translated(self.store_url, lambda: self._fs.rm_file(self._path))
+            remote.translated(self.store_url, lambda: self._fs.rm_file(self._path), op="deleting the lock object")

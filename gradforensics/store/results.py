@@ -142,8 +142,15 @@ def _write_generation(path: str | os.PathLike[str] | Location, arrays: Mapping[s
 
     where = locate(path)                               # a Location carries a URL's storage options
     with StoreLock(where, writing="analysis results") as lock:
+        if where.kind == "zarr" and not where.is_url:
+            from gradforensics.store.ranks import clean_marker_temporaries
+
+            clean_marker_temporaries(where.path)         # what a rank that died left (readers ignore it)
         previous = _committed(where)
         b = open_backend(where, "a")
+        fence = getattr(b, "fence", None)
+        if fence is not None:        # at an s3:// URL every PUT conditional: a fenced writer lands none
+            fence(lock.check)
         try:
             # the generation readers see now: the reader's listing says it (under this lock it cannot change)
             current = previous.analysis_selection.current if previous is not None else \

@@ -105,7 +105,11 @@ class StoreWriter:
                 clear_url(self.path, overwrite, self.location.storage_options)
             else:
                 _clear_path(Path(self.path), overwrite)
-            return lock, open_backend(self.location, "w")
+            backend = open_backend(self.location, "w")
+            fence = getattr(backend, "fence", None)
+            if fence is not None:     # at an s3:// URL every later PUT is conditional: a fenced writer lands none
+                fence(lock.check)
+            return lock, backend
         except OSError as exc:
             lock.release()
             why = refusal(exc)

@@ -102,14 +102,26 @@ class ZarrBackend:
         import zarr
 
         if self.url:
-            store = remote.zarr_store(self.path, self.mode == "r", self.storage_options)
+            store = self._zarr_store = remote.zarr_store(self.path, self.mode == "r", self.storage_options,
+                                                         fenced=self.mode != "r")
             return remote.translated(self.path, lambda: zarr.open_group(
-                store, mode=self.mode, zarr_format=3, use_consolidated=False))  # type: ignore[arg-type]
+                store, mode=self.mode, zarr_format=3, use_consolidated=False),  # type: ignore[arg-type]
+                op="opening the store")
         try:
             return zarr.open_group(self.path, mode=self.mode, zarr_format=3, use_consolidated=False)  # type: ignore[arg-type]
         except (ValueError, TypeError, KeyError) as exc:
             raise CorruptStoreError(f"{self.path}: zarr cannot open the root group ({type(exc).__name__}: {exc}); "
                                     "the store's metadata is damaged.") from exc
+
+    def fence(self, check: Callable[[], None]) -> None:
+        """Make every later write at an ``s3://`` URL conditional, *check* (the writer lock's) asked on a failed one.
+
+        From here on a write of this writer cannot land in a store another writer took
+        over (:mod:`gradforensics.store.fenced`); a local store has its lock file instead.
+        """
+        store = getattr(self, "_zarr_store", None) if self.url else None
+        if store is not None and hasattr(type(store), "check"):
+            store.check = check
 
     def inventory(self, unlisted: Callable[[str], bool] | None = None) -> Inventory:
         """Root attributes and every array, from the store's own files, without trusting them.
@@ -135,14 +147,14 @@ class ZarrBackend:
         return dict(self._root.attrs)
 
     def set_root_attr(self, key: str, value: dict[str, Any]) -> None:
-        self._io(lambda: self._root.attrs.__setitem__(key, value))
+        self._io(lambda: self._root.attrs.__setitem__(key, value), f"writing the root attribute {key}")
 
     def attrs(self, name: str) -> dict[str, Any]:
         return dict(self._root[name].attrs)
 
-    def _io(self, fn: Any) -> Any:
-        """``fn()``; at a URL retried on transient network errors (every write here is idempotent)."""
-        return remote.translated(self.path, fn) if self.url else fn()
+    def _io(self, fn: Any, op: str | None = None) -> Any:
+        """``fn()``; at a URL retried on transient network errors (every write here is idempotent); *op* names it."""
+        return remote.translated(self.path, fn, op=op) if self.url else fn()
 
     # arrays ---------------------------------------------------------------
     def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
@@ -153,19 +165,19 @@ class ZarrBackend:
             overwrite=not (self.url and self.mode == "w"),   # a new store at a URL: skip listing each prefix
             dimension_names=dimension_names(name, len(shape), attrs),
             **_zarr_codecs(compression, checksum),
-        ))
+        ), f"creating {name}")
 
     def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
         arr = self._array(name)
         stop = start + data.shape[0]
         if arr.shape[0] < stop:
-            self._io(lambda: arr.resize((stop, *arr.shape[1:])))
-        self._io(lambda: arr.__setitem__(slice(start, stop), data))
+            self._io(lambda: arr.resize((stop, *arr.shape[1:])), f"growing {name}")
+        self._io(lambda: arr.__setitem__(slice(start, stop), data), f"writing rows of {name}")
 
     def truncate(self, name: str, n: int) -> None:
         arr = self._array(name)
         if arr.shape[0] != n:
-            self._io(lambda: arr.resize((n, *arr.shape[1:])))
+            self._io(lambda: arr.resize((n, *arr.shape[1:])), f"resizing {name}")
 
     def names(self) -> list[str]:
         return sorted(_walk_zarr(self._root))
@@ -182,27 +194,27 @@ class ZarrBackend:
         return True
 
     def read(self, name: str, sel: tuple[slice, ...] | slice = slice(None)) -> np.ndarray:
-        return np.asarray(self._io(lambda: self._root[name][sel]))
+        return np.asarray(self._io(lambda: self._root[name][sel], f"reading {name}"))
 
     # groups (the analysis generations) -------------------------------------
     def group_attrs(self, name: str) -> dict[str, Any]:
         """Attributes of group *name*; ``{}`` if there is none (or it cannot be read)."""
         try:
-            return dict(self._io(lambda: self._root[name].attrs))
+            return dict(self._io(lambda: self._root[name].attrs, f"reading the attributes of {name}"))
         except (KeyError, ValueError, TypeError, OSError):
             return {}
 
     def set_group_attr(self, name: str, key: str, value: Any) -> None:
         """One metadata write: zarr replaces ``name/zarr.json`` whole (a rename locally, one PUT at a URL)."""
-        group = self._io(lambda: self._root.require_group(name))
-        self._io(lambda: group.attrs.__setitem__(key, value))
+        group = self._io(lambda: self._root.require_group(name), f"creating {name}")
+        self._io(lambda: group.attrs.__setitem__(key, value), f"writing the attribute {key} of {name}")
 
     def children(self, name: str) -> list[str]:
         """The names of the nodes directly inside group *name* (from the file system, not zarr's metadata)."""
         if self.url:
             fs, root = remote.filesystem(self.path, self.storage_options)
             try:
-                entries = self._io(lambda: fs.ls(f"{root}/{name}", detail=True))
+                entries = self._io(lambda: fs.ls(f"{root}/{name}", detail=True), f"listing {name}")
             except FileNotFoundError:
                 return []
             return sorted(str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries
@@ -214,7 +226,7 @@ class ZarrBackend:
         """Remove node *name* and everything under it."""
         if self.url:
             fs, root = remote.filesystem(self.path, self.storage_options)
-            self._io(lambda: fs.rm(f"{root}/{name}", recursive=True))
+            self._io(lambda: fs.rm(f"{root}/{name}", recursive=True), f"deleting {name}")
         else:
             import shutil
 
@@ -243,4 +255,4 @@ def read_url_array(url: str, name: str, sel: Any, storage_options: Mapping[str, 
         store = read_store(url, storage_options)
         return np.asarray(zarr.open_array(store, path=name, mode="r")[sel])
 
-    return remote.translated(url, read)
+    return remote.translated(url, read, op=f"reading {name}")

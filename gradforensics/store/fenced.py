@@ -1,0 +1,119 @@
+"""Writes to object storage that a fenced writer cannot land: every PUT conditional (issue 42).
+
+A writer's lock at a URL is held by lease (:mod:`gradforensics.store.remote_lock`); a
+writer frozen past its lease is fenced: another takes the store over.  Checking the lock
+before a flush leaves a window - a writer frozen *inside* a flush would, once resumed, still
+send that flush's PUTs.  S3 cannot condition a PUT on another object (the lock), but it can
+condition it on the object itself, and that is enough:
+
+* a key this writer has not written in this session is written with ``If-None-Match: *``
+  (it must not exist);
+* a key it has written is rewritten with ``If-Match: <the ETag its own write got>``
+  (nobody has written it since).
+
+So a late PUT of a fenced writer fails (412) on every key the new owner has written or
+deleted since the takeover - the root ``zarr.json``, every array's metadata, every chunk
+it wrote - and lands only on a key the new owner has not written yet: a chunk beyond the
+records it has committed, which readers never read (reads stop at the committed count).
+When the new owner then writes that key, its own PUT fails with 412; a failed precondition
+always asks the writer's lock (:meth:`~gradforensics.store.lock.StoreLock.check`): a writer
+whose lock was taken over stops with :class:`~gradforensics.errors.StoreLockedError`, the
+owner replaces the object it did not expect (an old writer's leftover, or its own write whose
+answer was lost) with a PUT conditioned on that object's ETag.
+
+Only ``s3://`` (``s3a://``) stores are written this way: other file systems have no
+conditional PUT in fsspec.  Deletes are not conditioned (S3 has no conditional delete
+that moto and s3fs share); an in-flight flush writes and never deletes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from gradforensics.errors import StoreLockedError
+
+__all__ = ["FENCED_SCHEMES", "fenced_store_class"]
+
+FENCED_SCHEMES = frozenset({"s3", "s3a"})
+#: attempts to replace an object this writer did not expect before giving up (another writer keeps writing it)
+_REPLACE_ATTEMPTS = 4
+
+
+def _failed_precondition(exc: BaseException) -> bool:
+    """Whether *exc* (s3fs's translation of a PUT's answer) says a condition of the PUT failed."""
+    from gradforensics.store.remote import _chain, _status_of
+
+    if isinstance(exc, FileExistsError):      # s3fs: 412 on If-None-Match
+        return True
+    for e in _chain(exc):
+        status, code = _status_of(e)
+        if status == 412 or code == "PreconditionFailed":
+            return True
+    return False
+
+
+def fenced_store_class() -> type:
+    """zarr's ``FsspecStore`` with every ``set`` a conditional PUT (defined on first use: zarr is imported lazily)."""
+    global _CLASS
+    if _CLASS is None:
+        from zarr.storage import FsspecStore
+        from zarr.storage._fsspec import _dereference_path
+
+        class FencedFsspecStore(FsspecStore):  # type: ignore[misc]
+            """An ``FsspecStore`` whose writes are conditional PUTs (see the module docstring)."""
+
+            #: ``check()`` raises StoreLockedError once this writer's lock is no longer its own (None: not fenced yet)
+            check: Callable[[], None] | None = None
+
+            def _etags(self) -> dict[str, str]:
+                d = self.__dict__.get("_gf_etags")
+                if d is None:
+                    d = self.__dict__["_gf_etags"] = {}
+                return d
+
+            async def set(self, key: str, value: Any, byte_range: tuple[int, int] | None = None) -> None:
+                check = self.check
+                if check is None or byte_range is not None:
+                    await super().set(key, value, byte_range)
+                    return
+                if not self._is_open:
+                    await self._open()
+                self._check_writable()
+                path = _dereference_path(self.path, key)
+                data = value.to_bytes()
+                etags = self._etags()
+                known = etags.get(path)
+                cond: dict[str, str] = {"IfMatch": known} if known else {"IfNoneMatch": "*"}
+                for _ in range(_REPLACE_ATTEMPTS):
+                    try:
+                        out = await self.fs._pipe_file(path, data, **cond)
+                    except FileNotFoundError:       # If-Match on a key deleted since: someone else's store now
+                        pass
+                    except Exception as exc:
+                        if not _failed_precondition(exc):
+                            raise
+                    else:
+                        etag = out.get("ETag") if isinstance(out, dict) else None
+                        if isinstance(etag, str) and etag:
+                            etags[path] = etag
+                        else:
+                            etags.pop(path, None)
+                        return
+                    # the object is not what this writer left there: is the store still ours?
+                    await asyncio.to_thread(check)
+                    try:
+                        info = await self.fs._info(path, refresh=True)
+                        now = info.get("ETag")
+                    except FileNotFoundError:
+                        now = None
+                    cond = {"IfMatch": now} if isinstance(now, str) and now else {"IfNoneMatch": "*"}
+                raise StoreLockedError(f"{self.path}: {key} keeps being replaced by another writer while this one "
+                                       "owns the store's lock; stop writing and check who else writes here.")
+
+        _CLASS = FencedFsspecStore
+    return _CLASS
+
+
+_CLASS: type | None = None
