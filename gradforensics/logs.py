@@ -40,9 +40,12 @@ def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
     """A CSV / TSV or JSON Lines log as a DataFrame; one-line :class:`LogReadError` if unreadable."""
     import pandas as pd
 
+    from gradforensics.replay.untrusted import check_regular
+
     p = os.fspath(path)
-    if not os.path.isfile(p):
+    if not os.path.exists(p):
         raise LogReadError(f"{p}: no such file; expected a CSV or JSON Lines training log.")
+    check_regular(p, LogReadError)              # a FIFO or device would block or never end
     kind = _log_kind(p)
     try:
         if kind == "jsonl":

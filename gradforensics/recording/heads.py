@@ -137,9 +137,13 @@ def parse_cli_heads(specs: Sequence[str]) -> str | dict[str, Any] | None:
 
 
 def _json_file(path: str) -> dict[str, Any]:
+    from gradforensics.replay.untrusted import open_regular
+
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, SpecError) as f:
             data = json.load(f)
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"--heads {path}: not UTF-8 text (byte {exc.start}).") from None
     except OSError as exc:
         raise SpecError(f"--heads {path}: cannot read it ({exc.strerror or exc}).") from None
     except json.JSONDecodeError as exc:
