@@ -119,3 +119,18 @@ def test_a_broken_trainer_state_is_one_line(tmp_path, text, expect):
     f.write_text(text)
     with pytest.raises(CheckpointError, match=expect):
         read_log_history(f)
+
+
+def test_a_store_whose_metadata_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    from gradforensics.testing.planted import nonfinite_store
+
+    store = tmp_path / "dump.zarr"
+    nonfinite_store(store, n_records=4, records=(1,))
+    meta = next(p for p in sorted((store / "grads").rglob("zarr.json")) if p.parent != store / "grads")
+    meta.unlink()
+    os.mkfifo(meta)
+    run = subprocess.run([sys.executable, "-m", "gradforensics", "inspect", str(store)], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).parents[1])
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert "zarr.json: not a regular file" in lines[0]
