@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 from test_import_hostile import _refused, _series  # noqa: E402
 from test_import_megatron import LAYOUTS, reference, write_dump  # noqa: E402
 
-from gradforensics.errors import CheckpointError, LogReadError  # noqa: E402
+from gradforensics.errors import CheckpointError, LogReadError, SpecError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
 
@@ -45,16 +45,18 @@ def test_a_rank_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
     assert "mp_rank_01_000.pth: a named pipe (FIFO), not a regular file" in lines[0]
 
 
-@pytest.mark.parametrize("reader", ["json", "safetensors", "torch", "log"])
+@pytest.mark.parametrize("reader", ["json", "safetensors", "torch", "log", "heads"])
 def test_every_reader_refuses_a_fifo_without_blocking(tmp_path, reader):
     from gradforensics import logs
+    from gradforensics.recording.heads import parse_cli_heads
     from gradforensics.replay import untrusted
 
     fifo = tmp_path / "x.json"
     os.mkfifo(fifo)
     call = {"json": untrusted.read_json_object, "safetensors": untrusted.check_safetensors,
-            "torch": untrusted.torch_load, "log": logs.read_table}[reader]
-    with pytest.raises((CheckpointError, LogReadError), match="a named pipe"):
+            "torch": untrusted.torch_load, "log": logs.read_table,
+            "heads": lambda f: parse_cli_heads([str(f)])}[reader]
+    with pytest.raises((CheckpointError, LogReadError, SpecError), match="a named pipe"):
         call(fifo)
 
 
