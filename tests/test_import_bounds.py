@@ -136,3 +136,18 @@ def test_a_store_whose_metadata_is_a_fifo_is_refused_not_waited_on(tmp_path):
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
     assert "zarr.json: not a regular file" in lines[0]
+
+
+@pytest.mark.parametrize("suffix, text", [(".json", "[" + "{}," * 4999 + "{}]"), (".jsonl", "{}\n" * 5000)])
+def test_a_json_log_of_millions_of_empty_rows_is_refused_before_pandas(tmp_path, monkeypatch, suffix, text):
+    """Issue 42: 95 MB of ``{},`` cost `loss` 2.6 GB (array) / 4.9 GB (JSON Lines); the cap is 1000 here."""
+    from gradforensics import logs
+
+    monkeypatch.setattr(logs, "MAX_JSON_ROWS", 1000)
+    f = tmp_path / f"log{suffix}"
+    f.write_text(text)
+    with pytest.raises(LogReadError, match=r"up to 5,00[01] JSON objects and arrays; a JSON log is read up to 1,000"):
+        logs.read_table(f)
+    f = tmp_path / "fine.jsonl"
+    f.write_text("".join(json.dumps({"step": i, "loss": 1.0 / (i + 1)}) + "\n" for i in range(900)))
+    assert len(logs.read_table(f)) == 900
