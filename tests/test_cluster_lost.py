@@ -70,7 +70,6 @@ def _analyze_killing(tmp_path, capfd, monkeypatch, victims) -> tuple[int, list[s
     return rc, capfd.readouterr().err.strip().splitlines(), took
 
 
-@pytest.mark.slow
 def test_every_worker_killed_mid_pass_is_one_line_not_a_hang(tmp_path, capfd, monkeypatch):
     rc, lines, took = _analyze_killing(tmp_path, capfd, monkeypatch, lambda procs: procs[1:])
     assert rc == 2 and len(lines) == 1, lines
@@ -79,7 +78,6 @@ def test_every_worker_killed_mid_pass_is_one_line_not_a_hang(tmp_path, capfd, mo
     assert took < 60
 
 
-@pytest.mark.slow
 def test_the_scheduler_killed_mid_pass_is_one_line_not_a_traceback(tmp_path, capfd, monkeypatch):
     rc, lines, took = _analyze_killing(tmp_path, capfd, monkeypatch, lambda procs: procs[:1])
     assert rc == 2 and len(lines) == 1 and "Traceback" not in "\n".join(lines), lines
