@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.series import SeriesGroup
 
-__all__ = ["META_COLUMNS", "STEP_CANDIDATES", "LogSpec", "read_logs", "read_table"]
+__all__ = ["MAX_JSON_ROWS", "META_COLUMNS", "STEP_CANDIDATES", "LogSpec", "read_logs", "read_table"]
 
 #: Columns never treated as value series when ``columns`` is not given.
 META_COLUMNS = frozenset({
@@ -34,16 +34,23 @@ META_COLUMNS = frozenset({
     "wall_time", "walltime", "_runtime", "runtime", "rank", "lr", "learning_rate",
 })
 STEP_CANDIDATES = ("step", "_step", "global_step", "iteration", "iter", "Step")
+#: the most objects and arrays (rows) a JSON / JSON Lines log may hold; CSV logs have no such cap
+MAX_JSON_ROWS = 2_000_000
 
 
 def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
     """A CSV / TSV or JSON Lines log as a DataFrame; one-line :class:`LogReadError` if unreadable."""
     import pandas as pd
 
+    from gradforensics.replay.untrusted import check_regular
+
     p = os.fspath(path)
-    if not os.path.isfile(p):
+    if not os.path.exists(p):
         raise LogReadError(f"{p}: no such file; expected a CSV or JSON Lines training log.")
+    check_regular(p, LogReadError)              # a FIFO or device would block or never end
     kind = _log_kind(p)
+    if kind == "jsonl" and not p.lower().endswith(".gz"):
+        _check_rows(p)
     try:
         if kind == "jsonl":
             df = _read_json(p)
@@ -55,6 +62,25 @@ def read_table(path: str | os.PathLike[str]) -> pd.DataFrame:
     if df.empty:
         raise LogReadError(f"{p}: holds no rows.")
     return df
+
+
+def _check_rows(p: str) -> None:
+    """Refuse a JSON log of more than :data:`MAX_JSON_ROWS` objects and arrays, counted before pandas parses it.
+
+    pandas builds a Python dict per row first: a 95 MB file of ``{},`` cost 2.6 GB (a JSON
+    array) and 4.9 GB (JSON Lines) to say it holds no rows.  The count (every ``{`` and ``[``
+    byte, an upper bound) streams the file in blocks.
+    """
+    n = 0
+    try:
+        with open(p, "rb") as fh:
+            while block := fh.read(1 << 23):
+                n += block.count(b"{") + block.count(b"[")
+    except OSError as exc:
+        raise LogReadError(f"{p}: cannot open ({exc.strerror or exc}).") from exc
+    if n > MAX_JSON_ROWS:
+        raise LogReadError(f"{p}: up to {n:,} JSON objects and arrays; a JSON log is read up to {MAX_JSON_ROWS:,} "
+                           "rows (pandas holds each as a dict): export a longer log as CSV.")
 
 
 def _read_json(p: str) -> pd.DataFrame:

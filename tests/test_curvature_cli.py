@@ -101,3 +101,35 @@ def test_nan_weights_refuse_curvature_naming_the_tensor(llama_dir, files, tmp_pa
     assert lines[0].startswith("gradforensics capture: error: --curvature: the checkpoint's weights are not finite: "
                                "model.layers.1.mlp.up_proj.weight (7 NaN of 2048); "), lines[0]
     assert "curvature=" not in lines[0] and not (tmp_path / "n.zarr").exists()
+
+
+def test_a_curvature_k_beyond_the_model_is_refused_before_the_capture(llama_dir, files, tmp_path, capsys):   # noqa: F811
+    """Issue 42: --curvature-k 100000 ran past 300 s with memory growing; now one line naming the largest k."""
+    import time
+
+    t0 = time.perf_counter()
+    rc, err = capture(*base_args(llama_dir, files, tmp_path / "k.zarr", "--curvature", "--curvature-k", "100000",
+                                 "--optimizer", "sgd", "--lr", "1e-3"), capsys=capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "--curvature-k 100000: at most 1000 here" in lines[0]
+    assert time.perf_counter() - t0 < 60
+    assert not (tmp_path / "k.zarr").exists()
+
+
+def test_curvature_k_and_iters_are_bounded_by_parameters_and_memory():
+    from gradforensics.errors import SpecError
+    from gradforensics.replay.probe import CurvatureSpec
+
+    big = 1 << 40
+    CurvatureSpec(k=50, max_iter=10**6).check_size(50, big)        # iterations past n are clipped by Lanczos
+    with pytest.raises(SpecError, match=r"--curvature-k 51: at most 50 here \(the model has 50 trainable"):
+        CurvatureSpec(k=51).check_size(50, big)
+    with pytest.raises(SpecError, match=r"--curvature-k 1001: at most 1000 here \(Lanczos is for the top"):
+        CurvatureSpec(k=1001).check_size(10**6, big)
+    # 10^6 parameters, 1 GiB: 16 B per parameter and vector -> 67 vectors
+    with pytest.raises(SpecError, match=r"--curvature-k 100: at most 67 here \(Lanczos on the model's 1,000,000 "
+                                        r"parameters would keep 1.5 GiB of vectors; 1.0 GiB may be used"):
+        CurvatureSpec(k=100).check_size(10**6, 1 << 30)
+    with pytest.raises(SpecError, match=r"--curvature-iters 400: at most 67 here"):
+        CurvatureSpec(k=3, max_iter=400).check_size(10**6, 1 << 30)

@@ -51,5 +51,26 @@ def client(args: argparse.Namespace) -> Iterator[Any]:
     except (OSError, TimeoutError) as exc:
         raise SpecError(f"--scheduler {address}: no dask scheduler answered ({exc}); expected tcp://host:port "
                         "or a scheduler file.") from exc
-    with c:
+    try:
         yield c
+    finally:
+        _close(c)
+
+
+def _close(c: Any) -> None:
+    """Close the client; one whose scheduler went away quietly (its reconnect loop logs tracebacks as it stops)."""
+    import logging
+    from concurrent.futures import CancelledError
+
+    if c.status == "running":
+        c.close()
+        return
+    log = logging.getLogger("distributed.client")
+    was = log.disabled
+    log.disabled = True
+    try:
+        c.close(timeout=10)
+    except (OSError, TimeoutError, CancelledError):
+        pass
+    finally:
+        log.disabled = was

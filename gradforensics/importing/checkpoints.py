@@ -162,31 +162,19 @@ def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
 
 # ------------------------------------------------------------------ the trainer's log
 def trainer_log(ckpts: Sequence[Checkpoint]) -> dict[int, dict[str, float]]:
-    """``{step: {"loss": ..., "lr": ...}}`` from the latest ``trainer_state.json`` that has a ``log_history``."""
-    from gradforensics.replay.untrusted import read_json_object
+    """``{step: {"loss": ..., "lr": ...}}`` from the latest ``trainer_state.json`` that has a ``log_history``
+    (streamed: :func:`~gradforensics.importing.trainer_state.read_log_history`)."""
+    from gradforensics.importing.trainer_state import read_log_history
 
     for ck in reversed(ckpts):
         state = (ck.path if ck.kind == "hf" else ck.path.parent) / "trainer_state.json"
         if not state.is_file():
             continue
-        history = read_json_object(state).get("log_history")
-        if not isinstance(history, list):
+        history = read_log_history(state)
+        if history is None:
             raise CheckpointError(f"{state}: log_history is not a list of log entries.")
-        out: dict[int, dict[str, float]] = {}
-        for entry in history:
-            if not isinstance(entry, dict) or not _is_int(entry.get("step")):
-                continue
-            row = out.setdefault(int(entry["step"]), {})
-            for key, want in (("loss", "loss"), ("learning_rate", "lr")):
-                v = entry.get(key)
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    row[want] = float(v)
-        return out
+        return history
     return {}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _interval_log(log: Mapping[int, Mapping[str, float]], lo: int, hi: int) -> tuple[float, float]:

@@ -69,9 +69,11 @@ class _Unpickler(pickle.Unpickler):
 def _metadata(d: Path) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from gradforensics.replay.untrusted import open_regular
+
     f = d / ".metadata"
     try:
-        with f.open("rb") as fh:
+        with open_regular(f) as fh:
             md = _Unpickler(fh, f).load()
     except CheckpointError:
         raise
@@ -118,8 +120,10 @@ def _storage(d: Path, md: Any) -> dict[tuple[str, tuple[int, ...]], tuple[Path, 
 def _chunk(where: tuple[Path, int, int], fqn: str, *, tensor: bool = True) -> Any:
     import torch
 
+    from gradforensics.replay.untrusted import check_tensors, open_regular
+
     file, off, n = where
-    with file.open("rb") as fh:
+    with open_regular(file) as fh:
         fh.seek(off)
         blob = fh.read(n)
     try:
@@ -129,6 +133,7 @@ def _chunk(where: tuple[Path, int, int], fqn: str, *, tensor: bool = True) -> An
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).") from None
     if tensor and not isinstance(t, torch.Tensor):
         raise CheckpointError(f"{file}: {fqn}: bytes {off}..{off + n} hold {type(t).__name__}, not a tensor.")
+    check_tensors(t, file, fqn)
     return t
 
 

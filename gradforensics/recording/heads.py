@@ -137,9 +137,16 @@ def parse_cli_heads(specs: Sequence[str]) -> str | dict[str, Any] | None:
 
 
 def _json_file(path: str) -> dict[str, Any]:
+    import os
+    import stat
+
     try:
-        with open(path, encoding="utf-8") as f:
+        if not stat.S_ISREG(os.stat(path).st_mode):     # a named pipe would block the read
+            raise SpecError(f"--heads {path}: not a regular file (a named pipe, socket or device); give a JSON file.")
+        with open(path, "rb") as f:
             data = json.load(f)
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"--heads {path}: not UTF-8 text (byte {exc.start}).") from None
     except OSError as exc:
         raise SpecError(f"--heads {path}: cannot read it ({exc.strerror or exc}).") from None
     except json.JSONDecodeError as exc:

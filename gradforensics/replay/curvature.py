@@ -30,9 +30,35 @@ from gradforensics.errors import SpecError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HessianOperator", "LanczosResult", "blocks_of", "lanczos", "preconditioned", "top_eigenvalues"]
+__all__ = ["BASIS_BYTES", "HessianOperator", "LanczosResult", "basis_budget", "blocks_of", "lanczos", "largest_k",
+           "preconditioned", "top_eigenvalues"]
 
 Vector = Any        # a flat float64 torch tensor
+
+#: host bytes per parameter and Lanczos vector: the float64 basis and the stacked copy reorthogonalisation makes
+BASIS_BYTES = 16
+
+
+def basis_budget() -> int:
+    """The host memory the Lanczos basis may take: half of what is available now (``MemAvailable``, else free pages)."""
+    import os
+
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (OSError, ValueError, AttributeError):
+        return 8 << 30
+
+
+def largest_k(n: int, budget: int) -> int:
+    """The most Lanczos vectors (eigenvalues, iterations) an operator on ``R^n`` can keep within *budget* bytes."""
+    return max(0, min(n, budget // (BASIS_BYTES * max(n, 1))))
 
 
 @dataclass(frozen=True)

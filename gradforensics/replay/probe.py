@@ -25,7 +25,7 @@ import numpy as np
 from gradforensics._compat import attn_implementation
 from gradforensics.errors import CheckpointError, SpecError
 from gradforensics.recording.attention import IMPLEMENTATION
-from gradforensics.replay.curvature import blocks_of, top_eigenvalues
+from gradforensics.replay.curvature import BASIS_BYTES, basis_budget, blocks_of, largest_k, top_eigenvalues
 from gradforensics.replay.optimstate import (
     Hyper,
     OptimState,
@@ -42,10 +42,12 @@ if TYPE_CHECKING:
 
     from gradforensics.store.probes import CurvatureData, OptimData
 
-__all__ = ["WHOLE_MODEL", "CheckpointProbe", "CurvatureSpec"]
+__all__ = ["MAX_K", "WHOLE_MODEL", "CheckpointProbe", "CurvatureSpec"]
 
 #: The block name of the whole model's rows.
 WHOLE_MODEL = "model"
+#: The most top eigenvalues ``--curvature-k`` asks for (memory and the parameter count may allow fewer).
+MAX_K = 1000
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,31 @@ class CurvatureSpec:
     def overrides(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("optimizer", "lr", "momentum", "beta1", "beta2", "eps")}
 
+    def check_size(self, n_params: int, budget: int | None = None) -> None:
+        """Refuse ``k`` (or ``max_iter``) beyond what Lanczos on *n_params* parameters can hold, in one line.
+
+        The whole-model operator keeps ``min(max(k, max_iter), n)`` float64 vectors of length
+        ``n`` (and a stacked copy): at most ``n`` of them, and at most what fits in *budget*
+        bytes (default :func:`~gradforensics.replay.curvature.basis_budget`, half the available
+        memory); ``k`` is also at most :data:`MAX_K` (each eigenvalue costs Hessian-vector products).
+        """
+        budget = basis_budget() if budget is None else budget
+        fits = largest_k(n_params, budget)
+        for flag, v, held, top in (("--curvature-k", self.k, self.k, min(fits, MAX_K)),
+                                   ("--curvature-iters", self.max_iter, min(self.max_iter, n_params), fits)):
+            if held <= top:
+                continue
+            if top == MAX_K < fits:
+                why = ("Lanczos is for the top of the spectrum: every eigenvalue asked for is at least one more "
+                       "Hessian-vector product over the kept batches, for the model and each block")
+            elif top == n_params:
+                why = f"the model has {n_params:,} trainable parameters"
+            else:
+                need = BASIS_BYTES * min(v, n_params) * n_params
+                why = (f"Lanczos on the model's {n_params:,} parameters would keep {need / 2**30:,.1f} GiB of vectors; "
+                       f"{budget / 2**30:,.1f} GiB may be used (half the available memory)")
+            raise SpecError(f"{flag} {v}: at most {top} here ({why}).")
+
 
 class CheckpointProbe:
     """Curvature and optimizer-state measurements of one replay (see the module doc)."""
@@ -107,6 +134,7 @@ class CheckpointProbe:
             A weight of *model* is NaN or infinite (named, before any batch): its Hessian has no eigenvalues.
         """
         check_finite_weights(model)
+        spec.check_size(sum(p.numel() for p in model.parameters() if p.requires_grad))
         found = read_optimizer_state(path)
         if found is None:
             return cls(spec, hyper_of(None, spec.overrides()))
@@ -145,6 +173,7 @@ class CheckpointProbe:
         from gradforensics.store.probes import CurvatureData
 
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.spec.check_size(sum(p.numel() for p in params.values()))
         chosen = [n for n in params if self.spec.tensors is None
                   or any(fnmatch.fnmatchcase(n, g) for g in self.spec.tensors)]
         if not chosen:

@@ -12,19 +12,22 @@ containers is refused before anything in it runs.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MAX_HEADER_BYTES", "MAX_JSON_BYTES", "check_safetensors", "check_weight_files", "json_kind", "one_line",
-           "read_json_object", "read_state_dict", "torch_load"]
+__all__ = ["MAX_HEADER_BYTES", "MAX_JSON_BYTES", "check_regular", "check_safetensors", "check_tensors",
+           "check_weight_files", "json_kind", "one_line", "open_regular", "read_json_object", "read_state_dict",
+           "torch_load"]
 
 
 #: the largest safetensors header read (the cap of the safetensors library itself)
@@ -34,6 +37,58 @@ MAX_JSON_BYTES = 100_000_000
 #: bytes per element of the safetensors dtypes whose sizes are checked against the data offsets
 _ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
                    "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
+
+
+def _not_regular(mode: int) -> str | None:
+    """What a file of *mode* is when it is not a regular file (``None`` for a regular one)."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
+
+
+def _refuse_kind(file: Path | str, what: str, error: type[Exception]) -> Exception:
+    return error(f"{file}: {what}, not a regular file; only regular files are read (a pipe or device can block "
+                 "or never end).")
+
+
+def check_regular(file: Path | str, error: type[Exception] = CheckpointError) -> int:
+    """The size of *file*, refused in one line (*error*) unless it is a regular file (symbolic links followed).
+
+    A named pipe would block ``open()`` until a writer comes, a device never ends; neither is data.
+    """
+    try:
+        mode = os.stat(file)
+    except OSError as exc:
+        raise error(f"{file}: cannot be read ({one_line(exc)}).") from exc
+    what = _not_regular(mode.st_mode)
+    if what is not None:
+        raise _refuse_kind(file, what, error)
+    return mode.st_size
+
+
+def open_regular(file: Path | str, error: type[Exception] = CheckpointError) -> IO[bytes]:
+    """*file* opened for binary reading, refused in one line (*error*) unless it is a regular file.
+
+    Checked with ``os.stat`` first, then opened with ``O_NONBLOCK`` (a FIFO swapped in after the
+    check does not block the open) and checked again on the open descriptor.
+    """
+    check_regular(file, error)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(file, flags)
+    except OSError as exc:
+        raise error(f"{file}: cannot be read ({one_line(exc)}).") from exc
+    try:
+        what = _not_regular(os.fstat(fd).st_mode)
+        if what is not None:
+            raise _refuse_kind(file, what, error)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def json_kind(obj: Any) -> str:
@@ -60,8 +115,9 @@ def _parse_json(raw: bytes, file: Path, what: str = "") -> dict[str, Any]:
 def read_json_object(file: Path) -> dict[str, Any]:
     """The JSON object in *file* (at most :data:`MAX_JSON_BYTES`); one-line :class:`CheckpointError` otherwise."""
     try:
-        size = file.stat().st_size
-        raw = file.read_bytes() if size <= MAX_JSON_BYTES else b""
+        with open_regular(file) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            raw = fh.read(MAX_JSON_BYTES + 1) if size <= MAX_JSON_BYTES else b""
     except OSError as exc:
         raise CheckpointError(f"{file}: cannot be read ({one_line(exc)}).") from exc
     if size > MAX_JSON_BYTES:
@@ -81,8 +137,8 @@ def check_safetensors(file: Path) -> None:
     :data:`MAX_HEADER_BYTES` before anything is read for it (a length of 2**62 allocates nothing).
     """
     try:
-        size = file.stat().st_size
-        with file.open("rb") as f:
+        with open_regular(file) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             n = int.from_bytes(head, "little")
             raw = f.read(n) if len(head) == 8 and n <= min(size - 8, MAX_HEADER_BYTES) else b""
@@ -128,22 +184,70 @@ def torch_load(file: Path, *, mmap: bool = False) -> Any:
     Every way the file can fail is one :class:`CheckpointError` naming it; a pickle that names a
     global outside torch's allowlist is refused before anything in it is called.
     """
-    import struct
     import zipfile
+
+    with open_regular(file) as f:
+        try:
+            zipped = f.read(4) == b"PK\x03\x04"     # what torch.load takes for its zip format
+            whole = zipped and zipfile.is_zipfile(f)
+            f.seek(0)
+        except OSError as exc:
+            raise CheckpointError(f"{file}: cannot be read ({one_line(exc)}).") from exc
+        if zipped and not whole:
+            raise CheckpointError(f"{file}: a zip archive (torch.save's format) without its central directory: "
+                                  "truncated.")
+        # the open regular file itself, unless memory-mapped (torch maps by name: checked just above)
+        obj = _torch_load(file, file if mmap and zipped else f, mmap and zipped)
+    check_tensors(obj, file)
+    return obj
+
+
+def check_tensors(obj: Any, file: Path | str, what: str = "") -> None:
+    """Refuse every tensor in *obj* whose declared shape needs more bytes than its storage holds.
+
+    A view's elements may overlap in storage (``torch.zeros(1).expand(30000, 30000)``: strides
+    0, 3.6 GB declared over 4 B saved); ``torch.load`` checks only that the view lies inside its
+    storage, and the first copy or arithmetic would materialise the declared size.  Checked on
+    the loaded object before anything reads the data (a memory-mapped storage is not touched):
+    a tensor's distinct content is its storage, so its declared bytes must fit the storage.
+    """
+    import torch
+
+    stack, seen = [(what, obj)], set()
+    while stack:
+        name, o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            _check_tensor(o, name, file)
+        elif isinstance(o, Mapping):
+            stack += [(f"{name}.{k}" if name else str(k), v) for k, v in o.items()]
+        elif isinstance(o, (list, tuple)):
+            stack += [(f"{name}[{i}]", v) for i, v in enumerate(o)]
+
+
+def _check_tensor(t: torch.Tensor, name: str, file: Path | str) -> None:
+    import torch
+
+    if t.layout is not torch.strided or t.numel() == 0:
+        return
+    declared = t.numel() * t.element_size()
+    held = t.untyped_storage().nbytes()
+    if declared > held:
+        raise CheckpointError(f"{file}: tensor {_short(name[:200])} declares shape {tuple(t.shape)} ({declared:,} B) "
+                              f"with strides {tuple(t.stride())} over a storage of {held:,} B: an expanded or "
+                              "overlapping view, refused before it is materialised; save it with .contiguous().")
+
+
+def _torch_load(file: Path, src: Any, mmap: bool) -> Any:
+    """``torch.load(src, weights_only=True)``; every failure one :class:`CheckpointError` naming *file*."""
+    import struct
 
     import torch
 
     try:
-        with file.open("rb") as f:
-            zipped = f.read(4) == b"PK\x03\x04"     # what torch.load takes for its zip format
-        whole = zipped and zipfile.is_zipfile(file)
-    except OSError as exc:
-        raise CheckpointError(f"{file}: cannot be read ({one_line(exc)}).") from exc
-    if zipped and not whole:
-        raise CheckpointError(f"{file}: a zip archive (torch.save's format) without its central directory: "
-                              "truncated.")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap and zipped)
+        return torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         text = " ".join(str(exc).split()).rpartition("WeightsUnpickler error: ")[2]
         text = text.partition(" Check the documentation of torch.load")[0]

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,7 +270,10 @@ def _entries(here: Path) -> tuple[list[str], list[os.DirEntry[str]], list[str]]:
 
 def _read_json(path: str, rel: str, file: Path) -> dict[str, Any]:
     where = f"{rel}/zarr.json" if rel else "zarr.json"
-    size = file.stat().st_size
+    st = file.stat()
+    if not stat.S_ISREG(st.st_mode):        # a named pipe would block the read until a writer came
+        raise corrupt(path, where, "not a regular file (a named pipe, socket or device)")
+    size = st.st_size
     if size > MAX_METADATA_BYTES:
         raise corrupt(path, where, f"{size} bytes, more than any metadata gradforensics writes")
     return parse_metadata(path, where, file.read_bytes())

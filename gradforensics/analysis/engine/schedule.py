@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.analysis.engine.options import EngineOptions
+from gradforensics.analysis.toolkit.cluster import ClusterWatch, gather_all, next_ready, scheduler_lost
 from gradforensics.analysis.toolkit.parallel import worker_lost, workers_add_cores
 
 if TYPE_CHECKING:
@@ -45,18 +46,24 @@ def compute_collections(collections: list[Any], client: Client | None, progress:
     if client is not None:
         client.run(_pin_blas)
         futures = client.compute(collections, optimize_graph=optimize)
-        if progress:
+        if progress:                           # drawn beside the wait: it blocks until every task is done
+            import threading
+
             from distributed import progress as dprogress
 
-            dprogress(futures)
+            threading.Thread(target=dprogress, args=(futures,), name="gradforensics-progress", daemon=True).start()
+        from concurrent.futures import CancelledError
+
         from distributed.scheduler import KilledWorker
 
         try:
             if arrive:
-                return _gather_spilling(futures, arrive)
-            return list(client.gather(futures))
+                return _gather_spilling(client, futures, arrive)
+            return gather_all(client, futures, "the Gram pass")    # a cluster that lost its workers: one line
         except KilledWorker as exc:            # killed past its memory limit, say: one line, not dask's traceback
             raise worker_lost(exc, "the Gram pass") from None
+        except CancelledError as exc:          # FutureCancelledError: the scheduler went away
+            raise scheduler_lost(client, "the Gram pass", exc) from None
     from threadpoolctl import threadpool_limits
 
     kwargs: dict[str, Any] = {}
@@ -72,7 +79,7 @@ def compute_collections(collections: list[Any], client: Client | None, progress:
         return list(dask.compute(*collections, optimize_graph=optimize, **kwargs))
 
 
-def _gather_spilling(futures: list[Any], arrive: Mapping[int, GramSpill]) -> list[Any]:
+def _gather_spilling(client: Client, futures: list[Any], arrive: Mapping[int, GramSpill]) -> list[Any]:
     """The values of *futures* as they complete; those in *arrive* written to their spill first."""
     from distributed import as_completed
 
@@ -80,7 +87,8 @@ def _gather_spilling(futures: list[Any], arrive: Mapping[int, GramSpill]) -> lis
     for i, f in enumerate(futures):
         at.setdefault(f.key, []).append(i)
     values: list[Any] = [None] * len(futures)
-    for fut in as_completed(futures):
+    done, watch = as_completed(futures), ClusterWatch(client, "the Gram pass")
+    while (fut := next_ready(done, watch)) is not None:
         val = fut.result()
         for i in at.pop(fut.key, []):
             values[i] = arrive[i].arrive(i, val) if i in arrive else val

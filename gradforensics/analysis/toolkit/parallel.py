@@ -201,8 +201,12 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
     A batch travels inside its task (not scattered ahead): a task whose worker dies is
     run again elsewhere (the scheduler's ``allowed-failures``) from what it carries.
     """
+    from concurrent.futures import CancelledError
+
     from distributed import as_completed
     from distributed.scheduler import KilledWorker
+
+    from gradforensics.analysis.toolkit.cluster import ClusterWatch, next_ready, scheduler_lost
 
     slots = max(1, sum(client.nthreads().values()))         # threads of every worker
     out: list[Any] = [None] * len(todo)
@@ -220,13 +224,16 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
 
     for _ in range(2 * slots):          # two batches a worker thread in flight: the client holds that many
         ship()
+    watch = ClusterWatch(client, "the per-unit statistics")
     try:
-        for fut in done:
+        while (fut := next_ready(done, watch)) is not None:
             start, where = at.pop(fut.key)
             try:
                 res = fut.result()
             except KilledWorker as exc:
                 raise worker_lost(exc, f"the per-unit statistics of {where}") from None
+            except CancelledError as exc:            # FutureCancelledError: the scheduler went away
+                raise scheduler_lost(client, f"the per-unit statistics of {where}", exc) from None
             except MemoryError:
                 raise WorkerLostError(f"a dask worker ran out of memory running the per-unit statistics of {where}; "
                                       f"{_ADVICE}") from None
@@ -234,8 +241,9 @@ def _on_workers(client: Any, fn: Callable[[T], R], todo: Sequence[T]) -> list[R]
             del fut, res
             ship()
     finally:
-        if done.futures:
-            client.cancel(list(done.futures))
+        if done.futures and client.status == "running":
+            with suppress(OSError, TimeoutError):
+                client.cancel(list(done.futures))
     return out
 
 
