@@ -28,12 +28,14 @@ from typing import Any
 import numpy as np
 
 from gradforensics.errors import StoreClosedError, StoreExistsError, StoreMismatchError
-from gradforensics.store.backends import guess_backend, locate, open_backend
+from gradforensics.store.backends import create_backend, guess_backend, locate
 from gradforensics.store.layout import LayoutPolicy, chunk_shape, records_per_chunk
 from gradforensics.store.location import Location
 from gradforensics.store.lock import StoreLock
+from gradforensics.store.pause import pause_point
 from gradforensics.store.remote import clear_url
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta
+from gradforensics.store.staging import clear_staged
 
 __all__ = ["WEIGHT_RECORD", "Row", "StoreWriter"]
 
@@ -66,8 +68,8 @@ class StoreWriter:
         self.location = locate(path, storage_options)
         self.path = self.location.path
         self.kind = self.location.kind
-        self._lock, self._backend = self._open(overwrite)
         self.meta = meta
+        self._lock, self._backend = self._open(overwrite)
         self.policy = policy or LayoutPolicy()
         self._fixed_r = records_per_chunk
         self._expected = expected_records           # known in advance: chunks sized for no padding
@@ -83,17 +85,20 @@ class StoreWriter:
         self._nw = 0
         self._r = 0
         self._closed = False
+        pause_point("store-created")
         self._commit()
 
     def _open(self, overwrite: bool) -> tuple[Any, Any]:
-        """Take the writer lock, make room and create the store (a multi-rank writer overrides it)."""
+        """Take the writer lock, make room and create the store, its identity in the creating write (a
+        multi-rank writer overrides it)."""
         lock = StoreLock(self.location).acquire()
         try:
             if self.location.is_url:
                 clear_url(self.path, overwrite, self.location.storage_options)
             else:
+                clear_staged(self.path)               # what a writer killed while creating it left
                 _clear_path(Path(self.path), overwrite)
-            return lock, open_backend(self.location, "w")
+            return lock, create_backend(self.location, {ROOT_ATTR: self.meta.committed(0, 0).to_attrs()})
         except BaseException:
             lock.release()
             raise
