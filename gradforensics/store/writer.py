@@ -85,6 +85,7 @@ class StoreWriter:
         self._nw = 0
         self._r = 0
         self._closed = False
+        self._committed_meta: StoreMeta | None = None    # the root attributes as last committed
         pause_point("store-created")
         self._commit()
 
@@ -181,6 +182,8 @@ class StoreWriter:
             if self._rows > self._n:      # arrays grown ahead: back to the records written
                 for name in self._layout:
                     self._backend.truncate(name, self._n)
+            if self.meta != self._committed_meta:     # attributes set since the last commit (an import's summary)
+                self._commit()
         finally:
             self._closed = True
             try:
@@ -298,6 +301,7 @@ class StoreWriter:
     def _commit(self) -> None:
         self._lock.check()        # again right before the commit: a late flush never commits into another's store
         self._backend.set_root_attr(ROOT_ATTR, self.meta.committed(self._n, self._nw).to_attrs())
+        self._committed_meta = self.meta
         self._lock.heartbeat()
 
 

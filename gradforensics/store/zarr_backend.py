@@ -258,7 +258,7 @@ def _unfinished(path: Path) -> bool:
     replaces it.  zarr's temporary ``*.partial`` files of that one write may be beside it.
     """
     entries = list(path.iterdir())
-    if any(e.is_symlink() or not e.is_file() or e.name != "zarr.json" and e.suffix != ".partial" for e in entries):
+    if any(e.is_symlink() or not e.is_file() or (e.name != "zarr.json" and e.suffix != ".partial") for e in entries):
         return False
     if not (path / "zarr.json").is_file():
         return True
