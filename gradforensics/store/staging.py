@@ -48,7 +48,7 @@ def clear_staged(path: str | os.PathLike[str]) -> list[Path]:
     and zarr's temporary ``*.partial`` files.  The caller holds the store's lock.
     """
     p = Path(path)
-    gone = []
+    gone: list[Path] = []
     if not p.parent.is_dir():
         return gone
     for entry in p.parent.glob(f".{p.name}{_TAG}*"):
