@@ -200,3 +200,39 @@ def test_an_import_refused_before_its_first_record_leaves_no_store(tmp_path, cap
     code, err = _main(capsys, "import", str(src), "--out", str(out), "--quiet")
     assert code == 0, err
     assert Store(out).n_records == 2
+
+
+def test_only_provable_staging_leftovers_are_removed(tmp_path):
+    from gradforensics.store.staging import clear_staged
+
+    out = tmp_path / "out.zarr"
+    ours = tmp_path / ".out.zarr.creating-123"
+    ours.mkdir()
+    (ours / "zarr.json").write_text("{}")
+    (ours / "zarr.0123abcd.partial").write_text("")
+    h5 = tmp_path / ".out.zarr.creating-77"
+    h5.write_bytes(b"\x89HDF")
+    theirs = tmp_path / ".out.zarr.creating-456"       # holds something a staging store never holds
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    other = tmp_path / ".out.zarr.creating-x"            # not a pid
+    other.write_text("mine")
+    link = tmp_path / ".out.zarr.creating-9"
+    link.symlink_to(theirs)
+    assert sorted(p.name for p in clear_staged(out)) == [".out.zarr.creating-123", ".out.zarr.creating-77"]
+    assert (theirs / "notes.txt").exists() and other.exists() and link.is_symlink()
+
+
+def test_a_megatron_import_refused_before_its_first_record_leaves_no_store(tmp_path):
+    from test_import_megatron import LAYOUTS, reference, write_dump
+
+    lay = LAYOUTS["tp2_pp2"]
+    save = tmp_path / "save"
+    write_dump(save, lay, {it: reference(lay, it) for it in (1, 2)})
+    write_dump(save, lay, {it: reference(lay, it) for it in (1, 2)}, kind="params")
+    (save / "params" / "iter_0000001" / "mp_rank_01_001.pth").unlink()     # the first record's weights: a rank lost
+    out = tmp_path / "mg.h5"
+    refused = _cli("import", str(save), "--format", "megatron", "--gated-mlp", "--out", str(out), "--quiet")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "mp_rank_01_001.pth is missing" in lines[0], refused.stderr
+    assert not out.exists()
