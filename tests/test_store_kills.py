@@ -236,3 +236,16 @@ def test_a_megatron_import_refused_before_its_first_record_leaves_no_store(tmp_p
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1 and "mp_rank_01_001.pth is missing" in lines[0], refused.stderr
     assert not out.exists()
+
+
+def test_a_store_holding_zarrs_temporary_file_of_a_killed_commit_is_replaced(tmp_path):
+    import gradforensics as gf
+
+    out = tmp_path / "rec.zarr"
+    for _ in range(2):
+        with gf.Recorder(out, sources=["a"], overwrite=True) as rec:
+            rec.record(source="a", grads={"w": np.ones((4, 3), np.float32)})
+        # what a kill inside zarr's write of a zarr.json leaves beside it
+        (out / "zarr.0123456789abcdef0123456789abcdef.partial").write_text("{")
+        (out / "grads" / "w" / "zarr.fedcba9876543210fedcba9876543210.partial").write_text("{")
+        assert Store(out).n_records == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from functools import cached_property
 from pathlib import Path
@@ -41,6 +42,11 @@ def _zarr_codecs(compression: str, checksum: bool) -> dict[str, Any]:
     if checksum:
         codecs.append(zc.Crc32cCodec())
     return {"compressors": codecs or None}
+
+
+#: zarr's temporary file of a metadata write (``zarr.json`` is written beside, then renamed): what a writer
+#: killed during a commit leaves; ours, so ``overwrite=True`` may delete it with the store
+_ZARR_TEMP = re.compile(r"^zarr\.[0-9a-f]{32}\.partial$")
 
 
 class ZarrBackend:
@@ -79,7 +85,7 @@ class ZarrBackend:
                 if (Path(top) / entry).is_symlink():
                     return f"holds a symbolic link ({Path(*rel, entry)})"
             for f in files:
-                if f != "zarr.json" and "c" not in rel:
+                if f != "zarr.json" and "c" not in rel and not _ZARR_TEMP.match(f):
                     return f"holds {Path(*rel, f)}, which no gradforensics store holds"
         return None
 
@@ -258,7 +264,7 @@ def _unfinished(path: Path) -> bool:
     replaces it.  zarr's temporary ``*.partial`` files of that one write may be beside it.
     """
     entries = list(path.iterdir())
-    if any(e.is_symlink() or not e.is_file() or (e.name != "zarr.json" and e.suffix != ".partial") for e in entries):
+    if any(e.is_symlink() or not e.is_file() or (e.name != "zarr.json" and not _ZARR_TEMP.match(e.name)) for e in entries):
         return False
     if not (path / "zarr.json").is_file():
         return True
