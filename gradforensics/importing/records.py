@@ -22,6 +22,7 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.store.heads import HeadSpec
+from gradforensics.store.pause import pause_point
 from gradforensics.store.schema import batch_path, grad_path, new_meta, weight_path
 from gradforensics.store.writer import Row, StoreWriter
 
@@ -101,7 +102,10 @@ class ImportWriter:
         self.force = force
         self.say = None if quiet else (file or sys.stderr)
         self._estimate(out, dict(per_record))
-        self.writer = StoreWriter(out, meta, overwrite=overwrite, storage_options=storage_options)
+        # One record a flush: every record is committed once written, so a kill loses only the one being read
+        # (a record costs a checkpoint's load; a Recorder's flushes of up to 64 are for a training loop's pace).
+        self.writer = StoreWriter(out, meta, overwrite=overwrite, storage_options=storage_options,
+                                  records_per_chunk=1, expected_records=total)
         self.location = self.writer.location
         self.bar = Progress(total, self.say)
         self.n = 0
@@ -109,8 +113,14 @@ class ImportWriter:
     def __enter__(self) -> ImportWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """Close; an import that fails before its first record removes the empty store it created, so the
+        rerun on a fixed source is not refused by it."""
+        try:
+            self.close()
+        finally:
+            if exc_type is not None:
+                self.writer.discard_if_empty()
 
     def record(self, interval: Interval, grads: Mapping[str, Any],
                weights: Sequence[Mapping[str, Any]] = ()) -> None:
@@ -124,6 +134,7 @@ class ImportWriter:
         self.writer.append(rows, snaps[-1] if snaps else None)
         self.n += 1
         self.bar.update(self.n)
+        pause_point("import-record")
 
     def annotate(self, **entries: Any) -> None:
         """Add *entries* to the root attributes' ``extra["import"]`` (written with the next commit; NaN as null)."""

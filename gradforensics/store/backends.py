@@ -35,7 +35,7 @@ from gradforensics.store.location import Location
 from gradforensics.store.schema import decode_bf16
 from gradforensics.store.zarr_backend import ZarrBackend
 
-__all__ = ["BACKENDS", "STORE_SUFFIXES", "ArrayHandle", "StoreBackend", "backend_class", "backend_kind",
+__all__ = ["BACKENDS", "STORE_SUFFIXES", "ArrayHandle", "StoreBackend", "backend_class", "backend_kind", "create_backend",
            "guess_backend", "locate", "open_backend", "read_handles"]
 
 
@@ -69,6 +69,10 @@ class StoreBackend(Protocol):
     @classmethod
     def not_a_store(cls, path: Path) -> str | None:
         """Why the local *path* is not a gradforensics store that ``overwrite=True`` may delete, or None."""
+    @classmethod
+    def create_store(cls, location: Location, attrs: dict[str, Any]) -> StoreBackend:
+        """A new store at *location* (nothing there) whose root attributes are *attrs* from the moment it exists,
+        opened for writing."""
 
     def inventory(self, unlisted: Callable[[str], bool] | None = None) -> Inventory:
         """Root attributes and every array, listed from the store's own files without trusting them
@@ -153,6 +157,12 @@ def locate(where: Location | str | os.PathLike[str], storage_options: Mapping[st
 def backend_kind(where: Location | str | os.PathLike[str]) -> str:
     """``"zarr"`` or ``"hdf5"``: the backend of the store at *where* (:func:`locate`)."""
     return locate(where).kind
+
+
+def create_backend(where: Location | str | os.PathLike[str], attrs: dict[str, Any]) -> StoreBackend:
+    """A new store at *where* holding root attributes *attrs* from its creation (its identity), open for writing."""
+    loc = locate(where)
+    return backend_class(loc.kind).create_store(loc, attrs)
 
 
 def open_backend(where: Location | str | os.PathLike[str], mode: str = "r",

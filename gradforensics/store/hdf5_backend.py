@@ -19,6 +19,7 @@ from gradforensics.errors import NotAStoreError, StoreLockedError
 from gradforensics.store.hdf5_inventory import from_h5_attr, hdf5_inventory
 from gradforensics.store.inventory import Inventory
 from gradforensics.store.location import Location, located
+from gradforensics.store.staging import publish, staging_path
 
 __all__ = ["HDF5Backend"]
 
@@ -87,6 +88,23 @@ class HDF5Backend:
                 raise locked from exc
             return "is not an HDF5 file"
         return None
+
+    @classmethod
+    def create_store(cls, location: Location, attrs: dict[str, Any]) -> HDF5Backend:
+        """A new store file that holds *attrs* from the moment it is at its path.
+
+        Made under a staging name, its root attributes written and the file closed, then
+        renamed into place (:mod:`gradforensics.store.staging`): a half-made HDF5 file is never
+        at the store's path.
+        """
+        import h5py
+
+        staged = staging_path(location.path)
+        with h5py.File(staged, "w") as f:
+            for k, v in attrs.items():
+                f.attrs[k] = json.dumps(v)
+        publish(staged, location.path)
+        return cls(location, "a")
 
     def __init__(self, where: Location | str | os.PathLike[str], mode: str = "r") -> None:
         import h5py

@@ -42,6 +42,9 @@ def rows_of(name: str, meta: StoreMeta) -> int | None:
 
 def check_arrays(path: str, meta: StoreMeta, arrays: dict[str, StoredArray], check_chunks: bool) -> None:
     """Every schema check of the store at *path*; raises on the first problem."""
+    if meta.n_records == 0 and meta.n_weights == 0 and not any(n.startswith("batches/") for n in arrays):
+        raise MissingArrayError(f"{path}: holds no record (its writer stopped before its first one); write it "
+                                "again, replacing it (--overwrite, overwrite=True).")
     for f in REQUIRED_BATCHES:
         if f"batches/{f}" not in arrays:
             raise MissingArrayError(f"{path}: required array batches/{f} is missing; the store is incomplete.")

@@ -33,12 +33,14 @@ from typing import Any
 import numpy as np
 
 from gradforensics.errors import StoreClosedError, StoreExistsError, StoreMismatchError, WriteRefusedError, refusal
-from gradforensics.store.backends import guess_backend, locate, open_backend
+from gradforensics.store.backends import create_backend, guess_backend, locate
 from gradforensics.store.layout import LayoutPolicy, chunk_shape, records_per_chunk
 from gradforensics.store.location import Location
 from gradforensics.store.lock import StoreLock
+from gradforensics.store.pause import pause_point
 from gradforensics.store.remote import clear_url
 from gradforensics.store.schema import ROOT_ATTR, StoreMeta
+from gradforensics.store.staging import clear_staged
 
 __all__ = ["WEIGHT_RECORD", "Row", "StoreWriter"]
 
@@ -71,8 +73,8 @@ class StoreWriter:
         self.location = locate(path, storage_options)
         self.path = self.location.path
         self.kind = self.location.kind
-        self._lock, self._backend = self._open(overwrite)
         self.meta = meta
+        self._lock, self._backend = self._open(overwrite)
         self.policy = policy or LayoutPolicy()
         self._fixed_r = records_per_chunk
         self._expected = expected_records           # known in advance: chunks sized for no padding
@@ -90,6 +92,8 @@ class StoreWriter:
         self._closed = False
         #: the refusal that stopped this writer (a full disk ...): nothing more is written after it
         self._refused: WriteRefusedError | None = None
+        self._committed_meta: StoreMeta | None = None    # the root attributes as last committed
+        pause_point("store-created")
         try:
             with self._refusals("creating the store"):
                 self._commit()
@@ -98,14 +102,16 @@ class StoreWriter:
             raise
 
     def _open(self, overwrite: bool) -> tuple[Any, Any]:
-        """Take the writer lock, make room and create the store (a multi-rank writer overrides it)."""
+        """Take the writer lock, make room and create the store, its identity in the creating write (a
+        multi-rank writer overrides it)."""
         lock = StoreLock(self.location).acquire()
         try:
             if self.location.is_url:
                 clear_url(self.path, overwrite, self.location.storage_options)
             else:
+                clear_staged(self.path)               # what a writer killed while creating it left
                 _clear_path(Path(self.path), overwrite)
-            backend = open_backend(self.location, "w")
+            backend = create_backend(self.location, {ROOT_ATTR: self.meta.committed(0, 0).to_attrs()})
             fence = getattr(backend, "fence", None)
             if fence is not None:     # at an s3:// URL every later PUT is conditional: a fenced writer lands none
                 fence(lock.check)
@@ -220,6 +226,8 @@ class StoreWriter:
                 with self._refusals("trimming the arrays to the records written"):
                     for name in self._layout:
                         self._backend.truncate(name, self._n)
+            if self.meta != self._committed_meta:     # attributes set since the last commit (an import's summary)
+                self._commit()
         finally:
             self._close_quietly()
 
@@ -364,6 +372,7 @@ class StoreWriter:
     def _commit(self) -> None:
         self._lock.check()        # again right before the commit: a late flush never commits into another's store
         self._backend.set_root_attr(ROOT_ATTR, self.meta.committed(self._n, self._nw).to_attrs())
+        self._committed_meta = self.meta
         self._lock.heartbeat()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from functools import cached_property
 from pathlib import Path
@@ -21,6 +22,7 @@ from gradforensics.store.inventory import Inventory, refuse_links, zarr_inventor
 from gradforensics.store.layout import dimension_names
 from gradforensics.store.location import Location, located
 from gradforensics.store.remote_inventory import remote_zarr_inventory
+from gradforensics.store.staging import publish, staging_path
 from gradforensics.store.url_reads import read_store
 
 __all__ = ["ZarrBackend", "read_url_array"]
@@ -40,6 +42,11 @@ def _zarr_codecs(compression: str, checksum: bool) -> dict[str, Any]:
     if checksum:
         codecs.append(zc.Crc32cCodec())
     return {"compressors": codecs or None}
+
+
+#: zarr's temporary file of a metadata write (``zarr.json`` is written beside, then renamed): what a writer
+#: killed during a commit leaves; ours, so ``overwrite=True`` may delete it with the store
+_ZARR_TEMP = re.compile(r"^zarr\.[0-9a-f]{32}\.partial$")
 
 
 class ZarrBackend:
@@ -64,6 +71,8 @@ class ZarrBackend:
     def not_a_store(cls, path: Path) -> str | None:
         if not path.is_dir():
             return "is not a directory"
+        if _unfinished(path):
+            return None
         try:
             root = json.loads((path / "zarr.json").read_text())
             if not isinstance(root.get("attributes", {}).get("gradforensics"), dict):
@@ -76,13 +85,30 @@ class ZarrBackend:
                 if (Path(top) / entry).is_symlink():
                     return f"holds a symbolic link ({Path(*rel, entry)})"
             for f in files:
-                if f != "zarr.json" and "c" not in rel:
+                if f != "zarr.json" and "c" not in rel and not _ZARR_TEMP.match(f):
                     return f"holds {Path(*rel, f)}, which no gradforensics store holds"
         return None
 
+    @classmethod
+    def create_store(cls, location: Location, attrs: dict[str, Any]) -> ZarrBackend:
+        """A new store whose root ``zarr.json`` carries *attrs* from the write that creates it.
+
+        Locally it is made under a staging name and renamed into place
+        (:mod:`gradforensics.store.staging`); at a URL the root ``zarr.json`` is one PUT.
+        """
+        import zarr
+
+        if location.is_url:
+            return cls(location, "w", root_attrs=attrs)
+        staged = staging_path(location.path)
+        zarr.open_group(str(staged), mode="w", zarr_format=3, attributes=attrs)
+        publish(staged, location.path)
+        return cls(location, "a")
+
     def __init__(self, where: Location | str | os.PathLike[str], mode: str = "r",
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, root_attrs: dict[str, Any] | None = None) -> None:
         self.location = located(where, storage_options)
+        self._root_attrs = root_attrs if mode == "w" else None     # written with the group's creation
         self.path = self.location.path
         self.mode = mode
         self.url = self.location.is_url
@@ -105,10 +131,11 @@ class ZarrBackend:
             store = self._zarr_store = remote.zarr_store(self.path, self.mode == "r", self.storage_options,
                                                          fenced=self.mode != "r")
             return remote.translated(self.path, lambda: zarr.open_group(
-                store, mode=self.mode, zarr_format=3, use_consolidated=False),  # type: ignore[arg-type]
-                op="opening the store")
+                store, mode=self.mode, zarr_format=3, use_consolidated=False,  # type: ignore[arg-type]
+                attributes=self._root_attrs), op="opening the store")
         try:
-            return zarr.open_group(self.path, mode=self.mode, zarr_format=3, use_consolidated=False)  # type: ignore[arg-type]
+            return zarr.open_group(self.path, mode=self.mode, zarr_format=3, use_consolidated=False,  # type: ignore[arg-type]
+                                   attributes=self._root_attrs)
         except (ValueError, TypeError, KeyError) as exc:
             raise CorruptStoreError(f"{self.path}: zarr cannot open the root group ({type(exc).__name__}: {exc}); "
                                     "the store's metadata is damaged.") from exc
@@ -238,6 +265,25 @@ class ZarrBackend:
 
     def close(self) -> None:
         pass
+
+
+def _unfinished(path: Path) -> bool:
+    """Whether the directory *path* holds nothing to lose: empty, or an empty Zarr group without attributes.
+
+    What a writer killed as it created the store could leave (before the store was created
+    under a staging name and renamed, :mod:`gradforensics.store.staging`): ``overwrite``
+    replaces it.  zarr's temporary ``*.partial`` files of that one write may be beside it.
+    """
+    entries = list(path.iterdir())
+    if any(e.is_symlink() or not e.is_file() or (e.name != "zarr.json" and not _ZARR_TEMP.match(e.name)) for e in entries):
+        return False
+    if not (path / "zarr.json").is_file():
+        return True
+    try:
+        root = json.loads((path / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(root, dict) and root.get("node_type") == "group" and not root.get("attributes")
 
 
 def _walk_zarr(group: Any) -> list[str]:
