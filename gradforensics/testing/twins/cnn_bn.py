@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from gradforensics.testing.twins.relu_mlp import HELD_OUT, dead_shares
+from gradforensics.testing.twins.relu_mlp import HELD_OUT, dead_shares, record_digits
 
 __all__ = ["LR", "STEPS", "train"]
 
@@ -55,7 +55,6 @@ def _eval_dead(model: Any, x: Any) -> dict[str, float]:
 def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
     """Record arm *arm* (``dead`` or ``sane``) at *path*; returns the dead-channel shares measured in torch."""
     import torch
-    from torch import nn
 
     import gradforensics as gf
     from gradforensics.testing.real_runs import digits
@@ -71,19 +70,13 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=LR[arm], momentum=0.9)
     first = _eval_dead(model, xte)
-    rng = np.random.default_rng([seed, 41])
-    with gf.Recorder(path, model=model, sources=["digits"], tensors=["*"], activations=["2", "5"],
-                     weights_every=10, overwrite=True, mode="training") as rec:
-        for step in range(STEPS):
-            idx = torch.from_numpy(rng.integers(len(xtr), size=BATCH))
-            loss = nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
-            loss.backward()
-            rec.record(step=step, loss=float(loss.detach()), source="digits", n_samples=BATCH, lr=LR[arm])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    rec = gf.Recorder(path, model=model, sources=["digits"], tensors=["*"], activations=["2", "5"],
+                      weights_every=10, overwrite=True, mode="training")
+    loss = record_digits(rec, model, opt, xtr, ytr, lr=LR[arm], steps=STEPS, rng=np.random.default_rng([seed, 41]),
+                         batch=BATCH)
     last = _eval_dead(model, xte)
     model.eval()
     with torch.no_grad():
         acc = float((model(xte).argmax(1) == yte).float().mean())
     return {"dead_first": first["all"], "dead_last": last["all"], "dead_last_2": last["2"],
-            "dead_last_5": last["5"], "accuracy": acc, "loss_last": float(loss.detach())}
+            "dead_last_5": last["5"], "accuracy": acc, "loss_last": loss}

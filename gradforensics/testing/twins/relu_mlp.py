@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LR", "STEPS", "dead_shares", "train"]
+__all__ = ["LR", "STEPS", "dead_shares", "record_digits", "train"]
 
 LR = {"high-lr": 0.5, "sane-lr": 0.05}
 STEPS = 150
@@ -75,18 +75,30 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=LR[arm], momentum=0.9)
     first = dead_shares(model, xte)
-    rng = np.random.default_rng([seed, 40])
-    with gf.Recorder(path, model=model, sources=["digits"], tensors=["0.weight", "2.weight", "4.weight"],
-                     activations=["1", "3"], weights_every=10, overwrite=True, mode="training") as rec:
-        for step in range(STEPS):
-            idx = torch.from_numpy(rng.integers(len(xtr), size=BATCH))
-            loss = nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
-            loss.backward()
-            rec.record(step=step, loss=float(loss.detach()), source="digits", n_samples=BATCH, lr=LR[arm])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    rec = gf.Recorder(path, model=model, sources=["digits"], tensors=["0.weight", "2.weight", "4.weight"],
+                      activations=["1", "3"], weights_every=10, overwrite=True, mode="training")
+    loss = record_digits(rec, model, opt, xtr, ytr, lr=LR[arm], steps=STEPS, rng=np.random.default_rng([seed, 40]))
     last = dead_shares(model, xte)
     with torch.no_grad():
         acc = float((model(xte).argmax(1) == yte).float().mean())
     return {"dead_first": first["all"], "dead_last": last["all"], "dead_last_1": last["1"],
-            "dead_last_3": last["3"], "accuracy": acc, "loss_last": float(loss.detach())}
+            "dead_last_3": last["3"], "accuracy": acc, "loss_last": loss}
+
+
+def record_digits(rec: Any, model: Any, opt: Any, xtr: Any, ytr: Any, *, lr: float, steps: int,
+                  rng: np.random.Generator, batch: int = BATCH) -> float:
+    """Train *model* on mini-batches of digits under cross-entropy, recording every step with *rec* (closed at the
+    end); returns the last loss.  Shared by the ``relu-mlp`` and ``cnn-bn`` families."""
+    import torch
+    from torch import nn
+
+    loss = torch.zeros(())
+    with rec:
+        for step in range(steps):
+            idx = torch.from_numpy(rng.integers(len(xtr), size=batch))
+            loss = nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
+            loss.backward()
+            rec.record(step=step, loss=float(loss.detach()), source="digits", n_samples=batch, lr=lr)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
