@@ -43,15 +43,21 @@ _REPLACE_ATTEMPTS = 4
 
 def _failed_precondition(exc: BaseException) -> bool:
     """Whether *exc* (s3fs's translation of a PUT's answer) says a condition of the PUT failed."""
-    from gradforensics.store.remote import _chain, _status_of
+    from gradforensics.store.answers import exception_chain, status_of
 
     if isinstance(exc, FileExistsError):      # s3fs: 412 on If-None-Match
         return True
-    for e in _chain(exc):
-        status, code = _status_of(e)
+    for e in exception_chain(exc):
+        status, code = status_of(e)
         if status == 412 or code == "PreconditionFailed":
             return True
     return False
+
+
+def _key_path(root: str, key: str) -> str:
+    """The object path of store key *key* under the store's root path *root*."""
+    root = root.rstrip("/")
+    return (f"{root}/{key}" if root else key).rstrip("/")
 
 
 def fenced_store_class() -> type:
@@ -59,7 +65,6 @@ def fenced_store_class() -> type:
     global _CLASS
     if _CLASS is None:
         from zarr.storage import FsspecStore
-        from zarr.storage._fsspec import _dereference_path
 
         class FencedFsspecStore(FsspecStore):  # type: ignore[misc]
             """An ``FsspecStore`` whose writes are conditional PUTs (see the module docstring)."""
@@ -81,7 +86,7 @@ def fenced_store_class() -> type:
                 if not self._is_open:
                     await self._open()
                 self._check_writable()
-                path = _dereference_path(self.path, key)
+                path = _key_path(self.path, key)
                 data = value.to_bytes()
                 etags = self._etags()
                 known = etags.get(path)

@@ -56,6 +56,7 @@ from gradforensics.errors import (
     StorePermissionError,
     StoreUnreachableError,
 )
+from gradforensics.store.answers import exception_chain, status_of
 
 T = TypeVar("T")
 
@@ -214,14 +215,14 @@ def is_transient(exc: BaseException) -> bool:
     ``code``, azure's ``status_code``), or is the ``OSError`` s3fs makes of a 503 or a 500
     (errno ``EBUSY`` / ``EREMOTEIO``).  A missing object, a refusal or a damaged chunk is not.
     """
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, GradforensicsError)):
             return False
         if isinstance(e, (ConnectionError, TimeoutError)):
             return True
         if any(c.__name__ in _TRANSIENT_TYPES for c in type(e).__mro__):
             return True
-        status, code = _status_of(e)
+        status, code = status_of(e)
         if status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES:
             return True
         if status is not None or code is not None:
@@ -229,29 +230,6 @@ def is_transient(exc: BaseException) -> bool:
         if type(e) is OSError and e.errno in _TRANSIENT_ERRNOS:
             return True
     return False
-
-
-def _status_of(exc: BaseException) -> tuple[int | None, str | None]:
-    """``(HTTP status, error code)`` an exception of an HTTP client carries, each None when it says none."""
-    status: int | None = None
-    code: str | None = None
-    resp = getattr(exc, "response", None)
-    if isinstance(resp, Mapping):                                 # botocore ClientError
-        meta = resp.get("ResponseMetadata")
-        got = meta.get("HTTPStatusCode") if isinstance(meta, Mapping) else None
-        status = got if isinstance(got, int) else None
-        err = resp.get("Error")
-        c = err.get("Code") if isinstance(err, Mapping) else None
-        code = c if isinstance(c, str) and c else None
-        if status is None and code is not None and code.isdigit():
-            status = int(code)
-    if status is None:
-        for attr in ("status", "status_code", "code"):            # aiohttp, azure, gcsfs
-            got = getattr(exc, attr, None)
-            if isinstance(got, int) and not isinstance(got, bool) and 100 <= got <= 599:
-                status = got
-                break
-    return status, code
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -362,22 +340,13 @@ def _gave_up(what: str, exc: BaseException, tries: int, took: float, why: str,
         "service's status.")
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    e: BaseException | None = exc
-    while e is not None and all(e is not x for x in out):
-        out.append(e)
-        e = e.__cause__ or e.__context__
-    return out
-
-
 def _answer_of(exc: BaseException) -> tuple[int | str | None, str | None]:
     """The HTTP status and error code a failure in *exc*'s chain carries (an s3fs errno: its status class)."""
-    for e in _chain(exc):
-        status, code = _status_of(e)
+    for e in exception_chain(exc):
+        status, code = status_of(e)
         if status is not None or code is not None:
             return status, code
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if type(e) is OSError and e.errno in _TRANSIENT_ERRNOS:
             return ("HTTP 503-class (busy)" if e.errno == errno.EBUSY else "HTTP 500-class (internal error)"), None
     return None, None
@@ -385,7 +354,7 @@ def _answer_of(exc: BaseException) -> tuple[int | str | None, str | None]:
 
 def _operation_of(exc: BaseException) -> str | None:
     """botocore's name of the request that failed (``GetObject``, ``PutObject``...), if the chain has it."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         name = getattr(e, "operation_name", None)
         if isinstance(name, str) and name:
             return name
