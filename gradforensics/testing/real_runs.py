@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RUNS", "RunSpec", "digits", "real_text", "train", "truths"]
+__all__ = ["RUNS", "RunSpec", "digits", "read_files", "real_text", "train", "truths"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,11 @@ def real_text(max_bytes: int = 400_000) -> bytes:
         import json
 
         files = [inspect.getsourcefile(json) or ""]
+    return read_files(files, max_bytes)
+
+
+def read_files(files: list[str], max_bytes: int) -> bytes:
+    """The bytes of *files* in order, unreadable ones skipped, stopping at *max_bytes* (cut there)."""
     out = bytearray()
     for f in files:
         try:

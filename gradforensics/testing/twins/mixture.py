@@ -45,14 +45,9 @@ def _english(max_bytes: int = 200_000) -> bytes:
     """License texts on this machine (else a few docstrings of the standard library)."""
     import glob
 
-    out = bytearray()
-    for f in sorted(glob.glob("/usr/share/common-licenses/*")):
-        try:
-            out += Path(f).read_bytes()
-        except OSError:
-            continue
-        if len(out) >= max_bytes:
-            break
+    from gradforensics.testing.real_runs import read_files
+
+    out = bytearray(read_files(sorted(glob.glob("/usr/share/common-licenses/*")), max_bytes))
     if len(out) < 20_000:           # no license texts: prose from docstrings
         import collections
         import json
