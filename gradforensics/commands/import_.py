@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     storage_flags.add_argument(p)
     r = p.add_argument_group("what to import")
     r.add_argument("--tensors", nargs="+", metavar="GLOB", help="tensor globs (default: every 2-D floating tensor)")
+    r.add_argument("--logs", metavar="DIR",
+                   help="the run's own logs: a TensorBoard directory or event file, or a trainer_state.json; joins "
+                        "the logged loss, lr, grad norm and loss scale, unscales fp16 gradients, marks skipped "
+                        "iterations (batches/skipped) and checks the dump's gradient norm against the logged one")
     r.add_argument("--heads", nargs="+", default=["auto"], metavar="SPEC",
                    help="auto (default), none, FILE.json, or GLOB=H[:axis=A,fused=F,role=R] / GLOB=none entries "
                         "(add auto to keep the rules for the rest)")
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         store = import_run(args.source, args.out, format=args.format, tensors=args.tensors,
                            heads=parse_heads(args.heads), kind=args.kind, num_heads=args.num_heads,
                            num_query_groups=args.num_query_groups, gated_mlp=args.gated_mlp,
-                           overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force)
+                           overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force,
+                           logs=args.logs)
     except HeadSplitError as exc:         # the fix in the command's words (--heads), not Python's
         raise SpecError(exc.cli) from None
     print(f"{args.out}: {store.n_records} records, {len(store.grads)} tensors, {store.meta.n_weights} weight "

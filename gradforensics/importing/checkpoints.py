@@ -41,6 +41,7 @@ from gradforensics.store.names import check_name
 if TYPE_CHECKING:
     import torch
 
+    from gradforensics.runlog import RunLog
     from gradforensics.store.heads import HeadSpec
 
 __all__ = ["HF_WEIGHTS", "Checkpoint", "discover", "import_checkpoints", "load_checkpoint_file", "select",
@@ -177,6 +178,16 @@ def trainer_log(ckpts: Sequence[Checkpoint]) -> dict[int, dict[str, float]]:
     return {}
 
 
+def _from_run_log(logs: RunLog) -> dict[int, dict[str, float]]:
+    """``{step: {"loss": ..., "lr": ...}}`` of a run log (finite values only), as :func:`trainer_log` gives."""
+    out: dict[int, dict[str, float]] = {}
+    for key in ("loss", "lr"):
+        for s, v in zip(logs.steps.tolist(), logs.values.get(key, ()), strict=False):
+            if math.isfinite(v):
+                out.setdefault(int(s), {})[key] = float(v)
+    return out
+
+
 def _interval_log(log: Mapping[int, Mapping[str, float]], lo: int, hi: int) -> tuple[float, float]:
     """Mean logged loss over steps ``(lo, hi]``; the lr logged last at or before *hi* (NaN where none)."""
     losses = [r["loss"] for s, r in log.items() if lo < s <= hi and "loss" in r]
@@ -221,14 +232,18 @@ def _update(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ the import
 def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
-                       heads: Any, writer_options: Mapping[str, Any]) -> int:
-    """Import the series under *source* into the store *out*; returns the records written."""
+                       heads: Any, writer_options: Mapping[str, Any], logs: RunLog | None = None) -> int:
+    """Import the series under *source* into the store *out*; returns the records written.
+
+    With *logs* (the run's own, :mod:`gradforensics.runlog`), an interval's loss is the mean logged loss
+    over it and its lr the last logged, where the checkpoints' own ``trainer_state.json`` has none.
+    """
     from gradforensics.importing.heads import meta_model, resolve
     from gradforensics.importing.optimizer import STATS, optim_group, summarize, update_ratio
     from gradforensics.store.probes import write_probes
 
     ckpts = discover(source)
-    log = trainer_log(ckpts)
+    log = {**_from_run_log(logs), **trainer_log(ckpts)} if logs is not None else trainer_log(ckpts)
     prev, opt = _load(ckpts[0])
     names = select(prev, tensors, ckpts[0].path)
     cfg = _config_dir(ckpts[0])

@@ -44,12 +44,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError, ImportSourceError, MissingShardError, ShardMismatchError, SpecError
-from gradforensics.importing.records import ImportWriter, Interval
+from gradforensics.importing.records import ImportWriter
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.names import check_name
 
 if TYPE_CHECKING:
     import torch
+
+    from gradforensics.runlog import RunLog
 
 __all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "MegatronSpec", "Shard", "import_megatron", "iterations",
            "load_shard", "merge", "partition_axis", "qkv_heads", "shards", "store_name"]
@@ -365,8 +367,14 @@ def store_name(name: str) -> str:
 
 
 def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequence[str] | None, heads: Any,
-                    writer_options: Mapping[str, Any]) -> int:
-    """Import every saved iteration of ``spec.kind`` under *source* into *out*; returns the records written."""
+                    writer_options: Mapping[str, Any], logs: RunLog | None = None) -> int:
+    """Import every saved iteration of ``spec.kind`` under *source* into *out*; returns the records written.
+
+    With *logs* (the run's own, :mod:`gradforensics.runlog`), records get the logged loss, lr, loss scale
+    and gradient norm; fp16 gradients are unscaled and skipped iterations marked (:mod:`.logjoin`).
+    """
+    from gradforensics.importing.logjoin import LogJoin
+
     iters = iterations(source, spec.kind)
     params = iterations(source, "params") if spec.kind != "params" and (source / "params").is_dir() else {}
     first_it, first_dir = next(iter(iters.items()))
@@ -379,10 +387,11 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
                         "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron"}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
-    grads = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
-    per_record = {"grads": grads, "weights": grads * len(set(params) & set(iters)) // len(iters)}
+    grad_bytes = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
+    per_record = {"grads": grad_bytes, "weights": grad_bytes * len(set(params) & set(iters)) // len(iters)}
+    join = LogJoin(logs, gradients=spec.kind != "params")
     with ImportWriter(out, heads=store_specs, total=len(iters), per_record=per_record, framework="megatron",
-                      model_info=info, extra=extra, **writer_options) as w:
+                      model_info=info, extra=extra, logged=join.logged, **writer_options) as w:
         for it, d in iters.items():
             if it != first_it:
                 merged = _load_iteration(d, spec, first_dir)
@@ -395,5 +404,8 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
             missing = [n for n in names if n not in merged]
             if missing:
                 raise ShardMismatchError(f"{d}: {missing[0]} is missing; iteration {first_it} has it.")
-            w.record(Interval(step=it, time=d.stat().st_mtime), {store_name(n): merged[n] for n in names}, snaps)
+            iv, record = join.record(it, d.stat().st_mtime, {store_name(n): merged[n] for n in names}, merged)
+            w.record(iv, record, snaps)
+        if join.logged:
+            w.annotate(**join.summary())
     return len(iters)
