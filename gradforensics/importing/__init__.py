@@ -47,7 +47,8 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
                tensors: Sequence[str] | None = None, heads: str | Mapping[str, Any] | None = "auto",
                kind: str = "wgrads", num_heads: int | None = None, num_query_groups: int | None = None,
                gated_mlp: bool = False, overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
-               quiet: bool = True, force: bool = False, logs: str | os.PathLike[str] | None = None) -> Store:
+               quiet: bool = True, force: bool = False, logs: str | os.PathLike[str] | None = None,
+               tp_splits: Mapping[str, int | None] | None = None) -> Store:
     """Import a training run's history from *source* into a new store at *out*.
 
     Parameters
@@ -72,6 +73,10 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
     num_heads, num_query_groups, gated_mlp
         Megatron: the model's attention heads and query groups, and whether
         ``linear_fc1`` is a gated (SwiGLU) pair whose halves each rank holds.
+    tp_splits
+        Megatron: ``{glob: axis or None}``, the tensor-parallel layout of tensors the name rules
+        do not know (or get wrong): split along ``axis``, or replicated (``None``).  Every join is
+        checked against the ranks' values either way (see docs/import.md).
     overwrite, storage_options
         As for :class:`gradforensics.Recorder`.
     quiet, force
@@ -112,6 +117,7 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
     else:
         from gradforensics.importing.megatron import MegatronSpec, import_megatron
 
-        spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp)
+        spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp,
+                            tp_splits=dict(tp_splits or {}))
         import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     return open_store(out, storage_options=storage_options)
