@@ -250,10 +250,11 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
     model = meta_model(cfg) if cfg is not None else None
     specs: dict[str, HeadSpec] = resolve({n: tuple(prev[n].shape) for n in names}, heads, model)
     order = [n for n, _ in model.named_parameters()] if model is not None else None
+    own = not _safetensors(ckpts[0])          # safetensors stores names sorted: not the optimizer's order
     extra = {"import": {"format": "checkpoints", "source": str(source), "kind": ckpts[0].kind,
                         "steps": [c.step for c in ckpts]}}
     info = {"class": ckpts[0].kind, "n_params": int(sum(prev[n].numel() for n in names))}
-    moments = [summarize(opt, prev, names, order)]
+    moments = [summarize(opt, prev, names, order, own)]
     ratios: dict[str, list[float]] = {n: [] for n in names}
     per_record = {"grads": 4 * sum(prev[n].numel() for n in names),
                   "weights": sum(prev[n].numel() * min(prev[n].element_size(), 4) for n in names) * len(ckpts)
@@ -270,15 +271,28 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
             w.record(iv, {n: _update(prev[n], cur[n]) for n in names}, snaps)
             for n in names:
                 ratios[n].append(update_ratio(prev[n], cur[n]))
-            moments.append(summarize(opt, cur, names, order))
+            moments.append(summarize(opt, cur, names, order, own))
             prev = cur
         table = {n: {k: [m.get(n, {}).get(k, math.nan) for m in moments] for k in STATS}
                  for n in names if any(n in m for m in moments)}
         w.annotate(update_weight_ratio=ratios, optimizer=table)
-    last = optim_group(opt, prev, names, str(ckpts[-1].path), order)
+        if not table and opt is not None:
+            w.annotate(optimizer_note="the checkpoints hold optimizer state but it could not be named: its "
+                                      "parameters are numbered, and " + ("the safetensors files store names sorted, "
+                                      "not in the model's order, while tensors share shapes; put the model's "
+                                      "config.json beside the checkpoints" if not own else "no order of the "
+                                      "model's tensors fits the state's shapes"))
+    last = optim_group(opt, prev, names, str(ckpts[-1].path), order, own)
     if last is not None:                      # the optimizer analysis reads it as a capture's
         write_probes(w.location, None, last)
     return len(ckpts) - 1
+
+
+def _safetensors(ck: Checkpoint) -> bool:
+    """Whether *ck*'s weights are safetensors files (their names stored sorted)."""
+    if ck.kind == "torch":
+        return ck.path.suffix == ".safetensors"
+    return ck.kind == "hf" and all(f.suffix == ".safetensors" for f in _hf_files(ck.path))
 
 
 def _config_dir(ck: Checkpoint) -> Path | None:
