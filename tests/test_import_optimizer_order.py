@@ -59,3 +59,27 @@ def test_torch_files_keep_the_registration_order_and_name_every_layer_right(tmp_
     for name in ("2.weight", "10.weight"):
         for j, step in enumerate((1, 2, 3)):
             assert table[name]["exp_avg_norm"][j] == pytest.approx(truth[step][name], rel=1e-9), (name, step)
+
+
+def test_state_keyed_by_parameter_name_is_named_as_it_is(tmp_path):
+    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keys the state by name."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4, bias=False) for _ in range(12)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    run = tmp_path / "run"
+    run.mkdir()
+    truth = {}
+    for step in (1, 2):
+        loss = model(torch.randn(8, 4)).pow(2).mean() * (step + 1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        named = get_optimizer_state_dict(model, opt)
+        assert all(isinstance(k, str) for k in named["state"])
+        truth[step] = {k: float(v["exp_avg"].double().norm()) for k, v in named["state"].items()}
+        torch.save({"model": model.state_dict(), "optimizer": named}, run / f"step_{step}.pt")
+    table = gf.import_run(run, tmp_path / "imp.zarr", tensors=["*"]).meta.extra["import"]["optimizer"]
+    for name in ("2.weight", "10.weight"):
+        assert table[name]["exp_avg_norm"] == pytest.approx([truth[1][name], truth[2][name]], rel=1e-9)

@@ -73,6 +73,10 @@ def name_states(opt: Any, sd: Mapping[str, torch.Tensor], hint: Sequence[str] | 
             or not isinstance(opt.get("param_groups"), list):
         return {}
     groups = [g for g in opt["param_groups"] if isinstance(g, Mapping) and isinstance(g.get("params"), list)]
+    if len(groups) != len(opt["param_groups"]):
+        return {}
+    if opt["state"] and all(isinstance(k, str) for k in opt["state"]):
+        return _by_name(opt["state"], groups, sd)
     if len(groups) != len(opt["param_groups"]) or \
             not all(isinstance(i, int) and not isinstance(i, bool) for g in groups for i in g["params"]):
         return {}
@@ -84,6 +88,26 @@ def name_states(opt: Any, sd: Mapping[str, torch.Tensor], hint: Sequence[str] | 
     ids = [(i, g) for g in groups for i in g["params"]]
     state = opt["state"]
     return {name: (state[i], g) for name, (i, g) in zip(order, ids, strict=True) if isinstance(state.get(i), Mapping)}
+
+
+def _by_name(state: Mapping[str, Any], groups: list[Mapping[str, Any]], sd: Mapping[str, torch.Tensor]
+             ) -> dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    """State keyed by parameter name (``get_optimizer_state_dict``, FSDP's full optimizer state): named as it is.
+
+    A name's group is the one whose ``params`` lists it (the first group when groups list ids);
+    a name the weights do not have, or a moment of another shape, leaves the state unnamed.
+    """
+    out: dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
+    for name, st in state.items():
+        if not isinstance(st, Mapping) or name not in sd:
+            return {}
+        group = next((g for g in groups if name in g["params"]), groups[0] if groups else {})
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            v = st.get(key)
+            if v is not None and tuple(getattr(v, "shape", ())) != tuple(sd[name].shape):
+                return {}
+        out[name] = (st, group)
+    return out
 
 
 def _scalar(v: Any, default: float) -> float:
