@@ -44,11 +44,13 @@ if TYPE_CHECKING:
     from gradforensics.runlog import RunLog
     from gradforensics.store.heads import HeadSpec
 
-__all__ = ["HF_WEIGHTS", "Checkpoint", "discover", "import_checkpoints", "load_checkpoint_file", "select",
+__all__ = ["ADAPTER_WEIGHTS", "HF_WEIGHTS", "Checkpoint", "discover", "import_checkpoints", "load_checkpoint_file", "select",
            "trainer_log"]
 
 
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+#: A PEFT (LoRA ...) model's Trainer checkpoint holds only its adapter: the tensors that train.
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _HF_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _RAW_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 _HF_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -94,14 +96,14 @@ def discover(source: Path) -> list[Checkpoint]:
 
 # ------------------------------------------------------------------ reading one checkpoint
 def _hf_files(d: Path) -> list[Path]:
-    for name in HF_WEIGHTS:
+    for name in HF_WEIGHTS + ADAPTER_WEIGHTS:
         if (d / name).is_file():
             return [d / name]
     for name in _HF_INDEX:
         if (d / name).is_file():
             return _index_files(d, d / name)
-    raise NotACheckpointError(f"{d}: no {' or '.join(HF_WEIGHTS)} (nor a sharded index) in this checkpoint "
-                              "directory.")
+    raise NotACheckpointError(f"{d}: no {', '.join(HF_WEIGHTS + ADAPTER_WEIGHTS)} (nor a sharded index) in this "
+                              "checkpoint directory.")
 
 
 def _index_files(d: Path, index: Path) -> list[Path]:
@@ -252,7 +254,7 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
     order = [n for n, _ in model.named_parameters()] if model is not None else None
     own = not _safetensors(ckpts[0])          # safetensors stores names sorted: not the optimizer's order
     extra = {"import": {"format": "checkpoints", "source": str(source), "kind": ckpts[0].kind,
-                        "steps": [c.step for c in ckpts]}}
+                        "steps": [c.step for c in ckpts], **_adapter(ckpts[-1])}}
     info = {"class": ckpts[0].kind, "n_params": int(sum(prev[n].numel() for n in names))}
     moments = [summarize(opt, prev, names, order, own)]
     ratios: dict[str, list[float]] = {n: [] for n in names}
@@ -286,6 +288,17 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
     if last is not None:                      # the optimizer analysis reads it as a capture's
         write_probes(w.location, None, last)
     return len(ckpts) - 1
+
+
+def _adapter(ck: Checkpoint) -> dict[str, Any]:
+    """``{"adapter": {...}}`` of a PEFT checkpoint (its ``adapter_config.json``, read as data), else ``{}``."""
+    from gradforensics.replay.untrusted import read_json_object
+
+    if ck.kind != "hf" or not any((ck.path / n).is_file() for n in ADAPTER_WEIGHTS):
+        return {}
+    cfg = read_json_object(ck.path / "adapter_config.json") if (ck.path / "adapter_config.json").is_file() else {}
+    keep = ("peft_type", "r", "lora_alpha", "target_modules", "base_model_name_or_path", "use_rslora")
+    return {"adapter": {k: cfg[k] for k in keep if isinstance(cfg.get(k), (str, int, float, list))}}
 
 
 def _safetensors(ck: Checkpoint) -> bool:
