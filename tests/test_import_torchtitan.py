@@ -28,8 +28,7 @@ STEPS = (10, 20, 30)
 
 @pytest.fixture(scope="module")
 def titan_run(tmp_path_factory):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     root = tmp_path_factory.mktemp("titan") / "checkpoint"
     torch.manual_seed(0)
