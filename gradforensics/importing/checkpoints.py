@@ -12,6 +12,9 @@ safetensors' own reader, nothing else in the directories opened:
   with ``model`` (``state_dict``, ``model_state_dict``) and maybe ``optimizer``;
 * ``SOURCE/<name><step>.safetensors`` files.
 
+* DeepSpeed universal checkpoints ``SOURCE/<name><step>/zero/<parameter>/{fp32,exp_avg,exp_avg_sq}.pt``
+  (:mod:`gradforensics.importing.deepspeed`): fp32 master weights and Adam state by parameter name;
+
 * torch distributed-checkpoint directories ``SOURCE/<name><step>/`` (a ``.metadata`` and
   ``*.distcp`` files), read by :mod:`gradforensics.importing.dcp` with a restricted
   unpickler (torch's own reader would run a plain ``pickle.load``); the model and optimizer entries.
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError, ImportSourceError, NotACheckpointError
 from gradforensics.importing.dcp import is_dcp, read_dcp
+from gradforensics.importing.deepspeed import is_universal, read_universal
 from gradforensics.importing.records import ImportWriter, Interval
 from gradforensics.store.names import check_name
 
@@ -79,6 +83,9 @@ def discover(source: Path) -> list[Checkpoint]:
     if not found:
         found = [Checkpoint(int(m.group(1)), p, "dcp") for p in entries
                  if is_dcp(p) and (m := _LAST_INT.search(p.name))]
+    if not found:
+        found = [Checkpoint(int(m.group(1)), p, "deepspeed") for p in entries
+                 if is_universal(p) and (m := _LAST_INT.search(p.name))]
     if not found:
         found = [Checkpoint(int(m.group(1)), p, "torch") for p in entries
                  if p.is_file() and p.suffix in _RAW_SUFFIXES and (m := _LAST_INT.search(p.stem))]
@@ -156,6 +163,8 @@ def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
         return load_checkpoint_file(ck.path)
     if ck.kind == "dcp":
         return read_dcp(ck.path)
+    if ck.kind == "deepspeed":
+        return read_universal(ck.path)
     sd: dict[str, torch.Tensor] = {}
     for f in _hf_files(ck.path):
         sd.update(load_checkpoint_file(f)[0])
