@@ -69,7 +69,7 @@ def read_universal(d: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     state: dict[str, dict[str, Any]] = {}
     for p in params:
         weights[p.name] = _tensor(p / "fp32.pt")
-        moments = {s: _tensor(p / f"{s}.pt") for s in STATES[1:] if (p / f"{s}.pt").is_file()}
+        moments: dict[str, Any] = {s: _tensor(p / f"{s}.pt") for s in STATES[1:] if (p / f"{s}.pt").is_file()}
         if (p / "step.pt").is_file():
             step = torch_load(p / "step.pt", mmap=False)
             moments["step"] = step.get("param") if isinstance(step, Mapping) else step
