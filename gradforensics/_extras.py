@@ -17,7 +17,7 @@ __all__ = ["EXTRAS", "require_extra"]
 
 
 #: module -> the extra of ``gradforensics`` that installs it.
-EXTRAS = {"torch": "torch", "transformers": "hf", "distributed": "distributed"}
+EXTRAS = {"torch": "torch", "transformers": "hf", "distributed": "distributed", "tensorboard": "logs"}
 
 
 def require_extra(module: str, what: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "parse_tp_splits", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     storage_flags.add_argument(p)
     r = p.add_argument_group("what to import")
     r.add_argument("--tensors", nargs="+", metavar="GLOB", help="tensor globs (default: every 2-D floating tensor)")
+    r.add_argument("--logs", metavar="DIR",
+                   help="the run's own logs: a TensorBoard directory or event file, or a trainer_state.json; joins "
+                        "the logged loss, lr, grad norm and loss scale, unscales fp16 gradients, marks skipped "
+                        "iterations (batches/skipped) and checks the dump's gradient norm against the logged one")
     r.add_argument("--heads", nargs="+", default=["auto"], metavar="SPEC",
                    help="auto (default), none, FILE.json, or GLOB=H[:axis=A,fused=F,role=R] / GLOB=none entries "
                         "(add auto to keep the rules for the rest)")
@@ -39,11 +43,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--num-heads", type=int, metavar="H", help="attention heads: splits linear_qkv into heads")
     m.add_argument("--num-query-groups", type=int, metavar="G", help="query groups (grouped-query attention; "
                                                                      "default = --num-heads)")
+    m.add_argument("--tp-split", nargs="+", metavar="GLOB=AXIS", default=[],
+                   help="tensor-parallel layout of tensors the name rules do not know: GLOB=AXIS (split along AXIS) "
+                        "or GLOB=none (replicated); every join is checked against the ranks' values")
     m.add_argument("--gated-mlp", action="store_true", help="linear_fc1 is a gated pair (SwiGLU): each rank holds "
                                                             "its part of both halves")
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
     output.add_overwrite(p, "the store")
     output.add_quiet(p)
+
+
+def parse_tp_splits(entries: list[str]) -> dict[str, int | None]:
+    """``--tp-split GLOB=AXIS|none`` entries as ``{glob: axis or None}`` (one-line SpecError when malformed)."""
+    from gradforensics.errors import SpecError
+
+    out: dict[str, int | None] = {}
+    for e in entries:
+        glob, sep, axis = e.rpartition("=")
+        if not sep or not glob:
+            raise SpecError(f"--tp-split {e!r}: expected GLOB=AXIS or GLOB=none.")
+        if axis.lower() == "none":
+            out[glob] = None
+        elif axis.lstrip("-").isdigit():
+            out[glob] = int(axis)
+        else:
+            raise SpecError(f"--tp-split {e!r}: the axis must be an integer or none.")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         store = import_run(args.source, args.out, format=args.format, tensors=args.tensors,
                            heads=parse_heads(args.heads), kind=args.kind, num_heads=args.num_heads,
                            num_query_groups=args.num_query_groups, gated_mlp=args.gated_mlp,
-                           overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force)
+                           overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force,
+                           logs=args.logs, tp_splits=parse_tp_splits(args.tp_split))
     except HeadSplitError as exc:         # the fix in the command's words (--heads), not Python's
         raise SpecError(exc.cli) from None
     print(f"{args.out}: {store.n_records} records, {len(store.grads)} tensors, {store.meta.n_weights} weight "

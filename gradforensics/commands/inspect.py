@@ -57,7 +57,32 @@ def summarize(store: Store) -> dict:
         "analysis_note": store.analysis_note,
         "curvature_rows": store.arrays["curvature/eigenvalues"].shape[0] if store.has("curvature/eigenvalues") else 0,
         "optim_tensors": store.arrays["optim/summary"].shape[0] if store.has("optim/summary") else 0,
+        "run_logs": _run_logs(store.meta.extra.get("import")),
     }
+
+
+def _run_logs(imported: object) -> dict | None:
+    """What an import given ``--logs`` recorded of the join (:mod:`gradforensics.importing.logjoin`)."""
+    if not isinstance(imported, dict) or not isinstance(imported.get("logs"), dict):
+        return None
+    return {k: imported.get(k) for k in ("logs", "n_skipped", "skipped_steps", "grad_norm_check")}
+
+
+def run_log_lines(r: dict) -> list[str]:
+    """The ``run logs`` lines of :func:`summary_lines`."""
+    out = ["run logs: " + ", ".join(f"{k} <- {v!r}" for k, v in (r.get("logs") or {}).items())]
+    n = r.get("n_skipped") or 0
+    if n:
+        steps = r.get("skipped_steps") or []
+        out.append(f"  {n} iterations skipped by the loss scaler (batches/skipped; not findings): steps "
+                   f"{steps[:10]}{' ...' if n > 10 else ''}")
+    c = r.get("grad_norm_check")
+    if isinstance(c, dict):
+        verdict = ("agrees" if c.get("agree") else
+                   "DISAGREES: a shard, a pipeline stage or the loss scale is missing or doubled in the dump")
+        out.append(f"  grad norm: dump / logged, median {c.get('median_ratio'):.6f}, worst {c.get('worst_ratio'):.6f} "
+                   f"over {c.get('records')} records: {verdict} (tolerance {c.get('tolerance')})")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,6 +121,8 @@ def summary_lines(s: dict) -> list[str]:
             ratio = "-" if e["compression_ratio"] is None else f"{e['compression_ratio']:.2f}x"
             out.append(f"  {terminal(name):<{width}}  {tuple(e['shape'])} {e['dtype']}{heads}{extra}  "
                        f"{fmt_bytes(e['bytes_on_disk'])} on disk for {fmt_bytes(e['bytes_of_data'])}, {ratio}")
+    if s.get("run_logs"):
+        out += run_log_lines(s["run_logs"])
     if s["activations"]:
         out.append(f"activations ({len(s['activations'])}): " + ", ".join(s["activations"]))
     if s.get("curvature_rows") or s.get("optim_tensors"):

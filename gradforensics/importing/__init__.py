@@ -47,7 +47,8 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
                tensors: Sequence[str] | None = None, heads: str | Mapping[str, Any] | None = "auto",
                kind: str = "wgrads", num_heads: int | None = None, num_query_groups: int | None = None,
                gated_mlp: bool = False, overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
-               quiet: bool = True, force: bool = False) -> Store:
+               quiet: bool = True, force: bool = False, logs: str | os.PathLike[str] | None = None,
+               tp_splits: Mapping[str, int | None] | None = None) -> Store:
     """Import a training run's history from *source* into a new store at *out*.
 
     Parameters
@@ -72,10 +73,19 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
     num_heads, num_query_groups, gated_mlp
         Megatron: the model's attention heads and query groups, and whether
         ``linear_fc1`` is a gated (SwiGLU) pair whose halves each rank holds.
+    tp_splits
+        Megatron: ``{glob: axis or None}``, the tensor-parallel layout of tensors the name rules
+        do not know (or get wrong): split along ``axis``, or replicated (``None``).  Every join is
+        checked against the ranks' values either way (see docs/import.md).
     overwrite, storage_options
         As for :class:`gradforensics.Recorder`.
     quiet, force
         No size line and progress bar; write even when the estimate exceeds the free disk.
+    logs
+        The run's own logs (a TensorBoard directory or event file, a ``trainer_state.json``; see
+        :mod:`gradforensics.runlog`): the logged loss, lr, gradient norm and loss scale join the
+        records; a fp16 dump's gradients are unscaled by the logged loss scale, skipped iterations
+        are marked ``batches/skipped``, and the dump's gradient norm is checked against the logged one.
 
     Returns
     -------
@@ -94,14 +104,20 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
     src = Path(source)
     if format == "auto":
         format = detect_format(src)
+    run_log = None
+    if logs is not None:
+        from gradforensics.runlog import read_run_log
+
+        run_log = read_run_log(logs)
     options = {"overwrite": overwrite, "storage_options": storage_options, "quiet": quiet, "force": force}
     if format == "checkpoints":
         from gradforensics.importing.checkpoints import import_checkpoints
 
-        import_checkpoints(src, out, tensors=tensors, heads=heads, writer_options=options)
+        import_checkpoints(src, out, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     else:
         from gradforensics.importing.megatron import MegatronSpec, import_megatron
 
-        spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp)
-        import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options)
+        spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp,
+                            tp_splits=dict(tp_splits or {}))
+        import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     return open_store(out, storage_options=storage_options)

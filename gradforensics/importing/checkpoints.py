@@ -12,6 +12,9 @@ safetensors' own reader, nothing else in the directories opened:
   with ``model`` (``state_dict``, ``model_state_dict``) and maybe ``optimizer``;
 * ``SOURCE/<name><step>.safetensors`` files.
 
+* DeepSpeed universal checkpoints ``SOURCE/<name><step>/zero/<parameter>/{fp32,exp_avg,exp_avg_sq}.pt``
+  (:mod:`gradforensics.importing.deepspeed`): fp32 master weights and Adam state by parameter name;
+
 * torch distributed-checkpoint directories ``SOURCE/<name><step>/`` (a ``.metadata`` and
   ``*.distcp`` files), read by :mod:`gradforensics.importing.dcp` with a restricted
   unpickler (torch's own reader would run a plain ``pickle.load``); the model and optimizer entries.
@@ -35,19 +38,23 @@ from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError, ImportSourceError, NotACheckpointError
 from gradforensics.importing.dcp import is_dcp, read_dcp
+from gradforensics.importing.deepspeed import is_universal, read_universal
 from gradforensics.importing.records import ImportWriter, Interval
 from gradforensics.store.names import check_name
 
 if TYPE_CHECKING:
     import torch
 
+    from gradforensics.runlog import RunLog
     from gradforensics.store.heads import HeadSpec
 
-__all__ = ["HF_WEIGHTS", "Checkpoint", "discover", "import_checkpoints", "load_checkpoint_file", "select",
+__all__ = ["ADAPTER_WEIGHTS", "HF_WEIGHTS", "Checkpoint", "discover", "import_checkpoints", "load_checkpoint_file", "select",
            "trainer_log"]
 
 
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+#: A PEFT (LoRA ...) model's Trainer checkpoint holds only its adapter: the tensors that train.
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _HF_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _RAW_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 _HF_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -77,6 +84,9 @@ def discover(source: Path) -> list[Checkpoint]:
         found = [Checkpoint(int(m.group(1)), p, "dcp") for p in entries
                  if is_dcp(p) and (m := _LAST_INT.search(p.name))]
     if not found:
+        found = [Checkpoint(int(m.group(1)), p, "deepspeed") for p in entries
+                 if is_universal(p) and (m := _LAST_INT.search(p.name))]
+    if not found:
         found = [Checkpoint(int(m.group(1)), p, "torch") for p in entries
                  if p.is_file() and p.suffix in _RAW_SUFFIXES and (m := _LAST_INT.search(p.stem))]
     if len(found) < 2:
@@ -93,14 +103,14 @@ def discover(source: Path) -> list[Checkpoint]:
 
 # ------------------------------------------------------------------ reading one checkpoint
 def _hf_files(d: Path) -> list[Path]:
-    for name in HF_WEIGHTS:
+    for name in HF_WEIGHTS + ADAPTER_WEIGHTS:
         if (d / name).is_file():
             return [d / name]
     for name in _HF_INDEX:
         if (d / name).is_file():
             return _index_files(d, d / name)
-    raise NotACheckpointError(f"{d}: no {' or '.join(HF_WEIGHTS)} (nor a sharded index) in this checkpoint "
-                              "directory.")
+    raise NotACheckpointError(f"{d}: no {', '.join(HF_WEIGHTS + ADAPTER_WEIGHTS)} (nor a sharded index) in this "
+                              "checkpoint directory.")
 
 
 def _index_files(d: Path, index: Path) -> list[Path]:
@@ -153,6 +163,8 @@ def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
         return load_checkpoint_file(ck.path)
     if ck.kind == "dcp":
         return read_dcp(ck.path)
+    if ck.kind == "deepspeed":
+        return read_universal(ck.path)
     sd: dict[str, torch.Tensor] = {}
     for f in _hf_files(ck.path):
         sd.update(load_checkpoint_file(f)[0])
@@ -175,6 +187,16 @@ def trainer_log(ckpts: Sequence[Checkpoint]) -> dict[int, dict[str, float]]:
             raise CheckpointError(f"{state}: log_history is not a list of log entries.")
         return history
     return {}
+
+
+def _from_run_log(logs: RunLog) -> dict[int, dict[str, float]]:
+    """``{step: {"loss": ..., "lr": ...}}`` of a run log (finite values only), as :func:`trainer_log` gives."""
+    out: dict[int, dict[str, float]] = {}
+    for key in ("loss", "lr"):
+        for s, v in zip(logs.steps.tolist(), logs.values.get(key, ()), strict=False):
+            if math.isfinite(v):
+                out.setdefault(int(s), {})[key] = float(v)
+    return out
 
 
 def _interval_log(log: Mapping[int, Mapping[str, float]], lo: int, hi: int) -> tuple[float, float]:
@@ -221,24 +243,29 @@ def _update(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ the import
 def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
-                       heads: Any, writer_options: Mapping[str, Any]) -> int:
-    """Import the series under *source* into the store *out*; returns the records written."""
+                       heads: Any, writer_options: Mapping[str, Any], logs: RunLog | None = None) -> int:
+    """Import the series under *source* into the store *out*; returns the records written.
+
+    With *logs* (the run's own, :mod:`gradforensics.runlog`), an interval's loss is the mean logged loss
+    over it and its lr the last logged, where the checkpoints' own ``trainer_state.json`` has none.
+    """
     from gradforensics.importing.heads import meta_model, resolve
     from gradforensics.importing.optimizer import STATS, optim_group, summarize, update_ratio
     from gradforensics.store.probes import write_probes
 
     ckpts = discover(source)
-    log = trainer_log(ckpts)
+    log = {**_from_run_log(logs), **trainer_log(ckpts)} if logs is not None else trainer_log(ckpts)
     prev, opt = _load(ckpts[0])
     names = select(prev, tensors, ckpts[0].path)
     cfg = _config_dir(ckpts[0])
     model = meta_model(cfg) if cfg is not None else None
     specs: dict[str, HeadSpec] = resolve({n: tuple(prev[n].shape) for n in names}, heads, model)
     order = [n for n, _ in model.named_parameters()] if model is not None else None
+    own = not _safetensors(ckpts[0])          # safetensors stores names sorted: not the optimizer's order
     extra = {"import": {"format": "checkpoints", "source": str(source), "kind": ckpts[0].kind,
-                        "steps": [c.step for c in ckpts]}}
+                        "steps": [c.step for c in ckpts], **_adapter(ckpts[-1])}}
     info = {"class": ckpts[0].kind, "n_params": int(sum(prev[n].numel() for n in names))}
-    moments = [summarize(opt, prev, names, order)]
+    moments = [summarize(opt, prev, names, order, own)]
     ratios: dict[str, list[float]] = {n: [] for n in names}
     per_record = {"grads": 4 * sum(prev[n].numel() for n in names),
                   "weights": sum(prev[n].numel() * min(prev[n].element_size(), 4) for n in names) * len(ckpts)
@@ -255,15 +282,39 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
             w.record(iv, {n: _update(prev[n], cur[n]) for n in names}, snaps)
             for n in names:
                 ratios[n].append(update_ratio(prev[n], cur[n]))
-            moments.append(summarize(opt, cur, names, order))
+            moments.append(summarize(opt, cur, names, order, own))
             prev = cur
         table = {n: {k: [m.get(n, {}).get(k, math.nan) for m in moments] for k in STATS}
                  for n in names if any(n in m for m in moments)}
         w.annotate(update_weight_ratio=ratios, optimizer=table)
-    last = optim_group(opt, prev, names, str(ckpts[-1].path), order)
+        if not table and opt is not None:
+            w.annotate(optimizer_note="the checkpoints hold optimizer state but it could not be named: its "
+                                      "parameters are numbered, and " + ("the safetensors files store names sorted, "
+                                      "not in the model's order, while tensors share shapes; put the model's "
+                                      "config.json beside the checkpoints" if not own else "no order of the "
+                                      "model's tensors fits the state's shapes"))
+    last = optim_group(opt, prev, names, str(ckpts[-1].path), order, own)
     if last is not None:                      # the optimizer analysis reads it as a capture's
         write_probes(w.location, None, last)
     return len(ckpts) - 1
+
+
+def _adapter(ck: Checkpoint) -> dict[str, Any]:
+    """``{"adapter": {...}}`` of a PEFT checkpoint (its ``adapter_config.json``, read as data), else ``{}``."""
+    from gradforensics.replay.untrusted import read_json_object
+
+    if ck.kind != "hf" or not any((ck.path / n).is_file() for n in ADAPTER_WEIGHTS):
+        return {}
+    cfg = read_json_object(ck.path / "adapter_config.json") if (ck.path / "adapter_config.json").is_file() else {}
+    keep = ("peft_type", "r", "lora_alpha", "target_modules", "base_model_name_or_path", "use_rslora")
+    return {"adapter": {k: cfg[k] for k in keep if isinstance(cfg.get(k), (str, int, float, list))}}
+
+
+def _safetensors(ck: Checkpoint) -> bool:
+    """Whether *ck*'s weights are safetensors files (their names stored sorted)."""
+    if ck.kind == "torch":
+        return ck.path.suffix == ".safetensors"
+    return ck.kind == "hf" and all(f.suffix == ".safetensors" for f in _hf_files(ck.path))
 
 
 def _config_dir(ck: Checkpoint) -> Path | None:

@@ -9,9 +9,13 @@ resolves only the metadata classes, ``torch.Size``, torch dtypes and layouts and
 byte range (checked against the file) with ``torch.load(weights_only=True)``, checked to
 have its chunk's shape and dtype, and placed at its offsets in the full tensor; chunks
 must cover the tensor exactly.  The weights are the ``model`` entry's of a nested save
-(as a raw torch file's), or every tensor of a flat one; the ``optimizer`` entry is rebuilt
-into a torch optimizer state dict, its non-tensor values (``lr``, ``betas``, ``params``)
-read with ``torch.load(weights_only=True)`` too.  Other non-tensor entries are never read.
+(as a raw torch file's), or every top-level tensor of a flat one (torchtitan saves the model
+flat beside nested ``optimizer``, ``lr_scheduler``, ``train_state`` entries: those are never
+weights); the ``optimizer`` entry is rebuilt into a torch optimizer state dict - nested as
+``opt.state_dict()`` gives it, or flattened by ``get_optimizer_state_dict(...,
+flatten_optimizer_state_dict=True)`` (torchtitan, OLMo-core) into one keyed by parameter
+name - its non-tensor values (``lr``, ``betas``, ``params``) read with
+``torch.load(weights_only=True)`` too.  Other non-tensor entries are never read.
 """
 
 from __future__ import annotations
@@ -184,6 +188,8 @@ def read_dcp(d: Path) -> tuple[dict[str, torch.Tensor], Any]:
                if isinstance(k, str) and isinstance(v, TensorStorageMetadata)}
     prefix = _model_prefix(tensors, md.planner_data)
     chosen = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if not prefix:       # flat weights beside nested entries (torchtitan): the nested ones are not weights
+        chosen = {k: v for k, v in chosen.items() if not _nested_other(k, md.planner_data)}
     if not chosen:
         raise CheckpointError(f"{d / '.metadata'}: lists no tensor; not a DCP checkpoint of a model.")
     try:
@@ -194,6 +200,22 @@ def read_dcp(d: Path) -> tuple[dict[str, torch.Tensor], Any]:
         raise
     except (TypeError, ValueError, AttributeError) as e:    # metadata fields of the wrong type
         raise CheckpointError(f"{d / '.metadata'}: a tensor entry is malformed ({type(e).__name__}: {e}).") from None
+
+
+def _nested_other(fqn: str, planner_data: Any) -> bool:
+    """Whether *fqn* sits under a top-level entry that is not the model's (``optimizer``, ``lr_scheduler`` ...).
+
+    torchtitan saves the model's tensors flat at the top level beside ``optimizer``,
+    ``lr_scheduler``, ``dataloader`` and ``train_state`` entries (``CheckpointManager.
+    _flattened_model_states_sd``, torchtitan/components/checkpoint.py); ``planner_data`` gives
+    each key's path, ``("optimizer", "state.layers.0.w.exp_avg")`` for a nested one.  Without
+    planner_data, a name beginning with an optimizer key and a dot is taken as nested.
+    """
+    paths = planner_data if isinstance(planner_data, dict) else {}
+    path = paths.get(fqn)
+    if isinstance(path, (tuple, list)) and path:
+        return len(path) >= 2 and str(path[0]) not in _MODEL_KEYS
+    return any(fqn.startswith(k + ".") for k in _OPTIM_KEYS)
 
 
 def _optimizer(d: Path, md: Any, storage: dict) -> dict[str, Any] | None:
@@ -209,7 +231,10 @@ def _optimizer(d: Path, md: Any, storage: dict) -> dict[str, Any] | None:
     top = next((k for k in _OPTIM_KEYS if any(isinstance(p, (tuple, list)) and len(p) >= 3 and p[0] == k
                                               for p in paths.values())), None)
     if top is None:
-        return None
+        top = next((k for k in _OPTIM_KEYS if any(_flat_optim(p, k) for p in paths.values())), None)
+        if top is None:
+            return None
+        return _flat_optimizer(d, md, storage, paths, top)
     nested: dict[Any, Any] = {}
     for fqn, path in paths.items():
         entry = md.state_dict_metadata.get(fqn)
@@ -230,6 +255,41 @@ def _optimizer(d: Path, md: Any, storage: dict) -> dict[str, Any] | None:
     state, groups = nested.get("state", {}), nested.get("param_groups", {})
     return {"state": {int(k) if str(k).isdigit() else k: v for k, v in state.items()},
             "param_groups": [groups[k] for k in sorted(groups, key=lambda k: int(k) if str(k).isdigit() else -1)] if isinstance(groups, dict) else []}
+
+
+def _flat_optim(path: Any, top: str) -> bool:
+    return isinstance(path, (tuple, list)) and len(path) == 2 and path[0] == top and isinstance(path[1], str) \
+        and path[1].startswith(("state.", "param_groups."))
+
+
+def _flat_optimizer(d: Path, md: Any, storage: dict, paths: dict, top: str) -> dict[str, Any]:
+    """A flattened optimizer entry (``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``, as
+    torchtitan's ``OptimizersContainer.state_dict`` saves it) as a state dict keyed by parameter name.
+
+    Keys are ``state.<parameter fqn>.<exp_avg|exp_avg_sq|step>`` and ``param_groups.<parameter
+    fqn>.<lr|betas|...>``: the last dotted part is the optimizer's key (parameter names end in
+    ``weight``/``bias``; optimizer keys hold no dot).  Each parameter gets its own group.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    state: dict[str, dict[str, Any]] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for fqn, path in paths.items():
+        if not _flat_optim(path, top):
+            continue
+        kind, _, rest = str(path[1]).partition(".")
+        name, _, key = rest.rpartition(".")
+        if not name or not key:
+            continue
+        entry = md.state_dict_metadata.get(fqn)
+        if isinstance(entry, TensorStorageMetadata):
+            value = _assemble(fqn, entry, storage, d)
+        elif isinstance(entry, BytesStorageMetadata) and (fqn, ()) in storage:
+            value = _chunk(storage[(fqn, ())], fqn, tensor=False)
+        else:
+            continue
+        (state if kind == "state" else groups).setdefault(name, {})[key] = value
+    return {"state": state, "param_groups": [{**g, "params": [n]} for n, g in groups.items()]}
 
 
 def _model_prefix(tensors: dict[str, Any], planner_data: Any) -> str:

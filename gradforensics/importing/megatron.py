@@ -39,20 +39,22 @@ import fnmatch
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError, ImportSourceError, MissingShardError, ShardMismatchError, SpecError
-from gradforensics.importing.records import ImportWriter, Interval
+from gradforensics.importing.records import ImportWriter
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.names import check_name
 
 if TYPE_CHECKING:
     import torch
 
+    from gradforensics.runlog import RunLog
+
 __all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "MegatronSpec", "Shard", "import_megatron", "iterations",
-           "load_shard", "merge", "partition_axis", "qkv_heads", "shards", "store_name"]
+           "layout_axis", "load_shard", "merge", "partition_axis", "qkv_heads", "shards", "store_name"]
 
 
 KINDS = ("wgrads", "dgrads", "params")
@@ -79,10 +81,16 @@ class MegatronSpec:
     num_heads: int | None = None
     num_query_groups: int | None = None
     gated_mlp: bool = False
+    #: ``{glob: axis or None}``: how tensors matching a glob are laid out across tensor-parallel ranks,
+    #: overriding the name rules (``None``: replicated); the first matching glob wins
+    tp_splits: Mapping[str, int | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise SpecError(f"megatron: kind must be one of {KINDS}; got {self.kind!r}.")
+        for glob, axis in self.tp_splits.items():
+            if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
+                raise SpecError(f"megatron: --tp-split {glob}: the axis must be an integer or none; got {axis!r}.")
         h, g = self.num_heads, self.num_query_groups
         if h is not None and h < 1:
             raise SpecError(f"megatron: num_heads must be >= 1; got {h}.")
@@ -206,10 +214,36 @@ def merge(loaded: Mapping[Shard, Mapping[int, Mapping[str, torch.Tensor]]], spec
         for c, sd in chunks.items():
             for name, t in sd.items():
                 g = _global_name(name, offsets[(c, shard.pp)], shard.ep, n_local)
-                if g is not None:
-                    per_name[g][shard.tp] = (t, shard)
+                if g is None:
+                    continue
+                seen = per_name[g].get(shard.tp)
+                if seen is not None:
+                    _same_on_two_stages(g, seen, (t, shard))
+                    continue
+                per_name[g][shard.tp] = (t, shard)
     tps = 1 + max(s.tp for s in loaded)
     return {name: _join(name, ranks, tps, spec, where) for name, ranks in per_name.items()}
+
+
+def _same_on_two_stages(name: str, first: tuple[torch.Tensor, Shard], other: tuple[torch.Tensor, Shard]) -> None:
+    """A global name met twice (two pipeline stages or chunks): one tensor kept only if both are the same bits."""
+    (a, sa), (b, sb) = first, other
+    if not _bit_equal(a, b):
+        raise ShardMismatchError(f"{sb.path}: {name} is also in {sa.path.name} (pipeline rank {sa.pp}) with other "
+                                 "values; two stages hold one name (a custom pipeline layout or MTP layers?) and "
+                                 "neither copy can be chosen.")
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (NaN payloads included)."""
+    import torch
+
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return bool(torch.equal(a.contiguous().view(width), b.contiguous().view(width)))
+    return bool(torch.equal(a, b))
 
 
 def _layer_offsets(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> dict[tuple[int, int], int]:
@@ -261,8 +295,24 @@ def partition_axis(name: str) -> int | None:
     return None
 
 
+def layout_axis(name: str, spec: MegatronSpec) -> int | None:
+    """The tensor-parallel axis of *name*: the first ``spec.tp_splits`` glob that matches, else the name rules."""
+    for glob, axis in spec.tp_splits.items():
+        if fnmatch.fnmatchcase(name, glob):
+            return axis
+    return partition_axis(name)
+
+
 def _join(name: str, ranks: Mapping[int, tuple[torch.Tensor, Shard]], tps: int, spec: MegatronSpec,
           where: Path) -> torch.Tensor:
+    """The unsharded tensor of one name, the layout checked against the ranks' values.
+
+    A tensor the layout calls replicated must hold the same bits on every tensor-parallel rank
+    (Megatron-LM all-reduces the gradients of replicated parameters across them): ranks that
+    disagree mean it is split under a name the rules do not know, and the import stops naming
+    it.  A tensor the layout calls split whose ranks all hold the same non-zero bits is in fact
+    replicated (an expert tensor-parallel size below TP, say): the import stops too.
+    """
     import torch
 
     missing = [t for t in range(tps) if t not in ranks]
@@ -277,13 +327,32 @@ def _join(name: str, ranks: Mapping[int, tuple[torch.Tensor, Shard]], tps: int, 
             raise ShardMismatchError(f"{ranks[t][1].path}: {name} has shape {tuple(p.shape)} {p.dtype}; tensor-"
                                      f"parallel rank 0 holds {tuple(first.shape)} {first.dtype} (Megatron splits "
                                      "evenly: every rank's shard has one shape).")
-    axis = partition_axis(name)
-    if axis is None or tps == 1:
+    axis = layout_axis(name, spec)
+    if tps == 1:
         return first
+    if axis is None:
+        differ = [t for t in range(1, tps) if not _bit_equal(parts[t], first)]
+        if differ:
+            raise ShardMismatchError(
+                f"{where}: {name} differs between tensor-parallel ranks 0 and {differ[0]} although its name says "
+                "replicated: it is split under a name the importer does not know (or the ranks did not "
+                f"synchronise). Give its layout: --tp-split '{_glob_of(name)}=AXIS' (the split axis) or "
+                f"'{_glob_of(name)}=none'.")
+        return first
+    if all(_bit_equal(p, first) for p in parts[1:]) and bool(torch.any(first != 0)):
+        raise ShardMismatchError(
+            f"{where}: {name} holds the same values on all {tps} tensor-parallel ranks although its name says split "
+            f"along axis {axis}: it is replicated there (an expert tensor-parallel size below the tensor-parallel "
+            f"size?). Give its layout: --tp-split '{_glob_of(name)}=none'.")
     if spec.gated_mlp and ".linear_fc1." in name and axis == 0:
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(parts, dim=axis)
+
+
+def _glob_of(name: str) -> str:
+    """A glob for *name* across layers and experts (numbers become ``*``), for the refusal's fix."""
+    return re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", name))
 
 
 # ------------------------------------------------------------------ heads
@@ -365,8 +434,14 @@ def store_name(name: str) -> str:
 
 
 def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequence[str] | None, heads: Any,
-                    writer_options: Mapping[str, Any]) -> int:
-    """Import every saved iteration of ``spec.kind`` under *source* into *out*; returns the records written."""
+                    writer_options: Mapping[str, Any], logs: RunLog | None = None) -> int:
+    """Import every saved iteration of ``spec.kind`` under *source* into *out*; returns the records written.
+
+    With *logs* (the run's own, :mod:`gradforensics.runlog`), records get the logged loss, lr, loss scale
+    and gradient norm; fp16 gradients are unscaled and skipped iterations marked (:mod:`.logjoin`).
+    """
+    from gradforensics.importing.logjoin import LogJoin
+
     iters = iterations(source, spec.kind)
     params = iterations(source, "params") if spec.kind != "params" and (source / "params").is_dir() else {}
     first_it, first_dir = next(iter(iters.items()))
@@ -379,10 +454,11 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
                         "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron"}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
-    grads = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
-    per_record = {"grads": grads, "weights": grads * len(set(params) & set(iters)) // len(iters)}
+    grad_bytes = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
+    per_record = {"grads": grad_bytes, "weights": grad_bytes * len(set(params) & set(iters)) // len(iters)}
+    join = LogJoin(logs, gradients=spec.kind != "params")
     with ImportWriter(out, heads=store_specs, total=len(iters), per_record=per_record, framework="megatron",
-                      model_info=info, extra=extra, **writer_options) as w:
+                      model_info=info, extra=extra, logged=join.logged, **writer_options) as w:
         for it, d in iters.items():
             if it != first_it:
                 merged = _load_iteration(d, spec, first_dir)
@@ -395,5 +471,8 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
             missing = [n for n in names if n not in merged]
             if missing:
                 raise ShardMismatchError(f"{d}: {missing[0]} is missing; iteration {first_it} has it.")
-            w.record(Interval(step=it, time=d.stat().st_mtime), {store_name(n): merged[n] for n in names}, snaps)
+            iv, record = join.record(it, d.stat().st_mtime, {store_name(n): merged[n] for n in names}, merged)
+            w.record(iv, record, snaps)
+        if join.logged:
+            w.annotate(**join.summary())
     return len(iters)

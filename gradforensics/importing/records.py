@@ -46,6 +46,10 @@ class Interval:
     lr: float = math.nan
     n_samples: int = 1
     time: float = math.nan
+    #: from the run's own logs (``--logs``): the loss scale, the gradient norm the run logged, a skipped step
+    loss_scale: float = math.nan
+    logged_grad_norm: float = math.nan
+    skipped: bool = False
 
 
 def as_array(t: torch.Tensor | np.ndarray) -> tuple[np.ndarray, str, str]:
@@ -88,16 +92,20 @@ class ImportWriter:
         No estimate line, no progress bar (else on *file*, default stderr).
     force
         Write even when the estimate exceeds the free disk.
+    logged
+        The import joins the run's own logs: every record also gets ``batches/skipped``,
+        ``batches/loss_scale`` and ``batches/logged_grad_norm``.
     """
 
     def __init__(self, out: str | os.PathLike[str], *, heads: Mapping[str, HeadSpec], total: int,
                  per_record: Mapping[str, int], framework: str, model_info: Mapping[str, Any], extra: Mapping[str, Any],
                  overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
-                 quiet: bool = False, force: bool = False, file: IO[str] | None = None) -> None:
+                 quiet: bool = False, force: bool = False, file: IO[str] | None = None, logged: bool = False) -> None:
         from gradforensics.replay.run import Progress
 
         meta = new_meta([SOURCE], "training", framework, dict(model_info), dict(extra))
         self.heads = dict(heads)
+        self.logged = logged
         self.total = total
         self.force = force
         self.say = None if quiet else (file or sys.stderr)
@@ -152,11 +160,13 @@ class ImportWriter:
                 self.bar.close()
 
     # ---------------------------------------------------------------- rows
-    @staticmethod
-    def _meta_rows(iv: Interval) -> dict[str, Row]:
+    def _meta_rows(self, iv: Interval) -> dict[str, Row]:
         values = {"step": np.int64(iv.step), "loss": np.float32(iv.loss), "mixture": np.ones(1, np.float32),
                   "n_samples": np.int32(iv.n_samples), "rank": np.int32(0), "lr": np.float32(iv.lr),
                   "time": np.float64(iv.time)}
+        if self.logged:
+            values.update(skipped=np.uint8(iv.skipped), loss_scale=np.float32(iv.loss_scale),
+                          logged_grad_norm=np.float32(iv.logged_grad_norm))
         return {batch_path(k): Row(np.asarray(v)) for k, v in values.items()}
 
     def _grad_row(self, name: str, g: Any) -> Row:

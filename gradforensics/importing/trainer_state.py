@@ -127,7 +127,7 @@ def _keep(entry: Any, out: dict[int, dict[str, float]]) -> None:
     step = entry.get("step") if isinstance(entry, dict) else None
     if not isinstance(step, int) or isinstance(step, bool):
         return
-    for key, want in (("loss", "loss"), ("learning_rate", "lr")):
+    for key, want in (("loss", "loss"), ("learning_rate", "lr"), ("grad_norm", "grad_norm")):
         v = entry.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out.setdefault(step, {})[want] = float(v)

@@ -48,7 +48,9 @@ Mode = Literal["training", "replay"]
 MODES: tuple[str, ...] = ("training", "replay")
 
 #: Per-record metadata arrays under ``batches/`` (name -> numpy dtype).  ``mixture``
-#: is (N, S); every other one is (N,).
+#: is (N, S); every other one is (N,).  ``skipped`` (1: a loss scaler skipped the step),
+#: ``loss_scale`` and ``logged_grad_norm`` (the norm the run itself logged) come only
+#: from an import given the run's logs (:mod:`gradforensics.runlog`).
 BATCH_FIELDS: dict[str, str] = {
     "step": "int64",
     "loss": "float32",
@@ -57,6 +59,10 @@ BATCH_FIELDS: dict[str, str] = {
     "rank": "int32",
     "lr": "float32",
     "time": "float64",
+    # written by an import given the run's own logs (--logs), absent otherwise
+    "skipped": "uint8",
+    "loss_scale": "float32",
+    "logged_grad_norm": "float32",
 }
 
 #: Per-record activation statistics under ``acts/<module>/``.

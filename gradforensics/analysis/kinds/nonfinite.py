@@ -10,6 +10,11 @@ direction statistic, so they cannot turn another table into NaN.
 Table ``nonfinite.csv``: a row per tensor (and head) over all sources, plus a
 row per source involved for tensors that hold any non-finite value.  For a
 tensor kept only as a sketch, counts are of sketch entries, not gradient elements.
+
+Records marked ``batches/skipped`` (an import given the run's logs: iterations a loss
+scaler skipped, :mod:`gradforensics.importing.logjoin`) are not findings: their NaN/Inf
+never reached the weights.  They are counted apart (``records_skipped``) and left out of
+every other column.
 """
 
 from __future__ import annotations
@@ -33,49 +38,55 @@ __all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "compute", "flags", "nonfinite_rows"
 
 
 COLUMNS = ("tensor", "head", "source", "n_records", "records_nonfinite", "elements_nonfinite", "share",
-           "first_record", "first_step", "first_sources", "last_record", "from_sketch")
+           "first_record", "first_step", "first_sources", "last_record", "from_sketch", "records_skipped")
 
 
 def _sources_of(mixture_row: np.ndarray, sources: tuple[str, ...]) -> list[str]:
     return [s for s, w in zip(sources, mixture_row) if w > 0]
 
 
-def nonfinite_rows(g: GramResult, mixture: np.ndarray, steps: np.ndarray,
-                   sources: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Rows of one tensor (or head): all sources, then each source involved in a bad record."""
-    bad = g.nonfinite > 0
-    rows = [_row(g, "", np.ones(bad.size, bool), bad, mixture, steps, sources)]
+def nonfinite_rows(g: GramResult, mixture: np.ndarray, steps: np.ndarray, sources: tuple[str, ...],
+                   skipped: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """Rows of one tensor (or head): all sources, then each source involved in a bad record.
+
+    *skipped* (bool per record) marks records a loss scaler skipped: counted apart, never bad.
+    """
+    held = g.nonfinite > 0
+    skip = np.zeros(held.size, bool) if skipped is None else np.asarray(skipped, bool)[:held.size]
+    bad = held & ~skip
+    rows = [_row(g, "", np.ones(bad.size, bool), bad, held & skip, mixture, steps, sources)]
     if bad.any():
         for s, name in enumerate(sources):
             involved = mixture[:, s] > 0
             if (involved & bad).any():
-                rows.append(_row(g, name, involved, bad, mixture, steps, sources))
+                rows.append(_row(g, name, involved, bad, held & skip, mixture, steps, sources))
     return rows
 
 
-def _row(g: GramResult, source: str, mask: np.ndarray, bad: np.ndarray, mixture: np.ndarray,
+def _row(g: GramResult, source: str, mask: np.ndarray, bad: np.ndarray, skipped: np.ndarray, mixture: np.ndarray,
          steps: np.ndarray, sources: tuple[str, ...]) -> dict[str, Any]:
     hit = np.flatnonzero(mask & bad)
     n = int(mask.sum())
     first = int(hit[0]) if hit.size else None
     return {
         "tensor": g.tensor, "head": g.head, "source": source, "n_records": n,
-        "records_nonfinite": int(hit.size), "elements_nonfinite": int(g.nonfinite[mask].sum()),
+        "records_nonfinite": int(hit.size), "elements_nonfinite": int(g.nonfinite[mask & bad].sum()),
         "share": hit.size / n if n else 0.0,
         "first_record": first, "first_step": None if first is None else int(steps[first]),
         "first_sources": "" if first is None else ";".join(_sources_of(mixture[first], sources)),
         "last_record": int(hit[-1]) if hit.size else None, "from_sketch": g.from_sketch,
+        "records_skipped": int((mask & skipped).sum()),
     }
 
 
 def nonfinite_table(grams: Mapping[tuple[str, int | None], GramResult], mixture: np.ndarray, steps: np.ndarray,
-                    sources: tuple[str, ...]) -> pd.DataFrame:
+                    sources: tuple[str, ...], skipped: np.ndarray | None = None) -> pd.DataFrame:
     """The ``nonfinite.csv`` table (columns ``tensor``, ``head``, ``source`` first)."""
     import pandas as pd
 
     rows = []
     for key in sorted(grams, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
-        rows += nonfinite_rows(grams[key], mixture, steps, sources)
+        rows += nonfinite_rows(grams[key], mixture, steps, sources, skipped)
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     for col in ("head", "first_record", "first_step", "last_record"):
         table[col] = table[col].astype("Int64")
@@ -86,7 +97,8 @@ def compute(ctx: Context) -> AnalysisResult:
     b = ctx.batches
     # above N0: counts only, each unit's N counts built when it is read (sparse in the pass)
     grams = ctx.long.record_grams() if ctx.long is not None else ctx.grams
-    table = nonfinite_table(grams, b["mixture"], b["step"], ctx.sources)
+    skipped = b["skipped"] > 0 if "skipped" in b else None
+    table = nonfinite_table(grams, b["mixture"], b["step"], ctx.sources, skipped)
     series = {f"counts/{g.tensor}": g.nonfinite for (t, h), g in grams.items()
               if h is None and g.nonfinite.any()}
     return AnalysisResult(table=table, series=series)
