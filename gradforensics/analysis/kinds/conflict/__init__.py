@@ -288,10 +288,11 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
         keep = np.flatnonzero(np.isfinite(np.diag(M)))
         names = un.decode_names(result.series.get("source_names"), M.shape[0])
         sub = M[np.ix_(keep, keep)]
-        ax.imshow(sub, vmin=-1, vmax=1, cmap="RdBu")
-        ax.set_xticks(range(keep.size), [names[i] for i in keep], rotation=45, fontsize=8)
-        ax.set_yticks(range(keep.size), [names[i] for i in keep], fontsize=8)
-        annotate(ax, sub, "RdBu", -1.0, 1.0)          # white on the dark ends, black in between
+        # cells fill the panel (a square matrix in a wide figure left most of it margin)
+        ax.imshow(sub, vmin=-1, vmax=1, cmap="RdBu", aspect="auto")
+        ax.set_xticks(range(keep.size), [names[i] for i in keep], fontsize=9, rotation=0 if keep.size <= 6 else 45)
+        ax.set_yticks(range(keep.size), [names[i] for i in keep], fontsize=9)
+        annotate(ax, sub, "RdBu", -1.0, 1.0, fontsize=9 if keep.size <= 8 else 7)   # white on the dark ends
     ax.set_xlabel("source")
     ax.set_ylabel("source")
     where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
