@@ -18,6 +18,7 @@ import json
 import os
 import textwrap
 import warnings
+from dataclasses import replace
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -84,7 +85,10 @@ def side_by_side(row: Row, before: Findings, after: Findings, labels: tuple[str,
     fig = new_figure(12.0, 4.0)
     axes = fig.subplots(1, 2)
     for ax, findings, own, label in ((axes[0], before, row.before, labels[0]), (axes[1], after, row.after, labels[1])):
-        _draw(ax, findings, own or row.flag, own is not None)
+        shown = own or row.flag
+        if set(shown.sources) == set(row.sources):     # both panels name the sources in the row's order
+            shown = replace(shown, sources=tuple(row.sources))
+        _draw(ax, findings, shown, own is not None)
         if own is not None:
             lines = [f"{visible(label)}: severity {own.severity:.2f}"]
             lines += [textwrap.fill(t, 80) for t in ax.get_title().split("\n") if t]
