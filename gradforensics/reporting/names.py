@@ -199,11 +199,11 @@ def location(units: Iterable[tuple[str, int | None]]) -> str:
     others: list[str] = []
     placed: list[tuple[str, int, str, set[int]]] = []
     for name, head_set in heads_of.items():
-        parts = split_layer(name)
-        if parts is None or not parts[2]:
+        split = split_layer(name)
+        if split is None or not split[2]:
             others.append(name + (f", {heads_phrase(head_set)}" if head_set else ""))
             continue
-        placed.append((parts[0], parts[1], parts[2], head_set))
+        placed.append((split[0], split[1], split[2], head_set))
     short = unique_modules(rest for _, _, rest, _ in placed)     # distinct modules never share a name
     for prefix, layer, rest, head_set in placed:
         items = by_layer.setdefault((prefix, layer), {})
