@@ -186,3 +186,24 @@ def test_tensor_names_break_only_at_dots():
     assert dotted("model.layers.0.self_attn.q_proj.weight") == \
         "model.<wbr>layers.<wbr>0.<wbr>self_attn.<wbr>q_proj.<wbr>weight"
     assert dotted("cos -0.96, p < 0.001") == "cos -0.96, p &lt; 0.001"     # decimal points stay whole
+
+
+def test_compare_page_fits_a_phone(tmp_path, monkeypatch):
+    """The compare report at 390 px: its table scrolls inside its box, its side-by-side figures keep their size."""
+    import warnings
+
+    from gradforensics.reporting.compare_render import write
+    from gradforensics.reporting.comparison import compare_findings
+
+    data.install(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlotBugWarning)            # the fake noise plot raises on purpose
+        html = write(compare_findings(data.findings(), data.findings(healthy=True)), tmp_path / "cmp")["html"]
+    page = html.read_text()
+    assert '<meta name="viewport"' in page
+    harness = tmp_path / "cmp.html"
+    harness.write_text(page.replace("</body>", MEASURE))
+    a = _attrs(chromium(tmp_path, "--dump-dom", "--window-size=390,2000", harness.as_uri()))
+    assert a["page-overflow"] == "0" and a["overflowing"] == "none", a
+    n_imgs, shrunk = map(int, a["shrunk"].split("/"))
+    assert n_imgs >= 1 and shrunk == 0, a
