@@ -15,7 +15,7 @@ import numpy as np
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["annotate", "ink", "luminance"]
+__all__ = ["annotate", "ink", "luminance", "two_places"]
 
 
 def luminance(rgba: Any) -> float:
@@ -31,8 +31,14 @@ def ink(rgba: Any) -> str:
     return "white" if (1.05 / (lum + 0.05)) > ((lum + 0.05) / 0.05) else "black"
 
 
+def two_places(v: float) -> str:
+    """*v* with two decimals; a value that rounds to zero reads ``0.00``, never ``-0.00``."""
+    text = f"{v:.2f}"
+    return "0.00" if text == "-0.00" else text
+
+
 def annotate(ax: Axes, matrix: np.ndarray, cmap: Any, vmin: float, vmax: float,
-             text: Callable[[float], str] = "{:.2f}".format, *, keep: np.ndarray | None = None,
+             text: Callable[[float], str] = two_places, *, keep: np.ndarray | None = None,
              where: Callable[[int, int], tuple[float, float]] | None = None, fontsize: float = 7) -> None:
     """Write ``text(v)`` on each finite cell of *matrix* (where *keep*, if given) in the ink of its colour.
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gradforensics as gf
-from gradforensics._contrast import ink, luminance
+from gradforensics._contrast import ink, luminance, two_places
 from gradforensics.reporting import figures
 
 
@@ -29,7 +29,7 @@ def _checked_texts(ax, cell_under=True) -> list[str]:
             continue
         if cell_under:
             x, y = t.get_position()
-            assert f"{arr[round(y), round(x)]:.2f}" == t.get_text()
+            assert two_places(arr[round(y), round(x)]) == t.get_text()
         rgba = im.to_rgba(np.float64(v))
         # the oracle: white on a colour darker than the WCAG crossover (luminance ~0.18), else black
         want = "white" if luminance(rgba) < 0.179 else "black"

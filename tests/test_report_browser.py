@@ -46,7 +46,7 @@ def test_report_loads_figures_decode_summary_and_table_present(tmp_path, html_re
     items = re.findall(r"<li>.*?</li>", dom[dom.index('id="summary-list"'):], flags=re.S)
     assert "model.layers.5–6 q_proj/k_proj, heads 2 and 5: zh and en gradients point opposite ways" in items[0]
     table = dom[dom.index('id="layer-table"'):]
-    table = table[:table.index("</table>")]
+    table = table[:table.index("</table>")].replace("<wbr>", "")       # names may break after their dots
     n_units = data.N_LAYERS * (4 * (data.HEADS + 1) + 1) + 1      # heads + whole tensors + MLPs + the loss
     assert table.count("<tr>") == n_units + 1 and "model.layers.7.self_attn.o_proj.weight" in table
 
@@ -113,3 +113,97 @@ def test_layer_table_does_not_scroll_sideways_at_1400_px(tmp_path, monkeypatch):
     cols = int(re.search(r'data-cols="(\d+)"', body).group(1))
     assert cols >= len(REGISTRY) + 5, body                       # layer, tensor, head, analyses, max, flags
     assert re.search(r'data-overflow="0"', body), body
+
+
+#: Runs after load at the window's width: how far the page, and each figure and table box, runs past its
+#: room, as attributes of <body> (a DOM dump shows them).  A table or figure may be wider than the screen
+#: only inside a box that scrolls sideways (``overflow-x: auto``) and itself fits.
+MEASURE = """<script>window.addEventListener('load',function(){
+ var b=document.body,root=document.documentElement,vw=root.clientWidth,bad=[];
+ function scrolls(e){var o=getComputedStyle(e).overflowX;return o==='auto'||o==='scroll';}
+ function boxOf(e){for(var p=e.parentElement;p;p=p.parentElement){if(scrolls(p))return p;}return null;}
+ document.querySelectorAll('figure,table,img,pre').forEach(function(e){
+   var box=boxOf(e),r=(box||e).getBoundingClientRect();
+   if(r.right>vw+0.5||r.left<-0.5)bad.push(e.tagName+(e.id?'#'+e.id:'')+':'+Math.round(r.right));});
+ var says=document.querySelectorAll('td.says'),hidden=0;
+ says.forEach(function(td){var r=td.getBoundingClientRect();if(r.width<150||r.right>vw+0.5)hidden++;});
+ var imgs=document.querySelectorAll('figure img'),small=0;
+ imgs.forEach(function(im){if(im.getBoundingClientRect().width<im.naturalWidth-1)small++;});
+ var info=document.querySelector('.sev.info');
+ b.setAttribute('data-page-overflow',String(root.scrollWidth-vw));
+ b.setAttribute('data-overflowing',bad.join(' ')||'none');
+ b.setAttribute('data-says',says.length+'/'+hidden);
+ b.setAttribute('data-shrunk',imgs.length+'/'+small);
+ b.setAttribute('data-info-badge',info?getComputedStyle(info).borderLeftWidth+'/'+getComputedStyle(info).display:'none');
+});</script></body>"""
+
+
+def _attrs(dom: str) -> dict[str, str]:
+    body = re.search(r"<body[^>]*>", dom).group(0)
+    return dict(re.findall(r'data-([a-z-]+)="([^"]*)"', body))
+
+
+@pytest.fixture
+def phone_report(tmp_path, monkeypatch) -> Path:
+    """The test report plus a finding below 0.25 (a badge in the ``info`` band)."""
+    from gradforensics.analysis.contract.model import Findings, Flag
+
+    data.install(monkeypatch)
+    base = data.findings()
+    faint = Flag("noise", "model.layers.3.mlp.down_proj.weight", None, (), 0.12, (0, 95),
+                 {"analysis": "tnoise", "snr": 0.8}, "SNR 0.8: a little noisy.")
+    f = Findings(base.store, base.n_records, base.mode, base.sources, base.header, base.results,
+                 [*base.flags, faint])
+    with pytest.warns(PlotBugWarning):
+        html = report(f, tmp_path / "out")["html"]
+    harness = tmp_path / "measured.html"
+    harness.write_text(html.read_text().replace("</body>", MEASURE))
+    return harness
+
+
+@pytest.mark.parametrize("width", [390, 1400])
+def test_nothing_runs_off_the_page_on_a_phone_or_a_desktop(tmp_path, phone_report, width):
+    """Issue 45: at 390 px every table and figure fits its box (or scrolls inside one), the page itself does
+    not scroll sideways, each flag's explanation is on screen, and figures keep their drawn size on a phone."""
+    dom = chromium(tmp_path, "--dump-dom", f"--window-size={width},2000", phone_report.as_uri())
+    a = _attrs(dom)
+    assert a["js-errors"] == "0", a
+    assert a["page-overflow"] == "0" and a["overflowing"] == "none", a
+    n_says, hidden = map(int, a["says"].split("/"))
+    assert n_says >= 3 and hidden == 0, a                      # "what the analysis says" readable, not cut off
+    n_imgs, shrunk = map(int, a["shrunk"].split("/"))
+    if width == 390:
+        assert n_imgs >= 4 and shrunk == 0, a                  # full size, scrolled sideways: text stays legible
+    assert a["info-badge"] == "0px/inline-block", a           # a badge below 0.25 is a badge, not a note box
+    shot = tmp_path / f"report-{width}.png"                   # kept with the test's files, to look at
+    chromium(tmp_path, f"--screenshot={shot}", f"--window-size={width},3000", phone_report.as_uri())
+    assert shot.stat().st_size > 0
+
+
+def test_tensor_names_break_only_at_dots():
+    from gradforensics.reporting.html import dotted
+
+    assert dotted("model.layers.0.self_attn.q_proj.weight") == \
+        "model.<wbr>layers.<wbr>0.<wbr>self_attn.<wbr>q_proj.<wbr>weight"
+    assert dotted("cos -0.96, p < 0.001") == "cos -0.96, p &lt; 0.001"     # decimal points stay whole
+
+
+def test_compare_page_fits_a_phone(tmp_path, monkeypatch):
+    """The compare report at 390 px: its table scrolls inside its box, its side-by-side figures keep their size."""
+    import warnings
+
+    from gradforensics.reporting.compare_render import write
+    from gradforensics.reporting.comparison import compare_findings
+
+    data.install(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlotBugWarning)            # the fake noise plot raises on purpose
+        html = write(compare_findings(data.findings(), data.findings(healthy=True)), tmp_path / "cmp")["html"]
+    page = html.read_text()
+    assert '<meta name="viewport"' in page
+    harness = tmp_path / "cmp.html"
+    harness.write_text(page.replace("</body>", MEASURE))
+    a = _attrs(chromium(tmp_path, "--dump-dom", "--window-size=390,2000", harness.as_uri()))
+    assert a["page-overflow"] == "0" and a["overflowing"] == "none", a
+    n_imgs, shrunk = map(int, a["shrunk"].split("/"))
+    assert n_imgs >= 1 and shrunk == 0, a

@@ -18,6 +18,7 @@ import json
 import os
 import textwrap
 import warnings
+from dataclasses import replace
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from gradforensics._text import md_code, md_text, terminal, visible
 from gradforensics.errors import PlotBugWarning
 from gradforensics.reporting.comparison import ACT, WORSE, Comparison, Row
 from gradforensics.reporting.figures import analysis_name, new_figure, to_png
-from gradforensics.reporting.html import CSS
+from gradforensics.reporting.html import CSS, dotted
 from gradforensics.reporting.paths import under
 from gradforensics.reporting.tables import csv_safe
 
@@ -84,7 +85,10 @@ def side_by_side(row: Row, before: Findings, after: Findings, labels: tuple[str,
     fig = new_figure(12.0, 4.0)
     axes = fig.subplots(1, 2)
     for ax, findings, own, label in ((axes[0], before, row.before, labels[0]), (axes[1], after, row.after, labels[1])):
-        _draw(ax, findings, own or row.flag, own is not None)
+        shown = own or row.flag
+        if set(shown.sources) == set(row.sources):     # both panels name the sources in the row's order
+            shown = replace(shown, sources=tuple(row.sources))
+        _draw(ax, findings, shown, own is not None)
         if own is not None:
             lines = [f"{visible(label)}: severity {own.severity:.2f}"]
             lines += [textwrap.fill(t, 80) for t in ax.get_title().split("\n") if t]
@@ -178,7 +182,7 @@ def render_html(c: Comparison, pngs: dict[int, bytes]) -> str:
     """``report.html``: self-contained, figures embedded as base64 PNG."""
     rows = "".join(
         f'<tr class="{r.status}"><td><b>{r.status}</b></td><td>{escape(r.kind)}</td>'
-        f"<td><code>{escape(visible(r.tensor))}</code></td><td>{'' if r.head is None else r.head}</td>"
+        f"<td><code>{dotted(visible(r.tensor))}</code></td><td>{'' if r.head is None else r.head}</td>"
         f"<td>{escape(visible(', '.join(r.sources)))}</td><td class=num>{_sev(r.severity_before)}</td>"
         f"<td class=num>{_sev(r.severity_after)}</td></tr>" for r in c.rows[:MAX_ROWS])
     figs = []
@@ -186,13 +190,14 @@ def render_html(c: Comparison, pngs: dict[int, bytes]) -> str:
         r = c.rows[i]
         says = "".join(f"<li>{label}: {escape(visible(f.summary))}</li>"
                        for label, f in (("before", r.before), ("after", r.after)) if f is not None)
-        figs.append(f"<section><h3>{r.status}: {escape(r.kind)} on <code>{escape(visible(_where(r)))}</code></h3>"
+        figs.append(f"<section><h3>{r.status}: {escape(r.kind)} on <code>{dotted(visible(_where(r)))}</code></h3>"
                     f'<figure><img alt="{escape(r.status)} {escape(r.kind)}" '
                     f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}"></figure>'
                     f"<ul>{says}</ul></section>")
     notes = "".join(f'<div class="info">{escape(visible(n))}</div>' for n in _notes(c))    # information, not alarm
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>gradforensics compare</title>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1"><title>gradforensics compare</title>
 <style>{CSS}
 tr.new td,tr.worse td{{background:#fbe0cf}}tr.resolved td{{background:#e6f4ea}}</style></head>
 <body><main>
@@ -203,8 +208,8 @@ tr.new td,tr.worse td{{background:#fbe0cf}}tr.resolved td{{background:#e6f4ea}}<
 <p><i>{escape(RULE)}</i></p>
 {notes}
 <h2 id="compared">Findings compared</h2>
-<table id="compare-table"><thead><tr><th>status</th><th>kind</th><th>tensor</th><th>head</th><th>sources</th>
-<th>before</th><th>after</th></tr></thead><tbody>{rows}</tbody></table>
+<div class="scrollx"><table id="compare-table"><thead><tr><th>status</th><th>kind</th><th>tensor</th><th>head</th><th>sources</th>
+<th>before</th><th>after</th></tr></thead><tbody>{rows}</tbody></table></div>
 <h2 id="changed">What changed</h2>
 {"".join(figs) or "<p>No finding changed status.</p>"}
 </main></body></html>

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.reporting.summary import FlagGroup
 
-__all__ = ["DPI", "EVIDENCE_SIZE", "MAX_HEAD_COLUMNS", "MAX_LAYER_SPAN", "MAX_SEPARATORS", "MAX_TICK_LABELS", "OTHER", "Overview",
+__all__ = ["COLORBAR_INCHES", "DPI", "EVIDENCE_SIZE", "MAX_HEAD_COLUMNS", "MAX_LAYER_SPAN", "MAX_SEPARATORS", "MAX_TICK_LABELS", "OTHER", "Overview",
            "analysis_name", "discard", "evidence", "flag_analyses", "new_figure", "overview", "overview_data", "plain_log_ticks", "thin_ticks",
            "to_png"]
 
@@ -45,6 +45,8 @@ OTHER = "other"
 MAX_LAYER_SPAN = 1024
 #: More heads than this (a damaged or hostile store) fold into one column per layer.
 MAX_HEAD_COLUMNS = 256
+#: Width of the overview's colour bar (inches); it spans the map's full height.
+COLORBAR_INCHES = 0.18
 #: Column separators are drawn up to this many layer columns.
 MAX_SEPARATORS = 200
 #: An evidence figure labels at most this many ticks per axis (every k-th beyond): a plot with a
@@ -228,7 +230,8 @@ def overview(findings: Findings, ov: Overview | None = None) -> Figure:
     ov = overview_data(findings) if ov is None else ov
     n_cols = max(len(ov.layers), 1)
     per_layer = 0.42 if ov.heads == 1 else min(0.12 * ov.heads, 0.9)     # room for head sub-columns
-    fig = new_figure(min(13.0, max(6.5, 3.2 + per_layer * n_cols)), 1.7 + 0.3 * max(len(ov.rows), 1))
+    width = min(13.0, max(6.5, 3.2 + per_layer * n_cols))
+    fig = new_figure(width, 1.7 + 0.3 * max(len(ov.rows), 1))
     ax = fig.add_subplot()
     cmap = mpl.colormaps["YlOrRd"].with_extremes(bad="#d9d9d9")
     im = ax.imshow(np.ma.masked_invalid(ov.matrix), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
@@ -259,7 +262,10 @@ def overview(findings: Findings, ov: Overview | None = None) -> Figure:
     ax.set_ylabel("analysis")
     ax.set_title("Where it hurts: highest flag severity per layer and analysis\n(≥ 0.5: act; grey: not analysed)",
                  fontsize=10)
-    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.01)
+    # the bar is an inset of the map, so it spans exactly the map's height: a layout colour bar keeps a
+    # 20:1 box, shorter than a tall map (hung beside its lower half) or a hairline beside a short one
+    cax = ax.inset_axes((1.01, 0.0, COLORBAR_INCHES / (0.8 * width), 1.0))
+    cb = fig.colorbar(im, cax=cax)
     cb.set_label("max severity [0–1]")
     return fig
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from html import escape
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ from gradforensics.reporting.bands import band
 if TYPE_CHECKING:
     from gradforensics.reporting.document import Document, Picture, Section
 
-__all__ = ["CSS", "JS", "MAX_FLAG_ROWS", "MAX_TABLE_ROWS", "SELF_CHECK", "render"]
+__all__ = ["CSS", "JS", "MAX_FLAG_ROWS", "MAX_TABLE_ROWS", "SELF_CHECK", "dotted", "render"]
 
 
 #: Rows of a per-analysis table shown inline (the CSV has all of them).
@@ -25,16 +26,18 @@ MAX_TABLE_ROWS = 300
 MAX_FLAG_ROWS = 40
 
 CSS = """
-body{font:15px/1.5 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d1d1f;margin:0;background:#f6f7f9}
+body{font:15px/1.5 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d1d1f;margin:0;background:#f6f7f9;
+overflow-wrap:break-word}
 main{max-width:1180px;margin:0 auto;padding:24px 28px 60px;background:#fff}
-h1{font-size:1.5em;margin:.2em 0 .6em}h2{margin-top:1.8em;border-bottom:2px solid #e3e5e8;padding-bottom:.2em}
+h1{font-size:1.5em;margin:.2em 0 .6em;overflow-wrap:anywhere}
+h2{margin-top:1.8em;border-bottom:2px solid #e3e5e8;padding-bottom:.2em}
 h3{margin:1.4em 0 .4em}
 table{border-collapse:collapse;font-size:13px;margin:.5em 0}
 th,td{border:1px solid #dfe1e5;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f0f2f5}table.sortable th{cursor:pointer;user-select:none}
 table.sortable th:after{content:" \\2195";color:#999;font-size:.8em}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
-.hdr th{width:9em;background:#f7f8fa}
+.hdr th{width:9em;background:#f7f8fa}.hdr td{overflow-wrap:anywhere}
 .sev{display:inline-block;min-width:3.6em;text-align:center;border-radius:4px;padding:0 .35em;font-weight:600;
 font-variant-numeric:tabular-nums}
 .sev.high{background:#b2182b;color:#fff}.sev.medium{background:#ef8a62;color:#000}
@@ -42,7 +45,7 @@ font-variant-numeric:tabular-nums}
 td.high{background:#f4c7c3}td.medium{background:#fbe0cf}td.low{background:#fdf1e8}
 ol.summary li{margin:.35em 0}.headline{font-size:1.08em;font-weight:500}
 .verdict{font-size:1.12em;line-height:1.55;background:#f4f6fb;border-left:5px solid #1d4e89;padding:.6em 1em;margin:.4em 0 1em}
-figure{margin:.6em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
+figure{margin:.6em 0;overflow-x:auto}figure img{max-width:100%;height:auto;border:1px solid #eee;display:block}
 figcaption,.caption{font-size:13px;color:#555}
 .regime{color:#444;font-style:italic;margin:-.4em 0 1em}
 .note{background:#fdecea;border-left:4px solid #b2182b;padding:.4em .8em;margin:.5em 0}
@@ -50,13 +53,25 @@ figcaption,.caption{font-size:13px;color:#555}
 .advice h4{margin:.4em 0}.refs{font-size:13px;color:#444}
 section.finding{border-top:1px solid #e3e5e8;margin-top:1.4em}
 .tablewrap{max-height:640px;overflow:auto;border:1px solid #e3e5e8}
+.scrollx{overflow-x:auto;max-width:100%}.scrollx table{margin:0}
 .tablewrap table{margin:0}.tablewrap th{position:sticky;top:0}
+td code,td.name{overflow-wrap:normal;word-break:normal}td.says{min-width:16em}
 #layer-table{font-size:12px}#layer-table td,#layer-table th{padding:2px 4px}
 #layer-table th:nth-child(n+4):not(:last-child){writing-mode:vertical-rl;transform:rotate(180deg);
 white-space:nowrap;vertical-align:bottom;text-align:left}
-#layer-table td:nth-child(2) code{word-break:break-all}#layer-table td:last-child{min-width:8em}
-.info{background:#f4f6fb;border-left:4px solid #8a99b3;padding:.4em .8em;margin:.5em 0}
+#layer-table td:last-child{min-width:8em}
+div.info{background:#f4f6fb;border-left:4px solid #8a99b3;padding:.4em .8em;margin:.5em 0}
 details{margin:.4em 0}summary{cursor:pointer}code{font-size:.95em}
+.scrollhint{display:none;font-size:12px;color:#777;margin:.2em 0}
+@media (max-width:720px){
+main{padding:12px 12px 40px}h1{font-size:1.25em}.verdict{font-size:1.02em;padding:.5em .7em}
+figure img{max-width:none;width:auto}.scrollhint{display:block}
+ol.summary{padding-left:1.4em}
+table.flags,table.flags tbody,table.flags tr,table.flags td{display:block}table.flags thead{display:none}
+table.flags tr{border:1px solid #dfe1e5;margin:.5em 0;padding:.3em .4em}
+table.flags td{border:0;padding:1px 2px;min-width:0}table.flags td:empty{display:none}
+table.flags td:not(.says):before{content:attr(data-label) ": ";color:#666}
+}
 """
 
 #: Runs first: records script errors and, once loaded, how many figures decoded, as attributes of
@@ -87,6 +102,20 @@ document.addEventListener('click',function(e){var th=e.target.closest('table.sor
 """
 
 
+#: A dot between name parts (``layers.0.mlp``), not a decimal point (``-0.96``).
+_NAME_DOT = re.compile(r"(?<=\D)\.|\.(?=\D)")
+
+
+def dotted(name: str) -> str:
+    """*name* escaped, with a line-break opportunity (``<wbr>``) after each dot.
+
+    A narrow screen then breaks ``model.layers.0.self_attn.q_proj.weight`` between its
+    parts, never inside one (the CSS forbids breaks within a word in name cells); a
+    decimal point (``-0.96``) gets none.
+    """
+    return _NAME_DOT.sub(".<wbr>", escape(name))
+
+
 def _sev(s: float) -> str:
     return f'<span class="sev {band(s)}" title="severity {s:.3f}">{s:.2f}</span>'
 
@@ -95,7 +124,8 @@ def _img(pic: Picture) -> str:
     data = base64.b64encode(pic.png).decode("ascii")
     note = f'<div class="note">{escape(pic.note)}</div>' if pic.note else ""
     return (f'{note}<figure><img id="fig-{escape(pic.stem)}" alt="{escape(pic.alt)}" '
-            f'src="data:image/png;base64,{data}"></figure>')
+            f'src="data:image/png;base64,{data}"></figure>'
+            '<p class="scrollhint">The figure is drawn at full size: scroll it sideways.</p>')
 
 
 def _cell(v: Any) -> str:
@@ -109,9 +139,20 @@ def _cell(v: Any) -> str:
     return f"<td>{escape(str(v))}</td>"
 
 
-def _table(columns: list[str], rows: list[list[Any]], cls: str = "sortable", tid: str = "") -> str:
+def _table(columns: list[str], rows: list[list[Any]], cls: str = "sortable", tid: str = "",
+           names: tuple[str, ...] = ("tensor",), says: str = "") -> str:
+    """A table; cells of the *names* columns break only after dots, the *says* column keeps a readable width."""
     head = "".join(f"<th>{escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(_cell(v) for v in r) + "</tr>" for r in rows)
+
+    def cell(c: str, v: Any) -> str:
+        label = f' data-label="{escape(c)}"'
+        if c in names and isinstance(v, str):
+            return f'<td{label} data-v="{escape(v)}"><code>{dotted(v)}</code></td>'
+        if c == says and isinstance(v, str):
+            return f'<td{label} class="says">{dotted(v)}</td>'
+        return "<td" + label + _cell(v)[3:]
+
+    body = "".join("<tr>" + "".join(cell(c, v) for c, v in zip(columns, r)) + "</tr>" for r in rows)
     idattr = f' id="{tid}"' if tid else ""
     return f'<table class="{cls}"{idattr}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
@@ -122,7 +163,7 @@ def _layer_table(doc: Document) -> str:
     head = "".join(f"<th>{escape(c)}</th>" for c in cols)
     trs = []
     for r in doc.layer_rows:
-        cells = [_cell(r["layer"]), f"<td><code>{escape(r['tensor'])}</code></td>", _cell(r["head"])]
+        cells = [_cell(r["layer"]), f"<td><code>{dotted(r['tensor'])}</code></td>", _cell(r["head"])]
         for a in [*analyses, "max"]:
             v = r[a]
             if v is None:
@@ -156,7 +197,9 @@ def _section(doc: Document, s: Section) -> str:
              f.summary] for f in g.flags[:MAX_FLAG_ROWS]]
     more = len(g.flags) - MAX_FLAG_ROWS
     parts.append(f"<details{' open' if len(g.flags) <= 8 else ''}><summary>{len(g.flags)} flag(s)</summary>"
-                 + _table(["tensor", "head", "severity", "records", "sources", "what the analysis says"], rows)
+                 + '<div class="scrollx">'
+                 + _table(["tensor", "head", "severity", "records", "sources", "what the analysis says"], rows,
+                          cls="sortable flags", says="what the analysis says") + "</div>"
                  + (f"<p>… and {more} more in flags.json.</p>" if more > 0 else "") + "</details>")
     items = "".join(f"<li>{escape(a)}</li>" for a in s.advice)
     refs = "; ".join(escape(r) for r in s.references)
@@ -210,7 +253,7 @@ Click a column header to sort.</p>
 <h2 id="tables">Analysis tables</h2>
 {details}
 <h2 id="run">The run</h2>
-<table class="hdr" id="header">{hdr}</table>
+<div class="scrollx"><table class="hdr" id="header">{hdr}</table></div>
 <script>{JS}</script>
 </main></body></html>
 """

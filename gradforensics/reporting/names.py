@@ -20,9 +20,15 @@ from typing import Any
 from gradforensics.store.names import split_layer
 
 __all__ = ["Loc", "head_cell", "heads_phrase", "int_ranges", "join_and", "location", "module_rank", "parse",
-           "short_module", "table_units"]
+           "short_module", "table_units", "unique_modules"]
 
 _GENERIC = {"act_fn", "act", "activation", "activation_fn", "weight", "bias", "fn"}
+#: Leaves that several sub-layers of one block share (GPT-2/nanoGPT ``attn.c_proj`` and ``mlp.c_proj``,
+#: BERT's ``attention.output.dense``, ``intermediate.dense`` and ``output.dense``, NeoX's ``attention.dense``):
+#: named with their parent, so a short name alone never leaves the reader guessing which one.
+_SHARED_LEAVES = {"c_proj", "dense", "proj", "out_proj", "fc", "linear", "norm", "ln", "layer_norm", "LayerNorm"}
+#: Parents too vague to tell shared leaves apart (BERT's ``attention.output.dense`` vs ``output.dense``).
+_VAGUE_PARENTS = {"output", "self", "inner"}
 
 
 @dataclass(frozen=True)
@@ -47,22 +53,69 @@ def parse(name: str) -> Loc:
 
 
 def short_module(rest: str) -> str:
-    """``self_attn.q_proj.weight`` -> ``q_proj``; ``mlp.act_fn`` -> ``mlp.act_fn``."""
+    """``self_attn.q_proj.weight`` -> ``q_proj``; ``mlp.act_fn`` -> ``mlp.act_fn``; ``mlp.c_proj.weight`` ->
+    ``mlp.c_proj`` (a leaf several sub-layers share keeps its parent)."""
     parts = rest.split(".")
     if len(parts) > 1 and parts[-1] in ("weight", "bias"):
         parts = parts[:-1]
-    if len(parts) > 1 and parts[-1] in _GENERIC:
-        return ".".join(parts[-2:])
+    if len(parts) > 1 and (parts[-1] in _GENERIC or parts[-1] in _SHARED_LEAVES):
+        keep = 3 if len(parts) > 2 and parts[-2] in _VAGUE_PARENTS else 2
+        return ".".join(parts[-keep:])
     return parts[-1]
 
 
+def _core(rest: str) -> str:
+    """*rest* without a trailing ``weight`` / ``bias`` (the module's path)."""
+    head, _, last = rest.rpartition(".")
+    return head if head and last in ("weight", "bias") else rest
+
+
+def _forms(core: str) -> list[str]:
+    """Names of the module path *core* from shortest to whole: :func:`short_module`, then longer dotted suffixes."""
+    parts = core.split(".")
+    out = [short_module(core)]
+    for k in range(2, len(parts) + 1):
+        form = ".".join(parts[-k:])
+        if len(form) > len(out[-1]):
+            out.append(form)
+    return out
+
+
+def unique_modules(rests: Iterable[str]) -> dict[str, str]:
+    """A short name for each module path (``attn.c_proj.weight``), distinct for distinct paths.
+
+    Each starts as :func:`short_module`; names of different modules that clash grow by one
+    dotted part at a time (``c_attn`` -> ``attn.c_attn``) until none does; a weight and a bias
+    of one module, both present, keep their last part (``c_attn.weight``, ``c_attn.bias``).
+    """
+    rests = list(dict.fromkeys(rests))
+    forms = {c: _forms(c) for c in dict.fromkeys(map(_core, rests))}
+    at = dict.fromkeys(forms, 0)
+    while True:
+        by_name: dict[str, list[str]] = {}
+        for c, i in at.items():
+            by_name.setdefault(forms[c][i], []).append(c)
+        clashes = [cs for cs in by_name.values() if len(cs) > 1]
+        if not clashes:
+            break
+        for cs in clashes:             # distinct paths: the whole paths differ, so this ends
+            for c in cs:
+                at[c] = min(at[c] + 1, len(forms[c]) - 1)
+    n_of = {c: sum(_core(r) == c for r in rests) for c in forms}
+    return {r: forms[_core(r)][at[_core(r)]] + (r[len(_core(r)):] if n_of[_core(r)] > 1 else "") for r in rests}
+
+
 #: Reading order of common module names (attention, then MLP); others sort after, alphabetically.
-_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "c_attn", "query_key_value", "query", "key", "value",
-          "dense", "c_proj", "gate_proj", "up_proj", "w1", "w3", "c_fc", "fc1", "down_proj", "w2", "fc2", "mlp.act_fn")
+_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "c_attn", "attn.c_proj", "query_key_value", "query", "key",
+          "value", "attention.dense", "attention.output.dense", "dense", "c_proj", "gate_proj", "up_proj", "w1", "w3",
+          "c_fc", "mlp.c_proj", "intermediate.dense", "output.dense", "fc1", "down_proj", "w2", "fc2", "mlp.act_fn")
 
 
-def module_rank(module: str) -> tuple[int, str]:
-    return (_ORDER.index(module), "") if module in _ORDER else (len(_ORDER), module)
+def module_rank(module: str) -> tuple[int, str, str]:
+    """Sort key: :data:`_ORDER` first (a module's weight before its bias), others alphabetically after."""
+    base = _core(module)
+    last = "1" if module.endswith(".bias") else "0" if module.endswith(".weight") else module
+    return (_ORDER.index(base), "", last) if base in _ORDER else (len(_ORDER), base, last)
 
 
 def head_cell(h: Any) -> int | None:
@@ -144,13 +197,18 @@ def location(units: Iterable[tuple[str, int | None]]) -> str:
             seen.add(int(head))
     by_layer: dict[tuple[str, int], dict[str, frozenset[int]]] = {}
     others: list[str] = []
+    placed: list[tuple[str, int, str, set[int]]] = []
     for name, head_set in heads_of.items():
-        loc = parse(name)
-        if loc.prefix is None or loc.layer is None:
+        split = split_layer(name)
+        if split is None or not split[2]:
             others.append(name + (f", {heads_phrase(head_set)}" if head_set else ""))
             continue
-        items = by_layer.setdefault((loc.prefix, loc.layer), {})
-        items[loc.module] = items.get(loc.module, frozenset()) | frozenset(head_set)
+        placed.append((split[0], split[1], split[2], head_set))
+    short = unique_modules(rest for _, _, rest, _ in placed)     # distinct modules never share a name
+    for prefix, layer, rest, head_set in placed:
+        items = by_layer.setdefault((prefix, layer), {})
+        module = short[rest]
+        items[module] = items.get(module, frozenset()) | frozenset(head_set)
     by_pattern: dict[tuple[str, tuple[tuple[str, frozenset[int]], ...]], set[int]] = {}
     for (prefix, layer), items in by_layer.items():
         key = (prefix, tuple(sorted(items.items(), key=lambda kv: module_rank(kv[0]))))

@@ -213,7 +213,10 @@ def figure(m: RecordsMap) -> Figure:
         if s != MIXED and sel.sum() >= 2:
             c = m.xy[sel].mean(axis=0)
             ax_s.scatter([c[0]], [c[1]], s=140, marker="X", color=color, edgecolors="black", linewidths=0.8)
-    ax_s.legend(title="source (× = centroid)", fontsize=8, title_fontsize=8, loc="best", framealpha=0.85)
+    # below the panels, never over a cloud or a centroid (``loc="best"`` inside the panel covered one)
+    handles, texts = ax_s.get_legend_handles_labels()
+    fig.legend(handles, texts, title="source (× = centroid)", fontsize=8, title_fontsize=8,
+               loc="outside lower center", ncols=max(1, min(len(texts), 6)), frameon=False)
     ax_s.set_title("by data source", fontsize=10)
     order = np.argsort(m.step, kind="stable")
     ax_t.plot(m.xy[order, 0], m.xy[order, 1], color="#c8c8c8", lw=0.6, zorder=1)

@@ -30,7 +30,7 @@ from gradforensics._text import md_code, md_text, visible
 from gradforensics.analysis.contract.registry import advice_of, flag_key
 from gradforensics.reporting.comparison import ACT
 from gradforensics.reporting.figures import new_figure, to_png
-from gradforensics.reporting.html import CSS
+from gradforensics.reporting.html import CSS, dotted
 from gradforensics.reporting.paths import under
 from gradforensics.reporting.tables import csv_safe
 
@@ -290,7 +290,8 @@ def _finding_rows(m: pd.DataFrame, names: list[str]) -> list[str]:
     for _, row in m.iterrows():
         sev = "".join(f'<td class="num {"bad" if _found(row[n]) else "ok"}">{_sev(row[n])}</td>' for n in names)
         head = _head(row["head"])
-        fin.append(f"<tr><td>{_cell(row['kind'])}</td><td><code>{_cell(row['tensor'])}</code></td><td>{head}</td>"
+        fin.append(f"<tr><td>{_cell(row['kind'])}</td><td><code>{dotted(visible(str(row['tensor'])))}</code></td>"
+                   f"<td>{head}</td>"
                    f"<td>{_cell(row['sources'])}</td>{sev}<td>{_cell(row['verdict'])}</td></tr>")
     return fin
 
@@ -314,12 +315,13 @@ def render_html(res: WhatIf, m: pd.DataFrame, png: bytes) -> str:
                      f"<td class=num>{_counts(a)}</td></tr>" for a in arms)
     fin = _finding_rows(m, names)
     tops = [_top_findings(res, n) for n in names]
-    cos = "".join(f"<tr><td>{_cell(r.arm_a)} vs {_cell(r.arm_b)}</td><td><code>{_cell(r.tensor)}</code></td>"
+    cos = "".join(f"<tr><td>{_cell(r.arm_a)} vs {_cell(r.arm_b)}</td><td><code>{dotted(visible(r.tensor))}</code></td>"
                   f"<td class=num>{_cell(r.grad_cos)}</td><td class=num>{_cell(r.update_cos)}</td>"
                   f"<td class=num>{_cell(r.net_update_cos)}</td></tr>" for r in _cos_rows(res).itertuples(index=False))
     arm_th = "".join(f"<th>{_cell(n)}</th>" for n in names)
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>gradforensics what-if</title>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1"><title>gradforensics what-if</title>
 <style>{CSS}
 td.bad{{background:#fbe0cf}}td.ok{{background:#e6f4ea}}</style></head>
 <body><main>
@@ -328,22 +330,22 @@ td.bad{{background:#fbe0cf}}td.ok{{background:#e6f4ea}}</style></head>
 <ul id="whatif-verdict">{"".join(f"<li>{_cell(line)}</li>" for line in verdict_lines(res, m))}</ul>
 <p class="headline">{escape(_headline(res, m))}</p>
 <h2 id="arms">Arms</h2>
-<table id="arms-table"><thead><tr><th>arm</th><th>optimizer</th><th>options</th><th>optimizer state</th><th>steps</th>
-<th>first loss</th><th>last-quarter loss</th><th>findings</th></tr></thead><tbody>{arm_tr}</tbody></table>
+<div class="scrollx"><table id="arms-table"><thead><tr><th>arm</th><th>optimizer</th><th>options</th><th>optimizer state</th><th>steps</th>
+<th>first loss</th><th>last-quarter loss</th><th>findings</th></tr></thead><tbody>{arm_tr}</tbody></table></div>
 <h2 id="loss">Loss</h2>
 <figure><img alt="loss per step" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}"></figure>
 <h2 id="findings">Flags across arms</h2>
 <p><i>Severity per arm of every flag (kind, tensor, head) at or above {ACT} in some arm; green: below {ACT} in
 that arm; -: that arm has no such flag.</i></p>
-<table id="findings-table"><thead><tr><th>kind</th><th>tensor</th><th>head</th><th>sources</th>{arm_th}<th>verdict</th>
-</tr></thead><tbody>{"".join(fin) or '<tr><td colspan=9>no finding at or above 0.5 in any arm</td></tr>'}</tbody></table>
+<div class="scrollx"><table id="findings-table"><thead><tr><th>kind</th><th>tensor</th><th>head</th><th>sources</th>{arm_th}<th>verdict</th>
+</tr></thead><tbody>{"".join(fin) or '<tr><td colspan=9>no finding at or above 0.5 in any arm</td></tr>'}</tbody></table></div>
 <h2 id="per-arm">Top findings per arm</h2>
 {"".join(tops)}
 <h2 id="cosines">Arm-to-arm cosines per layer</h2>
 <p><i>gradient: mean cosine of the two arms' gradients on the same batch; update: of their weight updates at the
 same step; net update: of the whole displacement over the steps. tables/cosines.csv has every pair.</i></p>
-<table id="cosine-table"><thead><tr><th>arms</th><th>tensor</th><th>gradient (same batch)</th><th>update (same step)</th>
-<th>net update</th></tr></thead><tbody>{cos}</tbody></table>
+<div class="scrollx"><table id="cosine-table"><thead><tr><th>arms</th><th>tensor</th><th>gradient (same batch)</th><th>update (same step)</th>
+<th>net update</th></tr></thead><tbody>{cos}</tbody></table></div>
 </main></body></html>
 """
 

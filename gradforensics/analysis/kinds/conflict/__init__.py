@@ -285,13 +285,19 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     """Cosine matrix of the per-source mean gradients of the flagged unit."""
     M = un.unit_series(result.series, "cosine_matrix", flag.tensor, flag.head)
     if M is not None:
-        keep = np.flatnonzero(np.isfinite(np.diag(M)))
         names = un.decode_names(result.series.get("source_names"), M.shape[0])
+        # one order whatever order the store lists its sources in (a compare draws two stores side by side):
+        # the flagged pair first, as the flag names it, then the others by name
+        pair = list(flag.sources)
+        keep = np.array(sorted(np.flatnonzero(np.isfinite(np.diag(M))),
+                               key=lambda i: (pair.index(names[i]), "") if names[i] in pair else (len(pair), names[i])),
+                        dtype=np.intp)
         sub = M[np.ix_(keep, keep)]
-        ax.imshow(sub, vmin=-1, vmax=1, cmap="RdBu")
-        ax.set_xticks(range(keep.size), [names[i] for i in keep], rotation=45, fontsize=8)
-        ax.set_yticks(range(keep.size), [names[i] for i in keep], fontsize=8)
-        annotate(ax, sub, "RdBu", -1.0, 1.0)          # white on the dark ends, black in between
+        # cells fill the panel (a square matrix in a wide figure left most of it margin)
+        ax.imshow(sub, vmin=-1, vmax=1, cmap="RdBu", aspect="auto")
+        ax.set_xticks(range(keep.size), [names[i] for i in keep], fontsize=9, rotation=0 if keep.size <= 6 else 45)
+        ax.set_yticks(range(keep.size), [names[i] for i in keep], fontsize=9)
+        annotate(ax, sub, "RdBu", -1.0, 1.0, fontsize=9 if keep.size <= 8 else 7)   # white on the dark ends
     ax.set_xlabel("source")
     ax.set_ylabel("source")
     where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
