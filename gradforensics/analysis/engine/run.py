@@ -166,8 +166,8 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
     batches = store.batches()
     grams, computed, long = run_pass(store, selected, engine, client, progress, batches=batches, spill=spill)
     if progress:            # what follows the bar's 100 % takes a while on a big store: say what it is
-        print("gradient pass done; computing the findings ...", file=sys.stderr,
-              flush=True)
+        print(f"gradient pass done; computing the findings of {os.path.basename(store.path.rstrip('/')) or store.path}"
+              " ...", file=sys.stderr, flush=True)
     ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, computed=computed,
                   options=per_analysis, long=long)
     results, flags = {}, []
