@@ -154,3 +154,25 @@ def test_an_oscillation_the_data_order_explains_is_not_blamed_on_the_learning_ra
     f = Findings(store="x", n_records=64, mode="training", sources=("a", "b", "c"), header={},
                  results={"oscillation": res}, flags=fl)
     assert "Most likely cause: learning rate vs curvature (oscillation" in summary.verdict(f)
+
+
+# ------------------------------------------------------------ analyze prints its top findings
+def test_cli_analyze_prints_its_top_findings_most_severe_first(tmp_path, short_run, capsys):
+    from gradforensics.cli import main
+
+    path = tmp_path / "c.zarr"
+    planted_conflict(n=24, snr=5.0, mode="replay").write(path)
+    assert main(["analyze", str(path), "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert f"report: {tmp_path / 'a' / 'report.html'}" in out
+    sev = [float(line.split()[0]) for line in out.splitlines() if line.startswith("  ") and line.split()[0][0].isdigit()]
+    assert sev and sev == sorted(sev, reverse=True) and sev[0] >= 0.75
+    assert "conflict" in out and "zh and en gradients point opposite ways" in out
+    assert main(["analyze", str(path), "--out", str(tmp_path / "q"), "--quiet"]) == 0
+    assert capsys.readouterr().out == ""                             # --quiet: nothing on stdout
+    short, _ = short_run
+    assert main(["analyze", str(short), "--out", str(tmp_path / "s"), "--only", "conflict,drift"]) == 0
+    io = capsys.readouterr()
+    assert "  not judged: conflict (too few records per source: zh 2, en 2, code 2" in io.out
+    assert "drift (too short a history" in io.out
+    assert "note: this report holds the analyses run now (drift, conflict); the store's saved results keep" in io.err
