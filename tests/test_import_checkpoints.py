@@ -301,4 +301,4 @@ def test_three_checkpoints_are_no_all_clear(series, tmp_path):
     assert {"drift", "oscillation", "loss_spectrum"} <= {n.kind for n in findings.not_judged}
     verdict = summary.verdict(findings)
     assert not verdict.startswith("Nothing here needs action") and "could not be judged" in verdict
-    assert "drift (too short a history for a drift: 2 steps; needs ≥ 14 recorded steps)" in verdict
+    assert "drift (too short a history: 2 steps; needs ≥ 14 recorded steps)" in verdict

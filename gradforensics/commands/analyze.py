@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if base := findings.header.get("baseline"):
         print(terminal(f"judged against the baseline {base['store']}: {base['context']} finding(s) it shows as "
                        "strongly are context (below 0.5)"), file=sys.stderr)
-    if args.only and not findings.header.get("partial"):
+    if args.only and not args.quiet and not findings.header.get("partial"):
         print(terminal(f"note: this report holds the analyses run now ({', '.join(findings.results)}); the "
                        f"store's saved results keep the others' (`gradforensics report {args.store} --out DIR`)"),
               file=sys.stderr)

@@ -349,7 +349,7 @@ def compute(ctx: Context) -> AnalysisResult:
     """The table of the store's series (:func:`analyze_series`), and ``not_judged`` on a history shorter than
     :data:`~gradforensics.analysis.toolkit.signal.spectrum.MIN_POINTS` steps (no spectrum is estimated)."""
     res = _series_compute(ctx)
-    res.not_judged = fl.short_history(ctx, "loss_spectrum", MIN_POINTS, "a loss spectrum")
+    res.not_judged = fl.short_history(ctx, "loss_spectrum", MIN_POINTS)
     return res
 
 

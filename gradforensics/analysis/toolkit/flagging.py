@@ -111,10 +111,10 @@ def dedupe_heads(flags: Iterable[Flag], n_heads: Mapping[str, int], involved: In
     return out
 
 
-def short_history(ctx: Context, kind: str, minimum: int, what: str) -> list[NotJudged]:
+def short_history(ctx: Context, kind: str, minimum: int) -> list[NotJudged]:
     """``[NotJudged]`` when a ``training`` store's history (its distinct steps) is shorter than *minimum*.
 
-    For an analysis that reads the record axis as time (*what*: ``"a drift"``): below *minimum*
+    For an analysis that reads the record axis as time (flags of *kind*): below *minimum*
     steps no flag of *kind* can reach 0.5, so its silence is no all-clear.  A ``replay`` store
     has no history to judge (such kinds never flag there): ``[]``.
     """
@@ -126,5 +126,5 @@ def short_history(ctx: Context, kind: str, minimum: int, what: str) -> list[NotJ
     n = int(np.unique(np.asarray(step)).size) if step is not None and len(step) else ctx.n_records
     if n >= minimum:
         return []
-    return [NotJudged(kind, f"too short a history for {what}: {n} steps",
+    return [NotJudged(kind, f"too short a history: {n} steps",
                       f"≥ {minimum} recorded steps")]

@@ -94,7 +94,7 @@ def compute(ctx: Context) -> AnalysisResult:
     record of the window where the fall starts, and the series are per super-record.
     """
     res = _compute(ctx) if ctx.long is None else _compute_long(ctx)
-    res.not_judged = fl.short_history(ctx, "drift", MIN_RECORDS, "a drift")
+    res.not_judged = fl.short_history(ctx, "drift", MIN_RECORDS)
     return res
 
 

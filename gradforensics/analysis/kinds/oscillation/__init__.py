@@ -146,7 +146,7 @@ def _slab_of(slab: list[un.Unit], mix: np.ndarray, replay: bool, opts: Oscillati
 def compute(ctx: Context) -> AnalysisResult:
     """The oscillation table, projection and consecutive-cosine series of every tensor and head."""
     res = compute_long(ctx) if ctx.long is not None else _compute(ctx)
-    res.not_judged = fl.short_history(ctx, "oscillation", MIN_RECORDS, "an oscillation")
+    res.not_judged = fl.short_history(ctx, "oscillation", MIN_RECORDS)
     return res
 
 
