@@ -73,7 +73,7 @@ def short_run(tmp_path_factory):
 def test_short_run_is_not_an_all_clear(short_run, tmp_path):
     path, f = short_run
     kinds = {n.kind for n in f.not_judged}
-    assert {"conflict", "drift", "oscillation", "loss_spectrum"} <= kinds
+    assert {"conflict", "drift", "oscillation", "loss_spectrum", "noise"} <= kinds
     assert not [x for x in f.flags if x.severity >= 0.5]
     verdict = summary.verdict(f)
     assert verdict.startswith("Not an all-clear") and "Nothing here needs action" not in verdict
@@ -105,7 +105,8 @@ def test_overview_greys_nothing_to_read_and_not_judged(short_run):
         assert ov.label(name) == f"{name}: nothing to read"
     r = ov.rows.index("conflict")
     assert ov.status["conflict"] == "not judged" and np.isnan(ov.matrix[r]).all()
-    assert ov.status.get("noise") is None and not np.isnan(ov.matrix[ov.rows.index("noise")]).all()
+    assert ov.status["noise"] == "not judged"                   # 6 records, noise needs min_records = 8
+    assert ov.status.get("spectral") is None and not np.isnan(ov.matrix[ov.rows.index("spectral")]).all()
 
 
 # ------------------------------------------------------------ a partial pass merges

@@ -400,7 +400,7 @@ def test_a_failure_leaves_out_as_it_was_and_no_line_is_printed_twice(tmp_path, c
     lines = [x for x in (out.err + out.out).splitlines() if x.strip() and not x.startswith("[")]
     twice = [x for x, n in __import__("collections").Counter(lines).items() if n > 1]
     assert not twice, twice
-    assert "(not judged: conflict, drift, loss_spectrum, oscillation; see the report)" in out.out
+    assert "(not judged: conflict, drift, loss_spectrum, noise, oscillation; see the report)" in out.out
 
 
 # ---------------------------------------------------------------- the demo leaves what whatif needs
