@@ -302,3 +302,25 @@ def test_mapping_by_shape_and_by_groups():
     (net(torch.arange(4.0)) ** 2).sum().backward()
     plain.step()
     assert map_state(plain.state_dict(), net, "opt").mapping.startswith("parameters (hf-trainer")
+
+
+def test_the_raw_hessian_under_adam_is_not_judged_not_an_all_clear(tmp_path):
+    """Issue 45: ``--curvature --optimizer adam`` without the optimizer state measures the raw Hessian only, whose
+    ratio has no threshold under Adam: no flag can fire, and the findings say so (``not_judged``)."""
+    from gradforensics.reporting import summary
+
+    path = tmp_path / "adam.zarr"
+    _tiny_store(path)
+    curv = _curv(ratio_row=50.0)                                   # a huge λ: under SGD it would be flagged
+    curv.attrs["hyper"] = {"optimizer": "adam", "lr": 1.0}
+    write_probes(path, curv, None)
+    found = gf.analyze(path, only=["curvature"], progress=False)
+    assert found.flags == []
+    (nj,) = found.not_judged
+    assert nj.kind == "curvature" and "no stability verdict" in nj.reason and "optimizer.pt" in nj.needed
+    assert "Nothing here needs action" not in summary.verdict(found)
+    path2 = tmp_path / "sgd.zarr"                                  # with a threshold: judged (and flagged)
+    _tiny_store(path2)
+    write_probes(path2, _curv(ratio_row=50.0), None)
+    found = gf.analyze(path2, only=["curvature"], progress=False)
+    assert found.not_judged == [] and found.flags[0].kind == "curvature"

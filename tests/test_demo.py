@@ -157,3 +157,17 @@ def test_demo_end_to_end_names_the_planted_pair_and_spares_code(tmp_path, capsys
     assert not re.search(r"conflict</a> — [^<]*code", summary)
     verdict = re.search(r'<p class="verdict" id="verdict">(.*?)</p>', html).group(1)
     assert verdict.startswith("What is wrong: data-source conflict") and "zh and en" in verdict
+    assert doc["not_judged"] == []                  # 16 records per source, replay: every analysis could judge
+
+    # issue 45: the overview greys what had nothing to read on the demo (no curvature, optimizer state,
+    # attention statistics), and a partial pass (the docs' per-analysis snippets) keeps the full results
+    import gradforensics as gf
+    from gradforensics.reporting import figures
+
+    ov = figures.overview_data(gf.analyze(out / "dump.zarr", progress=False))
+    assert {n for n, s in ov.status.items() if s == "nothing to read"} >= {"curvature", "optimizer"}
+    gf.analyze(out / "dump.zarr", only="drift", progress=False)
+    assert main(["report", str(out / "dump.zarr"), "--out", str(tmp_path / "again")]) == 0
+    html = (tmp_path / "again" / "report.html").read_text()
+    verdict = re.search(r'<p class="verdict" id="verdict">(.*?)</p>', html).group(1)
+    assert verdict.startswith("What is wrong: data-source conflict") and "zh and en" in verdict

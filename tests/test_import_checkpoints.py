@@ -282,3 +282,23 @@ def test_last_optimizer_state_lands_in_optim_for_the_optimizer_analysis(series, 
     table = gf.analyze(store.path, only="optimizer", progress=False).table("optimizer")
     assert sorted(table["tensor"]) == sorted(store.tensors)
     assert table.loc[table["tensor"] == Q, "update_rms"].iloc[0] == pytest.approx(upd, rel=1e-9)
+
+
+def test_three_checkpoints_are_no_all_clear(series, tmp_path):
+    """Issue 45: 3 checkpoints import as 2 records: too short a history for any time-axis analysis to fire,
+    so the verdict says what was not judged instead of "Nothing here needs action"."""
+    from gradforensics.reporting import summary
+
+    root, _ = series
+    three = tmp_path / "three"
+    three.mkdir()
+    for step in _steps()[:3]:
+        name = f"step_{step:05d}.pt"
+        (three / name).write_bytes((root / "raw" / name).read_bytes())
+    store = gf.import_run(three, tmp_path / "three.zarr", tensors=["*.q_proj.weight"])
+    findings = gf.analyze(store.path, progress=False)
+    assert findings.n_records == 2
+    assert {"drift", "oscillation", "loss_spectrum"} <= {n.kind for n in findings.not_judged}
+    verdict = summary.verdict(findings)
+    assert not verdict.startswith("Nothing here needs action") and "could not be judged" in verdict
+    assert "drift (too short a history: 2 steps; needs ≥ 14 recorded steps)" in verdict

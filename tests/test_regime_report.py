@@ -50,7 +50,7 @@ def test_flags_json_states_the_long_history_regime(long_findings: Any) -> None:
     assert regime["window"] * regime["windows"] >= N > regime["window"] * (regime["windows"] - 1)
     assert regime["band"] >= 1
     flagsjson.validate(doc)
-    assert list(doc) == ["schema", "store", "n_records", "mode", "regime", "flags"]
+    assert list(doc) == ["schema", "store", "n_records", "mode", "regime", "flags", "not_judged"]
 
 
 def test_flags_json_states_the_exact_regime(exact_findings: Any) -> None:

@@ -101,6 +101,9 @@ def _mutations():
         ("tensor", setf("tensor", "")), ("unexpected", setf("extra", 1)),
         ("schema", lambda d: d.update(schema=2)), ("mode", lambda d: d.update(mode="live")),
         ("n_records", lambda d: d.update(n_records=-1)), ("flags", lambda d: d.pop("flags")),
+        ("not_judged", lambda d: d.update(not_judged="none")),
+        ("not_judged", lambda d: d.update(not_judged=[{"kind": "conflict", "reason": "2 records per source"}])),
+        ("not_judged", lambda d: d.update(not_judged=[{"kind": "conflict", "reason": "", "needed": "≥ 3"}])),
     ]
 
 

@@ -57,7 +57,10 @@ def _overview_oracle(findings: Findings):
         return slice(j * h + head, j * h + head + 1)
 
     for r, n in enumerate(rows):
-        entries = names.table_units(findings.table(n))
+        table = findings.table(n)
+        if table is not None and not len(table):        # nothing to read: grey, not an all-clear (issue 45)
+            continue
+        entries = names.table_units(table)
         if not entries:
             m[r, :] = 0.0
         for t, _ in entries:

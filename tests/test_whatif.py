@@ -365,6 +365,44 @@ def test_cli_errors_are_one_line_and_ctrl_c_leaves_valid_stores(tmp_path, chain,
     assert (tmp_path / "i" / "compare" / "b" / "report.html").is_file()
 
 
+def failing_loss(model, batch):
+    """--loss that fails (not Ctrl-C) at its third step."""
+    failing_loss.calls += 1
+    if failing_loss.calls == 3:
+        raise RuntimeError("simulated failure at step 3")
+    return losses.causal_lm(model, batch)
+
+
+failing_loss.calls = 0
+
+
+def test_a_failure_leaves_out_as_it_was_and_no_line_is_printed_twice(tmp_path, chain, capsys):
+    """Issue 45: an error removes what the what-if created under --out (and nothing else); each line once."""
+    base = (chain["ckpt"], "--data", f"a={chain['a']}", "--data", f"b={chain['a']}", "--model-factory",
+            "test_whatif:factory", "--tokenizer", chain["dir"], "--batch-size", "4", "--seq-len", "16",
+            "--arm", "x=sgd:lr=0.01", "--arm", "y=sgd:lr=0.1", "--steps", "4")
+    rc, _, err = run_cli(*base[:-8], "--seq-len", "99999", *base[-6:], "--loss", "causal-lm", "--out",
+                         tmp_path / "new", capsys=capsys)
+    assert rc == 2 and "fewer than --batch-size" in err and not (tmp_path / "new").exists()
+    failing_loss.calls = 0
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        run_cli(*base, "--loss", "test_whatif:failing_loss", "--out", tmp_path / "f", capsys=capsys)
+    assert not (tmp_path / "f").exists()                       # the half-written x.zarr went with it
+    (tmp_path / "kept").mkdir()
+    failing_loss.calls = 0
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        run_cli(*base, "--loss", "test_whatif:failing_loss", "--out", tmp_path / "kept", capsys=capsys)
+    assert (tmp_path / "kept").is_dir() and not list((tmp_path / "kept").iterdir())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli.main(["whatif", *map(str, base), "--loss", "causal-lm", "--out", str(tmp_path / "ok")]) == 0
+    out = capsys.readouterr()
+    lines = [x for x in (out.err + out.out).splitlines() if x.strip() and not x.startswith("[")]
+    twice = [x for x, n in __import__("collections").Counter(lines).items() if n > 1]
+    assert not twice, twice
+    assert "(not judged: conflict, drift, loss_spectrum, noise, oscillation; see the report)" in out.out
+
+
 # ---------------------------------------------------------------- the demo leaves what whatif needs
 def test_demo_tokenizer_and_data_files_give_back_the_demo_sequences(tmp_path):
     from gradforensics import demo

@@ -96,3 +96,22 @@ def test_no_finding_in_any_arm_says_so(tmp_path):
     for f in res.findings.values():
         f.flags = []
     assert verdict_lines(res, finding_matrix(res)) == ["No arm has a finding at or above 0.5: nothing to fix."]
+
+
+def test_no_finding_but_an_analysis_could_not_judge_is_not_nothing_to_fix(tmp_path):
+    """`whatif ... --steps 6`: 2 records per source; no arm's conflict could have fired (issue 45)."""
+    from gradforensics.analysis.contract.model import NotJudged
+
+    res = _whatif(tmp_path)
+    short = NotJudged("conflict", "too few records per source: zh 2, en 2, code 2; every pair not judged",
+                      "≥ 4 records per source (training store)")
+    for f in res.findings.values():
+        f.flags = []
+        f.not_judged = [short]
+    (line,) = verdict_lines(res, finding_matrix(res))
+    assert "nothing to fix" not in line and line.startswith("No arm has a finding at or above 0.5, but that is not")
+    assert "conflict (too few records per source: zh 2, en 2, code 2" in line and "in every arm" in line
+    res = _whatif(tmp_path / "again")                        # with findings: the line comes last
+    next(iter(res.findings.values())).not_judged = [short]
+    lines = verdict_lines(res, finding_matrix(res))
+    assert lines[-1].startswith("Not judged: conflict (") and " in base." in lines[-1]

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from gradforensics.analysis.engine.run import analyze
     from gradforensics.commands import output, workers
     from gradforensics.commands import storage as storage_flags
+    from gradforensics.commands.report import print_top
     from gradforensics.reporting import report
     from gradforensics.reporting.severity import counts_phrase, exit_code
 
@@ -59,9 +60,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:                                  # the figures take a while: say so after the bar's 100 %
         print(terminal(f"writing the report into {args.out} (figures, tables) ..."), file=sys.stderr, flush=True)
     with output.out_dir(args.out, "analyze"):
-        report(findings, args.out, store=where)
+        paths = report(findings, args.out, store=where)
     if not args.quiet:
         print(f"report written in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        print_top(findings, paths)                      # the most severe findings, as `report` prints them
     if partial := findings.header.get("partial"):
         print(terminal(f"note: the store is being written by {partial['writer']}; analysed the "
                        f"{partial['n_records']} records committed so far (results not saved in the store)"),
@@ -69,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
     if base := findings.header.get("baseline"):
         print(terminal(f"judged against the baseline {base['store']}: {base['context']} finding(s) it shows as "
                        "strongly are context (below 0.5)"), file=sys.stderr)
+    if args.only and not args.quiet and not findings.header.get("partial"):
+        print(terminal(f"note: this report holds the analyses run now ({', '.join(findings.results)}); the "
+                       f"store's saved results keep the others' (`gradforensics report {args.store} --out DIR`)"),
+              file=sys.stderr)
     print(terminal(f"{findings.store}: {counts_phrase(findings.flags)}; report in {args.out}"), file=sys.stderr)
     return exit_code(findings, args.fail_on, verb="analyze")
 

@@ -56,7 +56,8 @@ def load_findings(path: str | Location) -> tuple[Findings, Store]:
 
 
 def print_top(findings: Findings, paths: dict[str, Path], n: int = 5, file: IO[str] | None = None) -> None:
-    """Where the report is, and the most severe findings, one line each (control characters escaped)."""
+    """Where the report is, the most severe findings, one line each, and what could not be judged (control
+    characters escaped)."""
     from gradforensics.reporting.summary import group
 
     out = file or sys.stdout
@@ -73,6 +74,8 @@ def print_top(findings: Findings, paths: dict[str, Path], n: int = 5, file: IO[s
         say(f"  {g.severity:.2f} {g.kind:<13} {g.sentence(findings.n_records)}")
     if len(groups) > n:
         say(f"  ... and {len(groups) - n} more finding(s) in the report.")
+    if findings.not_judged:             # what could not have fired: its silence is no all-clear
+        say("  not judged: " + ", ".join(x.sentence() for x in findings.not_judged))
 
 
 @contextlib.contextmanager

@@ -80,8 +80,13 @@ def run(args: argparse.Namespace) -> int:
     from gradforensics.commands import output, workers
 
     select_analyses(args.only, flag="--only")           # before any arm trains
-    try:
-        with output.out_dir(args.out, "whatif"), workers.client(args) as client:
+    from pathlib import Path
+
+    from gradforensics.runs.whatif import cleaned_on_failure
+
+    try:    # an error leaves --out as it found it (the directory's mark included); Ctrl-C keeps the stores
+        with cleaned_on_failure(Path(args.out)), output.out_dir(args.out, "whatif"), \
+                workers.client(args) as client:
             res = whatif(args.checkpoint, args.data, args.arm, args.steps, args.out, mixtures=args.mixture,
                          baseline=args.baseline, batches=flags_of(args, BatchSpec),
                          record={**flags_of(args, RecordSpec), "sketch": args.sketch or None},
@@ -96,8 +101,10 @@ def run(args: argparse.Namespace) -> int:
     for r in res.runs:
         hits = reaching(res.findings[r.arm.name].flags, SEVERITY_NAMES["medium"])
         n, g = len(hits), len(group(hits))
+        unjudged = sorted({x.kind for x in res.findings[r.arm.name].not_judged})
+        told = f" (not judged: {', '.join(unjudged)}; see the report)" if unjudged else ""
         print(f"{r.arm.name}: {r.steps_done} steps, loss {r.losses[0]:.4g} -> {r.losses[-1]:.4g}, "
-              f"{g} finding{'s' if g != 1 else ''} at or above 0.5 ({n} flag{'s' if n != 1 else ''}); "
+              f"{g} finding{'s' if g != 1 else ''} at or above 0.5 ({n} flag{'s' if n != 1 else ''}){told}; "
               f"{r.state_note}; store {r.store}")
     print(f"open {res.paths['html']} in a browser.")
     return 0

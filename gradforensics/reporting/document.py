@@ -22,6 +22,7 @@ __all__ = [
     "Document",
     "Picture",
     "Section",
+    "analyses_item",
     "build",
     "header_items",
     "is_long_history",
@@ -118,7 +119,8 @@ def _versions(findings: Findings) -> dict[str, str]:
     return out
 
 
-_SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions", "regime", "baseline"}
+_SHOWN = {"store", "model", "mode", "records", "n_records", "sources", "versions", "regime", "baseline", "analyses",
+          "finished"}
 
 
 def is_long_history(findings: Findings) -> bool:
@@ -173,7 +175,7 @@ def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str
         items.append(("Sources", ", ".join(f"{k} {v:.0%}" for k, v in shares.items())))
     else:
         items.append(("Sources", ", ".join(findings.sources) or "—"))
-    items.append(("Analyses", ", ".join(findings.results) or "none"))
+    items.append(("Analyses", analyses_item(findings)))
     regime = regime_sentence(findings)
     if regime:
         items.append(("Regime", regime))
@@ -186,6 +188,23 @@ def header_items(findings: Findings, store: Store | None) -> list[tuple[str, str
             items.append(_extra(k, v))
     items.append(("Versions", ", ".join(f"{k} {v}" for k, v in _versions(findings).items())))
     return items
+
+
+def analyses_item(findings: Findings) -> str:
+    """The analyses the findings hold, grouped by when they ran when the header says, latest first (a partial
+    pass, ``only=``, merges into the results committed before): ``drift (2026-05-02 10:00 UTC); conflict,
+    noise, ... (2026-05-01 09:12 UTC)``."""
+    when = findings.header.get("analyses")
+    if not findings.results:
+        return "none"
+    if not isinstance(when, dict) or not when:
+        return ", ".join(findings.results)
+    by: dict[str, list[str]] = {}
+    for n in findings.results:
+        w = when.get(n)
+        at = str(w).replace("T", " ").replace("+00:00", " UTC") if isinstance(w, str) else "time not recorded"
+        by.setdefault(at, []).append(n)
+    return "; ".join(f"{', '.join(names)} ({at})" for at, names in sorted(by.items(), reverse=True))
 
 
 def _picture(fig: Any, stem: str, alt: str, note: str | None = None) -> Picture:
@@ -216,7 +235,8 @@ def _build(findings: Findings, store: Store | None, ordered: dict[str, Any]) -> 
     split = f", each block split into heads 0–{heads - 1}" if heads > 1 else ""
     ov = _picture(figures.overview(findings, data), "overview",
                   f"Map of the highest flag severity per layer (columns{split}) and analysis (rows); "
-                  "the number in a block is its highest severity at or above 0.5; grey: not analysed.")
+                  "the number in a block is its highest severity at or above 0.5; grey: not analysed, "
+                  "nothing to read or not judged (the row name says which).")
     problems: list[str] = []
     sections = []
     said: dict[int, str] = {}

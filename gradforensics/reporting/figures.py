@@ -2,7 +2,9 @@
 
 * :func:`overview` - the at-a-glance map: analysis x layer depth (x head where
   heads were split), coloured by the highest flag severity in the cell; grey
-  where that analysis has no row for that layer.
+  where that analysis has no row for that layer, and across an analysis that had nothing
+  to read (an empty table) or could not judge the store (``Findings.not_judged``), its
+  row name saying which.
 * :func:`evidence` - the evidence of one finding, drawn by the analysis that
   produced it (``REGISTRY[name].plot(result, flag, ax)``).  A plot that raises
   or draws nothing yields a figure that says so, never a blank panel, and a
@@ -15,7 +17,7 @@ import io
 import math
 import textwrap
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -143,6 +145,13 @@ class Overview:
     layers: list[int | str]             # layer indices, then OTHER if needed
     heads: int                          # sub-columns per layer (1 when no head split)
     matrix: np.ndarray                  # (rows, len(layers) * heads); NaN = not analysed
+    #: rows the analysis could not speak for, by name: "nothing to read" (its table is empty: the store holds
+    #: none of what it reads) or "not judged" (``Findings.not_judged``: too little of it); grey where unflagged
+    status: dict[str, str] = field(default_factory=dict)
+
+    def label(self, row: str) -> str:
+        """The row's name on the map, with its status when it has one (``curvature: nothing to read``)."""
+        return f"{row}: {self.status[row]}" if row in self.status else row
 
 
 def flag_analyses(findings: Findings) -> list[str]:
@@ -200,7 +209,10 @@ def overview_data(findings: Findings) -> Overview:
             return j * n_heads, (j + 1) * n_heads
         return j * n_heads + head, j * n_heads + head + 1
 
+    status = _row_status(findings, rows)
     for r, n in enumerate(rows):
+        if n in status:                      # nothing to read, or not judged: grey unless a flag says otherwise
+            continue
         entries = rows_of_table[n]
         if not entries:                      # no per-tensor table: analysed everywhere
             m[r, :] = 0.0
@@ -218,7 +230,23 @@ def overview_data(findings: Findings) -> Overview:
         sev += [f.severity] * (b - a)
     if sev:
         np.fmax.at(m, (np.asarray(cells_r, dtype=np.intp), np.asarray(cells_c, dtype=np.intp)), np.asarray(sev))
-    return Overview(rows, layers, n_heads, m)
+    return Overview(rows, layers, n_heads, m, status)
+
+
+def _row_status(findings: Findings, rows: list[str]) -> dict[str, str]:
+    """``{analysis: "nothing to read" | "not judged"}`` for the overview's rows that cannot read as all-clear."""
+    from gradforensics.analysis import REGISTRY
+
+    out: dict[str, str] = {}
+    for n in rows:
+        table = findings.table(n)
+        if table is not None and not len(table):
+            out[n] = "nothing to read"
+    for nj in findings.not_judged:
+        owner = next((a.name for a in REGISTRY.values() if nj.kind in a.kinds), nj.kind)
+        if owner in rows:
+            out[owner] = "not judged"
+    return out
 
 
 def overview(findings: Findings, ov: Overview | None = None) -> Figure:
@@ -237,7 +265,7 @@ def overview(findings: Findings, ov: Overview | None = None) -> Figure:
     im = ax.imshow(np.ma.masked_invalid(ov.matrix), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
                    interpolation="nearest")
     h = ov.heads
-    ax.set_yticks(range(len(ov.rows)), ov.rows)
+    ax.set_yticks(range(len(ov.rows)), [ov.label(r) for r in ov.rows])
     step = max(1, math.ceil(n_cols / 32))
     ax.set_xticks([j * h + (h - 1) / 2 for j in range(0, n_cols, step)],
                   [str(x) for x in ov.layers[::step]] if ov.layers else [])
@@ -260,8 +288,8 @@ def overview(findings: Findings, ov: Overview | None = None) -> Figure:
         xl += f"{'; ' if h > 1 else chr(10)}'{OTHER}' = outside the layer stack"
     ax.set_xlabel(xl)
     ax.set_ylabel("analysis")
-    ax.set_title("Where it hurts: highest flag severity per layer and analysis\n(≥ 0.5: act; grey: not analysed)",
-                 fontsize=10)
+    ax.set_title("Where it hurts: highest flag severity per layer and analysis\n(≥ 0.5: act; grey: not analysed, "
+                 "nothing to read or not judged)", fontsize=10)
     # the bar is an inset of the map, so it spans exactly the map's height: a layout colour bar keeps a
     # 20:1 box, shorter than a tall map (hung beside its lower half) or a hairline beside a short one
     cax = ax.inset_axes((1.01, 0.0, COLORBAR_INCHES / (0.8 * width), 1.0))

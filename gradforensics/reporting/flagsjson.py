@@ -82,6 +82,22 @@ _BASELINE_SCHEMA: dict[str, Any] = {
     },
 }
 
+#: What the analyses could not judge (optional: findings saved before it existed have none).
+_NOT_JUDGED_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "description": "the kinds of flag that could not have fired on this store, why, and what would be needed: "
+                   "no flag of such a kind is not an all-clear",
+    "items": {
+        "type": "object", "additionalProperties": False, "required": ["kind", "reason", "needed"],
+        "properties": {
+            "kind": {"type": "string", "minLength": 1, "description": "the kind of flag that could not fire"},
+            "reason": {"type": "string", "minLength": 1,
+                       "description": "what the store holds too little of (records per source, history length)"},
+            "needed": {"type": "string", "minLength": 1, "description": "what would let the analysis judge"},
+        },
+    },
+}
+
 #: The document; :func:`flags_schema` adds the flag schema.
 _FLAGS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -98,6 +114,7 @@ _FLAGS_SCHEMA: dict[str, Any] = {
         "regime": _REGIME_SCHEMA,
         "baseline": _BASELINE_SCHEMA,
         "flags": {"type": "array", "description": "sorted by severity, descending"},
+        "not_judged": _NOT_JUDGED_SCHEMA,
     },
 }
 

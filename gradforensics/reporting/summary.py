@@ -37,6 +37,7 @@ __all__ = [
     "group_cause",
     "headline",
     "join_kinds",
+    "not_judged_sentence",
     "rank_causes",
     "records_phrase",
     "sentences",
@@ -184,8 +185,10 @@ def headline(findings: Findings) -> str:
     """One sentence: how many flags act-level, where, and the worst."""
     act = [f for f in findings.flags if f.severity >= 0.5]
     if not findings.flags:
-        return (f"No finding in {findings.n_records} records: nothing recorded here looks sick "
-                f"to the {len(findings.results)} analyses that ran.")
+        told = (f"No finding in {findings.n_records} records: nothing recorded here looks sick "
+                f"to the {len(findings.results)} analyses that ran")
+        n = len(findings.not_judged)
+        return told + (f"; {n} kind(s) could not be judged (see the verdict)." if n else ".")
     if not act:
         return (f"No flag reaches 0.5 (the level a healthy run stays under) in {findings.n_records} records; "
                 f"{len(findings.flags)} minor flag(s) are listed below as a watch list.")
@@ -204,9 +207,13 @@ def verdict(findings: Findings, groups: list[FlagGroup] | None = None) -> str:
     """
     groups = group(findings.flags) if groups is None else groups
     act = [g for g in groups if g.severity >= 0.5]
+    unjudged = not_judged_sentence(findings)
     if not act:
         watch = (f" {len(findings.flags)} minor flag(s) below 0.5 are a watch list: "
                  f"{join_kinds(groups)}." if groups else "")
+        if unjudged:            # an analysis could not have fired: no all-clear
+            return (f"Not an all-clear: no flag reaches 0.5 in {findings.n_records} records, but {unjudged}"
+                    f"{watch}")
         return (f"Nothing here needs action: no flag reaches 0.5 (the level a healthy run stays under) in "
                 f"{findings.n_records} records.{watch}")
     ranked = rank_causes(act)
@@ -228,7 +235,19 @@ def verdict(findings: Findings, groups: list[FlagGroup] | None = None) -> str:
     rest = len(act) - 1 - len(others)
     if rest > 0:
         text += f" {rest} more finding(s) at or above 0.5 are listed below."
+    if unjudged:
+        text += " " + unjudged[:1].upper() + unjudged[1:]
     return text
+
+
+def not_judged_sentence(findings: Findings) -> str:
+    """``2 kind(s) of finding could not be judged on this store: conflict (too few records per source: zh 2,
+    en 2; needs ≥ 4 records per source), drift (...).`` ("" when every analysis could judge it)."""
+    items = findings.not_judged
+    if not items:
+        return ""
+    return (f"{len(items)} kind(s) of finding could not be judged on this store: "
+            + ", ".join(n.sentence() for n in items) + ".")
 
 
 @dataclass
@@ -271,10 +290,12 @@ PERIOD2_TOLERANCE = 0.35
 
 def group_cause(g: FlagGroup, groups: Sequence[FlagGroup]) -> str:
     """The cause group *g* points at: its flags' (or kind's) declared cause, except that a periodic series at
-    2 steps while an oscillation of period 2 is found is that oscillation (learning rate vs curvature)."""
+    2 steps while an oscillation of period 2 is found is that oscillation (learning rate vs curvature, unless
+    the oscillation's own evidence names the data order: then the series keeps its own cause)."""
     if g.kind == "loss_spectrum" and _near_two(g, "period_steps") and any(
-            o.kind == "oscillation" and _near_two(o, "period_records") for o in groups):
-        return "learning_rate"
+            o.kind == "oscillation" and _near_two(o, "period_records")
+            and advice.info(o.kind).cause_of(o.top) == "learning_rate" for o in groups):
+        return "learning_rate"              # not when the oscillation's own evidence says it is the data order
     info = advice.info(g.kind)
     return info.cause_of(g.top) or f"kind:{g.kind}"
 

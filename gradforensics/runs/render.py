@@ -41,8 +41,17 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings, Flag
     from gradforensics.runs.result import WhatIf
 
-__all__ = ["finding_matrix", "key_of", "loss_figure", "render_html", "render_markdown", "verdict", "verdict_lines",
-           "write"]
+__all__ = [
+    "finding_matrix",
+    "key_of",
+    "loss_figure",
+    "not_judged_line",
+    "render_html",
+    "render_markdown",
+    "verdict",
+    "verdict_lines",
+    "write",
+]
 
 TOP = 5
 
@@ -196,7 +205,10 @@ def verdict_lines(res: WhatIf, m: pd.DataFrame) -> list[str]:
     """
     arms = [r.arm.name for r in res.runs]
     base = res.baseline
+    unjudged = not_judged_line(res)
     if not len(m):
+        if unjudged:                # an analysis could not have fired: no "nothing to fix"
+            return [f"No arm has a finding at or above {ACT}, but that is not an all-clear: {unjudged}"]
         return [f"No arm has a finding at or above {ACT}: nothing to fix."]
     m = m.assign(finding=[_finding_of(k, s) for k, s in zip(m["kind"], m["sources"], strict=True)])
     found = m[arms].ge(ACT)                      # NaN (no flag) is not a finding
@@ -222,7 +234,24 @@ def verdict_lines(res: WhatIf, m: pd.DataFrame) -> list[str]:
     every = [n for n in order if all(n in has[a] for a in arms)]
     lines.append(f"Every arm keeps {', '.join(every)}: the data's (or the checkpoint's), not the optimizer's."
                  if every else "No finding is kept by every arm.")
+    if unjudged:
+        lines.append(unjudged[:1].upper() + unjudged[1:])
     return lines
+
+
+def not_judged_line(res: WhatIf) -> str:
+    """What the arms' analyses could not judge (``Findings.not_judged``), each kind once with the arms it
+    concerns: ``not judged: conflict in every arm (too few records per source: ...; needs ≥ 4 ...).`` ("" if
+    every arm's analyses could judge their run)."""
+    arms = [r.arm.name for r in res.runs]
+    by: dict[str, tuple[str, list[str]]] = {}
+    for a in arms:
+        for n in res.findings[a].not_judged:
+            by.setdefault(n.kind, (n.sentence(), []))[1].append(a)
+    if not by:
+        return ""
+    parts = [f"{text} in {'every arm' if len(who) == len(arms) else ', '.join(who)}" for text, who in by.values()]
+    return "not judged: " + "; ".join(parts) + "."
 
 
 def _headline(res: WhatIf, m: pd.DataFrame) -> str:

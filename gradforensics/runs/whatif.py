@@ -17,10 +17,12 @@ The flow (design, "Comparing runs", ``whatif``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -147,10 +149,33 @@ def whatif(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequenc
     stores = _stores(out_dir, arm_list, store_suffix, overwrite)
     plans = {a.name: schedule(names, steps, a.mixture) for a in arm_list}
     say = log if log is not None else (sys.stderr if progress else None)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    setup = _Setup(checkpoint, b, r, m, threads, optimizer_state, overwrite, force)
-    runs = _train(setup, arm_list, plans, stores, sources, say)
-    return _analyse(out_dir, base, runs, only, client, progress, compare_reports)
+    with cleaned_on_failure(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        setup = _Setup(checkpoint, b, r, m, threads, optimizer_state, overwrite, force)
+        runs = _train(setup, arm_list, plans, stores, sources, say)
+        return _analyse(out_dir, base, runs, only, client, progress, compare_reports)
+
+
+@contextlib.contextmanager
+def cleaned_on_failure(out_dir: Path) -> Iterator[None]:
+    """On an error, remove what the block created in *out_dir* (the directory too, if it did not exist), and
+    nothing else: the entries it held before stay.  Ctrl-C (``KeyboardInterrupt``, ``WhatIfInterrupted``) keeps
+    everything: the stores of the steps done are valid, and the message says what they hold."""
+    existed = out_dir.is_dir()
+    before = {p.name for p in out_dir.iterdir()} if existed else set()
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        with contextlib.suppress(OSError):        # the error that brought us here is the one to show
+            if not existed:
+                shutil.rmtree(out_dir)
+            else:
+                for p in out_dir.iterdir():
+                    if p.name not in before:
+                        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        raise
 
 
 def _field(given: Any, name: str, default: Any) -> Any:
@@ -236,9 +261,7 @@ def _train(setup: _Setup, arms: list[Arm], plans: dict[str, list[tuple[str, int]
         except KeyboardInterrupt:
             bar.close()
             raise WhatIfInterrupted(_interrupted(runs, arm, done[0], stores)) from None
-        bar.close()
-        if say is not None:
-            print(f"  {runs[-1].state_note}", file=say, flush=True)
+        bar.close()         # the arm's optimizer state is said once, in its summary line (WhatIf.runs[i].state_note)
     return runs
 
 

@@ -205,19 +205,49 @@ class Context:
         return np.where(pure, idx, -1)
 
 
+@dataclass(frozen=True)
+class NotJudged:
+    """What an analysis could not judge on this store: a kind of flag that could not have fired.
+
+    ``kind`` is the flag kind, ``reason`` what the store holds too little of (``"2 records per
+    source (zh 2, en 2)"``), ``needed`` what would let it judge (``"≥ 4 records per source"``).
+    The report's verdict and ``flags.json`` (``not_judged``) carry it, so a run with too little
+    evidence never reads as an all-clear.
+    """
+
+    kind: str
+    reason: str
+    needed: str
+
+    def __post_init__(self) -> None:
+        for name in ("kind", "reason", "needed"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"NotJudged {name} must be a non-empty string; got {getattr(self, name)!r}.")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "reason": self.reason, "needed": self.needed}
+
+    def sentence(self) -> str:
+        """``conflict (too few records per source: zh 2, en 2; needs ≥ 4 records per source)``."""
+        return f"{self.kind} ({self.reason}; needs {self.needed})"
+
+
 @dataclass
 class AnalysisResult:
-    """What one analysis produced: its table and per-record evidence series.
+    """What one analysis produced: its table, per-record evidence series, and what it could not judge.
 
     ``table`` becomes ``DIR/tables/<name>.csv``: a row per tensor (and head, and
     source or source pair where the statistic has one), columns ``tensor``,
     ``head`` first; ``head`` is empty on a whole-tensor row.  ``series`` holds
     small arrays the figures need (keys are free-form, e.g.
     ``"projection/<tensor>/<head>"``); they are saved in the store.
+    ``not_judged``: the kinds it could not have flagged on this store, with why
+    (:class:`NotJudged`; too few records per source, too short a history, ...).
     """
 
     table: pd.DataFrame
     series: dict[str, np.ndarray] = field(default_factory=dict)
+    not_judged: list[NotJudged] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -365,6 +395,8 @@ class Findings:
     header: dict[str, Any]
     results: dict[str, AnalysisResult]
     flags: list[Flag]
+    #: what the analyses could not judge on this store (``flags.json`` ``not_judged``)
+    not_judged: list[NotJudged] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.flags = sorted(self.flags, key=lambda f: (-f.severity, f.kind, f.tensor, -1 if f.head is None else f.head))
@@ -380,6 +412,7 @@ class Findings:
         if baseline is not None:
             doc["baseline"] = baseline
         doc["flags"] = [f.to_dict() for f in self.flags]
+        doc["not_judged"] = [n.to_dict() for n in self.not_judged]
         return doc
 
     def table(self, name: str) -> pd.DataFrame | None:
@@ -415,4 +448,5 @@ def baseline_of(b: Any) -> dict[str, Any] | None:
 
 
 __all__ = ["BASELINE_FIELDS", "REGIME_FIELDS", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "Need",
+           "NotJudged",
            "baseline_of", "regime_of"]

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 
 from gradforensics.analysis.contract.grams import GramResult
-from gradforensics.analysis.contract.model import AnalysisResult, Findings, Flag
+from gradforensics.analysis.contract.model import AnalysisResult, Findings, Flag, NotJudged
 from gradforensics.analysis.contract.registry import flag_kinds
 from gradforensics.analysis.engine.seriesimage import pack_series, parse_series
 from gradforensics.errors import CorruptStoreError, UnsafeNameError
@@ -238,14 +238,32 @@ def read_findings(store: Store) -> Findings:
         if flag.records[1] >= max(n, 1):
             raise _bad(f"{where}: flags[{i}]", f"records {list(flag.records)} are not inside the store's {n} records")
         flags.append(flag)
+    not_judged = _not_judged(doc.get("not_judged", []), doc["analyses"], f"{where}: not_judged")
     results = {}
     for name in doc["analyses"]:
         table = parse_table(read_document(store, f"tables/{name}"), f"{store.path}: analysis/tables/{name}")
         series = parse_series(read_result(store, f"series/{name}"), f"{store.path}: analysis/series/{name}")
-        results[name] = AnalysisResult(table=table, series=series)
+        results[name] = AnalysisResult(table=table, series=series, not_judged=not_judged.get(name, []))
     return Findings(store=doc["store"], n_records=n, mode=doc["mode"],
                     sources=tuple(_str_list(doc["sources"], where, "sources")), header=doc["header"],
-                    results=results, flags=flags)
+                    results=results, flags=flags, not_judged=[x for name in doc["analyses"]
+                                                              for x in not_judged.get(name, [])])
+
+
+def _not_judged(entries: Any, analyses: list[str], where: str) -> dict[str, list[NotJudged]]:
+    """The saved ``not_judged`` entries (``{analysis, kind, reason, needed}``) by analysis; findings saved
+    before they existed have none."""
+    if not isinstance(entries, list):
+        raise _bad(where, f"must be a list; got {type(entries).__name__}")
+    out: dict[str, list[NotJudged]] = {}
+    for i, e in enumerate(entries):
+        keys = ("analysis", "kind", "reason", "needed")
+        if not (isinstance(e, dict) and set(e) == set(keys) and all(isinstance(e[k], str) and e[k] for k in keys)
+                and e["analysis"] in analyses):
+            raise _bad(f"{where}[{i}]", f"must be an object of non-empty strings {list(keys)}, its analysis one of "
+                                        f"the saved analyses; got {_show(e)}")
+        out.setdefault(e["analysis"], []).append(NotJudged(e["kind"], e["reason"], e["needed"]))
+    return out
 
 
 def findings_documents(findings: Findings) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -254,7 +272,9 @@ def findings_documents(findings: Findings) -> tuple[dict[str, np.ndarray], dict[
     docs: dict[str, Any] = {
         "findings": {"store": findings.store, "n_records": findings.n_records, "mode": findings.mode,
                      "sources": list(findings.sources), "header": findings.header,
-                     "flags": [f.to_dict() for f in findings.flags], "analyses": sorted(findings.results)},
+                     "flags": [f.to_dict() for f in findings.flags], "analyses": sorted(findings.results),
+                     "not_judged": [{"analysis": name, **n.to_dict()} for name in sorted(findings.results)
+                                    for n in findings.results[name].not_judged]},
     }
     for name, res in findings.results.items():
         docs[f"tables/{name}"] = json.loads(res.table.to_json(orient="split", index=False))

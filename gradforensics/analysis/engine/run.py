@@ -27,6 +27,7 @@ registered analysis with a ``series`` hook, on per-step series from a store's
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import time
@@ -165,8 +166,8 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
     batches = store.batches()
     grams, computed, long = run_pass(store, selected, engine, client, progress, batches=batches, spill=spill)
     if progress:            # what follows the bar's 100 % takes a while on a big store: say what it is
-        print("gradient pass done; computing the findings ...", file=sys.stderr,
-              flush=True)
+        print(f"gradient pass done; computing the findings of {os.path.basename(store.path.rstrip('/')) or store.path}"
+              " ...", file=sys.stderr, flush=True)
     ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, computed=computed,
                   options=per_analysis, long=long)
     results, flags = {}, []
@@ -181,12 +182,14 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
         # the writer holds the lock the results are saved under: they are returned, not saved (no warning)
         header["partial"] = {"writer": writer.describe(), "pid": writer.pid, "host": writer.host,
                              "n_records": store.n_records, "saved": False}
+    header["analyses"] = {a.name: header["finished"] for a in selected}     # which analysis ran when
     findings = Findings(store=store.path, n_records=store.n_records, mode=store.mode, sources=store.sources,
-                        header=header, results=results, flags=flags)
+                        header=header, results=results, flags=flags,
+                        not_judged=[n for name in sorted(results) for n in results[name].not_judged])
     if judge is not None:                   # analyze(..., baseline=): each finding against the baseline's
         findings = judge(findings)
     if engine.persist and writer is None:
-        _persist(store, findings, grams, long is not None)
+        _persist(store, merged(store, findings, selected), grams, long is not None)
     return findings
 
 
@@ -320,7 +323,44 @@ def _header(store: Store, batches: dict[str, np.ndarray], client: Client | None,
         "engine": {"slab_bytes": engine.slab_bytes, "split_every": engine.split_every, "precision": engine.precision},
         "regime": long.header() if long is not None else {"name": "exact", "n0": engine.n0(units_at_once(store))},
         "seconds": round(seconds, 3), "versions": _versions(),
+        "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def merged(store: Store, findings: Findings, selected: list[Analysis]) -> Findings:
+    """*findings* of a partial pass (``only=``) merged into the results the store holds committed.
+
+    The analyses that ran replace their own tables, series, flags and ``not_judged``; every other
+    analysis the committed results hold is kept, with the time it ran (header ``analyses``).  Nothing
+    is kept when the committed results describe another store state (another record count or mode),
+    when there are none, or when they cannot be read (the new pass replaces them, as before).
+    """
+    ran = {a.name for a in selected}
+    if ran >= set(REGISTRY):
+        return findings
+    from gradforensics.analysis.engine.results import read_findings
+    from gradforensics.errors import GradforensicsError
+
+    try:
+        old = read_findings(store)
+    except (GradforensicsError, OSError, KeyError, ValueError):
+        return findings                     # none committed, or unreadable: the new pass replaces them
+    if old.n_records != findings.n_records or old.mode != findings.mode:
+        return findings
+    kept = {name: res for name, res in old.results.items() if name not in ran}
+    if not kept:
+        return findings
+    kinds_ran = {k for a in selected for k in a.kinds}
+    flags = findings.flags + [f for f in old.flags if f.kind not in kinds_ran]
+    when = old.header.get("analyses")
+    when = when if isinstance(when, dict) else {}
+    header = dict(findings.header)
+    header["analyses"] = {**{name: str(when.get(name, old.header.get("finished", "before"))) for name in kept},
+                          **findings.header.get("analyses", {})}
+    results = {**kept, **findings.results}
+    return Findings(store=findings.store, n_records=findings.n_records, mode=findings.mode,
+                    sources=findings.sources, header=header, results=results, flags=flags,
+                    not_judged=[n for name in sorted(results) for n in results[name].not_judged])
 
 
 def _versions() -> dict[str, str]:

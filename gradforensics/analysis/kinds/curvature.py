@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradforensics.analysis.contract.advice import Advice
-from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, NotJudged
 from gradforensics.store.probes import read_curvature
 
 if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
-__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "WHOLE_MODEL", "compute", "curvature_table", "flags", "plot",
-           "severity", "threshold"]
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "WHOLE_MODEL", "compute", "curvature_table", "flags", "not_judged",
+           "plot", "severity", "threshold"]
 
 NAME = "curvature"
 WHOLE_MODEL = "model"
@@ -93,7 +93,25 @@ def compute(ctx: Context) -> AnalysisResult:
         empty = pd.DataFrame(columns=list(COLUMNS))
         empty["head"] = empty["head"].astype("Int64")
         return AnalysisResult(table=empty)
-    return AnalysisResult(table=curvature_table(data))
+    table = curvature_table(data)
+    return AnalysisResult(table=table, not_judged=not_judged(table, data.attrs.get("hyper", {})))
+
+
+def not_judged(table: pd.DataFrame, hyper: dict[str, Any]) -> list[NotJudged]:
+    """The stability verdict a measured curvature could not give: no row has a finite stability ratio (the raw
+    Hessian alone under Adam, no preconditioned row without the optimizer's second moments; or an optimizer
+    or learning rate not known), so no ``curvature`` flag can fire."""
+    if not len(table) or np.isfinite(table["ratio"].to_numpy(dtype=float)).any():
+        return []
+    kind = hyper.get("optimizer")
+    if kind == "adam" and not (table["operator"] == "preconditioned").any():
+        return [NotJudged(NAME, "only the raw Hessian was measured under Adam, whose threshold is on the "
+                                "preconditioned Hessian: no optimizer state, no stability verdict",
+                          "the optimizer state saved with the checkpoint (Adam's second moments, optimizer.pt), "
+                          "captured with --curvature")]
+    return [NotJudged(NAME, f"no stability threshold applies (optimizer {kind or 'unknown'}, learning rate "
+                            f"{'unknown' if not np.isfinite(table['lr'].to_numpy(dtype=float)).any() else 'known'})",
+                      "the optimizer and its learning rate at the checkpoint (capture --optimizer, --lr)")]
 
 
 def severity(ratio: float) -> float:

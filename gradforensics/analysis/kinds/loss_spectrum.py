@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from gradforensics.analysis.contract.advice import Advice, Finding
-from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Flag
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag
+from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit.batches import full_batch
 from gradforensics.analysis.toolkit.series import series_compute
 from gradforensics.analysis.toolkit.signal.detrending import DetrendCache
@@ -51,10 +52,10 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
-    from gradforensics.analysis.contract.model import Context
     from gradforensics.analysis.toolkit.series import Series, SeriesGroup
 
-__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "FREQ_UNITS", "NAME", "SpectrumAdvice", "analyze_series", "family", "flags_from_table",
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "FREQ_UNITS", "NAME", "SpectrumAdvice", "analyze_series", "compute", "family",
+           "flags_from_table",
            "plot", "plot_detrended", "plot_spectrum", "severity"]
 
 
@@ -341,7 +342,18 @@ ADVICE = SpectrumAdvice(
     cause="data",
 )
 
-ANALYSIS = Analysis(name=NAME, needs=(), compute=series_compute(NAME, analyze_series, shares_detrending=True),
+_series_compute = series_compute(NAME, analyze_series, shares_detrending=True)
+
+
+def compute(ctx: Context) -> AnalysisResult:
+    """The table of the store's series (:func:`analyze_series`), and ``not_judged`` on a history shorter than
+    :data:`~gradforensics.analysis.toolkit.signal.spectrum.MIN_POINTS` steps (no spectrum is estimated)."""
+    res = _series_compute(ctx)
+    res.not_judged = fl.short_history(ctx, "loss_spectrum", MIN_POINTS)
+    return res
+
+
+ANALYSIS = Analysis(name=NAME, needs=(), compute=compute,
                     flags=_flags, plot=plot,
                     kinds={"loss_spectrum": ADVICE}, options=SpectrumOptions, series=analyze_series,
                     long_history=True)

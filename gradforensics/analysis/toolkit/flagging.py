@@ -5,7 +5,9 @@
   :data:`REPORT_FLOOR` - below it, no flag (the table keeps the row);
 * :func:`fmt_p` - a p-value for a summary sentence;
 * :func:`dedupe_heads` - one story per tensor: the flags of its heads *or* the
-  whole-tensor flag, not both.
+  whole-tensor flag, not both;
+* :func:`short_history` - the ``not_judged`` entry of a time-axis analysis on a history too
+  short for it to reach 0.5.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import numpy as np
 from gradforensics.analysis.toolkit.units import head_of
 
 if TYPE_CHECKING:
-    from gradforensics.analysis.contract.model import Flag
+    from gradforensics.analysis.contract.model import Context, Flag, NotJudged
 
-__all__ = ["REPORT_FLOOR", "InvolvedHeads", "dedupe_heads", "fmt_p", "involved_heads", "ramp", "significance"]
+__all__ = ["REPORT_FLOOR", "InvolvedHeads", "dedupe_heads", "fmt_p", "involved_heads", "ramp", "short_history",
+           "significance"]
 
 #: Flags below this severity are not emitted (the table still has the row).
 REPORT_FLOOR = 0.25
@@ -106,3 +109,22 @@ def dedupe_heads(flags: Iterable[Flag], n_heads: Mapping[str, int], involved: In
             note = f" (whole tensor: severity {whole[0].severity:.2f}, diluted by its other heads)"
             out.extend(dataclasses.replace(f, summary=f.summary.rstrip(".") + note + ".") for f in heads)
     return out
+
+
+def short_history(ctx: Context, kind: str, minimum: int) -> list[NotJudged]:
+    """``[NotJudged]`` when a ``training`` store's history (its distinct steps) is shorter than *minimum*.
+
+    For an analysis that reads the record axis as time (flags of *kind*): below *minimum*
+    steps no flag of *kind* can reach 0.5, so its silence is no all-clear.  A ``replay`` store
+    has no history to judge (such kinds never flag there): ``[]``.
+    """
+    from gradforensics.analysis.contract.model import NotJudged
+
+    if ctx.meta.mode != "training":
+        return []
+    step = ctx.batches.get("step")
+    n = int(np.unique(np.asarray(step)).size) if step is not None and len(step) else ctx.n_records
+    if n >= minimum:
+        return []
+    return [NotJudged(kind, f"too short a history: {n} steps",
+                      f"≥ {minimum} recorded steps")]

@@ -56,7 +56,7 @@ import numpy as np
 
 from gradforensics._contrast import annotate
 from gradforensics.analysis.contract.advice import Advice
-from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need, NotJudged
 from gradforensics.analysis.kinds.conflict.standout import SourceLoss, rise, source_losses, stand_out
 from gradforensics.analysis.kinds.conflict.unit import (
     ConflictOptions,
@@ -75,7 +75,8 @@ from gradforensics.analysis.toolkit.parallel import map_units
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "SEGMENTS", "compute", "flags", "plot", "weigh_by_energy"]
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "MIN_PER_SOURCE", "SEGMENTS", "compute", "flags", "min_per_source",
+           "not_judged", "plot", "weigh_by_energy"]
 
 
 COLUMNS = [
@@ -86,6 +87,11 @@ COLUMNS = [
 SEGMENTS = 8           # long histories: stretches of the run a conflict is located in
 ENERGY_FULL = 0.06     # a unit's share of the gradient energy at which a conflict keeps its full severity
 ENERGY_FLOOR = 0.25    # the weight of a conflict in a unit with no energy: listed, never an alarm
+#: Records per source below which no conflict can reach 0.5: the permutation test (and, in replay, the
+#: cross-block z of :func:`~gradforensics.analysis.kinds.conflict.unit.cross_inner_z`, NaN below 3) cannot
+#: get p small enough; a planted cos -0.8 at SNR 50 stays at 0 with one record fewer
+#: (``tests/test_not_judged.py``).  Training stores permute within blocks, so they need one more.
+MIN_PER_SOURCE = {"replay": 3, "training": 4}
 
 def compute(ctx: Context) -> AnalysisResult:
     """The conflict table (a row per unit and source pair) and the cosine matrices.
@@ -97,11 +103,36 @@ def compute(ctx: Context) -> AnalysisResult:
     losses = source_losses(ctx.batches.get("loss", np.full(ctx.n_records, np.nan)),
                            np.asarray(ctx.batches["mixture"], dtype=np.float64))
     if ctx.long is None:
-        return _compute(ctx, None, losses)
-    long = ctx.long
-    first, last = long.first_record(), long.last_record()
-    res = _compute(ctx.super_records(), (first, last), losses)
+        res = _compute(ctx, None, losses)
+    else:
+        long = ctx.long
+        first, last = long.first_record(), long.last_record()
+        res = _compute(ctx.super_records(), (first, last), losses)
+    res.not_judged = not_judged(ctx)
     return res
+
+
+def min_per_source(mode: str) -> int:
+    """Records per source below which no conflict can reach 0.5 (:data:`MIN_PER_SOURCE`, by store mode)."""
+    return MIN_PER_SOURCE["training" if mode == "training" else "replay"]
+
+
+def not_judged(ctx: Context) -> list[NotJudged]:
+    """The conflict a store with too few records of some source could not show (``[]`` when every source has
+    enough, or there are fewer than two sources: no pair to judge)."""
+    mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
+    if len(ctx.sources) < 2 or mix.ndim != 2 or mix.shape[1] != len(ctx.sources):
+        return []
+    have = np.nansum(mix, axis=0)           # a pure batch counts 1 for its source; a mixed one its shares
+    need = min_per_source(ctx.meta.mode)
+    short = [(s, h) for s, h in zip(ctx.sources, have) if h < need - 1e-9]
+    if not short:
+        return []
+    counts = ", ".join(f"{s} {h:.3g}" for s, h in short)
+    pairs = "every pair" if len(short) == len(ctx.sources) or len(short) >= len(ctx.sources) - 1 else \
+        f"the pairs with {', '.join(s for s, _ in short)}"
+    return [NotJudged("conflict", f"too few records per source: {counts}; {pairs} not judged",
+                      f"≥ {need} records per source ({ctx.meta.mode} store)")]
 
 
 def _conflict_of(u: un.Unit, mix: np.ndarray, opts: ConflictOptions, training: bool,

@@ -59,7 +59,7 @@ from gradforensics.analysis.toolkit.parallel import map_slabs
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "EFFECT_FULL", "DriftOptions", "compute", "flags", "pd_int", "plot"]
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "EFFECT_FULL", "MIN_RECORDS", "DriftOptions", "compute", "flags", "pd_int", "plot"]
 
 
 COLUMNS = [
@@ -70,6 +70,9 @@ COLUMNS = [
 EFFECT_FULL = 0.5  # rotation at which the effect score saturates
 LEARNING_WEIGHT = 0.45  # severity weight of drift while the loss falls: context, never an alarm
 ALIGN_MIN, ALIGN_MARGIN = 0.3, 0.15
+#: Steps of history below which no drift can reach 0.5 (the opening window of 4 leaves too few records
+#: for the trend's p-value): a planted 90° turn at SNR 200 stays at 0 with 13 (``tests/test_not_judged.py``).
+MIN_RECORDS = 14
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,13 @@ def compute(ctx: Context) -> AnalysisResult:
     per-source mean gradients (super-records); ``since_record`` is then the first
     record of the window where the fall starts, and the series are per super-record.
     """
-    if ctx.long is None:
-        return _compute(ctx)
+    res = _compute(ctx) if ctx.long is None else _compute_long(ctx)
+    res.not_judged = fl.short_history(ctx, "drift", MIN_RECORDS)
+    return res
+
+
+def _compute_long(ctx: Context) -> AnalysisResult:
+    assert ctx.long is not None
     res = _compute(ctx.super_records())
     first = ctx.long.first_record()
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)))

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gradforensics.analysis.contract.advice import Advice
-from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
+from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need, NotJudged
 from gradforensics.analysis.kinds.noise.findings import NoiseOptions, flags
 from gradforensics.analysis.kinds.noise.scale import BELOW_RESOLUTION
 from gradforensics.analysis.kinds.noise.table import MODEL, N_FEATURES, noise_table
@@ -73,6 +73,7 @@ FULL_BATCH = ("full batch (every record the whole data set of {} samples): no sa
 
 
 def compute(ctx: Context) -> AnalysisResult:
+    not_judged = _not_judged(ctx)           # of the store's records (not the long history's super-records)
     long = ctx.long is not None
     if long:                        # long histories: the same estimators on the per-window, per-source means
         ctx = ctx.super_records()
@@ -83,7 +84,16 @@ def compute(ctx: Context) -> AnalysisResult:
     size = full_batch(ctx.meta, ctx.batches)
     if size is not None and len(table):
         table["batch_note"] = FULL_BATCH.format(size)
-    return AnalysisResult(table=table)
+    return AnalysisResult(table=table, not_judged=not_judged)
+
+
+def _not_judged(ctx: Context) -> list[NotJudged]:
+    """No noise flag below ``min_records`` records (the option gates every flag): say so when the store has fewer."""
+    need = ctx.options_for("noise", NoiseOptions).min_records
+    n = ctx.n_records
+    if n >= need:
+        return []
+    return [NotJudged("noise", f"too few records for a noise scale: {n}", f"≥ {need} records (option min_records)")]
 
 
 

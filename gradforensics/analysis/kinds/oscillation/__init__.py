@@ -57,12 +57,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from gradforensics.analysis.contract.advice import Advice
+from gradforensics.analysis.contract.advice import Advice, Finding
 from gradforensics.analysis.contract.checks import Constraints, Interval
 from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Context, Flag, Need
 from gradforensics.analysis.contract.options import Options
@@ -81,8 +82,23 @@ from gradforensics.store.names import layer_of
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "SHARE_FULL", "OscillationOptions", "compute", "compute_long", "flags", "plot",
-           "severity", "weigh_by_energy"]
+__all__ = [
+    "ADVICE",
+    "ANALYSIS",
+    "COLUMNS",
+    "DATA_ORDER",
+    "MIN_RECORDS",
+    "SHARE_FULL",
+    "OscillationAdvice",
+    "OscillationOptions",
+    "compute",
+    "compute_long",
+    "data_order",
+    "flags",
+    "plot",
+    "severity",
+    "weigh_by_energy",
+]
 
 
 COLUMNS = [
@@ -91,6 +107,12 @@ COLUMNS = [
     "reversal", "source_r2", "sources_pos", "sources_neg", "record_first", "record_last", "energy",
     "energy_share", "severity",
 ]
+#: Steps of history below which no oscillation can reach 0.5 (the spectral test's p-value): a planted
+#: square wave at SNR 200 reaches 0.44 with 38 records, 0.56 with 40 (``tests/test_not_judged.py``).
+MIN_RECORDS = 40
+#: Share of the scores' variance the source mixture explains above which the oscillation is the data order
+#: (its flag's ``evidence["cause"]`` is ``"data"``: the verdict and the advice follow it).
+DATA_ORDER = 0.5
 ENERGY_FLOOR = 0.4        # severity weight of the tensor with the least oscillating energy (the largest: 1)
 
 
@@ -123,8 +145,12 @@ def _slab_of(slab: list[un.Unit], mix: np.ndarray, replay: bool, opts: Oscillati
 
 def compute(ctx: Context) -> AnalysisResult:
     """The oscillation table, projection and consecutive-cosine series of every tensor and head."""
-    if ctx.long is not None:
-        return compute_long(ctx)
+    res = compute_long(ctx) if ctx.long is not None else _compute(ctx)
+    res.not_judged = fl.short_history(ctx, "oscillation", MIN_RECORDS)
+    return res
+
+
+def _compute(ctx: Context) -> AnalysisResult:
     opts = ctx.options_for("oscillation", OscillationOptions)
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     step = np.asarray(ctx.batches.get("step", np.arange(ctx.n_records)), dtype=np.float64)
@@ -237,8 +263,11 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         span = (int(r.record_first), int(r.record_last)) if un.head_of(getattr(r, "record_first", None)) is not None \
             else (0, ctx.n_records - 1)
         summary = _summary(r, head, ctx.meta.mode) if ctx.long is None else _summary_long(r, head)
+        ev = _evidence(r)
+        if ctx.long is None and data_order(r, ctx.meta.mode):     # the cause the summary names: the verdict's too
+            ev["cause"] = "data"
         out.append(Flag(kind="oscillation", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
-                        records=span, evidence=_evidence(r), summary=summary))
+                        records=span, evidence=ev, summary=summary))
     t = result.table
     involved = fl.involved_heads(t, (t["reversal"] > 0) & (t["p_value"] < 0.05))
     return fl.dedupe_heads(out, un.heads_per_tensor(t), involved, by_sources=False)
@@ -259,6 +288,14 @@ def _summary_long(r: Any, head: int | None) -> str:
             f"consecutive-record cosine {r.consec_cos:.2f}, {fl.fmt_p(r.p_value)}; banded Gram, long history).")
 
 
+def data_order(r: Any, mode: str) -> bool:
+    """Whether the records' source explains the zig-zag (``source_r2`` above :data:`DATA_ORDER`, sources at the
+    poles, a ``training`` store): then its cause is the data order, not the learning rate."""
+    r2 = getattr(r, "source_r2", math.nan)
+    return (mode == "training" and bool(r.sources_pos or r.sources_neg)
+            and isinstance(r2, (int, float)) and math.isfinite(r2) and r2 > DATA_ORDER)
+
+
 def _summary(r: Any, head: int | None, mode: str) -> str:
     where = r.tensor if head is None else f"{r.tensor} head {head}"
     steps = f" (~{r.period_steps:.0f} steps)" if np.isfinite(r.period_steps) else ""
@@ -269,7 +306,7 @@ def _summary(r: Any, head: int | None, mode: str) -> str:
     pos, neg = r.sources_pos or "mixed", r.sources_neg or "mixed"
     if r.sources_pos or r.sources_neg:
         s += f"; sources at the poles: + {pos}, - {neg}"
-        if r.source_r2 > 0.5 and mode == "training":
+        if data_order(r, mode):
             s += f" (the data order explains {100 * r.source_r2:.0f}% of it: mix sources within batches; see conflict)"
     return s + "."
 
@@ -317,7 +354,18 @@ def _plot_windows(win: np.ndarray, flag: Flag, ax: Axes) -> None:
 #: .. [Goyal2017] P. Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017 (warmup).
 #: .. [Wortsman2023] M. Wortsman et al., "Small-scale proxies for large-scale Transformer training
 #:    instabilities", 2023.
-ADVICE = Advice(
+@dataclass(frozen=True)
+class OscillationAdvice(Advice):
+    """The data remedy first when the data order explains every flag of the group (``evidence["cause"]``)."""
+
+    def remedies_for(self, flags: Sequence[Finding]) -> list[str]:
+        items = list(self.remedies)
+        if flags and all(f.evidence.get("cause") == "data" for f in flags):
+            return [items[-1], *items[:-1]]
+        return items
+
+
+ADVICE = OscillationAdvice(
     title="Oscillation",
     phrase="updates flip between two opposing directions",
     evidence_keys={"period_records": "records per period", "consec_cos": "consecutive-record cos",
