@@ -33,6 +33,7 @@ NAME = "timeline"
 SPIKE = "loss_spike"
 #: The test's parameters, in the order of the ``test`` series.
 TEST_FIELDS = ("window", "burn_in", "allowance", "threshold", "limit", "z_clip", "spike_k", "spike_window")
+_COUNTS = ("window", "burn_in", "spike_window")
 #: The table's columns: a row per spike and per departed series.
 COLUMNS = ["tensor", "head", "signal", "label", "source", "record", "step", "alarm_record", "peak", "z_max",
            "spike_record", "spike_step", "lead_steps", "value"]
@@ -87,7 +88,8 @@ def timeline_document(result: Any, flags: Sequence[Any]) -> dict[str, Any]:
     """The ``flags.json`` ``timeline`` object from the timeline analysis's *result* (an ``AnalysisResult``) and
     the sorted *flags* (``Flag``: this module names no type of the model, which imports it)."""
     test = np.asarray(result.series.get("test", np.zeros(0)), np.float64).ravel()
-    doc: dict[str, Any] = {"test": {k: _num(test[i]) if i < test.size else None for i, k in enumerate(TEST_FIELDS)}}
+    doc: dict[str, Any] = {"test": {k: (_int if k in _COUNTS else _num)(test[i]) if i < test.size else None
+                                    for i, k in enumerate(TEST_FIELDS)}}
     rows = _rows(result.table) if len(result.table) else []
     departed = [r for r in rows if r.get("signal") != SPIKE]
     spikes = []

@@ -59,7 +59,8 @@ class TimelineOptions(Options):
     allowance, threshold
         The CUSUM's allowance (robust standard deviations a shift must exceed) and alarm level.
     limit
-        The Shewhart limit: a single robust z-score above it is a departure.
+        The Shewhart limit: a single robust z-score above it is a departure of a share (dead units, stale
+        rows, expert load).
     spike_k
         A loss spike is above the trailing mean + ``spike_k`` standard deviations.
     """
@@ -119,7 +120,8 @@ def timeline_rows(signals: list[Signal], steps: np.ndarray, opt: TimelineOptions
     if not signals:
         return rows, np.zeros((0, n))
     x = np.stack([transform(s.values, s.how) for s in signals])
-    dep = departures(x, np.array([s.direction for s in signals]), dtest, np.array([s.floor for s in signals]))
+    dep = departures(x, np.array([s.direction for s in signals]), dtest, np.array([s.floor for s in signals]),
+                     np.array([s.shewhart for s in signals]))
     keep = np.flatnonzero(dep.alarm >= 0)
     zs = []
     for i in keep:

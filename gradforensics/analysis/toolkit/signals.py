@@ -20,7 +20,7 @@ import numpy as np
 if TYPE_CHECKING:
     from gradforensics.store.reader import Store
 
-__all__ = ["LABELS", "Signal", "collect"]
+__all__ = ["LABELS", "SHEWHART", "Signal", "collect"]
 
 #: signal -> (what it is, in words; comparison scale; direction of trouble; the least change that counts as
 #: one robust standard deviation, in units of the scale: 0.1 on ``log`` is 10 %, 1.0 on an attention logit
@@ -38,6 +38,10 @@ LABELS: dict[str, tuple[str, str, int, float]] = {
     "stale_share": ("share of stale rows (Adam)", "linear", 1, 0.02),
     "router_max_share": ("largest expert share of the router", "linear", 1, 0.02),
 }
+
+
+#: The signals that may depart in one record (shares: a Shewhart limit beside the CUSUM).
+SHEWHART = frozenset({"dead_share", "stale_share", "router_max_share"})
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,11 @@ class Signal:
     @property
     def direction(self) -> int:
         return LABELS[self.signal][2]
+
+    @property
+    def shewhart(self) -> bool:
+        """Whether one record may depart alone (a share's jump; :func:`~.departure.departures`)."""
+        return self.signal in SHEWHART
 
     @property
     def floor(self) -> float:
