@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import scipy.stats
 import pytest
+import scipy.stats
 
 import gradforensics as gf
 from gradforensics.errors import SpecError, StoreClosedError

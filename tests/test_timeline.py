@@ -163,11 +163,12 @@ def test_gradient_norms_are_the_gram_diagonal(planted) -> None:
     x = np.random.default_rng(0).standard_normal((5, 7))
 
     class Ctx:
-        grams = {("w", None): Gram(x, np.array([0, 0, 3, 0, 0]))}
+        def __init__(self) -> None:
+            self.grams = {("w", None): Gram(x, np.array([0, 0, 3, 0, 0]))}
 
     want = np.linalg.norm(x, axis=1)
     want[2] = np.nan                                      # a record with a non-finite gradient has no norm
-    np.testing.assert_allclose(grad_norms(Ctx())[("w", None)], want, rtol=1e-12)
+    np.testing.assert_allclose(grad_norms(Ctx())[("w", None)], want, rtol=1e-12)  # type: ignore[arg-type]
 
 
 def test_timeline_is_read_back_from_the_store_unchanged(planted) -> None:

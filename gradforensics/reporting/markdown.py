@@ -98,7 +98,7 @@ def _timeline(doc: Document, figdir: str) -> list[str]:
         out += [""] + ([f"… and {m.more} more in `flags.json`.", ""] if m.more else [])
         if m.png is not None:
             out += [_img(Picture(m.stem, m.png, m.alt), figdir), ""]
-    return out + [f"*{md_text(t.test)}*", ""]
+    return [*out, f"*{md_text(t.test)}*", ""]
 
 
 def render(doc: Document, figdir: str = "figures") -> str:

@@ -70,7 +70,8 @@ def _entry(row: dict[str, Any], flags: Sequence[Any], lead: bool) -> dict[str, A
     head = _int(row.get("head"))
     source = row.get("source")
     source = source if isinstance(source, str) and source else None
-    tensor = row.get("tensor") if isinstance(row.get("tensor"), str) else ""
+    raw = row.get("tensor")
+    tensor = raw if isinstance(raw, str) else ""
     return {"signal": str(row.get("signal")), "label": str(row.get("label")), "tensor": tensor, "head": head,
             "source": source, "record": _int(row.get("record")), "step": _int(row.get("step")),
             "alarm_record": _int(row.get("alarm_record")),

@@ -66,7 +66,7 @@ class TimelineOptions(Options):
     """
 
     window: int = 0
-    burn_in: int = 16
+    burn_in: int = 8
     allowance: float = 2.0
     threshold: float = 20.0
     limit: float = 9.0
@@ -162,10 +162,11 @@ def compute(ctx: Context) -> AnalysisResult:
     for col in ("head", "spike_record", "spike_step", "lead_steps"):
         table[col] = table[col].astype("Int64")
     departed = [r for r in rows if r["signal"] != SPIKE]
-    series = {"test": np.array([test[k] for k in TEST_FIELDS], np.float64), "steps": steps.astype(np.float64),
-              "z": z.astype(np.float32) if z.size else np.zeros((0, n), np.float32),
-              "onset": np.array([r["record"] for r in departed], np.float64),
-              "spikes": np.array(sorted({r["record"] for r in rows if r["signal"] == SPIKE}), np.float64)}
+    series: dict[str, np.ndarray] = {"test": np.array([test[k] for k in TEST_FIELDS], np.float64), "steps": steps.astype(np.float64),
+                                     "z": z.astype(np.float32) if z.size else np.zeros((0, n), np.float32),
+                                     "onset": np.array([r["record"] for r in departed], np.float64),
+                                     "spikes": np.array(sorted({r["record"] for r in rows if r["signal"] == SPIKE}),
+                                                        np.float64)}
     return AnalysisResult(table=table, series=series)
 
 

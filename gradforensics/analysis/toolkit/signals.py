@@ -29,7 +29,7 @@ LABELS: dict[str, tuple[str, str, int, float]] = {
     "loss": ("loss", "log", 1, 0.05),
     "grad_norm": ("gradient norm", "log", 1, 0.1),
     "attn_max_logit": ("max attention logit", "linear", 1, 1.0),
-    "attn_entropy": ("mean attention entropy", "linear", -1, 0.02),
+    "attn_entropy": ("mean attention entropy", "linear", -1, 0.05),
     "logz": ("mean log Z of the output logits", "linear", 1, 0.5),
     "dead_share": ("share of dead units", "linear", 1, 0.02),
     "kurtosis": ("excess kurtosis of the activations", "log3", 1, 0.1),
