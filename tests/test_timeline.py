@@ -228,3 +228,20 @@ def test_report_opens_with_what_moved_first(planted, tmp_path) -> None:
     assert (tmp_path / "r" / "figures" / "timeline-01.png").stat().st_size > 1000
     doc = json.loads((tmp_path / "r" / "flags.json").read_text())
     assert doc["timeline"]["spikes"][0]["record"] == 60
+
+
+def test_a_timeline_table_from_someone_elses_store_never_makes_an_invalid_flags_json(planted) -> None:
+    """Saved results are data: rows without a usable record, or outside the store, are left out."""
+    import pandas as pd
+
+    from gradforensics.analysis.contract.model import AnalysisResult, Findings
+
+    _, findings = planted
+    good = findings.results["timeline"].table.iloc[0].to_dict()
+    foreign = pd.DataFrame([{"tensor": "w", "head": None, "norm": 1.0},                  # another table entirely
+                            {**good, "record": 10 ** 6}, {**good, "record": None}, {**good, "head": -3}, good])
+    bad = Findings(findings.store, findings.n_records, findings.mode, findings.sources, findings.header,
+                   {**findings.results, "timeline": AnalysisResult(foreign)}, findings.flags)
+    doc = json.loads(json.dumps(bad.flags_json()))
+    flagsjson.validate(doc)
+    assert len(doc["timeline"]["spikes"]) + len(doc["timeline"]["departures"]) == 1

@@ -85,7 +85,7 @@ def build(findings: Findings, groups: list[FlagGroup]) -> Timeline | None:
     res = findings.results.get(NAME)
     if res is None:
         return None
-    doc = timeline_document(res, findings.flags)
+    doc = timeline_document(res, findings.flags, int(findings.n_records))
     index = {id(f): i for i, f in enumerate(findings.flags)}
     anchors = {index[id(f)]: (g.anchor, g.index + 1) for g in groups for f in g.flags if id(f) in index}
     t = doc["test"]

@@ -384,7 +384,7 @@ class Findings:
             doc["baseline"] = baseline
         doc["flags"] = [f.to_dict() for f in self.flags]
         if TIMELINE in self.results:
-            doc["timeline"] = timeline_document(self.results[TIMELINE], self.flags)
+            doc["timeline"] = timeline_document(self.results[TIMELINE], self.flags, int(self.n_records))
         return doc
 
     def table(self, name: str) -> pd.DataFrame | None:

@@ -79,19 +79,30 @@ def _entry(row: dict[str, Any], flags: Sequence[Any], lead: bool) -> dict[str, A
             "finding": finding_index(tensor, head, flags)}
 
 
-def _rows(table: pd.DataFrame) -> list[dict[str, Any]]:
-    rows = table.to_dict("records")
+def _usable(row: dict[str, Any], n_records: int | None) -> bool:
+    """A row the document can carry: a signal name, and its records (onset, alarm) inside the store; a table
+    read back from someone else's store may hold anything, and such a row is left out, never an invalid file."""
+    recs = [_int(row.get("record")), _int(row.get("alarm_record"))]
+    head = _int(row.get("head")) if row.get("head") is not None else None
+    return (isinstance(row.get("signal"), str) and bool(row.get("signal"))
+            and all(r is not None and r >= 0 and (n_records is None or r < max(n_records, 1)) for r in recs)
+            and (head is None or head >= 0))
+
+
+def _rows(table: pd.DataFrame, n_records: int | None) -> list[dict[str, Any]]:
+    rows = [r for r in table.to_dict("records") if _usable(r, n_records)]
     return sorted(rows, key=lambda r: (_int(r.get("record")) or 0, _int(r.get("alarm_record")) or 0,
                                        str(r.get("label"))))
 
 
-def timeline_document(result: Any, flags: Sequence[Any]) -> dict[str, Any]:
+def timeline_document(result: Any, flags: Sequence[Any], n_records: int | None = None) -> dict[str, Any]:
     """The ``flags.json`` ``timeline`` object from the timeline analysis's *result* (an ``AnalysisResult``) and
-    the sorted *flags* (``Flag``: this module names no type of the model, which imports it)."""
+    the sorted *flags* (``Flag``: this module names no type of the model, which imports it); rows outside
+    *n_records* or without a usable record are left out."""
     test = np.asarray(result.series.get("test", np.zeros(0)), np.float64).ravel()
     doc: dict[str, Any] = {"test": {k: (_int if k in _COUNTS else _num)(test[i]) if i < test.size else None
                                     for i, k in enumerate(TEST_FIELDS)}}
-    rows = _rows(result.table) if len(result.table) else []
+    rows = _rows(result.table, n_records) if len(result.table) else []
     departed = [r for r in rows if r.get("signal") != SPIKE]
     spikes = []
     for s in (r for r in rows if r.get("signal") == SPIKE):
