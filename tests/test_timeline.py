@@ -92,13 +92,13 @@ def test_a_step_is_found_at_its_record_and_a_single_jump_by_the_shewhart_limit()
 
 
 def test_false_alarm_rate_on_noise() -> None:
-    """The documented rates (docs/timeline.md): 3000 iid series of 150 records, the default test, no floor:
+    """The documented rates (docs/timeline.md): 1000 iid series of 150 records, the default test, no floor:
     the CUSUM raises none on Gaussian or Student-t (3 dof) noise; the Shewhart limit (shares only) fires on
     a fifth of the heavy-tailed series, which is why it is kept to shares."""
     rng = np.random.default_rng(0)
-    for x in (rng.standard_normal((3000, 150)), rng.standard_t(3, (3000, 150))):
+    for x in (rng.standard_normal((1000, 150)), rng.standard_t(3, (1000, 150))):
         assert not (departures(x, 1, DepartureTest(), floor=1e-9, shewhart=False).alarm >= 0).any()
-    t3 = departures(rng.standard_t(3, (3000, 150)), 1, DepartureTest(), floor=1e-9, shewhart=True)
+    t3 = departures(rng.standard_t(3, (1000, 150)), 1, DepartureTest(), floor=1e-9, shewhart=True)
     assert 0.1 < (t3.alarm >= 0).mean() < 0.3
 
 

@@ -90,7 +90,7 @@ def build(findings: Findings, groups: list[FlagGroup]) -> Timeline | None:
     anchors = {index[id(f)]: (g.anchor, g.index + 1) for g in groups for f in g.flags if id(f) in index}
     t = doc["test"]
     test = (f"Departure: one-sided CUSUM of robust z-scores against each series' trailing median / MAD over "
-            f"{_int(t.get('window'))} records (allowance {t.get('allowance')}, alarm at {t.get('threshold')}, or one "
+            f"{_int(t.get('window'))} records (allowance {t.get('allowance')}, alarm at {t.get('threshold')}, or for a share one "
             f"z-score above {t.get('limit')}; after {_int(t.get('burn_in'))} values). Loss spike: above the mean + "
             f"{t.get('spike_k')} σ of the last {_int(t.get('spike_window'))} records. See docs/timeline.md.")
     spikes, departures = doc["spikes"], doc["departures"]
