@@ -42,6 +42,7 @@ from gradforensics.testing.contracts import PlantedCase, PlantedStores, parametr
 from gradforensics.testing.planted import noise_store, nonfinite_store
 from gradforensics.testing.planted_logits import planted_logits_store
 from gradforensics.testing.planted_probes import planted_curvature_store, planted_optimizer_store
+from gradforensics.testing.planted_timeline import planted_timeline_store
 from gradforensics.testing.planted_units import (
     planted_precision_store,
     planted_saturation_store,
@@ -68,6 +69,7 @@ PLANTED: dict[str, PlantedCase] = {
     "optimizer": PlantedCase(planted_optimizer_store),
     "attention": PlantedCase(planted_attention_store),
     "logits": PlantedCase(lambda path, seed: planted_logits_store(path, seed=seed)),
+    "timeline": PlantedCase(lambda path, seed: planted_timeline_store(path, seed=seed)),
 }
 
 

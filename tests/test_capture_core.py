@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.stats
 
 import gradforensics as gf
 from gradforensics.errors import SpecError, StoreClosedError
@@ -152,6 +153,9 @@ def test_act_stats_match_numpy(bounds: tuple[float, float] | None) -> None:
     hist, _ = np.histogram(a[ok], bins=np.asarray(r.edges))
     np.testing.assert_array_equal(got["hist"], hist)
     assert got["hist"].sum() == ok.sum()
+    # excess kurtosis of every finite value: SciPy's (Fisher, biased) on the same values, to 1e-5 relative
+    assert got["kurtosis"].shape == (1,)
+    np.testing.assert_allclose(got["kurtosis"][0], scipy.stats.kurtosis(a[ok].astype(np.float64)), rtol=1e-5)
 
 
 def test_activations_recorded_per_unit(tmp_path: Path) -> None:
@@ -163,6 +167,10 @@ def test_activations_recorded_per_unit(tmp_path: Path) -> None:
     s = Store(tmp_path / "a.h5")
     assert s.act_modules == ["mlp.act"]
     np.testing.assert_allclose(s.act("mlp.act", "mean"), np.stack([a.mean(0) for a in acts]), rtol=1e-5)
+    kurt = s.act("mlp.act", "kurtosis")
+    assert kurt.shape == (4, 1)
+    np.testing.assert_allclose(kurt[:, 0], [scipy.stats.kurtosis(a.ravel().astype(np.float64)) for a in acts],
+                               rtol=1e-5)
     attrs = s.act_attrs("mlp.act")
     assert attrs["scale"] == pytest.approx(np.percentile(acts[0], 99), rel=1e-6)
 

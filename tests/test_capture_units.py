@@ -6,7 +6,8 @@ killed by a BatchNorm bias of -1e3 before the ReLU), a GRU language model (``bat
 MLP, a Conv1d net, and a nanoGPT-style LM (fused q|k|v ``nn.Linear``, SDPA, tied embeddings, its own
 ``config`` dataclass) built by ``--model-factory``.  Oracle: the same statistics computed here from the
 module's output on the same batch (captured with a plain forward hook), moved to (positions, units) by hand.
-Tolerances: shares and dead/saturated exactly; mean and std to 1e-5 relative.
+Tolerances: shares and dead/saturated exactly; mean and std to 1e-5 relative; the module's excess kurtosis
+(``scipy.stats.kurtosis`` of all its outputs) to 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import warnings
 
 import numpy as np
 import pytest
+import scipy.stats
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -123,6 +125,10 @@ def check_against_oracle(store, module, outs_per_record, axis, bounds=None):
     units = outs_per_record[0][0].shape[axis]
     assert attrs["units"] == units
     for r, outs in enumerate(outs_per_record):
+        # the module's excess kurtosis over all its outputs of the record: SciPy on the same values
+        pooled = torch.cat([o.reshape(-1) for o in outs]).double().numpy()
+        np.testing.assert_allclose(store.act(module, "kurtosis")[r], [scipy.stats.kurtosis(pooled)], rtol=1e-5,
+                                   err_msg=f"{module} kurtosis")
         want = oracle(outs, axis, attrs["low"], attrs["high"], bounds)
         for stat, w in want.items():
             got = store.act(module, stat)

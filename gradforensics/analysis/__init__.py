@@ -36,6 +36,7 @@ from gradforensics.analysis.kinds import (
     rankconsistency,
     saturation,
     spectral,
+    timeline,
 )
 
 # One line per built-in analysis; the order is the order of the report's sections.
@@ -55,6 +56,7 @@ register(curvature.ANALYSIS)
 register(optimizer.ANALYSIS)
 register(attention.ANALYSIS)
 register(logits.ANALYSIS)
+register(timeline.ANALYSIS)
 
 __all__ = ["REGISTRY", "Advice", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult",
            "register", "registered", "unregister"]

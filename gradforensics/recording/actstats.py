@@ -5,7 +5,10 @@ on the module kind's feature axis, every other axis a "position": see
 :mod:`gradforensics.recording.units`) we keep, per unit: the share of tokens
 *near zero*, the share *at the top of the range*, the mean and the standard
 deviation; and, for the module, a histogram over fixed
-edges.  The thresholds are fixed per module at its first record, so shares are
+edges and the excess kurtosis of all its finite outputs (``kurtosis``, shape ``(1,)``:
+``m4/m2² - 3`` with biased central moments, SciPy's ``kurtosis(fisher=True, bias=True)``;
+NaN when the outputs are constant).  Outlier features (a few units far larger than the rest,
+He et al. 2024) raise it long before they saturate anything.  The thresholds are fixed per module at its first record, so shares are
 comparable across records:
 
 * bounded activations (tanh, sigmoid, hardtanh; bounds ``(lo, hi)`` known):
@@ -47,6 +50,7 @@ __all__ = [
     "ActRange",
     "act_stats",
     "combine",
+    "excess_kurtosis",
     "finish",
     "make_range",
     "make_range_torch",
@@ -109,7 +113,8 @@ def make_range(first: np.ndarray, bounds: tuple[float, float] | None = None) -> 
 
 
 def act_stats(a: np.ndarray, rng: ActRange) -> dict[str, np.ndarray]:
-    """Statistics of one batch: ``hist`` (B,), (U,) ``frac_low/frac_high/mean/std`` and ``dead/saturated``.
+    """Statistics of one batch: ``hist`` (B,), (U,) ``frac_low/frac_high/mean/std``, ``dead/saturated`` and
+    ``kurtosis`` (1,), the excess kurtosis of every finite output (:func:`excess_kurtosis`).
 
     The units are on the last axis of *a*.  ``dead`` (``saturated``) is 1 for a unit
     near zero (at the top of the range) on every finite position of the batch.
@@ -135,6 +140,8 @@ def act_stats(a: np.ndarray, rng: ActRange) -> dict[str, np.ndarray]:
     var = np.maximum((z * z).sum(axis=0) / n - mean * mean, 0.0)
     clipped = np.clip(a[~np.isnan(a)], -_BIG, _BIG)
     hist, _ = np.histogram(clipped, bins=np.asarray(rng.edges))
+    z2 = z * z
+    sums = [finite.sum(), z.sum(), z2.sum(), (z2 * z).sum(), (z2 * z2).sum()]
     return {
         "hist": hist.astype(np.int64),
         "frac_low": (low.sum(axis=0) / n).astype(np.float32),
@@ -142,7 +149,27 @@ def act_stats(a: np.ndarray, rng: ActRange) -> dict[str, np.ndarray]:
         "mean": mean.astype(np.float32),
         "std": np.sqrt(var).astype(np.float32),
         **_everywhere(finite.sum(axis=0), low.sum(axis=0), high.sum(axis=0)),
+        "kurtosis": excess_kurtosis(*sums),
     }
+
+
+def excess_kurtosis(n: Any, s1: Any, s2: Any, s3: Any, s4: Any) -> np.ndarray:
+    """``(1,)`` float32: the excess kurtosis ``m4/m2² - 3`` of values with count *n* and raw power sums
+    ``s1..s4`` (float64); biased central moments (SciPy's default), NaN for fewer than 2 values or ``m2 = 0``.
+
+    The central moments come from the raw ones about the mean (float64): exact for activations whose
+    mean is within a few standard deviations of zero, as every recorded activation is.
+    """
+    n = float(n)
+    if n < 2:
+        return np.full(1, np.nan, np.float32)
+    mu = float(s1) / n
+    e2, e3, e4 = float(s2) / n, float(s3) / n, float(s4) / n
+    m2 = e2 - mu * mu
+    m4 = e4 - 4 * mu * e3 + 6 * mu * mu * e2 - 3 * mu ** 4
+    if not m2 > 0:
+        return np.full(1, np.nan, np.float32)
+    return np.array([m4 / (m2 * m2) - 3.0], np.float32)
 
 
 def _everywhere(n: np.ndarray, low: np.ndarray, high: np.ndarray) -> dict[str, np.ndarray]:
@@ -152,7 +179,7 @@ def _everywhere(n: np.ndarray, low: np.ndarray, high: np.ndarray) -> dict[str, n
 
 # ------------------------------------------------------------------ on the device (torch)
 #: The per-unit partial sums of :func:`partial_stats`; added up over micro-batches, then :func:`finish`.
-PARTS = ("n", "low", "high", "s1", "s2", "hist")
+PARTS = ("n", "low", "high", "s1", "s2", "s3", "s4", "hist")
 
 
 def make_range_torch(first: Any, bounds: tuple[float, float] | None = None) -> ActRange:
@@ -209,8 +236,9 @@ def partial_stats(a: Any, rng: ActRange) -> dict[str, Any]:
     vals = a[~torch.isnan(a)].clamp(-_BIG, _BIG).to(torch.float64)
     edges = torch.tensor(rng.edges, dtype=torch.float64, device=a.device)
     idx = (torch.bucketize(vals, edges, right=True) - 1).clamp_(0, len(rng.edges) - 2)
-    return {"n": finite.sum(0), "low": low.sum(0), "high": high.sum(0), "s1": z.sum(0), "s2": (z * z).sum(0),
-            "hist": torch.bincount(idx, minlength=len(rng.edges) - 1)}
+    z2 = z * z
+    return {"n": finite.sum(0), "low": low.sum(0), "high": high.sum(0), "s1": z.sum(0), "s2": z2.sum(0),
+            "s3": (z2 * z).sum(0), "s4": (z2 * z2).sum(0), "hist": torch.bincount(idx, minlength=len(rng.edges) - 1)}
 
 
 def combine(parts: dict[str, Any] | None, more: dict[str, Any]) -> dict[str, Any]:
@@ -230,6 +258,7 @@ def finish(parts: dict[str, Any]) -> dict[str, np.ndarray]:
         "mean": mean.astype(np.float32),
         "std": np.sqrt(var).astype(np.float32),
         **_everywhere(host["n"], host["low"], host["high"]),
+        "kurtosis": excess_kurtosis(*(host[k].sum() for k in ("n", "s1", "s2", "s3", "s4"))),
     }
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradforensics._format import fmt_bytes
 from gradforensics.reporting import advice, figures, recordsmap, summary, tables
+from gradforensics.reporting import timeline as timeline_section
 from gradforensics.reporting.bands import band
 
 if TYPE_CHECKING:
@@ -70,10 +71,14 @@ class Document:
     analysis_tables: dict[str, Any]
     problems: list[str] = field(default_factory=list)
     regime: str | None = None     # the analysis regime in one sentence, under the verdict (long histories)
+    #: "what moved first" (the timeline), first in the report; None when the timeline analysis did not run
+    timeline: timeline_section.Timeline | None = None
 
     @property
     def pictures(self) -> list[Picture]:
         out = [self.overview]
+        if self.timeline is not None:
+            out += [Picture(m.stem, m.png, m.alt) for m in self.timeline.moments if m.png is not None]
         for s in self.sections:
             out += [p for p in (s.picture, s.records_map) if p is not None]
         return out
@@ -269,6 +274,7 @@ def _build(findings: Findings, store: Store | None, ordered: dict[str, Any]) -> 
                          for n, r in findings.results.items()},
         problems=problems,
         regime=regime_sentence(findings) if is_long_history(findings) else None,
+        timeline=timeline_section.build(findings, groups),
     )
 
 

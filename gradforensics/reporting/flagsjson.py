@@ -98,6 +98,46 @@ _NOT_JUDGED_SCHEMA: dict[str, Any] = {
     },
 }
 
+_INT_OR_NULL: dict[str, Any] = {"type": ["integer", "null"], "minimum": 0}
+#: One signal of the timeline: where it departed from its own level, and its lead before the spike.
+_SIGNAL_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "required": ["signal", "label", "tensor", "head", "source", "record", "step", "alarm_record", "lead_steps",
+                 "finding"],
+    "properties": {
+        "signal": {"type": "string", "minLength": 1,
+                   "description": "loss, grad_norm, attn_max_logit, attn_entropy, logz, dead_share, kurtosis, "
+                                  "update_ratio, ratio_max, stale_share, router_max_share"},
+        "label": {"type": "string", "description": "the series in words"},
+        "tensor": {"type": "string", "description": "tensor, module or '' (the loss)"},
+        "head": {**_INT_OR_NULL, "description": "attention head; null = whole tensor"},
+        "source": {"type": ["string", "null"], "description": "data source of a per-source loss"},
+        "record": {"type": "integer", "minimum": 0, "description": "onset: where the departure began"},
+        "step": {"type": ["integer", "null"], "description": "optimizer step of the onset"},
+        "alarm_record": {"type": "integer", "minimum": 0, "description": "where the test was sure"},
+        "lead_steps": {"type": ["integer", "null"], "description": "spike step minus onset step (spikes only)"},
+        "finding": {**_INT_OR_NULL, "description": "index in flags of the largest finding on the same tensor/head"},
+    },
+}
+
+#: What moved first (optional: present when the timeline analysis ran; design, "Timeline").
+_TIMELINE_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False, "required": ["test", "spikes", "departures"],
+    "properties": {
+        "test": {"type": "object", "description": "the departure test's and the spike rule's parameters"},
+        "spikes": {"type": "array", "description": "loss spikes (mean + k sigma of the trailing window)",
+                   "items": {"type": "object", "additionalProperties": False,
+                             "required": ["record", "step", "loss", "signals"],
+                             "properties": {"record": {"type": "integer", "minimum": 0},
+                                            "step": {"type": ["integer", "null"]},
+                                            "loss": {"type": ["number", "null"]},
+                                            "signals": {"type": "array", "items": _SIGNAL_SCHEMA,
+                                                        "description": "departed before the spike, by onset"}}}},
+        "departures": {"type": "array", "items": _SIGNAL_SCHEMA,
+                       "description": "every series that left its own earlier level, by onset"},
+    },
+}
+
 #: The document; :func:`flags_schema` adds the flag schema.
 _FLAGS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -115,6 +155,7 @@ _FLAGS_SCHEMA: dict[str, Any] = {
         "baseline": _BASELINE_SCHEMA,
         "flags": {"type": "array", "description": "sorted by severity, descending"},
         "not_judged": _NOT_JUDGED_SCHEMA,
+        "timeline": _TIMELINE_SCHEMA,
     },
 }
 
@@ -244,6 +285,29 @@ def errors(doc: Any) -> list[str]:
         if a > b or b >= max(doc["n_records"], 1):
             out.append(f"flags.json.flags[{i}].records: [{a}, {b}] is not a range inside the "
                        f"{doc['n_records']} records")
+    if "timeline" in doc:
+        out += _timeline_errors(doc["timeline"], doc["n_records"], len(doc["flags"]))
+    return out
+
+
+def _timeline_errors(t: dict[str, Any], n_records: int, n_flags: int) -> list[str]:
+    """What the schema cannot say of ``timeline``: records inside the store, findings inside ``flags``, each
+    list ordered by onset."""
+    out = []
+    lists = [("departures", t["departures"])] + [(f"spikes[{i}].signals", s["signals"])
+                                                 for i, s in enumerate(t["spikes"])]
+    for i, s in enumerate(t["spikes"]):
+        if s["record"] >= max(n_records, 1):
+            out.append(f"flags.json.timeline.spikes[{i}].record: {s['record']} is not inside the {n_records} records")
+    for where, items in lists:
+        for j, e in enumerate(items):
+            if max(e["record"], e["alarm_record"]) >= max(n_records, 1):
+                out.append(f"flags.json.timeline.{where}[{j}]: record {e['record']} / alarm {e['alarm_record']} "
+                           f"not inside the {n_records} records")
+            if e["finding"] is not None and e["finding"] >= n_flags:
+                out.append(f"flags.json.timeline.{where}[{j}].finding: {e['finding']} is not a flag index")
+        if any(a["record"] > b["record"] for a, b in itertools.pairwise(items)):
+            out.append(f"flags.json.timeline.{where}: not ordered by onset")
     return out
 
 

@@ -14,9 +14,10 @@ from html import escape
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.reporting.bands import band
+from gradforensics.reporting.document import Picture
 
 if TYPE_CHECKING:
-    from gradforensics.reporting.document import Document, Picture, Section
+    from gradforensics.reporting.document import Document, Section
 
 __all__ = ["CSS", "JS", "MAX_FLAG_ROWS", "MAX_TABLE_ROWS", "SELF_CHECK", "dotted", "render"]
 
@@ -217,6 +218,24 @@ def _analysis_table(name: str, t: Any) -> str:
             f'<div class="tablewrap">{_table(list(map(str, t.columns)), rows)}</div>{note}</details>')
 
 
+def _timeline(doc: Document) -> str:
+    """The opening section, "What moved first" (:mod:`gradforensics.reporting.timeline`)."""
+    t = doc.timeline
+    if t is None:
+        return ""
+    parts = ['<h2 id="what-moved-first">What moved first</h2>', f"<p>{escape(t.intro)}</p>"]
+    for m in t.moments:
+        items = "".join(f'<li>{escape(text)}' + (f' (<a href="#{a}">see it</a>)' if a else "") + "</li>"
+                        for text, a in m.items)
+        parts.append(f'<div class="timeline"><h3>{escape(m.title)}</h3><ol>{items}</ol>'
+                     + (f"<p>… and {m.more} more in flags.json.</p>" if m.more else ""))
+        if m.png is not None:
+            parts.append(_img(Picture(m.stem, m.png, m.alt)) + f'<p class="caption">{escape(m.alt)}</p>')
+        parts.append("</div>")
+    parts.append(f'<p class="caption">{escape(t.test)}</p>')
+    return "\n".join(parts) + "\n"
+
+
 def render(doc: Document) -> str:
     """The whole ``report.html`` as a string."""
     hdr = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in doc.header)
@@ -237,7 +256,7 @@ def render(doc: Document) -> str:
 <h1>{escape(doc.title)}</h1>
 <p class="verdict" id="verdict">{escape(doc.verdict)}</p>
 {regime}{problems}
-<h2 id="at-a-glance">At a glance</h2>
+{_timeline(doc)}<h2 id="at-a-glance">At a glance</h2>
 {_img(doc.overview)}<p class="caption">{escape(doc.overview.alt)}</p>
 <h2 id="summary">Findings</h2>
 <p class="headline">{escape(doc.headline)}</p>

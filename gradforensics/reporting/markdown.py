@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from gradforensics._text import md_code, md_text
 from gradforensics.reporting.bands import band
+from gradforensics.reporting.document import Picture
 
 if TYPE_CHECKING:
-    from gradforensics.reporting.document import Document, Picture, Section
+    from gradforensics.reporting.document import Document, Section
 
 __all__ = ["MAX_FLAG_ROWS", "MAX_LAYER_ROWS", "render"]
 
@@ -85,6 +86,21 @@ def _layer_rows(doc: Document) -> list[list[str]]:
     return rows
 
 
+def _timeline(doc: Document, figdir: str) -> list[str]:
+    """The opening section, "What moved first" (:mod:`gradforensics.reporting.timeline`)."""
+    t = doc.timeline
+    if t is None:
+        return []
+    out = ["## What moved first", "", md_text(t.intro), ""]
+    for m in t.moments:
+        out += [f"### {md_text(m.title)}", ""]
+        out += [f"{i + 1}. {md_text(text)}" + (f" ([see it](#{a}))" if a else "") for i, (text, a) in enumerate(m.items)]
+        out += [""] + ([f"… and {m.more} more in `flags.json`.", ""] if m.more else [])
+        if m.png is not None:
+            out += [_img(Picture(m.stem, m.png, m.alt), figdir), ""]
+    return [*out, f"*{md_text(t.test)}*", ""]
+
+
 def render(doc: Document, figdir: str = "figures") -> str:
     """The whole ``report.md`` as a string; figures are expected in *figdir* beside it."""
     out = [f"# {md_text(doc.title)}", "", md_text(doc.verdict), ""]
@@ -92,6 +108,7 @@ def render(doc: Document, figdir: str = "figures") -> str:
         out += [f"*{md_text(doc.regime)}*", ""]
     if doc.problems:
         out += [f"> Report problem: {md_text(p)}\n>" for p in doc.problems] + [""]
+    out += _timeline(doc, figdir)
     out += ["## At a glance", "", _img(doc.overview, figdir), "", "## Findings", "", md_text(doc.headline), ""]
     out += [f"{i + 1}. {_sev(g.severity)} {md_text(g.kind)} — {md_text(text)}" for i, (g, text) in enumerate(doc.sentences)]
     if doc.n_more:

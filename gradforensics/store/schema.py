@@ -66,7 +66,8 @@ BATCH_FIELDS: dict[str, str] = {
 }
 
 #: Per-record activation statistics under ``acts/<module>/``.
-ACT_FIELDS: tuple[str, ...] = ("hist", "frac_low", "frac_high", "mean", "std", "dead", "saturated")
+#: ``kurtosis`` is ``(N, 1)``: the module's excess kurtosis over all its outputs of the record.
+ACT_FIELDS: tuple[str, ...] = ("hist", "frac_low", "frac_high", "mean", "std", "dead", "saturated", "kurtosis")
 
 #: Per-record, per-head attention statistics under ``attn/<module>/``, float32 ``(N, H)``.
 ATTN_FIELDS: tuple[str, ...] = ("max_logit", "entropy_mean", "entropy_min", "onehot_frac")

@@ -25,6 +25,8 @@ import numpy as np
 from gradforensics.analysis.contract.advice import Advice
 from gradforensics.analysis.contract.grams import GramResult, LongHistory, SlabReduction
 from gradforensics.analysis.contract.options import NoOptions, Options, OptionsT
+from gradforensics.analysis.contract.timeline import NAME as TIMELINE
+from gradforensics.analysis.contract.timeline import timeline_document
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -403,7 +405,8 @@ class Findings:
 
     def flags_json(self) -> dict[str, Any]:
         """The ``flags.json`` document (contract in the design); ``regime`` and ``baseline`` when the header
-        states a valid one."""
+        states a valid one; ``timeline`` when the timeline analysis ran
+        (:func:`~gradforensics.analysis.contract.timeline.timeline_document`)."""
         doc: dict[str, Any] = {"schema": 1, "store": self.store, "n_records": int(self.n_records), "mode": self.mode}
         regime = regime_of(self.header.get("regime"))
         if regime is not None:
@@ -413,6 +416,8 @@ class Findings:
             doc["baseline"] = baseline
         doc["flags"] = [f.to_dict() for f in self.flags]
         doc["not_judged"] = [n.to_dict() for n in self.not_judged]
+        if TIMELINE in self.results:
+            doc["timeline"] = timeline_document(self.results[TIMELINE], self.flags, int(self.n_records))
         return doc
 
     def table(self, name: str) -> pd.DataFrame | None:

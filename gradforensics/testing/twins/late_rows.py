@@ -18,7 +18,9 @@ Truth, measured here from the optimizer and the model (not from the store): the 
 ``ARRIVAL`` (the loss there minus the median of the ``WINDOW`` steps before), the number of
 embedding rows getting a gradient at ``ARRIVAL`` whose ``exp_avg_sq`` is all zero, the
 update/weight ratio ‖Δw‖/‖w‖ of the arrival step on the second script's rows over the median
-ratio of the other rows that got a gradient.
+ratio of the other rows that got a gradient; and for the timeline (:func:`onsets`) the step of the
+loss spike, the step the most rows with ``exp_avg_sq`` = 0 get a gradient, and the first step the
+embedding's ‖Δw‖/‖w‖ jumps.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ARRIVAL", "STEPS", "train"]
+__all__ = ["ARRIVAL", "STEPS", "onsets", "train"]
 
 STEPS = 120
 ARRIVAL = 90
@@ -86,6 +88,8 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
     emb = model.embed.weight
     losses: list[float] = []
     truth: dict[str, float] = {}
+    stale_count: list[int] = []       # per step: embedding rows getting a gradient with exp_avg_sq all zero
+    emb_ratio: list[float] = []       # per step: ||w_after - w_before|| / ||w_before|| of the embedding
     with gf.Recorder(path, model=model, sources=["text"], optimizer=opt, optimizer_every=EVERY, heads=None,
                      overwrite=True) as rec:
         for step in range(STEPS):
@@ -97,6 +101,12 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
             loss.backward()
             losses.append(float(loss.detach()))
             rec.record(step=step, loss=loss.item(), source="text", n_samples=BATCH, lr=LR)
+            got = torch.zeros(emb.shape[0], dtype=torch.bool)
+            got[win[:, :-1].unique()] = True
+            state = opt.state.get(emb, {})
+            v_now = state.get("exp_avg_sq")
+            stale_count.append(int((got & (v_now.sum(dim=1) == 0)).sum()) if v_now is not None and step else 0)
+            w_before = emb.detach().clone()
             if step == ARRIVAL:
                 hit = torch.zeros(emb.shape[0], dtype=torch.bool)
                 hit[win[:, :-1].unique()] = True
@@ -107,6 +117,7 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
                 before = emb.detach().clone()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            emb_ratio.append(float((emb.detach() - w_before).norm() / w_before.norm()))
             if step == ARRIVAL:
                 ratio = ((emb.detach() - before).norm(dim=1) / before.norm(dim=1)).numpy()
                 others = hit & ~late_hit
@@ -118,4 +129,23 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
                     "late_update_ratio": float(np.median(ratio[late_hit.numpy()])) / base,
                 }
     truth["loss_last"] = float(np.median(losses[-WINDOW:]))
+    truth.update(onsets(losses, stale_count, emb_ratio))
     return truth
+
+
+def onsets(losses: list[float], stale_count: list[int], emb_ratio: list[float]) -> dict[str, float]:
+    """The timeline's truth, from the per-step torch measurements: ``spike`` (the first step whose loss is above
+    the mean + 6 sd of the 30 before it), ``onset/stale_share/embed.weight`` (the step whose batch gives a gradient
+    to the most embedding rows with ``exp_avg_sq`` all zero: a rare byte seen first is one such row, a new
+    script tens) and
+    ``onset/update_ratio/embed.weight`` (the first step whose ``||dw|| / ||w||`` of the embedding is above twice the
+    median of the 10 before it).  NaN where none."""
+    loss = np.asarray(losses, float)
+    spike = next((i for i in range(8, loss.size) if loss[i] > loss[max(0, i - 30):i].mean()
+                  + 6 * loss[max(0, i - 30):i].std()), None)
+    stale = int(np.argmax(stale_count)) if max(stale_count, default=0) > 0 else None
+    r = np.asarray(emb_ratio, float)
+    jump = next((i for i in range(10, r.size) if r[i] > 2 * np.median(r[i - 10:i])), None)
+    return {"spike": float("nan") if spike is None else float(spike),
+            "onset/stale_share/embed.weight": float("nan") if stale is None else float(stale),
+            "onset/update_ratio/embed.weight": float("nan") if jump is None else float(jump)}

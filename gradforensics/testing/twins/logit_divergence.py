@@ -18,7 +18,9 @@ The truth is measured in plain torch on the logits of each training batch (``tor
 over the vocabulary): the mean and the max of log Z over the batch, averaged over the first and
 the last 10 steps (``logz_mean_first``, ``logz_mean_last``, ``logz_max_first``, ``logz_max_last``),
 the cross-entropy likewise (``loss_first``, ``loss_last``), and ``onset_step``: the first step from
-which the batch's mean log Z stays above its opening level (first 10 steps) plus log 256.
+which the batch's mean log Z stays above its opening level (first 10 steps) plus log 256, and ``spike``: the
+first step whose cross-entropy is above the mean + 6 sd of the 37 steps before it (:func:`spike_step`);
+``onset/logz/lm_head`` repeats ``onset_step`` under the timeline's name.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CTX", "PEAK_LR", "STEPS", "VOCAB", "Z_LOSS", "onset", "train"]
+__all__ = ["CTX", "PEAK_LR", "STEPS", "VOCAB", "Z_LOSS", "onset", "spike_step", "train"]
 
 PEAK_LR = {"high-lr": 1.0, "low-lr": 0.01, "z-loss": 1.0}
 Z_LOSS = {"z-loss": 1e-4}
@@ -111,4 +113,16 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
     return {"logz_mean_first": float(np.mean(logz_mean[:EDGE])), "logz_mean_last": float(np.mean(logz_mean[-EDGE:])),
             "logz_max_first": float(np.max(logz_max[:EDGE])), "logz_max_last": float(np.max(logz_max[-EDGE:])),
             "loss_first": float(np.mean(losses[:EDGE])), "loss_last": float(np.mean(losses[-EDGE:])),
-            "onset_step": float("nan") if start is None else float(start)}
+            "onset_step": float("nan") if start is None else float(start), "spike": spike_step(losses),
+            "onset/logz/lm_head": float("nan") if start is None else float(start)}
+
+
+def spike_step(losses: list[float], k: float = 6.0, window: int = 37, burn_in: int = 8) -> float:
+    """The first step whose cross-entropy (measured in torch) is above the mean + *k* sd of the *window* steps
+    before it (at least *burn_in* of them); NaN if none."""
+    y = np.asarray(losses, float)
+    for i in range(burn_in, y.size):
+        prev = y[max(0, i - window):i]
+        if y[i] > prev.mean() + k * prev.std():
+            return float(i)
+    return float("nan")

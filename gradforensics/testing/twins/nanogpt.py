@@ -30,11 +30,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ARMS", "train"]
+__all__ = ["ARMS", "ONSET_FACTOR", "logit_onsets", "train"]
 
 #: arm -> (learning rate, q/k LayerNorm)
 ARMS: dict[str, tuple[float, bool]] = {"high-lr": (3e-2, False), "qk-ln": (3e-2, True), "low-lr": (1e-3, False)}
 STEPS, BATCH, SEQ, EMBD, HEADS, LAYERS = 120, 16, 32, 64, 4, 2
+#: The timeline's truth: a head's max logit has departed once it stays above this many times its opening level.
+ONSET_FACTOR = 3.0
 
 
 def _model(qk_norm: bool, seed: int) -> Any:
@@ -133,6 +135,7 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
     first = last = None
     ent_last = None
     losses = []
+    per_step = []                 # (layers, heads) max logit of each step, from the q.k probe
     with gf.Recorder(path, model=model, sources=["text"], heads="auto", attention="auto", weights_every=10,
                      mode="training", overwrite=True) as rec:
         for step in range(STEPS):
@@ -146,6 +149,7 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
             mx = np.stack([a.probe[0][0] for a in attns])               # (layers, heads)
             ent = np.stack([a.probe[0][1] for a in attns])
             first = mx if first is None else first
+            per_step.append(mx)
             if step >= STEPS - 10:        # the last ten steps: the max logit, the mean entropy
                 last = mx if last is None else np.maximum(last, mx)
                 ent_last = ent / 10 if ent_last is None else ent_last + ent / 10
@@ -163,4 +167,18 @@ def train(arm: str, path: Path, *, seed: int = 0) -> dict[str, float]:
              "loss_last": float(np.mean(losses[-10:]))}
     for (i, h), v in np.ndenumerate(last):          # per layer and head: "max_logit/<layer>.<head>", "entropy/..."
         truth[f"max_logit/{i}.{h}"], truth[f"entropy/{i}.{h}"] = float(v), float(ent_last[i, h])
+    truth.update(logit_onsets(np.stack(per_step)))
     return truth
+
+
+def logit_onsets(mx: np.ndarray, k: float = ONSET_FACTOR, opening: int = 10) -> dict[str, float]:
+    """Per layer ``i`` and head ``h`` of the per-step max logits *mx* (steps, layers, heads), measured by the q.k
+    probe: ``onset/max_logit/<i>.<h>``, the first step from which the max logit stays above *k* times its
+    opening level (the mean of the first *opening* steps) to the end of the run; NaN if it never does."""
+    out = {}
+    for (i, h), o in np.ndenumerate(mx[:opening].mean(axis=0)):
+        v = mx[:, i, h]
+        below = np.flatnonzero(~(v > k * o))
+        start = int(below[-1]) + 1 if below.size else 0
+        out[f"onset/max_logit/{i}.{h}"] = float(start) if start < v.size else float("nan")
+    return out
