@@ -115,3 +115,17 @@ def test_a_reader_that_leaves_early_ends_every_verb_quietly(tmp_path):
         rc = proc.wait(timeout=120)
         assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, (argv, err)
         assert rc in (0, cli.EXIT_PIPE_CLOSED), (argv, rc, err)
+
+
+def test_the_xarray_page_says_to_install_it_with_the_dev_extras_bound():
+    """docs/xarray.md: xarray is no dependency; the page says to install it, with the bound the dev extra has."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("xarray")]
+    bound = next(d for d in project["optional-dependencies"]["dev"] if d.startswith("xarray"))
+    page = (ROOT / "docs" / "xarray.md").read_text()
+    head = page[:page.index("```python")]                       # before the first example
+    assert re.search(rf'pip install "{re.escape(bound)}"', head), bound
+    assert "not a dependency" in head
