@@ -187,7 +187,7 @@ class TorchRecorder(ArrayRecorder):
             self._optim = LiveOptim(named, optimizer, optimizer_every)
         self._warned: set[str] = set()
         self._batch_rows = 0                  # rows the model's forwards took since the last record (n_samples)
-        self._hooks.append(model.register_forward_pre_hook(self._count_rows, with_kwargs=True))
+        self._batch_hook: Any = model.register_forward_pre_hook(self._count_rows, with_kwargs=True)
         self._copies = HostCopies(self._raise_if_failed,
                                   lambda: self._queue is None or self._queue.unfinished_tasks == 0)
 
@@ -313,6 +313,10 @@ class TorchRecorder(ArrayRecorder):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        batch_hook = getattr(self, "_batch_hook", None)
+        if batch_hook is not None:
+            batch_hook.remove()
+            self._batch_hook = None
         axes = getattr(self, "_axes", None)
         if axes is not None:
             axes.remove()
@@ -327,7 +331,8 @@ class TorchRecorder(ArrayRecorder):
 
     @property
     def n_hooks(self) -> int:
-        """Forward hooks in place (0 after :meth:`close`)."""
+        """Forward hooks in place on the recorded modules (0 after :meth:`close`); the model's own pre-hook,
+        which counts the batch for ``n_samples``, is not one of them (it goes at :meth:`close` too)."""
         return len(self._hooks)
 
     # ------------------------------------------------------ caller-side work
