@@ -270,7 +270,7 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
     sharded = world > 1 and not check_ranks      # FSDP: a record is the reduced gradient of R micro-batches
     n = batches.batches_per_source * len(sources) * (world if check_ranks else 1)
     check_disk(per_record, n, where, force=force, say=None if quiet else sys.stderr)   # before any batch exists
-    packed = data.load_batches(sources, ckpt.tokenizer, seq_len=batches.seq_len, batch_size=batches.batch_size,
+    packed = data.load_batches(sources, ckpt.tokenizer, seq_len=seq_len, batch_size=batches.batch_size,
                                n_batches=batches.batches_per_source * (world if sharded else 1), seed=batches.seed,
                                text_field=batches.text_field)
     extra: dict[str, Any] = {}
