@@ -118,11 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    shown = warnings.formatwarning
+    # how a warning reads when Python prints it (one that is recorded, by pytest.warns, stays as it is)
+    warnings.formatwarning = _one_line_warnings(args.verb)
     try:
-        with warnings.catch_warnings():            # restores Python's own way of showing them afterwards
-            warnings.showwarning = _one_line_warnings(args.verb)
-            rc = int(args._run(args) or 0)
-            sys.stdout.flush()                     # a reader that left (`| head -1`) is told here, not at exit
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()                         # a reader that left (`| head -1`) is told here, not at exit
         return rc
     except BrokenPipeError:
         return _reader_left()
@@ -141,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise                        # not the machine saying no: a bug, keep the traceback
         print(terminal(f"gradforensics {args.verb}: error: {line}"), file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = shown
 
 
 #: The exit status when stdout's reader left early (``gradforensics inspect ... | head -1``): 128 + SIGPIPE,
@@ -160,20 +163,19 @@ def _reader_left() -> int:
     return EXIT_PIPE_CLOSED
 
 
-def _one_line_warnings(verb: str) -> Callable[..., None]:
-    """``warnings.showwarning`` for a verb: each warning one line, ``gradforensics VERB: warning: ...``.
+def _one_line_warnings(verb: str) -> Callable[..., str]:
+    """``warnings.formatwarning`` for a verb: each warning one line, ``gradforensics VERB: warning: ...``.
 
-    The library raises them with :func:`warnings.warn`, so a Python caller can filter them
-    (``warnings.filterwarnings``); on the command line they read like the verb's other lines,
-    without the file, line number and source line Python shows.
+    The library raises them with :func:`warnings.warn`, so a Python caller can filter or record
+    them (``warnings.filterwarnings``, ``pytest.warns``); on the command line they read like the
+    verb's other lines, without the file, line number and source line Python shows.
     """
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-             file: Any = None, line: str | None = None) -> None:
-        text = " ".join(str(message).split())
-        text = text.removeprefix("gradforensics: ")
-        print(terminal(f"gradforensics {verb}: warning: {text}"), file=sys.stderr if file is None else file)
+    def fmt(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+            line: str | None = None) -> str:
+        text = " ".join(str(message).split()).removeprefix("gradforensics: ")
+        return terminal(f"gradforensics {verb}: warning: {text}") + "\n"
 
-    return show
+    return fmt
 
 
 def environment_error(exc: OSError) -> str | None:

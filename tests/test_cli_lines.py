@@ -24,25 +24,29 @@ from gradforensics.testing.planted import nonfinite_store  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _main(*argv) -> tuple[int, list[str]]:
-    """``gradforensics ARGV`` with Python's warnings as a fresh interpreter shows them (each once)."""
-    with warnings.catch_warnings():
-        warnings.resetwarnings()
-        warnings.simplefilter("default")
-        return cli.main([str(a) for a in argv]), []
+def _cli(*argv) -> tuple[int, str]:
+    """``gradforensics ARGV`` in a fresh interpreter (Python's own warning display): exit code and stderr."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "gradforensics", *map(str, argv)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    return proc.returncode, proc.stderr
 
 
-def test_capture_warnings_are_one_line_each(llama_dir, files, tmp_path, capsys):   # noqa: F811
-    capsys.readouterr()
-    rc, _ = _main("capture", *base_args(llama_dir, files, tmp_path / "r.zarr", "--batches-per-source", "12",
-                                        "--batch-size", "16"),
-                  "--quiet")
-    err = capsys.readouterr().err
+@pytest.mark.slow                      # a fresh interpreter loading torch and transformers: ~35 s
+def test_capture_warnings_are_one_line_each(llama_dir, files, tmp_path):   # noqa: F811
+    """Rows that repeat (one line a source), and curvature under Adam without its state (no verdict possible)."""
+    curv = ("--curvature", "--curvature-blocks", "layer", "--curvature-tensors", "*.layers.1.mlp.down_proj.*",
+            "--curvature-k", "1", "--curvature-iters", "3", "--curvature-batches", "1")
+    rc, err = _cli("capture", *base_args(llama_dir, files, tmp_path / "r.zarr", "--batches-per-source", "12",
+                                         "--batch-size", "16", *curv, "--optimizer", "adam", "--lr", "1e-3"),
+                   "--quiet")
     assert rc == 0, err
     lines = [ln for ln in err.splitlines() if "rows repeat" in ln]
     assert len(lines) == 2, err                                   # en and zh: one line each
     assert all(ln.startswith("gradforensics capture: warning: ") for ln in lines), lines
     assert "Warning:" not in err and "warnings.warn" not in err and ".py:" not in err
+    said = [ln for ln in err.splitlines() if NO_STABILITY_VERDICT in ln]
+    assert len(said) == 1 and said[0].startswith("gradforensics capture: warning: --curvature under adam: "), err
 
 
 def test_the_library_warning_stays_filterable(llama_dir, files, tmp_path):   # noqa: F811
@@ -60,26 +64,34 @@ def test_the_library_warning_stays_filterable(llama_dir, files, tmp_path):   # n
                    batches={"batches_per_source": 12, "batch_size": 16, "seq_len": 32})
 
 
-def test_curvature_under_adam_without_its_state_says_there_is_no_verdict(llama_dir, files, tmp_path, capsys):  # noqa: F811
-    curv = ("--curvature", "--curvature-blocks", "layer", "--curvature-tensors", "*.layers.1.mlp.down_proj.*",
-            "--curvature-k", "1", "--curvature-iters", "3", "--curvature-batches", "1")
+def test_the_refusal_follows_the_known_optimizer(llama_dir, files, tmp_path, capsys):  # noqa: F811
+    curv = ("--curvature", "--curvature-k", "1", "--curvature-iters", "3", "--curvature-batches", "1")
     capsys.readouterr()
-    rc, _ = _main("capture", *base_args(llama_dir, files, tmp_path / "a.zarr", *curv, "--optimizer", "adam",
-                                        "--lr", "1e-3"), "--quiet")
-    err = capsys.readouterr().err
-    assert rc == 0, err
-    said = [ln for ln in err.splitlines() if NO_STABILITY_VERDICT in ln]
-    assert len(said) == 1 and said[0].startswith("gradforensics capture: warning: --curvature under adam: "), err
-    # the refusal's example follows the optimizer that is known (here: given), not SGD's
-    rc, _ = _main("capture", *base_args(llama_dir, files, tmp_path / "b.zarr", *curv, "--optimizer", "adam"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = cli.main(["capture", *map(str, base_args(llama_dir, files, tmp_path / "b.zarr", *curv,
+                                                      "--optimizer", "adam"))])
     err = capsys.readouterr().err
     assert rc == 2 and "--optimizer adam --lr 3e-4" in err and "sgd" not in err, err
     assert NO_STABILITY_VERDICT in err
-    # SGD's criterion is on the raw Hessian: no such line
-    rc, _ = _main("capture", *base_args(llama_dir, files, tmp_path / "c.zarr", *curv, "--optimizer", "sgd",
-                                        "--lr", "0.1"), "--quiet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = cli.main(["capture", *map(str, base_args(llama_dir, files, tmp_path / "c.zarr", *curv))])
     err = capsys.readouterr().err
-    assert rc == 0 and NO_STABILITY_VERDICT not in err, err
+    assert rc == 2 and "--optimizer adam --lr 3e-4 or --optimizer sgd --lr 0.1" in err, err
+
+
+def test_no_verdict_line_under_sgd(llama_dir, files, tmp_path):  # noqa: F811
+    """SGD's criterion is on the raw Hessian: the curvature capture can judge it, and says nothing."""
+    import gradforensics as gf
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gf.capture(llama_dir, {"en": files["en"]}, tmp_path / "s.zarr",
+                   batches={"batches_per_source": 2, "batch_size": 2, "seq_len": 32},
+                   curvature={"optimizer": "sgd", "lr": 0.1, "k": 1, "max_iter": 3, "batches": 1,
+                              "blocks": "layer", "tensors": ["*.layers.1.mlp.down_proj.*"]})
+    assert not [w for w in caught if NO_STABILITY_VERDICT in str(w.message)]
 
 
 def test_ctrl_c_while_the_report_is_written_says_what_is_left(tmp_path, capsys, monkeypatch):

@@ -10,6 +10,7 @@ tokenizer the length it trained at (``model_max_length`` 32, the default ``--seq
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -83,3 +84,8 @@ def test_capture_of_the_demo_checkpoint_spares_code_as_the_demo_does(tmp_path, c
              if f["kind"] == "conflict"]
     assert not [f for f in flags if "code" in f["sources"]], "the healthy control was flagged"
     assert max(f["severity"] for f in flags if set(f["sources"]) == {"zh", "en"}) >= 0.75
+    # the same checkpoint and data as the demo's own store: nothing new (18 new findings before)
+    capsys.readouterr()
+    main(["compare", str(out / "dump.zarr"), str(store), "--out", str(tmp_path / "cmp"), "--quiet"])
+    said = capsys.readouterr()
+    assert re.search(r"\b0 new, 0 worse, \d+ persisting", said.out + said.err), said
