@@ -5,16 +5,21 @@ Each verb lives in its own module under :mod:`gradforensics.commands` exposing
 ``VERBS``.  A :class:`~gradforensics.errors.GradforensicsError`, and an ``OSError``
 that is the machine refusing (a full disk, a read-only file system, a permission),
 become one line on stderr and exit code 2; anything else is a bug and keeps its
-traceback.
+traceback.  A warning is one line (``gradforensics VERB: warning: ...``); Ctrl-C is one line
+(with what the verb leaves behind, where it says) and exit code 130; a reader of stdout
+that leaves early (``| head -1``) ends the verb quietly with exit code 141.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from gradforensics._text import terminal
@@ -113,15 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    shown = warnings.formatwarning
+    # how a warning reads when Python prints it (one that is recorded, by pytest.warns, stays as it is)
+    warnings.formatwarning = _one_line_warnings(args.verb)
     try:
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()                         # a reader that left (`| head -1`) is told here, not at exit
+        return rc
+    except BrokenPipeError:
+        return _reader_left()
     except GradforensicsError as exc:
         said = exc.cli or str(exc)       # in the command's words (--overwrite), not Python's (overwrite=True)
         print(terminal(f"gradforensics {args.verb}: error: {said}"), file=sys.stderr)   # one line, whatever it names
         _quiet_abandoned_reads()
         return 2
-    except KeyboardInterrupt:
-        print(f"gradforensics {args.verb}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:             # Ctrl-C; a verb's own interrupt says what it leaves behind
+        said = f": {exc}" if str(exc) else ""
+        print(terminal(f"gradforensics {args.verb}: interrupted{said}"), file=sys.stderr)
         return 130
     except OSError as exc:
         line = environment_error(exc)
@@ -129,6 +142,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise                        # not the machine saying no: a bug, keep the traceback
         print(terminal(f"gradforensics {args.verb}: error: {line}"), file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = shown
+
+
+#: The exit status when stdout's reader left early (``gradforensics inspect ... | head -1``): 128 + SIGPIPE,
+#: what a shell reports for a command a closed pipe stopped.
+EXIT_PIPE_CLOSED = 141
+
+
+def _reader_left() -> int:
+    """stdout's reader is gone: nothing more to say to it, and no traceback about it.
+
+    Python flushes stdout once more at exit; pointing it at ``os.devnull`` first keeps
+    that flush from failing again (the way the Python docs recommend for SIGPIPE).
+    """
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_PIPE_CLOSED
+
+
+def _one_line_warnings(verb: str) -> Callable[..., str]:
+    """``warnings.formatwarning`` for a verb: each warning one line, ``gradforensics VERB: warning: ...``.
+
+    The library raises them with :func:`warnings.warn`, so a Python caller can filter or record
+    them (``warnings.filterwarnings``, ``pytest.warns``); on the command line they read like the
+    verb's other lines, without the file, line number and source line Python shows.
+    """
+    def fmt(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+            line: str | None = None) -> str:
+        text = " ".join(str(message).split()).removeprefix("gradforensics: ")
+        return terminal(f"gradforensics {verb}: warning: {text}") + "\n"
+
+    return fmt
 
 
 def environment_error(exc: OSError) -> str | None:

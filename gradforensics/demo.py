@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Findings
 
 __all__ = [
+    "BOS",
     "CONSISTENT",
     "PLANTED_PAIR",
     "SOURCES",
@@ -67,6 +68,7 @@ __all__ = [
 SOURCES = ("zh", "en", "code")
 PLANTED_PAIR = ("zh", "en")
 CONSISTENT = "code"
+BOS = 0                 # the id of "<s>", which opens every sequence
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,8 @@ def make_tokenizer(cfg: DemoConfig) -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unused0>" if "<unused0>" in vocab else "<s>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", model_max_length=max(cfg.positions,
-                                                                                               cfg.seq_len))
+    # model_max_length: the length it trains at, so capture's default --seq-len packs one line a row
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", model_max_length=cfg.seq_len)
 
 
 def write_data(cfg: DemoConfig, out_dir: Path) -> dict[str, Path]:
@@ -202,6 +204,7 @@ def make_model(cfg: DemoConfig) -> torch.nn.Module:
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
         max_position_embeddings=max(cfg.positions, cfg.seq_len), tie_word_embeddings=False, bos_token_id=0, eos_token_id=None,
         pad_token_id=None, attn_implementation="eager",  # type: ignore[call-arg]
+        gradforensics_loss="causal-lm-skip-first",   # capture --loss auto replays the loss it trains with
     )
     return LlamaForCausalLM(config)
 
@@ -211,11 +214,16 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
     The first token after BOS is not scored: from BOS alone no model can tell
     the sources apart, and that ambiguity would be a (real, but unplanted)
-    conflict between all three sources.
+    conflict between all three sources.  It is ``capture``'s
+    ``causal-lm-skip-first`` loss (:class:`gradforensics.replay.losses.CausalLMSkipFirst`),
+    which the saved checkpoint's ``config.json`` names, so ``capture`` of the demo's
+    checkpoint replays this loss.
     """
-    labels = batch.clone()
-    labels[:, :2] = -100
-    return model(input_ids=batch, labels=labels).loss
+    import torch
+
+    from gradforensics.replay.losses import CausalLMSkipFirst
+
+    return CausalLMSkipFirst(BOS)(model, {"input_ids": batch, "attention_mask": torch.ones_like(batch)})
 
 
 def lr_factor(step: int, cfg: DemoConfig) -> float:

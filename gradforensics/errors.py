@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import errno
 
-__all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CheckpointError", "CompareWarning",
+__all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CaptureWarning", "CheckpointError", "CompareWarning",
            "CorruptChunkError", "CorruptStoreError", "DataError", "DataFileNotFoundError", "EmptyStoreError",
            "FlagsSchemaError", "GradforensicsError", "HeadSplitError", "ImportSourceError", "LogReadError", "MissingArrayError",
            "MissingExtraError", "MissingShardError", "ModelMismatchError", "NotACheckpointError", "NotAStoreError",
-           "OfflineError", "OutExistsError", "PlotBugWarning", "SchemaVersionError", "ShardMismatchError",
+           "OfflineError", "OutExistsError", "PlotBugWarning", "ReportInterrupted", "SchemaVersionError",
+           "ShardMismatchError",
            "SpecError", "StoreClosedError", "StoreExistsError", "StoreLockedError", "StoreMismatchError",
            "StorePermissionError", "StoreUnreachableError", "Terminated", "UnsafeNameError", "WhatIfInterrupted",
            "WorkerLostError", "WriteRefusedError", "refusal"]
@@ -191,6 +192,10 @@ class CaptureInterrupted(KeyboardInterrupt):
     """Ctrl-C during a capture; ``str()`` says what the store holds (it stays a valid store)."""
 
 
+class ReportInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a verb writes its report into ``--out``; ``str()`` says what is left and how to finish it."""
+
+
 class WhatIfInterrupted(KeyboardInterrupt):
     """Ctrl-C during a what-if; ``str()`` says which stores hold which steps."""
 
@@ -206,6 +211,14 @@ class Terminated(KeyboardInterrupt):
 # warnings
 class PlotBugWarning(RuntimeWarning):
     """An analysis's ``plot`` raised or drew nothing; the report shows a note instead."""
+
+
+class CaptureWarning(RuntimeWarning):
+    """Something that qualifies what a capture records (rows repeated, no stability verdict possible, ...).
+
+    Raised with :func:`warnings.warn`, so a Python caller can filter it; the command line prints
+    each as one line (``gradforensics capture: warning: ...``).
+    """
 
 
 class CompareWarning(UserWarning):

@@ -298,8 +298,10 @@ def test_hooks_removed_on_exit_and_store_readable_after_an_exception(tmp_path):
         raise RuntimeError("boom")
     assert rec.n_hooks == 0
     assert not model.act._forward_hooks and not model.relu._forward_hooks
+    assert not model._forward_pre_hooks                 # the batch-size counter (n_samples) goes too
     store = gf.open_store(path)
     assert store.n_records == 3 and set(store.act_modules) == {"act", "relu"}
+    assert store.batches()["n_samples"].tolist() == [4, 4, 4]
 
 
 def test_sketch_mode_stores_per_head_sketches_only(tmp_path):

@@ -168,7 +168,8 @@ def test_help_lists_verbs_in_workflow_order_with_defaults_shown():
     text = cli.build_parser().format_help()
     assert [text.index(f"    {v} ") for v in order] == sorted(text.index(f"    {v} ") for v in order)
     capture = " ".join(_parsers()["capture"].format_help().split())
-    for shown in ("sequences per batch (default: 8)", "(default: 512)", "batches replayed per source (default: 64)",
+    for shown in ("sequences per batch (default: 8)", "(packed; default 512, or the model's own limit when lower)",
+                  "batches replayed per source (default: 64)",
                   "(default: 0)", "(default: float32)"):
         assert shown in capture, shown
     assert "(default: None)" not in capture and "(default: False)" not in capture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 
 import numpy as np
@@ -29,7 +30,7 @@ from gradforensics.store.reader import Store
 def test_kind_from_the_table(path, kind):
     loc = locate(path)
     assert loc.kind == kind == backend_kind(path)
-    assert loc.path == (path.rstrip("/") if "://" in path else path)
+    assert loc.path == (path.rstrip("/") if "://" in path else os.path.abspath(path))   # a local path: absolute
 
 
 def test_unknown_suffix_names_every_backend_suffix():

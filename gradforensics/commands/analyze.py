@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if not args.quiet:                                  # the figures take a while: say so after the bar's 100 %
         print(terminal(f"writing the report into {args.out} (figures, tables) ..."), file=sys.stderr, flush=True)
-    with output.out_dir(args.out, "analyze"):
+    saved = None if findings.header.get("partial") else str(where)      # a partial pass's results are not saved
+    with output.out_dir(args.out, "analyze", store=saved):
         paths = report(findings, args.out, store=where)
     if not args.quiet:
         print(f"report written in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

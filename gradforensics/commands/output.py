@@ -27,9 +27,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from gradforensics.errors import OutExistsError
+from gradforensics.errors import OutExistsError, ReportInterrupted
 
-__all__ = ["DIR_RULE", "MARKER", "METAVARS", "STORE_RULE", "add_out", "add_overwrite", "add_quiet", "check_dir", "check_store", "mark", "out_dir"]
+__all__ = ["DIR_RULE", "MARKER", "METAVARS", "STORE_RULE", "add_out", "add_overwrite", "add_quiet", "check_dir", "check_store", "interrupted_report", "mark",
+           "out_dir"]
 
 #: The file gradforensics leaves in every directory ``--out`` it writes.
 MARKER = ".gradforensics"
@@ -129,13 +130,29 @@ def mark(path: str | os.PathLike[str], verb: str) -> None:
 
 @contextmanager
 def out_dir(path: str | os.PathLike[str], verb: str, *, stores: Sequence[str] = (),
-            overwrite: bool = False) -> Iterator[Path]:
-    """Check *path* by the rule, let the verb write there, then mark it as gradforensics'."""
+            overwrite: bool = False, store: str | None = None) -> Iterator[Path]:
+    """Check *path* by the rule, let the verb write there, then mark it as gradforensics'.
+
+    Ctrl-C inside becomes :class:`~gradforensics.errors.ReportInterrupted`, which says that
+    *path* holds an incomplete report and how to finish it: with *store* (whose analysis
+    results are saved), ``gradforensics report STORE --out PATH``, no gradient read again;
+    else the verb again.
+    """
     out = check_dir(path, stores=stores, overwrite=overwrite)
     try:
         yield out
-    except BaseException:
+    except BaseException as exc:
         with suppress(OSError):          # what the verb wrote is ours; a full disk must not hide its error
             mark(out, verb)
+        if type(exc) is KeyboardInterrupt:
+            raise ReportInterrupted(interrupted_report(str(path), verb, store)) from None
         raise
     mark(out, verb)
+
+
+def interrupted_report(path: str, verb: str, store: str | None = None) -> str:
+    """What a Ctrl-C while *verb* wrote into *path* leaves, and the command that finishes it."""
+    again = (f"the analysis results are saved in {store}: `gradforensics report {store} --out {path}` writes it "
+             "without reading the gradients again" if store is not None
+             else f"run `gradforensics {verb}` again with the same --out to write it whole")
+    return f"while writing into {path}; what it holds is incomplete; {again}."

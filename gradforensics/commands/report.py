@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     with few_collections():
         findings, store = load_findings(storage_flags.location(args, args.store))
         gc.freeze()                             # long-lived: never garbage while the report is drawn
-        with output.out_dir(args.out, "report"):
+        with output.out_dir(args.out, "report", store=str(args.store)):
             paths = report(findings, args.out, store=store)
     print_top(findings, paths)
     return exit_code(findings, args.fail_on, verb="report")

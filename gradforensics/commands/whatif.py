@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="optimizer state to continue from (default: optimizer.pt next to the weights; 'none': fresh)")
     g = p.add_argument_group("batches")
     g.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences per batch")
-    g.add_argument("--seq-len", type=int, default=512, metavar="T", help="tokens per sequence (packed)")
+    g.add_argument("--seq-len", type=int, default=None, metavar="T",
+                   help="tokens per sequence (packed; default 512, or the model's own limit when lower)")
     g.add_argument("--text-field", default="text", help="the document field of .jsonl lines (default text)")
     g.add_argument("--seed", type=int, default=0, help="seed of the batch draw, dropout and masked-LM masking")
     r = p.add_argument_group("what to record")

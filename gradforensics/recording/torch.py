@@ -186,12 +186,14 @@ class TorchRecorder(ArrayRecorder):
 
             self._optim = LiveOptim(named, optimizer, optimizer_every)
         self._warned: set[str] = set()
+        self._batch_rows = 0                  # rows the model's forwards took since the last record (n_samples)
+        self._batch_hook: Any = model.register_forward_pre_hook(self._count_rows, with_kwargs=True)
         self._copies = HostCopies(self._raise_if_failed,
                                   lambda: self._queue is None or self._queue.unfinished_tasks == 0)
 
     # ------------------------------------------------------------------ API
     def record(self, *, step: int | None = None, loss: Any = math.nan, source: str | None = None,
-               mixture: Mapping[str, float] | None = None, n_samples: int = 1, lr: float = math.nan,
+               mixture: Mapping[str, float] | None = None, n_samples: int | None = None, lr: float = math.nan,
                rank: int | None = None, time: float | None = None, grads: Mapping[str, Any] | None = None,
                activations: Mapping[str, Any] | None = None, weights: Mapping[str, Any] | None = None,
                attention: Mapping[str, Mapping[str, Any]] | None = None) -> None:
@@ -201,7 +203,16 @@ class TorchRecorder(ArrayRecorder):
         ``optimizer.zero_grad()``.  Returns without waiting for the device copy.
         *grads*, *activations*, *weights*, *attention*: extra NumPy arrays recorded alongside
         (names must differ from the model's).
+
+        *n_samples*: the samples this record's gradient averages over (the noise analysis
+        reads it).  Not given, it is inferred: the leading dimension of the first tensor
+        argument of each call of *model* with gradients enabled since the previous record,
+        summed (micro-batches of gradient accumulation add up; calls under ``torch.no_grad()``,
+        an evaluation, do not count).  Pass it where that is not the batch: sequence-first
+        inputs, two calls per batch, a loss averaged over tokens you want counted.  With no
+        such call seen (a model called through something else), it is 1, with a warning, once.
         """
+        n_samples = self._n_samples(n_samples)
         if self.dist is not None and self.dist.kind == "fsdp":
             if grads or activations or weights:
                 raise SpecError("record(): extra grads=/activations=/weights= are not taken under FSDP.")
@@ -236,6 +247,31 @@ class TorchRecorder(ArrayRecorder):
             pending.settle = device_copies_done(pending.grads, events, release, on_device)
         pending.sketches = sketches
         self._submit(pending)
+
+    def _count_rows(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook of the model: add the leading dimension of its first tensor argument (with grad on)."""
+        import torch
+
+        if not torch.is_grad_enabled():
+            return
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.ndim >= 1:
+            self._batch_rows += int(first.shape[0])
+
+    def _n_samples(self, given: int | None) -> int:
+        """*given*, else the rows the model's forwards took since the last record (see :meth:`record`)."""
+        seen, self._batch_rows = self._batch_rows, 0
+        if given is not None:
+            return int(given)
+        if seen:
+            return seen
+        if "n_samples" not in self._warned:
+            self._warned.add("n_samples")
+            warnings.warn("gradforensics: record(): n_samples not given and no call of the model with gradients "
+                          "was seen since the previous record to read the batch size from; recording 1 (the "
+                          "noise analysis reads it: pass record(n_samples=BATCH_SIZE)).", RuntimeWarning,
+                          stacklevel=3)
+        return 1
 
     def _record_fsdp(self, *, step: int | None, loss: float, source: str | None,
                      mixture: Mapping[str, float] | None, n_samples: int, lr: float, time: float | None) -> None:
@@ -277,6 +313,10 @@ class TorchRecorder(ArrayRecorder):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        batch_hook = getattr(self, "_batch_hook", None)
+        if batch_hook is not None:
+            batch_hook.remove()
+            self._batch_hook = None
         axes = getattr(self, "_axes", None)
         if axes is not None:
             axes.remove()
@@ -291,7 +331,8 @@ class TorchRecorder(ArrayRecorder):
 
     @property
     def n_hooks(self) -> int:
-        """Forward hooks in place (0 after :meth:`close`)."""
+        """Forward hooks in place on the recorded modules (0 after :meth:`close`); the model's own pre-hook,
+        which counts the batch for ``n_samples``, is not one of them (it goes at :meth:`close` too)."""
         return len(self._hooks)
 
     # ------------------------------------------------------ caller-side work

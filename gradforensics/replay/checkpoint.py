@@ -53,9 +53,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "CAUSAL_OBJECTIVES",
     "CAUSAL_SUFFIXES",
     "JSON_FILES",
+    "LOSS_KEY",
     "MASKED_SUFFIXES",
+    "OBJECTIVES",
     "POSITION_KEYS",
     "WEIGHT_FILES",
     "Checkpoint",
@@ -71,6 +74,11 @@ __all__ = [
 LossFn = Callable[["nn.Module", Any], "torch.Tensor"]
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 MASKED_SUFFIXES = ("ForMaskedLM", "ForPreTraining")
+#: The built-in objectives (``--loss`` names besides ``auto`` and ``module:function``).
+OBJECTIVES = ("causal-lm", "causal-lm-skip-first", "masked-lm")
+CAUSAL_OBJECTIVES = ("causal-lm", "causal-lm-skip-first")
+#: ``config.json`` key naming the checkpoint's training loss among :data:`OBJECTIVES` (read by ``--loss auto``).
+LOSS_KEY = "gradforensics_loss"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length",
@@ -166,11 +174,18 @@ def _check_hf_dir(path: Path) -> None:
 
 
 def _objective(config: Any, loss: str, path: Path) -> str:
-    """``causal-lm``, ``masked-lm`` or ``custom``, from ``--loss`` and the config."""
-    if loss in ("causal-lm", "masked-lm"):
+    """One of :data:`OBJECTIVES` or ``custom``, from ``--loss`` and the config.
+
+    With ``--loss auto`` a config that names its training loss among
+    :data:`OBJECTIVES` in ``gradforensics_loss`` (the demo's does) gets that one.
+    """
+    if loss in OBJECTIVES:
         return loss
     if loss != "auto":
         return "custom"
+    declared = getattr(config, LOSS_KEY, None)
+    if isinstance(declared, str) and declared in OBJECTIVES:
+        return declared
     arch = (getattr(config, "architectures", None) or [""])[0]
     if not arch:
         raise CheckpointError(f"{path}/config.json names no architectures, so the loss is not known; pass "
@@ -190,7 +205,7 @@ def _objective(config: Any, loss: str, path: Path) -> str:
 def _model_class(objective: str, config: Any) -> Any:
     import transformers
 
-    if objective == "causal-lm":
+    if objective in CAUSAL_OBJECTIVES:
         return transformers.AutoModelForCausalLM
     if objective == "masked-lm":
         return transformers.AutoModelForMaskedLM
@@ -283,6 +298,10 @@ def _loss_fn(objective: str, custom: LossFn | None, model: nn.Module, tokenizer:
         return custom
     if objective == "causal-lm":
         return losses.causal_lm
+    if objective == "causal-lm-skip-first":
+        if tokenizer.bos_token_id is None:
+            raise CheckpointError("causal-lm-skip-first loss needs a tokenizer with a BOS token; it has none.")
+        return losses.CausalLMSkipFirst(int(tokenizer.bos_token_id))
     if objective == "masked-lm":
         if tokenizer.mask_token_id is None:
             raise CheckpointError("masked-lm loss needs a tokenizer with a mask token; it has none.")
@@ -301,7 +320,7 @@ def _custom_loss(loss: str) -> LossFn | None:
 
 def _raw_objective(loss: str, model: nn.Module) -> str:
     if loss != "auto":
-        return loss if loss in ("causal-lm", "masked-lm") else "custom"
+        return loss if loss in OBJECTIVES else "custom"
     name = type(model).__name__
     if name.endswith(CAUSAL_SUFFIXES):
         return "causal-lm"
@@ -320,7 +339,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, loss: str = "auto", model_f
     path
         A Hugging Face model directory, or (with *model_factory*) a state-dict file.
     loss
-        ``"auto"`` (from the config), ``"causal-lm"``, ``"masked-lm"`` or
+        ``"auto"`` (from the config), ``"causal-lm"``, ``"causal-lm-skip-first"``, ``"masked-lm"`` or
         ``"module:function"`` / ``"file.py:function"`` taking ``(model, batch)``.
     model_factory
         ``"module:function"`` returning the ``nn.Module`` the state dict fits.

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.errors import DataError, DataFileNotFoundError, SpecError
+from gradforensics.errors import CaptureWarning, DataError, DataFileNotFoundError, SpecError
 
 if TYPE_CHECKING:
     import torch
@@ -265,7 +265,7 @@ def load_batches(sources: Sequence[Source], tokenizer: Any, *, seq_len: int, bat
                             f"{batch_size}; add text, or lower --batch-size or --seq-len.")
         if len(ids) < k * batch_size:
             warnings.warn(f"{src.where()}: {len(ids)} rows of {seq_len} tokens for {k} batches of {batch_size}; "
-                          "rows repeat across batches.", RuntimeWarning, stacklevel=2)
+                          "rows repeat across batches.", CaptureWarning, stacklevel=2)
         idx = draw(len(ids), k, batch_size, seed, src.name)
         out[src.name] = [{"input_ids": torch.from_numpy(ids[i]), "attention_mask": torch.from_numpy(mask[i])}
                          for i in idx]

@@ -3,9 +3,11 @@
 A batch is ``{"input_ids": (B, T) int64, "attention_mask": (B, T) int64}``, as
 :mod:`gradforensics.replay.data` packs it (padding, where there is any, has
 ``attention_mask == 0``).  ``--loss module:function`` takes any function of that
-signature; the three here are:
+signature; the four here are:
 
 * :func:`causal_lm` - next-token cross-entropy (decoder models);
+* :class:`CausalLMSkipFirst` - the same without a document's first target nor
+  BOS as a target (``--loss causal-lm-skip-first``: the demo's training loss);
 * :class:`MaskedLM` - BERT's masked-token cross-entropy with seeded masking
   (Devlin et al. 2019, sec. 3.1: 15 % of tokens; of those 80 % ``[MASK]``,
   10 % a random token, 10 % unchanged);
@@ -13,7 +15,7 @@ signature; the three here are:
   sentence-embedding encoders without an LM head (``--loss
   gradforensics.replay.losses:contrastive``).
 
-All three compute the cross-entropy from the model's output themselves, so a
+All four compute the cross-entropy from the model's output themselves, so a
 raw PyTorch model that returns logits (a tensor) works like a Hugging Face one.
 """
 
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["IGNORE", "SCALE", "MaskedLM", "causal_lm", "contrastive", "is_hf_model", "mean_pool", "span_masks"]
+__all__ = ["IGNORE", "SCALE", "CausalLMSkipFirst", "MaskedLM", "causal_lm", "contrastive", "is_hf_model", "mean_pool", "span_masks"]
 
 
 IGNORE = -100
@@ -92,6 +94,29 @@ def causal_lm(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     the positions whose target is not padding - what Hugging Face causal-LM
     heads compute with ``labels=input_ids``.
     """
+    return _next_token_loss(model, batch, None)
+
+
+@dataclass(frozen=True)
+class CausalLMSkipFirst:
+    """:func:`causal_lm` without the targets no context can predict: a document's first token, and BOS.
+
+    ``M`` also leaves out every target right after a ``bos_token_id`` (the first
+    token of a document: from BOS alone nothing tells the sources apart) and every
+    target that is ``bos_token_id`` (the start of the next packed document).  This
+    is the loss the demo trains with (:func:`gradforensics.demo.lm_loss`), so a
+    capture of its checkpoint replays its training loss (``--loss
+    causal-lm-skip-first``; the demo's ``config.json`` names it for ``--loss auto``).
+    """
+
+    bos_token_id: int
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _next_token_loss(model, batch, self.bos_token_id)
+
+
+def _next_token_loss(model: nn.Module, batch: dict[str, torch.Tensor], skip_after: int | None) -> torch.Tensor:
+    """Next-token cross-entropy over the non-padding targets; with *skip_after*, not those after or equal to it."""
     import torch.nn.functional as F
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -101,7 +126,10 @@ def causal_lm(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
                         f"token ids {tuple(ids.shape)}; the loss needs logits at every position (B, T, V) "
                         "(a nanoGPT-style forward without targets returns only the last one), "
                         "else pass --loss module:function.")
-    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE)
+    drop = mask[:, 1:] == 0
+    if skip_after is not None:
+        drop = drop | (ids[:, :-1] == skip_after) | (ids[:, 1:] == skip_after)
+    target = ids[:, 1:].masked_fill(drop, IGNORE)
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
                            ignore_index=IGNORE)
 

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
     from gradforensics.store.probes import OptimData
 
-__all__ = ["FIELDS", "OPTIMIZERS", "RATIO_EDGES", "STATE_FILES", "Hyper", "OptimState", "RatioHistogram", "fit_order", "hyper_of", "map_state", "optim_data",
+__all__ = ["EXAMPLES", "FIELDS", "OPTIMIZERS", "RATIO_EDGES", "STATE_FILES", "Hyper", "OptimState", "RatioHistogram",
+           "fit_order", "hyper_of", "map_state", "no_state_refusal", "optim_data",
            "preconditioner", "read_optimizer_state", "summarise"]
 
 #: log10(g²/v̂) bin edges: 10^-12 .. 10^12, 8 bins a decade; under- and overflow go to the end bins.
@@ -227,9 +228,30 @@ def hyper_of(state_dict: Mapping[str, Any] | None, given: Mapping[str, Any] | No
                             "give them (--optimizer adam --lr ...).") from None
     out.update({k: v for k, v in dict(given or {}).items() if v is not None})
     if "optimizer" not in out or "lr" not in out:
-        raise SpecError("the checkpoint holds no optimizer state: give the optimizer and its learning rate "
-                        "(--optimizer sgd --lr 0.1, or curvature={'optimizer': ..., 'lr': ...}).")
+        raise SpecError(no_state_refusal(out.get("optimizer")))
     return Hyper(**out)
+
+
+#: The refusal's example per optimizer: its flags, with a learning rate typical of it.
+EXAMPLES = {"adam": "--optimizer adam --lr 3e-4", "sgd": "--optimizer sgd --lr 0.1",
+            "sgd-momentum": "--optimizer sgd-momentum --momentum 0.9 --lr 0.1"}
+
+
+def no_state_refusal(optimizer: str | None) -> str:
+    """The one line of a curvature capture with no optimizer state and no learning rate (or optimizer) given.
+
+    The example follows *optimizer* where it is known (given, or read from the checkpoint); under Adam
+    it also says what the capture cannot give without the state (:data:`NO_STABILITY_VERDICT`).
+    """
+    from gradforensics.store.probes import NO_STABILITY_VERDICT
+
+    if optimizer in EXAMPLES:
+        note = f"; without its state (exp_avg_sq) {NO_STABILITY_VERDICT}" if optimizer == "adam" else ""
+        return (f"the checkpoint holds no optimizer state: give the learning rate of its {optimizer} at this step "
+                f"(e.g. {EXAMPLES[optimizer]}, or curvature={{'optimizer': {optimizer!r}, 'lr': ...}}){note}.")
+    return ("the checkpoint holds no optimizer state: give the optimizer it trained with and its learning rate "
+            f"at this step (e.g. {EXAMPLES['adam']} or {EXAMPLES['sgd']}, or "
+            "curvature={'optimizer': ..., 'lr': ...}).")
 
 
 def _step(entry: Mapping[str, Any]) -> float:

@@ -42,6 +42,7 @@ from gradforensics.replay.plan import (
     as_spec,
     check_disk,
     check_seq_len,
+    fit_seq_len,
     plan_record,
 )
 
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from gradforensics.store.reader import Store
 
 __all__ = ["Captured", "capture", "capture_checkpoint", "curvature_spec", "data_sources",
-           "load_model",
+           "load_model", "seq_len_for",
            "store_exists", "store_location"]
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ def store_exists(where: Any) -> bool:
 
 
 def load_model(checkpoint: str | os.PathLike[str], model: ModelSpec, batches: BatchSpec) -> Checkpoint:
-    """Load *checkpoint* offline as *model* says, and check ``batches.seq_len`` against its positions."""
+    """Load *checkpoint* offline as *model* says, and check ``batches.seq_len`` against its positions
+    (no ``seq_len``: the one :func:`seq_len_for` picks)."""
     from gradforensics.replay.checkpoint import load_checkpoint, max_positions
     from gradforensics.replay.offline import offline
 
@@ -130,8 +132,22 @@ def load_model(checkpoint: str | os.PathLike[str], model: ModelSpec, batches: Ba
         ckpt = load_checkpoint(checkpoint, loss=model.loss, model_factory=model.model_factory,
                                tokenizer=model.tokenizer, device=model.device, model_dtype=model.model_dtype,
                                seed=batches.seed)
-    check_seq_len(batches.seq_len, ckpt.max_positions, max_positions(ckpt.model)[1])
+    check_seq_len(seq_len_for(batches, ckpt)[0], ckpt.max_positions, max_positions(ckpt.model)[1])
     return ckpt
+
+
+def seq_len_for(batches: BatchSpec, ckpt: Checkpoint) -> tuple[int, str | None]:
+    """``batches.seq_len``, or with none given 512 or the model's own limit when lower, and the line saying so.
+
+    The limits: the model's positions, and the tokenizer's ``model_max_length`` (the
+    length the model was trained at, where the tokenizer says it; the demo's is 32).
+    """
+    from gradforensics.replay.checkpoint import max_positions
+
+    tok = getattr(ckpt.tokenizer, "model_max_length", None)
+    tok_len = tok if isinstance(tok, int) and not isinstance(tok, bool) else None
+    return fit_seq_len(batches.seq_len, [(ckpt.max_positions, max_positions(ckpt.model)[1]),
+                                         (tok_len, "the tokenizer's model_max_length")])
 
 
 # ------------------------------------------------------------------ the call
@@ -159,7 +175,8 @@ def capture(checkpoint: str | os.PathLike[str], data: Mapping[str, Any] | Sequen
         The option groups, each a :class:`~gradforensics.replay.plan.BatchSpec`,
         :class:`~gradforensics.replay.plan.RecordSpec`,
         :class:`~gradforensics.replay.plan.ModelSpec` or a dict of its fields
-        (default: the command's defaults - 64 batches of 8 sequences of 512 tokens
+        (default: the command's defaults - 64 batches of 8 sequences of 512 tokens, or of the model's
+        own limit when lower,
         per source, every 2-D weight whole, heads split by the automatic rules).
     storage_options
         For *out* at a URL: options of its file system (``endpoint_url``, ...),
@@ -242,6 +259,10 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
     from gradforensics.store.remote import is_url
 
     ckpt = load_model(checkpoint, model, batches)
+    seq_len, note = seq_len_for(batches, ckpt)
+    batches = dataclasses.replace(batches, seq_len=seq_len)
+    if note and not quiet and (launch is None or not launch.rank):
+        print(note, file=sys.stderr, flush=True)
     if record.attention is not None:
         use_eager_attention(ckpt.model)      # SDPA/flash give no attention weights
     per_record = plan_record(ckpt.model, record, len(sources))
@@ -249,7 +270,7 @@ def _run(checkpoint: str | os.PathLike[str], sources: list[Source], where: Any, 
     sharded = world > 1 and not check_ranks      # FSDP: a record is the reduced gradient of R micro-batches
     n = batches.batches_per_source * len(sources) * (world if check_ranks else 1)
     check_disk(per_record, n, where, force=force, say=None if quiet else sys.stderr)   # before any batch exists
-    packed = data.load_batches(sources, ckpt.tokenizer, seq_len=batches.seq_len, batch_size=batches.batch_size,
+    packed = data.load_batches(sources, ckpt.tokenizer, seq_len=seq_len, batch_size=batches.batch_size,
                                n_batches=batches.batches_per_source * (world if sharded else 1), seed=batches.seed,
                                text_field=batches.text_field)
     extra: dict[str, Any] = {}

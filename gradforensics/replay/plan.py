@@ -37,10 +37,28 @@ if TYPE_CHECKING:
 
     from gradforensics.store.heads import HeadSpec
 
-__all__ = ["BUILTIN_LOSSES", "CAPTURE_REFUSAL", "DEFAULT_SKETCH", "DTYPE_NAMES", "ITEMSIZE", "META_BYTES",
-           "MODEL_DTYPES", "BatchSpec", "ModelSpec",
-           "RecordSpec", "as_spec", "check_disk", "check_seq_len", "exceeds_disk", "parse_heads", "plan_record",
-           "record_bytes", "size_estimate"]
+__all__ = [
+    "BUILTIN_LOSSES",
+    "CAPTURE_REFUSAL",
+    "DEFAULT_SEQ_LEN",
+    "DEFAULT_SKETCH",
+    "DTYPE_NAMES",
+    "ITEMSIZE",
+    "META_BYTES",
+    "MODEL_DTYPES",
+    "BatchSpec",
+    "ModelSpec",
+    "RecordSpec",
+    "as_spec",
+    "check_disk",
+    "check_seq_len",
+    "exceeds_disk",
+    "fit_seq_len",
+    "parse_heads",
+    "plan_record",
+    "record_bytes",
+    "size_estimate",
+]
 
 #: ``--dtype`` names -> the on-disk gradient format.
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16",
@@ -53,7 +71,9 @@ DEFAULT_SKETCH = 1024
 #: ``--model-dtype``: the parameters' dtype the checkpoint runs in.
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 #: ``--loss`` values besides ``module:function``.
-BUILTIN_LOSSES = ("auto", "causal-lm", "masked-lm")
+BUILTIN_LOSSES = ("auto", "causal-lm", "causal-lm-skip-first", "masked-lm")
+#: ``--seq-len`` when none is given: this, or the model's own limit when that is lower (:func:`fit_seq_len`).
+DEFAULT_SEQ_LEN = 512
 #: The refusal of :func:`check_disk` for ``capture`` (``{path}``, ``{total}``, ``{free}`` filled in).
 CAPTURE_REFUSAL = ("{path} needs ~{total} but only {free} is free; record fewer --tensors, use --sketch K or "
                    "--dtype bf16, lower --batches-per-source, or pass --force.")
@@ -76,6 +96,25 @@ def check_seq_len(seq_len: int, max_pos: int | None, where: str) -> None:
                         f"use --seq-len {max_pos} or less.")
 
 
+def fit_seq_len(seq_len: int | None, limits: Sequence[tuple[int | None, str]]) -> tuple[int, str | None]:
+    """The sequence length a capture packs, and the line that says why when it is not the one asked for.
+
+    An explicit *seq_len* is kept (:func:`check_seq_len` refuses one beyond the
+    positions).  ``None`` (no ``--seq-len``) is :data:`DEFAULT_SEQ_LEN`, or the
+    lowest of *limits* - ``(length, where it comes from)`` pairs: the model's
+    positions, the tokenizer's ``model_max_length`` (the length it was trained
+    at) - when that is lower; the line then says so.
+    """
+    if seq_len is not None:
+        return seq_len, None
+    known = [(n, where) for n, where in limits if n is not None and 2 <= n < DEFAULT_SEQ_LEN]
+    if not known:
+        return DEFAULT_SEQ_LEN, None
+    n, where = min(known)
+    return n, (f"--seq-len {n}: the model's own limit ({where}), below the default {DEFAULT_SEQ_LEN}; "
+               "pass --seq-len to choose another.")
+
+
 def _globs(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
     """A glob or globs as a tuple (``None`` stays ``None``: the default selection)."""
     if value is None:
@@ -90,12 +129,14 @@ class BatchSpec:
 
     *text_field* is the document field of ``.jsonl`` lines; *seed* seeds the batch
     draw (and masked-LM masking, dropout in a what-if).  ``gf.whatif`` draws as
-    many batches as its steps need and ignores *batches_per_source*.
+    many batches as its steps need and ignores *batches_per_source*.  *seq_len*
+    ``None`` (the default) is 512, or the model's own limit when that is lower
+    (:func:`fit_seq_len`, said in one line).
     """
 
     batches_per_source: int = 64
     batch_size: int = 8
-    seq_len: int = 512
+    seq_len: int | None = None
     text_field: str = "text"
     seed: int = 0
 
@@ -103,7 +144,8 @@ class BatchSpec:
         if self.batches_per_source < 1 or self.batch_size < 1:
             raise SpecError(f"--batches-per-source and --batch-size must be >= 1; got {self.batches_per_source} "
                             f"and {self.batch_size}.")
-        check_seq_len(self.seq_len, None, "")
+        if self.seq_len is not None:
+            check_seq_len(self.seq_len, None, "")
 
 
 @dataclass(frozen=True)
@@ -188,7 +230,7 @@ def _attention(value: str | Sequence[str] | None) -> str | tuple[str, ...] | Non
 class ModelSpec:
     """How the checkpoint is loaded and run (:func:`gradforensics.replay.checkpoint.load_checkpoint`).
 
-    *loss*: ``auto`` (from the config), ``causal-lm``, ``masked-lm`` or
+    *loss*: ``auto`` (from the config), ``causal-lm``, ``causal-lm-skip-first``, ``masked-lm`` or
     ``module:function`` taking ``(model, batch)``; *model_factory*:
     ``module:function`` building the ``nn.Module`` of a raw state-dict file;
     *tokenizer*: its directory (default: the checkpoint directory); *device*,

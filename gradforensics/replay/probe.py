@@ -137,9 +137,24 @@ class CheckpointProbe:
         spec.check_size(sum(p.numel() for p in model.parameters() if p.requires_grad))
         found = read_optimizer_state(path)
         if found is None:
-            return cls(spec, hyper_of(None, spec.overrides()))
-        state = map_state(found[0], model, found[1], spec.overrides())
-        return cls(spec, state.hyper, state)
+            probe = cls(spec, hyper_of(None, spec.overrides()))
+        else:
+            state = map_state(found[0], model, found[1], spec.overrides())
+            probe = cls(spec, state.hyper, state)
+        probe.warn_no_verdict()
+        return probe
+
+    def warn_no_verdict(self) -> None:
+        """Say, before the Hessian's cost is paid, when it can give no stability verdict (Adam without v̂)."""
+        import warnings
+
+        from gradforensics.errors import CaptureWarning
+        from gradforensics.store.probes import NO_STABILITY_VERDICT, no_stability_verdict
+
+        if no_stability_verdict(self.hyper.optimizer, ["hessian"] if self.ratios is None else ["preconditioned"]):
+            warnings.warn(f"--curvature under adam: {NO_STABILITY_VERDICT} (exp_avg_sq, saved beside the "
+                          "checkpoint as optimizer.pt); the curvature analysis cannot flag this capture.",
+                          CaptureWarning, stacklevel=3)
 
     def observe(self, model: nn.Module, source: str, batch: Any) -> None:
         """After a batch's backward: keep it for the Hessian (the first *batches*), add its g²/v̂."""

@@ -218,7 +218,7 @@ class _Setup:
 def _train(setup: _Setup, arms: list[Arm], plans: dict[str, list[tuple[str, int]]], stores: dict[str, Path],
            sources: list[Any], say: IO[str] | None) -> list[ArmRun]:
     from gradforensics.replay import data as rdata
-    from gradforensics.replay.pipeline import load_model
+    from gradforensics.replay.pipeline import load_model, seq_len_for
     from gradforensics.replay.run import Progress, batch_size
     from gradforensics.replay.threads import for_model
     from gradforensics.runs.optim import find_state, read_state
@@ -226,11 +226,14 @@ def _train(setup: _Setup, arms: list[Arm], plans: dict[str, list[tuple[str, int]
 
     b, m = setup.batches, setup.model
     first = load_model(setup.checkpoint, m, b)
+    seq_len, note = seq_len_for(b, first)
+    if note and say is not None:
+        print(note, file=say, flush=True)
     per_record = plan_record(first.model, setup.record, len(sources))
     names = [s.name for s in sources]
     _estimate(per_record, len(arms) * len(next(iter(plans.values()))), stores[arms[0].name], setup.force, say)
     batches = rdata.load_batches(sources, first.tokenizer, n_batches=_needs(plans, names), batch_size=b.batch_size,
-                                 seq_len=b.seq_len, seed=b.seed, text_field=b.text_field)
+                                 seq_len=seq_len, seed=b.seed, text_field=b.text_field)
     state_file = setup.state_file
     where = Path(state_file) if state_file not in (None, "none") else find_state(first.path)
     saved = read_state(where) if where is not None and state_file != "none" else None

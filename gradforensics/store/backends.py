@@ -128,7 +128,9 @@ def locate(where: Location | str | os.PathLike[str], storage_options: Mapping[st
     """The :class:`Location` of the store named by *where* (a Location is returned as is).
 
     The kind comes from the path's suffix (:data:`BACKENDS`); a backend that cannot
-    live at a URL is refused there in one line.  *storage_options* are kept for a
+    live at a URL is refused there in one line.  A local path is made absolute here,
+    once: the read tasks carry the Location to dask workers, whose working directory
+    is their own.  *storage_options* are kept for a
     URL only (a local path has no file-system options).
 
     Raises
@@ -146,8 +148,10 @@ def locate(where: Location | str | os.PathLike[str], storage_options: Mapping[st
     url = remote.is_url(path)
     if url:
         path = remote.normalize(path)
-    elif path.endswith(("/", os.sep)) and os.path.isfile(path.rstrip("/" + os.sep)):
-        path = path.rstrip("/" + os.sep)         # "dump.h5/" (a shell's completion of a file): the file it names
+    else:
+        if path.endswith(("/", os.sep)) and os.path.isfile(path.rstrip("/" + os.sep)):
+            path = path.rstrip("/" + os.sep)     # "dump.h5/" (a shell's completion of a file): the file it names
+        path = os.path.abspath(path)             # what a dask worker in another directory opens too
     backend = guess_backend(path)
     if url and not backend.remote_ok:
         raise NotAStoreError(f"{path}: {backend.remote_refusal}")
@@ -209,8 +213,18 @@ class ArrayHandle:
         except GradforensicsError:
             raise
         except (OSError, RuntimeError, ValueError) as exc:
+            if not self.location.is_url and not os.path.exists(self.path):
+                raise NotAStoreError(self._missing()) from exc
             raise CorruptChunkError(self._describe(sel, exc)) from exc
         return self.decode(raw)
+
+    def _missing(self) -> str:
+        """The store is not where the task was told it is (a worker on another machine, a moved store)."""
+        import socket
+
+        return (f"a worker on {socket.gethostname()} could not find {self.path} (reading {self.name}); a local "
+                "store must be at the same path on every worker's machine (a shared file system), or at a URL "
+                "every worker can reach.")
 
     def decode(self, raw: np.ndarray) -> np.ndarray:
         """*raw* as read from the store, as float32 (bfloat16/float16 decoded)."""

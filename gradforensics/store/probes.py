@@ -35,7 +35,18 @@ if TYPE_CHECKING:
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
-__all__ = ["CurvatureData", "OptimData", "read_curvature", "read_optim", "write_probes"]
+__all__ = ["NO_STABILITY_VERDICT", "CurvatureData", "OptimData", "no_stability_verdict", "read_curvature", "read_optim",
+           "write_probes"]
+
+#: What a curvature capture under Adam without its second moments (``exp_avg_sq``) can say: the
+#: stability limit of Adam is on the preconditioned Hessian, which needs them; the raw one has none.
+NO_STABILITY_VERDICT = "only the raw Hessian was measured; no stability verdict without the optimizer state"
+
+
+def no_stability_verdict(optimizer: str | None, operators: Any) -> bool:
+    """Whether curvature rows of *operators* (``hessian``, ``preconditioned``) under *optimizer* can give no
+    stability verdict: Adam without a ``preconditioned`` row (:data:`NO_STABILITY_VERDICT`)."""
+    return optimizer == "adam" and "preconditioned" not in set(operators)
 
 
 
