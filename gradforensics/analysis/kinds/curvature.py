@@ -103,10 +103,12 @@ def not_judged(table: pd.DataFrame, hyper: dict[str, Any]) -> list[NotJudged]:
     or learning rate not known), so no ``curvature`` flag can fire."""
     if not len(table) or np.isfinite(table["ratio"].to_numpy(dtype=float)).any():
         return []
+    from gradforensics.store.probes import NO_STABILITY_VERDICT, no_stability_verdict
+
     kind = hyper.get("optimizer")
-    if kind == "adam" and not (table["operator"] == "preconditioned").any():
-        return [NotJudged(NAME, "only the raw Hessian was measured under Adam, whose threshold is on the "
-                                "preconditioned Hessian: no optimizer state, no stability verdict",
+    if no_stability_verdict(kind, table["operator"]):
+        return [NotJudged(NAME, f"under Adam, whose threshold is on the preconditioned Hessian, "
+                                f"{NO_STABILITY_VERDICT}",
                           "the optimizer state saved with the checkpoint (Adam's second moments, optimizer.pt), "
                           "captured with --curvature")]
     return [NotJudged(NAME, f"no stability threshold applies (optimizer {kind or 'unknown'}, learning rate "
