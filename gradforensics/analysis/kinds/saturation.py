@@ -449,7 +449,7 @@ def _facts_text(row: dict[str, Any], onset: Any) -> str:
                  f"GELU/SiLU)")
     text += f" (dead per batch {row['polar_share_first']:.0%} -> {row['polar_share']:.0%}"
     text += f", rising since record {int(onset)}" if onset is not None else ""
-    text += ("; a unit dead on one batch that fires on another is selective: context" 
+    text += ("; a unit dead on one batch that fires on another is selective: context"
              if row["polar_share"] - row["units_polar_last"] >= 0.05 else "") + ")"
     if row["units_saturated_last"] > 0:
         text += (f"; {row['units_saturated_last']:.0%} sit above the healthy range on every batch - the linear part "
