@@ -8,10 +8,11 @@ for ReLU/GELU/SiLU; see :mod:`gradforensics.recording.actstats`).  From them:
 * for a *bounded* activation (tanh, sigmoid, ``act_bounds``) a unit is **dead** in a
   record when ``frac_low ≥ pole`` (default 0.9: near zero on almost every token),
   **saturated** when ``frac_high ≥ pole``; for an *unbounded* one (ReLU, GELU, SiLU)
-  only the capture's facts count: near zero (at the top) on *every* position of the
-  batch (``acts/<module>/dead``, ``saturated``) - a ReLU unit at zero on 90 % of the
-  tokens is selective and learns from the rest.  The module's *polar share* is the
-  share of units that are either;
+  only the capture's fact of a dead unit counts: near zero on *every* position of the
+  batch (``acts/<module>/dead``) - a ReLU unit at zero on 90 % of the tokens is
+  selective and learns from the rest, and one above the healthy range on every
+  position (``saturated``) is in the linear part and passes its gradient (reported,
+  not counted).  The module's *polar share* is the share of units that are polar;
 * **dead for good**: units dead (saturated) on every record of the closing window of
   records, against the opening window; those that *died* in between get no gradient
   through the activation and do not come back (Lu et al. 2020) - a fact of the run;
@@ -32,7 +33,8 @@ for ReLU/GELU/SiLU; see :mod:`gradforensics.recording.actstats`).  From them:
 * the **trend** across records (training mode): Spearman's rank correlation of the
   polar share with the record index, the rise from the opening window to the
   closing one, and the record since which the polar share stays above its opening
-  level (*onset*);
+  level (*onset*) - for an unbounded activation context only (:data:`CONTEXT`): its
+  units dead on every batch of the closing window decide;
 * **per source**: the polar share of each source's batches (weighted by the batch
   mixture) since the onset, and a one-sided Mann-Whitney test of its pure batches
   against the others' - which data pushes the module to the poles.
