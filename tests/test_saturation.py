@@ -82,8 +82,22 @@ def test_planted_polarising_module_is_the_only_one_flagged(tmp_path, act: str) -
     assert row["rise"] > 0.3 and row["trend_p"] < 0.01
     if act == "tanh":      # both camps sit at a bound of tanh: all saturated, none dead
         assert row["saturated_share"] > 0.5 and row["dead_share"] < 0.05
-    else:
+    elif act == "sigmoid":
         assert row["two_camps"] and row["camp_low"] < -0.5 < 0.5 < row["camp_high"]
+    else:                  # unbounded: the three quarters pushed down die for good; the quarter pushed up is not polar
+        assert 0.4 <= row["units_dead_last"] <= 0.8 and f.evidence["died"] == 1.0     # most of the 3/4 pushed down
+        assert row["units_polar_last"] == row["units_dead_last"]
+
+
+@pytest.mark.parametrize("act", ["relu", pytest.param("silu", marks=pytest.mark.slow)])
+def test_units_above_the_range_of_an_unbounded_activation_are_not_polar(tmp_path, act: str) -> None:
+    """Every unit of a ReLU/SiLU pushed *up* (above its healthy range on every token, on every source): in the
+    linear part of the activation, passing its gradient - no finding, though the capture states them saturated."""
+    p = planted_saturation_store(tmp_path / f"{act}.zarr", act, dying=0.0, others=1.0, **SMALL)
+    result, flags = run_analysis(p.path, "saturation")
+    row = result.table[(result.table.tensor == p.sick[0]) & (result.table.source == "")].iloc[0]
+    assert row["units_saturated_last"] >= 0.85 and row["units_polar_last"] == 0.0
+    assert max((f.severity for f in flags), default=0.0) < 0.5
 
 
 @pytest.mark.slow
@@ -98,8 +112,9 @@ def test_healthy_control_raises_nothing_above_half(tmp_path, seed: int, drift: f
 @pytest.mark.slow
 @pytest.mark.parametrize(("act", "others"), [("tanh", 0.4), ("gelu", 1.0)])
 def test_replay_mode_has_no_trend_but_still_sees_the_poles(tmp_path, act: str, others: float) -> None:
-    """A bounded activation's poles from the shares; a GELU's from units dead (saturated) on every batch of the
-    closing records - pushed on every source's batches: dead on one source's inputs only is selective, not dead."""
+    """A bounded activation's poles from the shares; a GELU's from units dead on every batch of the closing
+    records (three quarters of them, pushed down on every source's batches: dead on one source's inputs only
+    is selective, not dead; the quarter pushed up is above the range, not polar)."""
     p = planted_saturation_store(tmp_path / "r.h5", act, mode="replay", others=others, **SMALL)
     result, flags = run_analysis(p.path, "saturation")
     rows = result.table[result.table.source == ""]

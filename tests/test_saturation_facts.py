@@ -24,6 +24,10 @@ def test_persistent_counts_units_dead_throughout_the_windows() -> None:
     f = S.Facts(np.zeros(10), np.zeros(10), dead_w, sat_w)
     got = S.persistent(f)
     polar = dead_w | sat_w
+    unbounded = S.persistent(f, bounded=False)       # ReLU/GELU/SiLU: only dead units are polar
+    assert unbounded["units_polar_last"] == pytest.approx(dead_w[-1].mean())
+    assert unbounded["units_died_count"] == int((dead_w[-1] & ~dead_w[0]).sum())
+    assert unbounded["units_saturated_last"] == pytest.approx(sat_w[-1].mean())
     assert got["units_polar_first"] == pytest.approx(polar[0].mean())
     assert got["units_dead_last"] == pytest.approx(dead_w[-1].mean())
     assert got["units_died_count"] == int((polar[-1] & ~polar[0]).sum())
@@ -81,7 +85,8 @@ def test_a_zero_inflated_relu_layer_is_the_baseline_and_dying_units_are_the_find
     ({"units_polar_last": 0.5}, "level", 0.5),
     ({"died_rel": 0.2, "units_died_count": 5}, "died", 0.5),
     ({"died_rel": 0.2, "units_died_count": 1}, "died", 0.0),         # one unit is no trend
-    ({"rise_rel": 0.2, "trend_p": 1e-4}, "trend", 0.5),
+    ({"rise_rel": 0.2, "trend_p": 1e-4, "bounded": True}, "trend", 0.5),
+    ({"rise_rel": 0.4, "trend_p": 1e-4}, "trend", S.CONTEXT),        # unbounded: the per-batch rise is context
     ({"rise_rel": 0.2, "trend_p": 0.2}, "trend", 0.0),
     ({"two_camps": True, "separation": 4.0}, "camps", 0.0),          # unbounded: two camps are the baseline
     ({"two_camps": True, "separation": 4.0, "bounded": True}, "camps", 1.0),

@@ -16,12 +16,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ACTIVATIONS", "BOUNDS", "Planted", "activation", "planted_precision_store", "planted_saturation_store",
+__all__ = ["ACTIVATIONS", "BOUNDS", "PUSH", "Planted", "activation", "planted_precision_store", "planted_saturation_store",
            "planted_spectral_store", "powerlaw_matrix", "run_analysis"]
 
 
 ACTIVATIONS = ("relu", "gelu", "silu", "tanh", "sigmoid")
 BOUNDS = {"tanh": (-1.0, 1.0), "sigmoid": (0.0, 1.0)}
+#: The planted push per activation: 6, plus about 2.5 per unit of depth of its floor (the pre-activation
+#: below which its output is near zero on every token: ReLU 0, GELU -1.5, SiLU -3.3).
+PUSH = {"relu": 6.0, "gelu": 10.0, "silu": 14.0, "tanh": 6.0, "sigmoid": 6.0}
 
 
 @dataclass(frozen=True)
@@ -64,16 +67,23 @@ def planted_saturation_store(path: str | os.PathLike[str], act: str = "gelu", *,
                              n_records: int = 96, onset: int = 40, units: int = 64, tokens: int = 128,
                              sources: tuple[str, ...] = ("en", "zh", "code"), culprit: str = "code",
                              healthy: tuple[str, ...] = ("relu", "gelu", "silu", "tanh", "sigmoid"),
-                             push: float = 6.0, others: float = 0.4, drift: float = 0.0,
-                             mode: str = "training", seed: int = 0) -> Planted:
-    """One module (activation *act*) whose units split into dead and saturated camps after *onset*.
+                             push: float | None = None, others: float = 0.4, drift: float = 0.0,
+                             mode: str = "training", seed: int = 0, dying: float | None = None) -> Planted:
+    """One module (activation *act*) whose units are pushed to its poles after *onset*.
 
     Pre-activations are ``z + b_u (+ m_t c_u)``, ``z ~ N(0, 1)`` per token, fixed
-    biases ``b_u ~ N(0, 0.5²)``; in the sick module ``c_u = ±U(1, 1.5)`` (half the
-    units each way) and ``m_t`` ramps from 0 at *onset* to *push* at the last record
-    on the *culprit* source's batches (``others x`` that on the rest).  Healthy
-    modules, one per name in *healthy*, keep their biases; with *drift* their
-    pre-activations grow by ``1 + drift`` over the run (healthy scale drift).
+    biases ``b_u ~ N(0, 0.5²)``; in the sick module ``c_u = -U(1, 1.5)`` for a share *dying* of
+    the units (pushed down: dead) and ``+U(1, 1.5)`` for the rest (pushed up), and ``m_t`` ramps
+    from 0 at *onset* to *push* at the last record on the *culprit* source's batches (``others x``
+    that on the rest).  *dying* defaults to half (two camps, at both bounds of a bounded activation);
+    for an unbounded one (ReLU, GELU, SiLU), whose only fault is a dead unit - one pushed up sits in
+    the linear part and passes its gradient - to three quarters.  *push* defaults to :data:`PUSH` of
+    the activation: a dead unit's output must reach the activation's floor (within 5 % of the healthy
+    scale of zero) on *every* token, which ReLU's does at 0, GELU's below about -1.5 and SiLU's only
+    below about -3.3 (at a push of 6 the other sources' batches leave SiLU units near its minimum,
+    -0.28, which is not zero); the deeper the floor, the larger the push.  Healthy modules, one per name in
+    *healthy*, keep their biases; with *drift* their pre-activations grow by ``1 + drift`` over the
+    run (healthy scale drift).
     """
     import gradforensics as gf
 
@@ -81,7 +91,9 @@ def planted_saturation_store(path: str | os.PathLike[str], act: str = "gelu", *,
     sick_name = f"layers.{len(healthy)}.mlp.act_fn"
     names = {f"layers.{i}.mlp.act_fn": a for i, a in enumerate(healthy)} | {sick_name: act}
     bias = {n: rng.normal(0.0, 0.5, units) for n in names}
-    sign = np.where(rng.permutation(units) < units // 2, -1.0, 1.0) * rng.uniform(1.0, 1.5, units)
+    down = (0.5 if act in BOUNDS else 0.75) if dying is None else dying
+    push = PUSH.get(act, 6.0) if push is None else push
+    sign = np.where(rng.permutation(units) < round(units * down), -1.0, 1.0) * rng.uniform(1.0, 1.5, units)
     bounds = {n: BOUNDS[a] for n, a in names.items() if a in BOUNDS}
     with gf.Recorder(path, sources=sources, act_bounds=bounds, mode=mode, background=False) as rec:
         for i in range(n_records):

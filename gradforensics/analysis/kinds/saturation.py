@@ -8,10 +8,11 @@ for ReLU/GELU/SiLU; see :mod:`gradforensics.recording.actstats`).  From them:
 * for a *bounded* activation (tanh, sigmoid, ``act_bounds``) a unit is **dead** in a
   record when ``frac_low ≥ pole`` (default 0.9: near zero on almost every token),
   **saturated** when ``frac_high ≥ pole``; for an *unbounded* one (ReLU, GELU, SiLU)
-  only the capture's facts count: near zero (at the top) on *every* position of the
-  batch (``acts/<module>/dead``, ``saturated``) - a ReLU unit at zero on 90 % of the
-  tokens is selective and learns from the rest.  The module's *polar share* is the
-  share of units that are either;
+  only the capture's fact of a dead unit counts: near zero on *every* position of the
+  batch (``acts/<module>/dead``) - a ReLU unit at zero on 90 % of the tokens is
+  selective and learns from the rest, and one above the healthy range on every
+  position (``saturated``) is in the linear part and passes its gradient (reported,
+  not counted).  The module's *polar share* is the share of units that are polar;
 * **dead for good**: units dead (saturated) on every record of the closing window of
   records, against the opening window; those that *died* in between get no gradient
   through the activation and do not come back (Lu et al. 2020) - a fact of the run;
@@ -32,7 +33,8 @@ for ReLU/GELU/SiLU; see :mod:`gradforensics.recording.actstats`).  From them:
 * the **trend** across records (training mode): Spearman's rank correlation of the
   polar share with the record index, the rise from the opening window to the
   closing one, and the record since which the polar share stays above its opening
-  level (*onset*);
+  level (*onset*) - for an unbounded activation context only (:data:`CONTEXT`): its
+  units dead on every batch of the closing window decide;
 * **per source**: the polar share of each source's batches (weighted by the batch
   mixture) since the onset, and a one-sided Mann-Whitney test of its pure batches
   against the others' - which data pushes the module to the poles.
@@ -71,7 +73,7 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
     from gradforensics.store.reader import Store
 
-__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "MAX_GMM_UNITS", "NAME", "NO_CAMPS", "PERSISTENT", "POLARITY_BINS",
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "CONTEXT", "MAX_GMM_UNITS", "NAME", "NO_CAMPS", "PERSISTENT", "POLARITY_BINS",
            "POLE", "WINDOWS", "Camps", "Facts", "SaturationOptions", "compute", "flags", "lazy", "module_result",
            "onset_record", "persistent", "plot", "severity", "source_rows", "two_camps"]
 
@@ -81,6 +83,8 @@ POLE = 0.9                 # share of tokens that makes a unit dead / saturated 
 WINDOWS = 8
 POLARITY_BINS = np.linspace(-1.0, 1.0, 21)
 MAX_GMM_UNITS = 4096       # units subsampled (seeded) for the mixture fit
+#: Weight of an unbounded activation's per-batch trend: context, below "act" (units dead for good decide).
+CONTEXT = 0.45
 
 
 @dataclass(frozen=True)
@@ -213,14 +217,17 @@ class Facts:
     saturated_w: np.ndarray   # (W, U)
 
 
-def persistent(facts: Facts) -> dict[str, float]:
-    """Units dead or saturated on every record of the opening and of the closing window, and those that died.
+def persistent(facts: Facts, bounded: bool = True) -> dict[str, float]:
+    """Units polar on every record of the opening and of the closing window, and those that died.
 
-    ``died`` is the share of all units that were not polar throughout the opening window and are
-    throughout the closing one; ``died_rel`` the same as a share of the units alive at the opening.
+    Polar is dead or saturated for a *bounded* activation (both ends pass a vanishing gradient); for
+    an unbounded one (ReLU, GELU, SiLU) dead only: a unit above the healthy range sits in the linear
+    part of the activation and passes its gradient.  ``died`` is the share of all units that were not
+    polar throughout the opening window and are throughout the closing one; ``died_rel`` the same as
+    a share of the units alive at the opening.
     """
     dead, sat = np.asarray(facts.dead_w, bool), np.asarray(facts.saturated_w, bool)
-    polar = dead | sat
+    polar = dead | sat if bounded else dead
     first, last = polar[0], polar[-1]
     died = float(np.mean(last & ~first))
     alive = 1.0 - float(np.mean(first))
@@ -238,11 +245,16 @@ def module_result(module: str, dead: np.ndarray, sat: np.ndarray, low_w: np.ndar
     The polar share per record is, for a *bounded* activation, the share of units near a bound on
     almost every token (``frac >= POLE``); for an unbounded one (ReLU, GELU, SiLU) the share of
     units dead or saturated on *every* position of the batch (the capture's facts, *facts*): a ReLU
-    unit at zero on 90 % of the tokens is selective, not dead, and still learns from the rest.
+    unit at zero on 90 % of the tokens is selective, not dead, and still learns from the rest.  For an
+    unbounded activation only dead units are polar: one above the healthy range on every position is
+    in the activation's linear part and passes its gradient (reported as ``saturated_share``, not
+    counted).
     """
     if not bounded and facts is not None:
         dead, sat = facts.dead, facts.saturated
-    polar = np.asarray(dead, float) + np.asarray(sat, float)
+        polar = np.asarray(dead, float)
+    else:
+        polar = np.asarray(dead, float) + np.asarray(sat, float)
     pol = np.asarray(high_w, float) - np.asarray(low_w, float)          # (W, U) unit polarity per window
     camps = [two_camps(p, opt.min_camp, opt.min_bic_gain, opt.min_gap) for p in pol]
     first, last = slice(int(edges[0]), int(edges[1])), slice(int(edges[-2]), int(edges[-1]))
@@ -266,7 +278,7 @@ def module_result(module: str, dead: np.ndarray, sat: np.ndarray, low_w: np.ndar
         "camps_since_record": None if w_since is None else int(edges[w_since]), "p_value": float("nan"),
         "window_first_start": int(edges[0]), "window_first_end": int(edges[1]) - 1,      # inclusive record ranges
         "window_last_start": int(edges[-2]), "window_last_end": int(edges[-1]) - 1,
-        **(persistent(facts) if facts is not None else dict.fromkeys(PERSISTENT, float("nan"))),
+        **(persistent(facts, bounded) if facts is not None else dict.fromkeys(PERSISTENT, float("nan"))),
     }
     series = {f"polar/{module}": polar, f"dead/{module}": np.asarray(dead, float),
               f"saturated/{module}": np.asarray(sat, float), f"window_edges/{module}": edges,
@@ -344,7 +356,11 @@ def severity(row: dict[str, Any], trend_p: float = 0.01) -> tuple[float, dict[st
       gets no gradient through the activation and cannot come back (a fact, no test needed; training
       mode, two units at least).
     * ``trend``: the per-record polar share's significant rise (Spearman p < *trend_p*), as a share of
-      the units not polar at the opening: 0.5 at +20 %.
+      the units not polar at the opening: 0.5 at +20 % for a bounded activation.  For an unbounded one
+      it is context, weighted by :data:`CONTEXT` (at most 0.45): the per-batch share counts units dead on
+      one batch that fire on another - selective, and learning from those - and a GELU/SiLU unit near
+      zero still has a (small) gradient and comes back; the units dead on *every* batch of the closing
+      window (``died``, ``level``) are what is lost.
     * ``level``: for an unbounded activation the share of units dead or saturated on every record of
       the closing window, 0.5 at half the layer (whatever the run's history: that width is lost); for
       a bounded one the polar share (near a bound on almost every token), 0.5 at 35 %.
@@ -358,6 +374,8 @@ def severity(row: dict[str, Any], trend_p: float = 0.01) -> tuple[float, dict[st
     significant = _finite(row["trend_p"]) and row["trend_p"] < trend_p
     rise = _num(row.get("rise_rel"), float(row["rise"]))
     trend = float(np.clip(rise / 0.4, 0, 1)) if significant else 0.0
+    if not bounded:
+        trend *= CONTEXT
     died = (float(np.clip(_num(row.get("died_rel"), 0.0) / 0.4, 0, 1))
             if _finite(row["trend_p"]) and _num(row.get("units_died_count"), 0.0) >= 2 else 0.0)
     camps = float(np.clip((row["separation"] - 1.0) / 3.0, 0, 1)) if row["two_camps"] and bounded else 0.0
@@ -425,15 +443,20 @@ def _facts_text(row: dict[str, Any], onset: Any) -> str:
                                              "window_last_end"))
     n = int(row["units"])
     what = f"{row['units_dead_last']:.0%} of its {n} units dead"
-    if row["units_saturated_last"] > 0:
-        what += f" and {row['units_saturated_last']:.0%} saturated"
     text = (f"{row['tensor']}: {what} on every batch of records {a1}-{b1}, against {row['units_polar_first']:.0%} "
             f"in records {a0}-{b0}")
     if row["units_died_count"] > 0:
         text += (f": {int(row['units_died_count'])} units ({row['died_rel']:.0%} of those alive at the start) "
-                 f"died; a unit dead on every input gets no gradient through the activation and does not come back")
-    text += f" (per batch {row['polar_share_first']:.0%} -> {row['polar_share']:.0%}"
-    return text + (f", rising since record {int(onset)})" if onset is not None else ")")
+                 f"died; a unit dead on every input gets no gradient through a ReLU (a vanishing one through "
+                 f"GELU/SiLU)")
+    text += f" (dead per batch {row['polar_share_first']:.0%} -> {row['polar_share']:.0%}"
+    text += f", rising since record {int(onset)}" if onset is not None else ""
+    text += ("; a unit dead on one batch that fires on another is selective: context"
+             if row["polar_share"] - row["units_polar_last"] >= 0.05 else "") + ")"
+    if row["units_saturated_last"] > 0:
+        text += (f"; {row['units_saturated_last']:.0%} sit above the healthy range on every batch - the linear part "
+                 f"of the activation, which passes its gradient (not counted)")
+    return text
 
 
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
