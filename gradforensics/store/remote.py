@@ -302,17 +302,20 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, ba
     attempts = ATTEMPTS if attempts is None else attempts
     limit = deadline_s() if deadline is None else deadline
     start = time.monotonic()
+    answered: BaseException | None = None        # the last failure the service did answer (a 503 ...)
     for i in range(attempts):
         begun = time.monotonic()
         try:
             out = _answered_within(fn, start + limit - begun)
         except NoAnswerError as exc:
-            raise _gave_up(what, exc, i + 1, time.monotonic() - start,
+            raise _gave_up(what, answered or exc, i + 1, time.monotonic() - start,
                            f"the last one unanswered at the deadline of {limit:g} s "
-                           "(GRADFORENSICS_REMOTE_DEADLINE_S)", op) from None
+                           "(GRADFORENSICS_REMOTE_DEADLINE_S)", op) from answered
         except Exception as exc:
             if not is_transient(exc):
                 raise
+            if _answer_of(exc) != (None, None):
+                answered = exc
             now = time.monotonic()
             pause = backoff_s * (2 ** i) * (0.5 + random.random())
             if i == attempts - 1:
