@@ -28,12 +28,14 @@ new owner has rewritten answers 412 (one it deleted, 404) and the writer asks it
 An object it did not write is never deleted by it (zarr's shrinking ``resize`` deletes the chunks
 past the new end: a writer that wrote none there deletes none, where the new owner's may be).
 
-What no condition can express: a key that *nobody* has written since the takeover.  A fenced
-writer resumed in the middle of creating its arrays can still create the metadata of an array
-that the new owner has not created (``If-None-Match: *`` holds): the arrays every store has
-(``batches/*``) are created first, so this needs the new owner not to have created its own
-arrays yet (between its takeover and its first record) and the two writers to record different
-tensors; the writer stops at its next flush (its lock check).  See docs/cluster.md.
+What no condition can express: a key that *nobody* has written since the takeover.  A writer
+asks its lock before creating its arrays, but one frozen between that check and its creation
+requests, resumed after a takeover and before the new owner's first record, still creates the
+metadata of arrays the owner has not created (``If-None-Match: *`` holds); it stops at its
+next flush (its lock check).  The owner replaces the arrays it records
+(:meth:`~gradforensics.store.zarr_backend.ZarrBackend.create`); an empty array of a tensor it
+does not record stays, and a reader refuses the store naming it.  See
+docs/stores-you-did-not-write.md.
 
 Only ``s3://`` (``s3a://``) stores are written this way: other file systems have no
 conditional PUT in fsspec.

@@ -170,6 +170,7 @@ class StoreWriter:
             raise self._refused
         if not self._layout:
             with self._refusals("creating its arrays"):
+                self._lock.check()    # fenced: a writer frozen since its open creates no array in a store taken over
                 self._plan(rows)
         self._check(rows)
         if weights:
