@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 
 from gradforensics.errors import (
     GradforensicsError,
+    NoAnswerError,
     NotAStoreError,
     SpecError,
     StorePermissionError,
@@ -334,10 +335,6 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, ba
     raise AssertionError(what)   # pragma: no cover  (the loop returns or raises)
 
 
-class NoAnswerError(TimeoutError):
-    """An attempt of a store operation that had not returned when its deadline came (its request still unanswered)."""
-
-
 def _answered_within(fn: Callable[[], T], seconds: float) -> T:
     """``fn()``, or :class:`NoAnswerError` when it has not returned within *seconds*.
 
@@ -453,7 +450,7 @@ def translated(url: str, fn: Callable[[], T], what: str = "", op: str | None = N
         raise
 
 
-__all__ = ["ATTEMPTS", "BACKOFF_S", "DEADLINE_S", "RETRY_BUDGET", "NoAnswerError", "deadline_s",
+__all__ = ["ATTEMPTS", "BACKOFF_S", "DEADLINE_S", "RETRY_BUDGET", "deadline_s",
            "describe_error", "filesystem", "is_transient", "is_url", "normalize", "options_for", "parse_options",
            "reset_retry_budget", "scheme", "translated", "with_retries", "zarr_store"]
 
