@@ -14,9 +14,9 @@ import errno
 __all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CaptureWarning", "CheckpointError", "CompareWarning",
            "CorruptChunkError", "CorruptStoreError", "DataError", "DataFileNotFoundError", "EmptyStoreError",
            "FlagsSchemaError", "GradforensicsError", "HeadSplitError", "ImportSourceError", "LogReadError", "MissingArrayError",
-           "MissingExtraError", "MissingShardError", "ModelMismatchError", "NotACheckpointError", "NotAStoreError",
-           "OfflineError", "OutExistsError", "PlotBugWarning", "ReportInterrupted", "SchemaVersionError",
-           "ShardMismatchError",
+           "MissingExtraError", "MissingShardError", "ModelMismatchError", "NoAnswerError", "NotACheckpointError",
+           "NotAStoreError", "OfflineError", "OutExistsError", "PlotBugWarning", "ReportInterrupted",
+           "SchemaVersionError", "ShardMismatchError",
            "SpecError", "StoreClosedError", "StoreExistsError", "StoreLockedError", "StoreMismatchError",
            "StorePermissionError", "StoreUnreachableError", "Terminated", "UnsafeNameError", "WhatIfInterrupted",
            "WorkerLostError", "WriteRefusedError", "refusal"]
@@ -124,6 +124,11 @@ class StoreUnreachableError(GradforensicsError, ConnectionError):
 
 class WorkerLostError(GradforensicsError, RuntimeError):
     """A ``dask.distributed`` worker died (killed for memory, say) or ran out of memory running part of the analysis."""
+
+
+class NoAnswerError(TimeoutError):
+    """An attempt of a store operation at a URL that had not returned when its deadline came (internal: the retry
+    layer turns it into a :class:`StoreUnreachableError` line)."""
 
 
 class WriteRefusedError(GradforensicsError, OSError):

@@ -7,7 +7,7 @@ any dask worker process started afterwards talk to it like to any S3 service.
 :class:`FaultyProxy` is a loopback HTTP proxy in front of it that answers a
 fixed share of requests with ``503 SlowDown`` instead of forwarding them - what
 a throttling object store does - and can drop chosen requests (close the
-connection without an answer).  :class:`BlackHoleProxy` is an endpoint that
+connection without an answer) or stall them (read them whole, then never answer).  :class:`BlackHoleProxy` is an endpoint that
 never answers: it accepts connections and drops every request, or holds it
 without a byte of reply (a stalled service).
 """
@@ -98,19 +98,25 @@ class FaultyProxy:
 
     ``every=0``: no 503s.  ``fail(method, path)``, called for each request, may return a status
     (503 or 500) to answer that request with instead (its S3 error XML).  A request for which ``drop(method, path)`` is true is
-    read and then its connection closed without a response (counted in ``dropped``).
+    read and then its connection closed without a response (counted in ``dropped``); one for which
+    ``stall(method, path)`` is true is read and then held, never answered, until the proxy exits
+    (counted in ``stalled``): a service that accepted the request and hangs.
     """
 
     def __init__(self, upstream: str, every: int = 4, drop: Callable[[str, str], bool] | None = None,
-                 fail: Callable[[str, str], int | None] | None = None) -> None:
+                 fail: Callable[[str, str], int | None] | None = None,
+                 stall: Callable[[str, str], bool] | None = None) -> None:
         host, port = upstream.removeprefix("http://").split(":")
         self.every = every
         self.drop = drop
         self.fail = fail
+        self.stall = stall
         self.seen = 0
         self.refused = 0
         self.dropped = 0
+        self.stalled = 0
         self._lock = threading.Lock()
+        self._closing = threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -125,6 +131,12 @@ class FaultyProxy:
                     with proxy._lock:
                         proxy.dropped += 1
                     self.close_connection = True       # no status line, no byte: the connection just closes
+                    return
+                if proxy.stall is not None and proxy.stall(self.command, self.path):
+                    with proxy._lock:
+                        proxy.stalled += 1
+                    proxy._closing.wait()              # held open, unanswered, until the proxy exits
+                    self.close_connection = True
                     return
                 with proxy._lock:
                     proxy.seen += 1
@@ -170,6 +182,7 @@ class FaultyProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._closing.set()
         self._server.shutdown()
         self._server.server_close()
 

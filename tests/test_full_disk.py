@@ -78,10 +78,14 @@ def _on_a_full_disk(mnt: Path, size: str, *argv: str) -> subprocess.CompletedPro
                           capture_output=True, text=True, env=_env(), timeout=300)
 
 
-def test_a_full_disk_is_one_error_naming_the_store_and_what_it_keeps(tmp_path):
+@pytest.mark.parametrize("suffix", ["zarr", "h5"])
+def test_a_full_disk_is_one_error_naming_the_store_and_what_it_keeps(tmp_path, suffix):
+    """HDF5 before issue 42's last fix: the refused write left the file damaged ("address of object past end of
+    allocation": it no longer opened) and the process segfaulted at exit.  Now an HDF5 write first checks the
+    room it needs (with 1 MiB for the metadata its close writes) and is refused before a byte is written."""
     mnt = tmp_path / "disk"
-    path = f"{mnt}/dump.zarr"
-    r = _on_a_full_disk(mnt, "1m", sys.executable, "-c", _RECORD, path, "200")
+    path = f"{mnt}/dump.{suffix}"
+    r = _on_a_full_disk(mnt, "4m", sys.executable, "-c", _RECORD, path, "200")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["type"] == "WriteRefusedError" and out["gf"] and out["oserror"], out
@@ -93,8 +97,11 @@ def test_a_full_disk_is_one_error_naming_the_store_and_what_it_keeps(tmp_path):
     assert "Traceback" not in r.stderr, r.stderr
 
 
-def test_a_file_size_limit_is_one_error_and_leaves_no_empty_store(tmp_path):
-    path = tmp_path / "dump.zarr"
+@pytest.mark.parametrize("suffix", ["zarr", "h5"])
+def test_a_file_size_limit_is_one_error_and_leaves_no_empty_store(tmp_path, suffix):
+    """HDF5 before: h5py's ``RuntimeError: Can't decrement id ref count (... File too large)``, not a
+    gradforensics error."""
+    path = tmp_path / f"dump.{suffix}"
     r = subprocess.run([sys.executable, "-c", _RECORD, str(path), "12", str(32 * 1024)], capture_output=True,
                        text=True, env=_env(), timeout=300)
     assert r.returncode == 0, r.stderr
@@ -105,3 +112,20 @@ def test_a_file_size_limit_is_one_error_and_leaves_no_empty_store(tmp_path):
                            "and record again."), out["line"]
     assert out["kept"] is None and not path.exists()          # the failed `with` removed its empty store
     assert not Path(f"{path}.lock").exists()
+
+
+def test_an_hdf5_store_under_a_file_size_limit_keeps_its_committed_records(tmp_path):
+    """A limit reached after some flushes: the refused flush is said in one line, the file opens with the flushes
+    committed before it (before: h5py's RuntimeError and nothing kept)."""
+    path = tmp_path / "dump.h5"
+    r = subprocess.run([sys.executable, "-c", _RECORD, str(path), "200", str(2_000_000)], capture_output=True,
+                       text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["type"] == "WriteRefusedError", out
+    kept = out["kept"]
+    assert kept and kept % 4 == 0 and out["values"] == list(range(kept)), out
+    assert out["line"].endswith(f"the machine refused a write (File too large); it keeps the {kept} records "
+                                "committed before it. Free space on its disk (or choose another path) and record "
+                                "again."), out["line"]
+    assert "Traceback" not in r.stderr, r.stderr

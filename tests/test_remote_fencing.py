@@ -42,11 +42,39 @@ WRITER = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGSTOP)
             return real_write_rows(self, name, start, data)
         ZarrBackend.write_rows = write_rows
+    if os.environ.get("FREEZE_AT_CREATE"):   # freeze inside its first record: lock checked, no array created yet
+        import signal
+        from gradforensics.store.zarr_backend import ZarrBackend
+        real_create = ZarrBackend.create
+        def create(self, *args, **kwargs):
+            if not self._open:
+                print("FROZEN", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real_create(self, *args, **kwargs)
+        ZarrBackend.create = create
+    if os.environ.get("FREEZE_AT_DELETE"):   # freeze inside close's re-chunking: lock checked, arrays not yet deleted
+        import signal
+        from gradforensics.store.zarr_backend import ZarrBackend
+        real_delete = ZarrBackend.delete
+        def delete(self, name):
+            print("FROZEN", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return real_delete(self, name)
+        ZarrBackend.delete = delete
+    tensor = os.environ.get("TENSOR", "w")
+    rpc = None if os.environ.get("FREE_CHUNKS") else 1   # free: fewer records than a chunk are re-chunked at close
     # background=False: record() returns once its flush is committed, so the test freezes A between flushes
-    rec = gf.Recorder(url, sources=["a"], mode="training", records_per_chunk=1, overwrite=True, background=False)
+    rec = gf.Recorder(url, sources=["a"], mode="training", records_per_chunk=rpc, overwrite=True, background=False)
+    if os.environ.get("FREEZE_BEFORE_FIRST"):      # opened (store created, lock held), no record yet
+        import signal
+        print("FROZEN", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if os.environ.get("WAIT_BEFORE_FIRST"):
+        print("OPENED", flush=True)
+        time.sleep(float(os.environ["WAIT_BEFORE_FIRST"]))
     try:
         for i in range(first, first + count):
-            rec.record(step=i, loss=float(i), source="a", grads={"w": np.full((4, 8), float(i), np.float32)})
+            rec.record(step=i, loss=float(i), source="a", grads={tensor: np.full((4, 8), float(i), np.float32)})
             print(i, flush=True)
             time.sleep(pause)
         rec.close()
@@ -64,8 +92,8 @@ def s3():
 
 
 def _writer(url: str, host: str, first: int, count: int, pause: float,
-            freeze_at: int | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, "GRADFORENSICS_LOCK_LEASE_S": "2", "OMP_NUM_THREADS": "1"}
+            freeze_at: int | None = None, **flags: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "GRADFORENSICS_LOCK_LEASE_S": "2", "OMP_NUM_THREADS": "1", **flags}
     if freeze_at is not None:
         env["FREEZE_AT_STEP"] = str(freeze_at)
     return subprocess.Popen([sys.executable, "-c", WRITER, url, host, str(first), str(count), str(pause)],
@@ -179,3 +207,96 @@ def test_a_writer_frozen_inside_a_flush_lands_no_byte_in_the_new_owners_store(s3
     w = store.grad("w").compute()
     np.testing.assert_array_equal(w[:, 0, 0], np.arange(5000, 5000 + b_records, dtype=np.float32))
     assert (w == w[:, :1, :1]).all()           # every byte of every record is B's
+
+
+def _objects(prefix: str) -> dict[str, str]:
+    """``{key: ETag}`` of every object under *prefix* in the bucket."""
+    import boto3
+
+    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"]: o["ETag"] for page in pages for o in page.get("Contents", [])}
+
+
+@pytest.mark.slow
+def test_a_writer_frozen_before_its_deletes_deletes_nothing_of_the_new_owners(s3):
+    """Issue 42: A records 2 records (fewer than a chunk), closes, and freezes in the re-chunking of its close
+    (lock checked, its arrays about to be deleted and created again), past its lease; B takes over and writes 6
+    records of the same tensor; A resumes.  Before: A's deletes were unconditional - B's ``grads/w`` (metadata and
+    chunks) went, A created its own empty one in its place, and B's store was refused ("grads/w holds 0 rows; the
+    store commits 6").  Now A deletes only what it wrote, each ``If-Match`` its own ETag: the first answers 412, A
+    asks its lock and stops; B's objects are exactly as B left them."""
+    from gradforensics.store.reader import Store
+
+    url = f"s3://{BUCKET}/fenced-delete.zarr"
+    a = _writer(url, "host-a", 1000, 2, 0.0, FREEZE_AT_DELETE="1", FREE_CHUNKS="1")
+    assert a.stdout is not None
+    for line in a.stdout:
+        if line.strip() == "FROZEN":
+            break
+    try:
+        time.sleep(3.0)                         # past A's 2 s lease
+        b = _writer(url, "host-b", 5000, 6, 0.0)
+        out, err = b.communicate(timeout=120)
+        assert b.returncode == 0 and out.strip().endswith("DONE"), err[-2000:]
+        left_by_b = _objects("fenced-delete.zarr/")
+    finally:
+        a.send_signal(signal.SIGCONT)
+    rest, a_err = a.communicate(timeout=120)
+    assert a.returncode == 3, (rest, a_err[-2000:])
+    assert "LOCKED" in rest and "was taken over" in rest
+    assert _objects("fenced-delete.zarr/") == left_by_b          # not one object of B's deleted, added or replaced
+    store = Store(url)
+    assert store.n_records == 6
+    w = store.grad("w").compute()
+    np.testing.assert_array_equal(w[:, 0, 0], np.arange(5000, 5006, dtype=np.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["before_first", "at_create"])
+def test_a_writer_frozen_before_its_first_record_creates_no_array_in_the_new_owners_store(s3, where):
+    """Issue 42: A opens its store and freezes before its first record, past its lease; B takes over, opens the store
+    and waits before its first record; A resumes and records.  Before: A's array creations were PUTs of keys nobody
+    had written since the takeover (``If-None-Match: *`` held), so A's empty ``grads/w`` stayed in B's store, which
+    records tensor ``v``; B itself crashed on A's ``batches/step`` (zarr's ``ContainsArrayError`` traceback).  Now
+    A asks its lock before creating its arrays and stops there: B's store holds B's objects only.
+
+    ``at_create``: A froze *after* that check, inside its first array's creation - the bound no S3 condition
+    expresses (docs/stores-you-did-not-write.md): A's ``batches/*`` and ``grads/w`` land; B replaces the arrays it
+    records (it owns the lock), and the empty ``grads/w`` of A is refused by a reader in one line naming it."""
+    from gradforensics.store.reader import Store
+
+    url = f"s3://{BUCKET}/fenced-create-{where}.zarr"
+    a = _writer(url, "host-a", 1000, 3, 0.0, **{f"FREEZE_{where.upper()}": "1"})
+    assert a.stdout is not None
+    for line in a.stdout:
+        if line.strip() == "FROZEN":
+            break
+    time.sleep(3.0)                             # past A's 2 s lease
+    b = _writer(url, "host-b", 5000, 6, 0.0, WAIT_BEFORE_FIRST="6", TENSOR="v")
+    try:
+        assert b.stdout is not None
+        for line in b.stdout:
+            if line.strip() == "OPENED":
+                break
+    finally:
+        a.send_signal(signal.SIGCONT)
+    rest, a_err = a.communicate(timeout=120)
+    out, err = b.communicate(timeout=120)
+    assert b.returncode == 0 and out.strip().endswith("DONE"), err[-2000:]
+    assert a.returncode == 3, (rest, a_err[-2000:])
+    assert "LOCKED" in rest and "was taken over" in rest
+    prefix = url.split("/", 3)[3]
+    stranger = [k for k in _objects(prefix + "/") if k.startswith(prefix + "/grads/w/")]
+    if where == "at_create":
+        from gradforensics.errors import CorruptChunkError
+
+        assert stranger == [prefix + "/grads/w/zarr.json"]          # metadata only, no chunk
+        with pytest.raises(CorruptChunkError, match=r"grads/w holds 0 rows; the store commits 6"):
+            Store(url)
+        boto3 = pytest.importorskip("boto3")
+        boto3.client("s3").delete_object(Bucket=BUCKET, Key=stranger[0])     # the remedy the docs give
+    else:
+        assert not stranger
+    store = Store(url)
+    assert store.n_records == 6
+    np.testing.assert_array_equal(store.grad("v").compute()[:, 0, 0], np.arange(5000, 5006, dtype=np.float32))

@@ -21,9 +21,24 @@ whose lock was taken over stops with :class:`~gradforensics.errors.StoreLockedEr
 owner replaces the object it did not expect (an old writer's leftover, or its own write whose
 answer was lost) with a PUT conditioned on that object's ETag.
 
+Deletes are conditional too (issue 42): a writer deletes only objects it wrote itself in this
+session, each with ``DeleteObject`` ``If-Match: <the ETag its own write got>`` (S3 has conditional
+deletes on general-purpose buckets; moto's server checks ``If-Match`` on DELETE): an object the
+new owner has rewritten answers 412 (one it deleted, 404) and the writer asks its lock and stops.
+An object it did not write is never deleted by it (zarr's shrinking ``resize`` deletes the chunks
+past the new end: a writer that wrote none there deletes none, where the new owner's may be).
+
+What no condition can express: a key that *nobody* has written since the takeover.  A writer
+asks its lock before creating its arrays, but one frozen between that check and its creation
+requests, resumed after a takeover and before the new owner's first record, still creates the
+metadata of arrays the owner has not created (``If-None-Match: *`` holds); it stops at its
+next flush (its lock check).  The owner replaces the arrays it records
+(:meth:`~gradforensics.store.zarr_backend.ZarrBackend.create`); an empty array of a tensor it
+does not record stays, and a reader refuses the store naming it.  See
+docs/stores-you-did-not-write.md.
+
 Only ``s3://`` (``s3a://``) stores are written this way: other file systems have no
-conditional PUT in fsspec.  Deletes are not conditioned (S3 has no conditional delete
-that moto and s3fs share); an in-flight flush writes and never deletes.
+conditional PUT in fsspec.
 """
 
 from __future__ import annotations
@@ -50,6 +65,20 @@ def _failed_precondition(exc: BaseException) -> bool:
     for e in exception_chain(exc):
         status, code = status_of(e)
         if status == 412 or code == "PreconditionFailed":
+            return True
+    return False
+
+
+def _missing(exc: BaseException) -> bool:
+    """Whether *exc* says the object a conditional request named is not there (404), or the service saw a
+    conflicting request on it at the same time (409)."""
+    from gradforensics.store.answers import exception_chain, status_of
+
+    if isinstance(exc, FileNotFoundError):
+        return True
+    for e in exception_chain(exc):
+        status, code = status_of(e)
+        if status in (404, 409) or code in ("NoSuchKey", "NotFound", "ConditionalRequestConflict"):
             return True
     return False
 
@@ -115,6 +144,56 @@ def fenced_store_class() -> type:
                         now = None
                     cond = {"IfMatch": now} if isinstance(now, str) and now else {"IfNoneMatch": "*"}
                 raise StoreLockedError(f"{self.path}: {key} keeps being replaced by another writer while this one "
+                                       "owns the store's lock; stop writing and check who else writes here.")
+
+            async def delete(self, key: str) -> None:
+                if self.check is None:
+                    await super().delete(key)
+                    return
+                self._check_writable()
+                await self._delete_own(_key_path(self.path, key))
+
+            async def delete_dir(self, prefix: str) -> None:
+                if self.check is None:
+                    await super().delete_dir(prefix)
+                    return
+                self._check_writable()
+                root = _key_path(self.path, prefix)
+                for path in sorted(p for p in self._etags() if p == root or p.startswith(root + "/")):
+                    await self._delete_own(path)
+
+            async def _delete_own(self, path: str) -> None:
+                """Delete *path* if this writer wrote it, conditioned on the ETag its write got (else leave it)."""
+                etags = self._etags()
+                known = etags.get(path)
+                if known is None:
+                    return
+                check = self.check
+                assert check is not None
+                bucket, key, _ = self.fs.split_path(path)
+                client = await self.fs.set_session()
+                for _ in range(_REPLACE_ATTEMPTS):
+                    try:
+                        await client.delete_object(Bucket=bucket, Key=key, IfMatch=known)
+                    except Exception as exc:
+                        if not (_failed_precondition(exc) or _missing(exc)):
+                            raise
+                    else:
+                        etags.pop(path, None)
+                        self.fs.invalidate_cache(path)
+                        return
+                    # not what this writer left there: is the store still ours?
+                    await asyncio.to_thread(check)
+                    try:
+                        info = await self.fs._info(path, refresh=True)
+                        now = info.get("ETag")
+                    except FileNotFoundError:
+                        etags.pop(path, None)
+                        return                       # gone already (our own delete whose answer was lost)
+                    if not (isinstance(now, str) and now):
+                        break
+                    known = now                      # still ours: the object left there goes
+                raise StoreLockedError(f"{self.path}: {path} keeps being replaced by another writer while this one "
                                        "owns the store's lock; stop writing and check who else writes here.")
 
         _CLASS = FencedFsspecStore

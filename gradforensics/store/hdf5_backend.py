@@ -149,9 +149,36 @@ class HDF5Backend:
         for k, v in attrs.items():
             ds.attrs[k] = json.dumps(v)
 
+    def _ensure_room(self, nbytes: int) -> None:
+        """Refuse (``OSError`` ENOSPC / EFBIG, naming the file) a write of *nbytes* that the disk or the process's
+        file-size limit has no room for, with :data:`ROOM_MARGIN` to spare, *before* HDF5 writes a byte of it.
+
+        HDF5 does not survive a write the kernel refuses: its metadata cache is left half written (the file
+        then does not open, "address of object past end of allocation") and closing it can crash the process
+        (issue 42).  The margin keeps room for the metadata that closing the file writes.  Another process
+        filling the disk between this check and the write is not covered.
+        """
+        need = nbytes + ROOM_MARGIN
+        try:
+            st = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
+        except OSError:
+            return
+        if st.f_bavail * st.f_frsize < need:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if soft != resource.RLIM_INFINITY:
+            size = max(os.path.getsize(self.path), int(self._f.id.get_filesize()))
+            if size + need > soft:
+                raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), self.path)
+
     def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
         ds = self._f[name]
         stop = start + data.shape[0]
+        rows = ds.chunks[0] if ds.chunks else data.shape[0]
+        chunk_bytes = int(np.prod(ds.chunks or data.shape)) * ds.dtype.itemsize
+        self._ensure_room((-(-stop // rows) - start // rows) * chunk_bytes)
         if ds.shape[0] < stop:
             ds.resize(stop, axis=0)
         ds[start:stop] = data
@@ -207,6 +234,10 @@ class HDF5Backend:
 
     def close(self) -> None:
         self._f.close()
+
+
+#: bytes an HDF5 write leaves free on its disk (and under the file-size limit): the metadata its close writes
+ROOM_MARGIN = 1 << 20
 
 
 #: The backend table: every backend, in the order a path's suffix is tried against them.

@@ -25,7 +25,10 @@ line (:func:`describe_error`).
 
 An endpoint that keeps failing is given up on in bounded time: each store
 operation has a total deadline (``GRADFORENSICS_REMOTE_DEADLINE_S``, default
-:data:`DEADLINE_S`), no retry is started that would end past it, and the process
+:data:`DEADLINE_S`): no retry is started that would end past it, and an attempt still
+unanswered when it comes is given up on there (it runs on a helper thread, left to end
+on its own when the client's timeouts end it: a stalled request never holds the caller
+past the deadline, issue 42); and the process
 has a retry budget (``GRADFORENSICS_REMOTE_RETRY_BUDGET``, default
 :data:`RETRY_BUDGET`: each retry spends one, each operation that succeeds gives
 back a tenth), so that operations failing one after the other stop retrying once
@@ -40,6 +43,7 @@ attempts and the time they took.
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import os
 import random
@@ -51,6 +55,7 @@ from typing import Any, TypeVar
 
 from gradforensics.errors import (
     GradforensicsError,
+    NoAnswerError,
     NotAStoreError,
     SpecError,
     StorePermissionError,
@@ -298,13 +303,20 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, ba
     attempts = ATTEMPTS if attempts is None else attempts
     limit = deadline_s() if deadline is None else deadline
     start = time.monotonic()
+    answered: BaseException | None = None        # the last failure the service did answer (a 503 ...)
     for i in range(attempts):
         begun = time.monotonic()
         try:
-            out = fn()
+            out = _answered_within(fn, start + limit - begun)
+        except NoAnswerError as exc:
+            raise _gave_up(what, answered or exc, i + 1, time.monotonic() - start,
+                           f"the last one unanswered at the deadline of {limit:g} s "
+                           "(GRADFORENSICS_REMOTE_DEADLINE_S)", op) from answered
         except Exception as exc:
             if not is_transient(exc):
                 raise
+            if _answer_of(exc) != (None, None):
+                answered = exc
             now = time.monotonic()
             pause = backoff_s * (2 ** i) * (0.5 + random.random())
             if i == attempts - 1:
@@ -323,12 +335,42 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, ba
     raise AssertionError(what)   # pragma: no cover  (the loop returns or raises)
 
 
+def _answered_within(fn: Callable[[], T], seconds: float) -> T:
+    """``fn()``, or :class:`NoAnswerError` when it has not returned within *seconds*.
+
+    ``fn`` runs on a daemon helper thread (in a copy of the caller's context): a request
+    that the service accepts and never answers holds that thread until the client's own
+    timeouts end it, never the caller.  What it raises is raised here.
+    """
+    if seconds <= 0:
+        raise NoAnswerError("the deadline had passed before the attempt")
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    ctx = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            box["out"] = ctx.run(fn)
+        except BaseException as exc:     # handed to the caller
+            box["exc"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="gradforensics-store-request", daemon=True).start()
+    if not done.wait(seconds):
+        raise NoAnswerError(f"no answer in {seconds:.1f} s")
+    if "exc" in box:
+        raise box["exc"]
+    return box["out"]  # type: ignore[no-any-return]
+
+
 def _gave_up(what: str, exc: BaseException, tries: int, took: float, why: str,
              op: str | None = None) -> StoreUnreachableError:
     status, code = _answer_of(exc)
     op = op or _operation_of(exc)
     attempts = f"{tries} attempt{'s' if tries > 1 else ''} in {took:.1f} s, {why}"
-    last = f"last error: {type(exc).__name__}: {_short(str(exc), 120)}"
+    last = ("last request: still unanswered" if isinstance(exc, NoAnswerError)
+            else f"last error: {type(exc).__name__}: {_short(str(exc), 120)}")
     if status is not None or code is not None:          # the service answered, every time "try again"
         answer = " ".join(str(x) for x in (status, code) if x is not None)
         return StoreUnreachableError(

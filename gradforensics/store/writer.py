@@ -12,7 +12,11 @@ complete records; arrays may be longer than that and readers ignore the tail.
 A write the machine refuses (a full disk, a file-size limit, a read-only file
 system) is a :class:`~gradforensics.errors.WriteRefusedError` naming the store
 and the records it keeps (those committed before it); the writer then writes
-nothing more, and closing it only releases the lock.
+nothing more, and closing it only releases the lock.  So is a storage service that
+stops answering (:class:`~gradforensics.errors.StoreUnreachableError`, given at the
+deadline of the operation it left unanswered, :mod:`gradforensics.store.remote`):
+nothing more is tried, and the lock is released if the service still answers (else
+its lease runs out).
 There is exactly one writer per store (zarr 3 and h5py both lose data under
 concurrent writers to one array): the writer holds the store's lock
 (:mod:`gradforensics.store.lock`) from open to close.  An existing path is
@@ -32,7 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from gradforensics.errors import StoreClosedError, StoreExistsError, StoreMismatchError, WriteRefusedError, refusal
+from gradforensics.errors import (
+    GradforensicsError,
+    StoreClosedError,
+    StoreExistsError,
+    StoreMismatchError,
+    StoreUnreachableError,
+    WriteRefusedError,
+    refusal,
+)
 from gradforensics.store.backends import create_backend, guess_backend, locate
 from gradforensics.store.layout import LayoutPolicy, chunk_shape, records_per_chunk
 from gradforensics.store.location import Location
@@ -90,8 +102,9 @@ class StoreWriter:
         self._nw = 0
         self._r = 0
         self._closed = False
-        #: the refusal that stopped this writer (a full disk ...): nothing more is written after it
-        self._refused: WriteRefusedError | None = None
+        #: the refusal that stopped this writer (a full disk, a service that stopped answering...): nothing more
+        #: is written after it
+        self._refused: GradforensicsError | None = None
         self._committed_meta: StoreMeta | None = None    # the root attributes as last committed
         pause_point("store-created")
         try:
@@ -137,7 +150,7 @@ class StoreWriter:
         """After :meth:`close`: remove the store if it committed no record (a run that failed before its first
         record leaves nothing that blocks the retry); returns whether it was removed.  Nothing is lost: an
         empty store holds only the metadata this writer made."""
-        if not self._closed or self._n or self._nw:
+        if not self._closed or self._n or self._nw or isinstance(self._refused, StoreUnreachableError):
             return False
         lock = StoreLock(self.location).acquire()      # nobody else writes it while it goes
         try:
@@ -157,6 +170,7 @@ class StoreWriter:
             raise self._refused
         if not self._layout:
             with self._refusals("creating its arrays"):
+                self._lock.check()    # fenced: a writer frozen since its open creates no array in a store taken over
                 self._plan(rows)
         self._check(rows)
         if weights:
@@ -241,7 +255,11 @@ class StoreWriter:
                 if self._refused is None or refusal(exc) is None:
                     raise
         finally:
-            self._lock.release()
+            try:
+                self._lock.release()
+            except StoreUnreachableError:
+                if not isinstance(self._refused, StoreUnreachableError):
+                    raise        # said already: the lock object stays until its lease runs out
 
     @contextmanager
     def _refusals(self, doing: str) -> Iterator[None]:
@@ -249,6 +267,13 @@ class StoreWriter:
         :class:`WriteRefusedError` naming the store and what it keeps; the writer writes nothing more."""
         try:
             yield
+        except StoreUnreachableError as exc:     # a service that stopped answering: writing more would only wait
+            kept = (f"the store keeps the {self._n} record{'s' if self._n != 1 else ''} committed before it"
+                    if self._n else "no record was committed before it")
+            self._refused = StoreUnreachableError(f"{exc} Stopped {doing}: {kept}.")
+            self._buffer.clear()
+            self._weights.clear()
+            raise self._refused from exc
         except OSError as exc:
             why = refusal(exc)
             if why is None or isinstance(exc, WriteRefusedError):

@@ -186,13 +186,23 @@ class ZarrBackend:
     # arrays ---------------------------------------------------------------
     def create(self, name: str, shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
                attrs: dict[str, Any], compression: str = "none", checksum: bool = True) -> None:
-        self._open[name] = self._io(lambda: self._root.create_array(
-            name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
-            attributes=attrs, config={"write_empty_chunks": True},
-            overwrite=not (self.url and self.mode == "w"),   # a new store at a URL: skip listing each prefix
-            dimension_names=dimension_names(name, len(shape), attrs),
-            **_zarr_codecs(compression, checksum),
-        ), f"creating {name}")
+        from zarr.errors import ContainsArrayError, ContainsGroupError
+
+        def make(overwrite: bool) -> Any:
+            return self._root.create_array(
+                name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0,
+                attributes=attrs, config={"write_empty_chunks": True}, overwrite=overwrite,
+                dimension_names=dimension_names(name, len(shape), attrs),
+                **_zarr_codecs(compression, checksum))
+
+        try:     # a new store at a URL: no listing of each prefix first
+            self._open[name] = self._io(lambda: make(not (self.url and self.mode == "w")), f"creating {name}")
+        except (ContainsArrayError, ContainsGroupError):
+            if not self.url:
+                raise
+            # a node this writer did not make, in the store it created: what a writer fenced out of it left
+            # (docs/stores-you-did-not-write.md); the owner replaces it (a fenced store asks its lock first)
+            self._open[name] = self._io(lambda: make(True), f"creating {name}")
 
     def write_rows(self, name: str, start: int, data: np.ndarray) -> None:
         arr = self._array(name)
@@ -251,7 +261,10 @@ class ZarrBackend:
 
     def delete(self, name: str) -> None:
         """Remove node *name* and everything under it."""
-        if self.url:
+        if self.url and getattr(getattr(self, "_zarr_store", None), "check", None) is not None:
+            # a fenced writer: through its store, each object conditional on the ETag its own write got
+            self._io(lambda: self._root.__delitem__(name), f"deleting {name}")
+        elif self.url:
             fs, root = remote.filesystem(self.path, self.storage_options)
             self._io(lambda: fs.rm(f"{root}/{name}", recursive=True), f"deleting {name}")
         else:
