@@ -152,3 +152,14 @@ def test_analyze_logs_unreadable_is_one_line_and_writes_nothing(planted, tmp_pat
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no TensorBoard event file" in err, err
     assert not (tmp_path / "rep").exists()
+
+
+def test_the_join_by_step_leaves_unlogged_records_nan(tmp_path):
+    from gradforensics.runlog import read_run_log
+
+    norm = np.array([1.0, 2.0, np.nan, 4.0, 5.0, 6.0])
+    _write_log(tmp_path / "tb", norm, 2.0 ** np.array([16, 16, 15, 15, 15, 15]), every=2)   # steps 0, 2, 4
+    got = read_run_log(tmp_path / "tb").join(np.array([0, 1, 2, 4, 7]))
+    np.testing.assert_array_equal(got["grad_norm"], [1.0, np.nan, np.nan, 5.0, np.nan])
+    np.testing.assert_array_equal(got["loss_scale"], [2.0 ** 16, np.nan, 2.0 ** 15, 2.0 ** 15, np.nan])
+    assert got["skipped"].tolist() == [False, False, True, False, False]     # no grad-norm, the scale fell
