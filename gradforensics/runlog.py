@@ -104,6 +104,19 @@ class RunLog:
                 return float(v[i])
         return math.nan
 
+    def join(self, steps: np.ndarray) -> dict[str, np.ndarray]:
+        """What the run logged at each of *steps* (a store's ``batches/step``), by step: per series of
+        :data:`SERIES` found, float64 aligned with *steps*, NaN where that step was not logged; and
+        ``skipped`` (bool, False where not logged).  ``analyze --logs`` joins a run's logs to a store this way."""
+        steps = np.asarray(steps, np.int64).reshape(-1)
+        if not self.steps.size:
+            return {**{k: np.full(steps.size, np.nan) for k in self.values}, "skipped": np.zeros(steps.size, bool)}
+        i = np.minimum(np.searchsorted(self.steps, steps), self.steps.size - 1)
+        hit = self.steps[i] == steps
+        out = {k: np.where(hit, v[i], np.nan) for k, v in self.values.items()}
+        out["skipped"] = hit & self.skipped[i]
+        return out
+
     @property
     def has_loss_scale(self) -> bool:
         """Whether the run logged a loss scale (a fp16 run with a dynamic or static scaler)."""

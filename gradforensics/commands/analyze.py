@@ -5,7 +5,8 @@ Threads by default, or ``--workers N`` / ``--scheduler ADDRESS``
 :mod:`gradforensics.commands.output`.  Exit 0 whatever is found; with
 ``--fail-on SEVERITY``, 1 when a flag reaches it.  ``--baseline STORE`` judges each
 finding against an earlier healthy window or run of the same model
-(:mod:`gradforensics.analysis.engine.baseline`).
+(:mod:`gradforensics.analysis.engine.baseline`).  ``--logs DIR`` joins the run's own logs
+(TensorBoard event files, a ``trainer_state.json``) to the records by step for the timeline.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", metavar="STORE", default=None,
                    help="an earlier healthy window or run of the same model: each finding is judged against it, "
                         "and one the baseline shows as strongly is context, below 0.5 (docs/baseline.md)")
+    p.add_argument("--logs", metavar="DIR", default=None,
+                   help="the run's own logs (TensorBoard event files or a trainer_state.json): their loss scale and "
+                        "gradient norm join the timeline by step, skipped iterations leave the spike rule's window; "
+                        "the store is not modified (docs/timeline.md)")
     p.add_argument("--slab-mb", type=float, default=None, metavar="MB",
                    help="MiB per dask chunk of gradients (peak memory ~ slab x workers)")
     output.add_quiet(p)
@@ -55,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     options = {"engine": {"slab_bytes": int(args.slab_mb * (1 << 20))}} if args.slab_mb else None
     with workers.client(args) as client:
         findings = analyze(where, client=client, only=args.only, options=options, progress=not args.quiet,
-                           baseline=None if args.baseline is None else storage_flags.location(args, args.baseline))
+                           baseline=None if args.baseline is None else storage_flags.location(args, args.baseline),
+                           logs=args.logs)
     t0 = time.perf_counter()
     if not args.quiet:                                  # the figures take a while: say so after the bar's 100 %
         print(terminal(f"writing the report into {args.out} (figures, tables) ..."), file=sys.stderr, flush=True)

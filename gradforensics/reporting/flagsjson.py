@@ -107,9 +107,10 @@ _SIGNAL_SCHEMA: dict[str, Any] = {
     "properties": {
         "signal": {"type": "string", "minLength": 1,
                    "description": "loss, grad_norm, attn_max_logit, attn_entropy, logz, dead_share, kurtosis, "
-                                  "update_ratio, ratio_max, stale_share, router_max_share"},
+                                  "update_ratio, ratio_max, stale_share, router_max_share, loss_scale, "
+                                  "logged_grad_norm"},
         "label": {"type": "string", "description": "the series in words"},
-        "tensor": {"type": "string", "description": "tensor, module or '' (the loss)"},
+        "tensor": {"type": "string", "description": "tensor, module or '' (the loss, the run's logs)"},
         "head": {**_INT_OR_NULL, "description": "attention head; null = whole tensor"},
         "source": {"type": ["string", "null"], "description": "data source of a per-source loss"},
         "record": {"type": "integer", "minimum": 0, "description": "onset: where the departure began"},

@@ -130,6 +130,11 @@ class Context:
     holds, per tensor and head, the band test's window moments, the super-record Gram
     matrix and the non-finite records
     (:class:`~gradforensics.analysis.contract.grams.LongHistory`).
+
+    ``run_log`` holds the run's own logs joined to the records by step (``analyze --logs DIR``,
+    :meth:`~gradforensics.runlog.RunLog.join`), named as an import with ``--logs`` names them in
+    ``batches/*`` (``loss_scale``, ``logged_grad_norm``, ``lr``, ``skipped``), NaN (False) where a
+    record's step was not logged; empty without logs.  Only the timeline reads it.
     """
 
     store: Store | None
@@ -139,6 +144,7 @@ class Context:
     computed: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     long: LongHistory | None = None
+    run_log: dict[str, np.ndarray] = field(default_factory=dict)
     #: what several analyses derive alike from this context, computed once (the loss-curve
     #: analyses' series, by axis: :func:`~gradforensics.analysis.toolkit.series.from_context`)
     shared: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from distributed import Client
 
     from gradforensics.analysis.contract.series import SeriesGroup
+    from gradforensics.runlog import RunLog
     from gradforensics.store.schema import StoreMeta
 
 Grams = Mapping[tuple[str, int | None], GramResult]
@@ -64,7 +65,8 @@ Grams = Mapping[tuple[str, int | None], GramResult]
 def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | None = None,
             only: str | Iterable[str] | None = None, options: Mapping[str, Any] | None = None,
             progress: bool = True, *, storage_options: Mapping[str, Any] | None = None,
-            baseline: str | os.PathLike[str] | Location | Store | None = None) -> Findings:
+            baseline: str | os.PathLike[str] | Location | Store | None = None,
+            logs: str | os.PathLike[str] | None = None) -> Findings:
     """Run the forensic pass over a store and return its :class:`Findings`.
 
     Parameters
@@ -96,6 +98,12 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
         one it shows as strongly is context, below 0.5 (:mod:`~gradforensics.analysis.engine.baseline`).
         Its saved results are used when current, else it is analysed with the same analyses and
         options.  The header (and ``flags.json``) records it.
+    logs
+        The run's own logs (a directory of TensorBoard event files, one event file, or a
+        ``trainer_state.json``: :func:`~gradforensics.runlog.read_run_log`), read before the store:
+        their loss scale, gradient norm, learning rate and skipped iterations are joined to the
+        records by step for the timeline only (``Context.run_log``; the store is not modified, the
+        baseline pass does not get them).
 
     Returns
     -------
@@ -106,6 +114,8 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
     ------
     SpecError
         An unknown analysis or option, or *storage_options* with a local path or an open :class:`Store`.
+    LogReadError
+        *logs* unreadable, or holding none of the series it is read for (one line).
     EmptyStoreError
         The store holds no committed record.
     ModelMismatchError
@@ -118,12 +128,17 @@ def analyze(path: str | os.PathLike[str] | Location | Store, client: Client | No
         for (engine option ``spill = true``) and its super-record Gram matrices do not fit
         there (otherwise they are held in memory, with a one-line warning).
     """
+    run_log = None
+    if logs is not None:            # outside input: read (and refused) before the store is opened
+        from gradforensics.runlog import read_run_log
+
+        run_log = read_run_log(logs)
     store = _open(path, storage_options)
     judge = None
     if baseline is not None:
         judge = _baseline_judge(store, baseline, storage_options, client, only, options, progress)
     with GramSpill() as spill:      # the Gram matrices spilled (either regime) on disk until the pass ends, error or not
-        return _analyze(store, client, only, options, progress, None, spill, judge)
+        return _analyze(store, client, only, options, progress, None, spill, judge, run_log)
 
 
 def _baseline_judge(store: Store, baseline: str | os.PathLike[str] | Location | Store,
@@ -151,7 +166,7 @@ def _baseline_judge(store: Store, baseline: str | os.PathLike[str] | Location | 
 def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | None,
              only: str | Iterable[str] | None, options: Mapping[str, Any] | None, progress: bool,
              storage_options: Mapping[str, Any] | None, spill: GramSpill,
-             judge: Callable[[Findings], Findings] | None = None) -> Findings:
+             judge: Callable[[Findings], Findings] | None = None, run_log: RunLog | None = None) -> Findings:
     t0 = time.perf_counter()
     client = client if client is not None else default_client()    # resolved once: the pass, units and header agree
     store = _open(path, storage_options)
@@ -169,7 +184,7 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
         print(f"gradient pass done; computing the findings of {os.path.basename(store.path.rstrip('/')) or store.path}"
               " ...", file=sys.stderr, flush=True)
     ctx = Context(store=store, meta=store.meta, batches=batches, grams=grams, computed=computed,
-                  options=per_analysis, long=long)
+                  options=per_analysis, long=long, run_log=_joined(run_log, batches, store.n_records))
     results, flags = {}, []
     # the per-unit statistics on the pass's threads, or on the workers of the pass's client
     with unit_threads(engine.num_workers, units_client(engine, client)):
@@ -191,6 +206,16 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
     if engine.persist and writer is None:
         _persist(store, merged(store, findings, selected), grams, long is not None)
     return findings
+
+
+def _joined(run_log: RunLog | None, batches: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+    """The run's logs joined to the *n* records by ``batches/step``, named as ``import --logs`` names them
+    (``Context.run_log``); empty without logs."""
+    if run_log is None:
+        return {}
+    steps = np.asarray(batches.get("step", np.arange(n)), np.int64)
+    names = {"grad_norm": "logged_grad_norm"}
+    return {names.get(k, k): v for k, v in run_log.join(steps).items() if k != "loss"}
 
 
 def _open(path: str | os.PathLike[str] | Location | Store, storage_options: Mapping[str, Any] | None) -> Store:

@@ -4,12 +4,16 @@ For every per-record series the store holds (:mod:`gradforensics.analysis.toolki
 loss and each source's loss, the gradient norm of each tensor and head from the Gram matrices'
 diagonals, per attention head the max logit and the mean entropy, log Z of the output logits,
 the dead share and the excess kurtosis of each recorded module's activations, the optimizer's
-update/weight ratio, largest g²/v̂ and stale-row share, the routers' largest expert share), the
+update/weight ratio, largest g²/v̂ and stale-row share, the routers' largest expert share, and the
+run's own logged loss scale and gradient norm: ``batches/*`` of an import with ``--logs``, or
+``analyze --logs DIR`` joined by step, ``Context.run_log``, which wins where both hold one), the
 online departure test of :mod:`gradforensics.analysis.toolkit.departure` (a one-sided CUSUM on
 robust z-scores against a trailing median / MAD, with a Shewhart limit beside it) gives the
 first record where the series left its own earlier level (its onset, and the record of the
 alarm); the loss spikes are the records above ``mean + k σ`` of the trailing window (OLMo-core's
-rule, ``k = 6``, the window 128 records or a quarter of a shorter run).
+rule, ``k = 6``, the window 128 records or a quarter of a shorter run); a record a loss scaler
+skipped (``skipped``, from the same logs) is left out of the spike rule's trailing window, and
+still tested itself.
 
 Before each spike, the series whose onset falls after the previous spike and at or before this
 one, with an alarm no later than half a window after it, are the signals that moved first,
@@ -101,16 +105,18 @@ def _spike_series(signals: list[Signal]) -> list[Signal]:
     return per_source or [s for s in signals if s.signal == "loss" and not s.source]
 
 
-def timeline_rows(signals: list[Signal], steps: np.ndarray, opt: TimelineOptions) -> tuple[list[dict[str, Any]],
-                                                                                          np.ndarray]:
-    """The table rows (a row per spike and per departed series) and the departed series' z-scores (D, N)."""
+def timeline_rows(signals: list[Signal], steps: np.ndarray, opt: TimelineOptions,
+                  skipped: np.ndarray | None = None) -> tuple[list[dict[str, Any]], np.ndarray]:
+    """The table rows (a row per spike and per departed series) and the departed series' z-scores (D, N).
+
+    *skipped*: records a loss scaler skipped, left out of the spike rule's trailing window."""
     n = int(steps.size)
     dtest, stest = opt.tests()
     window = dtest.window_for(n)
     rows: list[dict[str, Any]] = []
     spike_at: list[tuple[int, str | None]] = []
     for s in _spike_series(signals):
-        for r in spikes(s.values, stest):
+        for r in spikes(s.values, stest, skipped):
             spike_at.append((int(r), s.source))
             rows.append({"tensor": "", "head": None, "signal": SPIKE, "label": "loss spike" + (
                 f" [{s.source}]" if s.source else ""), "source": s.source, "record": int(r), "step": int(steps[r]),
@@ -152,8 +158,11 @@ def compute(ctx: Context) -> AnalysisResult:
     steps = np.asarray(ctx.batches.get("step", np.arange(n)), np.int64)
     if steps.shape != (n,):
         steps = np.arange(n, dtype=np.int64)
-    signals = collect(ctx.store, ctx.batches, ctx.sources, grad_norms(ctx), n)
-    rows, z = timeline_rows(signals, steps, opt) if n >= 2 else ([], np.zeros((0, n)))
+    batches = {**ctx.batches, **ctx.run_log}            # the run's logs given to analyze win over the store's
+    signals = collect(ctx.store, batches, ctx.sources, grad_norms(ctx), n)
+    skipped = np.asarray(batches["skipped"], bool).reshape(-1) if "skipped" in batches else None
+    skipped = skipped if skipped is not None and skipped.shape == (n,) else None
+    rows, z = timeline_rows(signals, steps, opt, skipped) if n >= 2 else ([], np.zeros((0, n)))
     dtest, stest = opt.tests()
     test = {"window": dtest.window_for(n), "burn_in": dtest.burn_in, "allowance": dtest.allowance,
             "threshold": dtest.threshold, "limit": dtest.limit, "z_clip": dtest.z_clip, "spike_k": stest.k,

@@ -34,7 +34,9 @@ array, NaN where a series has no value at a record: they are skipped, not filled
 records before it (OLMo-core's stability monitor uses ``k = 6`` over the last 128 steps; a short
 run uses a shorter window, :func:`trailing_window`), with at least ``burn_in`` of them finite.
 Consecutive spiking records are one spike, at its first record.  An infinite loss is a spike; a NaN
-loss is unknown (skipped).
+loss is unknown (skipped).  Records a loss scaler skipped (``batches/skipped``, or the run's logs)
+may be left out of the trailing window (``history_skip``) while still tested themselves: an
+overflowing step's loss is often an outlier, and in the window its σ would hide the next spike.
 
 The defaults (:class:`DepartureTest`) were chosen on the twin zoo's healthy runs: see
 ``docs/timeline.md`` for the false-alarm rate they give there.
@@ -198,14 +200,18 @@ def departures(x: np.ndarray, direction: np.ndarray | int = 1, test: DepartureTe
     return Departures(alarm, onset, peak, z)
 
 
-def spikes(loss: np.ndarray, test: SpikeTest | None = None) -> np.ndarray:
-    """Records (int64, ascending) where a loss spike begins: above ``mean + k σ`` of the trailing window."""
+def spikes(loss: np.ndarray, test: SpikeTest | None = None, history_skip: np.ndarray | None = None) -> np.ndarray:
+    """Records (int64, ascending) where a loss spike begins: above ``mean + k σ`` of the trailing window.
+
+    *history_skip* (bool, like *loss*): records left out of every later record's window (still tested).
+    """
     test = test or SpikeTest()
     y = np.asarray(loss, np.float64)
     n = y.size
     w = test.window_for(n)
     finite = np.isfinite(y)
-    pad = np.concatenate([np.full(w, np.nan), np.where(finite, y, np.nan)])
+    hist = finite if history_skip is None else finite & ~np.asarray(history_skip, bool).reshape(n)
+    pad = np.concatenate([np.full(w, np.nan), np.where(hist, y, np.nan)])
     win = np.lib.stride_tricks.sliding_window_view(pad, w)[:n]          # win[t] = y[t - w : t]
     count = np.isfinite(win).sum(axis=1)
     with warnings.catch_warnings():

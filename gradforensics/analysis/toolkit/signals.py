@@ -5,12 +5,16 @@ one source), the gradient norm of each tensor and head (from the Gram matrices' 
 once by the pass), per attention head the max logit and the mean entropy, per output-logit module
 the mean log Z, per module the dead share and the excess kurtosis of its activations, per
 optimizer-tracked tensor the update/weight ratio, the largest g²/v̂ and the share of stale rows,
-and per router the largest expert share.  Each carries the scale its changes are compared on and
-the direction in which a departure is trouble.
+and per router the largest expert share; from the run's own logs (``batches/*`` of a store imported
+with ``--logs``, or ``analyze --logs``: ``Context.run_log``) the loss scale and the gradient norm the
+run logged.  Each carries the scale its changes are compared on and the direction in which a
+departure is trouble.  The logged learning rate is not a signal: it is the run's plan (warmup,
+decay), so its changes are not departures.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,7 +24,7 @@ import numpy as np
 if TYPE_CHECKING:
     from gradforensics.store.reader import Store
 
-__all__ = ["LABELS", "SHEWHART", "Signal", "collect"]
+__all__ = ["LABELS", "LOGGED", "SHEWHART", "Signal", "collect"]
 
 #: signal -> (what it is, in words; comparison scale; direction of trouble; the least change that counts as
 #: one robust standard deviation, in units of the scale: 0.1 on ``log`` is 10 %, 1.0 on an attention logit
@@ -37,7 +41,13 @@ LABELS: dict[str, tuple[str, str, int, float]] = {
     "ratio_max": ("largest g²/v̂ (Adam)", "log", 1, 0.3),
     "stale_share": ("share of stale rows (Adam)", "linear", 1, 0.02),
     "router_max_share": ("largest expert share of the router", "linear", 1, 0.02),
+    # one robust sd = one halving: a dynamic scaler's one or two backoffs (z <= the CUSUM's allowance of 2)
+    # never depart; a fall by 8x or more that stays does
+    "loss_scale": ("loss scale (run log)", "log", -1, math.log(2.0)),
+    "logged_grad_norm": ("gradient norm logged by the run", "log", 1, 0.1),
 }
+#: ``batches/*`` (or ``Context.run_log``) of the run's own logs -> signal
+LOGGED = {"loss_scale": "loss_scale", "logged_grad_norm": "logged_grad_norm"}
 
 
 #: The signals that may depart in one record (shares: a Shewhart limit beside the CUSUM).
@@ -111,6 +121,11 @@ def collect(store: Store | None, batches: Mapping[str, np.ndarray], sources: tup
         out += _per_source_loss(loss, mix, sources)
     for (tensor, head), v in sorted(norms.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
         out.append(Signal("grad_norm", tensor, head, None, np.asarray(v, np.float64)))
+    for key, signal in LOGGED.items():
+        if key in batches:
+            v = np.asarray(batches[key], np.float64).reshape(-1)
+            if np.isfinite(v).any():
+                out.append(Signal(signal, "", None, None, v))
     if store is None:
         return out
     for m in store.attn_modules:
