@@ -73,3 +73,20 @@ def test_the_flip_p_is_bartletts_normal_tail_of_the_lag_one_autocorrelation() ->
     want = 2 * stats.norm.cdf((r1 + 0.5) / np.sqrt(0.5 / n))
     assert r1 < -0.5 and period[0] == pytest.approx(2.0, rel=0.05)
     np.testing.assert_allclose(p[0], want, rtol=1e-9)
+
+
+def test_the_continuum_neighbourhood_is_the_rule_found_once_per_frequency() -> None:
+    """The :data:`CONTINUUM` nearest ordinates outside a frequency's leak guard (nearest first, the lower on a
+    tie) are found once per ``(k, lo, n2)`` and handed read-only to every slab: the rule, recomputed here."""
+    st = ost
+    for n2 in (5, 16, 17, 64, 129):
+        for lo in (3, 4, 7):
+            for k in range(1, n2 + 1):
+                guard = max(1, k // st.LINE_CYCLES)
+                cand = [q for q in range(lo, n2) if abs(q - k) > guard]
+                want = sorted(cand, key=lambda q: (abs(q - k), q))[:st.CONTINUUM]
+                cols, logs = st._continuum_bins(k, lo, n2)
+                assert cols.tolist() == [q - 1 for q in want]
+                np.testing.assert_array_equal(logs, np.log(np.asarray(want, dtype=np.float64)))
+                assert not cols.flags.writeable and not logs.flags.writeable
+                assert st._continuum_bins(k, lo, n2)[0] is cols           # cached, not recomputed

@@ -227,22 +227,34 @@ def noise_tests(xc: np.ndarray, ordinates: np.ndarray, j: np.ndarray, dof: np.nd
         logs = np.log(np.maximum(ordinates, 1e-300))
         for i, c in enumerate(slow):
             k = int(j[c])
-            guard = max(1, k // LINE_CYCLES)      # a burst of LINE_CYCLES cycles leaks into k / LINE_CYCLES bins
-            near = sorted((q for q in range(lo, n2) if abs(q - k) > guard),
-                          key=lambda q: (abs(q - k), q))[:CONTINUUM]
-            if len(near) < CONTINUUM:             # the white test
+            cols, log_near = _continuum_bins(k, lo, n2)
+            if cols.size < CONTINUUM:             # the white test
                 share = np.clip(ordinates[:, k - 1] / np.where(total > 0, total, 1.0), 0.0, 1.0)
                 tails[:, i] = betaincc(dof[c] / 2.0, max(nu - dof[c], 1.0) / 2.0, share)
                 excess[:, i] = np.log(np.maximum(share * n2, 1e-300))
             else:
-                tails[:, i], excess[:, i] = _continuum_tail(logs[:, [q - 1 for q in near]], np.log(near),
-                                                            logs[:, k - 1], math.log(k))
+                tails[:, i], excess[:, i] = _continuum_tail(logs[:, cols], log_near, logs[:, k - 1], math.log(k))
         best = np.argmax(excess, axis=1)        # the period standing out most (tails underflow alike)
         p_slow = np.minimum(tails[np.arange(m), best] * slow.size, 1.0)
         k_slow = j[slow][best]
     flip = p_flip <= p_slow
     period = n / np.where(flip, k_flip, k_slow).astype(np.float64)
     return period, np.minimum(2.0 * np.minimum(p_flip, p_slow), 1.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _continuum_bins(k: int, lo: int, n2: int) -> tuple[np.ndarray, np.ndarray]:
+    """The :data:`CONTINUUM` ordinates nearest frequency *k* among ``lo .. n2 - 1`` outside its leak guard
+    (:func:`noise_tests`; nearest first, the lower on a tie): their columns (``q - 1``) and ``log q``.
+
+    They depend on the frequencies only, not on the rows, so they are found once per ``(k, lo, n2)``
+    (read-only arrays: the cache hands the same ones to every slab).
+    """
+    guard = max(1, k // LINE_CYCLES)              # a burst of LINE_CYCLES cycles leaks into k / LINE_CYCLES bins
+    near = sorted((q for q in range(lo, n2) if abs(q - k) > guard), key=lambda q: (abs(q - k), q))[:CONTINUUM]
+    cols, logs = np.asarray(near, dtype=np.intp) - 1, np.log(near) if near else np.empty(0)
+    cols.flags.writeable = logs.flags.writeable = False
+    return cols, logs
 
 
 def _continuum_tail(y: np.ndarray, x: np.ndarray, yk: np.ndarray, xk: float) -> tuple[np.ndarray, np.ndarray]:
