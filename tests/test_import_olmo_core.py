@@ -227,3 +227,75 @@ def test_model_and_optim_directories_saved_alone_import(olmo_run, tmp_path):
     assert store.meta.extra["import"]["kind"] == "dcp"
     upd = store.read("grads/0.weight")
     assert torch.equal(torch.from_numpy(upd[0]), weights[20]["0.weight"] - weights[10]["0.weight"])
+
+
+def _sharded_dump(d: Path, grads: dict[str, torch.Tensor]) -> None:
+    """``full_gradients/`` as two FSDP ranks write it: each gradient's rows split, rank r's chunks in
+    ``__<r>_0.distcp`` (``RemoteFileSystemWriter``'s names), the ``.metadata`` naming OLMo-core's class."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    d.mkdir(parents=True)
+    blobs: dict[str, list[bytes]] = {"__0_0.distcp": [], "__1_0.distcp": []}
+    tensors, storage = {}, {}
+    for name, g in grads.items():
+        rows = g.shape[0]
+        chunks = []
+        for rank, (lo, hi) in enumerate(((0, (rows + 1) // 2), ((rows + 1) // 2, rows))):
+            buf = io.BytesIO()
+            torch.save(g[lo:hi].clone(), buf)
+            file = f"__{rank}_0.distcp"
+            offsets = torch.Size([lo] + [0] * (g.ndim - 1))
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([hi - lo, *g.shape[1:]])))
+            storage[MetadataIndex(name, offsets)] = types.SimpleNamespace(
+                relative_path=file, offset=sum(map(len, blobs[file])), length=len(buf.getvalue()))
+            blobs[file].append(buf.getvalue())
+        tensors[name] = TensorStorageMetadata(TensorProperties(dtype=g.dtype), g.shape, chunks)
+    for file, parts in blobs.items():
+        (d / file).write_bytes(b"".join(parts))
+    md = Metadata(tensors, planner_data={n: (n,) for n in grads}, storage_data=storage)
+    (d / ".metadata").write_bytes(_pickle_as_olmo_core(md))
+
+
+def test_sharded_full_gradients_are_joined_from_their_ranks(olmo_run, tmp_path):
+    _, _, _, grads = olmo_run
+    for s in STEPS[:2]:
+        _sharded_dump(tmp_path / "run" / "gradients" / f"step{s}" / "full_gradients",
+                      {n: g.to(torch.bfloat16) for n, g in grads[s].items()})
+    store = gf.import_run(tmp_path / "run", tmp_path / "sh.zarr", tensors=["*"])
+    assert store.grads["0.weight"].encoding == "bfloat16-as-uint16"
+    for name in ("0.weight", "2.weight", "2.bias"):
+        got = store.read(f"grads/{name}")
+        for i, s in enumerate(STEPS[:2]):
+            want = grads[s][name].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            assert np.array_equal(np.asarray(got[i]), want), (name, s)
+
+
+@pytest.mark.parametrize("case", ["mixed", "empty", "missing"])
+def test_dumps_that_cannot_be_one_store_are_refused_in_one_line(olmo_run, tmp_path, capsys, case):
+    import shutil
+
+    root, *_ = olmo_run
+    src = tmp_path / "run"
+    shutil.copytree(root / "gradients", src / "gradients")
+    step20 = src / "gradients" / "step20"
+    shutil.rmtree(step20 / "full_gradients")
+    if case == "mixed":
+        (step20 / "sampled_gradients").mkdir()
+        expect = ("full gradients", "sampled ones")
+    elif case == "empty":
+        expect = ("step20", "neither full_gradients/")
+    else:
+        keep = {"0.weight": torch.zeros(8, 6)}
+        _sharded_dump(step20 / "full_gradients", keep)
+        expect = ("step20/full_gradients", "0.bias is missing")
+    assert main(["import", str(src), "--out", str(tmp_path / "x.zarr"), "--quiet", "--tensors", "*"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(e in err[0] for e in expect), err
