@@ -7,7 +7,7 @@
   ``params`` dumps, shards joined, one record per saved iteration;
 * :mod:`gradforensics.importing.olmo_core`: OLMo-core's gradient dumps, one record per dumped step.
 
-Both write through :class:`gradforensics.importing.records.ImportWriter` (the store
+All write through :class:`gradforensics.importing.records.ImportWriter` (the store
 writer), read every file with ``torch.load(weights_only=True)`` or safetensors, and
 refuse anything malformed in one line.  ``gf.import_run(...)`` is the entry point;
 ``gradforensics import`` its command line.  See ``docs/import.md``.

@@ -56,13 +56,11 @@ class OlmoCoreStorageInfo:
     length: int
 
 
-#: Per writer (format), the class its ``.metadata`` pickles per chunk (file, offset, length), allowed by name:
-#: torch's own file-system writer's (resolved to torch's class), OLMo-core's (resolved to the local stand-in).
-_STORAGE_INFOS: dict[tuple[str, str], str] = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): "torch",
-    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): "olmo-core",
-}
+#: Per writer, the class its ``.metadata`` pickles per chunk (file, offset, length), allowed by name: torch's
+#: file-system writer's (resolved to torch's class; an entry is checked to be of it by name), OLMo-core's
+#: ``RemoteFileSystemWriter``'s (resolved to the local stand-in :class:`OlmoCoreStorageInfo`).
 _STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+_OLMO_CORE_STORAGE_INFO = ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")
 _ALLOWED = {(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
                                "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
     _STORAGE_INFO, ("torch", "Size"),
@@ -88,7 +86,7 @@ class _Unpickler(pickle.Unpickler):
 
         import torch
 
-        if _STORAGE_INFOS.get((module, name)) == "olmo-core":
+        if (module, name) == _OLMO_CORE_STORAGE_INFO:
             return OlmoCoreStorageInfo
         if (module, name) in _ALLOWED:
             return getattr(importlib.import_module(module), name)
