@@ -1,4 +1,4 @@
-"""``gradforensics import SOURCE --format checkpoints|megatron --out STORE``: a run's history as a store.
+"""``gradforensics import SOURCE --format checkpoints|megatron|olmo-core --out STORE``: a run's history as a store.
 
 A thin wrapper of :func:`gradforensics.importing.import_run` (``gf.import_run``): a
 series of checkpoints becomes weight snapshots and one record per interval (the
@@ -21,10 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from gradforensics.importing import FORMATS
 
     p.add_argument("source", help="a directory of checkpoints (checkpoint-N/, <name><step>.pt, .safetensors), or a "
-                                  "Megatron-LM --save directory holding wgrads/, dgrads/ or params/")
+                                  "Megatron-LM --save directory holding wgrads/, dgrads/ or params/, or an OLMo-core save "
+                                  "folder (step<N>/ checkpoints, or gradients/step<N>/ dumps)")
     p.add_argument("--format", choices=FORMATS, default="auto",
                    help="what SOURCE holds (default auto: megatron for a --save directory with wgrads/, dgrads/ or "
-                        "params/, else checkpoints)")
+                        "params/, olmo-core for an OLMo-core save folder with gradients/step<N>/ dumps, else "
+                        "checkpoints)")
     output.add_out(p, "the store to write: *.zarr or *.h5, or a Zarr store at an fsspec URL (s3://bucket/dump.zarr)",
                    kind="store")
     storage_flags.add_argument(p)

@@ -4,9 +4,10 @@
   Trainer ``checkpoint-N/``, raw torch files, safetensors): weight snapshots and the
   update between consecutive checkpoints, one record per interval;
 * :mod:`gradforensics.importing.megatron`: Megatron-LM's ``wgrads`` / ``dgrads`` /
-  ``params`` dumps, shards joined, one record per saved iteration.
+  ``params`` dumps, shards joined, one record per saved iteration;
+* :mod:`gradforensics.importing.olmo_core`: OLMo-core's gradient dumps, one record per dumped step.
 
-Both write through :class:`gradforensics.importing.records.ImportWriter` (the store
+All write through :class:`gradforensics.importing.records.ImportWriter` (the store
 writer), read every file with ``torch.load(weights_only=True)`` or safetensors, and
 refuse anything malformed in one line.  ``gf.import_run(...)`` is the entry point;
 ``gradforensics import`` its command line.  See ``docs/import.md``.
@@ -27,19 +28,22 @@ if TYPE_CHECKING:
 __all__ = ["FORMATS", "detect_format", "import_run"]
 
 
-FORMATS = ("auto", "checkpoints", "megatron")
+FORMATS = ("auto", "checkpoints", "megatron", "olmo-core")
 
 
 def detect_format(source: Path) -> str:
-    """``megatron`` when *source* is a Megatron-LM ``--save`` directory (or one of its dump directories), else
-    ``checkpoints``."""
+    """``megatron`` when *source* is a Megatron-LM ``--save`` directory (or one of its dump directories),
+    ``olmo-core`` when it holds OLMo-core gradient dumps (``gradients/step<N>/``), else ``checkpoints``."""
     from gradforensics.importing.megatron import KINDS
+    from gradforensics.importing.olmo_core import is_gradient_dump
 
     def has_iters(d: Path) -> bool:
         return d.is_dir() and any(p.name.startswith("iter_") and p.is_dir() for p in d.iterdir())
 
     if any(has_iters(source / k) for k in KINDS) or (source.name in KINDS and has_iters(source)):
         return "megatron"
+    if is_gradient_dump(source):
+        return "olmo-core"
     return "checkpoints"
 
 
@@ -59,8 +63,9 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
     out
         The store to write (``*.zarr``, ``*.h5``, or a Zarr store at an fsspec URL).
     format
-        ``"checkpoints"``, ``"megatron"``, or ``"auto"`` (default: ``megatron`` when *source* holds
-        ``wgrads/``, ``dgrads/`` or ``params/`` with ``iter_*`` directories, else ``checkpoints``).
+        ``"checkpoints"``, ``"megatron"``, ``"olmo-core"`` (OLMo-core's gradient dumps), or ``"auto"``
+        (default: ``megatron`` when *source* holds ``wgrads/``, ``dgrads/`` or ``params/`` with ``iter_*``
+        directories, ``olmo-core`` when it holds ``gradients/step<N>/``, else ``checkpoints``).
     tensors
         Globs of the tensors to import (default: every floating 2-D tensor).
     heads
@@ -114,6 +119,10 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
         from gradforensics.importing.checkpoints import import_checkpoints
 
         import_checkpoints(src, out, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
+    elif format == "olmo-core":
+        from gradforensics.importing.olmo_core import import_olmo_core
+
+        import_olmo_core(src, out, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     else:
         from gradforensics.importing.megatron import MegatronSpec, import_megatron
 

@@ -15,6 +15,11 @@ safetensors' own reader, nothing else in the directories opened:
 * DeepSpeed universal checkpoints ``SOURCE/<name><step>/zero/<parameter>/{fp32,exp_avg,exp_avg_sq}.pt``
   (:mod:`gradforensics.importing.deepspeed`): fp32 master weights and Adam state by parameter name;
 
+* OLMo-core checkpoints ``SOURCE/step<N>/`` (``Checkpointer``): ``model_and_optim/``, a DCP
+  written by OLMo-core's own storage writer, holds ``{"model": ..., "optim": ...}`` with the
+  optimizer flattened (keyed by parameter name); ``train/rank*.pt``, ``.metadata.json`` and the
+  save folder's ``config.json`` (OLMo-core's, not a Hugging Face one) are never opened;
+
 * torch distributed-checkpoint directories ``SOURCE/<name><step>/`` (a ``.metadata`` and
   ``*.distcp`` files), read by :mod:`gradforensics.importing.dcp` with a restricted
   unpickler (torch's own reader would run a plain ``pickle.load``); the model and optimizer entries.
@@ -58,6 +63,8 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _HF_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _RAW_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 _HF_DIR = re.compile(r"^checkpoint-(\d+)$")
+#: OLMo-core's ``Checkpointer.CHECKPOINT_DIR`` (``step{step}``), holding ``model_and_optim/`` (a DCP).
+_OLMO_CORE_DIR = re.compile(r"^step(\d+)$")
 _LAST_INT = re.compile(r"(\d+)(?!.*\d)")
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
 _OPTIM_KEYS = ("optimizer", "optimizer_state_dict", "optim")
@@ -65,7 +72,7 @@ _OPTIM_KEYS = ("optimizer", "optimizer_state_dict", "optim")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One checkpoint of a series: its step, where it is and how it is laid out (``hf``, ``torch``, ``dcp``)."""
+    """One checkpoint of a series: its step, where it is and how it is laid out (``hf``, ``torch``, ``dcp``, ``olmo-core``, ``deepspeed``)."""
 
     step: int
     path: Path
@@ -80,6 +87,9 @@ def discover(source: Path) -> list[Checkpoint]:
                                   "checkpoint-N/ directories or of <name><step>.pt / .safetensors files.")
     entries = sorted(source.iterdir())
     found = [Checkpoint(int(m.group(1)), p, "hf") for p in entries if p.is_dir() and (m := _HF_DIR.match(p.name))]
+    if not found:
+        found = [Checkpoint(int(m.group(1)), p, "olmo-core") for p in entries
+                 if (m := _OLMO_CORE_DIR.match(p.name)) and is_dcp(p / "model_and_optim")]
     if not found:
         found = [Checkpoint(int(m.group(1)), p, "dcp") for p in entries
                  if is_dcp(p) and (m := _LAST_INT.search(p.name))]
@@ -163,6 +173,8 @@ def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
         return load_checkpoint_file(ck.path)
     if ck.kind == "dcp":
         return read_dcp(ck.path)
+    if ck.kind == "olmo-core":          # train/rank*.pt (the trainer's state) and .metadata.json are never opened
+        return read_dcp(ck.path / "model_and_optim")
     if ck.kind == "deepspeed":
         return read_universal(ck.path)
     sd: dict[str, torch.Tensor] = {}
@@ -318,7 +330,13 @@ def _safetensors(ck: Checkpoint) -> bool:
 
 
 def _config_dir(ck: Checkpoint) -> Path | None:
-    """Where a Hugging Face ``config.json`` of the series is (for ``heads="auto"``), or None."""
+    """Where a Hugging Face ``config.json`` of the series is (for ``heads="auto"``), or None.
+
+    Never beside an OLMo-core series: its save folder's ``config.json`` is OLMo-core's own experiment
+    config (``ConfigSaverCallback``), not a Hugging Face model's.
+    """
+    if ck.kind == "olmo-core":
+        return None
     for d in (ck.path if ck.kind == "hf" else ck.path.parent, ck.path.parent):
         if (d / "config.json").is_file():
             return d

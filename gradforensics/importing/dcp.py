@@ -4,8 +4,11 @@ A DCP directory (``torch.distributed.checkpoint.save``) holds ``.metadata``, a p
 ``Metadata`` (per tensor: dtype, size, chunks; per chunk: file, offset, length), and
 ``__<rank>_<n>.distcp`` files holding each chunk as a ``torch.save`` blob.  torch's own
 reader unpickles ``.metadata`` with a plain ``pickle.load``; here a restricted unpickler
-resolves only the metadata classes, ``torch.Size``, torch dtypes and layouts and
-``pathlib`` paths, and refuses any other global in one line.  Each chunk is read from its
+resolves only the metadata classes, ``torch.Size``, torch dtypes and layouts,
+``pathlib`` paths and, per writer, the class it pickles per chunk (torch's
+``_StorageInfo``; OLMo-core's own ``olmo_core.distributed.checkpoint.filesystem._StorageInfo``,
+resolved by name to a local stand-in, :class:`OlmoCoreStorageInfo`, OLMo-core never imported),
+and refuses any other global in one line.  Each chunk is read from its
 byte range (checked against the file) with ``torch.load(weights_only=True)``, checked to
 have its chunk's shape and dtype, and placed at its offsets in the full tensor; chunks
 must cover the tensor exactly.  The weights are the ``model`` entry's of a nested save
@@ -23,6 +26,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +35,32 @@ from gradforensics.errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["is_dcp", "read_dcp"]
+__all__ = ["OlmoCoreStorageInfo", "is_dcp", "read_dcp"]
 
 _MD = "torch.distributed.checkpoint.metadata"
-#: The class torch's file-system writer pickles per chunk (file, offset, length), named, never imported:
-#: the unpickler resolves it by name, and a storage entry is checked to be of it by name.
+
+
+@dataclass
+class OlmoCoreStorageInfo:
+    """The stand-in for OLMo-core's per-chunk storage record: its fields, nothing of OLMo-core run or imported.
+
+    OLMo-core saves with its own DCP storage writer (``RemoteFileSystemWriter``,
+    ``olmo_core/distributed/checkpoint/filesystem.py``), which pickles its own dataclass
+    ``olmo_core.distributed.checkpoint.filesystem._StorageInfo(relative_path, offset, length)``
+    per chunk in ``.metadata``; the unpickler resolves that name to this class (its state is
+    only set, and each field checked after).
+    """
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+#: Per writer, the class its ``.metadata`` pickles per chunk (file, offset, length), allowed by name: torch's
+#: file-system writer's (resolved to torch's class; an entry is checked to be of it by name), OLMo-core's
+#: ``RemoteFileSystemWriter``'s (resolved to the local stand-in :class:`OlmoCoreStorageInfo`).
 _STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+_OLMO_CORE_STORAGE_INFO = ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")
 _ALLOWED = {(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
                                "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
     _STORAGE_INFO, ("torch", "Size"),
@@ -62,6 +86,8 @@ class _Unpickler(pickle.Unpickler):
 
         import torch
 
+        if (module, name) == _OLMO_CORE_STORAGE_INFO:
+            return OlmoCoreStorageInfo
         if (module, name) in _ALLOWED:
             return getattr(importlib.import_module(module), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -96,7 +122,7 @@ def _storage(d: Path, md: Any) -> dict[tuple[str, tuple[int, ...]], tuple[Path, 
     out = {}
     root = d.resolve()
     for key, info in md.storage_data.items():
-        if not isinstance(key, MetadataIndex) or (type(info).__module__, type(info).__qualname__) != _STORAGE_INFO:
+        if not isinstance(key, MetadataIndex) or _writer(info) is None:
             raise CheckpointError(f"{d / '.metadata'}: a storage entry is {type(key).__name__} -> "
                                   f"{type(info).__name__}, not MetadataIndex -> _StorageInfo.")
         rel, off, n = info.relative_path, info.offset, info.length
@@ -104,7 +130,7 @@ def _storage(d: Path, md: Any) -> dict[tuple[str, tuple[int, ...]], tuple[Path, 
                                                for v in (off, n)):
             raise CheckpointError(f"{d / '.metadata'}: {key.fqn}: storage ({rel!r}, offset {off!r}, length {n!r}) "
                                   "is not a file name with non-negative integer offset and length.")
-        if info.transform_descriptors:
+        if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{d / '.metadata'}: {key.fqn} is stored through {list(info.transform_descriptors)}"
                                   "; only untransformed DCP storage is read.")
         file = (d / rel).resolve()
@@ -119,6 +145,13 @@ def _storage(d: Path, md: Any) -> dict[tuple[str, tuple[int, ...]], tuple[Path, 
         offsets = tuple(int(v) for v in key.offset) if key.offset is not None else ()
         out[(key.fqn, offsets)] = (file, off, n)
     return out
+
+
+def _writer(info: Any) -> str | None:
+    """Which writer's storage record *info* is (``"torch"``, ``"olmo-core"``), or None: not one of them."""
+    if isinstance(info, OlmoCoreStorageInfo):
+        return "olmo-core"
+    return "torch" if (type(info).__module__, type(info).__qualname__) == _STORAGE_INFO else None
 
 
 def _chunk(where: tuple[Path, int, int], fqn: str, *, tensor: bool = True) -> Any:

@@ -95,16 +95,21 @@ class ImportWriter:
     logged
         The import joins the run's own logs: every record also gets ``batches/skipped``,
         ``batches/loss_scale`` and ``batches/logged_grad_norm``.
+    grad_attrs
+        ``{tensor: attributes}`` added to a gradient array's own (an OLMo-core sampled gradient's
+        ``partial`` and ``partial_region``).
     """
 
     def __init__(self, out: str | os.PathLike[str], *, heads: Mapping[str, HeadSpec], total: int,
                  per_record: Mapping[str, int], framework: str, model_info: Mapping[str, Any], extra: Mapping[str, Any],
                  overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
-                 quiet: bool = False, force: bool = False, file: IO[str] | None = None, logged: bool = False) -> None:
+                 quiet: bool = False, force: bool = False, file: IO[str] | None = None, logged: bool = False,
+                 grad_attrs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         from gradforensics.replay.run import Progress
 
         meta = new_meta([SOURCE], "training", framework, dict(model_info), dict(extra))
         self.heads = dict(heads)
+        self.grad_attrs = {k: dict(v) for k, v in (grad_attrs or {}).items()}
         self.logged = logged
         self.total = total
         self.force = force
@@ -172,7 +177,8 @@ class ImportWriter:
     def _grad_row(self, name: str, g: Any) -> Row:
         data, encoding, source_dtype = as_array(g)
         spec = self.heads.get(name)
-        attrs: dict[str, Any] = {"encoding": encoding, "source_dtype": source_dtype, "shape": list(data.shape)}
+        attrs: dict[str, Any] = {"encoding": encoding, "source_dtype": source_dtype, "shape": list(data.shape),
+                                 **self.grad_attrs.get(name, {})}
         if spec is None:
             return Row(data, attrs)
         return Row(spec.split(data), {**attrs, **spec.attrs()}, head_split=True)
