@@ -71,17 +71,31 @@ def permuted_source_grams(K: np.ndarray, A: np.ndarray, Q: np.ndarray, perms: np
     diagonal (pure batches: ``AᵀA`` holds the counts) and the null finite, every entry of
     those products has one non-zero term, ``(q_i g_ij) q_j``, so it is taken entry by
     entry, without ``2B`` tiny ``gemm`` calls.
+
+    Where every mixture row sums to 1 exactly (pure batches), so do ``A_π``'s, and the last
+    column of ``K A_π`` is ``K 1`` less the others: the product with ``K`` takes ``S - 1``
+    columns a permutation (half of them with two sources).
     """
     n, S = A.shape
+    ones = S > 1 and bool(np.all(A.sum(axis=1) == 1.0))
+    m = S - 1 if ones else S
+    Am = np.ascontiguousarray(A[:, :m])
+    row_sums = K.sum(axis=1)[:, None] if ones else None
     chunk = max(1, min(int(chunk), CHUNK_BYTES // (8 * n * S)))
     out = np.empty((perms.shape[0], S, S))
     for s in range(0, perms.shape[0], chunk):
         idx = perms[s:s + chunk]
         c = idx.shape[0]
-        wide = np.take(A, idx.T, axis=0).reshape(n, c * S)          # [A_π1 … A_πc], C-contiguous
-        KP = (K @ wide).reshape(n, c, S).transpose(1, 0, 2)
+        wide = np.take(Am, idx.T, axis=0).reshape(n, c * m)         # [A_π1 … A_πc], C-contiguous
+        KW = (K @ wide).reshape(n, c, m).transpose(1, 0, 2)
         P = np.take(A, idx, axis=0)                                  # c×n×S
-        out[s:s + c] = np.matmul(P.transpose(0, 2, 1), KP)
+        PT = P.transpose(0, 2, 1)
+        H = np.matmul(PT, KW)                                        # c×S×m
+        if row_sums is None:
+            out[s:s + c] = H
+        else:                       # the last column: A_πᵀ K 1 - (A_πᵀ K A_π[:, :S-1]) 1
+            out[s:s + c, :, :m] = H
+            out[s:s + c, :, m] = np.matmul(PT, row_sums)[:, :, 0] - H.sum(axis=2)
     q = np.diagonal(Q)
     if np.count_nonzero(Q) == np.count_nonzero(q) and np.isfinite(out).all():
         return out * q[:, None] * q[None, :]                         # (q_i g_ij) q_j: Q @ G @ Q, entry by entry
