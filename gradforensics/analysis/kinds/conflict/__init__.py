@@ -13,9 +13,10 @@ For each tensor and head, from its Gram matrix ``K`` and ``batches/mixture`` onl
   batch noise puts on the sample means;
 * **significance** by permutation of the source labels: the mixture rows are
   shuffled among the records (within consecutive blocks in a ``training`` store,
-  so a trend over time cannot pose as a source effect), ``B = 999`` seeded
-  permutations, one-sided (less aligned than chance), ``p = (1 + #{t_π ≤
-  t}) / (B + 1)`` (Phipson & Smyth 2010) on the inner product ``t = <M_a, M_b>``
+  so a trend over time cannot pose as a source effect), up to ``B = 999`` seeded
+  permutations, one-sided (less aligned than chance), sequential (Besag & Clifford 1991:
+  ``p = h / L`` where the ``h``-th (10th) permutation to reach ``t`` is the ``L``-th, else the
+  fixed test's ``(1 + #{t_π ≤ t}) / (B + 1)``, Phipson & Smyth 2010) on the inner product ``t = <M_a, M_b>``
   of the two sources' mean gradients (the cosine is the effect size, not the test
   statistic: two nearly opposite sources give a relabelled cosine near -1 too, so
   the cosine's permutation null has no power where the conflict is strongest).  ``AᵀA`` is invariant under row
