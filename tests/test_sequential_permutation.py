@@ -117,7 +117,7 @@ def test_units_tested_together_match_each_alone_and_the_fixed_test(training: boo
     together = cu.conflict_units(grams, mix, opts, training, seeds, design)
     fixed = cu.conflict_units(grams, mix, cu.ConflictOptions(hits=None), training, seeds, design)
     stopped = ran = 0
-    for K, seed, (cols, cos, idx), (fcols, _, _) in zip(grams, seeds, together, fixed, strict=True):
+    for K, seed, (cols, cos, _), (fcols, _, _) in zip(grams, seeds, together, fixed, strict=True):
         rows, cos1, _ = cu.conflict_unit(K, mix, opts, training, seed, design)
         np.testing.assert_array_equal(cos, cos1)
         assert [r["p_value"] for r in rows] == cols["p_value"].tolist()

@@ -229,7 +229,7 @@ def sequential_permutation_test(observed: Any, draw: Callable[[np.ndarray, int],
             raise ValueError(f"draw returned {V.shape}, expected {(size, cols.size)}")
         lv = live[cols]
         fin = np.isfinite(V) & lv[None, :]
-        hit = fin & (V <= thr[cols][None, :])
+        hit = fin & (thr[cols][None, :] >= V)          # the draw reaches the observed statistic
         last = np.full(cols.size, size - 1)
         stop = np.zeros(cols.size, dtype=bool)
         if h is not None:
