@@ -190,8 +190,9 @@ def stand_out(table: Any, sources: tuple[str, ...], losses: list[SourceLoss | No
             pair = (q >= sk) & (q > 0)              # the pair names itself
             loss = ~pair & (sk > 0)
             standing[rows] = np.where(pair, q, np.where(loss, sk, 0.0))
-            why[rows] = np.where(pair, "rise" if two else "pair", np.where(loss, "loss", None))
-            named[rows] = np.where(loss, names[k], None)
+            none = np.full(rows.size, None, dtype=object)
+            why[rows] = np.where(pair, "rise" if two else "pair", np.where(loss, "loss", none))
+            named[rows] = np.where(loss, names[k], none)
     table["standing"] = standing
     table["named"] = named.tolist()
     table["why"] = why.tolist()

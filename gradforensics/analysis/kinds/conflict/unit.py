@@ -135,7 +135,7 @@ def conflict_units(grams: list[np.ndarray], mixture: np.ndarray, opts: ConflictO
         z = np.where(null.sd > 0, (null.mean - ip0) / null.sd, np.nan)
     a, b = fit.index[iu].astype(np.int64), fit.index[ju].astype(np.int64)
     pure = None if training else _pure_labels(mixture)
-    out = []
+    out: list[tuple[dict[str, np.ndarray], np.ndarray | None, np.ndarray]] = []
     for u, K in enumerate(grams):
         sl = slice(u * P, (u + 1) * P)
         # independent batches (replay): an asymptotic test that resolves beyond 1/(B+1)
