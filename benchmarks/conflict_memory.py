@@ -15,6 +15,10 @@ codes run, interleaved, and the p-values and flags of the two are compared (the 
 table's ``p_value`` column by row, and the flags' kind, unit, sources and severity to 1e-9).
 
     python benchmarks/conflict_memory.py --before /tmp/old
+    python benchmarks/conflict_memory.py --permutations 19      # the table and flags phases, quickly
+
+The permutation phase costs ``B N² (S - 1)`` flops a unit (5e12 in all at the defaults: about three
+minutes on an idle core): ``--permutations 19`` runs everything else, the same table, in seconds.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def child(args: argparse.Namespace) -> None:
     import gradforensics as gf
 
     t0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    f = gf.analyze(args.store, only="conflict", progress=False)
+    f = gf.analyze(args.store, only="conflict", progress=False,
+                   options={"conflict": {"permutations": args.permutations}})
     t = f.table("conflict")
     r = resource.getrusage(resource.RUSAGE_SELF)
     flags = sorted([fl.kind, fl.tensor, -1 if fl.head is None else fl.head, list(fl.sources), round(fl.severity, 9)]
@@ -70,9 +75,9 @@ def child(args: argparse.Namespace) -> None:
                       "p": t["p_value"].round(12).tolist(), "flags": flags}))
 
 
-def run_child(store: Path, pythonpath: str) -> dict:
+def run_child(store: Path, pythonpath: str, B: int) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    p = subprocess.run([sys.executable, __file__, "--child", "--store", str(store)], env=env,
+    p = subprocess.run([sys.executable, __file__, "--child", "--store", str(store), "--permutations", str(B)], env=env,
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
         raise SystemExit(f"analyze {store} failed:\n{p.stderr[-3000:]}")
@@ -88,6 +93,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=16)
     ap.add_argument("--mode", default="training", choices=("training", "replay"))
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--permutations", type=int, default=999,
+                    help="conflict's B (the permutation phase's flops scale with it: B x N^2 x S a unit; its memory not)")
     ap.add_argument("--before", default=None, metavar="DIR", help="a directory holding an older gradforensics/")
     parsed = parse_or_child(ap, child)
     if parsed is None:
@@ -102,7 +109,7 @@ def main() -> None:
     res: dict[str, list[dict]] = {}
     for _ in range(args.repeat):                      # interleaved
         for code, pp in codes:
-            res.setdefault(code, []).append(run_child(store, pp))
+            res.setdefault(code, []).append(run_child(store, pp, args.permutations))
     print(f"{'code':7} {'rss MB':>7} {'cpu min':>8} {'cpu med':>8} {'wall min':>8} {'rows':>8} {'flags':>6}")
     for code, rows in res.items():
         cpu = [r["cpu_s"] for r in rows]
