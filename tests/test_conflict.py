@@ -20,6 +20,14 @@ def _cos(u: np.ndarray, v: np.ndarray) -> float:
     return float(u @ v / np.linalg.norm(u) / np.linalg.norm(v))
 
 
+def _sequential(null: np.ndarray, t: float, B: int, h: int | None = 10) -> tuple[float, int]:
+    """Besag & Clifford's p of one pair by a direct count over its draws *null* (in draw order), and the draws
+    it used: ``h / L`` at the draw ``L < B`` where the h-th draw reaches *t*, else ``(1 + #) / (B + 1)``."""
+    reach = null <= t
+    L = int(np.argmax(np.cumsum(reach) >= h)) + 1 if h is not None and reach.sum() >= h else B + 1
+    return (h / L, L) if h is not None and L < B else ((1 + reach.sum()) / (B + 1), B)
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_cosines_and_permutation_p_match_numpy_oracle(mixed: bool) -> None:
     p = P.planted_conflict(seed=3, n=60, mixed=mixed, snr=0.3)
@@ -40,8 +48,9 @@ def test_cosines_and_permutation_p_match_numpy_oracle(mixed: bool) -> None:
         null = np.array(null)
         t = M[a] @ M[b]
         assert r["cosine"] == pytest.approx(want[a, b])
-        assert r["p_value"] == pytest.approx((1 + np.sum(null <= t + 1e-9 * abs(t))) / 60)
-        assert r["z"] == pytest.approx((null.mean() - t) / null.std(), rel=1e-6)
+        want_p, L = _sequential(null, t + 1e-9 * abs(t), 59)
+        assert r["p_value"] == pytest.approx(want_p) and r["draws"] == L
+        assert r["z"] == pytest.approx((null[:L].mean() - t) / null[:L].std(), rel=1e-6)
     zh_en = next(r for r in rows if (r["a"], r["b"]) == (0, 1))
     assert zh_en["cosine"] < 0 and zh_en["p_value"] == pytest.approx(1 / 60)
 
@@ -228,9 +237,10 @@ def _documented_draws(n: int, B: int, seed: tuple[int, ...], block: int | None) 
 @pytest.mark.parametrize(("mode", "mixed"), [("replay", False), ("training", True)])
 def test_table_p_values_are_a_brute_force_permutation_test_of_each_unit(mode: str, mixed: bool) -> None:
     """Every unit of ``compute``'s table (all units at once, each seeded by its name) against NumPy on its raw
-    gradients: the per-source means by least squares, their cosine (to 1e-9), and the one-sided permutation
-    p-value ``(1 + #{t_π <= t}) / (B + 1)`` of the inner product over the documented draws (equal counts: a
-    tie margin of 1e-9 |t| keeps rounding out of it)."""
+    gradients: the per-source means by least squares, their cosine (to 1e-9), and the one-sided sequential
+    permutation p-value of the inner product over the documented draws, by a direct count: ``h / L`` where
+    the 10th reaching draw is the L-th (< B), else ``(1 + #{t_π <= t}) / (B + 1)`` (equal counts: a tie margin
+    of 1e-9 |t| keeps rounding out of it); some pairs stop early, some run to B."""
     from gradforensics.analysis.toolkit.kspace import window_size
 
     p = P.planted_conflict(seed=6, n=48, mode=mode, mixed=mixed)
@@ -240,7 +250,7 @@ def test_table_p_values_are_a_brute_force_permutation_test_of_each_unit(mode: st
     A = p.mixture.astype(np.float64)
     n = A.shape[0]
     block = window_size(n) if mode == "training" else None
-    checked = 0
+    checked = stopped = 0
     for r in table.itertuples(index=False):
         head = head_of(r.head)
         X = p.unit_matrix(r.tensor, head)
@@ -255,6 +265,8 @@ def test_table_p_values_are_a_brute_force_permutation_test_of_each_unit(mode: st
         null = np.array(null)
         if np.min(np.abs(null - t)) < 1e-9 * abs(t):
             continue                                   # a near-tie could count either way
-        assert r.p_value == (1 + np.sum(null <= t)) / (B + 1), (r.tensor, head, r.source_a, r.source_b)
+        want_p, L = _sequential(null, t, B)
+        assert r.p_value == want_p and r.draws == L, (r.tensor, head, r.source_a, r.source_b)
         checked += 1
-    assert checked > 20
+        stopped += L < B
+    assert checked > 20 and 0 < stopped < checked

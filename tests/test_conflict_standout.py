@@ -169,3 +169,25 @@ def test_two_source_conflict_that_appears_mid_run_is_a_rise() -> None:
     g, src, _ = long_history_arrays(400, seed=0)
     X = g[CONFLICT].astype(np.float64)
     assert so.rise(X @ X.T, np.eye(2)[src], 0, 1) > 5
+
+
+def test_pair_standouts_of_a_unit_match_the_definition_pair_by_pair() -> None:
+    """The vectorised stand-out of every pair of a unit (some sources absent) against the module's definition,
+    a loop over the third sources with both cosines finite."""
+    rng = np.random.default_rng(0)
+    S = 9
+    C = rng.uniform(-1, 1, (S, S))
+    C = (C + C.T) / 2
+    C[[2, 5], :] = np.nan
+    C[:, [2, 5]] = np.nan
+    C[3, 7] = C[7, 3] = np.nan
+    a, b = np.triu_indices(S, 1)
+    got = so.pair_standouts(C, a, b)
+    for x, y, g in zip(a, b, got, strict=True):
+        rest = [t for t in range(S) if t not in (x, y) and np.isfinite(C[x, t]) and np.isfinite(C[y, t])]
+        if not rest or not np.isfinite(C[x, y]):
+            assert g == 0.0
+            continue
+        r = min(np.mean(C[x, rest]), np.mean(C[y, rest]))
+        assert g == pytest.approx(float(np.clip((r - C[x, y] - max(0.0, -r)) / so.PAIR_FULL, 0, 1)), abs=1e-12)
+    assert (got > 0).sum() > 3

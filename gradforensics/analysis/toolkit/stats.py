@@ -3,17 +3,22 @@
 * :func:`rank_trend` - Spearman's rank correlation of a series with its position:
   is it rising or falling over the records (drift, saturation, spectral);
 * :func:`bimodality_coefficient` - Sarle's bimodality coefficient of a sample
-  (oscillation's projections, saturation's unit polarities).
+  (oscillation's projections, saturation's unit polarities);
+* :func:`sequential_permutation_test` - Besag & Clifford's sequential Monte-Carlo p-values of
+  many one-sided tests at once, each test stopping on its own (conflict's permutation null).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["average_ranks", "bimodality_coefficient", "bimodality_coefficients", "finite_mean", "rank_trend", "rank_trends"]
+__all__ = ["SEQUENTIAL_BLOCKS", "SEQUENTIAL_CELLS", "SequentialNull", "average_ranks", "bimodality_coefficient",
+           "bimodality_coefficients", "finite_mean", "rank_trend", "rank_trends", "sequential_permutation_test"]
 
 
 def rank_trend(y: Any, *, min_n: int = 3, alternative: str = "two-sided",
@@ -147,3 +152,111 @@ def finite_mean(x: Any) -> float:
     a = np.asarray(x, dtype=np.float64).ravel()
     a = a[np.isfinite(a)]
     return float(a.mean()) if a.size else math.nan
+
+
+SEQUENTIAL_BLOCKS = (32, 64, 128, 256)
+"""Draws per round of :func:`sequential_permutation_test`: 32, 64, 128, then 256 a round (the p-values do not
+depend on them, only the draws computed past a test's stop do)."""
+SEQUENTIAL_CELLS = 2**20
+"""Null statistics (float64) one round holds at most: a round's draws are cut to fit (8 MiB)."""
+
+
+@dataclass(frozen=True)
+class SequentialNull:
+    """What :func:`sequential_permutation_test` gives per test (arrays of the tests' length).
+
+    ``p``: the p-value (NaN where the observed statistic is not finite); ``draws``: the finite
+    null draws the test used (``L`` where it stopped); ``stopped``: it stopped early, at its
+    ``h``-th draw reaching the observed statistic; ``mean``, ``sd``: the null's mean and
+    (population) standard deviation over those draws (``sd`` NaN below two draws).
+    """
+
+    p: np.ndarray
+    draws: np.ndarray
+    stopped: np.ndarray
+    mean: np.ndarray
+    sd: np.ndarray
+
+
+def sequential_permutation_test(observed: Any, draw: Callable[[np.ndarray, int], np.ndarray], groups: Any, B: int,
+                                h: int | None, tie: Any = 0.0, blocks: tuple[int, ...] = SEQUENTIAL_BLOCKS,
+                                cells: int = SEQUENTIAL_CELLS) -> SequentialNull:
+    """One-sided (lower) Monte-Carlo p-values of many tests, each stopped sequentially (Besag & Clifford 1991).
+
+    Test ``i`` compares its *observed* statistic ``t_i`` with null draws ``t_i1, t_i2, ...``; a draw
+    *reaches* it when ``t_ij <= t_i + tie_i``.  Rule: a test stops at the draw ``L < B`` where
+    *h* draws have reached it, ``p = h / L``; otherwise it takes all *B* draws and
+    ``p = (1 + #{reaching}) / (B + 1)``, the fixed test's p-value (Phipson & Smyth 2010) on the
+    same draws.  ``h=None``: every test takes *B* draws (the fixed test).  Non-finite draws are
+    left out (``L`` and *B* count the finite ones).
+
+    Valid: under the null the observed statistic and its draws are exchangeable, so its rank among
+    them is uniform, and Besag & Clifford's p-value then has ``P(p <= a) <= a`` for every ``a``.
+    Each test's p is a function of its own sequence of draws up to its stop only, so tests that
+    share draws (the pairs of one unit) may stop at different draws.  Where the h-th reaching
+    draw is the B-th, ``(h + 1) / (B + 1) > h / B`` is reported: more conservative, and equal to
+    the fixed test's p.
+
+    Vectorised: every test of every group advances together, one round of *blocks* draws at a
+    time (fewer where a round would hold more than *cells* values), until all tests of a group
+    have stopped.  *groups* (non-decreasing, one per test) names the stream a test's draws come
+    from (a unit: its pairs share each permutation); ``draw(active, size)`` returns the next
+    *size* draws of the groups *active* (sorted indices into ``unique(groups)``'s positions,
+    i.e. the group values), a ``size x m`` array whose columns are the tests of those groups in
+    test order.  A group draws only while one of its tests runs, so a seeded stream per group
+    gives the same draws, and the same p-values, whatever the rounds.
+    """
+    obs = np.asarray(observed, dtype=np.float64).ravel()
+    grp = np.asarray(groups).ravel()
+    if grp.shape != obs.shape or (grp.size and (np.diff(grp) < 0).any()):
+        raise ValueError("groups: one per test, non-decreasing")
+    thr = obs + np.broadcast_to(np.asarray(tie, dtype=np.float64), obs.shape)
+    m = obs.size
+    hits = np.zeros(m, dtype=np.int64)
+    n = np.zeros(m, dtype=np.int64)
+    mean_y = np.zeros(m)                     # null mean and M2 of y = t_ij - t_i (centred on the observed)
+    m2 = np.zeros(m)
+    stopped = np.zeros(m, dtype=bool)
+    live = np.isfinite(obs)
+    done, k = 0, 0
+    while done < B and live.any():
+        active = np.unique(grp[live])
+        cols = np.flatnonzero(np.isin(grp, active))
+        size = min(blocks[min(k, len(blocks) - 1)], B - done, max(1, cells // max(cols.size, 1)))
+        k += 1
+        V = np.asarray(draw(active, size), dtype=np.float64)
+        if V.shape != (size, cols.size):
+            raise ValueError(f"draw returned {V.shape}, expected {(size, cols.size)}")
+        lv = live[cols]
+        fin = np.isfinite(V) & lv[None, :]
+        hit = fin & (thr[cols][None, :] >= V)          # the draw reaches the observed statistic
+        last = np.full(cols.size, size - 1)
+        stop = np.zeros(cols.size, dtype=bool)
+        if h is not None:
+            reached = (hits[cols][None, :] + np.cumsum(hit, axis=0) >= h) & hit
+            first = np.where(reached.any(axis=0), reached.argmax(axis=0), size)
+            stop = lv & (first < size) & (done + first + 1 < B)
+            last = np.where(stop, first, last)
+        use = fin & (np.arange(size)[:, None] <= last[None, :])
+        nb = use.sum(axis=0)
+        Y = np.where(use, V - obs[cols][None, :], 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mb = np.where(nb > 0, Y.sum(axis=0) / np.maximum(nb, 1), 0.0)
+            m2b = np.where(use, (Y - mb[None, :]) ** 2, 0.0).sum(axis=0)
+            n0 = n[cols]
+            tot = n0 + nb
+            delta = mb - mean_y[cols]
+            w = np.where(tot > 0, nb / np.maximum(tot, 1), 0.0)
+            mean_y[cols] += delta * w                              # Chan et al.'s pairwise merge
+            m2[cols] += m2b + delta**2 * n0 * w
+        n[cols] = tot
+        hits[cols] += (hit & use).sum(axis=0)
+        stopped[cols[stop]] = True
+        live[cols[stop]] = False
+        done += size
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(stopped, hits / np.maximum(n, 1), (1.0 + hits) / (n + 1.0))
+        sd = np.where(n > 1, np.sqrt(m2 / np.maximum(n, 1)), np.nan)
+    p = np.where(np.isfinite(obs), p, np.nan)
+    mean = np.where(n > 0, obs + mean_y, np.nan)
+    return SequentialNull(p=p, draws=n, stopped=stopped, mean=mean, sd=sd)

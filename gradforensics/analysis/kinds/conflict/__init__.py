@@ -13,9 +13,10 @@ For each tensor and head, from its Gram matrix ``K`` and ``batches/mixture`` onl
   batch noise puts on the sample means;
 * **significance** by permutation of the source labels: the mixture rows are
   shuffled among the records (within consecutive blocks in a ``training`` store,
-  so a trend over time cannot pose as a source effect), ``B = 999`` seeded
-  permutations, one-sided (less aligned than chance), ``p = (1 + #{t_π ≤
-  t}) / (B + 1)`` (Phipson & Smyth 2010) on the inner product ``t = <M_a, M_b>``
+  so a trend over time cannot pose as a source effect), up to ``B = 999`` seeded
+  permutations, one-sided (less aligned than chance), sequential (Besag & Clifford 1991:
+  ``p = h / L`` where the ``h``-th (10th) permutation to reach ``t`` is the ``L``-th, else the
+  fixed test's ``(1 + #{t_π ≤ t}) / (B + 1)``, Phipson & Smyth 2010) on the inner product ``t = <M_a, M_b>``
   of the two sources' mean gradients (the cosine is the effect size, not the test
   statistic: two nearly opposite sources give a relabelled cosine near -1 too, so
   the cosine's permutation null has no power where the conflict is strongest).  ``AᵀA`` is invariant under row
@@ -61,7 +62,7 @@ from gradforensics.analysis.kinds.conflict.standout import SourceLoss, rise, sou
 from gradforensics.analysis.kinds.conflict.unit import (
     ConflictOptions,
     SourceDesign,
-    conflict_unit,
+    conflict_units,
     effect,
     segment_span,
     severity_p,
@@ -70,7 +71,7 @@ from gradforensics.analysis.kinds.conflict.unit import (
 )
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import units as un
-from gradforensics.analysis.toolkit.parallel import map_units
+from gradforensics.analysis.toolkit.parallel import SLAB_UNITS, map_slabs
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -82,8 +83,9 @@ __all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "MIN_PER_SOURCE", "SEGMENTS", "compu
 COLUMNS = [
     "tensor", "head", "layer", "source_a", "source_b", "cosine", "p_value", "cosine_debiased", "z",
     "n_a", "n_b", "n_records", "n_excluded", "z_cross", "record_first", "record_last", "energy", "energy_share",
-    "rise", "severity", "standing", "named", "why",
+    "rise", "draws", "severity", "standing", "named", "why",
 ]
+_PAIR_TABLE = set(COLUMNS) - {"energy_share", "severity", "standing", "named", "why"}     # given per unit
 SEGMENTS = 8           # long histories: stretches of the run a conflict is located in
 ENERGY_FULL = 0.06     # a unit's share of the gradient energy at which a conflict keeps its full severity
 ENERGY_FLOOR = 0.25    # the weight of a conflict in a unit with no energy: listed, never an alarm
@@ -135,21 +137,36 @@ def not_judged(ctx: Context) -> list[NotJudged]:
                       f"≥ {need} records per source ({ctx.meta.mode} store)")]
 
 
-def _conflict_of(u: un.Unit, mix: np.ndarray, opts: ConflictOptions, training: bool,
+SLAB_BYTES = 64 * 2**20    # Gram matrices one slab of units holds at most (units tested together)
+
+
+def _conflict_of(slab: list[un.Unit], mix: np.ndarray, opts: ConflictOptions, training: bool,
                  designs: dict[bytes, SourceDesign], spans: tuple[np.ndarray, np.ndarray] | None, n_records: int,
-                 ) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
-    """One unit's rows (with its energy and stretch), cosine matrix and kept sources (module-level: it runs on
-    dask workers too); :func:`conflict_unit` seeded by the unit's name."""
-    pairs, cos, idx = conflict_unit(u.gram, mix[u.records], opts, training,
-                                    unit_seed(opts.seed, u.tensor, u.head), designs[u.records.tobytes()])
-    energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
-    for r in pairs:
-        r["energy"] = energy
-        r["rise"] = rise(u.gram, mix[u.records], r["a"], r["b"]) if idx.size == 2 else math.nan
-        r["record_first"], r["record_last"] = 0, n_records - 1
-        if spans is not None:           # long histories: rows are super-records, locate the stretch
-            r["record_first"], r["record_last"] = _stretch(u, mix, spans, r["a"], r["b"])
-    return pairs, cos, idx
+                 ) -> list[tuple[dict[str, np.ndarray], np.ndarray | None, np.ndarray]]:
+    """Per unit of *slab*: its pairs' columns (with its energy and stretch), cosine matrix and kept sources
+    (module-level: it runs on dask workers too).  The units of one design are tested together
+    (:func:`conflict_units`), each seeded by its name."""
+    out: list[Any] = [None] * len(slab)
+    by_design: dict[bytes, list[int]] = {}
+    for i, u in enumerate(slab):
+        by_design.setdefault(u.records.tobytes(), []).append(i)
+    for key, members in by_design.items():
+        units = [slab[i] for i in members]
+        done = conflict_units([u.gram for u in units], mix[units[0].records], opts, training,
+                              [unit_seed(opts.seed, u.tensor, u.head) for u in units], designs[key])
+        for i, u, (cols, cos, idx) in zip(members, units, done, strict=True):
+            m = cols["a"].size
+            energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
+            cols["energy"] = np.full(m, energy)
+            cols["rise"] = np.full(m, rise(u.gram, mix[u.records], int(cols["a"][0]), int(cols["b"][0]))
+                                   if idx.size == 2 and m else math.nan)
+            first, last = np.zeros(m, dtype=np.int64), np.full(m, n_records - 1, dtype=np.int64)
+            if spans is not None:       # long histories: rows are super-records, locate the stretch
+                for k in range(m):
+                    first[k], last[k] = _stretch(u, mix, spans, int(cols["a"][k]), int(cols["b"][k]))
+            cols["record_first"], cols["record_last"] = first, last
+            out[i] = (cols, cos, idx)
+    return out
 
 
 def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None,
@@ -159,7 +176,6 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None,
     opts = ctx.options_for("conflict", ConflictOptions)
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     training = ctx.meta.mode == "training"
-    rows = []
     pack = un.SeriesPack()
     units = un.units(ctx)
     infos = [units.info(i) for i in range(len(units))]        # names and records, no K copied
@@ -167,18 +183,31 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None,
     for u in infos:
         if u.records.tobytes() not in designs:
             designs[u.records.tobytes()] = source_design(mix[u.records], opts, training)
-    done = map_units(functools.partial(_conflict_of, mix=mix, opts=opts, training=training, designs=designs,
-                                       spans=spans, n_records=ctx.n_records), units)
-    for u, (pairs, cos, idx) in zip(infos, done, strict=True):
-        for r in pairs:
-            r.update(tensor=u.tensor, head=u.head, layer=u.layer, source_a=ctx.sources[r.pop("a")],
-                     source_b=ctx.sources[r.pop("b")], n_records=u.n, n_excluded=u.n_excluded)
-            rows.append(r)
+    n_max = max((u.n for u in infos), default=1)
+    slab = max(1, min(SLAB_UNITS, SLAB_BYTES // max(8 * n_max * n_max, 1)))
+    done = map_slabs(functools.partial(_conflict_of, mix=mix, opts=opts, training=training, designs=designs,
+                                       spans=spans, n_records=ctx.n_records), units, size=slab)
+    parts: dict[str, list[Any]] = {c: [] for c in COLUMNS}
+    names = np.asarray(ctx.sources, dtype=object)
+    for u, (cols, cos, idx) in zip(infos, done, strict=True):
+        m = cols["a"].size
+        if m:
+            for c in ("tensor", "head", "layer", "n_records", "n_excluded"):
+                parts[c].append(np.full(m, {"tensor": u.tensor, "head": u.head, "layer": u.layer, "n_records": u.n,
+                                            "n_excluded": u.n_excluded}[c], dtype=object))
+            parts["source_a"].append(names[cols["a"]])
+            parts["source_b"].append(names[cols["b"]])
+            for c, v in cols.items():
+                if c in parts:
+                    parts[c].append(v)
         if cos is not None:
             full = np.full((len(ctx.sources),) * 2, np.nan)
             full[np.ix_(idx, idx)] = cos
             pack.add(u.tensor, u.head, full)
-    table = pd.DataFrame(rows, columns=COLUMNS)
+    table = pd.DataFrame({c: (np.concatenate(v) if v else []) for c, v in parts.items() if c in _PAIR_TABLE},
+                         columns=COLUMNS)
+    for col in ("n_records", "n_excluded", "draws"):
+        table[col] = pd.to_numeric(table[col]).astype("int64")
     for col in ("head", "layer", "record_first", "record_last"):
         table[col] = table[col].astype("Int64")
     n_tests = int(table["p_value"].notna().sum())

@@ -44,7 +44,7 @@ import numpy as np
 
 from gradforensics.analysis.toolkit import flagging as fl
 
-__all__ = ["CONTEXT", "SourceLoss", "loss_stall", "pair_standout", "source_losses", "stand_out"]
+__all__ = ["CONTEXT", "SourceLoss", "loss_stall", "pair_standout", "pair_standouts", "source_losses", "stand_out"]
 
 CONTEXT = 0.45         # the largest severity of a conflict the run does not single out
 PAIR_FULL = 0.3        # how far beyond the base rate a pair's cosine lies for a full stand-out
@@ -108,13 +108,28 @@ def pair_standout(C: np.ndarray, a: int, b: int) -> float:
     """In [0, 1]: sources *a*, *b* conflict beyond what each shows with the others (module docstring).
 
     *C*: the unit's S×S cosine matrix (NaN where a source is absent); 0 with no third source.
+    ``pair_standouts(C, [a], [b])[0]``.
     """
-    rest = [t for t in range(C.shape[0]) if t not in (a, b) and np.isfinite(C[a, t]) and np.isfinite(C[b, t])]
+    return float(pair_standouts(C, np.array([a]), np.array([b]))[0])
+
+
+def pair_standouts(C: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """:func:`pair_standout` of every pair ``(a[i], b[i])`` of one unit at once (``a != b``).
+
+    ``r_x`` is the mean of ``C[x, t]`` over the third sources ``t`` with ``C[a, t]`` and ``C[b, t]``
+    finite: with ``F`` the finite mask (the diagonal left out), ``(C F ᵀ)[a, b] / (F Fᵀ)[a, b]``.
+    """
+    C = np.array(C, dtype=np.float64)
+    np.fill_diagonal(C, np.nan)
+    F = np.isfinite(C).astype(np.float64)
+    C0 = np.where(F > 0, C, 0.0)
+    count, sums = F @ F.T, C0 @ F.T
+    n = count[a, b]
     c = C[a, b]
-    if not rest or not np.isfinite(c):
-        return 0.0
-    r = min(float(np.mean(C[a, rest])), float(np.mean(C[b, rest])))
-    return fl.ramp(r - c - max(0.0, -r), PAIR_FULL)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = np.minimum(sums[a, b] / n, sums[b, a] / n)
+        x = (r - c - np.maximum(0.0, -r)) / PAIR_FULL
+    return np.where((n > 0) & np.isfinite(c) & np.isfinite(x), np.clip(np.nan_to_num(x), 0.0, 1.0), 0.0)
 
 
 def rise(K: np.ndarray, mixture: np.ndarray, a: int, b: int, parts: int = RISE_PARTS) -> float:
@@ -150,29 +165,35 @@ def stand_out(table: Any, sources: tuple[str, ...], losses: list[SourceLoss | No
     """Add ``standing``, ``named`` and ``why`` to the conflict *table* and weigh its severity by them."""
     n = len(table)
     standing = np.zeros(n)
-    named: list[str | None] = [None] * n
-    why: list[str | None] = [None] * n
+    named = np.full(n, None, dtype=object)
+    why = np.full(n, None, dtype=object)
     if n:
         index = {s: i for i, s in enumerate(sources)}
         stall = loss_stall(losses)
         cos = table["cosine_debiased"].where(table["cosine_debiased"].notna(), table["cosine"]).to_numpy(float)
-        unit = list(zip(table["tensor"], table["head"].astype(object).where(table["head"].notna(), None)))
-        matrices: dict[Any, np.ndarray] = {}
-        for u, sa, sb, c in zip(unit, table["source_a"], table["source_b"], cos, strict=True):
-            M = matrices.setdefault(u, np.full((len(sources),) * 2, np.nan))
-            M[index[sa], index[sb]] = M[index[sb], index[sa]] = c
-        for i, (u, sa, sb) in enumerate(zip(unit, table["source_a"], table["source_b"], strict=True)):
-            a, b = index[sa], index[sb]
-            q_pair = pair_standout(matrices[u], a, b)
-            k = a if stall[a] >= stall[b] else b
-            two = int(np.isfinite(matrices[u]).any(axis=0).sum()) == 2
+        ia = table["source_a"].map(index).to_numpy(dtype=np.int64)
+        ib = table["source_b"].map(index).to_numpy(dtype=np.int64)
+        rises = table["rise"].to_numpy(dtype=float)
+        names = np.asarray(sources, dtype=object)
+        for rows in table.groupby(["tensor", "head"], dropna=False, sort=False).indices.values():
+            a, b = ia[rows], ib[rows]
+            M = np.full((len(sources),) * 2, np.nan)
+            M[a, b] = M[b, a] = cos[rows]
+            two = int(np.isfinite(M).any(axis=0).sum()) == 2
             if two:                                 # no other sources to judge against: the rise instead
-                q_pair = fl.ramp(float(table["rise"].iat[i]) - 1.0, RISE_FULL)
-            if q_pair >= stall[k] and q_pair > 0:
-                standing[i], why[i] = q_pair, "rise" if two else "pair"     # the pair names itself
-            elif stall[k] > 0:
-                standing[i], named[i], why[i] = stall[k], sources[k], "loss"
+                x = rises[rows] - 1.0
+                q = np.where(np.isfinite(x), np.clip(np.nan_to_num(x) / RISE_FULL, 0.0, 1.0), 0.0)     # fl.ramp
+            else:
+                q = pair_standouts(M, a, b)
+            k = np.where(stall[a] >= stall[b], a, b)
+            sk = stall[k]
+            pair = (q >= sk) & (q > 0)              # the pair names itself
+            loss = ~pair & (sk > 0)
+            standing[rows] = np.where(pair, q, np.where(loss, sk, 0.0))
+            none = np.full(rows.size, None, dtype=object)
+            why[rows] = np.where(pair, "rise" if two else "pair", np.where(loss, "loss", none))
+            named[rows] = np.where(loss, names[k], none)
     table["standing"] = standing
-    table["named"] = named
-    table["why"] = why
+    table["named"] = named.tolist()
+    table["why"] = why.tolist()
     table["severity"] = np.minimum(table["severity"].to_numpy(dtype=float), CONTEXT + (1.0 - CONTEXT) * standing)

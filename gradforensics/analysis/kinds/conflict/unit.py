@@ -3,8 +3,8 @@
 The statistics of :mod:`gradforensics.analysis.kinds.conflict` (its docstring gives the
 formulas and references) for one unit's Gram matrix ``K`` and mixture rows: the design the
 units with the same records share (:func:`source_design`), the pairs' cosines, debiased
-cosines and permutation p-values (:func:`conflict_unit`, seeded per unit by
-:func:`unit_seed`), the replay cross-block test (:func:`cross_inner_z`), the p-value a
+cosines and sequential permutation p-values (:func:`conflict_units`, the units of one design at
+once, each seeded by :func:`unit_seed`; :func:`conflict_unit`, one unit's rows), the replay cross-block test (:func:`cross_inner_z`), the p-value a
 severity uses (:func:`severity_p`) and where in a long history a pair points apart
 (:func:`segment_span`).
 """
@@ -14,35 +14,38 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from itertools import combinations
 from typing import Any, ClassVar
 
 import numpy as np
 
 from gradforensics.analysis.contract.checks import Constraints, Interval
 from gradforensics.analysis.contract.options import Options
-from gradforensics.analysis.kinds.conflict.permtest import permutations, permuted_source_grams
+from gradforensics.analysis.kinds.conflict.permtest import PairNulls
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import kspace as ks
+from gradforensics.analysis.toolkit.stats import sequential_permutation_test
 
-__all__ = ["EFFECT_FULL", "ConflictOptions", "SourceDesign", "conflict_unit", "cross_inner_z", "effect",
-           "segment_span", "severity_p", "source_design", "unit_seed"]
+__all__ = ["EFFECT_FULL", "PAIR_COLUMNS", "ConflictOptions", "SourceDesign", "conflict_unit", "conflict_units",
+           "cross_inner_z", "effect", "segment_span", "severity_p", "source_design", "unit_seed"]
 
 EFFECT_FULL = 0.3      # -cosine at which the effect score saturates
 
 
 @dataclass(frozen=True)
 class ConflictOptions(Options):
-    """``permutations`` (B), ``seed``, and ``block``: records per permutation block in training mode
-    (default ``max(4, ceil(N/16))``; replay permutes over all records)."""
+    """``permutations`` (B), ``seed``, ``block``: records per permutation block in training mode
+    (default ``max(4, ceil(N/16))``; replay permutes over all records), and ``hits``: the ``h`` of the
+    sequential test (a pair stops drawing once ``h`` permuted statistics reach the observed one;
+    None: every pair draws all ``B``)."""
 
     permutations: int = 999
     seed: int = 0
     block: int | None = None
+    hits: int | None = 10
 
     analysis_name = "conflict"
     constraints: ClassVar[Constraints] = {"permutations": Interval(int, 19, None), "seed": Interval(int, 0, None),
-                   "block": [Interval(int, 2, None), None]}
+                   "block": [Interval(int, 2, None), None], "hits": [Interval(int, 1, None), None]}
 
 
 def unit_seed(seed: int, tensor: str, head: int | None) -> tuple[int, int, int]:
@@ -76,44 +79,82 @@ def source_design(mixture: np.ndarray, opts: ConflictOptions, training: bool) ->
     return SourceDesign(fit, np.linalg.pinv(fit.A.T @ fit.A), block, True)
 
 
+PAIR_COLUMNS = ("a", "b", "cosine", "p_value", "cosine_debiased", "z", "z_cross", "n_a", "n_b", "draws")
+"""The columns :func:`conflict_units` gives per unit, a value per source pair (``a``, ``b``: store source indices)."""
+
+
 def conflict_unit(K: np.ndarray, mixture: np.ndarray, opts: ConflictOptions, training: bool,
                   seed: int | tuple[int, ...] | None = None, design: SourceDesign | None = None,
                   ) -> tuple[list[dict[str, Any]], np.ndarray | None, np.ndarray]:
     """Per-pair rows (store source indices ``a``, ``b``), the S'×S' cosine matrix, kept source indices.
 
-    *design*: :func:`source_design` of *mixture* when the caller shares it between units (the same
-    numbers as building it here).
+    One unit of :func:`conflict_units`, its pairs as a list of dicts.  *design*: :func:`source_design`
+    of *mixture* when the caller shares it between units (the same numbers as building it here).
     """
-    n = K.shape[0]
     d = source_design(mixture, opts, training) if design is None else design
-    fit = d.fit
-    if not d.testable or d.Q is None:
-        return [], None, fit.index
-    G, G_db = ks.source_grams(K, fit)
-    cos, cos_db = ks.gram_to_cos(G), ks.gram_to_cos(G_db)
-    null = permuted_source_grams(K, fit.A, d.Q,
-                                 permutations(n, opts.permutations, opts.seed if seed is None else seed, d.block))
-    rows = []
-    tie = 1e-12 * float(np.abs(np.diagonal(G)).max(initial=0.0))
-    for i, j in combinations(range(fit.index.size), 2):
-        c0 = float(cos[i, j])
+    cols, cos, idx = conflict_units([K], mixture, opts, training, [opts.seed if seed is None else seed], d)[0]
+    rows = [dict(zip(PAIR_COLUMNS, vals, strict=True)) for vals in zip(*(cols[c].tolist() for c in PAIR_COLUMNS))]
+    return rows, cos, idx
+
+
+def conflict_units(grams: list[np.ndarray], mixture: np.ndarray, opts: ConflictOptions, training: bool,
+                   seeds: list[int | tuple[int, ...]], design: SourceDesign,
+                   ) -> list[tuple[dict[str, np.ndarray], np.ndarray | None, np.ndarray]]:
+    """Per unit (Gram matrices *grams* over the records of *mixture*, one *design*): its pairs' columns
+    (:data:`PAIR_COLUMNS`, arrays), its S'×S' cosine matrix (None when untestable), its kept source indices.
+
+    The pairs of all the units are tested together by
+    :func:`~gradforensics.analysis.toolkit.stats.sequential_permutation_test`; unit ``u`` draws from
+    ``permutations(n, B, seeds[u], design.block)``'s stream (:class:`PairNulls`) while one of its
+    pairs still runs.  Memory: the Gram matrices, ``S'²`` per unit and a round of draws (bounded).
+    """
+    fit = design.fit
+    if not design.testable or design.Q is None:
+        return [(_empty_pairs(), None, fit.index) for _ in grams]
+    S = fit.index.size
+    iu, ju = np.triu_indices(S, 1)
+    P = iu.size
+    cos_l, cosdb_l, obs, ties = [], [], [], []
+    for K in grams:
+        G, G_db = ks.source_grams(K, fit)
+        cos, cos_db = ks.gram_to_cos(G), ks.gram_to_cos(G_db)
+        cos_l.append(cos)
+        cosdb_l.append(cos_db)
         # the statistic is the inner product <M_a, M_b>, not the cosine: for two sources pointing
         # nearly opposite ways almost every relabelling also gives a cosine near -1 (the relabelled
         # groups' means are +-(k-m)/(k+m) of one direction), so the cosine's permutation null is
         # bimodal and has no power exactly where the conflict is strongest; the inner product
         # shrinks towards the shared mean under relabelling
-        ip0 = float(G[i, j])
-        perm = null[:, i, j]
-        perm = perm[np.isfinite(perm)]
-        p = (1.0 + np.sum(perm <= ip0 + tie)) / (perm.size + 1.0) if np.isfinite(c0) else math.nan
-        sd = float(perm.std()) if perm.size > 1 else math.nan
-        z = (float(perm.mean()) - ip0) / sd if sd and sd > 0 else math.nan
+        obs.append(np.where(np.isfinite(cos[iu, ju]), G[iu, ju], np.nan))
+        ties.append(np.full(P, 1e-12 * float(np.abs(np.diagonal(G)).max(initial=0.0))))
+    ip0 = np.concatenate(obs)
+    null = sequential_permutation_test(ip0, PairNulls(grams, seeds, fit.A, design.Q, design.block, iu, ju),
+                                       np.repeat(np.arange(len(grams)), P), opts.permutations, opts.hits,
+                                       tie=np.concatenate(ties))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = np.where(null.sd > 0, (null.mean - ip0) / null.sd, np.nan)
+    a, b = fit.index[iu].astype(np.int64), fit.index[ju].astype(np.int64)
+    pure = None if training else _pure_labels(mixture)
+    out: list[tuple[dict[str, np.ndarray], np.ndarray | None, np.ndarray]] = []
+    for u, K in enumerate(grams):
+        sl = slice(u * P, (u + 1) * P)
         # independent batches (replay): an asymptotic test that resolves beyond 1/(B+1)
-        zx = math.nan if training else cross_inner_z(K, mixture, int(fit.index[i]), int(fit.index[j]))
-        rows.append({"a": int(fit.index[i]), "b": int(fit.index[j]), "cosine": c0, "p_value": p,
-                     "cosine_debiased": float(cos_db[i, j]), "z": z, "z_cross": zx,
-                     "n_a": float(fit.weight[i]), "n_b": float(fit.weight[j])})
-    return rows, cos, fit.index
+        zx = (np.full(P, np.nan) if pure is None else
+              np.array([_cross_z(K, pure, int(x), int(y)) for x, y in zip(a.tolist(), b.tolist(), strict=True)]))
+        cols = {"a": a, "b": b, "cosine": cos_l[u][iu, ju], "p_value": null.p[sl], "cosine_debiased": cosdb_l[u][iu, ju],
+                "z": z[sl], "z_cross": zx, "n_a": fit.weight[iu].astype(np.float64),
+                "n_b": fit.weight[ju].astype(np.float64), "draws": null.draws[sl]}
+        out.append((cols, cos_l[u], fit.index))
+    return out
+
+
+def _empty_pairs() -> dict[str, np.ndarray]:
+    return {c: np.empty(0, dtype=np.int64 if c in ("a", "b", "draws") else np.float64) for c in PAIR_COLUMNS}
+
+
+def _pure_labels(mixture: np.ndarray) -> np.ndarray:
+    """Each record's source where its batch is pure, else -1 (:func:`cross_inner_z`)."""
+    return np.where(np.isclose(mixture.max(axis=1), 1.0), mixture.argmax(axis=1), -1)
 
 
 def cross_inner_z(K: np.ndarray, mixture: np.ndarray, a: int, b: int) -> float:
@@ -127,9 +168,12 @@ def cross_inner_z(K: np.ndarray, mixture: np.ndarray, a: int, b: int) -> float:
     independent, to extend the permutation p-value below its floor ``1/(B+1)``;
     NaN with fewer than 3 pure batches per source.
     """
-    pure = np.isclose(mixture.max(axis=1), 1.0)
-    ia = np.flatnonzero(pure & (mixture.argmax(axis=1) == a))
-    ib = np.flatnonzero(pure & (mixture.argmax(axis=1) == b))
+    return _cross_z(K, _pure_labels(mixture), a, b)
+
+
+def _cross_z(K: np.ndarray, pure: np.ndarray, a: int, b: int) -> float:
+    """:func:`cross_inner_z` from the records' pure-batch sources *pure* (:func:`_pure_labels`)."""
+    ia, ib = np.flatnonzero(pure == a), np.flatnonzero(pure == b)
     if ia.size < 3 or ib.size < 3:
         return math.nan
     C = ks.block(K, ia, ib)
