@@ -222,3 +222,55 @@ def test_array_recorder_marks_units_and_the_validator_checks_them(tmp_path):
     zarr.open_array(str(path / "grads" / "moe.w"), mode="r+").attrs["experts"] = 5
     with pytest.raises(CorruptStoreError, match="experts=5"):
         open_store(path)
+
+
+@pytest.mark.slow       # a tokenizer is trained and a checkpoint replayed (the test_capture_cli fixtures)
+def test_capture_cli_experts_records_units_and_router_loads(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    from test_capture_cli import capture, corpus
+
+    from gradforensics.replay import data
+
+    llama = _tiny_tokenizer()
+    model_dir = tmp_path / "mixtral"
+    cfg = transformers.MixtralConfig(vocab_size=len(llama), hidden_size=D, intermediate_size=8, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
+                                     num_experts_per_tok=K, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(model_dir)
+    llama.save_pretrained(model_dir)
+    text = tmp_path / "en.txt"
+    text.write_text("".join(t + "\n" for t in corpus("en", 40, 3)), encoding="utf-8")
+    out = tmp_path / "c.zarr"
+    rc, err = capture(model_dir, "--data", f"en={text}", "--out", out, "--batches-per-source", "2", "--batch-size",
+                      "2", "--seq-len", "16", "--experts", capsys=capsys)
+    assert rc == 0, err
+    s = open_store(out)
+    assert s.experts_of("model.layers.0.mlp.experts.down_proj") == E
+    assert "model.layers.0.mlp.gate.weight" in s.tensors
+    model = transformers.MixtralForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    batches = data.load_batches(data.parse_sources([f"en={text}"]), llama, seq_len=16, batch_size=2, n_batches=2,
+                                seed=0)
+    seen, handles = _router_inputs(model, ["model.layers.0.mlp.gate"])
+    for j in range(2):
+        seen["model.layers.0.mlp.gate"].clear()
+        with torch.enable_grad():
+            model(input_ids=batches["en"][j]["input_ids"])
+        want = _want(model.model.layers[0].mlp.gate.weight, seen["model.layers.0.mlp.gate"])
+        np.testing.assert_array_equal(s.router("model.layers.0.mlp.gate", "load")[j], want["load"].astype(np.float32))
+    for h in handles:
+        h.remove()
+
+
+def _tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from test_capture_cli import corpus
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus("en", 60, 0), trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>")

@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ExpertPlan", "RouterHook", "RouterTaps", "match_experts", "resolve_experts", "stack_units"]
+__all__ = ["ExpertPlan", "RouterHook", "RouterTaps", "match_experts", "parse_cli_experts", "resolve_experts",
+           "stack_units"]
 
 _ROUTER_NAMES = ("gate", "router")
 
@@ -62,6 +63,21 @@ _ROUTER_NAMES = ("gate", "router")
 def match_experts(name: str, experts: Mapping[str, int]) -> int | None:
     """E of the first glob in *experts* (``{tensor glob: E}``) that matches tensor *name*, else None."""
     return next((int(e) for glob, e in experts.items() if fnmatch.fnmatchcase(name, glob)), None)
+
+
+def parse_cli_experts(specs: list[str]) -> str | dict[str, int] | None:
+    """``--experts`` entries -> ``experts=``: none or ``auto`` -> ``"auto"``; ``none`` -> None; ``GLOB=E`` -> a dict."""
+    if not specs or specs == ["auto"]:
+        return "auto"
+    if specs == ["none"]:
+        return None
+    out: dict[str, int] = {}
+    for spec in specs:
+        glob, eq, e = spec.partition("=")
+        if not eq or not glob or not e.isdigit() or int(e) < 1:
+            raise SpecError(f"--experts {spec!r}: expected auto, none, or GLOB=E (E the expert count, >= 1).")
+        out[glob] = int(e)
+    return out
 
 
 @dataclass
