@@ -140,6 +140,7 @@ def _check_router(s, wants, routers: list[str]) -> None:
         for i, w in enumerate(wants):
             np.testing.assert_array_equal(load[i], w[r]["load"].astype(np.float32))       # exact token counts
             assert s.router(r, "max_share")[i] == np.float32(w[r]["max_share"])
+            assert s.arrays[f"router/{r}/load"].attrs["top_k"] == K
             assert s.router(r, "entropy")[i] == pytest.approx(w[r]["entropy"], rel=1e-6)
             assert s.router(r, "logit_z")[i] == pytest.approx(w[r]["logit_z"], rel=1e-6)
 

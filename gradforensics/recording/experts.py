@@ -29,8 +29,9 @@ the logits, k the router's or its parent's ``top_k`` / ``num_experts_per_tok``).
 Per record, over every token of every micro-batch with gradients on since the
 previous record, under ``router/<router module>/``:
 
-* ``load`` ``(N, E)``: each expert's share of the top-k assignments (sums to 1);
-* ``max_share`` ``(N,)``: the largest ``load``;
+* ``load`` ``(N, E)``: each expert's share of the top-k assignments (sums to 1; attributes
+  ``experts`` E and ``top_k`` k; an expert in every token's top k has 1/k);
+* ``max_share`` ``(N,)``: the largest ``load``, between 1/E (balanced) and 1/k;
 * ``entropy`` ``(N,)``: the entropy (nats) of the *mean routing distribution*
   ``p̄ = mean over tokens of softmax(router logits)``; ``log E`` is uniform routing, 0 collapse;
 * ``logit_z`` ``(N,)``: the mean over tokens of ``logsumexp(router logits)²`` (the
@@ -202,6 +203,7 @@ class RouterHook:
     def __init__(self, name: str, experts: int, top_k: int | None) -> None:
         self.name, self.experts, self.top_k = name, experts, top_k
         self.sums: Any = None       # float64 (2E + 2,): [counts (E), Σ softmax (E), Σ lse², n tokens]
+        self.k_seen = top_k or 1    # experts per token, as last seen (the indices' last axis)
 
     def __call__(self, module: nn.Module, inputs: Any, output: Any) -> None:
         import torch
@@ -216,6 +218,7 @@ class RouterHook:
                     raise SpecError(f"experts: router {self.name} returns only logits and neither it nor its parent "
                                     "has top_k / num_experts_per_tok; its load cannot be counted.")
                 idx = torch.topk(x, self.top_k, dim=-1).indices
+            self.k_seen = int(idx.shape[-1]) if idx.ndim >= 1 else 1
             counts = torch.bincount(idx.detach().reshape(-1).long(), minlength=self.experts)[: self.experts]
             lse = torch.logsumexp(x, dim=-1)
             s = torch.cat([counts.double(), torch.softmax(x, dim=-1).sum(0),
@@ -266,7 +269,8 @@ class RouterTaps:
                 raise SpecError(f"experts: router {name} ran no forward with gradients since the previous record; "
                                 "every router must run in every recorded batch.")
             stats = router_stats(s, hook.experts)
-            out.update({router_path(name, k): (np.asarray(stats[k]), {"experts": hook.experts} if k == "load" else {})
+            load_attrs = {"experts": hook.experts, "top_k": hook.k_seen}
+            out.update({router_path(name, k): (np.asarray(stats[k]), load_attrs if k == "load" else {})
                         for k in ROUTER_FIELDS})
         return out
 

@@ -240,10 +240,10 @@ def _router(path: str, name: str, arr: StoredArray) -> None:
     if len(parts) != 3 or parts[2] not in ROUTER_FIELDS:
         raise _bad(path, name, "an unknown name", f"router/<module>/<stat>, stat one of {ROUTER_FIELDS}")
     if parts[2] == "load":
-        e = arr.attrs.get("experts")
-        if len(arr.shape) != 2 or arr.dtype != "float32" or e != arr.shape[1]:
-            raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape} experts={e!r}",
-                       "float32 of shape (N, E) with attribute experts = E")
+        e, k = arr.attrs.get("experts"), arr.attrs.get("top_k", 1)
+        if len(arr.shape) != 2 or arr.dtype != "float32" or e != arr.shape[1] or not _is_int(k, 1) or k > e:
+            raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape} experts={e!r} top_k={k!r}",
+                       "float32 of shape (N, E) with attribute experts = E and top_k in 1..E")
     elif len(arr.shape) != 1 or arr.dtype != "float32":
         raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}", "float32 of shape (N,)")
 
