@@ -198,6 +198,11 @@ def test_listed_experts_stack_into_one_unit_per_weight_name(tmp_path):
             assert s.arrays[f"weights/{unit}"].shape[1:] == want.shape
     assert not [t for t in s.tensors if ".experts.0." in t]       # no member is stored on its own
     _check_router(s, wants, routers)
+    import zarr
+
+    zarr.open_array(str(tmp_path / "l.zarr" / "router" / routers[0] / "load"), mode="r+").attrs["experts"] = E + 1
+    with pytest.raises(CorruptStoreError, match="attribute experts = E"):
+        open_store(tmp_path / "l.zarr")
 
 
 def test_experts_refusals(tmp_path):
@@ -220,6 +225,10 @@ def test_array_recorder_marks_units_and_the_validator_checks_them(tmp_path):
     np.testing.assert_array_equal(s.read("grads/moe.w")[0], np.arange(12).reshape(3, 4))
     import zarr
 
+    from gradforensics.store.layout import dimension_names
+
+    assert dimension_names("grads/moe.w", 3, {"experts": 3}) == ("record", "moe.w.expert", "moe.w.ax2")
+    assert dimension_names("router/g/load", 2, {"experts": 3})[0] == "record"
     zarr.open_array(str(path / "grads" / "moe.w"), mode="r+").attrs["experts"] = 5
     with pytest.raises(CorruptStoreError, match="experts=5"):
         open_store(path)
