@@ -179,6 +179,37 @@ def test_qwen2_moe_shared_expert_stays_whole(tmp_path):
     _check_router(s, wants, routers)
 
 
+def _other(kind: str) -> tuple[nn.Module, list[str]]:
+    common = {"vocab_size": V, "hidden_size": D, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "max_position_embeddings": 32, "num_experts_per_tok": K, "intermediate_size": 8}
+    torch.manual_seed(0)
+    if kind == "olmoe":
+        m = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**common, num_experts=E, num_key_value_heads=1))
+    elif kind == "qwen3_moe":
+        m = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, num_experts=E, num_key_value_heads=1, moe_intermediate_size=8, head_dim=8))
+    else:     # DeepSeek-V3: layer 0 dense, layer 1 routed experts + a shared expert (shared_experts, kept whole)
+        m = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **common, num_key_value_heads=2, moe_intermediate_size=8, n_routed_experts=E, n_shared_experts=1,
+            first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=4, n_group=1, topk_group=1))
+        return m, ["model.layers.1.mlp.gate"]
+    return m, [f"model.layers.{i}.mlp.gate" for i in range(2)]
+
+
+@pytest.mark.parametrize("kind", ["olmoe", "qwen3_moe", "deepseek_v3"])
+def test_other_hf_moe_families(tmp_path, kind):
+    model, routers = _other(kind)
+    s, grads, wants = _run(model, tmp_path / "o.zarr", _hf_loss, routers, experts="auto")
+    units = [t for t in s.tensors if s.experts_of(t)]
+    assert units == [r.replace(".gate", f".experts.{w}") for r in routers for w in ("down_proj", "gate_up_proj")]
+    for u in units:
+        np.testing.assert_array_equal(s.read(f"grads/{u}")[1], grads[1][u].numpy())
+    if kind == "deepseek_v3":
+        assert "model.layers.1.mlp.shared_experts.down_proj.weight" in s.tensors
+    _check_router(s, wants, routers)
+
+
 def test_listed_experts_stack_into_one_unit_per_weight_name(tmp_path):
     model = _ListedModel()
 
