@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-head attention logits and entropy (no GLOB: every attention module); runs eager attention")
     r.add_argument("--logits", nargs="*", metavar="GLOB",
                    help="log Z and logit statistics of the output logits (no GLOB: the output embedding)")
+    r.add_argument("--experts", nargs="*", metavar="GLOB=E",
+                   help="mixture-of-experts: per-expert gradient units and router load, entropy and z "
+                        "(no entry: every module named experts; GLOB=E: experts modules and their count)")
     r.add_argument("--sketch", type=int, metavar="K", help="store a K-dim sketch per tensor (per head)")
     r.add_argument("--full", nargs="+", metavar="GLOB",
                    help="with --sketch: tensors whose whole gradient is stored too (default none)")

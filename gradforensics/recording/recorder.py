@@ -29,6 +29,7 @@ import numpy as np
 from gradforensics.errors import SpecError, StoreClosedError, StoreMismatchError, Terminated
 from gradforensics.recording.actstats import ActRange, act_stats, make_range
 from gradforensics.recording.encoding import DTYPES, PendingRecord, encode, is_bf16, mixture_row, parse_sketch, to_f32
+from gradforensics.recording.experts import match_experts
 from gradforensics.recording.heads import match_heads
 from gradforensics.store.backends import locate
 from gradforensics.store.heads import HeadSpec
@@ -66,6 +67,10 @@ class ArrayRecorder:
     heads
         ``{glob: H}`` or ``{glob: {"heads": H, "axis": A, "role": R, "fused": F,
         "interleaved": bool}}``: tensors to store per head, ``(N, H, ...)``.
+    experts
+        ``{glob: E}``: tensors that are mixture-of-experts units, ``(E, ...)`` with the
+        E experts on axis 0; stored ``(N, E, ...)`` with the attribute ``experts = E``
+        (the PyTorch recorder finds them in the model: :mod:`gradforensics.recording.experts`).
     sketch
         ``k`` or ``{"k": k, "seed": s, "method": "countsketch"|"gaussian"}``: also
         store a k-dim seeded projection of every gradient (per head where split).
@@ -131,12 +136,17 @@ class ArrayRecorder:
                  framework: str = "numpy", model_info: Mapping[str, Any] | None = None, compression: str = "none",
                  layout: LayoutPolicy | None = None, storage_options: Mapping[str, Any] | None = None,
                  ranks: RankPlan | None = None, extra: Mapping[str, Any] | None = None,
-                 dtypes: Mapping[str, str] | None = None, expected_records: int | None = None) -> None:
+                 dtypes: Mapping[str, str] | None = None, expected_records: int | None = None,
+                 experts: Mapping[str, int] | None = None) -> None:
+        if experts is not None and not isinstance(experts, Mapping):
+            raise SpecError(f"experts of an array recorder must be {{tensor glob: E}}; got {experts!r} "
+                            "('auto' needs model=).")
         if dtype is not None and dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {DTYPES} or None; got {dtype!r}.")
         self.path = str(path)
         self.sources = tuple(sources)
         self.heads = dict(heads or {})
+        self.experts = {str(k): int(v) for k, v in (experts or {}).items()}
         self.sketcher = parse_sketch(sketch)
         self.full = tuple(full) if full is not None else (() if self.sketcher else ("*",))
         self.dtype = dtype
@@ -243,9 +253,13 @@ class ArrayRecorder:
             "lr": np.float32(lr),
             "time": np.float64(_time.time() if time is None else time),
         }
+        taken = {k: self._take(f"grads[{k!r}]", k, v, copy=copy) for k, v in (grads or {}).items()}
+        if self.experts and i == 0:           # shapes are fixed from record 0: check the units once, here
+            for k, g in taken.items():
+                self._experts_of(k, g.shape)
         return PendingRecord(
             meta=meta,
-            grads={k: self._take(f"grads[{k!r}]", k, v, copy=copy) for k, v in (grads or {}).items()},
+            grads=taken,
             acts={k: self._take(f"activations[{k!r}]", "act:" + k, v, per_record_shape=False, copy=copy)
                   for k, v in (activations or {}).items()},
             weights={check_name(k, "record(): weights key"): np.array(v, copy=True) if copy else np.asarray(v)
@@ -381,12 +395,21 @@ class ArrayRecorder:
         out: dict[str, Row] = {}
         if any(fnmatch.fnmatchcase(name, pat) for pat in self.full):
             blocks = spec.split(data) if spec is not None else data
-            out[grad_path(name)] = Row(blocks, attrs, head_split=spec is not None, compression=self.compression)
+            e = self._experts_of(name, g.shape) if spec is None else None
+            out[grad_path(name)] = Row(blocks, attrs if e is None else {**attrs, "experts": e},
+                                       head_split=spec is not None or e is not None, compression=self.compression)
         if self.sketcher is not None and name not in self.device_sketched:
             g32 = g if g.dtype == np.float32 else to_f32(g)
             sk = self.sketcher.project_heads(spec.split(g32)) if spec is not None else self.sketcher.project(g32)
             out[sketch_path(name)] = Row(sk, {**attrs, **self.sketcher.attrs(), "encoding": "float32"})
         return out
+
+    def _experts_of(self, name: str, shape: tuple[int, ...]) -> int | None:
+        """E when tensor *name* is an experts unit (``experts=``), checked against its leading axis."""
+        e = match_experts(name, self.experts)
+        if e is not None and (len(shape) < 2 or shape[0] != e):
+            raise SpecError(f"experts for {name}: shape {shape} does not hold {e} experts on axis 0.")
+        return e
 
     def _act_rows(self, module: str, a: np.ndarray) -> dict[str, Row]:
         rng = self._ranges.get(module)

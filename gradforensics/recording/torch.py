@@ -37,6 +37,7 @@ from gradforensics.recording.actstats import (
 )
 from gradforensics.recording.autoheads import resolve_heads
 from gradforensics.recording.encoding import mixture_row
+from gradforensics.recording.experts import ExpertPlan, RouterTaps, resolve_experts, stack_units
 from gradforensics.recording.hostcopy import HostCopies, device_copies_done, to_numpy
 from gradforensics.recording.logits import LogitTaps, logit_modules
 from gradforensics.recording.recorder import ArrayRecorder
@@ -97,6 +98,14 @@ class TorchRecorder(ArrayRecorder):
         ``"auto"`` (the output embedding / ``lm_head``, tied included) or module globs: per
         record log Z and logit statistics of the output logits, and the output embedding's
         row-norm ratio at weight snapshots (:mod:`gradforensics.recording.logits`).
+    experts
+        ``"auto"`` or ``{experts module glob: E}``: mixture-of-experts layers
+        (:mod:`gradforensics.recording.experts`): each expert weight is recorded as one
+        unit ``(E, ...)`` (fused ``(E, ...)`` tensors as they are, an ``nn.ModuleList``'s
+        same-named weights stacked), stored ``(N, E, ...)`` with the attribute ``experts``,
+        and each router's weight is recorded with, per record, its load per expert, the
+        largest share, the entropy of its mean routing distribution and its mean squared
+        log-sum-exp (``router/<router>/...``).
     optimizer, optimizer_every
         An Adam-family ``torch.optim`` optimizer of *model*: every ``optimizer_every`` records
         its state is summarised per tensor and per row (:mod:`gradforensics.recording.optimlive`).
@@ -129,18 +138,32 @@ class TorchRecorder(ArrayRecorder):
                  act_bounds: Mapping[str, tuple[float, float]] | None = None, sketch_on: str = "device",
                  attention: str | Sequence[str] | None = None, unit_axes: Mapping[str, int] | None = None,
                  logits: str | Sequence[str] | None = None, optimizer: Any = None, optimizer_every: int = 1,
-                 **kwargs: Any) -> None:
+                 experts: str | Mapping[str, int] | None = None, **kwargs: Any) -> None:
         _check_options(sketch_on, weights_every, kwargs)
         self.model = model
         self.dist = distributed.context(model)
         named = distributed.unwrap(model)     # DDP's parameter names without "module."
         self.params = select_parameters(named, tensors)
+        self.experts_plan = plan = resolve_experts(named, experts)
+        if experts and self.dist is not None and self.dist.kind == "fsdp":
+            raise SpecError("FSDP capture does not take experts= yet; record it from a DDP or single-process run.")
+        self.params = _with_experts(named, self.params, plan, tensors is None)
+        self._listed = {u: ms for u, ms in plan.listed.items() if all(m in self.params for m in ms)}
+        partial = [u for u, ms in plan.listed.items() if u not in self._listed and any(m in self.params for m in ms)]
+        if partial:
+            raise SpecError(f"tensors: selects some but not all experts of {partial[0]}; select all of them "
+                            f"({plan.listed[partial[0]][0]} ...) or none.")
+        shapes = stack_units({n: tuple(p.shape) for n, p in self.params.items()}, self._listed,
+                             lambda xs: (len(xs), *xs[0]))
+        self._names = tuple(shapes)
+        unit_e = {u: e for u, e in plan.units.items() if u in shapes}
         if not self.params:
             raise SpecError(f"tensors: {type(named).__name__} has no trainable 2-D weight to record; "
                             "pass tensors=[globs].",
                             cli=f"--tensors: {type(named).__name__} has no trainable 2-D weight to record; "
                                 "pass --tensors GLOB.")
-        specs = resolve_heads(named, {n: tuple(p.shape) for n, p in self.params.items()}, heads)
+        specs = resolve_heads(named, shapes, heads)
+        specs = {n: s for n, s in specs.items() if n not in unit_e}
         self._act_modules = select_modules(named, activations)
         if attention and self.dist is not None and self.dist.kind == "fsdp":
             raise SpecError("FSDP capture does not take attention= yet; record it from a DDP or single-process run.")
@@ -158,7 +181,7 @@ class TorchRecorder(ArrayRecorder):
         self._attn = open_taps(named, attention) if attention else None
         try:
             super().__init__(path, sources=sources, heads=specs, act_bounds=bounds, framework="torch",
-                             model_info=model_info(named), **kwargs)
+                             model_info=model_info(named), experts=unit_e, **kwargs)
         except BaseException:
             if self._attn is not None:
                 self._attn.remove()
@@ -171,8 +194,8 @@ class TorchRecorder(ArrayRecorder):
         #: Bytes copied from the gradients' device to the host, all records so far (sketches included).
         self.host_bytes = 0
         if self._device_sketch is not None:
-            self.device_sketched = frozenset(self.params)
-        self._full_names = tuple(n for n in self.params if any(fnmatch.fnmatchcase(n, pat) for pat in self.full))
+            self.device_sketched = frozenset(self._names)
+        self._full_names = tuple(n for n in self._names if any(fnmatch.fnmatchcase(n, pat) for pat in self.full))
         self._steps = 0
         self._hooks: list[Any] = []
         self._axes = AxisFinder(named, self._act_modules, unit_axes) if self._act_modules or unit_axes else None
@@ -180,6 +203,7 @@ class TorchRecorder(ArrayRecorder):
         for n, m in self._act_modules.items():
             self._hooks.append(m.register_forward_hook(self._act_hooks[n]))
         self._logits = LogitTaps(logit_modules(named, logits)) if logits else None
+        self._routers = RouterTaps(plan.routers) if plan.routers else None
         self._optim = None
         if optimizer is not None:
             from gradforensics.recording.optimlive import LiveOptim
@@ -235,6 +259,8 @@ class TorchRecorder(ArrayRecorder):
                 pending.rows.update(self._logits.take(self.weights_every is None or n % self.weights_every == 0))
             if self._optim is not None:
                 pending.rows.update(self._optim.take(n))
+            if self._routers is not None:
+                pending.rows.update(self._routers.take())
             clash = sorted(set(pending.act_stats) & set(pending.acts))
             if clash:
                 raise SpecError(f"record(): activations[{clash[0]!r}] is already recorded from the model; "
@@ -326,6 +352,9 @@ class TorchRecorder(ArrayRecorder):
         logit_taps = getattr(self, "_logits", None)
         if logit_taps is not None:
             logit_taps.remove()
+        routers = getattr(self, "_routers", None)
+        if routers is not None:
+            routers.remove()
         if self._local is not None:
             self._local.remove()
 
@@ -356,7 +385,7 @@ class TorchRecorder(ArrayRecorder):
         (only ``k`` floats per head cross to the host), and only the ``full``
         tensors are copied.
         """
-        grads = {n: self._grad_of(n, p) for n, p in self.params.items()}
+        grads = stack_units({n: self._grad_of(n, p) for n, p in self.params.items()}, self._listed)
         sketches = {}
         if self._device_sketch is not None:
             for n, g in grads.items():
@@ -402,7 +431,19 @@ class TorchRecorder(ArrayRecorder):
         k = self.weights_every
         if k is None or self.n_records % k:
             return {}
-        return {n: to_numpy(p.detach().to("cpu", copy=True)) for n, p in self.params.items()}
+        return {n: to_numpy(p.detach().to("cpu", copy=True))
+                for n, p in stack_units({n: p.detach() for n, p in self.params.items()}, self._listed).items()}
+
+
+def _with_experts(model: nn.Module, params: dict[str, torch.nn.Parameter], plan: ExpertPlan,
+                  default: bool) -> dict[str, torch.nn.Parameter]:
+    """*params* and, under the default selection, every experts unit's tensors and every router's weight
+    (in model order)."""
+    if not default or not plan.units:
+        return params
+    routers = {f"{r}.weight" for r in plan.routers}
+    want = set(params) | set(plan.units) | plan.members | routers
+    return {n: p for n, p in model.named_parameters() if n in want and p.requires_grad}
 
 
 def _merge(what: str, ours: dict[str, np.ndarray], extra: Mapping[str, Any] | None) -> dict[str, np.ndarray]:

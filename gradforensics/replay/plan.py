@@ -174,6 +174,10 @@ class RecordSpec:
     logits
         ``"auto"`` (the output embedding) or module globs: per-record log Z and logit
         statistics (:mod:`gradforensics.recording.logits`); ``None``: none.
+    experts
+        ``"auto"``, ``{experts module glob: E}`` or the ``--experts`` entries (``[]`` / ``["auto"]``,
+        ``["*.mlp.experts=8"]``): mixture-of-experts units and router statistics
+        (:mod:`gradforensics.recording.experts`); ``None``: none.
     """
 
     tensors: tuple[str, ...] | None = None
@@ -184,10 +188,16 @@ class RecordSpec:
     dtype: str | None = None
     attention: str | tuple[str, ...] | None = None
     logits: str | tuple[str, ...] | None = None
+    experts: str | Mapping[str, int] | Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", _attention(self.attention))
         object.__setattr__(self, "logits", _attention(self.logits))     # the same auto / none / globs form
+        if self.experts is not None and not isinstance(self.experts, Mapping):
+            from gradforensics.recording.experts import parse_cli_experts
+
+            object.__setattr__(self, "experts", parse_cli_experts(
+                [self.experts] if isinstance(self.experts, str) else list(self.experts)))
         for name in ("tensors", "activations", "full"):
             object.__setattr__(self, name, _globs(getattr(self, name)))
         heads = self.heads
@@ -213,7 +223,8 @@ class RecordSpec:
         """The keyword arguments of :class:`~gradforensics.recording.torch.TorchRecorder` these stand for."""
         return {"tensors": self.tensors, "heads": self.heads, "activations": self.activations,
                 "sketch": self.sketch, "full": self.full, "dtype": self.dtype, "attention": self.attention,
-                **({"logits": self.logits} if self.logits else {})}
+                **({"logits": self.logits} if self.logits else {}),
+                **({"experts": self.experts} if self.experts else {})}
 
 
 def _attention(value: str | Sequence[str] | None) -> str | tuple[str, ...] | None:

@@ -111,7 +111,7 @@ def _balanced(size: int, most: int) -> int:
 
 # Axis names of the stored arrays (Zarr v3 ``dimension_names``; see docs/store-schema.md).
 #: groups whose arrays have one row per record (axis 0 is the shared ``record`` dimension)
-_PER_RECORD = ("batches", "grads", "sketch", "acts", "attn", "logits", "optim_live")
+_PER_RECORD = ("batches", "grads", "sketch", "acts", "attn", "logits", "optim_live", "router")
 
 
 def dimension_names(name: str, ndim: int, attrs: dict[str, object] | None = None) -> tuple[str, ...]:
@@ -119,7 +119,8 @@ def dimension_names(name: str, ndim: int, attrs: dict[str, object] | None = None
 
     ``record`` first (shared by every per-record array, so ``xarray.open_zarr(store,
     group="grads")`` aligns them), ``snapshot`` first for ``weights/``; ``source``
-    on ``batches/mixture``; ``<key>.head`` on the head axis of a head-split array;
+    on ``batches/mixture``; ``<key>.head`` on the head axis of a head-split array,
+    ``<key>.expert`` on the expert axis of an experts unit (attribute ``experts``);
     every other axis ``<key>.ax<i>`` - qualified by the array's key so that two
     tensors of different shapes never give one dimension two sizes.
     """
@@ -134,5 +135,7 @@ def dimension_names(name: str, ndim: int, attrs: dict[str, object] | None = None
         names.append("source")
     if (attrs or {}).get("heads") and len(names) == 1 and ndim > 1:
         names.append(f"{key}.head")
+    elif (attrs or {}).get("experts") and len(names) == 1 and ndim > 1:
+        names.append(f"{key}.expert")
     names += [f"{key}.ax{i}" for i in range(len(names), ndim)]
     return tuple(names[:ndim])

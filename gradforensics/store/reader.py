@@ -27,6 +27,7 @@ from gradforensics.store.schema import (
     BATCH_FIELDS,
     LOGIT_FIELDS,
     ROOT_ATTR,
+    ROUTER_FIELDS,
     StoreMeta,
     parse_root_attrs,
 )
@@ -178,6 +179,11 @@ class Store:
         """The modules with output-logit statistics (``logits/<module>/...``), sorted."""
         return sorted({k.rsplit("/", 1)[0] for k in self._group("logits")})
 
+    @cached_property
+    def router_modules(self) -> list[str]:
+        """The mixture-of-experts routers with statistics (``router/<module>/...``), sorted."""
+        return sorted({k.rsplit("/", 1)[0] for k in self._group("router")})
+
     @property
     def tensors(self) -> list[str]:
         """Every tensor with gradient information (whole or sketched), sorted."""
@@ -284,6 +290,19 @@ class Store:
         if stat not in LOGIT_FIELDS:
             raise KeyError(stat)
         return self.read(f"logits/{module}/{stat}")
+
+    def router(self, module: str, stat: str) -> np.ndarray:
+        """Router statistic *stat* (one of ``ROUTER_FIELDS``) of *module*: float32 ``(N, E)`` for ``load``,
+        ``(N,)`` for the others (:mod:`gradforensics.recording.experts`)."""
+        if stat not in ROUTER_FIELDS:
+            raise KeyError(stat)
+        return self.read(f"router/{module}/{stat}")
+
+    def experts_of(self, tensor: str) -> int | None:
+        """E when ``grads/<tensor>`` is a mixture-of-experts unit ``(N, E, ...)`` (attribute ``experts``), else None."""
+        arr = self.arrays.get(f"grads/{tensor}")
+        e = arr.attrs.get("experts") if arr is not None else None
+        return int(e) if e is not None else None
 
     def act_attrs(self, module: str) -> dict[str, Any]:
         return self.arrays[f"acts/{module}/hist"].attrs

@@ -24,6 +24,7 @@ __all__ = [
     "LOGIT_FIELDS",
     "MODES",
     "ROOT_ATTR",
+    "ROUTER_FIELDS",
     "SCHEMA_VERSION",
     "Mode",
     "StoreMeta",
@@ -36,6 +37,7 @@ __all__ = [
     "grad_path",
     "new_meta",
     "parse_root_attrs",
+    "router_path",
     "sketch_path",
     "weight_path",
 ]
@@ -75,6 +77,11 @@ ATTN_FIELDS: tuple[str, ...] = ("max_logit", "entropy_mean", "entropy_min", "one
 #: Per-record output-logit statistics under ``logits/<module>/``, float32 ``(N,)``
 #: (``row_norm_ratio`` NaN off the weight snapshots; :mod:`gradforensics.recording.logits`).
 LOGIT_FIELDS: tuple[str, ...] = ("logz_mean", "logz_max", "logit_max", "logit_mean", "row_norm_ratio")
+
+#: Per-record router statistics of a mixture-of-experts layer under ``router/<router module>/``:
+#: ``load`` float32 ``(N, E)`` (attribute ``experts = E``), the others float32 ``(N,)``
+#: (:mod:`gradforensics.recording.experts`).
+ROUTER_FIELDS: tuple[str, ...] = ("load", "max_share", "entropy", "logit_z")
 
 #: How a gradient array is encoded on disk.  The reader always yields float32.
 ENCODINGS: tuple[str, ...] = ("float32", "float16", "bfloat16-as-uint16")
@@ -288,6 +295,10 @@ def act_path(module: str, stat: str) -> str:
 
 def attn_path(module: str, stat: str) -> str:
     return f"attn/{module}/{stat}"
+
+
+def router_path(module: str, stat: str) -> str:
+    return f"router/{module}/{stat}"
 
 
 def batch_path(name: str) -> str:

@@ -18,7 +18,7 @@ from gradforensics.errors import CorruptChunkError, CorruptStoreError, MissingAr
 from gradforensics.store.inventory import StoredArray
 from gradforensics.store.names import name_problem
 from gradforensics.store.probe_schema import PROBE_GROUPS, check_probe
-from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, LOGIT_FIELDS, StoreMeta
+from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, LOGIT_FIELDS, ROUTER_FIELDS, StoreMeta
 
 __all__ = ["BULK_GROUPS", "REQUIRED_BATCHES", "check_arrays", "check_ranks", "chunks_checked", "rows_of"]
 
@@ -28,7 +28,7 @@ REQUIRED_BATCHES = ("step", "loss", "mixture", "n_samples")
 BULK_GROUPS = ("grads", "sketch", "weights")
 _ENCODING_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16-as-uint16": "uint16"}
 _SKETCH_METHODS = ("countsketch", "gaussian")
-_GROUPS = ("batches", "grads", "sketch", "weights", "acts", "analysis", "attn", "logits", "optim_live")
+_GROUPS = ("batches", "grads", "sketch", "weights", "acts", "analysis", "attn", "logits", "optim_live", "router")
 
 
 def rows_of(name: str, meta: StoreMeta) -> int | None:
@@ -108,6 +108,8 @@ def _check_kind(path: str, name: str, arr: StoredArray, meta: StoreMeta) -> None
         _logits(path, name, arr)
     elif group == "optim_live":
         _optim_live(path, name, arr)
+    elif group == "router":
+        _router(path, name, arr)
     elif name == "weights/_record" and (arr.dtype != "int64" or len(arr.shape) != 1):
         raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}", "int64 (M,)")
 
@@ -141,6 +143,10 @@ def _gradient(path: str, name: str, arr: StoredArray, sketch: bool, per_record: 
         if not _is_int(heads, 1) or len(row) < 2 or row[0] != heads:
             raise _bad(path, name, f"heads={heads!r} with rows of shape {row}", "heads = the length of the head axis")
         _head_attrs(path, name, a, heads)
+    experts = a.get("experts")
+    if experts is not None and (heads is not None or not _is_int(experts, 1) or len(row) < 2 or row[0] != experts):
+        raise _bad(path, name, f"experts={experts!r} with rows of shape {row}" + (" and heads" if heads else ""),
+                   "experts = the length of the expert axis (the first of a row), without heads")
     if sketch:
         k, seed, method = a.get("k"), a.get("seed", 0), a.get("method", "countsketch")
         if (not _is_int(k, 1) or not row or row[-1] != k or not _is_int(seed, None)
@@ -226,6 +232,19 @@ def _logits(path: str, name: str, arr: StoredArray) -> None:
     if len(parts) != 3 or parts[2] not in LOGIT_FIELDS:
         raise _bad(path, name, "an unknown name", f"logits/<module>/<stat>, stat one of {LOGIT_FIELDS}")
     if len(arr.shape) != 1 or arr.dtype != "float32":
+        raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}", "float32 of shape (N,)")
+
+
+def _router(path: str, name: str, arr: StoredArray) -> None:
+    parts = name.split("/")
+    if len(parts) != 3 or parts[2] not in ROUTER_FIELDS:
+        raise _bad(path, name, "an unknown name", f"router/<module>/<stat>, stat one of {ROUTER_FIELDS}")
+    if parts[2] == "load":
+        e, k = arr.attrs.get("experts"), arr.attrs.get("top_k", 1)
+        if len(arr.shape) != 2 or arr.dtype != "float32" or e != arr.shape[1] or not _is_int(k, 1) or k > e:
+            raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape} experts={e!r} top_k={k!r}",
+                       "float32 of shape (N, E) with attribute experts = E and top_k in 1..E")
+    elif len(arr.shape) != 1 or arr.dtype != "float32":
         raise _bad(path, name, f"dtype {arr.dtype} shape {arr.shape}", "float32 of shape (N,)")
 
 
