@@ -45,7 +45,7 @@ from gradforensics.reporting.severity import EXIT_FLAGGED, exit_code, reaches, r
     (lambda: RecordSpec(dtype="int8"), "--dtype 'int8': expected one of bf16, bfloat16, f16, f32"),
     (lambda: ModelSpec(model_dtype="int8"), "--model-dtype must be one of ('float32', 'bfloat16', 'float16'); "
                                             "got 'int8'."),
-    (lambda: ModelSpec(loss="mse"), "--loss must be one of auto, causal-lm, masked-lm or module:function; got 'mse'."),
+    (lambda: ModelSpec(loss="mse"), "--loss must be one of auto, causal-lm, causal-lm-skip-first, masked-lm or module:function; got 'mse'."),
     (lambda: as_spec(BatchSpec, {"batch_sise": 4}), "BatchSpec: unknown option 'batch_sise'; the options are "
                                                    "batches_per_source, batch_size, seq_len, text_field, seed."),
     (lambda: as_spec(RecordSpec, 16), "expected a RecordSpec or a dict of its fields; got int."),
