@@ -309,8 +309,9 @@ def record_bytes(shapes: Mapping[str, tuple[tuple[int, ...], int]], specs: Mappi
     *shapes* maps each recorded tensor to ``(shape, bytes per element)``.  A
     whole tensor costs ``numel x itemsize``; a sketch ``k x 4 x heads`` (one
     ``k`` float32 vector per head, or one for an unsplit tensor); an activated
-    module ``B x 8 + 4 x units x 4 + 2 x units`` (int64 histogram of ``B`` bins, four
-    float32 per-unit statistics and the uint8 ``dead`` / ``saturated``); the batch metadata ``32 + 4 x sources``.
+    module ``B x 8 + 4 x units x 4 + 2 x units + 4`` (int64 histogram of ``B`` bins, four
+    float32 per-unit statistics, the uint8 ``dead`` / ``saturated`` and the float32 ``kurtosis``);
+    the batch metadata ``32 + 4 x sources``.
     """
     from gradforensics.recording.actstats import N_BINS
 
@@ -325,7 +326,7 @@ def record_bytes(shapes: Mapping[str, tuple[tuple[int, ...], int]], specs: Mappi
         if sketch:
             spec = specs.get(name)
             sketches += sketch * 4 * (spec.total if spec is not None else 1)
-    acts = sum(N_BINS * 8 + 4 * u * 4 + 2 * u for u in act_units)
+    acts = sum(N_BINS * 8 + 4 * u * 4 + 2 * u + 4 for u in act_units)
     meta = META_BYTES + 4 * n_sources
     return {"grads": grads, "sketch": sketches, "acts": acts, "meta": meta,
             "total": grads + sketches + acts + meta}
