@@ -20,13 +20,17 @@ Merging a saved iteration into the unsharded model (:func:`merge`):
   ones (``linear_proj``, ``linear_fc2``) along axis 1; every other tensor is replicated and
   rank 0's copy is kept (its shape must agree on every rank).  A gated ``linear_fc1``
   (SwiGLU) holds its part of both halves on each rank: ``gated_mlp`` joins the halves apart.
-* **pipeline parallel and virtual chunks**: ``layers.<i>`` in a chunk is local; chunks are
+* **pipeline parallel and virtual chunks**: ``decoder.layers.<i>`` in a chunk is local; chunks are
   ordered as Megatron places layers (virtual stage first, then pipeline rank) and each gets
-  the count of layers before it as its offset: the names carry global layer numbers.
+  the count of decoder layers before it as its offset: the names carry global layer numbers.
+  MTP layers (``mtp.layers.<i>``, last stage only) keep their own numbers.
 * **expert parallel**: non-expert tensors are the same on every expert rank (Megatron's
-  ``save_grads`` says so) and only expert rank 0's are kept; local experts
+  ``save_grads`` says so) and one copy per tensor-parallel shard is kept; local experts
   (``experts.local_experts.<j>``, grouped ``experts.linear_fc1.weight<j>``) are renumbered
   globally, ``ep_rank * n_local + j``.
+* **the layout** (:class:`Layout`, ``--layout``): the files present are checked against the ones its
+  ranks write; with an expert tensor-parallel size below TP the files are a diagonal of the TP x EP
+  grid and experts are joined over their ETP shards (:meth:`Layout.writers`); above TP is refused.
 * **fused QKV** (``linear_qkv``): its rows are ``[group][q heads of the group | k | v][d]``
   (``get_query_key_value_tensors``); with ``num_heads`` (and ``num_query_groups``) they are
   reordered to ``[q heads][k groups][v groups]`` and split into ``H + 2G`` heads (``q0..``,
