@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tp-split", nargs="+", metavar="GLOB=AXIS", default=[],
                    help="tensor-parallel layout of tensors the name rules do not know: GLOB=AXIS (split along AXIS) "
                         "or GLOB=none (replicated); every join is checked against the ranks' values")
+    m.add_argument("--layout", metavar="tp=,pp=,ep=,etp=,vp=",
+                   help="the run's parallel sizes (etp defaults to tp, the rest to 1); the files present are checked "
+                        "against it; needed when the expert tensor-parallel size is below TP")
     m.add_argument("--gated-mlp", action="store_true", help="linear_fc1 is a gated pair (SwiGLU): each rank holds "
                                                             "its part of both halves")
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
                            heads=parse_heads(args.heads), kind=args.kind, num_heads=args.num_heads,
                            num_query_groups=args.num_query_groups, gated_mlp=args.gated_mlp,
                            overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force,
-                           logs=args.logs, tp_splits=parse_tp_splits(args.tp_split))
+                           logs=args.logs, tp_splits=parse_tp_splits(args.tp_split),
+                           layout=args.layout)
     except HeadSplitError as exc:         # the fix in the command's words (--heads), not Python's
         raise SpecError(exc.cli) from None
     print(f"{args.out}: {store.n_records} records, {len(store.grads)} tensors, {store.meta.n_weights} weight "

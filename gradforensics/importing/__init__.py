@@ -52,7 +52,8 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
                kind: str = "wgrads", num_heads: int | None = None, num_query_groups: int | None = None,
                gated_mlp: bool = False, overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
                quiet: bool = True, force: bool = False, logs: str | os.PathLike[str] | None = None,
-               tp_splits: Mapping[str, int | None] | None = None) -> Store:
+               tp_splits: Mapping[str, int | None] | None = None,
+               layout: str | Mapping[str, int] | None = None) -> Store:
     """Import a training run's history from *source* into a new store at *out*.
 
     Parameters
@@ -82,6 +83,10 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
         Megatron: ``{glob: axis or None}``, the tensor-parallel layout of tensors the name rules
         do not know (or get wrong): split along ``axis``, or replicated (``None``).  Every join is
         checked against the ranks' values either way (see docs/import.md).
+    layout
+        Megatron: the run's parallel sizes, ``"tp=2,pp=2,ep=2,etp=1,vp=1"`` or a mapping (``etp``
+        defaults to ``tp``, the others to 1).  The files present are checked against it; it is
+        needed for an expert tensor-parallel size below TP.  Default: the grid of the file names.
     overwrite, storage_options
         As for :class:`gradforensics.Recorder`.
     quiet, force
@@ -124,9 +129,9 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
 
         import_olmo_core(src, out, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     else:
-        from gradforensics.importing.megatron import MegatronSpec, import_megatron
+        from gradforensics.importing.megatron import MegatronSpec, import_megatron, parse_layout
 
         spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp,
-                            tp_splits=dict(tp_splits or {}))
+                            tp_splits=dict(tp_splits or {}), layout=parse_layout(layout))
         import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     return open_store(out, storage_options=storage_options)

@@ -20,13 +20,17 @@ Merging a saved iteration into the unsharded model (:func:`merge`):
   ones (``linear_proj``, ``linear_fc2``) along axis 1; every other tensor is replicated and
   rank 0's copy is kept (its shape must agree on every rank).  A gated ``linear_fc1``
   (SwiGLU) holds its part of both halves on each rank: ``gated_mlp`` joins the halves apart.
-* **pipeline parallel and virtual chunks**: ``layers.<i>`` in a chunk is local; chunks are
+* **pipeline parallel and virtual chunks**: ``decoder.layers.<i>`` in a chunk is local; chunks are
   ordered as Megatron places layers (virtual stage first, then pipeline rank) and each gets
-  the count of layers before it as its offset: the names carry global layer numbers.
+  the count of decoder layers before it as its offset: the names carry global layer numbers.
+  MTP layers (``mtp.layers.<i>``, last stage only) keep their own numbers.
 * **expert parallel**: non-expert tensors are the same on every expert rank (Megatron's
-  ``save_grads`` says so) and only expert rank 0's are kept; local experts
+  ``save_grads`` says so) and one copy per tensor-parallel shard is kept; local experts
   (``experts.local_experts.<j>``, grouped ``experts.linear_fc1.weight<j>``) are renumbered
   globally, ``ep_rank * n_local + j``.
+* **the layout** (:class:`Layout`, ``--layout``): the files present are checked against the ones its
+  ranks write; with an expert tensor-parallel size below TP the files are a diagonal of the TP x EP
+  grid and experts are joined over their ETP shards (:meth:`Layout.writers`); above TP is refused.
 * **fused QKV** (``linear_qkv``): its rows are ``[group][q heads of the group | k | v][d]``
   (``get_query_key_value_tensors``); with ``num_heads`` (and ``num_query_groups``) they are
   reordered to ``[q heads][k groups][v groups]`` and split into ``H + 2G`` heads (``q0..``,
@@ -53,8 +57,9 @@ if TYPE_CHECKING:
 
     from gradforensics.runlog import RunLog
 
-__all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "MegatronSpec", "Shard", "import_megatron", "iterations",
-           "layout_axis", "load_shard", "merge", "partition_axis", "qkv_heads", "shards", "store_name"]
+__all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "Layout", "MegatronSpec", "Shard", "import_megatron",
+           "iterations", "layout_axis", "load_shard", "merge", "parse_layout", "partition_axis", "qkv_heads", "shards",
+           "store_name"]
 
 
 KINDS = ("wgrads", "dgrads", "params")
@@ -66,11 +71,80 @@ ROW_PARALLEL = frozenset({"linear_proj", "linear_fc2"})
 _ITER = re.compile(r"^iter_(\d{7})$")
 _RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?\.pth$")
 _CHUNK = re.compile(r"^model_chunk(\d+)$")
-_LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
+_LAYER = re.compile(r"^((?:.*\.)?decoder\.layers\.)(\d+)(\..*)$")   # not mtp.layers.<i>: numbered apart
 _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^(.*\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 _PARAM = re.compile(r"^(?:.*\.)?([A-Za-z_0-9]+)\.(weight|bias)\d*$")
 _DGRAD = re.compile(r"^(?:.*\.)?([A-Za-z_0-9]+)/(input|output)\d+$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The run's parallel sizes (``--layout tp=,pp=,ep=,etp=,vp=``); ``etp`` defaults to ``tp``, as in Megatron-LM."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vp: int = 1
+
+    def __post_init__(self) -> None:
+        for k in ("tp", "pp", "ep", "vp"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SpecError(f"--layout: {k} must be an integer >= 1; got {v!r}.")
+        if self.etp is not None and (not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 1):
+            raise SpecError(f"--layout: etp must be an integer >= 1; got {self.etp!r}.")
+
+    @property
+    def etp_size(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def writers(self) -> dict[tuple[int, int], int]:
+        """``{(tp rank, ep rank): expert tp rank}`` of the ranks that write a file on one pipeline stage.
+
+        ``save_grads`` writes on expert-data-parallel rank 0; with Megatron-LM's default order
+        ``tp-cp-ep-dp-pp`` those are the stage's local ranks ``r < etp * ep``, whose tensor-parallel rank
+        is ``r % tp``, expert rank ``(r // etp) % ep`` and expert tensor-parallel rank ``r % etp``
+        (``megatron/core/parallel_state.py``, ``RankGenerator``).
+        """
+        tp, etp, ep = self.tp, self.etp_size, self.ep
+        if etp > tp:
+            raise SpecError(f"--layout etp={etp} tp={tp}: an expert tensor-parallel size above the tensor-parallel "
+                            f"size is not supported: {etp // tp if etp % tp == 0 else etp} ranks write each "
+                            "mp_rank_* file name and only the last one's expert shard survives on disk.")
+        if etp * ep < tp:
+            raise SpecError(f"--layout etp={etp} ep={ep} tp={tp}: only {etp * ep} of the {tp} tensor-parallel "
+                            "ranks write a file (expert-data-parallel rank 0), so the other tensor-parallel "
+                            "shards of the dense tensors were never saved; this dump cannot be joined.")
+        return {(r % tp, (r // etp) % ep): r % etp for r in range(etp * ep)}
+
+    def file_name(self, tp: int, pp: int, ep: int) -> str:
+        name = f"mp_rank_{tp:02d}"
+        if self.pp > 1:
+            name += f"_{pp:03d}"
+        if self.ep > 1:
+            name += f"_{ep:03d}"
+        return name + ".pth"
+
+
+def parse_layout(text: str | Mapping[str, int] | Layout | None) -> Layout | None:
+    """``"tp=2,pp=2,ep=2,etp=1,vp=1"`` (or a mapping) as a :class:`Layout` (one-line SpecError when malformed)."""
+    if text is None or isinstance(text, Layout):
+        return text
+    if isinstance(text, Mapping):
+        items = dict(text)
+    else:
+        items = {}
+        for part in str(text).split(","):
+            key, sep, val = part.strip().partition("=")
+            if not sep or not val.strip().isdigit():
+                raise SpecError(f"--layout {text!r}: expected KEY=N entries (tp=, pp=, ep=, etp=, vp=); got {part!r}.")
+            items[key.strip()] = int(val)
+    unknown = sorted(set(items) - {"tp", "pp", "ep", "etp", "vp"})
+    if unknown:
+        raise SpecError(f"--layout: unknown size {unknown[0]!r}; known: tp, pp, ep, etp, vp.")
+    return Layout(**items)
 
 
 @dataclass(frozen=True)
@@ -84,6 +158,8 @@ class MegatronSpec:
     #: ``{glob: axis or None}``: how tensors matching a glob are laid out across tensor-parallel ranks,
     #: overriding the name rules (``None``: replicated); the first matching glob wins
     tp_splits: Mapping[str, int | None] = field(default_factory=dict)
+    #: the run's parallel sizes; ``None``: read from the file names (a full TP x PP x EP grid)
+    layout: Layout | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -126,11 +202,16 @@ def iterations(root: Path, kind: str) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def shards(d: Path) -> list[Shard]:
-    """The rank files of iteration directory *d*, a complete (tp, pp, ep) grid (:class:`MissingShardError`)."""
+def shards(d: Path, layout: Layout | None = None) -> list[Shard]:
+    """The rank files of iteration directory *d*, a complete (tp, pp, ep) grid (:class:`MissingShardError`).
+
+    With *layout*, the files must be exactly those its ranks write (:meth:`Layout.writers`).
+    """
     parsed = [(m, p) for p in sorted(d.iterdir()) if (m := _RANK.match(p.name))]
     if not parsed:
         raise ImportSourceError(f"{d}: no mp_rank_<tp>[_<pp>][_<ep>].pth file in this iteration directory.")
+    if layout is not None:
+        return _against_layout(d, parsed, layout)
     widths = {sum(g is not None for g in m.groups()[1:]) for m, _ in parsed}
     if len(widths) > 1:
         raise ImportSourceError(f"{d}: rank files of different forms ({', '.join(p.name for _, p in parsed[:3])}); "
@@ -139,6 +220,40 @@ def shards(d: Path) -> list[Shard]:
     if widths == {1}:
         out = _one_suffix(out)
     return _complete(d, out, widths.pop())
+
+
+def _against_layout(d: Path, parsed: list[tuple[re.Match[str], Path]], layout: Layout) -> list[Shard]:
+    """The files of *d* checked against *layout*: the form of each name, then the set of (tp, pp, ep) ranks."""
+    writers = layout.writers()
+    want = {(t, p, e) for p in range(layout.pp) for (t, e) in writers}
+    width = (layout.pp > 1) + (layout.ep > 1)
+    got: dict[tuple[int, int, int], Path] = {}
+    for m, path in parsed:
+        suffixes = [int(g) for g in m.groups()[1:] if g is not None]
+        if len(suffixes) != width:
+            raise MissingShardError(
+                f"{path}: the file name does not fit --layout {_layout_text(layout)} (its files are named like "
+                f"{layout.file_name(0, 0, 0)}): the dump was written by another layout.")
+        pp = suffixes[0] if layout.pp > 1 else 0
+        ep = suffixes[-1] if layout.ep > 1 else 0
+        got[(int(m.group(1)), pp, ep)] = path
+    extra = sorted(set(got) - want)
+    if extra:
+        t, p, e = extra[0]
+        what = ("tensor-parallel rank" if t >= layout.tp else "pipeline rank" if p >= layout.pp else
+                "expert rank" if e >= layout.ep else "rank pair (tp, ep) that writes no file under this etp")
+        raise MissingShardError(f"{got[extra[0]]}: not written by --layout {_layout_text(layout)} (its {what} is "
+                                "outside it); the layout disagrees with the files present.")
+    lost = sorted(want - set(got))
+    if lost:
+        raise MissingShardError(f"{d}: {layout.file_name(*lost[0])} is missing (--layout {_layout_text(layout)} "
+                                f"writes {len(want)} files here, {len(got)} are present); every rank's file is "
+                                "needed to join the shards.")
+    return sorted((Shard(t, p, e, path) for (t, p, e), path in got.items()), key=lambda s: (s.pp, s.ep, s.tp))
+
+
+def _layout_text(layout: Layout) -> str:
+    return f"tp={layout.tp},pp={layout.pp},ep={layout.ep},etp={layout.etp_size},vp={layout.vp}"
 
 
 def _one_suffix(found: list[Shard]) -> list[Shard]:
@@ -168,7 +283,8 @@ def _complete(d: Path, found: list[Shard], width: int) -> list[Shard]:
                 if (t, p, e) not in have:
                     raise MissingShardError(f"{d}: {_file_name(t, p, e, width, pps, eps)} is missing (the others "
                                             f"make a grid of TP {tps} x PP {pps} x EP {eps}); every rank's file is "
-                                            "needed to join the shards.")
+                                            "needed to join the shards (an expert tensor-parallel size below TP "
+                                            "writes fewer: give --layout tp=,ep=,etp=).")
     return sorted(found, key=lambda s: (s.pp, s.ep, s.tp))
 
 
@@ -206,23 +322,40 @@ def load_shard(path: Path) -> dict[int, dict[str, torch.Tensor]]:
 # ------------------------------------------------------------------ merging one iteration
 def merge(loaded: Mapping[Shard, Mapping[int, Mapping[str, torch.Tensor]]], spec: MegatronSpec,
           where: Path) -> dict[str, torch.Tensor]:
-    """The unsharded ``{global name: tensor}`` of one iteration's rank files."""
+    """The unsharded ``{global name: tensor}`` of one iteration's rank files.
+
+    Dense tensors are joined over the tensor-parallel ranks; expert tensors over the expert
+    tensor-parallel ranks, which are the tensor-parallel ones unless ``spec.layout`` says
+    ``etp`` differs (then each file's expert rank comes from :meth:`Layout.writers`).
+    """
+    lay = spec.layout
+    tps = lay.tp if lay is not None else 1 + max(s.tp for s in loaded)
+    etp_of = lay.writers() if lay is not None and lay.etp_size != lay.tp else None
+    etps = lay.etp_size if lay is not None else tps
+    if lay is not None:
+        for shard, chunks in loaded.items():
+            if len(chunks) != lay.vp:
+                raise ShardMismatchError(f"{shard.path}: holds {len(chunks)} model chunk(s) "
+                                         f"({', '.join(f'model_chunk{c}' for c in sorted(chunks))}); --layout vp="
+                                         f"{lay.vp} says {lay.vp}: the layout disagrees with the files.")
     offsets = _layer_offsets(loaded)
     per_name: dict[str, dict[int, tuple[torch.Tensor, Shard]]] = defaultdict(dict)
+    sizes: dict[str, int] = {}
     for shard, chunks in loaded.items():
         n_local = _local_experts(chunks)
         for c, sd in chunks.items():
             for name, t in sd.items():
-                g = _global_name(name, offsets[(c, shard.pp)], shard.ep, n_local)
-                if g is None:
-                    continue
-                seen = per_name[g].get(shard.tp)
+                g, expert = _global_name(name, offsets[(c, shard.pp)], shard.ep, n_local)
+                slot = (etp_of[(shard.tp, shard.ep)] if etp_of is not None else shard.tp) if expert else shard.tp
+                sizes[g] = etps if expert else tps
+                seen = per_name[g].get(slot)
                 if seen is not None:
+                    if not expert and seen[1].pp == shard.pp and seen[1].ep != shard.ep:
+                        continue            # an expert rank's copy of a dense tensor (save_grads says so)
                     _same_on_two_stages(g, seen, (t, shard))
                     continue
-                per_name[g][shard.tp] = (t, shard)
-    tps = 1 + max(s.tp for s in loaded)
-    return {name: _join(name, ranks, tps, spec, where) for name, ranks in per_name.items()}
+                per_name[g][slot] = (t, shard)
+    return {name: _join(name, ranks, sizes[name], spec, where) for name, ranks in per_name.items()}
 
 
 def _same_on_two_stages(name: str, first: tuple[torch.Tensor, Shard], other: tuple[torch.Tensor, Shard]) -> None:
@@ -266,16 +399,16 @@ def _local_experts(chunks: Mapping[int, Mapping[str, Any]]) -> int:
     return len(idx)
 
 
-def _global_name(name: str, offset: int, ep: int, n_local: int) -> str | None:
-    """The name in the unsharded model; ``None`` for an expert rank's copy of a non-expert tensor."""
+def _global_name(name: str, offset: int, ep: int, n_local: int) -> tuple[str, bool]:
+    """The name in the unsharded model, and whether it is an expert's tensor."""
     m = _LAYER.match(name)
     if m is not None:
         name = f"{m.group(1)}{offset + int(m.group(2))}{m.group(3)}"
     if (m := _LOCAL_EXPERT.match(name)) is not None:
-        return f"{m.group(1)}{ep * n_local + int(m.group(2))}{m.group(3)}"
+        return f"{m.group(1)}{ep * n_local + int(m.group(2))}{m.group(3)}", True
     if (m := _GROUPED_EXPERT.match(name)) is not None:
-        return f"{m.group(1)}{ep * n_local + int(m.group(2))}"
-    return name if ep == 0 else None
+        return f"{m.group(1)}{ep * n_local + int(m.group(2))}", True
+    return name, False
 
 
 def partition_axis(name: str) -> int | None:
@@ -399,9 +532,9 @@ def _apply_heads(merged: dict[str, torch.Tensor], spec: MegatronSpec, heads: Any
 # ------------------------------------------------------------------ the import
 def _load_iteration(d: Path, spec: MegatronSpec, like: Path | None = None) -> dict[str, torch.Tensor]:
     """One iteration merged; with *like*, its rank files must be those of iteration directory *like*."""
-    grid = shards(d)
+    grid = shards(d, spec.layout)
     if like is not None:
-        want = {s.path.name for s in shards(like)}
+        want = {s.path.name for s in shards(like, spec.layout)}
         lost = sorted(want - {s.path.name for s in grid})
         if lost:
             raise MissingShardError(f"{d}: {lost[0]} is missing ({like.name} has it); every saved iteration is "
@@ -451,6 +584,7 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
     extra = {"import": {"format": "megatron", "source": str(source), "kind": spec.kind,
                         "iterations": list(iters), "num_heads": spec.num_heads,
                         "num_query_groups": spec.num_query_groups, "gated_mlp": spec.gated_mlp,
+                        "layout": _layout_text(spec.layout) if spec.layout else "from the file names",
                         "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron"}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
