@@ -258,7 +258,6 @@ def _optimizer(d: Path, md: Any, storage: dict) -> dict[str, Any] | None:
     values (``lr``, ``betas``, ``params``, ...) read with ``torch.load(weights_only=True)``.
     None where the save has no such entry or no planner_data.
     """
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     paths = md.planner_data if isinstance(md.planner_data, dict) else {}
     top = next((k for k in _OPTIM_KEYS if any(isinstance(p, (tuple, list)) and len(p) >= 3 and p[0] == k
@@ -273,11 +272,8 @@ def _optimizer(d: Path, md: Any, storage: dict) -> dict[str, Any] | None:
         entry = md.state_dict_metadata.get(fqn)
         if not isinstance(path, (tuple, list)) or len(path) < 3 or path[0] != top:
             continue
-        if isinstance(entry, TensorStorageMetadata):
-            value = _assemble(fqn, entry, storage, d)
-        elif isinstance(entry, BytesStorageMetadata) and (fqn, ()) in storage:
-            value = _chunk(storage[(fqn, ())], fqn, tensor=False)
-        else:
+        value = _entry(fqn, entry, storage, d)
+        if value is _ABSENT:
             continue
         node = nested
         for key in path[1:-1]:
@@ -288,6 +284,21 @@ def _optimizer(d: Path, md: Any, storage: dict) -> dict[str, Any] | None:
     state, groups = nested.get("state", {}), nested.get("param_groups", {})
     return {"state": {int(k) if str(k).isdigit() else k: v for k, v in state.items()},
             "param_groups": [groups[k] for k in sorted(groups, key=lambda k: int(k) if str(k).isdigit() else -1)] if isinstance(groups, dict) else []}
+
+
+_ABSENT = object()
+
+
+def _entry(fqn: str, entry: Any, storage: dict, d: Path) -> Any:
+    """One saved value: a tensor assembled from its chunks, a non-tensor read with ``weights_only=True``, or
+    :data:`_ABSENT` (an entry of another kind, or one with no stored bytes)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    if isinstance(entry, TensorStorageMetadata):
+        return _assemble(fqn, entry, storage, d)
+    if isinstance(entry, BytesStorageMetadata) and (fqn, ()) in storage:
+        return _chunk(storage[(fqn, ())], fqn, tensor=False)
+    return _ABSENT
 
 
 def _flat_optim(path: Any, top: str) -> bool:
@@ -303,7 +314,6 @@ def _flat_optimizer(d: Path, md: Any, storage: dict, paths: dict, top: str) -> d
     fqn>.<lr|betas|...>``: the last dotted part is the optimizer's key (parameter names end in
     ``weight``/``bias``; optimizer keys hold no dot).  Each parameter gets its own group.
     """
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     state: dict[str, dict[str, Any]] = {}
     groups: dict[str, dict[str, Any]] = {}
@@ -314,12 +324,8 @@ def _flat_optimizer(d: Path, md: Any, storage: dict, paths: dict, top: str) -> d
         name, _, key = rest.rpartition(".")
         if not name or not key:
             continue
-        entry = md.state_dict_metadata.get(fqn)
-        if isinstance(entry, TensorStorageMetadata):
-            value = _assemble(fqn, entry, storage, d)
-        elif isinstance(entry, BytesStorageMetadata) and (fqn, ()) in storage:
-            value = _chunk(storage[(fqn, ())], fqn, tensor=False)
-        else:
+        value = _entry(fqn, md.state_dict_metadata.get(fqn), storage, d)
+        if value is _ABSENT:
             continue
         (state if kind == "state" else groups).setdefault(name, {})[key] = value
     return {"state": state, "param_groups": [{**g, "params": [n]} for n, g in groups.items()]}
