@@ -38,6 +38,7 @@ The gradient ratio needs the per-record Gram diagonal: above ``N₀`` (long hist
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -151,7 +152,7 @@ def onset_record(conc: np.ndarray, tail: int) -> int:
     if close - open_ < 0.1:
         return 0
     edges = window_edges(c.size, WINDOWS)
-    w = np.array([np.nanmedian(c[a:b]) if np.isfinite(c[a:b]).any() else np.nan for a, b in zip(edges[:-1], edges[1:])])
+    w = np.array([np.nanmedian(c[a:b]) if np.isfinite(c[a:b]).any() else np.nan for a, b in itertools.pairwise(edges)])
     below = np.flatnonzero(~(w > open_ + 0.2 * (close - open_)))
     start = int(below[-1]) + 1 if below.size else 0
     return int(edges[min(start, w.size - 1)])
@@ -235,7 +236,7 @@ def compute(ctx: Context) -> AnalysisResult:
         assert store is not None
         load = np.asarray(store.router(m, "load"), float)
         attrs = store.arrays[f"router/{m}/load"].attrs
-        experts = int(attrs.get("experts", load.shape[1]))
+        experts = int(attrs.get("experts") or load.shape[1])
         top_k = int(attrs.get("top_k") or 1)
         share = np.asarray(store.router(m, "max_share"), float)
         hnorm = np.asarray(store.router(m, "entropy"), float) / math.log(experts) if experts > 1 else np.full(n, np.nan)
@@ -269,7 +270,7 @@ def compute(ctx: Context) -> AnalysisResult:
             "source_pair": " ".join(pair), "collapse_severity": sev_c, "dead_severity": sev_d,
             "grad_severity": sev_g, "source_severity": sev_s, "severity": max(sev_c, sev_d, sev_g, sev_s)})
         wl = np.stack([np.nanmean(load[a:b], axis=0) if fin[a:b].any() else np.full(experts, np.nan)
-                       for a, b in zip(edges[:-1], edges[1:])])
+                       for a, b in itertools.pairwise(edges)])
         series[f"load/{m}"] = wl
         series[f"window_edges/{m}"] = edges
         if per:                  # by source: windows of about 2 records per source
@@ -279,7 +280,7 @@ def compute(ctx: Context) -> AnalysisResult:
             for s, name in enumerate(ctx.sources):
                 if name in per:
                     sl = []
-                    for a, b in zip(sedges[:-1], sedges[1:]):
+                    for a, b in itertools.pairwise(sedges):
                         v = load[a:b][(src[a:b] == s) & fin[a:b]]
                         sl.append(v.mean(axis=0) if v.size else np.full(experts, np.nan))
                     series[f"load/{m}/{name}"] = np.stack(sl)
