@@ -123,3 +123,27 @@ def test_too_few_records_is_not_judged_and_no_router_is_nothing_to_read(tmp_path
     findings = gf.analyze(plain, progress=False, only=["experts"])
     assert not findings.flags and not findings.not_judged and len(findings.table("experts")) == 0
 
+
+
+def test_tiny_mixtral_captured_and_judged_per_layer_without_a_flag_at_half(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(vocab_size=40, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    with gf.Recorder(tmp_path / "m.zarr", model=model, sources=["a", "b"], experts="auto") as rec:
+        for i in range(12):
+            ids = torch.randint(0, 40, (4, 16))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            rec.record(step=i, loss=loss, source="ab"[i % 2])
+            opt.step()
+            opt.zero_grad()
+    findings = gf.analyze(tmp_path / "m.zarr", progress=False, only=["experts"])
+    table = findings.table("experts")
+    assert list(table["tensor"]) == [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    assert (table["experts"] == 4).all() and (table["top_k"] == 2).all()
+    assert np.isfinite(table["grad_ratio"]).all() and np.isfinite(table["source_spread"]).all()
+    assert all(f.severity < 0.5 for f in _experts_flags(findings))
