@@ -40,6 +40,7 @@ from gradforensics.testing import planted_directions as P
 from gradforensics.testing.attention_run import planted_attention_store
 from gradforensics.testing.contracts import PlantedCase, PlantedStores, parametrize_with_checks
 from gradforensics.testing.planted import noise_store, nonfinite_store
+from gradforensics.testing.planted_experts import planted_experts_store
 from gradforensics.testing.planted_logits import planted_logits_store
 from gradforensics.testing.planted_probes import planted_curvature_store, planted_optimizer_store
 from gradforensics.testing.planted_timeline import planted_timeline_store
@@ -69,6 +70,7 @@ PLANTED: dict[str, PlantedCase] = {
     "optimizer": PlantedCase(planted_optimizer_store),
     "attention": PlantedCase(planted_attention_store),
     "logits": PlantedCase(lambda path, seed: planted_logits_store(path, seed=seed)),
+    "experts": PlantedCase(lambda path, seed: planted_experts_store(path, seed=seed, collapse=True)),
     "timeline": PlantedCase(lambda path, seed: planted_timeline_store(path, seed=seed)),
 }
 

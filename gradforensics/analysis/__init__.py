@@ -25,6 +25,7 @@ from gradforensics.analysis.kinds import (
     conflict,
     curvature,
     drift,
+    experts,
     fractal,
     logits,
     loss_spectrum,
@@ -56,6 +57,7 @@ register(curvature.ANALYSIS)
 register(optimizer.ANALYSIS)
 register(attention.ANALYSIS)
 register(logits.ANALYSIS)
+register(experts.ANALYSIS)
 register(timeline.ANALYSIS)
 
 __all__ = ["REGISTRY", "Advice", "Analysis", "AnalysisResult", "Context", "Findings", "Flag", "GramResult",

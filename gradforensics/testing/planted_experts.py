@@ -1,0 +1,92 @@
+"""A store with planted mixture-of-experts routing trouble, recorded through the real ``experts=`` capture.
+
+:func:`planted_experts_store` records a one-layer MoE (``moe.gate`` a router whose logits are
+``x Wᵀ + b_i``, ``moe.experts`` a list of E linear experts, ``top_k`` on the block) with
+``gf.Recorder(..., experts="auto")``.  From record *onset* on the planted bias ``b_i``:
+
+* ``collapse``: +8 on expert 0 (it enters every token's top k: max share 1/k);
+* ``dead``: -30 on the last expert (it gets no token);
+* ``starve``: multiplies the router's gradient by ``starve`` from the first record (the combine
+  weights are ``w.detach() + starve * (w - w.detach())``: the forward is unchanged, the router's
+  gradient ``starve`` times what it would be);
+* none of these: a healthy, balanced router.
+
+*sources* > 1 alternates the records between sources ``s0, s1, ...``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["planted_experts_store"]
+
+
+def planted_experts_store(path: Path, seed: int = 0, n_records: int = 40, onset: int = 16, *, collapse: bool = False,
+                          dead: bool = False, starve: float = 1.0, experts: int = 8, top_k: int = 2,
+                          tokens: int = 64, sources: int = 1, mode: str = "training") -> Path:
+    """Record the planted MoE at *path* (see the module doc); returns *path*."""
+    import torch
+    from torch import nn
+
+    import gradforensics as gf
+
+    dim = 16
+    torch.manual_seed(seed)
+    rng = np.random.default_rng([seed, 43])
+
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(0.3 * torch.randn(experts, dim))
+            self.planted = torch.zeros(experts)
+
+        def forward(self, x: Any) -> Any:
+            return x @ self.weight.T + self.planted
+
+    class Moe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.top_k = top_k
+            self.gate = Gate()
+            self.experts = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(experts))
+
+        def forward(self, x: Any) -> Any:
+            p = torch.softmax(self.gate(x), -1)
+            p = p.detach() + starve * (p - p.detach())
+            w, idx = torch.topk(p, top_k, dim=-1)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                tok, slot = torch.where(idx == e)
+                if tok.numel():
+                    out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+            return out
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = Moe()
+
+        def forward(self, x: Any) -> Any:
+            return self.moe(x)
+
+    model = Model()
+    target = torch.randn(tokens, dim)
+    names = [f"s{i}" for i in range(sources)]
+    with gf.Recorder(path, model=model, sources=names, experts="auto", mode=mode, overwrite=True) as rec:
+        for i in range(n_records):
+            b = torch.zeros(experts)
+            if i >= onset:
+                if collapse:
+                    b[0] = 8.0
+                if dead:
+                    b[-1] = -30.0
+            model.moe.gate.planted = b
+            x = torch.from_numpy(rng.standard_normal((tokens, dim)).astype(np.float32))
+            loss = ((model(x) - target) ** 2).mean()
+            loss.backward()
+            rec.record(step=i, loss=float(loss.detach()), source=names[i % sources], n_samples=tokens, lr=1e-3)
+            model.zero_grad(set_to_none=True)
+    return Path(path)
