@@ -127,7 +127,7 @@ def timeline_rows(signals: list[Signal], steps: np.ndarray, opt: TimelineOptions
         return rows, np.zeros((0, n))
     x = np.stack([transform(s.values, s.how) for s in signals])
     dep = departures(x, np.array([s.direction for s in signals]), dtest, np.array([s.floor for s in signals]),
-                     np.array([s.shewhart for s in signals]))
+                     np.array([s.shewhart for s in signals]), np.array([s.opening for s in signals]))
     keep = np.flatnonzero(dep.alarm >= 0)
     zs = []
     for i in keep:
