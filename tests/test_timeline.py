@@ -102,6 +102,76 @@ def test_false_alarm_rate_on_noise() -> None:
     assert 0.1 < (t3.alarm >= 0).mean() < 0.3
 
 
+def _opening_oracle(x: np.ndarray, d: int, t: DepartureTest, floor: float) -> tuple[int, int]:
+    """(alarm, onset) of the opening test by the definition: the first ``burn_in`` finite values frozen, the
+    ``window`` finite values after them scored, the CUSUM, the onset after the last z within the allowance."""
+    idx = [i for i in range(x.size) if np.isfinite(x[i])]
+    ref = x[idx[:t.burn_in]]
+    m = float(np.median(ref))
+    s = max(MAD_SCALE * float(np.median(np.abs(ref - m))), floor * t.opening_floor)
+    c, zs = 0.0, {}
+    for i in idx[t.burn_in:t.burn_in + t.window_for(x.size)]:
+        zs[i] = d * (x[i] - m) / s
+        c = max(0.0, c + min(max(zs[i], -t.z_clip), t.z_clip) - t.allowance)
+        if c > t.threshold:
+            inside = [j for j in zs if zs[j] <= t.allowance]
+            return i, (inside[-1] + 1 if inside else idx[t.burn_in])
+    return -1, -1
+
+
+def test_the_opening_test_matches_its_definition_and_the_earlier_alarm_wins() -> None:
+    rng = np.random.default_rng(5)
+    t = DepartureTest(window=30)
+    rows, dirs, floors = [], [], []
+    for k in range(16):
+        x = 2.0 + 0.5 * rng.standard_normal(120)
+        x[rng.random(120) < 0.1] = np.nan
+        start = 2 + 2 * k                                  # a ramp starting inside the burn-in, or after it
+        x += np.clip((0.5 + 0.2 * k) * (np.arange(120) - start), 0, 60) * (1 if k % 4 else -1)
+        rows.append(x)
+        dirs.append(1 if k % 4 else -1)
+        floors.append(0.5 + 0.25 * (k % 3))
+    x = np.stack(rows)
+    both = departures(x, np.array(dirs), t, np.array(floors), shewhart=False, opening=True)
+    alone = departures(x, np.array(dirs), t, np.array(floors), shewhart=False)
+    used = 0
+    for i in range(len(rows)):
+        a0, o0 = _opening_oracle(x[i], dirs[i], t, floors[i])
+        a1, o1 = int(alone.alarm[i]), int(alone.onset[i])
+        if a0 >= 0 and (a1 < 0 or a0 < a1 or (a0 == a1 and o0 < o1)):
+            want, used = (a0, o0), used + 1
+        else:
+            want = (a1, o1)
+        assert (both.alarm[i], both.onset[i]) == want, (i, (a0, o0), (a1, o1))
+    assert 3 <= used < (both.alarm >= 0).sum()             # each test decided some rows
+
+
+def test_compounding_growth_from_the_burn_in_is_dated_by_the_opening_level_and_a_drift_is_not() -> None:
+    """nanogpt's heads (docs/timeline.md): logits rising 3 units a record from record 4, inside the 8-value
+    burn-in, drag the trailing median along (a ramp's z against its own trailing window stays near 1.35, under
+    the allowance of 2): the trailing test never departs; against the frozen opening level the ramp departs at
+    the first scored record.  A healthy head's drift (1 -> 4.6 over 40 records, nanogpt low-lr) does not."""
+    rng = np.random.default_rng(3)
+    r = np.arange(120)
+    ramp = 1.5 + 0.3 * rng.standard_normal(120) + np.clip(3.0 * (r - 4), 0, 80)
+    drift = 1.0 + 3.6 * (1 - np.exp(-r / 15)) + 0.1 * rng.standard_normal(120)
+    x = np.stack([ramp, drift])
+    alone = departures(x, 1, DepartureTest(), floor=1.0, shewhart=False)
+    assert alone.alarm.tolist() == [-1, -1]
+    both = departures(x, 1, DepartureTest(), floor=1.0, shewhart=False, opening=True)
+    assert both.onset.tolist() == [8, -1] and both.alarm.tolist() == [11, -1]
+
+
+def test_the_opening_test_false_alarm_rate_on_noise() -> None:
+    """docs/timeline.md: on 1000 iid series of 150 records with no floor, the opening test (a level frozen
+    from 8 values) alarms on about 0.5 % of Gaussian and of Student-t (3 dof) series; the attention series
+    it runs on have a floor of 2 logit units (0.1 of entropy) against it."""
+    rng = np.random.default_rng(0)
+    for x in (rng.standard_normal((1000, 150)), rng.standard_t(3, (1000, 150))):
+        rate = (departures(x, 1, DepartureTest(), floor=1e-9, shewhart=False, opening=True).alarm >= 0).mean()
+        assert rate < 0.01, rate
+
+
 def test_spikes_match_mean_plus_k_sigma_of_the_trailing_window() -> None:
     rng = np.random.default_rng(2)
     y = 2.0 + 0.05 * rng.standard_normal(100)

@@ -91,7 +91,8 @@ def build(findings: Findings, groups: list[FlagGroup]) -> Timeline | None:
     t = doc["test"]
     test = (f"Departure: one-sided CUSUM of robust z-scores against each series' trailing median / MAD over "
             f"{_int(t.get('window'))} records (allowance {t.get('allowance')}, alarm at {t.get('threshold')}, or for a share one "
-            f"z-score above {t.get('limit')}; after {_int(t.get('burn_in'))} values). Loss spike: above the mean + "
+            f"z-score above {t.get('limit')}; after {_int(t.get('burn_in'))} values; an attention series also against "
+            "its first values, frozen). Loss spike: above the mean + "
             f"{t.get('spike_k')} σ of the last {_int(t.get('spike_window'))} records. See docs/timeline.md.")
     spikes, departures = doc["spikes"], doc["departures"]
     n_last = max(findings.n_records - 1, 0)

@@ -8,7 +8,8 @@ update/weight ratio, largest g²/v̂ and stale-row share, the routers' largest e
 run's own logged loss scale and gradient norm: ``batches/*`` of an import with ``--logs``, or
 ``analyze --logs DIR`` joined by step, ``Context.run_log``, which wins where both hold one), the
 online departure test of :mod:`gradforensics.analysis.toolkit.departure` (a one-sided CUSUM on
-robust z-scores against a trailing median / MAD, with a Shewhart limit beside it) gives the
+robust z-scores against a trailing median / MAD, with a Shewhart limit beside it for shares and,
+for attention series, the same test against their frozen opening level beside it) gives the
 first record where the series left its own earlier level (its onset, and the record of the
 alarm); the loss spikes are the records above ``mean + k σ`` of the trailing window (OLMo-core's
 rule, ``k = 6``, the window 128 records or a quarter of a shorter run); a record a loss scaler
@@ -127,7 +128,7 @@ def timeline_rows(signals: list[Signal], steps: np.ndarray, opt: TimelineOptions
         return rows, np.zeros((0, n))
     x = np.stack([transform(s.values, s.how) for s in signals])
     dep = departures(x, np.array([s.direction for s in signals]), dtest, np.array([s.floor for s in signals]),
-                     np.array([s.shewhart for s in signals]))
+                     np.array([s.shewhart for s in signals]), np.array([s.opening for s in signals]))
     keep = np.flatnonzero(dep.alarm >= 0)
     zs = []
     for i in keep:

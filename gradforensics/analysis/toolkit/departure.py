@@ -29,6 +29,17 @@ array, NaN where a series has no value at a record: they are skipped, not filled
   Lucas 1982); the onset is that record, or the CUSUM's start when ``C`` was already above 0.
   The limit is kept off the other series: on heavy-tailed noise (Student t, 3 degrees of
   freedom) one z-score above 9 comes in a fifth of 150-record series, the CUSUM in none.
+* Growth that compounds from the run's first records drags the trailing window along with it:
+  the trailing median rises with the series and the test sees only a later acceleration.  Series
+  whose level at initialisation is their healthy level (``opening=True``: attention logits and
+  entropies) are also tested against their **opening** level, frozen: the median / MAD of their
+  first ``burn_in`` finite values, its scale floored at ``opening_floor`` times the series' floor
+  (a frozen level is left by a healthy drift too: a healthy head's max logit grows by 3 units in
+  its first 40 steps), the same clip, allowance and threshold, over the first ``window`` finite
+  values after the burn-in only (later, a healthy slow drift would always leave a frozen level).  Its onset is the record after the last one, before its alarm, whose opening
+  z-score was within the allowance (where the series left the opening band for good).  The series
+  departs at whichever test alarms first (the earlier onset on a tie).  It is kept off the other
+  series: a loss, a gradient norm or a log Z moves off its initial value as training starts.
 
 **Loss spikes** (:func:`spikes`): a record whose loss exceeds ``mean + k σ`` of the ``window``
 records before it (OLMo-core's stability monitor uses ``k = 6`` over the last 128 steps; a short
@@ -49,8 +60,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MAD_SCALE", "TRANSFORMS", "DepartureTest", "Departures", "SpikeTest", "departures", "robust_z",
-           "spikes", "trailing_window", "transform"]
+__all__ = ["MAD_SCALE", "TRANSFORMS", "DepartureTest", "Departures", "SpikeTest", "departures", "opening_z",
+           "robust_z", "spikes", "trailing_window", "transform"]
 
 #: 1.4826 MAD is the standard deviation of Gaussian noise.
 MAD_SCALE = 1.4826
@@ -78,6 +89,7 @@ class DepartureTest:
     z_clip: float = 8.0
     limit: float = 9.0
     floor: float = 0.05
+    opening_floor: float = 2.0
 
     def window_for(self, n_records: int) -> int:
         return int(self.window) if self.window else trailing_window(n_records)
@@ -165,22 +177,30 @@ def robust_z(x: np.ndarray, window: int, burn_in: int,
     return z, med, scale
 
 
-def departures(x: np.ndarray, direction: np.ndarray | int = 1, test: DepartureTest | None = None,
-               floor: np.ndarray | float | None = None, shewhart: np.ndarray | bool = True) -> Departures:
-    """The first departure of each row of *x* (S, N) from its own earlier level (module docstring).
-
-    *x* is already on its comparison scale (:func:`transform`); *direction* (+1 up, -1 down) and *floor*
-    (the least robust scale, in the units of that scale; None: ``test.floor``) per row or one for all;
-    *shewhart*: whether the row also departs on one z-score above ``test.limit`` (per row or one for all).  Rows are independent; the work is vectorised over rows (one loop over records).
-    """
-    test = test or DepartureTest()
+def opening_z(x: np.ndarray, burn_in: int, horizon: int, floor: float | np.ndarray) -> np.ndarray:
+    """(S, N): each record against the median / MAD of the series' first *burn_in* finite values (frozen),
+    scored on the *horizon* finite values after them only; NaN elsewhere.  *floor* as in :func:`robust_z`."""
     x = np.atleast_2d(np.asarray(x, np.float64))
     s, n = x.shape
-    d = np.broadcast_to(np.asarray(direction, np.float64), (s,))
-    z, _, _ = robust_z(x, test.window_for(n), test.burn_in, test.floor if floor is None else floor)
-    z = z * d[:, None]
-    use = np.broadcast_to(np.asarray(shewhart, bool), (s,))
-    over = (np.where(np.isfinite(z), z, -np.inf) > test.limit) & use[:, None]
+    floors = np.broadcast_to(np.asarray(floor, np.float64), (s,))
+    z = np.full((s, n), np.nan)
+    for i in range(s):
+        idx = np.flatnonzero(np.isfinite(x[i]))
+        if idx.size <= burn_in:
+            continue
+        ref = x[i, idx[:burn_in]]
+        m = np.median(ref)
+        sd = max(MAD_SCALE * float(np.median(np.abs(ref - m))), float(floors[i]))
+        scored = idx[burn_in:burn_in + horizon]
+        z[i, scored] = (x[i, scored] - m) / sd
+    return z
+
+
+def _cusum(z: np.ndarray, test: DepartureTest, over: np.ndarray | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(alarm, start, peak)`` per row of the signed z-scores *z* (S, N): the CUSUM of the module docstring;
+    ``start``: the record after the last zero of C before the alarm (-1: no alarm); *over*: Shewhart hits."""
+    s, n = z.shape
     clipped = np.clip(z, -test.z_clip, test.z_clip)
     c = np.zeros(s)
     start = np.zeros(s, np.int64)          # the record after the last zero of C
@@ -194,9 +214,46 @@ def departures(x: np.ndarray, direction: np.ndarray | int = 1, test: DepartureTe
         start = np.where(live & (c <= 0) & (nxt > 0), t, start)
         c = nxt
         peak = np.maximum(peak, c)
-        hit = (alarm < 0) & ((c > test.threshold) | over[:, t])
+        hit = (alarm < 0) & ((c > test.threshold) | (False if over is None else over[:, t]))
         alarm = np.where(hit, t, alarm)
         onset = np.where(hit, np.where(c > 0, start, t), onset)
+    return alarm, onset, peak
+
+
+def departures(x: np.ndarray, direction: np.ndarray | int = 1, test: DepartureTest | None = None,
+               floor: np.ndarray | float | None = None, shewhart: np.ndarray | bool = True,
+               opening: np.ndarray | bool = False) -> Departures:
+    """The first departure of each row of *x* (S, N) from its own earlier level (module docstring).
+
+    *x* is already on its comparison scale (:func:`transform`); *direction* (+1 up, -1 down) and *floor*
+    (the least robust scale, in the units of that scale; None: ``test.floor``) per row or one for all;
+    *shewhart*: whether the row also departs on one z-score above ``test.limit`` (per row or one for all);
+    *opening*: whether the row is also tested against its frozen opening level (per row or one for all).
+    Rows are independent; the work is vectorised over rows (one loop over records).
+    """
+    test = test or DepartureTest()
+    x = np.atleast_2d(np.asarray(x, np.float64))
+    s, n = x.shape
+    d = np.broadcast_to(np.asarray(direction, np.float64), (s,))
+    fl = test.floor if floor is None else floor
+    z, _, _ = robust_z(x, test.window_for(n), test.burn_in, fl)
+    z = z * d[:, None]
+    use = np.broadcast_to(np.asarray(shewhart, bool), (s,))
+    over = (np.where(np.isfinite(z), z, -np.inf) > test.limit) & use[:, None]
+    alarm, onset, peak = _cusum(z, test, over)
+    rows = np.flatnonzero(np.broadcast_to(np.asarray(opening, bool), (s,)))
+    if rows.size:
+        fr = np.broadcast_to(np.asarray(fl, np.float64), (s,))[rows]
+        z0 = opening_z(x[rows], test.burn_in, test.window_for(n), fr * test.opening_floor) * d[rows, None]
+        a0, _, p0 = _cusum(z0, test)
+        for j, i in enumerate(rows):
+            peak[i] = max(peak[i], p0[j])
+            if a0[j] < 0:
+                continue
+            band = np.flatnonzero(np.isfinite(z0[j, :a0[j] + 1]) & (z0[j, :a0[j] + 1] <= test.allowance))
+            o0 = int(band[-1]) + 1 if band.size else int(np.flatnonzero(np.isfinite(z0[j]))[0])
+            if alarm[i] < 0 or a0[j] < alarm[i] or (a0[j] == alarm[i] and o0 < onset[i]):
+                alarm[i], onset[i] = a0[j], o0
     return Departures(alarm, onset, peak, z)
 
 

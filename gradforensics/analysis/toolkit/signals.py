@@ -24,7 +24,7 @@ import numpy as np
 if TYPE_CHECKING:
     from gradforensics.store.reader import Store
 
-__all__ = ["LABELS", "LOGGED", "SHEWHART", "Signal", "collect"]
+__all__ = ["LABELS", "LOGGED", "OPENING", "SHEWHART", "Signal", "collect"]
 
 #: signal -> (what it is, in words; comparison scale; direction of trouble; the least change that counts as
 #: one robust standard deviation, in units of the scale: 0.1 on ``log`` is 10 %, 1.0 on an attention logit
@@ -52,6 +52,9 @@ LOGGED = {"loss_scale": "loss_scale", "logged_grad_norm": "logged_grad_norm"}
 
 #: The signals that may depart in one record (shares: a Shewhart limit beside the CUSUM).
 SHEWHART = frozenset({"dead_share", "stale_share", "router_max_share"})
+#: The signals whose level at initialisation is their healthy level (attention: growth of the logits from the
+#: first steps is the trouble), also tested against their frozen opening level (:func:`.departure.departures`).
+OPENING = frozenset({"attn_max_logit", "attn_entropy"})
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,11 @@ class Signal:
     def shewhart(self) -> bool:
         """Whether one record may depart alone (a share's jump; :func:`~.departure.departures`)."""
         return self.signal in SHEWHART
+
+    @property
+    def opening(self) -> bool:
+        """Whether it is also tested against its frozen opening level (:data:`OPENING`)."""
+        return self.signal in OPENING
 
     @property
     def floor(self) -> float:
