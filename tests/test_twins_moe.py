@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gradforensics.analysis import REGISTRY  # noqa: E402
-from gradforensics.store.reader import open_store  # noqa: E402
-from gradforensics.testing.twins import FAMILIES, describe, judge, train  # noqa: E402
-from gradforensics.testing.twins.moe import COLLAPSE_TOKENS  # noqa: E402
+from gradforensics.analysis import REGISTRY
+from gradforensics.store.reader import open_store
+from gradforensics.testing.twins import FAMILIES, describe, judge, train
+from gradforensics.testing.twins.moe import COLLAPSE_TOKENS
 
 HAS_EXPERTS = any("experts" in a.kinds for a in REGISTRY.values())
 needs_experts = pytest.mark.skipif(not HAS_EXPERTS, reason="no registered analysis emits the 'experts' kind yet "

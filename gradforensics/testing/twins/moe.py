@@ -16,8 +16,8 @@ statistics ``router/model.layers.<i>.mlp.gate/...``):
 * ``moe-starved``: transformers' ``Qwen2MoeForCausalLM`` (its shared expert of width 32 included),
   normalised top-k weights (``norm_topk_prob=True``), AdamW at lr 3e-3. Arm ``starved`` (sick)
   routes top-1 without a load-balancing loss: the one normalised weight is exactly ``p / p = 1``, so the
-  router's weight gets no language-model gradient at all (~1e-9, 1e-8 of the experts'; minimind
-  #858: 7.0e-10 against 1.0e-2 once fixed). Its healthy twin ``top2-balanced`` routes top-2 with
+  router's weight gets no language-model gradient at all (norm ~1e-9 or exactly 0: at most 1.1e-8 of
+  the experts'; minimind #858: 7.0e-10 against 1.0e-2 once fixed). Its healthy twin ``top2-balanced`` routes top-2 with
   the load-balancing loss (coefficient 0.1): its router learns (gradient ~0.7 of the experts') and
   its routing stays spread. Arm ``top2`` (information) differs from ``starved`` in top-k alone: its
   router learns too, but without a load-balancing loss this tiny model's top-2 routing collapses in
@@ -81,7 +81,9 @@ ARMS: dict[str, Arm] = {
     "top2-balanced": Arm("qwen2-moe", 2, 0.1, 3e-3),
     "top2": Arm("qwen2-moe", 2, 0.0, 3e-3),
 }
-STEPS, BATCH, SEQ, EXPERTS, LAYERS = 120, 8, 32, 8, 2
+STEPS = 120
+EXPERTS = 8
+BATCH, SEQ, LAYERS = 8, 32, 2
 #: Routing has collapsed while the busiest expert is in the top k of this share of the tokens
 #: (its max share of the top-k assignments >= COLLAPSE_TOKENS / k; trainscope's detector fires at 0.85).
 COLLAPSE_TOKENS = 0.9
