@@ -90,6 +90,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            note="tiny HF GPT-2 (fused Conv1D qkv), AdamW lr 3e-2 / 3e-3"),
     Family("mlp-eos", "hf_runs", "mlp-eos", ("mlp-gd",), Expect("oscillation"),
            note="tanh MLP on digits, full-batch GD past the edge of stability / at eta 0.1"),
+    Family("moe-collapse", "moe", "collapse", ("balanced",), Expect("experts", "model.layers.*.mlp*"),
+           note="tiny HF Mixtral (8 experts, top-2), AdamW lr 3e-2: routing collapse without / with the load-balancing loss"),
+    Family("moe-starved", "moe", "starved", ("top2-balanced",), Expect("experts", "model.layers.*.mlp*"),
+           info=("top2",), note="tiny HF Qwen2-MoE, normalised top-k weights: top-1 (router starved of gradient) / "
+                                "top-2 with the load-balancing loss; top-2 without it as information (it collapses)"),
 ]}
 
 
