@@ -18,7 +18,7 @@ statistics ``router/model.layers.<i>.mlp.gate/...``):
   routes top-1 without a load-balancing loss: the one normalised weight is exactly ``p / p = 1``, so the
   router's weight gets no language-model gradient at all (norm ~1e-9 or exactly 0: at most 1.1e-8 of
   the experts'; minimind #858: 7.0e-10 against 1.0e-2 once fixed). Its healthy twin ``top2-balanced`` routes top-2 with
-  the load-balancing loss (coefficient 0.1): its router learns (gradient ~0.7 of the experts') and
+  the load-balancing loss (coefficient 1.0, as moe-collapse's twin; at 0.1 an expert of layer 1 died at seed 0): its router learns (gradient ~0.7 of the experts') and
   its routing stays spread. Arm ``top2`` (information) differs from ``starved`` in top-k alone: its
   router learns too, but without a load-balancing loss this tiny model's top-2 routing collapses in
   layer 1 at every learning rate tried (1e-3 to 3e-2), so it cannot be a flag-free twin; and with
@@ -78,7 +78,7 @@ ARMS: dict[str, Arm] = {
     "collapse": Arm("mixtral", 2, 0.0, 3e-2),
     "balanced": Arm("mixtral", 2, 1.0, 3e-2),
     "starved": Arm("qwen2-moe", 1, 0.0, 3e-3),
-    "top2-balanced": Arm("qwen2-moe", 2, 0.1, 3e-3),
+    "top2-balanced": Arm("qwen2-moe", 2, 1.0, 3e-3),
     "top2": Arm("qwen2-moe", 2, 0.0, 3e-3),
 }
 STEPS = 120
