@@ -21,12 +21,14 @@ whose lock was taken over stops with :class:`~gradforensics.errors.StoreLockedEr
 owner replaces the object it did not expect (an old writer's leftover, or its own write whose
 answer was lost) with a PUT conditioned on that object's ETag.
 
-Deletes are conditional too (issue 42): a writer deletes only objects it wrote itself in this
-session, each with ``DeleteObject`` ``If-Match: <the ETag its own write got>`` (S3 has conditional
-deletes on general-purpose buckets; moto's server checks ``If-Match`` on DELETE): an object the
-new owner has rewritten answers 412 (one it deleted, 404) and the writer asks its lock and stops.
-An object it did not write is never deleted by it (zarr's shrinking ``resize`` deletes the chunks
-past the new end: a writer that wrote none there deletes none, where the new owner's may be).
+Deletes are conditional too (issue 42): an object a writer wrote itself in this session is deleted
+with ``DeleteObject`` ``If-Match: <the ETag its own write got>`` (S3 has conditional deletes on
+general-purpose buckets; moto's server checks ``If-Match`` on DELETE): an object the new owner
+has rewritten answers 412 (one it deleted, 404) and the writer asks its lock and stops.  An object
+it did not write (an earlier writer's leftover: an unfinished analysis generation) is deleted only
+when asked by name or prefix, listed first, the lock checked second, each object then conditional
+on the ETag it was listed with: an object the new owner rewrote answers 412, one it created after
+the listing is not in it, and a takeover before the check stops the writer.
 
 What no condition can express: a key that *nobody* has written since the takeover.  A writer
 asks its lock before creating its arrays, but one frozen between that check and its creation
@@ -151,7 +153,11 @@ def fenced_store_class() -> type:
                     await super().delete(key)
                     return
                 self._check_writable()
-                await self._delete_own(_key_path(self.path, key))
+                path = _key_path(self.path, key)
+                if path in self._etags():
+                    await self._delete_own(path)
+                else:
+                    await self._delete_leftovers(path)
 
             async def delete_dir(self, prefix: str) -> None:
                 if self.check is None:
@@ -161,6 +167,41 @@ def fenced_store_class() -> type:
                 root = _key_path(self.path, prefix)
                 for path in sorted(p for p in self._etags() if p == root or p.startswith(root + "/")):
                     await self._delete_own(path)
+                await self._delete_leftovers(root)
+
+            async def _delete_leftovers(self, root: str) -> None:
+                """Delete what this writer did not write at or under *root* (an earlier writer's leftovers: an
+                unfinished analysis generation, an old array), each conditional on the ETag it had when listed.
+
+                The listing comes first, the lock check second: a takeover before the check stops this writer,
+                and an object the new owner rewrites after it answers 412 (its ETag changed); objects created
+                after the listing are not in it.  So only objects already there before the takeover can go.
+                """
+                check = self.check
+                assert check is not None
+                try:
+                    found = await self.fs._find(root, detail=True)
+                except FileNotFoundError:
+                    found = {}
+                if not found:
+                    try:
+                        found = {root: await self.fs._info(root, refresh=True)}
+                    except FileNotFoundError:
+                        return
+                listed = {p: i.get("ETag") for p, i in found.items() if isinstance(i, dict) and i.get("type") != "directory"}
+                await asyncio.to_thread(check)
+                own = self._etags()
+                client = await self.fs.set_session()
+                for path, etag in sorted(listed.items()):
+                    if path in own or not (isinstance(etag, str) and etag):
+                        continue
+                    bucket, key, _ = self.fs.split_path(path)
+                    try:
+                        await client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
+                    except Exception as exc:
+                        if not (_failed_precondition(exc) or _missing(exc)):
+                            raise
+                    self.fs.invalidate_cache(path)
 
             async def _delete_own(self, path: str) -> None:
                 """Delete *path* if this writer wrote it, conditioned on the ETag its write got (else leave it)."""
