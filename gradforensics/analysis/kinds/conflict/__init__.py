@@ -71,7 +71,7 @@ from gradforensics.analysis.kinds.conflict.unit import (
 )
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import units as un
-from gradforensics.analysis.toolkit.parallel import SLAB_UNITS, map_slabs
+from gradforensics.analysis.toolkit.parallel import SLAB_UNITS, map_slabs, release_freed_memory
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -186,6 +186,7 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None,
     slab = max(1, min(SLAB_UNITS, SLAB_BYTES // max(8 * n_max * n_max, 1)))
     done = map_slabs(functools.partial(_conflict_of, mix=mix, opts=opts, training=training, designs=designs,
                                        spans=spans), units, size=slab)
+    release_freed_memory()          # what the slabs' threads freed (their arenas keep it otherwise)
     for u, (_, cos, idx) in zip(infos, done, strict=True):
         if cos is not None:
             full = np.full((len(ctx.sources),) * 2, np.nan)
@@ -222,9 +223,9 @@ def _pair_table(infos: list[un.Unit], done: list[tuple[dict[str, np.ndarray], An
         v = np.array([-1 if x is None else int(x) for x in values], dtype=np.int64)
         return pd.arrays.IntegerArray(v[unit], (v < 0)[unit])
 
-    def cat(c: str, dtype: Any) -> np.ndarray:
-        return np.concatenate([np.asarray(cols[c], dtype=dtype) for cols, _, _ in done]) if len(done) else \
-            np.empty(0, dtype=dtype)
+    def cat(c: str, dtype: Any) -> np.ndarray:        # each unit's column, released once it is in the table's
+        parts = [np.asarray(cols.pop(c), dtype=dtype) for cols, _, _ in done]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
 
     names = np.asarray(list(sources), dtype=object)
     out: dict[str, Any] = {
@@ -245,7 +246,8 @@ def _pair_table(infos: list[un.Unit], done: list[tuple[dict[str, np.ndarray], An
     out["draws"] = cat("draws", np.int64)
     out["record_first"] = pd.arrays.IntegerArray(first, np.zeros(first.size, dtype=bool))
     out["record_last"] = pd.arrays.IntegerArray(last, np.zeros(last.size, dtype=bool))
-    return pd.DataFrame({c: out[c] for c in COLUMNS if c in out}, columns=COLUMNS)
+    # copy=False: the columns become the table's as they are (not copied again into one block)
+    return pd.DataFrame({c: out[c] for c in COLUMNS if c in out}, columns=COLUMNS, copy=False)
 
 
 def _severities(table: Any, B: int, n_tests: int) -> np.ndarray:
@@ -267,12 +269,16 @@ def keep_rows(table: Any, budget: int | None) -> Any:
     """*table* cut to *budget* rows (option ``table_rows``): all of them when it has no more (or *budget* is
     None), else the rows that can matter, more than *budget* only where these need more.
 
-    Kept whatever the budget: every row at or above the report's floor (a flag) and each unit's most
-    conflicted row (the unit stays in the table: its heads are counted).  The rest of the budget goes to
+    Kept whatever the budget: every row at or above the report's floor (a flag), the nominally involved
+    head rows (a negative cosine with ``p < 0.05``) of a flagged whole tensor's pair (they decide whether
+    its conflict is tensor-wide) and each unit's best-ranked row (the unit stays in the table: its heads
+    are counted), so that the flags are those of the whole table.  The rest of the budget goes to
     the other rows in order of severity, then of "nominally involved" (a negative cosine with
     ``p < 0.05``), then of p-value.  Every pair's cosine stays in the unit's cosine matrix and the depth
     profiles (docs/conflict.md, "Memory").
     """
+    import pandas as pd
+
     if budget is None or len(table) <= budget:
         return table
     sev = table["severity"].to_numpy(dtype=float)
@@ -282,6 +288,12 @@ def keep_rows(table: Any, budget: int | None) -> Any:
     order = np.lexsort((np.nan_to_num(p, nan=2.0), ~involved, -np.nan_to_num(sev, nan=0.0)))
     keep = np.zeros(len(table), dtype=bool)
     keep[sev >= fl.REPORT_FLOOR] = True
+    # the heads that decide whether a flagged whole tensor's conflict is tensor-wide (flags: dedupe_heads)
+    head = table["head"].notna().to_numpy()
+    key = ["tensor", "source_a", "source_b"]
+    flagged_whole = pd.MultiIndex.from_frame(table.loc[keep & ~head, key])
+    cand = np.flatnonzero(involved & head)
+    keep[cand[pd.MultiIndex.from_frame(table.iloc[cand][key]).isin(flagged_whole)]] = True
     unit = table.groupby(["tensor", "head"], dropna=False, sort=False).ngroup().to_numpy()
     _, first = np.unique(unit[order], return_index=True)
     keep[order[first]] = True
@@ -319,10 +331,14 @@ def weigh_by_energy(table: Any) -> None:
 def _depth_profiles(table: Any) -> dict[str, np.ndarray]:
     """Per source pair: rows (layer, mean cosine, units flagged above 0.5) over the layered units."""
     out: dict[str, np.ndarray] = {}
-    layered = table[table["layer"].notna()]
-    for (a, b), grp in layered.groupby(["source_a", "source_b"], sort=True):
-        layer = grp["layer"].to_numpy(dtype=float)
-        cos, hot = grp["cosine"].to_numpy(dtype=float), grp["severity"].to_numpy(dtype=float) > 0.5
+    # the rows of each pair by index, over the whole table (a copy of its layered rows would double it)
+    layers = table["layer"].to_numpy(dtype=float, na_value=np.nan)
+    cosines, hots = table["cosine"].to_numpy(dtype=float), table["severity"].to_numpy(dtype=float) > 0.5
+    for (a, b), rows_of in table.groupby(["source_a", "source_b"], sort=True).indices.items():
+        rows_of = rows_of[np.isfinite(layers[rows_of])]
+        if not rows_of.size:
+            continue
+        layer, cos, hot = layers[rows_of], cosines[rows_of], hots[rows_of]
         rows = [(L, np.nanmean(cos[layer == L]), hot[layer == L].sum()) for L in np.unique(layer)]
         out[f"depth/{a}|{b}"] = np.asarray(rows, dtype=float)
     return out
