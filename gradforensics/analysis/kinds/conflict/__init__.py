@@ -158,8 +158,8 @@ def _conflict_of(slab: list[un.Unit], mix: np.ndarray, opts: ConflictOptions, tr
         for i, u, (cols, cos, idx) in zip(members, units, done, strict=True):
             m = cols["a"].size
             # per-unit values stay scalars here (compute repeats them over the unit's rows, once)
-            cols["energy"] = np.float64(np.mean(np.diag(u.gram)) if u.n else math.nan)
-            cols["rise"] = np.float64(rise(u.gram, mix[u.records], int(cols["a"][0]), int(cols["b"][0]))
+            cols["energy"] = np.array(np.mean(np.diag(u.gram)) if u.n else math.nan)     # 0-d
+            cols["rise"] = np.array(rise(u.gram, mix[u.records], int(cols["a"][0]), int(cols["b"][0]))
                                       if idx.size == 2 and m else math.nan)
             if spans is not None:       # long histories: rows are super-records, locate the stretch
                 first, last = np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
