@@ -32,7 +32,7 @@ loss of source b to first order (Yu et al. 2020, "gradient surgery").  Severity
 = ``significance(p, n_tests) × clip(-cos / 0.3, 0, 1)`` with ``cos`` the debiased
 cosine (the raw one where the debiased is undefined) and ``n_tests`` the number
 of (unit, pair) tests in the store: two sources that merely differ (positive
-cosine) are reported in the table but not flagged.  The severity is then weighted by
+cosine) are reported in the table (up to ``table_rows`` rows: :func:`keep_rows`) but not flagged.  The severity is then weighted by
 the unit's share of the gradient energy (``energy_share``: its mean ``‖g‖²`` over the
 records against the sum over the model's whole tensors):
 ``× (ENERGY_FLOOR + (1 - ENERGY_FLOOR) min(1, share / ENERGY_FULL)^½)``, so a conflict
@@ -96,7 +96,8 @@ ENERGY_FLOOR = 0.25    # the weight of a conflict in a unit with no energy: list
 MIN_PER_SOURCE = {"replay": 3, "training": 4}
 
 def compute(ctx: Context) -> AnalysisResult:
-    """The conflict table (a row per unit and source pair) and the cosine matrices.
+    """The conflict table (a row per unit and source pair, cut to the option ``table_rows`` by
+    :func:`keep_rows`) and the cosine matrices.
 
     In the long-history regime the statistics run on the per-window, per-source
     mean gradients, and each row's ``record_first``/``record_last`` is the stretch
