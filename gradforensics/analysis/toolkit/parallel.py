@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 
 from gradforensics.errors import WorkerLostError
 
-__all__ = ["BATCH_BYTES", "BATCH_UNITS", "SLAB_UNITS", "available_cores", "map_slabs", "map_units", "unit_threads",
-           "worker_batches", "worker_lost", "workers_add_cores"]
+__all__ = ["BATCH_BYTES", "BATCH_UNITS", "SLAB_UNITS", "available_cores", "map_slabs", "map_units",
+           "release_freed_memory", "unit_threads", "worker_batches", "worker_lost", "workers_add_cores"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -133,6 +133,22 @@ def map_slabs(fn: Callable[[list[T]], list[R]], items: Iterable[T], size: int = 
     if len(out) != len(todo):
         raise RuntimeError(f"map_slabs: {len(out)} results for {len(todo)} items")
     return out
+
+
+def release_freed_memory() -> None:
+    """Hand the memory the unit threads have freed back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Each thread allocates from its own malloc arena, and what is freed there stays in the arena: after the
+    threads of :func:`map_slabs`, the process keeps hundreds of MB it no longer uses, which the next phase,
+    on the main thread, does not reuse (conflict on 200 sources x 400 records: 532 MB resident after its
+    slabs, 245 MB once trimmed; docs/conflict.md, "Memory").
+    """
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        with suppress(OSError, AttributeError):
+            ctypes.CDLL(None).malloc_trim(0)
 
 
 # ------------------------------------------------------------------ on a cluster

@@ -32,7 +32,7 @@ loss of source b to first order (Yu et al. 2020, "gradient surgery").  Severity
 = ``significance(p, n_tests) × clip(-cos / 0.3, 0, 1)`` with ``cos`` the debiased
 cosine (the raw one where the debiased is undefined) and ``n_tests`` the number
 of (unit, pair) tests in the store: two sources that merely differ (positive
-cosine) are reported in the table but not flagged.  The severity is then weighted by
+cosine) are reported in the table (up to ``table_rows`` rows: :func:`keep_rows`) but not flagged.  The severity is then weighted by
 the unit's share of the gradient energy (``energy_share``: its mean ``‖g‖²`` over the
 records against the sum over the model's whole tensors):
 ``× (ENERGY_FLOOR + (1 - ENERGY_FLOOR) min(1, share / ENERGY_FULL)^½)``, so a conflict
@@ -71,13 +71,13 @@ from gradforensics.analysis.kinds.conflict.unit import (
 )
 from gradforensics.analysis.toolkit import flagging as fl
 from gradforensics.analysis.toolkit import units as un
-from gradforensics.analysis.toolkit.parallel import SLAB_UNITS, map_slabs
+from gradforensics.analysis.toolkit.parallel import SLAB_UNITS, map_slabs, release_freed_memory
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "MIN_PER_SOURCE", "SEGMENTS", "compute", "flags", "min_per_source",
-           "not_judged", "plot", "weigh_by_energy"]
+__all__ = ["ADVICE", "ANALYSIS", "COLUMNS", "MIN_PER_SOURCE", "SEGMENTS", "compute", "flags",
+           "keep_rows", "min_per_source", "not_judged", "plot", "weigh_by_energy"]
 
 
 COLUMNS = [
@@ -96,7 +96,8 @@ ENERGY_FLOOR = 0.25    # the weight of a conflict in a unit with no energy: list
 MIN_PER_SOURCE = {"replay": 3, "training": 4}
 
 def compute(ctx: Context) -> AnalysisResult:
-    """The conflict table (a row per unit and source pair) and the cosine matrices.
+    """The conflict table (a row per unit and source pair, cut to the option ``table_rows`` by
+    :func:`keep_rows`) and the cosine matrices.
 
     In the long-history regime the statistics run on the per-window, per-source
     mean gradients, and each row's ``record_first``/``record_last`` is the stretch
@@ -141,9 +142,10 @@ SLAB_BYTES = 64 * 2**20    # Gram matrices one slab of units holds at most (unit
 
 
 def _conflict_of(slab: list[un.Unit], mix: np.ndarray, opts: ConflictOptions, training: bool,
-                 designs: dict[bytes, SourceDesign], spans: tuple[np.ndarray, np.ndarray] | None, n_records: int,
+                 designs: dict[bytes, SourceDesign], spans: tuple[np.ndarray, np.ndarray] | None,
                  ) -> list[tuple[dict[str, np.ndarray], np.ndarray | None, np.ndarray]]:
-    """Per unit of *slab*: its pairs' columns (with its energy and stretch), cosine matrix and kept sources
+    """Per unit of *slab*: its pairs' columns (with its energy and rise, scalars, and in a long history each
+    pair's stretch), cosine matrix and kept sources
     (module-level: it runs on dask workers too).  The units of one design are tested together
     (:func:`conflict_units`), each seeded by its name."""
     out: list[Any] = [None] * len(slab)
@@ -156,23 +158,21 @@ def _conflict_of(slab: list[un.Unit], mix: np.ndarray, opts: ConflictOptions, tr
                               [unit_seed(opts.seed, u.tensor, u.head) for u in units], designs[key])
         for i, u, (cols, cos, idx) in zip(members, units, done, strict=True):
             m = cols["a"].size
-            energy = float(np.mean(np.diag(u.gram))) if u.n else math.nan
-            cols["energy"] = np.full(m, energy)
-            cols["rise"] = np.full(m, rise(u.gram, mix[u.records], int(cols["a"][0]), int(cols["b"][0]))
-                                   if idx.size == 2 and m else math.nan)
-            first, last = np.zeros(m, dtype=np.int64), np.full(m, n_records - 1, dtype=np.int64)
+            # per-unit values stay scalars here (compute repeats them over the unit's rows, once)
+            cols["energy"] = np.array(np.mean(np.diag(u.gram)) if u.n else math.nan)     # 0-d
+            cols["rise"] = np.array(rise(u.gram, mix[u.records], int(cols["a"][0]), int(cols["b"][0]))
+                                      if idx.size == 2 and m else math.nan)
             if spans is not None:       # long histories: rows are super-records, locate the stretch
+                first, last = np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
                 for k in range(m):
                     first[k], last[k] = _stretch(u, mix, spans, int(cols["a"][k]), int(cols["b"][k]))
-            cols["record_first"], cols["record_last"] = first, last
+                cols["record_first"], cols["record_last"] = first, last
             out[i] = (cols, cos, idx)
     return out
 
 
 def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None,
              losses: list[SourceLoss | None]) -> AnalysisResult:
-    import pandas as pd
-
     opts = ctx.options_for("conflict", ConflictOptions)
     mix = np.asarray(ctx.batches["mixture"], dtype=np.float64)
     training = ctx.meta.mode == "training"
@@ -186,41 +186,123 @@ def _compute(ctx: Context, spans: tuple[np.ndarray, np.ndarray] | None,
     n_max = max((u.n for u in infos), default=1)
     slab = max(1, min(SLAB_UNITS, SLAB_BYTES // max(8 * n_max * n_max, 1)))
     done = map_slabs(functools.partial(_conflict_of, mix=mix, opts=opts, training=training, designs=designs,
-                                       spans=spans, n_records=ctx.n_records), units, size=slab)
-    parts: dict[str, list[Any]] = {c: [] for c in COLUMNS}
-    names = np.asarray(ctx.sources, dtype=object)
-    for u, (cols, cos, idx) in zip(infos, done, strict=True):
-        m = cols["a"].size
-        if m:
-            for c in ("tensor", "head", "layer", "n_records", "n_excluded"):
-                parts[c].append(np.full(m, {"tensor": u.tensor, "head": u.head, "layer": u.layer, "n_records": u.n,
-                                            "n_excluded": u.n_excluded}[c], dtype=object))
-            parts["source_a"].append(names[cols["a"]])
-            parts["source_b"].append(names[cols["b"]])
-            for c, v in cols.items():
-                if c in parts:
-                    parts[c].append(v)
+                                       spans=spans), units, size=slab)
+    release_freed_memory()          # what the slabs' threads freed (their arenas keep it otherwise)
+    for u, (_, cos, idx) in zip(infos, done, strict=True):
         if cos is not None:
             full = np.full((len(ctx.sources),) * 2, np.nan)
             full[np.ix_(idx, idx)] = cos
             pack.add(u.tensor, u.head, full)
-    table = pd.DataFrame({c: (np.concatenate(v) if v else []) for c, v in parts.items() if c in _PAIR_TABLE},
-                         columns=COLUMNS)
-    for col in ("n_records", "n_excluded", "draws"):
-        table[col] = pd.to_numeric(table[col]).astype("int64")
-    for col in ("head", "layer", "record_first", "record_last"):
-        table[col] = table[col].astype("Int64")
+    table = _pair_table(infos, done, ctx.sources, ctx.n_records)
+    del done
     n_tests = int(table["p_value"].notna().sum())
-    table["severity"] = [
-        fl.significance(severity_p(p, z, opts.permutations, zx), n_tests) * effect(cdb, c)
-        for p, z, zx, cdb, c in zip(table["p_value"], table["z"], table["z_cross"], table["cosine_debiased"],
-                                    table["cosine"])
-    ]
+    table["severity"] = _severities(table, opts.permutations, n_tests)
     weigh_by_energy(table)
     stand_out(table, tuple(ctx.sources), losses)
     series = {**pack.to_series("cosine_matrix"), **_depth_profiles(table),
               "source_names": un.encode_names(ctx.sources)}
+    table = keep_rows(table, opts.table_rows)
     return AnalysisResult(table=table, series=series)
+
+
+def _pair_table(infos: list[un.Unit], done: list[tuple[dict[str, np.ndarray], Any, np.ndarray]],
+                sources: tuple[str, ...] | list[str], n_records: int) -> Any:
+    """The table's pair columns (:data:`_PAIR_TABLE`), built column by column into their final dtypes.
+
+    A row costs its numbers (float64, int64 and nullable Int64 cells) and one pointer per text cell
+    (the tensor's and the sources' names are shared strings, not copies): about 150 bytes.
+    """
+    import pandas as pd
+
+    m = np.array([cols["a"].size for cols, _, _ in done], dtype=np.int64)
+    unit = np.repeat(np.arange(len(infos)), m)          # each row's unit
+
+    def per_unit(values: list[Any], dtype: Any) -> np.ndarray:
+        return np.asarray(values, dtype=dtype)[unit]
+
+    def nullable(values: list[int | None]) -> Any:
+        v = np.array([-1 if x is None else int(x) for x in values], dtype=np.int64)
+        return pd.arrays.IntegerArray(v[unit], (v < 0)[unit])
+
+    def cat(c: str, dtype: Any) -> np.ndarray:        # each unit's column, released once it is in the table's
+        parts = [np.asarray(cols.pop(c), dtype=dtype) for cols, _, _ in done]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+
+    names = np.asarray(list(sources), dtype=object)
+    out: dict[str, Any] = {
+        "tensor": per_unit([u.tensor for u in infos], object), "head": nullable([u.head for u in infos]),
+        "layer": nullable([u.layer for u in infos]), "source_a": names[cat("a", np.int64)],
+        "source_b": names[cat("b", np.int64)]}
+    for c in ("cosine", "p_value", "cosine_debiased", "z", "n_a", "n_b"):
+        out[c] = cat(c, np.float64)
+    out["n_records"] = per_unit([u.n for u in infos], np.int64)
+    out["n_excluded"] = per_unit([u.n_excluded for u in infos], np.int64)
+    out["z_cross"] = cat("z_cross", np.float64)
+    if all("record_first" in cols for cols, _, _ in done):        # a long history: each pair's stretch
+        first, last = cat("record_first", np.int64), cat("record_last", np.int64)
+    else:
+        first, last = np.zeros(unit.size, dtype=np.int64), np.full(unit.size, n_records - 1, dtype=np.int64)
+    out["energy"] = per_unit([float(cols["energy"]) for cols, _, _ in done], np.float64)
+    out["rise"] = per_unit([float(cols["rise"]) for cols, _, _ in done], np.float64)
+    out["draws"] = cat("draws", np.int64)
+    out["record_first"] = pd.arrays.IntegerArray(first, np.zeros(first.size, dtype=bool))
+    out["record_last"] = pd.arrays.IntegerArray(last, np.zeros(last.size, dtype=bool))
+    # copy=False: the columns become the table's as they are (not copied again into one block)
+    return pd.DataFrame({c: out[c] for c in COLUMNS if c in out}, columns=COLUMNS, copy=False)
+
+
+def _severities(table: Any, B: int, n_tests: int) -> np.ndarray:
+    """Each row's severity before the energy weight and the stand-out cap (the module docstring).
+
+    Only rows with a cosine at or below 0 can have one (:func:`effect` is 0 elsewhere, exactly), so only
+    they are scored, one by one, with the same scalar functions as one row.
+    """
+    p, z, zx = (table[c].to_numpy(dtype=float) for c in ("p_value", "z", "z_cross"))
+    cdb, c = table["cosine_debiased"].to_numpy(dtype=float), table["cosine"].to_numpy(dtype=float)
+    eff = np.where(np.isfinite(cdb), cdb, c)
+    out = np.zeros(len(table))
+    for i in np.flatnonzero(eff <= 0).tolist():
+        out[i] = fl.significance(severity_p(p[i], z[i], B, zx[i]), n_tests) * effect(cdb[i], c[i])
+    return out
+
+
+def keep_rows(table: Any, budget: int | None) -> Any:
+    """*table* cut to *budget* rows (option ``table_rows``): all of them when it has no more (or *budget* is
+    None), else the rows that can matter, more than *budget* only where these need more.
+
+    Kept whatever the budget: every row at or above the report's floor (a flag), the nominally involved
+    head rows (a negative cosine with ``p < 0.05``) of a flagged whole tensor's pair (they decide whether
+    its conflict is tensor-wide) and each unit's best-ranked row (the unit stays in the table: its heads
+    are counted), so that the flags are those of the whole table.  The rest of the budget goes to
+    the other rows in order of severity, then of "nominally involved" (a negative cosine with
+    ``p < 0.05``), then of p-value.  Every pair's cosine stays in the unit's cosine matrix and the depth
+    profiles (docs/conflict.md, "Memory").
+    """
+    import pandas as pd
+
+    if budget is None or len(table) <= budget:
+        return table
+    sev = table["severity"].to_numpy(dtype=float)
+    cos = table["cosine_debiased"].where(table["cosine_debiased"].notna(), table["cosine"]).to_numpy(dtype=float)
+    p = table["p_value"].to_numpy(dtype=float)
+    involved = (cos < 0) & (p < 0.05)
+    order = np.lexsort((np.nan_to_num(p, nan=2.0), ~involved, -np.nan_to_num(sev, nan=0.0)))
+    keep = np.zeros(len(table), dtype=bool)
+    keep[sev >= fl.REPORT_FLOOR] = True
+    # the heads that decide whether a flagged whole tensor's conflict is tensor-wide (flags: dedupe_heads)
+    head = table["head"].notna().to_numpy()
+    key = ["tensor", "source_a", "source_b"]
+    flagged_whole = pd.MultiIndex.from_frame(table.loc[keep & ~head, key])
+    cand = np.flatnonzero(involved & head)
+    keep[cand[pd.MultiIndex.from_frame(table.iloc[cand][key]).isin(flagged_whole)]] = True
+    unit = table.groupby(["tensor", "head"], dropna=False, sort=False).ngroup().to_numpy()
+    _, first = np.unique(unit[order], return_index=True)
+    keep[order[first]] = True
+    room = budget - int(keep.sum())
+    if room > 0:
+        rest = order[~keep[order]]
+        keep[rest[:room]] = True
+    return table[keep].reset_index(drop=True)
 
 
 def _stretch(u: un.Unit, mix: np.ndarray, spans: tuple[np.ndarray, np.ndarray], a: int, b: int) -> tuple[int, int]:
@@ -250,10 +332,14 @@ def weigh_by_energy(table: Any) -> None:
 def _depth_profiles(table: Any) -> dict[str, np.ndarray]:
     """Per source pair: rows (layer, mean cosine, units flagged above 0.5) over the layered units."""
     out: dict[str, np.ndarray] = {}
-    layered = table[table["layer"].notna()]
-    for (a, b), grp in layered.groupby(["source_a", "source_b"], sort=True):
-        layer = grp["layer"].to_numpy(dtype=float)
-        cos, hot = grp["cosine"].to_numpy(dtype=float), grp["severity"].to_numpy(dtype=float) > 0.5
+    # the rows of each pair by index, over the whole table (a copy of its layered rows would double it)
+    layers = table["layer"].to_numpy(dtype=float, na_value=np.nan)
+    cosines, hots = table["cosine"].to_numpy(dtype=float), table["severity"].to_numpy(dtype=float) > 0.5
+    for (a, b), rows_of in table.groupby(["source_a", "source_b"], sort=True).indices.items():
+        rows_of = rows_of[np.isfinite(layers[rows_of])]
+        if not rows_of.size:
+            continue
+        layer, cos, hot = layers[rows_of], cosines[rows_of], hots[rows_of]
         rows = [(L, np.nanmean(cos[layer == L]), hot[layer == L].sum()) for L in np.unique(layer)]
         out[f"depth/{a}|{b}"] = np.asarray(rows, dtype=float)
     return out
@@ -268,9 +354,7 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     losses = source_losses(ctx.batches.get("loss", np.full(ctx.n_records, np.nan)),
                            np.asarray(ctx.batches["mixture"], dtype=np.float64))
     per_pair: dict[tuple[str, str], tuple[Any, list[int] | None, dict[str, list[int]]]] = {}   # once a pair
-    for r in t.itertuples(index=False):
-        if not r.severity >= fl.REPORT_FLOOR:
-            continue
+    for r in t[t["severity"] >= fl.REPORT_FLOOR].itertuples(index=False):
         head = un.head_of(r.head)
         span = (int(r.record_first), int(r.record_last)) if un.head_of(getattr(r, "record_first", None)) is not None else (0, last)
         if (r.source_a, r.source_b) not in per_pair:
@@ -291,7 +375,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
                         summary=_summary(r, head, band, heads, len(hot), floor)
                         + _standing_text(r, why, ctx.sources, losses)))
     cos_eff = t["cosine_debiased"].where(t["cosine_debiased"].notna(), t["cosine"])
-    involved = fl.involved_heads(t, (cos_eff < 0) & (t["p_value"] < 0.05), by_sources=True)
+    nominal = ((cos_eff < 0) & (t["p_value"] < 0.05)).to_numpy()
+    involved = fl.involved_heads(t[nominal], np.ones(int(nominal.sum()), dtype=bool), by_sources=True)
     return fl.dedupe_heads(out, un.heads_per_tensor(t), involved, by_sources=True)
 
 

@@ -194,6 +194,6 @@ def stand_out(table: Any, sources: tuple[str, ...], losses: list[SourceLoss | No
             why[rows] = np.where(pair, "rise" if two else "pair", np.where(loss, "loss", none))
             named[rows] = np.where(loss, names[k], none)
     table["standing"] = standing
-    table["named"] = named.tolist()
-    table["why"] = why.tolist()
+    table["named"] = named          # the object arrays as they are (the same dtype as their lists, not a copy more)
+    table["why"] = why
     table["severity"] = np.minimum(table["severity"].to_numpy(dtype=float), CONTEXT + (1.0 - CONTEXT) * standing)

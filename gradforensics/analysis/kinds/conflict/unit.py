@@ -36,16 +36,20 @@ class ConflictOptions(Options):
     """``permutations`` (B), ``seed``, ``block``: records per permutation block in training mode
     (default ``max(4, ceil(N/16))``; replay permutes over all records), and ``hits``: the ``h`` of the
     sequential test (a pair stops drawing once ``h`` permuted statistics reach the observed one;
-    None: every pair draws all ``B``)."""
+    None: every pair draws all ``B``), and ``table_rows``: the table's rows kept at most beyond the
+    flagged ones and one a unit (:func:`~gradforensics.analysis.kinds.conflict.keep_rows`; None: every
+    row, a row per unit and source pair)."""
 
     permutations: int = 999
     seed: int = 0
     block: int | None = None
     hits: int | None = 10
+    table_rows: int | None = 100_000
 
     analysis_name = "conflict"
     constraints: ClassVar[Constraints] = {"permutations": Interval(int, 19, None), "seed": Interval(int, 0, None),
-                   "block": [Interval(int, 2, None), None], "hits": [Interval(int, 1, None), None]}
+                   "block": [Interval(int, 2, None), None], "hits": [Interval(int, 1, None), None],
+                   "table_rows": [Interval(int, 0, None), None]}
 
 
 def unit_seed(seed: int, tensor: str, head: int | None) -> tuple[int, int, int]:
