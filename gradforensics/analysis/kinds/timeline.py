@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from gradforensics.analysis.contract.model import Context
 
-__all__ = ["ANALYSIS", "NAME", "TimelineOptions", "compute", "grad_norms", "plot", "timeline_rows"]
+__all__ = ["ANALYSIS", "TimelineOptions", "compute", "grad_norms", "plot", "timeline_rows"]
 
 
 @dataclass(frozen=True)
