@@ -138,13 +138,8 @@ def fenced_store_class() -> type:
                             etags.pop(path, None)
                         return
                     # the object is not what this writer left there: is the store still ours?
-                    await asyncio.to_thread(check)
-                    try:
-                        info = await self.fs._info(path, refresh=True)
-                        now = info.get("ETag")
-                    except FileNotFoundError:
-                        now = None
-                    cond = {"IfMatch": now} if isinstance(now, str) and now else {"IfNoneMatch": "*"}
+                    _, now = await self._recheck(check, path)
+                    cond = {"IfMatch": now} if now else {"IfNoneMatch": "*"}
                 raise StoreLockedError(f"{self.path}: {key} keeps being replaced by another writer while this one "
                                        "owns the store's lock; stop writing and check who else writes here.")
 
@@ -168,6 +163,17 @@ def fenced_store_class() -> type:
                 for path in sorted(p for p in self._etags() if p == root or p.startswith(root + "/")):
                     await self._delete_own(path)
                 await self._delete_leftovers(root)
+
+            async def _recheck(self, check: Callable[[], None], path: str) -> tuple[bool, str | None]:
+                """After an unexpected answer: the lock checked (StoreLockedError once it is another's), then
+                whether *path* exists and its ETag now (None when it has none)."""
+                await asyncio.to_thread(check)
+                try:
+                    info = await self.fs._info(path, refresh=True)
+                except FileNotFoundError:
+                    return False, None
+                now = info.get("ETag")
+                return True, now if isinstance(now, str) and now else None
 
             async def _delete_leftovers(self, root: str) -> None:
                 """Delete what this writer did not write at or under *root* (an earlier writer's leftovers: an
@@ -224,14 +230,11 @@ def fenced_store_class() -> type:
                         self.fs.invalidate_cache(path)
                         return
                     # not what this writer left there: is the store still ours?
-                    await asyncio.to_thread(check)
-                    try:
-                        info = await self.fs._info(path, refresh=True)
-                        now = info.get("ETag")
-                    except FileNotFoundError:
+                    there, now = await self._recheck(check, path)
+                    if not there:
                         etags.pop(path, None)
                         return                       # gone already (our own delete whose answer was lost)
-                    if not (isinstance(now, str) and now):
+                    if now is None:
                         break
                     known = now                      # still ours: the object left there goes
                 raise StoreLockedError(f"{self.path}: {path} keeps being replaced by another writer while this one "
