@@ -315,3 +315,45 @@ def _tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
     tok.train_from_iterator(corpus("en", 60, 0), trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                                 pad_token="<pad>")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_aux_loss_is_the_models_own_and_each_layers_is_transformers_loss_on_its_logits(tmp_path, family):
+    """Oracles: ``router/aux_loss`` = the mean of the model's ``output.aux_loss`` over the record's two
+    micro-batches (1e-6); ``router/<gate>/aux_loss`` = transformers' ``load_balancing_loss_func`` on that
+    layer's router logits of the record alone (1e-5)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    model = _mixtral() if family == "mixtral" else _qwen2_moe()
+    model.config.output_router_logits = True
+    routers = [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    reported, logits = [], []
+    torch.manual_seed(1)
+    with gf.Recorder(tmp_path / "a.zarr", model=model, sources=["a", "b"], heads=None, experts="auto") as rec:
+        for i in range(3):
+            model.zero_grad()
+            outs = []
+            for _ in range(2):
+                ids = torch.randint(0, V, (2, 6))
+                out = model(input_ids=ids, labels=ids)
+                out.loss.backward()
+                outs.append(out)
+            reported.append(np.mean([float(o.aux_loss.detach()) for o in outs]))
+            logits.append([torch.cat([o.router_logits[layer].detach() for o in outs]) for layer in range(2)])
+            rec.record(loss=out.loss, source="ab"[i % 2])
+        with torch.no_grad():      # an evaluation forward reports aux_loss too; it is not counted
+            model(input_ids=torch.randint(0, V, (2, 6)))
+    s = open_store(tmp_path / "a.zarr")
+    np.testing.assert_allclose(s.model_aux_loss(), reported, rtol=1e-6)
+    assert s.router_modules == routers
+    for layer, r in enumerate(routers):
+        want = [float(load_balancing_loss_func((lg[layer],), E, K)) for lg in logits]
+        np.testing.assert_allclose(s.router(r, "aux_loss"), want, rtol=1e-5)
+
+
+def test_aux_loss_absent_when_the_model_does_not_report_it(tmp_path):
+    model = _mixtral()      # output_router_logits False: aux_loss None
+    s, _, _ = _run(model, tmp_path / "m.zarr", _hf_loss, ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"],
+                       experts="auto")
+    assert s.model_aux_loss() is None and "router/aux_loss" not in s.arrays
+    assert s.router("model.layers.0.mlp.gate", "aux_loss").shape == (2,)      # each layer's is always recorded

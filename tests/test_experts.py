@@ -70,6 +70,13 @@ def test_collapsing_router_is_flagged_on_its_layer_since_the_onset(collapsing, t
     assert flag.evidence["concentration"] == pytest.approx(1.0) and flag.evidence["entropy_norm"] < 0.2
     assert flag.evidence["experts_named"] == [0] and flag.evidence["overloaded_experts"] == [0]
     assert "routing collapsed onto expert 0" in flag.summary
+    # the layer's load-balancing loss: k = 2 while balanced, near E = 8 once collapsed (expert 0 in every
+    # token's top 2 with probability ~1: 8 * (1 * ~1 + ...)); context in the evidence and the summary
+    aux = s.router("moe.gate", "aux_loss")
+    assert np.median(aux[:ONSET]) == pytest.approx(2.0, abs=0.3) and np.median(aux[ONSET:]) > 6.0
+    assert flag.evidence["aux_loss_first"] == pytest.approx(float(np.median(aux[:5])))
+    assert flag.evidence["aux_loss_last"] > 6.0 and np.isnan(flag.evidence["model_aux_loss_last"])
+    assert "its load-balancing loss" in flag.summary
     row = findings.table("experts").iloc[0]
     assert row["max_share_last"] == pytest.approx(float(np.median(s.router("moe.gate", "max_share")[-5:])))
     gf.report(findings, tmp_path / "out")

@@ -35,7 +35,18 @@ previous record, under ``router/<router module>/``:
 * ``entropy`` ``(N,)``: the entropy (nats) of the *mean routing distribution*
   ``p̄ = mean over tokens of softmax(router logits)``; ``log E`` is uniform routing, 0 collapse;
 * ``logit_z`` ``(N,)``: the mean over tokens of ``logsumexp(router logits)²`` (the
-  quantity the router z-loss penalises).
+  quantity the router z-loss penalises);
+* ``aux_loss`` ``(N,)``: the layer's auxiliary load-balancing loss (Switch Transformer)
+  ``E · Σ_e f_e · P_e``, ``f_e`` the assignments to expert ``e`` per token (summed over the
+  top-k slots) and ``P_e`` its mean routing probability - what transformers'
+  ``load_balancing_loss_func`` gives on this layer's logits alone (no attention mask): ``k`` at
+  balanced routing (``f_e = k/E``, ``P_e = 1/E``), up to ``E`` at a collapse.
+
+The model's own auxiliary loss, where it reports one (a Hugging Face MoE model run with
+``output_router_logits=True`` returns ``aux_loss``: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; their
+loss pools every layer's tokens and honours the attention mask), is read from the model's output
+(:class:`ModelAuxTap`) and stored per record as ``router/aux_loss``: the mean over the record's
+forwards with gradients on.
 """
 
 from __future__ import annotations
@@ -55,7 +66,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ExpertPlan", "RouterHook", "RouterTaps", "match_experts", "parse_cli_experts", "resolve_experts",
+__all__ = ["ExpertPlan", "ModelAuxTap", "RouterHook", "RouterTaps", "match_experts", "parse_cli_experts", "resolve_experts",
            "stack_units"]
 
 _ROUTER_NAMES = ("gate", "router")
@@ -251,7 +262,8 @@ def router_stats(s: np.ndarray, experts: int) -> dict[str, Any]:
     p = probs / n
     nz = p[p > 0]
     return {"load": load.astype(np.float32), "max_share": np.float32(load.max()),
-            "entropy": np.float32(-(nz * np.log(nz)).sum()), "logit_z": np.float32(z2 / n)}
+            "entropy": np.float32(-(nz * np.log(nz)).sum()), "logit_z": np.float32(z2 / n),
+            "aux_loss": np.float32(experts * float(np.dot(counts / n, p)))}
 
 
 class RouterTaps:
@@ -278,3 +290,35 @@ class RouterTaps:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+class ModelAuxTap:
+    """Forward hook on the model: the ``aux_loss`` it returns (a Hugging Face MoE output), summed on the device.
+
+    :meth:`take` gives the mean over the forwards with gradients on since the previous take, or None when
+    none of them returned an ``aux_loss`` (a model run without ``output_router_logits``, or one without it).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.sum: Any = None
+        self.count = 0
+        self.handle = model.register_forward_hook(self)
+
+    def __call__(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        import torch
+
+        if not torch.is_grad_enabled():
+            return
+        aux = output.get("aux_loss") if isinstance(output, Mapping) else getattr(output, "aux_loss", None)
+        if not isinstance(aux, torch.Tensor) or aux.numel() != 1:
+            return
+        v = aux.detach().reshape(()).double()
+        self.sum = v if self.sum is None else self.sum + v.to(self.sum.device)
+        self.count += 1
+
+    def take(self) -> float | None:
+        s, n, self.sum, self.count = self.sum, self.count, None, 0
+        return None if s is None else float(s) / n
+
+    def remove(self) -> None:
+        self.handle.remove()

@@ -37,7 +37,7 @@ from gradforensics.recording.actstats import (
 )
 from gradforensics.recording.autoheads import resolve_heads
 from gradforensics.recording.encoding import mixture_row
-from gradforensics.recording.experts import ExpertPlan, RouterTaps, resolve_experts, stack_units
+from gradforensics.recording.experts import ExpertPlan, ModelAuxTap, RouterTaps, resolve_experts, stack_units
 from gradforensics.recording.hostcopy import HostCopies, device_copies_done, to_numpy
 from gradforensics.recording.logits import LogitTaps, logit_modules
 from gradforensics.recording.recorder import ArrayRecorder
@@ -46,6 +46,7 @@ from gradforensics.recording.selection import model_info, run_dtypes, select_mod
 from gradforensics.recording.sketch import DeviceSketch
 from gradforensics.recording.units import AxisFinder
 from gradforensics.store.names import check_name
+from gradforensics.store.schema import MODEL_AUX_LOSS
 
 if TYPE_CHECKING:
     import torch
@@ -204,6 +205,8 @@ class TorchRecorder(ArrayRecorder):
             self._hooks.append(m.register_forward_hook(self._act_hooks[n]))
         self._logits = LogitTaps(logit_modules(named, logits)) if logits else None
         self._routers = RouterTaps(plan.routers) if plan.routers else None
+        self._aux = ModelAuxTap(model) if plan.routers else None
+        self._aux_on: bool | None = None      # the model reported aux_loss at record 0: written at every record
         self._optim = None
         if optimizer is not None:
             from gradforensics.recording.optimlive import LiveOptim
@@ -261,6 +264,7 @@ class TorchRecorder(ArrayRecorder):
                 pending.rows.update(self._optim.take(n))
             if self._routers is not None:
                 pending.rows.update(self._routers.take())
+            pending.rows.update(self._take_aux())
             clash = sorted(set(pending.act_stats) & set(pending.acts))
             if clash:
                 raise SpecError(f"record(): activations[{clash[0]!r}] is already recorded from the model; "
@@ -273,6 +277,18 @@ class TorchRecorder(ArrayRecorder):
             pending.settle = device_copies_done(pending.grads, events, release, on_device)
         pending.sketches = sketches
         self._submit(pending)
+
+    def _take_aux(self) -> dict[str, tuple[np.ndarray, dict[str, Any]]]:
+        """``router/aux_loss`` of this record: written from record 0 on when the model reported one there
+        (NaN at a later record without one), never when it did not."""
+        if self._aux is None:
+            return {}
+        v = self._aux.take()
+        if self._aux_on is None:
+            self._aux_on = v is not None
+        if not self._aux_on:
+            return {}
+        return {MODEL_AUX_LOSS: (np.asarray(np.nan if v is None else v, dtype=np.float32), {})}
 
     def _count_rows(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook of the model: add the leading dimension of its first tensor argument (with grad on)."""
@@ -355,6 +371,9 @@ class TorchRecorder(ArrayRecorder):
         routers = getattr(self, "_routers", None)
         if routers is not None:
             routers.remove()
+        aux = getattr(self, "_aux", None)
+        if aux is not None:
+            aux.remove()
         if self._local is not None:
             self._local.remove()
 

@@ -26,6 +26,7 @@ from gradforensics.store.schema import (
     ATTN_FIELDS,
     BATCH_FIELDS,
     LOGIT_FIELDS,
+    MODEL_AUX_LOSS,
     ROOT_ATTR,
     ROUTER_FIELDS,
     StoreMeta,
@@ -182,7 +183,7 @@ class Store:
     @cached_property
     def router_modules(self) -> list[str]:
         """The mixture-of-experts routers with statistics (``router/<module>/...``), sorted."""
-        return sorted({k.rsplit("/", 1)[0] for k in self._group("router")})
+        return sorted({k.rsplit("/", 1)[0] for k in self._group("router") if "/" in k})
 
     @property
     def tensors(self) -> list[str]:
@@ -297,6 +298,10 @@ class Store:
         if stat not in ROUTER_FIELDS:
             raise KeyError(stat)
         return self.read(f"router/{module}/{stat}")
+
+    def model_aux_loss(self) -> np.ndarray | None:
+        """The load-balancing loss the model reported per record (``router/aux_loss``, float32 ``(N,)``), or None."""
+        return self.read(MODEL_AUX_LOSS) if MODEL_AUX_LOSS in self.arrays else None
 
     def experts_of(self, tensor: str) -> int | None:
         """E when ``grads/<tensor>`` is a mixture-of-experts unit ``(N, E, ...)`` (attribute ``experts``), else None."""

@@ -22,6 +22,7 @@ __all__ = [
     "BATCH_FIELDS",
     "ENCODINGS",
     "LOGIT_FIELDS",
+    "MODEL_AUX_LOSS",
     "MODES",
     "ROOT_ATTR",
     "ROUTER_FIELDS",
@@ -80,8 +81,13 @@ LOGIT_FIELDS: tuple[str, ...] = ("logz_mean", "logz_max", "logit_max", "logit_me
 
 #: Per-record router statistics of a mixture-of-experts layer under ``router/<router module>/``:
 #: ``load`` float32 ``(N, E)`` (attribute ``experts = E``), the others float32 ``(N,)``
-#: (:mod:`gradforensics.recording.experts`).
-ROUTER_FIELDS: tuple[str, ...] = ("load", "max_share", "entropy", "logit_z")
+#: (:mod:`gradforensics.recording.experts`; ``aux_loss`` the layer's load-balancing loss,
+#: absent from stores written before it).
+ROUTER_FIELDS: tuple[str, ...] = ("load", "max_share", "entropy", "logit_z", "aux_loss")
+
+#: The auxiliary load-balancing loss the model itself reports (a Hugging Face MoE model's
+#: ``output.aux_loss``), float32 ``(N,)``: the mean over the record's forwards.
+MODEL_AUX_LOSS = "router/aux_loss"
 
 #: How a gradient array is encoded on disk.  The reader always yields float32.
 ENCODINGS: tuple[str, ...] = ("float32", "float16", "bfloat16-as-uint16")

@@ -18,7 +18,15 @@ from gradforensics.errors import CorruptChunkError, CorruptStoreError, MissingAr
 from gradforensics.store.inventory import StoredArray
 from gradforensics.store.names import name_problem
 from gradforensics.store.probe_schema import PROBE_GROUPS, check_probe
-from gradforensics.store.schema import ACT_FIELDS, ATTN_FIELDS, BATCH_FIELDS, LOGIT_FIELDS, ROUTER_FIELDS, StoreMeta
+from gradforensics.store.schema import (
+    ACT_FIELDS,
+    ATTN_FIELDS,
+    BATCH_FIELDS,
+    LOGIT_FIELDS,
+    MODEL_AUX_LOSS,
+    ROUTER_FIELDS,
+    StoreMeta,
+)
 
 __all__ = ["BULK_GROUPS", "REQUIRED_BATCHES", "check_arrays", "check_ranks", "chunks_checked", "rows_of"]
 
@@ -237,8 +245,11 @@ def _logits(path: str, name: str, arr: StoredArray) -> None:
 
 def _router(path: str, name: str, arr: StoredArray) -> None:
     parts = name.split("/")
-    if len(parts) != 3 or parts[2] not in ROUTER_FIELDS:
-        raise _bad(path, name, "an unknown name", f"router/<module>/<stat>, stat one of {ROUTER_FIELDS}")
+    if name == MODEL_AUX_LOSS:
+        parts = [*parts, name]
+    elif len(parts) != 3 or parts[2] not in ROUTER_FIELDS:
+        raise _bad(path, name, "an unknown name",
+                   f"{MODEL_AUX_LOSS} or router/<module>/<stat>, stat one of {ROUTER_FIELDS}")
     if parts[2] == "load":
         e, k = arr.attrs.get("experts"), arr.attrs.get("top_k", 1)
         if len(arr.shape) != 2 or arr.dtype != "float32" or e != arr.shape[1] or not _is_int(k, 1) or k > e:

@@ -211,7 +211,8 @@ def _by_source(ctx: Context, load: np.ndarray, tail: int, top_k: int) -> tuple[f
 COLUMNS = ["tensor", "head", "experts", "top_k", "max_share_first", "max_share_last", "concentration_first",
            "concentration", "entropy_norm_first", "entropy_norm", "since_record", "since_step", "top_expert",
            "overloaded", "dead", "dead_since", "n_dead", "grad_ratio", "router_grad_rms", "expert_grad_rms",
-           "source_spread", "source_expert", "source_pair", "collapse_severity", "dead_severity",
+           "source_spread", "source_expert", "source_pair", "aux_loss_first", "aux_loss_last",
+           "model_aux_loss_first", "model_aux_loss_last", "collapse_severity", "dead_severity",
            "grad_severity", "source_severity", "severity"]
 
 
@@ -232,6 +233,8 @@ def compute(ctx: Context) -> AnalysisResult:
     tail = max(3, math.ceil(n / 8))
     k_dead = min(opt.dead_records, max(3, n // 4))
     edges = window_edges(n, WINDOWS)
+    model_aux = store.model_aux_loss() if store is not None and modules else None
+    model_aux = np.full(n, np.nan) if model_aux is None else np.asarray(model_aux, float)
     for m in modules:
         assert store is not None
         load = np.asarray(store.router(m, "load"), float)
@@ -241,6 +244,7 @@ def compute(ctx: Context) -> AnalysisResult:
         share = np.asarray(store.router(m, "max_share"), float)
         hnorm = np.asarray(store.router(m, "entropy"), float) / math.log(experts) if experts > 1 else np.full(n, np.nan)
         conc = concentration(share, experts, top_k)
+        aux = np.asarray(store.router(m, "aux_loss"), float) if store.has(f"router/{m}/aux_loss") else np.full(n, np.nan)
         fin = np.isfinite(load).all(axis=1)
         tail_load = np.nanmedian(load[fin][-tail:], axis=0) if fin.any() else np.full(experts, np.nan)
 
@@ -267,7 +271,9 @@ def compute(ctx: Context) -> AnalysisResult:
             "overloaded": " ".join(map(str, over)), "dead": " ".join(map(str, sorted(dead))),
             "dead_since": min(dead.values()) if dead else None, "n_dead": len(dead), "grad_ratio": ratio,
             "router_grad_rms": r_rms, "expert_grad_rms": e_rms, "source_spread": spread, "source_expert": s_exp,
-            "source_pair": " ".join(pair), "collapse_severity": sev_c, "dead_severity": sev_d,
+            "source_pair": " ".join(pair), "aux_loss_first": med(aux, False), "aux_loss_last": med(aux),
+            "model_aux_loss_first": med(model_aux, False), "model_aux_loss_last": med(model_aux),
+            "collapse_severity": sev_c, "dead_severity": sev_d,
             "grad_severity": sev_g, "source_severity": sev_s, "severity": max(sev_c, sev_d, sev_g, sev_s)})
         wl = np.stack([np.nanmean(load[a:b], axis=0) if fin[a:b].any() else np.full(experts, np.nan)
                        for a, b in itertools.pairwise(edges)])
@@ -301,6 +307,18 @@ def _ints(s: Any) -> list[int]:
     return [int(v) for v in str(s).split()] if isinstance(s, str) and s else []
 
 
+def _aux_text(row: dict[str, Any]) -> str:
+    """", load-balancing loss a -> b (k balanced, E collapsed)" from the layer's aux loss (empty without it)."""
+    if not np.isfinite(float(row["aux_loss_last"])):
+        return ""
+    text = (f", its load-balancing loss {_fmt(row['aux_loss_first'])} -> {_fmt(row['aux_loss_last'])} "
+            f"({row['top_k']} balanced, up to {row['experts']} collapsed)")
+    if np.isfinite(float(row["model_aux_loss_last"])):
+        text += (f"; the model's reported aux_loss {_fmt(row['model_aux_loss_first'])} -> "
+                 f"{_fmt(row['model_aux_loss_last'])}")
+    return text
+
+
 def _summary(row: dict[str, Any]) -> str:
     m, parts = row["tensor"], []
     if row["collapse_severity"] > 0:
@@ -308,7 +326,7 @@ def _summary(row: dict[str, Any]) -> str:
                      f"{_fmt(row['max_share_first'])} -> {_fmt(row['max_share_last'])} (concentration "
                      f"{_fmt(row['concentration'], '.2f')}; 0 balanced 1/{row['experts']}, 1 the top-{row['top_k']} "
                      f"ceiling), routing entropy {_fmt(row['entropy_norm_first'], '.2f')} -> "
-                     f"{_fmt(row['entropy_norm'], '.2f')} of log E")
+                     f"{_fmt(row['entropy_norm'], '.2f')} of log E" + _aux_text(row))
     if _ints(row["overloaded"]):
         parts.append(f"overloaded expert(s) {row['overloaded'].replace(' ', ', ')}")
     if row["n_dead"]:
@@ -341,7 +359,7 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         sources = tuple(row["source_pair"].split()) if row["source_spread"] >= SOURCE_NAMED else ()
         keys = ("concentration", "max_share_last", "entropy_norm", "n_dead", "grad_ratio", "collapse_severity",
                 "dead_severity", "grad_severity", "source_severity", "source_spread", "router_grad_rms",
-                "expert_grad_rms")
+                "expert_grad_rms", "aux_loss_first", "aux_loss_last", "model_aux_loss_first", "model_aux_loss_last")
         evidence: dict[str, Any] = {k: float(row[k]) for k in keys} | {
             "since_record": int(since), "experts_named": experts, "dead_experts": _ints(row["dead"]),
             "overloaded_experts": _ints(row["overloaded"]), "experts": int(row["experts"]), "top_k": int(row["top_k"])}
