@@ -350,7 +350,8 @@ def evidence(findings: Findings, finding: FlagGroup, fig: Figure | None = None) 
         for a in fig.axes:
             thin_ticks(a)
         if not ax.get_title():
-            head = "" if flag.head is None else f", head {flag.head}"
+            word = "expert" if "expert" in flag.evidence else "head"
+            head = "" if flag.head is None else f", {word} {flag.head}"
             ax.set_title(visible(f"{finding.title}: {flag.tensor}{head}"), fontsize=10)
     return fig, note
 

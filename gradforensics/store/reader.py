@@ -65,6 +65,13 @@ class ArrayInfo:
         return int(h) if h else None
 
     @property
+    def split(self) -> int | None:
+        """The units along axis 1 of a row, each with its own Gram matrix: the heads of a head-split
+        array, the experts of a mixture-of-experts unit (attribute ``experts``); None for a whole tensor."""
+        e = self.attrs.get("experts")
+        return self.heads or (int(e) if e else None)
+
+    @property
     def encoding(self) -> str:
         return str(self.attrs.get("encoding", "float32"))
 
@@ -330,7 +337,7 @@ def _slab_chunks(info: ArrayInfo, slab_bytes: int) -> tuple[Any, ...]:
     shape = [int(s) for s in info.shape]
     chunks = list(disk)
     # first axis we may grow along: the head axis where each chunk holds whole heads
-    first = 2 if info.heads and disk[2:] != shape[2:] else 1
+    first = 2 if info.split and disk[2:] != shape[2:] else 1
     # smallest unit of one record: the on-disk chunk without its record axis
     unit = 4 * int(np.prod(disk[1:], dtype=np.int64))
     if n * unit > slab_bytes:

@@ -12,6 +12,14 @@
 * none of these: a healthy, balanced router.
 
 *sources* > 1 alternates the records between sources ``s0, s1, ...``.
+
+:func:`planted_expert_units_store` writes per-expert gradients directly (``gf.Recorder(path,
+experts={"moe.*": E})``, no model): the unit ``moe.w`` ``(N, E, 8, 6)``, each expert ``e`` a fixed
+unit direction ``d_e`` plus noise, and an ordinary tensor ``other.w`` of pure noise.  Sources ``s0``
+and ``s1`` alternate.  ``drift``: from record *onset* expert *j*'s direction turns from ``d_j`` to a
+direction orthogonal to it over ten records and stays there (the loss flat, 2.0);
+``conflict``: source ``s1`` pulls expert *j* along ``-d_j`` while ``s0`` pulls it along ``d_j``
+(every other expert alike for both), and ``s1``'s loss stays at 2.0 while ``s0``'s falls.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["planted_experts_store"]
+__all__ = ["planted_expert_units_store", "planted_experts_store"]
 
 
 def planted_experts_store(path: Path, seed: int = 0, n_records: int = 40, onset: int = 16, *, collapse: bool = False,
@@ -89,4 +97,35 @@ def planted_experts_store(path: Path, seed: int = 0, n_records: int = 40, onset:
             loss.backward()
             rec.record(step=i, loss=float(loss.detach()), source=names[i % sources], n_samples=tokens, lr=1e-3)
             model.zero_grad(set_to_none=True)
+    return Path(path)
+
+
+def planted_expert_units_store(path: Path, kind: str, *, seed: int = 0, n_records: int = 48, experts: int = 4,
+                               expert: int = 2, onset: int = 20, noise: float = 0.5) -> Path:
+    """Record the per-expert planted store of *kind* (``drift`` or ``conflict``) at *path* (see the module doc)."""
+    import gradforensics as gf
+
+    if kind not in ("drift", "conflict"):
+        raise ValueError(f"kind must be 'drift' or 'conflict', not {kind!r}")
+    shape = (8, 6)
+    rng = np.random.default_rng([seed, 4343])
+    d = rng.standard_normal((experts, *shape))
+    d /= np.linalg.norm(d.reshape(experts, -1), axis=1).reshape(experts, 1, 1)
+    o = rng.standard_normal(shape)
+    o -= (o * d[expert]).sum() * d[expert]
+    o /= np.linalg.norm(o)
+    names = ["s0", "s1"]
+    with gf.Recorder(path, sources=names, experts={"moe.*": experts}, mode="training", overwrite=True) as rec:
+        for i in range(n_records):
+            src = names[i % 2]
+            g = d.copy()
+            if kind == "drift" and i >= onset:
+                t = min(1.0, (i - onset) / 10) * np.pi / 2
+                g[expert] = np.cos(t) * d[expert] + np.sin(t) * o
+            if kind == "conflict" and src == "s1":
+                g[expert] = -d[expert]
+            g += noise * rng.standard_normal(g.shape) / np.sqrt(np.prod(shape))
+            loss = 2.0 if kind == "drift" or src == "s1" else 2.0 - i / n_records
+            rec.record(step=i, loss=loss, source=src, n_samples=8,
+                       grads={"moe.w": g.astype(np.float32), "other.w": rng.standard_normal((5, 5)).astype(np.float32)})
     return Path(path)

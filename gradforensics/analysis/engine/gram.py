@@ -239,7 +239,7 @@ def slab_chunks(store: Store, name: str, slab_bytes: int) -> tuple[tuple[int, ..
     info = store.arrays[name]
     shape, disk = [int(s) for s in info.shape], [int(c) for c in info.chunks]
     n = max(shape[0], 1)
-    whole = 4 * n * int(np.prod(disk[1:], dtype=np.int64)) <= 8 * n * n * (disk[1] if info.heads else 1)
+    whole = 4 * n * int(np.prod(disk[1:], dtype=np.int64)) <= 8 * n * n * (disk[1] if info.split else 1)
     if len(chunks[0]) == 1 or len(shape) < 2 or not whole:
         return tuple(tuple(int(c) for c in ax) for ax in chunks)
     # all records of one on-disk chunk's features are no larger than the K they give: whole chunks, one task each
@@ -278,7 +278,7 @@ def gram_graph(store: Store, tensor: str, *, slab_bytes: int = DEFAULT_SLAB_BYTE
         raise MissingArrayError(f"{store.path}: no grads/{tensor} or sketch/{tensor} in the store; "
                                 f"tensors are {store.tensors[:5]}{'...' if len(store.tensors) > 5 else ''}.")
     chunks = slab_chunks(store, info.name, slab_bytes)      # all records x a feature range of ~slab_bytes
-    return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None,
+    return gram_of_handle(store.handle(info), chunks, tensor, heads=info.split is not None,
                           from_sketch=from_sketch, split_every=split_every, precision=precision)
 
 
@@ -299,7 +299,7 @@ def slab_graph(store: Store, tensor: str, reductions: Sequence[SlabReduction], *
         raise SpecError(f"{store.path}: slab_graph of {tensor} needs at least one slab reduction.")
     info = store.grads[tensor]
     chunks = slab_chunks(store, info.name, slab_bytes)
-    return gram_of_handle(store.handle(info), chunks, tensor, heads=info.heads is not None, from_sketch=False,
+    return gram_of_handle(store.handle(info), chunks, tensor, heads=info.split is not None, from_sketch=False,
                           split_every=split_every, precision=precision, reductions=tuple(reductions), gram=gram,
                           outputs=outputs)
 

@@ -281,7 +281,7 @@ def units_at_once(store: Store) -> int:
 
 def _units_of(store: Store, tensor: str) -> int:
     info = store.grads[tensor] if tensor in store.grads else store.sketches[tensor]
-    return 1 + (int(info.shape[1]) if info.heads is not None else 0)
+    return 1 + (int(info.shape[1]) if info.split is not None else 0)
 
 
 def _slab_reductions(store: Store, selected: list[Analysis]) -> dict[str, list[tuple[str, str, SlabReduction]]]:

@@ -92,7 +92,7 @@ def one_slab(store: Store, tensor: str, reductions: Sequence[SlabReduction], gra
     if any(len(c) != 1 for c in chunks):
         return None
     sel = tuple(slice(0, int(c[0])) for c in chunks)
-    heads = info.heads is not None
+    heads = info.split is not None
     if heads and len(info.shape) < 2:
         return None            # the one-tensor graph says what is wrong
     args = (tensor, (int(chunks[0][0]),), int(info.shape[1]) if heads else None,

@@ -148,7 +148,7 @@ def store_units(store: Store) -> list[tuple[str, int | None]]:
     for tensor in store.tensors:
         info = store.grads[tensor] if tensor in store.grads else store.sketches[tensor]
         out.append((tensor, None))
-        if info.heads is not None:
+        if info.split is not None:
             out += [(tensor, h) for h in range(int(info.shape[1]))]
     return out
 

@@ -106,7 +106,8 @@ def dedupe_heads(flags: Iterable[Flag], n_heads: Mapping[str, int], involved: In
         if len(shown) >= n_heads[tensor]:
             out.extend(whole)
         else:
-            note = f" (whole tensor: severity {whole[0].severity:.2f}, diluted by its other heads)"
+            word = "experts" if any("expert" in f.evidence for f in heads) else "heads"
+            note = f" (whole tensor: severity {whole[0].severity:.2f}, diluted by its other {word})"
             out.extend(dataclasses.replace(f, summary=f.summary.rstrip(".") + note + ".") for f in heads)
     return out
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from gradforensics.analysis.contract.model import Context
 
 __all__ = ["SeriesPack", "Unit", "Units", "decode_json", "decode_names", "encode_json", "encode_names", "head_of",
-           "heads_per_tensor", "time_order", "unit_series", "units"]
+           "heads_per_tensor", "is_experts", "time_order", "unit_series", "units", "where"]
 
 
 @dataclass(frozen=True)
@@ -238,6 +238,17 @@ def decode_names(raw: np.ndarray | None, n: int) -> list[str]:
         if len(names) == n:
             return [str(x) for x in names]
     return [str(i) for i in range(n)]
+
+
+# ------------------------------------------------------------ names
+def is_experts(ctx: Context, tensor: str) -> bool:
+    """Whether *tensor* is a mixture-of-experts unit: its "heads" (axis 1) are experts."""
+    return ctx.store is not None and tensor in ctx.store.grads and bool(ctx.store.experts_of(tensor))
+
+
+def where(tensor: str, head: int | None, experts: bool = False) -> str:
+    """``tensor``, ``tensor head h``, or ``tensor expert e`` (*experts*: the unit of a mixture-of-experts tensor)."""
+    return tensor if head is None else f"{tensor} {'expert' if experts else 'head'} {head}"
 
 
 # ------------------------------------------------------------ tables

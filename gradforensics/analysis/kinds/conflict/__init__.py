@@ -370,9 +370,12 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         ev = {"cosine": r.cosine, "p_value": r.p_value, "cosine_debiased": r.cosine_debiased, "z": r.z,
               "depth_band": band, "heads": heads, "n_a": r.n_a, "n_b": r.n_b, "energy_share": r.energy_share,
               "standing": float(r.standing), "why": why, "named": named}
+        experts = un.is_experts(ctx, r.tensor)
+        if experts and head is not None:
+            ev["expert"] = head
         out.append(Flag(kind="conflict", tensor=r.tensor, head=head, sources=(r.source_a, r.source_b),
                         severity=float(r.severity), records=span, evidence=ev,
-                        summary=_summary(r, head, band, heads, len(hot), floor)
+                        summary=_summary(r, head, band, heads, len(hot), floor, experts)
                         + _standing_text(r, why, ctx.sources, losses)))
     cos_eff = t["cosine_debiased"].where(t["cosine_debiased"].notna(), t["cosine"])
     nominal = ((cos_eff < 0) & (t["p_value"] < 0.05)).to_numpy()
@@ -391,15 +394,16 @@ def _band(layers: Any) -> list[int] | None:
     return [min(ls), max(ls)] if ls else None
 
 
-def _summary(r: Any, head: int | None, band: list[int] | None, heads: list[int], n_hot: int, floor: float) -> str:
-    where = r.tensor if head is None else f"{r.tensor} head {head}"
+def _summary(r: Any, head: int | None, band: list[int] | None, heads: list[int], n_hot: int, floor: float,
+             experts: bool = False) -> str:
+    where = un.where(r.tensor, head, experts)
     way = "point opposite ways" if r.cosine < 0 else "pull against each other once batch noise is removed"
     s = (f"{where}: '{r.source_a}' and '{r.source_b}' gradients {way} (cos {r.cosine:.2f}, "
          f"noise-corrected {r.cosine_debiased:.2f}, {fl.fmt_p(r.p_value, floor)})")
     if band is not None:
         s += f"; across the model this pair conflicts in {n_hot} unit(s), layers {band[0]}-{band[1]}"
     if heads:
-        s += f"; in this tensor heads {', '.join(map(str, heads))}"
+        s += f"; in this tensor {'experts' if experts else 'heads'} {', '.join(map(str, heads))}"
     return s + "."
 
 
@@ -445,7 +449,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
         annotate(ax, sub, "RdBu", -1.0, 1.0, fontsize=9 if keep.size <= 8 else 7)   # white on the dark ends
     ax.set_xlabel("source")
     ax.set_ylabel("source")
-    where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
+    where = un.where(flag.tensor, flag.head, "expert" in flag.evidence)
     a, b = (*flag.sources, "", "")[:2]
     ax.set_title(f"conflict: {where}\ncosine of per-source mean gradients (red = {a} and {b} point opposite ways)",
                  fontsize=9)

@@ -185,8 +185,10 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         head = un.head_of(r.head)
         since = int(r.since_record) if _ok(r.since_record) else 0
         src = (r.aligned_source,) if isinstance(r.aligned_source, str) else ()
+        experts = un.is_experts(ctx, r.tensor)
+        ev = _evidence(r) | ({"expert": head} if experts and head is not None else {})
         out.append(Flag(kind="drift", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
-                        records=(since, last), evidence=_evidence(r), summary=_summary(r, head)))
+                        records=(since, last), evidence=ev, summary=_summary(r, head, experts)))
     t = result.table
     involved = fl.involved_heads(t, (t["rotation"] > 0.1) & (t["p_value"] < 0.05))
     return fl.dedupe_heads(out, un.heads_per_tensor(t), involved, by_sources=False)
@@ -202,8 +204,8 @@ def _evidence(r: Any) -> dict[str, Any]:
             "loss_change": r.loss_change}
 
 
-def _summary(r: Any, head: int | None) -> str:
-    where = r.tensor if head is None else f"{r.tensor} head {head}"
+def _summary(r: Any, head: int | None, experts: bool = False) -> str:
+    where = un.where(r.tensor, head, experts)
     since = f"since record {int(r.since_record)} (step {int(r.since_step)})" if _ok(r.since_record) else ""
     s = (f"{where}: the mean gradient has turned away from its opening direction {since}: "
          f"window-mean cosine to the opening mean fell from {r.cos_early:.2f} to {r.cos_late:.2f} "
@@ -230,7 +232,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     ax.axhline(0.0, color="0.8", lw=0.8)
     ax.set_xlabel("record")
     ax.set_ylabel("cosine to opening-window mean")
-    where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
+    where = un.where(flag.tensor, flag.head, "expert" in flag.evidence)
     ax.set_title(f"drift: {where}\ncosine to the opening direction falls after the dashed line", fontsize=9)
     ax.legend(fontsize=7, loc="best")
 

@@ -128,7 +128,7 @@ def _n_features(row: dict[str, Any], ctx: Context | None, known: Mapping[int, fl
     if info is None or len(info.shape) < 2:
         return math.nan
     size = float(np.prod(info.shape[1:], dtype=np.float64))
-    return size / info.heads if row["head"] is not None and info.heads else size
+    return size / info.split if row["head"] is not None and info.split else size
 
 
 def _noise_excess(rows: list[dict[str, Any]], ctx: Context | None,

@@ -1,0 +1,60 @@
+"""Per-expert units in the direction analyses: drift and conflict judge each expert of an experts unit
+(``grads/<unit>`` ``(N, E, ...)``, attribute ``experts``) as they judge each head, and name it "expert j".
+
+Oracle: the planted truth (:func:`~gradforensics.testing.planted_experts.planted_expert_units_store`):
+one expert's direction turns (drift) or is pulled opposite ways by the two sources (conflict); every
+other expert is unchanged and alike for both sources.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+import gradforensics as gf
+from gradforensics.testing.planted_experts import planted_expert_units_store
+
+J = 2
+
+
+def _check(findings, kind: str) -> None:
+    flags = [f for f in findings.flags if f.kind == kind and f.tensor == "moe.w"]
+    assert [f.head for f in flags] == [J]               # the planted expert alone, not the whole unit
+    (flag,) = flags
+    assert flag.severity >= 0.5 and flag.evidence["expert"] == J
+    assert flag.summary.startswith(f"moe.w expert {J}:") and "head" not in flag.summary
+    t = findings.table(kind)
+    per = t[(t["tensor"] == "moe.w") & t["head"].notna()]
+    assert sorted(per["head"].astype(int)) == [0, 1, 2, 3]            # one row per expert
+    quiet = per[per["head"] != J]["severity"].to_numpy()
+    assert np.all(quiet < 0.1), quiet                                  # its neighbours are quiet
+
+
+def test_drift_names_the_expert_that_turned(tmp_path) -> None:
+    p = planted_expert_units_store(tmp_path / "d.zarr", "drift", expert=J)
+    findings = gf.analyze(p, progress=False, only=["drift"])
+    _check(findings, "drift")
+    row = findings.table("drift").set_index(["tensor", "head"]).loc[("moe.w", J)]
+    assert row["cos_early"] > 0.9 and row["cos_late"] < 0.1          # planted: a turn by 90 degrees
+    assert 15 <= findings.flags[0].records[0] <= 25                   # onset at record 20, over ten records
+    gf.report(findings, tmp_path / "out")
+    out = json.loads((tmp_path / "out" / "flags.json").read_text())["flags"]
+    assert [(f["tensor"], f["head"], f["evidence"]["expert"]) for f in out if f["kind"] == "drift"] == [("moe.w", J, J)]
+    assert f"moe.w expert {J}" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_conflict_names_the_expert_the_sources_fight_over(tmp_path) -> None:
+    p = planted_expert_units_store(tmp_path / "c.zarr", "conflict", expert=J)
+    findings = gf.analyze(p, progress=False, only=["conflict"])
+    _check(findings, "conflict")
+    t = findings.table("conflict").set_index(["tensor", "head"])
+    assert t.loc[("moe.w", J), "cosine"] < -0.9                       # planted: exactly opposite, plus noise
+    assert all(t.loc[("moe.w", e), "cosine"] > 0.9 for e in (0, 1, 3))     # the others: one direction for both
+    assert "in this tensor experts 2" in findings.flags[0].summary
+
+
+def test_a_store_without_experts_still_says_head(tmp_path) -> None:
+    from gradforensics.analysis.toolkit.units import where
+
+    assert where("q", 3) == "q head 3" and where("q", 3, experts=True) == "q expert 3" and where("q", None) == "q"
