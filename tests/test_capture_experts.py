@@ -357,3 +357,38 @@ def test_aux_loss_absent_when_the_model_does_not_report_it(tmp_path):
                        experts="auto")
     assert s.model_aux_loss() is None and "router/aux_loss" not in s.arrays
     assert s.router("model.layers.0.mlp.gate", "aux_loss").shape == (2,)      # each layer's is always recorded
+
+
+@pytest.mark.parametrize("sketch_on", ["device", "host"])
+@pytest.mark.parametrize("family", ["mixtral", "listed"])
+def test_experts_units_are_sketched_per_expert(tmp_path, sketch_on, family):
+    """Oracle: ``sketch/<unit>[n, e]`` = the countsketch (same seed, same k) of expert e's own gradient
+    (the model's ``.grad``), as a head's is of its block (1e-5); the unit's sketch is (N, E, k)."""
+    from gradforensics.recording.sketch import Sketcher
+
+    k = 16
+    if family == "mixtral":
+        model, loss_of, kw = _mixtral(), _hf_loss, {"experts": "auto"}
+        units = {f"model.layers.0.mlp.experts.{w}": None for w in ("gate_up_proj", "down_proj")}
+    else:
+        model, kw = _ListedModel(), {"experts": {"*.block_sparse_moe.experts": E}}
+
+        def loss_of(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(m(ids).reshape(-1, V), ids.reshape(-1))
+
+        units = {f"layers.0.block_sparse_moe.experts.{w}.weight": [f"layers.0.block_sparse_moe.experts.{e}.{w}.weight"
+                                                                  for e in range(E)] for w in ("w1", "w2")}
+    routers = ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"] if family == "mixtral" else \
+        ["layers.0.block_sparse_moe.gate", "layers.1.block_sparse_moe.gate"]
+    s, grads, _ = _run(model, tmp_path / "s.zarr", loss_of, routers, sketch=k, sketch_on=sketch_on, **kw)
+    sk = Sketcher(k=k)
+    for unit, members in units.items():
+        assert s.sketches[unit].shape == (2, E, k) and s.sketches[unit].attrs["experts"] == E
+        assert unit not in s.grads                  # sketched only
+        for r in range(2):
+            g = grads[r][unit].numpy() if members is None else np.stack([grads[r][m].numpy() for m in members])
+            want = np.stack([sk.project(g[e]) for e in range(E)])
+            np.testing.assert_allclose(s.read(f"sketch/{unit}")[r], want, rtol=1e-5, atol=1e-7)
+    findings = gf.analyze(s.path, progress=False, only=["drift"])      # the Gram pass takes them per expert
+    t = findings.table("drift")
+    assert sorted(t.loc[t["tensor"] == next(iter(units)), "head"].dropna().astype(int)) == list(range(E))

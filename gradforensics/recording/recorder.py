@@ -386,7 +386,10 @@ class ArrayRecorder:
     def _grad_attrs(self, name: str, shape: tuple[int, ...], dtype: str) -> dict[str, Any]:
         spec = self._spec(name, shape)
         attrs: dict[str, Any] = {"source_dtype": dtype, "shape": list(shape)}
-        return {**attrs, **spec.attrs()} if spec is not None else attrs
+        if spec is not None:
+            return {**attrs, **spec.attrs()}
+        e = self._experts_of(name, shape)
+        return attrs if e is None else {**attrs, "experts": e}
 
     def _grad_rows(self, name: str, g: np.ndarray) -> dict[str, Row]:
         spec = self._spec(name, g.shape)
@@ -395,12 +398,14 @@ class ArrayRecorder:
         out: dict[str, Row] = {}
         if any(fnmatch.fnmatchcase(name, pat) for pat in self.full):
             blocks = spec.split(data) if spec is not None else data
-            e = self._experts_of(name, g.shape) if spec is None else None
-            out[grad_path(name)] = Row(blocks, attrs if e is None else {**attrs, "experts": e},
-                                       head_split=spec is not None or e is not None, compression=self.compression)
+            out[grad_path(name)] = Row(blocks, attrs, head_split=spec is not None or "experts" in attrs,
+                                       compression=self.compression)
         if self.sketcher is not None and name not in self.device_sketched:
             g32 = g if g.dtype == np.float32 else to_f32(g)
-            sk = self.sketcher.project_heads(spec.split(g32)) if spec is not None else self.sketcher.project(g32)
+            if spec is not None:
+                sk = self.sketcher.project_heads(spec.split(g32))
+            else:      # an experts unit: one sketch per expert (E, k), the experts on axis 0 as heads' blocks
+                sk = self.sketcher.project_heads(g32) if "experts" in attrs else self.sketcher.project(g32)
             out[sketch_path(name)] = Row(sk, {**attrs, **self.sketcher.attrs(), "encoding": "float32"})
         return out
 

@@ -135,6 +135,12 @@ class DeviceSketch:
             return self.project(t)
         return torch.stack([self.project(b) for b in split_torch(spec, t)])
 
+    def project_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``(E, k)``: each block along axis 0 sketched on its own (the experts of a mixture-of-experts unit)."""
+        import torch
+
+        return torch.stack([self.project(b) for b in t])
+
 
 def split_torch(spec: HeadSpec, x: torch.Tensor) -> torch.Tensor:
     """:meth:`HeadSpec.split` for a torch tensor: ``(H_total, ...)``, one block per head."""

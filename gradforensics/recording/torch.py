@@ -188,6 +188,7 @@ class TorchRecorder(ArrayRecorder):
                 self._attn.remove()
             raise
         self.head_specs = specs
+        self._unit_e = unit_e          # experts units: sketched per expert
         self._local = distributed.LocalGrads(model, self.params) if self.dist and self.dist.kind == "ddp" else None
         on_device = self.sketcher is not None and self.sketcher.method == "countsketch" and (
             sketch_on == "device" or (self.dist is not None and self.dist.kind == "fsdp"))
@@ -408,7 +409,8 @@ class TorchRecorder(ArrayRecorder):
         sketches = {}
         if self._device_sketch is not None:
             for n, g in grads.items():
-                sk = self._device_sketch.project_heads(g, self.head_specs.get(n))
+                sk = self._device_sketch.project_rows(g) if n in self._unit_e else \
+                    self._device_sketch.project_heads(g, self.head_specs.get(n))
                 sketches[n] = (sk.to(torch_float32()).cpu().numpy(), tuple(g.shape), _dtype_name(g))
             grads = {n: grads[n] for n in self._full_names}
         self.host_bytes += sum(sk.nbytes for sk, _, _ in sketches.values()) + \
