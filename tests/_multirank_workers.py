@@ -224,3 +224,91 @@ def temporaries_worker(rank: int, world: int, port: int, out: str, before: int) 
             shim.armed = True
         rec.record(step=t, loss=float(rank), source="a", n_samples=5)
     rec.close()
+
+
+# ------------------------------------------------------------------ experts= under FSDP2 (tests/test_experts_fsdp.py)
+MOE_E, MOE_D, MOE_H, MOE_TOKENS = 4, 6, 5, 16
+
+
+class _FusedExperts(torch.nn.Module):
+    """Experts as one (E, H, D) weight (transformers 5's fused form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = MOE_E
+        self.weight = torch.nn.Parameter(0.3 * torch.randn(MOE_E, MOE_H, MOE_D))
+
+    def expert(self, e: int, x: Any) -> Any:
+        return x @ self.weight[e].T
+
+
+class _ListedExperts(torch.nn.ModuleList):
+    def expert(self, e: int, x: Any) -> Any:
+        return self[e](x)
+
+
+class _Moe(torch.nn.Module):
+    """A top-2 block: ``gate`` an nn.Linear (its logits), ``experts`` fused or listed, ``top_k`` on it."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.top_k = 2
+        self.gate = torch.nn.Linear(MOE_D, MOE_E, bias=False)
+        self.experts = _FusedExperts() if fused else _ListedExperts(
+            torch.nn.Linear(MOE_D, MOE_H, bias=False) for _ in range(MOE_E))
+        self.out = torch.nn.Linear(MOE_H, MOE_D, bias=False)
+
+    def forward(self, x: Any) -> tuple[Any, Any]:
+        logits = self.gate(x)
+        p = torch.softmax(logits, -1)
+        w, idx = torch.topk(p, self.top_k, dim=-1)
+        h = torch.zeros(x.shape[0], MOE_H)
+        for e in range(MOE_E):
+            tok, slot = torch.where(idx == e)
+            h = h.index_add(0, tok, self.experts.expert(e, x[tok]) * w[tok, slot, None])
+        counts = torch.bincount(idx.reshape(-1), minlength=MOE_E).double()
+        aux = MOE_E * torch.dot(counts / x.shape[0], p.double().mean(0))      # the Switch loss of this block
+        return x + self.out(h), aux
+
+
+class MoeNet(torch.nn.Module):
+    """Two MoE blocks (``a`` fused experts, ``b`` listed) returning ``{"out", "aux_loss"}`` as a Hugging Face
+    MoE model returns its ``aux_loss``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        super().__init__()
+        self.a, self.b = _Moe(fused=True), _Moe(fused=False)
+
+    def forward(self, x: Any) -> dict[str, Any]:
+        y, aux_a = self.a(x)
+        y, aux_b = self.b(y)
+        return {"out": y, "aux_loss": (aux_a + aux_b) / 2}
+
+
+def moe_batch(rank: int, step: int) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(7000 + 100 * step + rank)
+    return torch.randn(MOE_TOKENS, MOE_D, generator=g), torch.randn(MOE_TOKENS, MOE_D, generator=g)
+
+
+def moe_loss(model: Any, b: tuple[Any, Any]) -> tuple[Any, Any]:
+    out = model(b[0])
+    return ((out["out"] - b[1]) ** 2).mean(), out["aux_loss"]
+
+
+def moe_worker(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 (``fully_shard`` over every rank) of :class:`MoeNet` recorded with ``experts="auto"``, 3 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world, port)
+    model = MoeNet()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    with gf.Recorder(f"{out}/moe.zarr", model=model, sources=["a", "b"], experts="auto", heads=None, sketch=K,
+                     full=["*"], mode="replay") as rec:
+        for step in range(3):
+            loss, _ = moe_loss(model, moe_batch(rank, step))
+            loss.backward()
+            rec.record(step=step, loss=loss, source="ab"[rank % 2], n_samples=MOE_TOKENS)
+            model.zero_grad()
+    torch.distributed.destroy_process_group()

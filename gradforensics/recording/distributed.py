@@ -29,7 +29,7 @@ The store side (who writes which chunk, the commit) is :mod:`gradforensics.store
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -186,23 +186,25 @@ def gather_full(g: DTensor, owner: int) -> torch.Tensor | None:
     return torch.cat(parts)[:rows] if parts is not None else None
 
 
-def partial_sketch(g: DTensor, spec: HeadSpec | None, sk: DeviceSketch) -> torch.Tensor:
-    """This rank's share of the sketch of a sharded gradient: the sketch of its shard, zero elsewhere."""
+def partial_sketch(g: DTensor, spec: HeadSpec | None, sk: DeviceSketch, rows: bool = False) -> torch.Tensor:
+    """This rank's share of the sketch of a sharded gradient: the sketch of its shard, zero elsewhere.
+    *rows*: one sketch per block of axis 0 (the experts of a mixture-of-experts unit), ``(E, k)``."""
     import torch
 
     local, start = shard_rows(g)
     full = torch.zeros(tuple(g.shape), dtype=local.dtype, device=local.device)
     full[start:start + local.shape[0]] = local
-    return sk.project_heads(full, spec)
+    return sk.project_rows(full) if rows else sk.project_heads(full, spec)
 
 
 def fsdp_sketches(grads: Mapping[str, DTensor], specs: Mapping[str, HeadSpec | None],
-                  sk: DeviceSketch) -> dict[str, np.ndarray]:
-    """Sketches of the full reduced gradients: one all-reduce of every tensor's partial sketches."""
+                  sk: DeviceSketch, rows: Collection[str] = ()) -> dict[str, np.ndarray]:
+    """Sketches of the full reduced gradients: one all-reduce of every tensor's partial sketches (per expert
+    for the tensors in *rows*)."""
     import torch
     import torch.distributed as dist
 
-    parts = {n: partial_sketch(g, specs.get(n), sk) for n, g in grads.items()}
+    parts = {n: partial_sketch(g, specs.get(n), sk, n in rows) for n, g in grads.items()}
     flat = torch.cat([p.reshape(-1) for p in parts.values()])
     dist.all_reduce(flat)
     out, at = {}, 0

@@ -237,9 +237,10 @@ class RouterHook:
                                                                         device=x.device)])])
             self.sums = s if self.sums is None else self.sums + s
 
-    def take(self) -> np.ndarray | None:
+    def take(self) -> Any:
+        """The sums since the previous take (a float64 tensor on the router's device), or None without a forward."""
         s, self.sums = self.sums, None
-        return None if s is None else s.cpu().numpy()
+        return s
 
 
 def _logits_and_indices(name: str, output: Any, experts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -273,14 +274,27 @@ class RouterTaps:
         self.hooks = {n: RouterHook(n, e, k) for n, (_, e, k) in routers.items()}
         self.handles = [m.register_forward_hook(self.hooks[n]) for n, (m, _, _) in routers.items()]
 
-    def take(self) -> dict[str, tuple[np.ndarray, dict[str, Any]]]:
+    def take(self, reduce: Callable[[Any], Any] | None = None) -> dict[str, tuple[np.ndarray, dict[str, Any]]]:
+        """Each router's rows of this record.  *reduce* (collective, under FSDP): sums the routers' sums over the
+        ranks (one float64 tensor of every router's sums; a rank without a forward adds zeros), so a record counts
+        the tokens of every rank's micro-batches."""
+        sums = {name: hook.take() for name, hook in self.hooks.items()}
+        if reduce is not None:
+            import torch
+
+            device = next((s.device for s in sums.values() if s is not None), torch.device("cpu"))
+            sizes = [2 * h.experts + 2 for h in self.hooks.values()]
+            flat = reduce(torch.cat([s if s is not None else torch.zeros(n, dtype=torch.float64, device=device)
+                                     for s, n in zip(sums.values(), sizes, strict=True)]))
+            parts = torch.split(flat, sizes)
+            sums = {name: (p if float(p[-1]) > 0 else None) for name, p in zip(sums, parts, strict=True)}
         out: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
         for name, hook in self.hooks.items():
-            s = hook.take()
+            s = sums[name]
             if s is None:
                 raise SpecError(f"experts: router {name} ran no forward with gradients since the previous record; "
                                 "every router must run in every recorded batch.")
-            stats = router_stats(s, hook.experts)
+            stats = router_stats(s.cpu().numpy(), hook.experts)
             load_attrs = {"experts": hook.experts, "top_k": hook.k_seen}
             out.update({router_path(name, k): (np.asarray(stats[k]), load_attrs if k == "load" else {})
                         for k in ROUTER_FIELDS})
@@ -316,9 +330,18 @@ class ModelAuxTap:
         self.sum = v if self.sum is None else self.sum + v.to(self.sum.device)
         self.count += 1
 
-    def take(self) -> float | None:
+    def take(self, reduce: Callable[[Any], Any] | None = None) -> float | None:
+        """The mean since the previous take; *reduce* (collective, under FSDP) sums ``[mean, 1]`` over the ranks
+        that saw one, so a record holds the mean of the ranks' means."""
         s, n, self.sum, self.count = self.sum, self.count, None, 0
-        return None if s is None else float(s) / n
+        mean = None if s is None else float(s) / n
+        if reduce is not None:
+            import torch
+
+            v = reduce(torch.tensor([mean or 0.0, float(mean is not None)], dtype=torch.float64,
+                                    device=s.device if s is not None else "cpu"))
+            return float(v[0] / v[1]) if float(v[1]) > 0 else None
+        return mean
 
     def remove(self) -> None:
         self.handle.remove()

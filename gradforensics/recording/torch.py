@@ -146,8 +146,6 @@ class TorchRecorder(ArrayRecorder):
         named = distributed.unwrap(model)     # DDP's parameter names without "module."
         self.params = select_parameters(named, tensors)
         self.experts_plan = plan = resolve_experts(named, experts)
-        if experts and self.dist is not None and self.dist.kind == "fsdp":
-            raise SpecError("FSDP capture does not take experts= yet; record it from a DDP or single-process run.")
         self.params = _with_experts(named, self.params, plan, tensors is None)
         self._listed = {u: ms for u, ms in plan.listed.items() if all(m in self.params for m in ms)}
         partial = [u for u, ms in plan.listed.items() if u not in self._listed and any(m in self.params for m in ms)]
@@ -279,12 +277,12 @@ class TorchRecorder(ArrayRecorder):
         pending.sketches = sketches
         self._submit(pending)
 
-    def _take_aux(self) -> dict[str, tuple[np.ndarray, dict[str, Any]]]:
+    def _take_aux(self, reduce: Callable[[Any], Any] | None = None) -> dict[str, tuple[np.ndarray, dict[str, Any]]]:
         """``router/aux_loss`` of this record: written from record 0 on when the model reported one there
-        (NaN at a later record without one), never when it did not."""
+        (NaN at a later record without one), never when it did not.  *reduce*: under FSDP (collective)."""
         if self._aux is None:
             return {}
-        v = self._aux.take()
+        v = self._aux.take(reduce)
         if self._aux_on is None:
             self._aux_on = v is not None
         if not self._aux_on:
@@ -326,11 +324,26 @@ class TorchRecorder(ArrayRecorder):
             if p.grad is None:
                 raise SpecError(f"record(): {n} has no .grad on rank {self.dist.rank}; call it after backward().")
             grads[n] = p.grad
-        sketches = distributed.fsdp_sketches(grads, self.head_specs, self._device_sketch) \
+        fused = {n for n in self._unit_e if n not in self._listed}       # sketched per expert (rows of axis 0)
+        sketches = distributed.fsdp_sketches(grads, self.head_specs, self._device_sketch, rows=fused) \
             if self._device_sketch is not None else {}
+        sketches = stack_units(sketches, self._listed, np.stack)          # a listed unit: its members' sketches
+        shapes = stack_units({n: (tuple(g.shape), _dtype_name(g)) for n, g in grads.items()}, self._listed,
+                             lambda xs: ((len(xs), *xs[0][0]), xs[0][1]))
         owner = t % self.dist.world
-        whole = {n: distributed.gather_full(grads[n], owner) for n in self._full_names}   # collective
+        whole = {n: self._gather_unit(grads, n, owner) for n in self._full_names}   # collective
         loss_all, n_all, mix = distributed.reduce_meta(loss, n_samples, mixture_row(self.sources, source, mixture))
+        device = next(iter(grads.values())).device
+
+        def reduce(x: Any) -> Any:           # collective: the sum over the ranks, on the gradients' device
+            import torch.distributed as dist
+
+            x = x.to(device)
+            dist.all_reduce(x)
+            return x
+
+        rows = self._routers.take(reduce) if self._routers is not None else {}
+        rows.update(self._take_aux(reduce))
         if owner != self.dist.rank:
             return
         pending = self._make_pending(
@@ -339,8 +352,22 @@ class TorchRecorder(ArrayRecorder):
             rank=self.dist.rank, time=time,
             grads={n: to_numpy(w.detach().cpu()) for n, w in whole.items() if w is not None},
             activations=None, weights=None, copy=False)
-        pending.sketches = {n: (sk, tuple(grads[n].shape), _dtype_name(grads[n])) for n, sk in sketches.items()}
+        pending.sketches = {n: (sk, *shapes[n]) for n, sk in sketches.items()}
+        pending.rows.update(rows)
         self._submit(pending)
+
+    def _gather_unit(self, grads: Mapping[str, Any], name: str, owner: int) -> Any:
+        """The whole gradient of *name* on rank *owner* (None elsewhere); a listed unit's members stacked."""
+        members = self._listed.get(name)
+        if members is None:
+            return distributed.gather_full(grads[name], owner)
+        parts = [distributed.gather_full(grads[m], owner) for m in members]
+        whole = [p for p in parts if p is not None]
+        if len(whole) < len(parts):
+            return None
+        import torch
+
+        return torch.stack(whole)
 
     def close(self) -> None:
         """Remove the hooks, then flush and close the store."""
