@@ -58,3 +58,14 @@ def test_a_store_without_experts_still_says_head(tmp_path) -> None:
     from gradforensics.analysis.toolkit.units import where
 
     assert where("q", 3) == "q head 3" and where("q", 3, experts=True) == "q expert 3" and where("q", None) == "q"
+
+
+def test_every_kind_names_experts_not_heads(tmp_path) -> None:
+    """All analyses on a store with an experts unit: any flag on one of its experts says "expert j"
+    (drift, conflict, noise, oscillation), none says "head"."""
+    p = planted_expert_units_store(tmp_path / "c.zarr", "conflict", expert=J)
+    findings = gf.analyze(p, progress=False)
+    on_experts = [f for f in findings.flags if f.tensor == "moe.w" and f.head is not None]
+    assert on_experts, [(f.kind, f.tensor, f.head) for f in findings.flags]
+    for f in on_experts:
+        assert f.evidence["expert"] == f.head and f"expert {f.head}" in f.summary and " head " not in f.summary, f

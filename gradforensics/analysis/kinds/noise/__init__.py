@@ -141,7 +141,8 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     every_k = max(1, -(-len(x) // 64))   # at most 64 labels (as the report thins them): 2,000 cost seconds
     ax.set_xticks(x[::every_k], labels[::every_k], rotation=90, fontsize=6)
     ax.set_ylabel("per-batch SNR = |G|²/(tr Σ/B)")
-    ax.set_title(f"gradient noise: {flag.tensor}" + ("" if flag.head is None else f" head {flag.head}"))
+    word = "expert" if "expert" in flag.evidence else "head"
+    ax.set_title(f"gradient noise: {flag.tensor}" + ("" if flag.head is None else f" {word} {flag.head}"))
     ax.legend(loc="best", fontsize=7)
 
 

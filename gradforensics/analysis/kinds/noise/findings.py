@@ -18,6 +18,7 @@ from gradforensics.analysis.contract.model import AnalysisResult, Context, Flag
 from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.noise.scale import BELOW_RESOLUTION, Z90, robust_z
 from gradforensics.analysis.kinds.noise.table import MODEL, N_FEATURES
+from gradforensics.analysis.toolkit import units as un
 from gradforensics.analysis.toolkit.batches import full_batch, learning
 from gradforensics.analysis.toolkit.units import head_of
 
@@ -226,7 +227,8 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         srcs = noisy.get(row["tensor"], []) if row["head"] is None else []
         s = weight * max([sev.get(id(row), 0.0)] + [v for _, v in srcs])
         if s > 0:
-            out.append(_flag(row, s, ref[None if row["head"] is None else "head"], srcs, span))
+            out.append(_flag(row, s, ref[None if row["head"] is None else "head"], srcs, span,
+                             un.is_experts(ctx, row["tensor"])))
     return [f for f in out if f is not None]
 
 
@@ -312,9 +314,9 @@ def _evidence(row: dict[str, Any], ref: float | None) -> dict[str, Any]:
 
 
 def _flag(row: dict[str, Any], sev: float, ref: float | None, noisy: list[tuple[str, float]],
-          span: tuple[int, int]) -> Flag:
+          span: tuple[int, int], experts: bool = False) -> Flag:
     head = row["head"]
-    where = row["tensor"] + ("" if head is None else f" head {head}")
+    where = un.where(row["tensor"], head, experts)
     hi = _upper(row)
     text = f"{where}: per-batch gradient SNR {_fmt_snr(row)} (upper 90% bound {hi:.3g})"
     if ref is not None and hi < ref:
@@ -326,6 +328,8 @@ def _flag(row: dict[str, Any], sev: float, ref: float | None, noisy: list[tuple[
              "tensor's updates are mostly noise while the rest of the model learns; lower its learning rate, or look "
              "at what feeds it.")
     evidence = _evidence(row, ref) | {"source_severity": {s: round(v, 4) for s, v in noisy}}
+    if experts and head is not None:
+        evidence["expert"] = int(head)
     return Flag(kind="noise", tensor=row["tensor"], head=head, sources=tuple(s for s, _ in noisy),
                 severity=float(min(1.0, sev)), records=span, evidence=evidence, summary=text)
 

@@ -262,8 +262,9 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         src = tuple(dict.fromkeys(x for s in poles for x in s.split(";")))
         span = (int(r.record_first), int(r.record_last)) if un.head_of(getattr(r, "record_first", None)) is not None \
             else (0, ctx.n_records - 1)
-        summary = _summary(r, head, ctx.meta.mode) if ctx.long is None else _summary_long(r, head)
-        ev = _evidence(r)
+        experts = un.is_experts(ctx, r.tensor)
+        summary = _summary(r, head, ctx.meta.mode, experts) if ctx.long is None else _summary_long(r, head, experts)
+        ev = _evidence(r) | ({"expert": head} if experts and head is not None else {})
         if ctx.long is None and data_order(r, ctx.meta.mode):     # the cause the summary names: the verdict's too
             ev["cause"] = "data"
         out.append(Flag(kind="oscillation", tensor=r.tensor, head=head, sources=src, severity=float(r.severity),
@@ -280,8 +281,8 @@ def _evidence(r: Any) -> dict[str, Any]:
             "explained": r.explained, "source_r2": r.source_r2}
 
 
-def _summary_long(r: Any, head: int | None) -> str:
-    where = r.tensor if head is None else f"{r.tensor} head {head}"
+def _summary_long(r: Any, head: int | None, experts: bool = False) -> str:
+    where = un.where(r.tensor, head, experts)
     steps = f" (~{r.period_steps:.0f} steps)" if np.isfinite(r.period_steps) else ""
     return (f"{where}: gradient oscillates with a period of {r.period_records:.0f} records{steps} over records "
             f"{int(r.record_first)}-{int(r.record_last)} ({100 * r.explained:.0f}% of the gradient energy; "
@@ -296,8 +297,8 @@ def data_order(r: Any, mode: str) -> bool:
             and isinstance(r2, (int, float)) and math.isfinite(r2) and r2 > DATA_ORDER)
 
 
-def _summary(r: Any, head: int | None, mode: str) -> str:
-    where = r.tensor if head is None else f"{r.tensor} head {head}"
+def _summary(r: Any, head: int | None, mode: str, experts: bool = False) -> str:
+    where = un.where(r.tensor, head, experts)
     steps = f" (~{r.period_steps:.0f} steps)" if np.isfinite(r.period_steps) else ""
     s = (f"{where}: gradient flips between opposite directions every {r.period_records:.1f} records{steps} "
          f"along principal direction {int(r.component)} ({100 * r.explained:.0f}% of the record variance; "
@@ -326,7 +327,7 @@ def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("record")
     ax.set_ylabel("projection on principal direction")
-    where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
+    where = un.where(flag.tensor, flag.head, "expert" in flag.evidence)
     period = flag.evidence.get("period_records")
     ptxt = f"period {period:.1f} records" if isinstance(period, (int, float)) and np.isfinite(period) else ""
     ax.set_title(f"oscillation: {where}\npoints alternate above and below 0: the update reverses ({ptxt})",
@@ -341,7 +342,7 @@ def _plot_windows(win: np.ndarray, flag: Flag, ax: Axes) -> None:
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("record (window centre)")
     ax.set_ylabel("oscillating share of gradient energy")
-    where = flag.tensor if flag.head is None else f"{flag.tensor} head {flag.head}"
+    where = un.where(flag.tensor, flag.head, "expert" in flag.evidence)
     ax.set_title(f"oscillation: {where}\nper window, at the flagged period (banded Gram)", fontsize=9)
 
 
