@@ -41,7 +41,8 @@ def test_drift_names_the_expert_that_turned(tmp_path) -> None:
     gf.report(findings, tmp_path / "out")
     out = json.loads((tmp_path / "out" / "flags.json").read_text())["flags"]
     assert [(f["tensor"], f["head"], f["evidence"]["expert"]) for f in out if f["kind"] == "drift"] == [("moe.w", J, J)]
-    assert f"moe.w expert {J}" in (tmp_path / "out" / "report.md").read_text()
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"moe.w expert {J}" in md and f"moe.w, expert {J}" in md and "head 2" not in md   # headline, verdict too
 
 
 def test_conflict_names_the_expert_the_sources_fight_over(tmp_path) -> None:

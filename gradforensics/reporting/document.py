@@ -311,7 +311,7 @@ def _add_records_map(findings: Findings, store: Store | None, sections: list[Sec
         section.records_map_note = f"No records map: {why}." if why else None
         return
     stem = f"records-map-{section.finding.index + 1:02d}-{section.finding.kind}"
-    where = m.tensor + ("" if m.head is None else f" head {m.head}")
+    where = m.where()
     section.records_map = _picture(fig, stem, f"Records map of {where}, coloured by source and by step.")
     section.records_map_caption = recordsmap.caption(m)
 

@@ -13,13 +13,13 @@ column uses too), which covers LLaMA/Qwen (``model.layers.N``), GPT-2
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gradforensics.store.names import split_layer
 
-__all__ = ["Loc", "head_cell", "heads_phrase", "int_ranges", "join_and", "location", "module_rank", "parse",
+__all__ = ["Loc", "experts_units", "head_cell", "heads_phrase", "int_ranges", "join_and", "location", "module_rank", "parse",
            "short_module", "table_units", "unique_modules"]
 
 _GENERIC = {"act_fn", "act", "activation", "activation_fn", "weight", "bias", "fn"}
@@ -161,34 +161,43 @@ def join_and(items: Sequence[str]) -> str:
     return ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def heads_phrase(heads: Iterable[int | None]) -> str:
-    """``[2, 5]`` -> ``heads 2 and 5``; ``[0, 1, 2]`` -> ``heads 0–2``; no heads -> ``""``."""
+def experts_units(flags: Iterable[Any]) -> set[str]:
+    """The tensors of *flags* whose ``head`` is an expert (a flag on one carries ``evidence["expert"]``)."""
+    return {f.tensor for f in flags if "expert" in (f.evidence or {})}
+
+
+def heads_phrase(heads: Iterable[int | None], word: str = "head") -> str:
+    """``[2, 5]`` -> ``heads 2 and 5``; ``[0, 1, 2]`` -> ``heads 0–2``; no heads -> ``""``.
+    *word* ``"expert"``: ``experts 2 and 5`` (the experts of a mixture-of-experts unit)."""
     hs = sorted({int(h) for h in heads if h is not None})
     if not hs:
         return ""
     ranges = int_ranges(hs)
-    word = "head" if len(hs) == 1 else "heads"
-    return f"{word} {join_and(ranges)}"
+    return f"{word if len(hs) == 1 else word + 's'} {join_and(ranges)}"
 
 
-def _modules_phrase(pattern: tuple[tuple[str, frozenset[int]], ...]) -> str:
+def _modules_phrase(pattern: tuple[tuple[str, frozenset[int]], ...], experts: Collection[str] = ()) -> str:
     """``q_proj/k_proj, heads 2 and 5`` when the modules share their heads, else
-    ``q_proj (heads 0–2), v_proj, o_proj``."""
+    ``q_proj (heads 0–2), v_proj, o_proj``; the modules in *experts* count experts."""
+    def phrase(m: str, hs: frozenset[int]) -> str:
+        return heads_phrase(hs, "expert" if m in experts else "head")
+
     head_sets = {hs for _, hs in pattern}
-    if len(head_sets) == 1:
+    if len(head_sets) == 1 and len({m in experts for m, _ in pattern}) == 1:
         (hs,) = head_sets
         mods = "/".join(m for m, _ in pattern)
-        return f"{mods}, {heads_phrase(hs)}" if hs else mods
-    return ", ".join(f"{m} ({heads_phrase(hs)})" if hs else m for m, hs in pattern)
+        return f"{mods}, {phrase(pattern[0][0], hs)}" if hs else mods
+    return ", ".join(f"{m} ({phrase(m, hs)})" if hs else m for m, hs in pattern)
 
 
-def location(units: Iterable[tuple[str, int | None]]) -> str:
+def location(units: Iterable[tuple[str, int | None]], experts: Collection[str] = ()) -> str:
     """One phrase naming every ``(tensor, head)`` unit, adjacent layers merged.
 
     Layers with the same modules (and heads) merge (``5–6``); modules that share
     their heads read ``model.layers.5–6 q_proj/k_proj, heads 2 and 5``, others
     ``model.layers.0 q_proj (heads 0–2), v_proj``.  Different layer patterns are
-    joined with ``"; "``; names outside a layer stack are listed whole.
+    joined with ``"; "``; names outside a layer stack are listed whole.  The tensors in
+    *experts* are mixture-of-experts units: their "heads" read ``expert 3``.
     """
     heads_of: dict[str, set[int]] = {}
     for name, head in units:
@@ -198,13 +207,18 @@ def location(units: Iterable[tuple[str, int | None]]) -> str:
     by_layer: dict[tuple[str, int], dict[str, frozenset[int]]] = {}
     others: list[str] = []
     placed: list[tuple[str, int, str, set[int]]] = []
+    expert_rests: set[str] = set()
     for name, head_set in heads_of.items():
         split = split_layer(name)
         if split is None or not split[2]:
-            others.append(name + (f", {heads_phrase(head_set)}" if head_set else ""))
+            others.append(name + (f", {heads_phrase(head_set, 'expert' if name in experts else 'head')}"
+                                  if head_set else ""))
             continue
         placed.append((split[0], split[1], split[2], head_set))
+        if name in experts:
+            expert_rests.add(split[2])
     short = unique_modules(rest for _, _, rest, _ in placed)     # distinct modules never share a name
+    expert_modules = {short[rest] for rest in expert_rests}
     for prefix, layer, rest, head_set in placed:
         items = by_layer.setdefault((prefix, layer), {})
         module = short[rest]
@@ -215,5 +229,5 @@ def location(units: Iterable[tuple[str, int | None]]) -> str:
         by_pattern.setdefault(key, set()).add(layer)
     parts = []
     for (prefix, pattern), layers in sorted(by_pattern.items(), key=lambda kv: (kv[0][0], min(kv[1]))):
-        parts.append(f"{prefix}.{', '.join(int_ranges(layers))} {_modules_phrase(pattern)}")
+        parts.append(f"{prefix}.{', '.join(int_ranges(layers))} {_modules_phrase(pattern, expert_modules)}")
     return "; ".join(parts + others)

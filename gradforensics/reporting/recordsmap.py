@@ -61,6 +61,11 @@ class RecordsMap:
     step_label: str           # "optimizer step" or "record"
     explained: float          # share of the normalised gradients' spread on the two axes
     n_records: int            # records in the store (before subsampling)
+    unit_word: str = "head"   # what ``head`` counts: "expert" on a mixture-of-experts unit
+
+    def where(self, sep: str = " ") -> str:
+        """``tensor``, ``tensor head h`` or ``tensor expert e`` (*sep* before the head's word)."""
+        return self.tensor + ("" if self.head is None else f"{sep}{self.unit_word} {self.head}")
 
 
 def classical_mds(d2: np.ndarray, k: int = 2) -> tuple[np.ndarray, np.ndarray]:
@@ -192,7 +197,7 @@ def records_map(findings: Findings, store: Store | None) -> tuple[RecordsMap | N
     labels = _labels(batches, store.sources, n)
     source = [labels[i] for i in recs]
     return RecordsMap(flag.tensor, flag.head, flag.kind, xy, recs, source, np.asarray(step, dtype=np.float64),
-                      label, explained, n), None
+                      label, explained, n, "expert" if "expert" in flag.evidence else "head"), None
 
 
 def figure(m: RecordsMap) -> Figure:
@@ -229,7 +234,7 @@ def figure(m: RecordsMap) -> Figure:
         ax.axhline(0, color="#eeeeee", lw=0.8, zorder=0)
         ax.axvline(0, color="#eeeeee", lw=0.8, zorder=0)
     ax_s.set_ylabel("MDS axis 2")
-    where = visible(m.tensor) + ("" if m.head is None else f", head {m.head}")
+    where = visible(m.where(", "))
     shown = "" if len(m.records) == m.n_records else f"; {len(m.records):,} of {m.n_records:,} records"
     pct = "" if not math.isfinite(m.explained) else f"; the two axes hold {m.explained:.0%} of the spread"
     fig.suptitle(f"Records map of {where} ({m.kind})\none point per record, close = gradients pointing the same way "
@@ -239,7 +244,7 @@ def figure(m: RecordsMap) -> Figure:
 
 def caption(m: RecordsMap) -> str:
     """One sentence under the map: what it shows and how to read it."""
-    where = m.tensor + ("" if m.head is None else f" head {m.head}")
+    where = m.where()
     declared = advice_of(m.kind)
     read = f"; {declared.records_map}" if declared is not None and declared.records_map else ""
     return (f"Records map of {where}: {len(m.records):,} records placed by the cosine distance between their "

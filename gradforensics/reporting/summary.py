@@ -87,7 +87,7 @@ class FlagGroup:
         return advice.info(self.kind).title
 
     def location(self) -> str:
-        return names.location((f.tensor, f.head) for f in self.flags)
+        return names.location(((f.tensor, f.head) for f in self.flags), experts=names.experts_units(self.flags))
 
     def evidence(self, max_keys: int = 2) -> str:
         return evidence_phrase(self.kind, self.flags, max_keys)
@@ -196,7 +196,8 @@ def headline(findings: Findings) -> str:
     kinds = sorted({f.kind for f in act})
     tensors = {f.tensor for f in act}
     return (f"{len(act)} flag(s) at or above 0.5 on {len(tensors)} tensor(s) ({', '.join(kinds)}); the most severe "
-            f"is {worst.kind} on {names.location([(worst.tensor, worst.head)])} (severity {worst.severity:.2f}).")
+            f"is {worst.kind} on {names.location([(worst.tensor, worst.head)], names.experts_units([worst]))} "
+            f"(severity {worst.severity:.2f}).")
 
 
 def verdict(findings: Findings, groups: list[FlagGroup] | None = None) -> str:
