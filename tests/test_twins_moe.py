@@ -80,6 +80,14 @@ def test_collapse_truth_the_sick_arm_collapses_and_the_balanced_twin_does_not(co
             share = s.router(f"model.layers.{j}.mlp.gate", "max_share")
             assert share[0] == pytest.approx(t[f"max_share_first_{j}"], rel=1e-6)
             assert float(np.mean(share[-10:])) == pytest.approx(t[f"max_share_last_{j}"], rel=1e-5)
+    # the load-balancing loss: the collapsed layer's far above k = 2 (towards E = 8), the twin's near k; only the
+    # twin, trained with it (output_router_logits=True), has the model's own aux_loss recorded
+    sick_s, twin_s = (open_store(work / f"moe-collapse-{arm}-0.zarr") for arm in ("collapse", "balanced"))
+    assert np.median(sick_s.router(f"model.layers.{i}.mlp.gate", "aux_loss")[-10:]) > 6.0
+    assert all(np.median(twin_s.router(f"model.layers.{j}.mlp.gate", "aux_loss")[-10:]) < 4.0 for j in range(2))
+    assert sick_s.model_aux_loss() is None
+    model_aux = twin_s.model_aux_loss()
+    assert model_aux is not None and np.isfinite(model_aux).all() and 1.9 < np.median(model_aux) < 3.0
 
 
 @pytest.mark.slow
