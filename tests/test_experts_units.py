@@ -70,3 +70,12 @@ def test_every_kind_names_experts_not_heads(tmp_path) -> None:
     assert on_experts, [(f.kind, f.tensor, f.head) for f in findings.flags]
     for f in on_experts:
         assert f.evidence["expert"] == f.head and f"expert {f.head}" in f.summary and " head " not in f.summary, f
+
+
+def test_long_history_regime_judges_each_expert_too(tmp_path) -> None:
+    """Above N₀ (forced: ``long_history=0``) the window and per-source aggregates are per expert as well."""
+    for kind in ("drift", "conflict"):
+        p = planted_expert_units_store(tmp_path / f"{kind}.zarr", kind, expert=J)
+        findings = gf.analyze(p, progress=False, only=[kind], options={"engine": {"long_history": 0}})
+        assert findings.header["regime"]["name"] == "long-history"
+        _check(findings, kind)
