@@ -105,8 +105,10 @@ class TorchRecorder(ArrayRecorder):
         unit ``(E, ...)`` (fused ``(E, ...)`` tensors as they are, an ``nn.ModuleList``'s
         same-named weights stacked), stored ``(N, E, ...)`` with the attribute ``experts``,
         and each router's weight is recorded with, per record, its load per expert, the
-        largest share, the entropy of its mean routing distribution and its mean squared
-        log-sum-exp (``router/<router>/...``).
+        largest share, the entropy of its mean routing distribution, its mean squared
+        log-sum-exp and its load-balancing loss (``router/<router>/...``); the model's own
+        reported ``aux_loss`` as ``router/aux_loss``.  With ``sketch=`` each expert is
+        sketched on its own.  Taken under DDP and FSDP2 (router sums all-reduced).
     optimizer, optimizer_every
         An Adam-family ``torch.optim`` optimizer of *model*: every ``optimizer_every`` records
         its state is summarised per tensor and per row (:mod:`gradforensics.recording.optimlive`).
