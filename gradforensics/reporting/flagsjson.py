@@ -40,7 +40,8 @@ _FLAG_SCHEMA: dict[str, Any] = {
     "properties": {
         "tensor": {"type": "string", "minLength": 1,
                    "description": "parameter name, activation module or series (batches/loss)"},
-        "head": {"type": ["integer", "null"], "minimum": 0, "description": "attention head; null = whole tensor"},
+        "head": {"type": ["integer", "null"], "minimum": 0,
+                 "description": "attention head (an expert of a mixture-of-experts unit: evidence.expert); null = whole tensor"},
         "sources": {"type": "array", "items": {"type": "string"}, "uniqueItems": True,
                     "description": "data sources implicated; empty when none is"},
         "severity": {"type": "number", "minimum": 0, "maximum": 1, "description": "comparable across kinds"},
