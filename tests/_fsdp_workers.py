@@ -12,7 +12,8 @@ model is sharded here with torch's own ``fully_shard`` (FSDP2, what accelerate's
 written exactly as ``Trainer._save_optimizer_and_scheduler`` writes it under FSDP
 (transformers 5.24 ``trainer.py``): ``save_fsdp_model(plugin, accelerator, model, checkpoint-N,
 adapter_only=True)`` then ``save_fsdp_optimizer(plugin, accelerator, optimizer, model,
-checkpoint-N)``, with a real ``FullyShardedDataParallelPlugin`` and a real (CPU) ``Accelerator``.
+checkpoint-N)``, with a real ``FullyShardedDataParallelPlugin`` and a real (CPU) ``Accelerator``;
+under ``FULL_STATE_DICT`` also ``model.safetensors``, as ``Trainer.save_model`` writes it (:func:`_trainer_weights`).
 FSDP1 under ``FULL_STATE_DICT`` is not written: on CPU its full state dict (``rank0_only``,
 ``offload_to_cpu``, which ``save_fsdp_model`` turns on for two processes) ends rank 0 with SIGSEGV
 (torch 2.13.0+cpu).
@@ -98,6 +99,24 @@ def _measure(model: torch.nn.Module, opt: torch.optim.Optimizer, version: int) -
     return {"weights": weights, "moments": moments, "names": [n for n, _ in model.named_parameters()]}
 
 
+def _trainer_weights(model: torch.nn.Module, rank: int, ck: Path) -> None:
+    """``model.safetensors``, as ``Trainer.save_model`` writes it beside a FULL_STATE_DICT FSDP checkpoint.
+
+    transformers 5.24 ``Trainer.save_model``: ``state_dict = self.accelerator.get_state_dict(self.model)``
+    (accelerate 1.16 ``Accelerator.get_state_dict``, FSDP2: ``get_model_state_dict`` with
+    ``full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True``), then ``Trainer._save``
+    for a model that is not a ``PreTrainedModel``: ``safetensors.torch.save_file(state_dict, ...,
+    metadata={"format": "pt"})`` on the main process.
+    """
+    import safetensors.torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                              cpu_offload=True))
+    if rank == 0:
+        safetensors.torch.save_file(sd, str(ck / "model.safetensors"), metadata={"format": "pt"})
+
+
 def worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
@@ -132,6 +151,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                                                         cpu_ram_efficient_loading=False)
                 save_fsdp_model(plugin, acc, model, str(ck), adapter_only=True, use_dcp=use_dcp)
                 save_fsdp_optimizer(plugin, acc, opt, model, str(ck), use_dcp=use_dcp)
+                if sdt == "FULL_STATE_DICT":
+                    _trainer_weights(model, rank, ck)
                 if rank == 0:                    # TrainerState.save_to_json's fields that the import reads
                     (ck / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": log}))
         torch.distributed.barrier()

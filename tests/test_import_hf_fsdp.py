@@ -4,7 +4,8 @@ Fixtures from the real writer (tests/_fsdp_workers.py): two gloo processes on CP
 under FSDP2 (``fully_shard``) and FSDP1 and save ``checkpoint-{1,2,3}`` with accelerate 1.16's
 ``save_fsdp_model`` / ``save_fsdp_optimizer`` as ``Trainer._save_optimizer_and_scheduler`` calls
 them: ``SHARDED_STATE_DICT`` -> ``pytorch_model_fsdp_0/`` + ``optimizer_0/`` (DCP),
-``FULL_STATE_DICT`` -> ``pytorch_model_fsdp.bin`` + ``optimizer.bin`` (state keyed by parameter name),
+``FULL_STATE_DICT`` -> ``pytorch_model_fsdp.bin`` + ``optimizer.bin`` (state keyed by parameter name) and
+the Trainer's ``model.safetensors``,
 ``use_dcp=False`` -> per-rank ``pytorch_model_fsdp_0_rank{r}.bin``.  The oracle is what the writing
 processes measured themselves: full weights gathered by FSDP, and ‖m‖, ‖√v̂‖ from each rank's
 local Adam shards all-reduced.  Before: every one of these series was refused as "not a checkpoint".
@@ -105,6 +106,17 @@ def test_the_layout_is_accelerates(written):
     assert set(full["state"]) == {n for n in oracle["fsdp2-2"]["names"]}      # keyed by name, not by index
     # FSDP1's own parameter names carry its wrapper; the files it writes do not
     assert all(n.startswith("_fsdp_wrapped_module.") for n in oracle["fsdp1-2"]["names"])
+
+
+def test_a_full_checkpoint_without_its_fsdp_bin_reads_model_safetensors(written, tmp_path):
+    """The Trainer writes ``model.safetensors`` beside ``pytorch_model_fsdp.bin``; either gives the weights,
+    and ``optimizer.bin``'s state, keyed by name, is attributed by name (no order guessed)."""
+    root, oracle = written
+    src = shutil.copytree(root / "fsdp2-full", tmp_path / "st")
+    for ck in src.iterdir():
+        assert (ck / "model.safetensors").is_file()
+        (ck / "pytorch_model_fsdp.bin").unlink()
+    _check(gf.import_run(src, tmp_path / "imp.zarr"), oracle, 2)
 
 
 def test_per_rank_files_are_refused_in_one_line(written, tmp_path, capsys):

@@ -71,8 +71,10 @@ _HF_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _RAW_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 _HF_DIR = re.compile(r"^checkpoint-(\d+)$")
 #: accelerate's FSDP names (accelerate/utils/fsdp_utils.py, ``FSDP_MODEL_NAME`` / ``OPTIMIZER_NAME`` + index 0)
-FSDP_MODEL_DIR, FSDP_MODEL_FILE = "pytorch_model_fsdp_0", "pytorch_model_fsdp.bin"
-FSDP_OPTIM_DIR, FSDP_OPTIM_FILE = "optimizer_0", "optimizer.bin"
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
+FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"
+FSDP_OPTIM_DIR = "optimizer_0"
+FSDP_OPTIM_FILE = "optimizer.bin"
 _FSDP_NAMES = (FSDP_MODEL_DIR, FSDP_MODEL_FILE, FSDP_OPTIM_DIR, FSDP_OPTIM_FILE)
 _FSDP_RANK_FILE = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?_rank\d+\.bin$")
 _FSDP_OTHER_MODEL = re.compile(r"^pytorch_model_fsdp_([1-9]\d*)(\.bin)?$")
