@@ -16,7 +16,9 @@ checkpoint-N)``, with a real ``FullyShardedDataParallelPlugin`` and a real (CPU)
 under ``FULL_STATE_DICT`` also ``model.safetensors``, as ``Trainer.save_model`` writes it (:func:`_trainer_weights`).
 FSDP1 under ``FULL_STATE_DICT`` is not written: on CPU its full state dict (``rank0_only``,
 ``offload_to_cpu``, which ``save_fsdp_model`` turns on for two processes) ends rank 0 with SIGSEGV
-(torch 2.13.0+cpu).
+(torch 2.13.0+cpu, in ``torch/distributed/fsdp/_state_dict_utils.py`` ``param_hook``'s
+``state_dict[fqn].detach().clone()``, called from ``_full_post_state_dict_hook``); its files have
+the names and structure of FSDP2's (``pytorch_model_fsdp.bin``, ``optimizer.bin`` keyed by name).
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ def _check(store: Any, oracle: dict[str, Any], version: int) -> None:
         for key in ("exp_avg_norm", "sqrt_v_hat_norm", "step"):
             assert table[name][key] == pytest.approx([ref[s]["moments"][name][key] for s in STEPS], rel=1e-9), \
                 (name, key)
+    assert store.has("optim/summary") and store.arrays["optim/summary"].shape[0] == len(WEIGHTS)   # for `optimizer`
     m3 = [ref[3]["moments"][n]["exp_avg_norm"] for n in WEIGHTS]
     assert len({round(v, 6) for v in m3}) == len(m3)          # distinct per layer: a swap would be seen
 
