@@ -35,7 +35,10 @@ BETA2 = 0.999
 LR = 1e-2
 #: (directory, FSDP version, accelerate state_dict_type, use_dcp)
 SAVES = (("fsdp2-sharded", 2, "SHARDED_STATE_DICT", True), ("fsdp2-full", 2, "FULL_STATE_DICT", True),
-         ("fsdp1-sharded", 1, "SHARDED_STATE_DICT", True), ("fsdp2-per-rank", 2, "SHARDED_STATE_DICT", False))
+         ("fsdp1-sharded", 1, "SHARDED_STATE_DICT", True), ("fsdp2-per-rank", 2, "SHARDED_STATE_DICT", False),
+         ("lora-sharded", 0, "SHARDED_STATE_DICT", True), ("lora-full", 0, "FULL_STATE_DICT", True))
+#: a LoRA model (peft) under FSDP2 is "version 0" above; its adapter's targets
+LORA_TARGETS = ["2", "4"]
 
 
 def tiny() -> torch.nn.Module:
@@ -46,6 +49,13 @@ def tiny() -> torch.nn.Module:
 
 
 def _wrap(model: torch.nn.Module, version: int) -> torch.nn.Module:
+    if version == 0:                              # LoRA (peft) on the frozen model, sharded by FSDP2
+        import peft
+        from torch.distributed.fsdp import fully_shard
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=LORA_TARGETS))
+        fully_shard(model)
+        return model
     if version == 2:
         from torch.distributed.fsdp import fully_shard
 
@@ -72,7 +82,7 @@ def _measure(model: torch.nn.Module, opt: torch.optim.Optimizer, version: int) -
     import torch.distributed as dist
 
     weights: dict[str, torch.Tensor] = {}
-    if version == 2:
+    if version != 1:
         for n, p in model.named_parameters():
             weights[n] = p.detach().full_tensor().clone()
     else:
@@ -129,9 +139,9 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
 
     acc = Accelerator(cpu=True)                  # initialises the gloo group (see the module's docstring)
     oracle: dict[str, Any] = {}
-    for version in (2, 1):
+    for version in (2, 1, 0):
         model = _wrap(tiny(), version)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, BETA2))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, BETA2))
         saves = [s for s in SAVES if s[1] == version]
         log: list[dict[str, float]] = []
         for step in range(1, STEPS[-1] + 1):
@@ -149,11 +159,11 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
             oracle[f"fsdp{version}-{step}"] = _measure(model, opt, version)
             for label, _, sdt, use_dcp in saves:
                 ck = Path(out) / label / f"checkpoint-{step}"
-                plugin = FullyShardedDataParallelPlugin(fsdp_version=version, state_dict_type=sdt,
+                plugin = FullyShardedDataParallelPlugin(fsdp_version=1 if version == 1 else 2, state_dict_type=sdt,
                                                         cpu_ram_efficient_loading=False)
                 save_fsdp_model(plugin, acc, model, str(ck), adapter_only=True, use_dcp=use_dcp)
                 save_fsdp_optimizer(plugin, acc, opt, model, str(ck), use_dcp=use_dcp)
-                if sdt == "FULL_STATE_DICT":
+                if sdt == "FULL_STATE_DICT" and version == 2:
                     _trainer_weights(model, rank, ck)
                 if rank == 0:                    # TrainerState.save_to_json's fields that the import reads
                     (ck / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": log}))

@@ -26,8 +26,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
+pytest.importorskip("peft")
 
-from _fsdp_workers import STEPS, worker  # noqa: E402
+from _fsdp_workers import LORA_TARGETS, STEPS, worker  # noqa: E402
 
 import gradforensics as gf  # noqa: E402
 from gradforensics.cli import main  # noqa: E402
@@ -62,26 +63,34 @@ def written(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     return root, torch.load(root / "oracle.pt", weights_only=False)      # the test's own file
 
 
-def _check(store: Any, oracle: dict[str, Any], version: int) -> None:
+def _lora(adapter: str) -> dict[str, str]:
+    """The LoRA tensors' names in the store -> the writer's own parameter names."""
+    return {f"base_model.model.{t}.lora_{ab}{adapter}.weight": f"base_model.model.{t}.lora_{ab}.default.weight"
+            for t in LORA_TARGETS for ab in "AB"}
+
+
+def _check(store: Any, oracle: dict[str, Any], version: int, names: dict[str, str] | None = None) -> None:
+    """The store against the writer's own measurements; *names*: store name -> the writer's name."""
+    names = names or {n: n for n in WEIGHTS}
     ref = {s: oracle[f"fsdp{version}-{s}"] for s in STEPS}
     assert store.n_records == len(STEPS) - 1 and store.batches()["step"].tolist() == list(STEPS[1:])
-    assert set(store.grads) == set(WEIGHTS)
-    for name in WEIGHTS:
+    assert set(store.grads) == set(names)
+    for name, own in names.items():
         snaps = store.read(f"weights/{name}")
         got = np.asarray(store.read(f"grads/{name}"))
         for j, s in enumerate(STEPS):
-            assert np.array_equal(snaps[j], ref[s]["weights"][name].numpy()), (name, s)
+            assert np.array_equal(snaps[j], ref[s]["weights"][own].numpy()), (name, s)
         for i in range(len(STEPS) - 1):
-            want = (ref[STEPS[i + 1]]["weights"][name] - ref[STEPS[i]]["weights"][name]).numpy()
+            want = (ref[STEPS[i + 1]]["weights"][own] - ref[STEPS[i]]["weights"][own]).numpy()
             assert np.array_equal(got[i].reshape(want.shape), want), (name, i)
     table = store.meta.extra["import"]["optimizer"]
-    assert set(table) == set(WEIGHTS)
-    for name in WEIGHTS:                    # the right layer's Adam state: 2.weight and 4.weight share a shape
+    assert set(table) == set(names)
+    for name, own in names.items():        # the right layer's Adam state: 2.weight and 4.weight share a shape
         for key in ("exp_avg_norm", "sqrt_v_hat_norm", "step"):
-            assert table[name][key] == pytest.approx([ref[s]["moments"][name][key] for s in STEPS], rel=1e-9), \
+            assert table[name][key] == pytest.approx([ref[s]["moments"][own][key] for s in STEPS], rel=1e-9), \
                 (name, key)
-    assert store.has("optim/summary") and store.arrays["optim/summary"].shape[0] == len(WEIGHTS)   # for `optimizer`
-    m3 = [ref[3]["moments"][n]["exp_avg_norm"] for n in WEIGHTS]
+    assert store.has("optim/summary") and store.arrays["optim/summary"].shape[0] == len(names)   # for `optimizer`
+    m3 = [ref[3]["moments"][n]["exp_avg_norm"] for n in names.values()]
     assert len({round(v, 6) for v in m3}) == len(m3)          # distinct per layer: a swap would be seen
 
 
@@ -93,6 +102,29 @@ def test_fsdp_checkpoints_import_the_writers_weights_updates_and_adam_state(writ
     _check(store, oracle, version)
     loss = store.batches()["loss"]
     assert np.isfinite(loss).all()                             # from the checkpoints' trainer_state.json
+
+
+@pytest.mark.parametrize(("label", "adapter"), [("lora-sharded", ""), ("lora-full", ".default")])
+def test_a_lora_model_under_fsdp_imports_its_adapter_and_its_adam_state(written, tmp_path, label, adapter):
+    """``adapter_only=True`` (what the Trainer passes): SHARDED saves peft's names (``lora_A.weight``) while the
+    optimizer keeps the parameters' (``lora_A.default.weight``): the state is still named, by dropping the
+    adapter's name; FULL saves the parameters' names on both sides."""
+    root, oracle = written
+    _check(gf.import_run(root / label, tmp_path / "imp.zarr"), oracle, 0, _lora(adapter))
+
+
+def test_optimizer_state_under_other_names_is_left_unnamed_and_said_so(written, tmp_path):
+    """A name-keyed state whose names no weight has (here: one foreign segment per name, two different) is
+    not attributed by position; the store says why there is no summary."""
+    root, _ = written
+    src = shutil.copytree(root / "fsdp2-full", tmp_path / "other")
+    for ck in src.iterdir():
+        opt = torch.load(ck / "optimizer.bin", weights_only=True)
+        opt["state"] = {f"x{i}.{k}": v for i, (k, v) in enumerate(opt["state"].items())}
+        torch.save(opt, ck / "optimizer.bin")
+    store = gf.import_run(src, tmp_path / "imp.zarr")
+    assert store.meta.extra["import"].get("optimizer", {}) == {}
+    assert "keyed by names that are not the weights'" in store.meta.extra["import"]["optimizer_note"]
 
 
 def test_the_layout_is_accelerates(written):

@@ -249,7 +249,8 @@ def _load_fsdp(d: Path) -> tuple[dict[str, torch.Tensor], Any]:
         opt = torch_load(d / FSDP_OPTIM_FILE, mmap=True)
     elif (d / "optimizer.pt").is_file():
         opt = torch_load(d / "optimizer.pt", mmap=True)
-    return _unwrapped(sd, d), _unwrapped_optim(opt, d)
+    sd = _unwrapped(sd, d)
+    return sd, _adapter_named(_unwrapped_optim(opt, d), sd, d)
 
 
 def _plain(name: str) -> str:
@@ -279,6 +280,38 @@ def _unwrapped_optim(opt: Any, where: Path) -> Any:
     groups = [{**g, "params": [_plain(p) if isinstance(p, str) else p for p in g["params"]]}
               if isinstance(g, Mapping) and isinstance(g.get("params"), list) else g for g in opt["param_groups"]]
     return {**opt, "state": _unwrapped(opt["state"], where), "param_groups": groups}
+
+
+def _adapter_named(opt: Any, sd: Mapping[str, Any], where: Path) -> Any:
+    """The optimizer state renamed to the weights' names where they differ by one adapter-name segment.
+
+    A LoRA model under FSDP with ``SHARDED_STATE_DICT``: accelerate saves the weights with
+    ``adapter_only=True`` through peft's ``get_peft_model_state_dict``, which drops the adapter's
+    name (``...lora_A.weight``), while the optimizer state keeps the parameter's own name
+    (``...lora_A.default.weight``).  One segment whose removal turns *every* unmatched state key
+    into a weight's name is dropped from them; otherwise the state is left as it is (and unnamed).
+    """
+    if not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping) \
+            or not isinstance(opt.get("param_groups"), list):
+        return opt
+    missing = [k for k in opt["state"] if isinstance(k, str) and k not in sd]
+    if not missing or len(missing) != len(opt["state"]):
+        return opt
+
+    def drop(name: str, seg: str) -> str:
+        return ".".join(p for p in name.split(".") if p != seg)
+
+    fits = [g for g in dict.fromkeys(missing[0].split(".")) if all(drop(k, g) in sd for k in missing)]
+    if len(fits) != 1:
+        return opt
+    seg = fits[0]
+    groups = [{**g, "params": [drop(p, seg) if isinstance(p, str) else p for p in g["params"]]}
+              if isinstance(g, Mapping) and isinstance(g.get("params"), list) else g for g in opt["param_groups"]]
+    state = {drop(k, seg): v for k, v in opt["state"].items()}
+    if len(state) != len(opt["state"]):
+        raise CheckpointError(f"{where}: two optimizer states name one tensor once the adapter name {seg!r} is "
+                              "dropped; refused rather than keep one.")
+    return {**opt, "state": state, "param_groups": groups}
 
 
 # ------------------------------------------------------------------ the trainer's log
@@ -396,7 +429,12 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
         table = {n: {k: [m.get(n, {}).get(k, math.nan) for m in moments] for k in STATS}
                  for n in names if any(n in m for m in moments)}
         w.annotate(update_weight_ratio=ratios, optimizer=table)
-        if not table and opt is not None:
+        keys = list(opt["state"]) if isinstance(opt, Mapping) and isinstance(opt.get("state"), Mapping) else []
+        if not table and keys and all(isinstance(k, str) for k in keys):
+            w.annotate(optimizer_note=f"the checkpoints hold optimizer state keyed by names that are not the "
+                                      f"weights' ({keys[0]!r}; the weights have e.g. {names[0]!r}), or of other "
+                                      "shapes; it is left unnamed")
+        elif not table and opt is not None:
             w.annotate(optimizer_note="the checkpoints hold optimizer state but it could not be named: its "
                                       "parameters are numbered, and " + ("the safetensors files store names sorted, "
                                       "not in the model's order, while tensors share shapes; put the model's "
