@@ -36,6 +36,7 @@ LR = 1e-2
 #: (directory, FSDP version, accelerate state_dict_type, use_dcp)
 SAVES = (("fsdp2-sharded", 2, "SHARDED_STATE_DICT", True), ("fsdp2-full", 2, "FULL_STATE_DICT", True),
          ("fsdp1-sharded", 1, "SHARDED_STATE_DICT", True), ("fsdp2-per-rank", 2, "SHARDED_STATE_DICT", False),
+         ("fsdp1-local", 1, "LOCAL_STATE_DICT", True),
          ("lora-sharded", 0, "SHARDED_STATE_DICT", True), ("lora-full", 0, "FULL_STATE_DICT", True))
 #: a LoRA model (peft) under FSDP2 is "version 0" above; its adapter's targets
 LORA_TARGETS = ["2", "4"]

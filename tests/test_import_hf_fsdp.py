@@ -6,7 +6,8 @@ under FSDP2 (``fully_shard``) and FSDP1 and save ``checkpoint-{1,2,3}`` with acc
 them: ``SHARDED_STATE_DICT`` -> ``pytorch_model_fsdp_0/`` + ``optimizer_0/`` (DCP),
 ``FULL_STATE_DICT`` -> ``pytorch_model_fsdp.bin`` + ``optimizer.bin`` (state keyed by parameter name) and
 the Trainer's ``model.safetensors``,
-``use_dcp=False`` -> per-rank ``pytorch_model_fsdp_0_rank{r}.bin``.  The oracle is what the writing
+``use_dcp=False`` -> per-rank ``pytorch_model_fsdp_0_rank{r}.bin``, FSDP1's ``LOCAL_STATE_DICT`` ->
+``pytorch_model_fsdp_rank{r}.bin``.  The oracle is what the writing
 processes measured themselves: full weights gathered by FSDP, and ‖m‖, ‖√v̂‖ from each rank's
 local Adam shards all-reduced.  Before: every one of these series was refused as "not a checkpoint".
 """
@@ -152,8 +153,11 @@ def test_a_full_checkpoint_without_its_fsdp_bin_reads_model_safetensors(written,
     _check(gf.import_run(src, tmp_path / "imp.zarr"), oracle, 2)
 
 
-def test_per_rank_files_are_refused_in_one_line(written, tmp_path, capsys):
-    _refused(tmp_path, capsys, written[0] / "fsdp2-per-rank", "_rank0.bin", "per-rank files are not read")
+@pytest.mark.parametrize(("label", "file"), [("fsdp2-per-rank", "optimizer_0_rank0.bin"),
+                                             ("fsdp1-local", "pytorch_model_fsdp_rank0.bin")])
+def test_per_rank_files_are_refused_in_one_line(written, tmp_path, capsys, label, file):
+    """``use_dcp=False`` and FSDP1's LOCAL_STATE_DICT: each rank's own (flat) shard, not joined."""
+    _refused(tmp_path, capsys, written[0] / label, file, "per-rank files are not read")
 
 
 def test_wrapper_segments_in_names_are_dropped(written, tmp_path):
