@@ -1,7 +1,7 @@
 """``gradforensics import`` of Hugging Face Trainer checkpoints written under FSDP, by accelerate's own writer.
 
 Fixtures from the real writer (tests/_fsdp_workers.py): two gloo processes on CPU train a tiny MLP
-under FSDP2 (``fully_shard``) and FSDP1 and save ``checkpoint-{1,2,3}`` with accelerate 1.16's
+under FSDP2 (``fully_shard``), FSDP1, and a peft LoRA adapter of it under FSDP2, and save ``checkpoint-{1,2,3}`` with accelerate 1.16's
 ``save_fsdp_model`` / ``save_fsdp_optimizer`` as ``Trainer._save_optimizer_and_scheduler`` calls
 them: ``SHARDED_STATE_DICT`` -> ``pytorch_model_fsdp_0/`` + ``optimizer_0/`` (DCP),
 ``FULL_STATE_DICT`` -> ``pytorch_model_fsdp.bin`` + ``optimizer.bin`` (state keyed by parameter name) and
