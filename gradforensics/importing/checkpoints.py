@@ -8,6 +8,13 @@ safetensors' own reader, nothing else in the directories opened:
   ``optimizer.pt`` and ``trainer_state.json``; the step is ``N``, the last
   ``trainer_state.json``'s ``log_history`` gives ``batches/loss`` and ``batches/lr``.
   ``training_args.bin``, ``rng_state.pth`` and ``scheduler.pt`` are never opened.
+* Hugging Face Trainer output under FSDP (accelerate's ``save_fsdp_model`` /
+  ``save_fsdp_optimizer``, kind ``hf-fsdp``): ``SHARDED_STATE_DICT`` writes
+  ``checkpoint-N/pytorch_model_fsdp_0/`` and ``optimizer_0/``, two DCP directories read by
+  :mod:`gradforensics.importing.dcp`; ``FULL_STATE_DICT`` writes ``pytorch_model_fsdp.bin`` and
+  ``optimizer.bin`` (the optimizer state keyed by parameter name), read with ``torch.load(weights_only=True)``.
+  FSDP wrapper segments (``_fsdp_wrapped_module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``)
+  are dropped from names; per-rank files (``LOCAL_STATE_DICT``, or ``use_dcp=False``) are refused.
 * raw torch files ``SOURCE/<name><step>.pt|.pth|.bin`` holding a state dict, or a dict
   with ``model`` (``state_dict``, ``model_state_dict``) and maybe ``optimizer``;
 * ``SOURCE/<name><step>.safetensors`` files.
@@ -53,7 +60,7 @@ if TYPE_CHECKING:
     from gradforensics.runlog import RunLog
     from gradforensics.store.heads import HeadSpec
 
-__all__ = ["ADAPTER_WEIGHTS", "HF_WEIGHTS", "Checkpoint", "discover", "import_checkpoints", "load_checkpoint_file", "select",
+__all__ = ["ADAPTER_WEIGHTS", "FSDP_MODEL_DIR", "FSDP_MODEL_FILE", "FSDP_OPTIM_DIR", "FSDP_OPTIM_FILE", "HF_WEIGHTS", "Checkpoint", "discover", "import_checkpoints", "load_checkpoint_file", "select",
            "trainer_log"]
 
 
@@ -63,6 +70,16 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _HF_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _RAW_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 _HF_DIR = re.compile(r"^checkpoint-(\d+)$")
+#: accelerate's FSDP names (accelerate/utils/fsdp_utils.py, ``FSDP_MODEL_NAME`` / ``OPTIMIZER_NAME`` + index 0)
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
+FSDP_MODEL_FILE = "pytorch_model_fsdp.bin"
+FSDP_OPTIM_DIR = "optimizer_0"
+FSDP_OPTIM_FILE = "optimizer.bin"
+_FSDP_NAMES = (FSDP_MODEL_DIR, FSDP_MODEL_FILE, FSDP_OPTIM_DIR, FSDP_OPTIM_FILE)
+_FSDP_RANK_FILE = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?_rank\d+\.bin$")
+_FSDP_OTHER_MODEL = re.compile(r"^pytorch_model_fsdp_([1-9]\d*)(\.bin)?$")
+#: module wrappers whose attribute name shows up as a name segment (FSDP1, torch.compile, activation checkpointing)
+_WRAPPERS = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 #: OLMo-core's ``Checkpointer.CHECKPOINT_DIR`` (``step{step}``), holding ``model_and_optim/`` (a DCP).
 _OLMO_CORE_DIR = re.compile(r"^step(\d+)$")
 _LAST_INT = re.compile(r"(\d+)(?!.*\d)")
@@ -72,7 +89,8 @@ _OPTIM_KEYS = ("optimizer", "optimizer_state_dict", "optim")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One checkpoint of a series: its step, where it is and how it is laid out (``hf``, ``torch``, ``dcp``, ``olmo-core``, ``deepspeed``)."""
+    """One checkpoint of a series: its step, where it is and how it is laid out (``hf``, ``hf-fsdp``, ``torch``,
+    ``dcp``, ``olmo-core``, ``deepspeed``)."""
 
     step: int
     path: Path
@@ -86,7 +104,8 @@ def discover(source: Path) -> list[Checkpoint]:
         raise NotACheckpointError(f"{source}: not a directory; --format checkpoints reads a directory of "
                                   "checkpoint-N/ directories or of <name><step>.pt / .safetensors files.")
     entries = sorted(source.iterdir())
-    found = [Checkpoint(int(m.group(1)), p, "hf") for p in entries if p.is_dir() and (m := _HF_DIR.match(p.name))]
+    found = [Checkpoint(int(m.group(1)), p, "hf-fsdp" if _is_fsdp(p) else "hf") for p in entries
+             if p.is_dir() and (m := _HF_DIR.match(p.name))]
     if not found:
         found = [Checkpoint(int(m.group(1)), p, "olmo-core") for p in entries
                  if (m := _OLMO_CORE_DIR.match(p.name)) and is_dcp(p / "model_and_optim")]
@@ -177,11 +196,122 @@ def _load(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], Any]:
         return read_dcp(ck.path / "model_and_optim")
     if ck.kind == "deepspeed":
         return read_universal(ck.path)
+    if ck.kind == "hf-fsdp":
+        return _load_fsdp(ck.path)
     sd: dict[str, torch.Tensor] = {}
     for f in _hf_files(ck.path):
         sd.update(load_checkpoint_file(f)[0])
     opt = ck.path / "optimizer.pt"
     return sd, torch_load(opt, mmap=True) if opt.is_file() else None
+
+
+def _is_fsdp(d: Path) -> bool:
+    """Whether the Trainer checkpoint *d* was written under FSDP (accelerate's file names, or per-rank files)."""
+    return any((d / n).exists() for n in _FSDP_NAMES) or any(_FSDP_RANK_FILE.match(p.name) for p in d.iterdir())
+
+
+def _load_fsdp(d: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """``(state dict, optimizer state or None)`` of a Trainer checkpoint written under FSDP.
+
+    Weights: the ``pytorch_model_fsdp_0/`` DCP (``SHARDED_STATE_DICT``), else ``pytorch_model_fsdp.bin``
+    (``FULL_STATE_DICT``), else the ``model.safetensors`` the Trainer writes beside a full one; optimizer:
+    ``optimizer_0/`` (DCP), else ``optimizer.bin``, else ``optimizer.pt``.  Per-rank files and a second
+    model (``pytorch_model_fsdp_1``) are refused in one line.
+    """
+    from gradforensics.importing.dcp import read_dcp_optimizer
+    from gradforensics.replay.untrusted import torch_load
+
+    names = sorted(p.name for p in d.iterdir())
+    per_rank = [n for n in names if _FSDP_RANK_FILE.match(n)]
+    if per_rank:
+        raise ImportSourceError(f"{d}: {per_rank[0]} is one rank's FSDP shard (accelerate's LOCAL_STATE_DICT, or "
+                                "SHARDED_STATE_DICT saved with use_dcp=False); per-rank files are not read: save "
+                                "with SHARDED_STATE_DICT (a DCP directory) or FULL_STATE_DICT.")
+    other = [n for n in names if _FSDP_OTHER_MODEL.match(n)]
+    if other:
+        raise ImportSourceError(f"{d}: {other[0]} is a second FSDP model of the checkpoint; only one model "
+                                f"({FSDP_MODEL_DIR} or {FSDP_MODEL_FILE}) is imported.")
+    for n in (FSDP_MODEL_DIR, FSDP_OPTIM_DIR):
+        if (d / n).exists() and not is_dcp(d / n):
+            raise CheckpointError(f"{d / n}: not a DCP directory (no .metadata); the FSDP checkpoint is incomplete.")
+    if (d / FSDP_MODEL_DIR).exists():
+        sd = read_dcp(d / FSDP_MODEL_DIR)[0]
+    elif (d / FSDP_MODEL_FILE).is_file():
+        sd = load_checkpoint_file(d / FSDP_MODEL_FILE)[0]
+    else:
+        sd = {}
+        for f in _hf_files(d):
+            sd.update(load_checkpoint_file(f)[0])
+    opt: Any = None
+    if (d / FSDP_OPTIM_DIR).exists():
+        opt = read_dcp_optimizer(d / FSDP_OPTIM_DIR)
+    elif (d / FSDP_OPTIM_FILE).is_file():
+        opt = torch_load(d / FSDP_OPTIM_FILE, mmap=True)
+    elif (d / "optimizer.pt").is_file():
+        opt = torch_load(d / "optimizer.pt", mmap=True)
+    sd = _unwrapped(sd, d)
+    return sd, _adapter_named(_unwrapped_optim(opt, d), sd, d)
+
+
+def _plain(name: str) -> str:
+    """*name* without the module wrappers' segments (``_fsdp_wrapped_module.``, ``_orig_mod.`` ...)."""
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def _unwrapped(sd: Mapping[str, Any], where: Path) -> dict[str, Any]:
+    """*sd* keyed by plain names; two names that meet once the wrappers are dropped are refused."""
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        p = _plain(k) if isinstance(k, str) else k
+        if p in out:
+            raise CheckpointError(f"{where}: {k} and another entry both name {p} once FSDP's wrapper segments are "
+                                  "dropped; refused rather than keep one.")
+        out[p] = v
+    return out
+
+
+def _unwrapped_optim(opt: Any, where: Path) -> Any:
+    """An optimizer state dict keyed by parameter name with the wrappers dropped (state keys, groups' params)."""
+    if not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping) \
+            or not isinstance(opt.get("param_groups"), list):
+        return opt
+    groups = [{**g, "params": [_plain(p) if isinstance(p, str) else p for p in g["params"]]}
+              if isinstance(g, Mapping) and isinstance(g.get("params"), list) else g for g in opt["param_groups"]]
+    return {**opt, "state": _unwrapped(opt["state"], where), "param_groups": groups}
+
+
+def _adapter_named(opt: Any, sd: Mapping[str, Any], where: Path) -> Any:
+    """The optimizer state renamed to the weights' names where they differ by one adapter-name segment.
+
+    A LoRA model under FSDP with ``SHARDED_STATE_DICT``: accelerate saves the weights with
+    ``adapter_only=True`` through peft's ``get_peft_model_state_dict``, which drops the adapter's
+    name (``...lora_A.weight``), while the optimizer state keeps the parameter's own name
+    (``...lora_A.default.weight``).  One segment whose removal turns *every* unmatched state key
+    into a weight's name is dropped from them; otherwise the state is left as it is (and unnamed).
+    """
+    if not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping) \
+            or not isinstance(opt.get("param_groups"), list):
+        return opt
+    missing = [k for k in opt["state"] if isinstance(k, str) and k not in sd]
+    if not missing or len(missing) != len(opt["state"]):
+        return opt
+
+    def drop(name: str, seg: str) -> str:
+        return ".".join(p for p in name.split(".") if p != seg)
+
+    fits = [g for g in dict.fromkeys(missing[0].split(".")) if all(drop(k, g) in sd for k in missing)]
+    if len(fits) != 1:
+        return opt
+    seg = fits[0]
+    groups = [{**g, "params": [drop(p, seg) if isinstance(p, str) else p for p in g["params"]]}
+              if isinstance(g, Mapping) and isinstance(g.get("params"), list) else g for g in opt["param_groups"]]
+    state = {drop(k, seg): v for k, v in opt["state"].items()}
+    if len(state) != len(opt["state"]):
+        raise CheckpointError(f"{where}: two optimizer states name one tensor once the adapter name {seg!r} is "
+                              "dropped; refused rather than keep one.")
+    return {**opt, "state": state, "param_groups": groups}
 
 
 # ------------------------------------------------------------------ the trainer's log
@@ -191,7 +321,7 @@ def trainer_log(ckpts: Sequence[Checkpoint]) -> dict[int, dict[str, float]]:
     from gradforensics.importing.trainer_state import read_log_history
 
     for ck in reversed(ckpts):
-        state = (ck.path if ck.kind == "hf" else ck.path.parent) / "trainer_state.json"
+        state = (ck.path if ck.kind in ("hf", "hf-fsdp") else ck.path.parent) / "trainer_state.json"
         if not state.is_file():
             continue
         history = read_log_history(state)
@@ -299,7 +429,12 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
         table = {n: {k: [m.get(n, {}).get(k, math.nan) for m in moments] for k in STATS}
                  for n in names if any(n in m for m in moments)}
         w.annotate(update_weight_ratio=ratios, optimizer=table)
-        if not table and opt is not None:
+        keys = list(opt["state"]) if isinstance(opt, Mapping) and isinstance(opt.get("state"), Mapping) else []
+        if not table and keys and all(isinstance(k, str) for k in keys):
+            w.annotate(optimizer_note=f"the checkpoints hold optimizer state keyed by names that are not the "
+                                      f"weights' ({keys[0]!r}; the weights have e.g. {names[0]!r}), or of other "
+                                      "shapes; it is left unnamed")
+        elif not table and opt is not None:
             w.annotate(optimizer_note="the checkpoints hold optimizer state but it could not be named: its "
                                       "parameters are numbered, and " + ("the safetensors files store names sorted, "
                                       "not in the model's order, while tensors share shapes; put the model's "
@@ -323,9 +458,12 @@ def _adapter(ck: Checkpoint) -> dict[str, Any]:
 
 
 def _safetensors(ck: Checkpoint) -> bool:
-    """Whether *ck*'s weights are safetensors files (their names stored sorted)."""
+    """Whether *ck*'s weights are safetensors files (their names stored sorted), or otherwise not stored in
+    the model's order (an FSDP checkpoint's DCP directory: its metadata is merged from the ranks' plans)."""
     if ck.kind == "torch":
         return ck.path.suffix == ".safetensors"
+    if ck.kind == "hf-fsdp":
+        return not (ck.path / FSDP_MODEL_FILE).is_file() or (ck.path / FSDP_MODEL_DIR).exists()
     return ck.kind == "hf" and all(f.suffix == ".safetensors" for f in _hf_files(ck.path))
 
 
@@ -337,7 +475,7 @@ def _config_dir(ck: Checkpoint) -> Path | None:
     """
     if ck.kind == "olmo-core":
         return None
-    for d in (ck.path if ck.kind == "hf" else ck.path.parent, ck.path.parent):
+    for d in (ck.path if ck.kind in ("hf", "hf-fsdp") else ck.path.parent, ck.path.parent):
         if (d / "config.json").is_file():
             return d
     return None

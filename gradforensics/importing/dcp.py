@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,7 @@ from gradforensics.errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OlmoCoreStorageInfo", "is_dcp", "read_dcp"]
+__all__ = ["OlmoCoreStorageInfo", "is_dcp", "read_dcp", "read_dcp_optimizer"]
 
 _MD = "torch.distributed.checkpoint.metadata"
 
@@ -225,10 +226,33 @@ def read_dcp(d: Path) -> tuple[dict[str, torch.Tensor], Any]:
         chosen = {k: v for k, v in chosen.items() if not _nested_other(k, md.planner_data)}
     if not chosen:
         raise CheckpointError(f"{d / '.metadata'}: lists no tensor; not a DCP checkpoint of a model.")
-    try:
-        storage = _storage(d, md)
+
+    def read(storage: dict) -> tuple[dict[str, torch.Tensor], Any]:
         sd = {name: _assemble(prefix + name, tmd, storage, d) for name, tmd in chosen.items()}
         return sd, _optimizer(d, md, storage)
+
+    return _guarded(d, md, read)
+
+
+def read_dcp_optimizer(d: Path) -> dict[str, Any]:
+    """The optimizer state dict of a DCP directory that holds only an optimizer entry.
+
+    accelerate's ``save_fsdp_optimizer`` under ``SHARDED_STATE_DICT`` saves ``{"optimizer":
+    optim_state}`` into a directory of its own (``optimizer_0/``, beside the model's
+    ``pytorch_model_fsdp_0/``); rebuilt as :func:`read_dcp` rebuilds an ``optimizer`` entry.
+    """
+    md = _metadata(d)
+    opt = _guarded(d, md, lambda storage: _optimizer(d, md, storage))
+    if opt is None:
+        raise CheckpointError(f"{d / '.metadata'}: holds no optimizer entry (an 'optimizer' key with 'state' and "
+                              "'param_groups'); not a DCP checkpoint of an optimizer.")
+    return opt
+
+
+def _guarded(d: Path, md: Any, read: Callable[[dict], Any]) -> Any:
+    """``read(storage)`` with *d*'s storage checked, every malformed metadata field one :class:`CheckpointError`."""
+    try:
+        return read(_storage(d, md))
     except CheckpointError:      # already the one line, naming the file (a ValueError too: not wrapped again)
         raise
     except (TypeError, ValueError, AttributeError) as e:    # metadata fields of the wrong type
