@@ -217,11 +217,12 @@ def test_findings_persisted_in_the_store_still_plot(tmp_path) -> None:
     assert [t.get_text() for t in ax.get_xticklabels()] == ["zh", "en", "code"] and len(ax.texts) == 9
 
 
-def test_each_unit_draws_its_own_reproducible_permutations() -> None:
+def test_each_tensor_draws_its_own_reproducible_permutations_its_heads_share_them() -> None:
     a = pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 2), None)
-    b = pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 3), None)
+    b = pt.permutations(40, 50, cu.unit_seed(0, "model.layers.2.q.weight", 2), None)
     assert not np.array_equal(a, b)
-    np.testing.assert_array_equal(a, pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 2), None))
+    np.testing.assert_array_equal(a, pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 3), None))
+    np.testing.assert_array_equal(a, pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", None), None))
     assert cu.unit_seed(0, "t", None) == (0, 2238339752, 0)          # crc32: the same on every platform
 
 

@@ -147,7 +147,7 @@ def _conflict_of(slab: list[un.Unit], mix: np.ndarray, opts: ConflictOptions, tr
     """Per unit of *slab*: its pairs' columns (with its energy and rise, scalars, and in a long history each
     pair's stretch), cosine matrix and kept sources
     (module-level: it runs on dask workers too).  The units of one design are tested together
-    (:func:`conflict_units`), each seeded by its name."""
+    (:func:`conflict_units`), each seeded by its tensor's name (a tensor's heads share its draws)."""
     out: list[Any] = [None] * len(slab)
     by_design: dict[bytes, list[int]] = {}
     for i, u in enumerate(slab):

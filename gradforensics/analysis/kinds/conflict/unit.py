@@ -52,9 +52,13 @@ class ConflictOptions(Options):
                    "table_rows": [Interval(int, 0, None), None]}
 
 
-def unit_seed(seed: int, tensor: str, head: int | None) -> tuple[int, int, int]:
-    """The permutation seed of one unit: stable across runs and platforms (crc32 of the name)."""
-    return (int(seed), zlib.crc32(tensor.encode()), 0 if head is None else int(head) + 1)
+def unit_seed(seed: int, tensor: str, head: int | None = None) -> tuple[int, int, int]:
+    """The permutation seed of one unit: its tensor's, ``(seed, crc32(tensor), 0)``, stable across runs and
+    platforms.  A tensor's heads share its stream: each unit's test is a valid permutation test of its own
+    (its p-value's distribution under the null does not depend on which permutations other units drew), and
+    the units of a tensor draw and gather each round's permutations once (*head* is not used)."""
+    del head
+    return (int(seed), zlib.crc32(tensor.encode()), 0)
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,8 @@ def conflict_units(grams: list[np.ndarray], mixture: np.ndarray, opts: ConflictO
 
     The pairs of all the units are tested together by
     :func:`~gradforensics.analysis.toolkit.stats.sequential_permutation_test`; unit ``u`` draws from
-    ``permutations(n, B, seeds[u], design.block)``'s stream (:class:`PairNulls`) while one of its
-    pairs still runs.  Memory: the Gram matrices, ``S'²`` per unit and a round of draws (bounded).
+    ``permutations(n, B, seeds[u], design.block)``'s stream (:class:`PairNulls`; consecutive units with one
+    seed, a tensor and its heads, share it) while one of their pairs still runs.  Memory: the Gram matrices, ``S'²`` per unit and a round of draws (bounded).
     """
     fit = design.fit
     if not design.testable or design.Q is None:
@@ -132,8 +136,8 @@ def conflict_units(grams: list[np.ndarray], mixture: np.ndarray, opts: ConflictO
         obs.append(np.where(np.isfinite(cos[iu, ju]), G[iu, ju], np.nan))
         ties.append(np.full(P, 1e-12 * float(np.abs(np.diagonal(G)).max(initial=0.0))))
     ip0 = np.concatenate(obs)
-    null = sequential_permutation_test(ip0, PairNulls(grams, seeds, fit.A, design.Q, design.block, iu, ju),
-                                       np.repeat(np.arange(len(grams)), P), opts.permutations, opts.hits,
+    nulls = PairNulls(grams, seeds, fit.A, design.Q, design.block, iu, ju)
+    null = sequential_permutation_test(ip0, nulls, np.repeat(nulls.groups, P), opts.permutations, opts.hits,
                                        tie=np.concatenate(ties))
     with np.errstate(invalid="ignore", divide="ignore"):
         z = np.where(null.sd > 0, (null.mean - ip0) / null.sd, np.nan)
