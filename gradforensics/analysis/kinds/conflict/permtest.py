@@ -79,7 +79,8 @@ def permuted_source_grams(K: np.ndarray | Sequence[np.ndarray], A: np.ndarray, Q
     Where every mixture row sums to 1 exactly (pure batches), so do ``A_π``'s: the last column
     ``a = 1 - A_π[:, :S-1] 1`` is not gathered, the product with ``K`` takes ``S - 1`` columns a
     permutation (half of them with two sources), and the last row and column of the result follow
-    from ``K 1`` and the column sums of ``K W``: ``aᵀ K w = 1ᵀ K w - (A_π[:, :S-1]ᵀ K w) 1``.
+    from the column sums of ``K W`` (``K`` symmetric: ``1ᵀ K w = wᵀ K 1``) and ``1ᵀ K 1``:
+    ``aᵀ K w = 1ᵀ K w - (A_π[:, :S-1]ᵀ K w) 1``.
     """
     one = isinstance(K, np.ndarray) and K.ndim == 2
     Ks = [K] if one else list(K)
@@ -87,7 +88,7 @@ def permuted_source_grams(K: np.ndarray | Sequence[np.ndarray], A: np.ndarray, Q
     ones = S > 1 and bool(np.all(A.sum(axis=1) == 1.0))
     m = S - 1 if ones else S
     Am = np.ascontiguousarray(A[:, :m])
-    row_sums = [Ku.sum(axis=1) for Ku in Ks] if ones else None
+    totals = [float(Ku.sum()) for Ku in Ks]                         # 1ᵀ K 1
     chunk = max(1, min(int(chunk), CHUNK_BYTES // (8 * n * S)))
     out = np.empty((len(Ks), perms.shape[0], S, S))
     for s in range(0, perms.shape[0], chunk):
@@ -101,15 +102,15 @@ def permuted_source_grams(K: np.ndarray | Sequence[np.ndarray], A: np.ndarray, Q
                 H = np.einsum("ij,ij->j", wide, KW).reshape(c, 1, 1)
             else:
                 H = np.matmul(W3.transpose(1, 2, 0), KW.reshape(n, c, m).transpose(1, 0, 2))   # c×m×m
-            if row_sums is None:
+            if not ones:
                 out[u, s:s + c] = H
                 continue
             o = out[u, s:s + c]
             o[:, :m, :m] = H
-            o[:, m, :m] = KW.sum(axis=0).reshape(c, m) - H.sum(axis=1)          # aᵀ K A_π[:, :m]
-            wk = (row_sums[u] @ wide).reshape(c, m)                              # A_π[:, :m]ᵀ K 1
+            wk = KW.sum(axis=0).reshape(c, m)                    # 1ᵀ K A_π[:, :m] = (A_π[:, :m]ᵀ K 1)ᵀ (K symmetric)
+            o[:, m, :m] = wk - H.sum(axis=1)                     # aᵀ K A_π[:, :m]
             o[:, :m, m] = wk - H.sum(axis=2)
-            o[:, m, m] = (row_sums[u].sum() - wk.sum(axis=1)) - o[:, m, :m].sum(axis=1)
+            o[:, m, m] = (totals[u] - wk.sum(axis=1)) - o[:, m, :m].sum(axis=1)
     q = np.diagonal(Q)
     if np.count_nonzero(Q) == np.count_nonzero(q) and np.isfinite(out).all():
         out *= q[:, None] * q[None, :]                               # (q_i g_ij) q_j: Q @ G @ Q, entry by entry
