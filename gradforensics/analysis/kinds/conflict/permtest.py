@@ -88,7 +88,7 @@ def permuted_source_grams(K: np.ndarray | Sequence[np.ndarray], A: np.ndarray, Q
     ones = S > 1 and bool(np.all(A.sum(axis=1) == 1.0))
     m = S - 1 if ones else S
     Am = np.ascontiguousarray(A[:, :m])
-    totals = [float(Ku.sum()) for Ku in Ks]                         # 1ᵀ K 1
+    totals = [float(np.sum(Ku)) for Ku in Ks]                       # 1ᵀ K 1
     chunk = max(1, min(int(chunk), CHUNK_BYTES // (8 * n * S)))
     out = np.empty((len(Ks), perms.shape[0], S, S))
     for s in range(0, perms.shape[0], chunk):
