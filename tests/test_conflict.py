@@ -217,13 +217,30 @@ def test_findings_persisted_in_the_store_still_plot(tmp_path) -> None:
     assert [t.get_text() for t in ax.get_xticklabels()] == ["zh", "en", "code"] and len(ax.texts) == 9
 
 
-def test_each_tensor_draws_its_own_reproducible_permutations_its_heads_share_them() -> None:
+def test_each_unit_draws_its_own_reproducible_permutations() -> None:
     a = pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 2), None)
-    b = pt.permutations(40, 50, cu.unit_seed(0, "model.layers.2.q.weight", 2), None)
+    b = pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 3), None)
     assert not np.array_equal(a, b)
-    np.testing.assert_array_equal(a, pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 3), None))
-    np.testing.assert_array_equal(a, pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", None), None))
+    np.testing.assert_array_equal(a, pt.permutations(40, 50, cu.unit_seed(0, "model.layers.1.q.weight", 2), None))
     assert cu.unit_seed(0, "t", None) == (0, 2238339752, 0)          # crc32: the same on every platform
+
+
+def test_streams_tensor_gives_a_tensors_heads_the_tensors_permutations() -> None:
+    whole = cu.unit_seed(0, "model.layers.1.q.weight", None)
+    assert cu.unit_seed(0, "model.layers.1.q.weight", 3, "tensor") == whole
+    assert cu.unit_seed(0, "model.layers.2.q.weight", 3, "tensor") != whole
+    with pytest.raises(ValueError, match="streams"):
+        cu.unit_seed(0, "t", 1, "head")
+
+
+@pytest.mark.parametrize("streams", ["unit", "tensor"])
+def test_compute_with_either_stream_finds_the_planted_heads(streams: str) -> None:
+    """The option through ``compute``: the same planted heads flagged with either stream."""
+    p = P.planted_conflict(seed=4, mode="training")
+    ctx = p.context({"conflict": {"streams": streams}})
+    res = cf.compute(ctx)
+    hot = {(f.tensor, f.head) for f in cf.flags(res, ctx) if f.severity > 0.5}
+    assert hot == PLANTED
 
 
 def _documented_draws(n: int, B: int, seed: tuple[int, ...], block: int | None) -> np.ndarray:

@@ -113,7 +113,7 @@ def test_units_tested_together_match_each_alone_and_the_fixed_test(training: boo
     for u in range(U):
         X = means[src] * (u + 1) / 2 + rng.standard_normal((n, 10))
         grams.append(X @ X.T)
-        seeds.append(cu.unit_seed(0, f"t{u // 2}", u % 2 or None))    # units 0 and 1 (2, 3): a tensor and a head
+        seeds.append(cu.unit_seed(0, f"t{u // 2}", u % 2 or None, "tensor"))   # units 0, 1 (2, 3): a tensor, a head
     together = cu.conflict_units(grams, mix, opts, training, seeds, design)
     fixed = cu.conflict_units(grams, mix, cu.ConflictOptions(hits=None), training, seeds, design)
     stopped = ran = 0

@@ -6,7 +6,7 @@ hundreds to thousands of independent, mostly-BLAS computations.  :func:`map_unit
 runs one analysis's per-unit function over its units on the threads the engine
 grants (:func:`unit_threads`: the pass's ``num_workers``, else the machine's cores),
 results in the units' order: every statistic is the one the serial loop computes
-(each unit's permutations are seeded by its tensor's name).  Outside
+(each unit's permutations are seeded by its own name).  Outside
 :func:`unit_threads` (an analysis called directly, a test), it is the serial loop.
 
 When the pass ran on a ``dask.distributed`` client (``--workers``, ``--scheduler``),

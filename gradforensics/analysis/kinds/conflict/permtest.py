@@ -1,10 +1,11 @@
 """The source-label permutation test of conflict: seeded draws and the permuted source Gram matrices.
 
-:func:`permutations` draws one tensor's ``B`` permutations of its ``n`` records (within
-consecutive blocks in a ``training`` store), seeded by the tensor's name (its heads share them);
+:func:`permutations` draws one unit's ``B`` permutations of its ``n`` records (within
+consecutive blocks in a ``training`` store), seeded by the unit's name (option ``streams``: a tensor's heads may
+share the tensor's);
 :func:`permuted_source_grams` forms ``Q A_πᵀ K A_π Q`` for each of them (checked against a
 brute-force permutation test in ``tests/test_conflict.py``); :class:`PairNulls` draws the
-same permutations a round at a time for the units of one design (once per tensor), the pairs' null inner
+same permutations a round at a time for the units of one design (once per stream), the pairs' null inner
 products that :func:`~gradforensics.analysis.toolkit.stats.sequential_permutation_test` stops.
 """
 
@@ -25,11 +26,11 @@ its chunk of permutations shrinks with many sources (``S = 200``, ``n = 400``: 6
 def permutations(n: int, B: int, seed: int | tuple[int, ...], block: int | None) -> np.ndarray:
     """B×n seeded permutations of ``range(n)``, within consecutive blocks of *block* (None: one block).
 
-    *seed* may be a tuple: conflict seeds each tensor with ``(seed, crc32(tensor), 0)``, and its heads
-    share the tensor's permutations: each unit's Monte-Carlo p-value is valid over its own draws whatever
-    other units drew; the units of a tensor are dependent anyway (they share its records), and the
-    severities combine the tests by Bonferroni, valid under any dependence.  Tensors draw their own
-    permutations, so a Monte-Carlo error does not repeat itself over the whole store; reproducible.
+    *seed* may be a tuple: conflict seeds each tensor and head with ``(seed, crc32(tensor), head + 1)``
+    (0 for the whole tensor; with the option ``streams="tensor"`` 0 for its heads too, which then share
+    the tensor's permutations), so every test draws its own permutations and stays reproducible.  A
+    Monte-Carlo p-value is valid over its own draws whatever other units drew; shared draws make the
+    heads' Monte-Carlo errors dependent (the severities' Bonferroni step holds under any dependence).
     """
     return _draw(_stream(seed, n, block), B, n, block)
 
@@ -122,7 +123,8 @@ def permuted_source_grams(K: np.ndarray | Sequence[np.ndarray], A: np.ndarray, Q
 class PairNulls:
     """The null inner products of the source pairs of units sharing one design, drawn a round at a time.
 
-    Consecutive units with the same seed (a tensor and its heads: :func:`~gradforensics.analysis.kinds.conflict.unit.unit_seed`)
+    Consecutive units with the same seed (a tensor and its heads with ``streams="tensor"``:
+    :func:`~gradforensics.analysis.kinds.conflict.unit.unit_seed`)
     form one *group*: they share one stream of permutations, as :func:`permutations` draws it, so a
     group's ``L`` first draws are the ``L`` first rows of ``permutations(n, B, seed, block)`` however
     the rounds split them, and each round's permutations are gathered once for all its units.  Called as
