@@ -5,7 +5,8 @@ Per unit, on its N x N Gram matrix K (one BLAS thread, CPU seconds of this proce
 * ``gemm``: conflict's permutation products ``K [A_pi1 ... A_pic]`` for B permutations of two pure
   sources (one column a permutation, chunks of 128): ``2 B N^2`` flops, the part of the exact
   permutation test no bookkeeping can remove (a unit in conflict runs all B);
-* ``conflict``: the whole ``conflict_units`` of a tensor's units sharing one stream (``--group``);
+* ``conflict``: the whole ``conflict_units`` of ``--group`` units sharing one stream (``streams="tensor"``;
+  ``--group 1``: each unit its own, the default);
 * ``eig``: oscillation's top eigenpairs of the centred K (``top_components``: ``dsyevr``);
 * ``touch``: one read of K from a memory-mapped file (what each analysis pays to take a spilled unit).
 
@@ -68,7 +69,7 @@ def main() -> None:
 
     opts = cu.ConflictOptions()
     design = cu.source_design(mix, opts, training=True)
-    seeds = [cu.unit_seed(0, "t", h) for h in range(g)]
+    seeds = [cu.unit_seed(0, "t", h, "tensor") for h in range(g)]     # one stream (streams="tensor")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k")
         grams[0].tofile(path)
