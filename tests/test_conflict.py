@@ -225,6 +225,24 @@ def test_each_unit_draws_its_own_reproducible_permutations() -> None:
     assert cu.unit_seed(0, "t", None) == (0, 2238339752, 0)          # crc32: the same on every platform
 
 
+def test_streams_tensor_gives_a_tensors_heads_the_tensors_permutations() -> None:
+    whole = cu.unit_seed(0, "model.layers.1.q.weight", None)
+    assert cu.unit_seed(0, "model.layers.1.q.weight", 3, "tensor") == whole
+    assert cu.unit_seed(0, "model.layers.2.q.weight", 3, "tensor") != whole
+    with pytest.raises(ValueError, match="streams"):
+        cu.unit_seed(0, "t", 1, "head")
+
+
+@pytest.mark.parametrize("streams", ["unit", "tensor"])
+def test_compute_with_either_stream_finds_the_planted_heads(streams: str) -> None:
+    """The option through ``compute``: the same planted heads flagged with either stream."""
+    p = P.planted_conflict(seed=4, mode="training")
+    ctx = p.context({"conflict": {"streams": streams}})
+    res = cf.compute(ctx)
+    hot = {(f.tensor, f.head) for f in cf.flags(res, ctx) if f.severity > 0.5}
+    assert hot == PLANTED
+
+
 def _documented_draws(n: int, B: int, seed: tuple[int, ...], block: int | None) -> np.ndarray:
     """The permutations as the module documents them, straight from NumPy: uniform keys from
     ``default_rng([*seed, n, block or 0])``, the block index added, ``argsort`` row by row."""

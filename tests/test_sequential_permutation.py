@@ -99,8 +99,8 @@ def test_conflict_units_under_the_null_are_valid_and_stop_early() -> None:
 
 @pytest.mark.parametrize("training", [False, True])
 def test_units_tested_together_match_each_alone_and_the_fixed_test(training: bool) -> None:
-    """conflict_units over several units (many sources, rounds cut small) = each unit alone; pairs that ran to
-    B have the fixed 999-draw test's p-value on the same stream, and the null draws are the documented ones."""
+    """conflict_units over several units (many sources, rounds cut small; pairs of units sharing one tensor's
+    stream) = each unit alone; pairs that ran to B have the fixed 999-draw test's p-value on the same stream, and the null draws are the documented ones."""
     rng = np.random.default_rng(4)
     n, S, U = 48, 8, 5
     src = np.arange(n) % S
@@ -113,7 +113,7 @@ def test_units_tested_together_match_each_alone_and_the_fixed_test(training: boo
     for u in range(U):
         X = means[src] * (u + 1) / 2 + rng.standard_normal((n, 10))
         grams.append(X @ X.T)
-        seeds.append(cu.unit_seed(0, f"t{u}", None))
+        seeds.append(cu.unit_seed(0, f"t{u // 2}", u % 2 or None, "tensor"))   # units 0, 1 (2, 3): a tensor, a head
     together = cu.conflict_units(grams, mix, opts, training, seeds, design)
     fixed = cu.conflict_units(grams, mix, cu.ConflictOptions(hits=None), training, seeds, design)
     stopped = ran = 0

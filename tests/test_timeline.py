@@ -25,6 +25,7 @@ from gradforensics.analysis.toolkit.departure import (
     DepartureTest,
     SpikeTest,
     departures,
+    robust_z,
     spikes,
     transform,
 )
@@ -315,3 +316,25 @@ def test_a_timeline_table_from_someone_elses_store_never_makes_an_invalid_flags_
     doc = json.loads(json.dumps(bad.flags_json()))
     flagsjson.validate(doc)
     assert len(doc["timeline"]["spikes"]) + len(doc["timeline"]["departures"]) == 1
+
+
+def test_robust_z_is_the_median_and_mad_of_each_trailing_window() -> None:
+    """robust_z against a per-record NumPy oracle (np.median / MAD of the last `window` finite values before
+    each record), on series with NaN gaps, short histories and ties (even and odd counts)."""
+    rng = np.random.default_rng(2)
+    x = np.round(rng.standard_normal((7, 90)), 1)               # rounded: ties
+    x[rng.random(x.shape) < 0.2] = np.nan
+    x[3, :40] = np.nan
+    window, burn_in, floor = 16, 5, 0.05
+    z, med, scale = robust_z(x, window, burn_in, floor)
+    for i in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            prev = x[i, :t][np.isfinite(x[i, :t])][-window:]
+            if prev.size < burn_in:
+                assert np.isnan(med[i, t]) and np.isnan(z[i, t])
+                continue
+            m = np.median(prev)
+            sd = max(MAD_SCALE * np.median(np.abs(prev - m)), floor)
+            assert med[i, t] == m and scale[i, t] == pytest.approx(sd, rel=1e-12)
+            if np.isfinite(x[i, t]):
+                assert z[i, t] == pytest.approx((x[i, t] - m) / sd, rel=1e-12)

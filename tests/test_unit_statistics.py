@@ -119,6 +119,12 @@ def test_permuted_source_grams_are_the_direct_products(pure: bool) -> None:
         got = pt.permuted_source_grams(X @ X.T, A, Q, perms, chunk=(128, 7)[trial % 2])
         want = np.stack([Q @ A[p].T @ (X @ X.T) @ A[p] @ Q for p in perms])
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+        # units sharing the permutations (a tensor's heads with streams="tensor"): each its own products
+        Y = rng.standard_normal((n, 7))
+        both = pt.permuted_source_grams([X @ X.T, Y @ Y.T], A, Q, perms, chunk=(128, 7)[trial % 2])
+        np.testing.assert_array_equal(both[0], got)
+        want_y = np.stack([Q @ A[p].T @ (Y @ Y.T) @ A[p] @ Q for p in perms])
+        np.testing.assert_allclose(both[1], want_y, rtol=1e-9, atol=1e-9 * np.abs(want_y).max())
 
 
 def test_permutations_are_seeded_and_stay_in_their_blocks() -> None:

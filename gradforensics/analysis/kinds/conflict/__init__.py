@@ -147,7 +147,7 @@ def _conflict_of(slab: list[un.Unit], mix: np.ndarray, opts: ConflictOptions, tr
     """Per unit of *slab*: its pairs' columns (with its energy and rise, scalars, and in a long history each
     pair's stretch), cosine matrix and kept sources
     (module-level: it runs on dask workers too).  The units of one design are tested together
-    (:func:`conflict_units`), each seeded by its name."""
+    (:func:`conflict_units`), each seeded by its name (:func:`unit_seed`; option ``streams``)."""
     out: list[Any] = [None] * len(slab)
     by_design: dict[bytes, list[int]] = {}
     for i, u in enumerate(slab):
@@ -155,7 +155,7 @@ def _conflict_of(slab: list[un.Unit], mix: np.ndarray, opts: ConflictOptions, tr
     for key, members in by_design.items():
         units = [slab[i] for i in members]
         done = conflict_units([u.gram for u in units], mix[units[0].records], opts, training,
-                              [unit_seed(opts.seed, u.tensor, u.head) for u in units], designs[key])
+                              [unit_seed(opts.seed, u.tensor, u.head, opts.streams) for u in units], designs[key])
         for i, u, (cols, cos, idx) in zip(members, units, done, strict=True):
             m = cols["a"].size
             # per-unit values stay scalars here (compute repeats them over the unit's rows, once)
