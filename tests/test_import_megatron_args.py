@@ -9,7 +9,11 @@ Everything is written byte for byte in Megatron-LM's layout, read from NVIDIA/Me
   ``<save>/iter_<N:07d>/mp_rank_<tp:02d>[_<pp:03d>][_<ep:03d>]/model_optim_rng.pt`` (``get_checkpoint_name``)
   and the tracker ``<save>/latest_checkpointed_iteration.txt``; a ``torch_dist`` checkpoint of the older form
   keeps the common dict in ``<save>/iter_<N:07d>/common.pt``
-  (``megatron/core/dist_checkpointing/strategies/common.py`` ``save_common``).  The Namespace holds enums
+  (``megatron/core/dist_checkpointing/strategies/common.py`` ``save_common``), the current form as the
+  ``ShardedObject("common_state", data, global_shape=(1,), global_offset=(0,))`` inside the distributed
+  checkpoint (``serialization.py`` ``save``), stored by ``torch.distributed.checkpoint`` under
+  ``common_state/shard_0_1`` as the bytes of ``torch.save([common dict])`` (``strategies/torch.py``
+  ``_mcore_to_torch_sharded_object``), beside ``metadata.json`` (``save_config``).  The Namespace holds enums
   (``attention_backend``: ``megatron/core/transformer/enums.py`` ``AttnBackend``) and torch dtypes
   (``params_dtype``), stood in for here by an enum of this module and ``torch.bfloat16``;
 * the dumps: ``save_grads`` (see tests/test_import_megatron_layout.py, whose writer is reused);
@@ -29,12 +33,16 @@ from __future__ import annotations
 
 import argparse
 import enum
+import io
 import os
+import pickle
+import warnings
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 import gradforensics as gf  # noqa: E402
 from gradforensics.cli import main  # noqa: E402
@@ -83,9 +91,17 @@ def save_checkpoint(save: Path, it: int, args: argparse.Namespace, fmt: str = "t
             (d / name).mkdir(parents=True)
             torch.save({**sd, "model": {"decoder.final_layernorm.weight": torch.ones(4)}},
                        d / name / "model_optim_rng.pt")
-    else:
+    elif fmt == "torch_dist_common_pt":
         d.mkdir(parents=True)
         torch.save(sd, d / "common.pt")
+    else:               # torch_dist now: the common dict as the ShardedObject "common_state" inside the DCP
+        blob = io.BytesIO()
+        torch.save([sd], blob)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"common_state/shard_0_1": blob, "decoder.final_layernorm.weight": torch.ones(4)},
+                     checkpoint_id=str(d), no_dist=True)
+        (d / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     (save / "latest_checkpointed_iteration.txt").write_text(str(it))
     return d
 
@@ -100,10 +116,13 @@ MOE = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_te
 
 
 # ------------------------------------------------------------------ 1. the run's saved arguments
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+FORMATS = {"torch": "mp_rank_00_000/model_optim_rng.pt", "torch_dist_common_pt": "common.pt", "torch_dist": ".metadata"}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_arguments_are_read_and_nothing_in_them_is_constructed(tmp_path, fmt):
     d = save_checkpoint(tmp_path, 3, megatron_args(**MOE, sequence_parallel=True), fmt)
-    f = d / "common.pt" if fmt == "torch_dist" else d / "mp_rank_00_000" / "model_optim_rng.pt"
+    f = d / FORMATS[fmt]
     a = read_args(f)
     assert (a.tp, a.pp, a.ep, a.etp, a.vp, a.sp, a.num_heads, a.padded_vocab_size) == (2, 1, 2, 1, 1, True, 2, 16)
     ns = read_pickle(f)["args"]
@@ -113,18 +132,24 @@ def test_arguments_are_read_and_nothing_in_them_is_constructed(tmp_path, fmt):
     assert isinstance(dtype, type) and issubclass(dtype, Opaque) and dtype.qualname == "torch.bfloat16"
 
 
-def test_a_hostile_pickle_in_the_arguments_runs_nothing(tmp_path):
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_hostile_pickle_in_the_arguments_runs_nothing(tmp_path, fmt):
     marker = tmp_path / "pwned"
     ref = _dump(tmp_path / "save", tp=2, ep=2, etp=1, experts=4)
-    save_checkpoint(tmp_path / "save", 2, megatron_args(**MOE, evil=Hostile(marker)))
+    d = save_checkpoint(tmp_path / "save", 2, megatron_args(**MOE, evil=Hostile(marker)), fmt)
     store = gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None)
     _equal(store, ref)
     assert not marker.exists()
-    ev = read_pickle(tmp_path / "save/iter_0000002/mp_rank_00_000/model_optim_rng.pt")["args"].evil
-    assert isinstance(ev, Opaque) and ev.qualname == "posix.system" and not marker.exists()
+    ev = read_pickle(d / FORMATS[fmt])["args"].evil
+    assert isinstance(ev, Opaque) and ev.qualname == "posix.system" and ev.args == (f"touch {marker}",)
+    (tmp_path / "dcp").mkdir()                       # the distributed checkpoint's own metadata poisoned
+    (tmp_path / "dcp/.metadata").write_bytes(pickle.dumps(Hostile(marker)))
+    with pytest.raises(CheckpointError) as e:
+        read_args(tmp_path / "dcp/.metadata")
+    assert "not a distributed checkpoint's metadata" in _one_line(e) and not marker.exists()
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_an_moe_dump_is_joined_with_the_runs_own_layout_and_inspect_says_so(tmp_path, fmt):
     ref = _dump(tmp_path / "save", tp=2, ep=2, etp=1, experts=4)
     save_checkpoint(tmp_path / "save", 2, megatron_args(**MOE), fmt)
@@ -132,7 +157,7 @@ def test_an_moe_dump_is_joined_with_the_runs_own_layout_and_inspect_says_so(tmp_
     _equal(store, ref)
     imp = store.meta.extra["import"]
     assert imp["layout"] == "tp=2,pp=1,ep=2,etp=1,vp=1" and imp["layout_from"] == "the run's saved arguments"
-    assert imp["run_args"]["source"].endswith("common.pt" if fmt == "torch_dist" else "model_optim_rng.pt")
+    assert imp["run_args"]["source"].endswith(FORMATS[fmt].split("/")[-1])
     text = "\n".join(summary_lines(summarize(store)))
     assert "megatron layout: tp=2,pp=1,ep=2,etp=1,vp=1 (from the run's saved arguments" in text
 
@@ -171,7 +196,7 @@ def test_other_fields_must_agree_and_have_megatrons_types(tmp_path):
         gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, num_heads=4)
     assert "--num-heads 4 disagrees with the run's saved arguments: num_attention_heads=2" in _one_line(e)
     save_checkpoint(tmp_path / "bad", 2, megatron_args(**{**MOE, "tensor_model_parallel_size": AttnBackend.auto}),
-                    "torch_dist")
+                    "torch_dist_common_pt")
     with pytest.raises(CheckpointError) as e:
         gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None, args_from=tmp_path / "bad")
     assert f"the saved argument tensor_model_parallel_size is {__name__}.AttnBackend" in _one_line(e)
@@ -232,7 +257,7 @@ def _vocab_dump(save: Path) -> dict[int, dict[str, torch.Tensor]]:
 def test_padded_vocabulary_rows_are_dropped_and_recorded(tmp_path):
     ref = _vocab_dump(tmp_path / "save")
     args = megatron_args(tensor_model_parallel_size=2, padded_vocab_size=VPAD, make_vocab_size_divisible_by=4)
-    save_checkpoint(tmp_path / "save", 2, args, "torch_dist")
+    save_checkpoint(tmp_path / "save", 2, args, "torch_dist_common_pt")
     # the arguments alone: the padded size is checked, the true size is not known, nothing dropped
     store = gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None)
     assert store.read("grads/output_layer.weight").shape == (2, VPAD, H)
@@ -257,7 +282,7 @@ def test_a_vocabulary_that_does_not_fit_the_rows_is_refused(tmp_path):
     store = gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None, vocab_size=V)   # no arguments
     assert store.read("grads/output_layer.weight").shape == (2, V, H)
     save_checkpoint(tmp_path / "save", 2, megatron_args(tensor_model_parallel_size=2, padded_vocab_size=24),
-                    "torch_dist")
+                    "torch_dist_common_pt")
     with pytest.raises(ShardMismatchError) as e:
         gf.import_run(tmp_path / "save", tmp_path / "c.zarr", heads=None, vocab_size=V)
     assert f"has {VPAD} vocabulary rows; the run's padded_vocab_size is 24" in _one_line(e)

@@ -9,13 +9,14 @@ commit ``d98e8a64ddf34856e74b24714e3bedb2f5a39553``):
   (``get_checkpoint_name``), the tracker ``<save>/latest_checkpointed_iteration.txt`` names the
   newest iteration (or ``release``);
 * ``megatron/core/dist_checkpointing/strategies/common.py`` ``save_common``: a ``torch_dist``
-  checkpoint of the older form keeps the same dict in ``<save>/iter_<N:07d>/common.pt``.  (The
-  current ``torch_dist`` form stores it as a ``common_state`` object inside the distributed
-  checkpoint's ``.distcp`` files; that form is not read here: pass ``--layout``.)
+  checkpoint of the older form keeps the same dict in ``<save>/iter_<N:07d>/common.pt``; the current
+  form stores it inside the distributed checkpoint (``.metadata`` + ``__*.distcp``) as the
+  ``common_state`` object (:func:`_common_state`).
 
-Both are ``torch.save`` files.  Only their pickle (``<archive>/data.pkl`` of the zip form, or the
+All are ``torch.save`` bytes.  Only their pickle (``<archive>/data.pkl`` of the zip form, or the
 fourth pickle of the old stream form) is read, with a restricted unpickler: ``argparse.Namespace``,
-``collections.OrderedDict`` and a few plain builtins are resolved by name; every other global (an
+``collections.OrderedDict``, a few plain builtins and ``_codecs.encode(str, "latin1")`` (how protocol 2
+pickles ``bytes``) are resolved by name; every other global (an
 enum, a torch dtype, a tensor rebuild function, ``os.system``) becomes an :class:`Opaque` object
 that records its qualified name and the arguments it was pickled with - nothing of it is imported,
 constructed or called, and no tensor storage is read.  What is taken from the arguments is
@@ -33,22 +34,32 @@ import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 from gradforensics.errors import CheckpointError
 
-__all__ = ["ARGS_FILES", "Opaque", "RunArgs", "find_checkpoint", "read_args", "read_run_args"]
+__all__ = ["ARGS_FILES", "COMMON_STATE_KEY", "Opaque", "RunArgs", "find_checkpoint", "read_args", "read_run_args"]
 
 #: the files of a checkpoint iteration directory that hold the arguments (torch_dist, legacy torch)
-ARGS_FILES = ("common.pt", "model_optim_rng.pt")
+ARGS_FILES = ("common.pt", "model_optim_rng.pt", ".metadata")
 #: the largest pickle read from a checkpoint (the pickle of a legacy ``model_optim_rng.pt`` holds the
 #: structure of the whole state dict, not its tensors' bytes)
 MAX_PICKLE_BYTES = 1 << 30
+#: the distributed-checkpoint key of Megatron-LM's common state (arguments, iteration) in a torch_dist checkpoint
+COMMON_STATE_KEY = "common_state/shard_0_1"
 _ITER = re.compile(r"^iter_(\d{7})$")
 _RANK_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?(?:_\d{3})?$")
 #: torch's legacy (non-zip) serialization starts with this magic number
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+def _latin1(text: Any, encoding: Any = None) -> Any:
+    """``_codecs.encode(text, "latin1")``, how pickle protocol 2 writes ``bytes``; any other call stays inert."""
+    if isinstance(text, str) and encoding == "latin1":
+        return text.encode("latin1")
+    return _opaque("_codecs.encode")(text, encoding)
+
+
 _ALLOWED: dict[tuple[str, str], Any] = {
+    ("_codecs", "encode"): _latin1,
     ("argparse", "Namespace"): argparse.Namespace,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "complex"): complex,
@@ -93,27 +104,31 @@ class _Persistent(Opaque):
     qualname = "torch storage (not read)"
 
 
+_MADE: dict[str, type[Opaque]] = {}
+
+
+def _opaque(qual: str) -> type[Opaque]:
+    """The :class:`Opaque` subclass that stands for the global *qual* (made once, holds nothing of it)."""
+    cls = _MADE.get(qual)
+    if cls is None:
+        cls = _MADE[qual] = type("Opaque", (Opaque,), {"qualname": qual})
+    return cls
+
+
 class _Unpickler(pickle.Unpickler):
     """Resolves :data:`_ALLOWED` by name; every other global is an :class:`Opaque` subclass named after it."""
-
-    _made: ClassVar[dict[str, type[Opaque]]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED.get((module, name))
         if found is not None:
             return found
-        qual = f"{module}.{name}"[:200]
-        cls = self._made.get(qual)
-        if cls is None:
-            cls = type("Opaque", (Opaque,), {"qualname": qual, "__slots__": ()})
-            self._made[qual] = cls
-        return cls
+        return _opaque(f"{module}.{name}"[:200])
 
     def persistent_load(self, pid: Any) -> Any:
         return _Persistent(pid)
 
 
-def _unpickle(raw: bytes, path: Path) -> Any:
+def _unpickle(raw: bytes, path: Path | str) -> Any:
     try:
         up = _Unpickler(io.BytesIO(raw))
         obj = up.load()
@@ -127,28 +142,86 @@ def _unpickle(raw: bytes, path: Path) -> Any:
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}).") from exc
 
 
-def read_pickle(path: Path) -> Any:
-    """The object a ``torch.save`` file pickles, read with the restricted unpickler (no tensor data read)."""
-    from gradforensics.replay.untrusted import check_regular, open_regular
-
-    size = check_regular(path)
-    with open_regular(path) as fh:
-        if zipfile.is_zipfile(fh):
-            fh.seek(0)
-            with zipfile.ZipFile(fh) as zf:
-                pkls = [i for i in zf.infolist() if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
-                if len(pkls) != 1:
-                    raise CheckpointError(f"{path}: a zip without one <archive>/data.pkl; not a torch.save file.")
-                if pkls[0].file_size > MAX_PICKLE_BYTES:
-                    raise CheckpointError(f"{path}: its pickle is {pkls[0].file_size} bytes, above the "
-                                          f"{MAX_PICKLE_BYTES}-byte cap for a checkpoint's pickle.")
-                raw = zf.read(pkls[0])
-        else:
+def _torch_saved(fh: IO[bytes], size: int, path: Path | str) -> Any:
+    """The object of a ``torch.save`` stream *fh*: its zip's ``data.pkl`` or the old stream form, unpickled inertly."""
+    try:
+        is_zip = zipfile.is_zipfile(fh)
+        fh.seek(0)
+        if not is_zip:
             if size > MAX_PICKLE_BYTES:
                 raise CheckpointError(f"{path}: {size} bytes, above the {MAX_PICKLE_BYTES}-byte cap for a pickle.")
-            fh.seek(0)
-            raw = fh.read()
+            return _unpickle(fh.read(), path)
+        with zipfile.ZipFile(fh) as zf:
+            pkls = [i for i in zf.infolist() if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+            if len(pkls) != 1:
+                raise CheckpointError(f"{path}: a zip without one <archive>/data.pkl; not a torch.save file.")
+            if pkls[0].file_size > MAX_PICKLE_BYTES:
+                raise CheckpointError(f"{path}: its pickle is {pkls[0].file_size} bytes, above the "
+                                      f"{MAX_PICKLE_BYTES}-byte cap for a checkpoint's pickle.")
+            raw = zf.read(pkls[0])
+    except (OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise CheckpointError(f"{path}: not a readable torch.save file ({type(exc).__name__}).") from exc
     return _unpickle(raw, path)
+
+
+def read_pickle(path: Path) -> Any:
+    """The object a ``torch.save`` file pickles, read with the restricted unpickler (no tensor data read).
+
+    *path* may be a distributed checkpoint's ``.metadata``: then the object is its ``common_state``
+    (:func:`_common_state`).
+    """
+    from gradforensics.replay.untrusted import check_regular, open_regular
+
+    if path.name == ".metadata":
+        return _common_state(path)
+    size = check_regular(path)
+    with open_regular(path) as fh:
+        return _torch_saved(fh, size, path)
+
+
+def _common_state(meta: Path) -> Any:
+    """The ``common_state`` object of a current-form ``torch_dist`` checkpoint (a DCP directory).
+
+    Megatron-LM saves the common dict as ``ShardedObject("common_state", ..., global_shape=(1,),
+    global_offset=(0,))`` (``megatron/core/dist_checkpointing/serialization.py``), which the distributed
+    checkpoint stores under ``common_state/shard_0_1`` as the bytes of ``torch.save([common dict])``
+    (``strategies/torch.py`` ``_mcore_to_torch_sharded_object``).  ``.metadata`` is unpickled with the same
+    inert unpickler: its index entries are read by their field names, the byte range checked against the file.
+    """
+    from gradforensics.replay.untrusted import check_regular, open_regular
+
+    if check_regular(meta) > MAX_PICKLE_BYTES:
+        raise CheckpointError(f"{meta}: above the {MAX_PICKLE_BYTES}-byte cap for a pickle.")
+    with open_regular(meta) as fh:
+        md = _unpickle(fh.read(), meta)
+    state = md.state if isinstance(md, Opaque) else None
+    state = state[1] if isinstance(state, tuple) and len(state) == 2 else state    # (dict state, slot state)
+    storage = state.get("storage_data") if isinstance(state, dict) else None
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{meta}: not a distributed checkpoint's metadata (no storage_data).")
+    for key, info in storage.items():
+        k, i = getattr(key, "state", None), getattr(info, "state", None)
+        if isinstance(k, dict) and k.get("fqn") == COMMON_STATE_KEY and isinstance(i, dict):
+            rel, off, n = i.get("relative_path"), i.get("offset"), i.get("length")
+            if not (isinstance(rel, str) and "/" not in rel and rel not in ("", ".", "..") and isinstance(off, int)
+                    and isinstance(n, int) and off >= 0 and 0 < n <= MAX_PICKLE_BYTES):
+                raise CheckpointError(f"{meta}: {COMMON_STATE_KEY} is stored at ({rel!r}, {off!r}, {n!r}): not a "
+                                      "file of this directory with a byte range.")
+            file = meta.parent / rel
+            if off + n > check_regular(file):
+                raise CheckpointError(f"{file}: {COMMON_STATE_KEY} is said to lie at bytes {off}..{off + n}, past "
+                                      "the end of the file.")
+            with open_regular(file) as fh:
+                fh.seek(off)
+                blob = fh.read(n)
+            where = f"{file} ({COMMON_STATE_KEY})"
+            obj = _torch_saved(io.BytesIO(blob), n, where)
+            inner = obj.state if isinstance(obj, Opaque) and obj.qualname == "_io.BytesIO" else None
+            if isinstance(inner, tuple) and inner and isinstance(inner[0], bytes):    # the BytesIO pickled itself
+                obj = _torch_saved(io.BytesIO(inner[0]), len(inner[0]), where)
+            return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj      # [common dict], as saved
+    raise CheckpointError(f"{meta}: no {COMMON_STATE_KEY} entry (Megatron-LM's saved arguments) in this "
+                          "distributed checkpoint.")
 
 
 @dataclass(frozen=True)
@@ -189,8 +262,6 @@ def _field(ns: argparse.Namespace, name: str, path: Path, *, default: Any = None
 def read_args(path: Path) -> RunArgs:
     """The :class:`RunArgs` of one ``common.pt`` / ``model_optim_rng.pt`` file."""
     obj = read_pickle(path)
-    if isinstance(obj, list) and len(obj) == 1:       # the common state as the distributed checkpoint nests it
-        obj = obj[0]
     ns = obj.get("args") if isinstance(obj, dict) else None
     if not isinstance(ns, argparse.Namespace):
         found = type(ns).__name__ if not isinstance(ns, Opaque) else ns.qualname
@@ -219,7 +290,7 @@ def _args_file(d: Path) -> Path | None:
     for sub in sorted(p for p in d.iterdir() if p.is_dir() and _RANK_DIR.match(p.name)):
         if (sub / "model_optim_rng.pt").is_file():
             return sub / "model_optim_rng.pt"
-    return None
+    return d / ".metadata" if (d / ".metadata").is_file() else None
 
 
 def find_checkpoint(save: Path) -> Path | None:
@@ -231,7 +302,7 @@ def find_checkpoint(save: Path) -> Path | None:
         return save
     if not save.is_dir():
         return None
-    if _ITER.match(save.name) or save.name == "release":
+    if _ITER.match(save.name) or save.name == "release" or (save / ".metadata").is_file():
         return _args_file(save)
     tracker = save / "latest_checkpointed_iteration.txt"
     if tracker.is_file() and tracker.stat().st_size < 64:
@@ -252,9 +323,9 @@ def read_run_args(save: Path, args_from: Path | None) -> tuple[RunArgs | None, s
         f = find_checkpoint(args_from)
         if f is None:
             raise CheckpointError(f"--args-from {args_from}: no Megatron-LM checkpoint arguments there (looked for "
-                                  "iter_*/common.pt and iter_*/mp_rank_*/model_optim_rng.pt).")
+                                  "iter_*/common.pt, iter_*/mp_rank_*/model_optim_rng.pt and iter_*/.metadata).")
         return read_args(f), str(f)
     f = find_checkpoint(save)
     if f is None:
-        return None, f"{save}/iter_*/{{common.pt,mp_rank_*/model_optim_rng.pt}}"
+        return None, f"{save}/iter_*/{{common.pt,mp_rank_*/model_optim_rng.pt,.metadata}}"
     return read_args(f), str(f)
