@@ -170,6 +170,14 @@ def test_args_from_a_checkpoint_elsewhere(tmp_path):
     with pytest.raises(CheckpointError) as e:
         gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None, args_from=tmp_path / "nothing")
     assert "--args-from" in _one_line(e)
+    save_checkpoint(tmp_path / "save", 9, megatron_args(**{**MOE, "tensor_model_parallel_size": 4}), "torch_dist")
+    with pytest.raises(SpecError, match=r"--layout tp=2 disagrees .* tensor_model_parallel_size=4"):  # another run's
+        gf.import_run(tmp_path / "save", tmp_path / "c.zarr", heads=None, layout="tp=2,ep=2,etp=1")
+    with pytest.raises(ImportSourceError) as e:                              # not looked for: no layout
+        gf.import_run(tmp_path / "save", tmp_path / "d.zarr", heads=None, args_from="none")
+    assert "give --layout tp=,ep=,etp= or --args-from CHECKPOINT" in _one_line(e)
+    _equal(gf.import_run(tmp_path / "save", tmp_path / "e.zarr", heads=None, args_from="none",
+                         layout="tp=2,ep=2,etp=1"), ref)
 
 
 @pytest.mark.parametrize(("layout", "says"), [

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "run's saved arguments is found")
     m.add_argument("--args-from", metavar="PATH",
                    help="a checkpoint holding the run's saved arguments (--save dir, iter_* dir, common.pt or "
-                        "model_optim_rng.pt; default: a checkpoint beside the dumps): layout, heads, vocabulary")
+                        "model_optim_rng.pt; default: a checkpoint beside the dumps; none: do not look): layout, heads, "
+                        "vocabulary")
     m.add_argument("--vocab-size", type=int, metavar="V",
                    help="the true vocabulary size: the padded rows of word_embeddings / output_layer are dropped")
     m.add_argument("--gated-mlp", action="store_true", help="linear_fc1 is a gated pair (SwiGLU): each rank holds "

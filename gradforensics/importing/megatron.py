@@ -356,7 +356,7 @@ def _complete(d: Path, found: list[Shard], width: int) -> list[Shard]:
                     raise MissingShardError(f"{d}: {_file_name(t, p, e, width, pps, eps)} is missing (the others "
                                             f"make a grid of TP {tps} x PP {pps} x EP {eps}); every rank's file is "
                                             "needed to join the shards (an expert tensor-parallel size below TP "
-                                            "writes fewer: give --layout tp=,ep=,etp=).")
+                                            "writes fewer: give --layout tp=,ep=,etp= or --args-from CHECKPOINT).")
     return sorted(found, key=lambda s: (s.pp, s.ep, s.tp))
 
 

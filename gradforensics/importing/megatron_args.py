@@ -290,7 +290,9 @@ def _args_file(d: Path) -> Path | None:
     for sub in sorted(p for p in d.iterdir() if p.is_dir() and _RANK_DIR.match(p.name)):
         if (sub / "model_optim_rng.pt").is_file():
             return sub / "model_optim_rng.pt"
-    return d / ".metadata" if (d / ".metadata").is_file() else None
+    if (d / ".metadata").is_file() and (d / "metadata.json").is_file():     # torch_dist (check_is_distributed_checkpoint)
+        return d / ".metadata"
+    return None
 
 
 def find_checkpoint(save: Path) -> Path | None:
@@ -302,7 +304,7 @@ def find_checkpoint(save: Path) -> Path | None:
         return save
     if not save.is_dir():
         return None
-    if _ITER.match(save.name) or save.name == "release" or (save / ".metadata").is_file():
+    if _ITER.match(save.name) or save.name == "release" or (save / "metadata.json").is_file():
         return _args_file(save)
     tracker = save / "latest_checkpointed_iteration.txt"
     if tracker.is_file() and tracker.stat().st_size < 64:
@@ -317,8 +319,11 @@ def find_checkpoint(save: Path) -> Path | None:
 def read_run_args(save: Path, args_from: Path | None) -> tuple[RunArgs | None, str]:
     """The run's arguments (from *args_from*, else a checkpoint in *save*) and where they were looked for.
 
-    *args_from* that holds none is refused in one line; *save* without a checkpoint gives ``None``.
+    *args_from* that holds none is refused in one line; *save* without a checkpoint gives ``None``, and so
+    does ``args_from="none"`` (no search: for a checkpoint beside the dumps that is not this run's).
     """
+    if args_from is not None and str(args_from) == "none":
+        return None, "not read (--args-from none)"
     if args_from is not None:
         f = find_checkpoint(args_from)
         if f is None:
