@@ -302,8 +302,12 @@ QKV, PROJ, NORM = ("decoder.layers.0.self_attention.linear_qkv", "decoder.layers
                    "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight")
 
 
-def _sp_dump(save: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """TP 2 with SP: wgrads (the layer norm's grad all-reduced, the same on both ranks) and dgrads."""
+def _sp_dump(save: Path, *, sp: bool = True, reduced: bool = True) -> dict[int, dict[str, torch.Tensor]]:
+    """TP 2 with SP: wgrads (the layer norm's grad all-reduced, the same on both ranks) and dgrads.
+
+    ``sp=False``: a run without SP (a column-parallel input and a row-parallel output whole on every rank);
+    ``reduced=False``: the layer norm's per-rank partial sums, as they are before ``finalize_model_grads``.
+    """
     ref = {}
     for it in (1, 2):
         g = torch.Generator().manual_seed(it)
@@ -312,14 +316,18 @@ def _sp_dump(save: Path) -> dict[int, dict[str, torch.Tensor]]:
                 f"{QKV}/input0": torch.randn(S, B, H, generator=g), f"{QKV}/output0": torch.randn(S, B, 3 * H, generator=g),
                 f"{PROJ}/input0": torch.randn(S, B, H, generator=g), f"{PROJ}/output0": torch.randn(S, B, H, generator=g)}
         ref[it] = full
-        axis = {NORM: None, f"{QKV}.weight": 0, f"{PROJ}.weight": 1, f"{QKV}/input0": 0, f"{QKV}/output0": -1,
-                f"{PROJ}/input0": -1, f"{PROJ}/output0": 0}
+        seq = 0 if sp else None
+        axis = {NORM: None, f"{QKV}.weight": 0, f"{PROJ}.weight": 1, f"{QKV}/input0": seq, f"{QKV}/output0": -1,
+                f"{PROJ}/input0": -1, f"{PROJ}/output0": seq}
+        partial = [full[NORM] * 0.25, full[NORM] * 0.75]
         for kind in ("wgrads", "dgrads"):
             d = save / kind / f"iter_{it:07d}"
             d.mkdir(parents=True)
             for t in range(2):
                 sd = {n: (x.clone() if axis[n] is None else x.chunk(2, axis[n])[t].clone())
                       for n, x in full.items() if ("/" in n) == (kind == "dgrads")}
+                if kind == "wgrads" and not reduced:
+                    sd[NORM] = partial[t].clone()
                 torch.save({"model_chunk0": sd}, d / f"mp_rank_{t:02d}.pth")
     return ref
 
@@ -331,6 +339,23 @@ def test_sequence_parallel_wgrads_import_as_without_it(tmp_path):
         for i, it in enumerate((1, 2)):
             assert torch.equal(torch.from_numpy(store.read(f"grads/{n}")[i]), ref[it][n]), n
     assert store.meta.extra["import"]["layout"] == "tp=2,pp=1,ep=1,etp=2,vp=1,sp=1"
+
+
+def test_sequence_parallel_layer_norm_partial_sums_are_refused_naming_the_tensor(tmp_path):
+    """What a dump taken before Megatron-LM's all-reduce would hold: each rank's partial sum."""
+    _sp_dump(tmp_path / "save", reduced=False)
+    with pytest.raises(ShardMismatchError) as e:
+        gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, tensors=["*"], layout="tp=2,sp=1")
+    assert f"{NORM} differs between tensor-parallel ranks 0 and 1" in _one_line(e)
+
+
+def test_sp_given_for_a_run_without_it_is_refused(tmp_path):
+    _sp_dump(tmp_path / "save", sp=False)
+    with pytest.raises(ShardMismatchError) as e:
+        gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, kind="dgrads", layout="tp=2,sp=1")
+    assert "sequence-parallel layout says split along axis 0" in _one_line(e)
+    assert "a run without sequence parallelism?" in _one_line(e)
+    gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None, kind="dgrads", layout="tp=2")
 
 
 def test_sequence_parallel_dgrads_are_joined_along_the_sequence_or_refused_in_one_line(tmp_path):

@@ -526,11 +526,18 @@ def layout_axis(name: str, spec: MegatronSpec) -> int | None:
     for glob, axis in spec.tp_splits.items():
         if fnmatch.fnmatchcase(name, glob):
             return axis
-    if spec.kind == "dgrads" and spec.layout is not None and spec.layout.sp and (m := _DGRAD.match(name)):
-        leaf, side = m.groups()             # sequence parallel: the sequence-sharded side of the linear layer
-        if (leaf in COLUMN_PARALLEL and side == "input") or (leaf in ROW_PARALLEL and side == "output"):
-            return 0
+    if _sp_split(name, spec):
+        return 0
     return partition_axis(name)
+
+
+def _sp_split(name: str, spec: MegatronSpec) -> bool:
+    """Whether *name* is a dgrad split along the sequence by sequence parallelism (a column-parallel layer's input,
+    a row-parallel layer's output: ``[s/tp, b, h]``)."""
+    if spec.kind != "dgrads" or spec.layout is None or not spec.layout.sp or (m := _DGRAD.match(name)) is None:
+        return False
+    leaf, side = m.groups()
+    return (leaf in COLUMN_PARALLEL and side == "input") or (leaf in ROW_PARALLEL and side == "output")
 
 
 def _join(name: str, ranks: Mapping[int, tuple[torch.Tensor, Shard]], tps: int, spec: MegatronSpec,
@@ -570,10 +577,13 @@ def _join(name: str, ranks: Mapping[int, tuple[torch.Tensor, Shard]], tps: int, 
                 f"split axis) or '{_glob_of(name)}=none'.")
         return first
     if all(_bit_equal(p, first) for p in parts[1:]) and bool(torch.any(first != 0)):
+        sp = _sp_split(name, spec)
+        says, why = (("sequence-parallel layout", "a run without sequence parallelism?") if sp else
+                     ("name", "an expert tensor-parallel size below the tensor-parallel size?"))
         raise ShardMismatchError(
-            f"{where}: {name} holds the same values on all {tps} tensor-parallel ranks although its name says split "
-            f"along axis {axis}: it is replicated there (an expert tensor-parallel size below the tensor-parallel "
-            f"size?). Give its layout: --tp-split '{_glob_of(name)}=none'.")
+            f"{where}: {name} holds the same values on all {tps} tensor-parallel ranks although its {says} says "
+            f"split along axis {axis}: it is replicated there ({why}). Give its layout: --tp-split "
+            f"'{_glob_of(name)}=none'.")
     if spec.gated_mlp and ".linear_fc1." in name and axis == 0:
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
