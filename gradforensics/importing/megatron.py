@@ -28,9 +28,14 @@ Merging a saved iteration into the unsharded model (:func:`merge`):
   ``save_grads`` says so) and one copy per tensor-parallel shard is kept; local experts
   (``experts.local_experts.<j>``, grouped ``experts.linear_fc1.weight<j>``) are renumbered
   globally, ``ep_rank * n_local + j``.
-* **the layout** (:class:`Layout`, ``--layout``): the files present are checked against the ones its
-  ranks write; with an expert tensor-parallel size below TP the files are a diagonal of the TP x EP
-  grid and experts are joined over their ETP shards (:meth:`Layout.writers`); above TP is refused.
+* **the layout** (:class:`Layout`, ``--layout``, or the run's saved arguments: :func:`resolve`,
+  :mod:`.megatron_args`): the files present are checked against the ones its ranks write; with an expert
+  tensor-parallel size below TP the files are a diagonal of the TP x EP grid and experts are joined over
+  their ETP shards (:meth:`Layout.writers`); above TP is refused.  Without a layout, a dump holding
+  experts is refused: its ETP cannot be read from the files.
+* **sequence parallelism** (``sp``): ``dgrads`` of a column-parallel input and a row-parallel output
+  are joined along the sequence axis; ``wgrads`` join as without it.
+* **the padded vocabulary** (:func:`trim_vocab`): rows past the true vocabulary size are dropped.
 * **fused QKV** (``linear_qkv``): its rows are ``[group][q heads of the group | k | v][d]``
   (``get_query_key_value_tensors``); with ``num_heads`` (and ``num_query_groups``) they are
   reordered to ``[q heads][k groups][v groups]`` and split into ``H + 2G`` heads (``q0..``,
@@ -60,8 +65,8 @@ if TYPE_CHECKING:
     from gradforensics.runlog import RunLog
 
 __all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "Layout", "MegatronSpec", "Shard", "import_megatron",
-           "iterations", "layout_axis", "load_shard", "merge", "parse_layout", "partition_axis", "qkv_heads", "shards",
-           "store_name"]
+           "iterations", "layout_axis", "load_shard", "merge", "parse_layout", "partition_axis", "qkv_heads", "resolve",
+           "save_dir", "shards", "store_name", "trim_vocab"]
 
 
 KINDS = ("wgrads", "dgrads", "params")
