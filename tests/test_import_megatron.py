@@ -146,7 +146,8 @@ def test_joined_gradients_equal_the_unsharded_ones(tmp_path, case):
     lay = LAYOUTS[case]
     ref = {it: reference(lay, it) for it in (10, 20)}
     save = write_dump(tmp_path / "save", lay, ref)
-    store = gf.import_run(save, tmp_path / "imp.zarr", gated_mlp=lay.gated, heads=None)      # format detected
+    layout = f"tp={lay.tp},pp={lay.pp},ep={lay.ep},vp={lay.vp}" if lay.experts else None     # experts need it
+    store = gf.import_run(save, tmp_path / "imp.zarr", gated_mlp=lay.gated, heads=None, layout=layout)
     assert store.batches()["step"].tolist() == [10, 20]
     want = {n for n, t in ref[10].items() if t.ndim == 2}
     assert set(store.grads) == want

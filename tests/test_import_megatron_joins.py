@@ -5,7 +5,8 @@ Rank files are written in ``save_grads``' layout (``<save>/wgrads/iter_<7 digits
 ``tests/test_import_megatron.py``).  Cases the name rules cannot know: an MLA ``linear_q_proj`` split along
 axis 0 (Megatron-LM's ``MLASelfAttention`` builds it as a column-parallel linear), a layer norm the ranks did
 not synchronise, expert weights replicated across tensor-parallel ranks (expert TP size 1 under TP 2), and one
-name on two pipeline stages.  The truth is the unsharded tensor built here.
+name on two pipeline stages.  Dumps with experts are imported with ``--layout`` (without a layout they are refused:
+tests/test_import_megatron_args.py).  The truth is the unsharded tensor built here.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def _tp2(save, *, qproj_split=True, norm_synced=True, expert_replicated=False) -
 def test_a_tensor_split_under_an_unknown_name_is_refused_then_joined_with_its_layout(tmp_path):
     truths = _tp2(tmp_path / "save")
     with pytest.raises(ShardMismatchError) as e:
-        gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None)
+        gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, layout="tp=2")
     msg = str(e.value)
     assert QPROJ in msg and "ranks 0 and 1" in msg and "--tp-split 'decoder.layers.*.self_attention" in msg
     assert "\n" not in msg
-    store = gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None,
+    store = gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None, layout="tp=2",
                           tp_splits={"*.linear_q_proj.weight": 0})
     got = store.read(f"grads/{QPROJ}")
     for i, it in enumerate((1, 2)):
@@ -72,7 +73,7 @@ def test_a_tensor_split_under_an_unknown_name_is_refused_then_joined_with_its_la
 def test_replicated_tensors_must_be_the_same_bits_on_every_rank(tmp_path):
     _tp2(tmp_path / "save", norm_synced=False)
     with pytest.raises(ShardMismatchError, match="layer_norm_weight differs between tensor-parallel ranks 0 and 1"):
-        gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, tensors=["*"],
+        gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, tensors=["*"], layout="tp=2",
                       tp_splits={"*.linear_q_proj.weight": 0})
 
 
@@ -80,9 +81,9 @@ def test_experts_replicated_across_tp_ranks_are_refused_not_doubled(tmp_path):
     """Expert TP 1 under TP 2: each rank holds the whole expert; joining by name would double its rows."""
     truths = _tp2(tmp_path / "save", expert_replicated=True)
     with pytest.raises(ShardMismatchError, match="same values on all 2 tensor-parallel ranks"):
-        gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None,
+        gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, layout="tp=2",
                       tp_splits={"*.linear_q_proj.weight": 0})
-    store = gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None,
+    store = gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None, layout="tp=2",
                           tp_splits={"*.linear_q_proj.weight": 0, "*.experts.*": None})
     got = store.read(f"grads/{EXPERT}")
     assert got.shape == (2, 4, 6)

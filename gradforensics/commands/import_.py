@@ -48,9 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tp-split", nargs="+", metavar="GLOB=AXIS", default=[],
                    help="tensor-parallel layout of tensors the name rules do not know: GLOB=AXIS (split along AXIS) "
                         "or GLOB=none (replicated); every join is checked against the ranks' values")
-    m.add_argument("--layout", metavar="tp=,pp=,ep=,etp=,vp=",
-                   help="the run's parallel sizes (etp defaults to tp, the rest to 1); the files present are checked "
-                        "against it; needed when the expert tensor-parallel size is below TP")
+    m.add_argument("--layout", metavar="tp=,pp=,ep=,etp=,vp=,sp=",
+                   help="the run's parallel sizes (etp defaults to tp, the rest to 1; sp=1: sequence parallel); the "
+                        "files present are checked against it; needed for experts when no checkpoint with the "
+                        "run's saved arguments is found")
+    m.add_argument("--args-from", metavar="PATH",
+                   help="a checkpoint holding the run's saved arguments (--save dir, iter_* dir, common.pt or "
+                        "model_optim_rng.pt; default: a checkpoint beside the dumps; none: do not look): layout, heads, "
+                        "vocabulary")
+    m.add_argument("--vocab-size", type=int, metavar="V",
+                   help="the true vocabulary size: the padded rows of word_embeddings / output_layer are dropped")
     m.add_argument("--gated-mlp", action="store_true", help="linear_fc1 is a gated pair (SwiGLU): each rank holds "
                                                             "its part of both halves")
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
@@ -95,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                            num_query_groups=args.num_query_groups, gated_mlp=args.gated_mlp,
                            overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force,
                            logs=args.logs, tp_splits=parse_tp_splits(args.tp_split),
-                           layout=args.layout)
+                           layout=args.layout, args_from=args.args_from, vocab_size=args.vocab_size)
     except HeadSplitError as exc:         # the fix in the command's words (--heads), not Python's
         raise SpecError(exc.cli) from None
     print(f"{args.out}: {store.n_records} records, {len(store.grads)} tensors, {store.meta.n_weights} weight "

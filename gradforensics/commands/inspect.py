@@ -17,7 +17,7 @@ from gradforensics._text import terminal
 if TYPE_CHECKING:
     from gradforensics.store.reader import Store
 
-__all__ = ["add_arguments", "run", "summarize", "summary_lines"]
+__all__ = ["add_arguments", "megatron_lines", "run", "summarize", "summary_lines"]
 
 
 
@@ -58,7 +58,29 @@ def summarize(store: Store) -> dict:
         "curvature_rows": store.arrays["curvature/eigenvalues"].shape[0] if store.has("curvature/eigenvalues") else 0,
         "optim_tensors": store.arrays["optim/summary"].shape[0] if store.has("optim/summary") else 0,
         "run_logs": _run_logs(store.meta.extra.get("import")),
+        "megatron": _megatron(store.meta.extra.get("import")),
     }
+
+
+def _megatron(imported: object) -> dict | None:
+    """What a Megatron-LM import used: the layout and where it came from, the run's arguments, the vocabulary."""
+    if not isinstance(imported, dict) or imported.get("format") != "megatron":
+        return None
+    return {k: imported.get(k) for k in ("layout", "layout_from", "run_args", "vocab")}
+
+
+def megatron_lines(m: dict) -> list[str]:
+    """The ``megatron`` lines of :func:`summary_lines`."""
+    args = m.get("run_args")
+    where = args.get("source") if isinstance(args, dict) else args
+    out = [f"megatron layout: {m.get('layout')} (from {m.get('layout_from') or 'the file names'}); "
+           f"the run's saved arguments: {where or '-'}"]
+    v = m.get("vocab")
+    if isinstance(v, dict):
+        out.append(f"  vocabulary: {v.get('size')} tokens, {v.get('rows_dropped')} padded rows dropped "
+                   f"(padded to {v.get('padded')}; size from {v.get('from')})" if v.get("size") is not None else
+                   f"  vocabulary: padded to {v.get('padded')} rows, kept (true size {v.get('from')})")
+    return out
 
 
 def _run_logs(imported: object) -> dict | None:
@@ -121,6 +143,8 @@ def summary_lines(s: dict) -> list[str]:
             ratio = "-" if e["compression_ratio"] is None else f"{e['compression_ratio']:.2f}x"
             out.append(f"  {terminal(name):<{width}}  {tuple(e['shape'])} {e['dtype']}{heads}{extra}  "
                        f"{fmt_bytes(e['bytes_on_disk'])} on disk for {fmt_bytes(e['bytes_of_data'])}, {ratio}")
+    if s.get("megatron"):
+        out += megatron_lines(s["megatron"])
     if s.get("run_logs"):
         out += run_log_lines(s["run_logs"])
     if s["activations"]:

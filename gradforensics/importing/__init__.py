@@ -53,7 +53,8 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
                gated_mlp: bool = False, overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
                quiet: bool = True, force: bool = False, logs: str | os.PathLike[str] | None = None,
                tp_splits: Mapping[str, int | None] | None = None,
-               layout: str | Mapping[str, int] | None = None) -> Store:
+               layout: str | Mapping[str, int] | None = None, args_from: str | os.PathLike[str] | None = None,
+               vocab_size: int | None = None) -> Store:
     """Import a training run's history from *source* into a new store at *out*.
 
     Parameters
@@ -86,7 +87,17 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
     layout
         Megatron: the run's parallel sizes, ``"tp=2,pp=2,ep=2,etp=1,vp=1"`` or a mapping (``etp``
         defaults to ``tp``, the others to 1).  The files present are checked against it; it is
-        needed for an expert tensor-parallel size below TP.  Default: the grid of the file names.
+        needed for an expert tensor-parallel size below TP.  Default: the run's saved arguments when a
+        checkpoint is found (see *args_from*), else the grid of the file names (refused when the dump holds
+        experts: their layout cannot be read from the files).  ``sp=1``: sequence parallelism.
+    args_from
+        Megatron: a checkpoint holding the run's saved arguments (a ``--save`` directory, an ``iter_*``
+        directory, a ``common.pt`` or ``model_optim_rng.pt``); default: a checkpoint beside the dumps.
+        The layout, heads, query groups, SwiGLU and vocabulary are taken from it; what *layout* and the
+        other parameters also say must agree.
+    vocab_size
+        Megatron: the true vocabulary size; the padded rows of ``word_embeddings`` / ``output_layer``
+        are dropped (default: the run's saved ``vocab_size`` when it has one).
     overwrite, storage_options
         As for :class:`gradforensics.Recorder`.
     quiet, force
@@ -132,6 +143,7 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
         from gradforensics.importing.megatron import MegatronSpec, import_megatron, parse_layout
 
         spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp,
-                            tp_splits=dict(tp_splits or {}), layout=parse_layout(layout))
+                            tp_splits=dict(tp_splits or {}), layout=parse_layout(layout), vocab_size=vocab_size,
+                            args_from=None if args_from is None else str(args_from))
         import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     return open_store(out, storage_options=storage_options)

@@ -28,9 +28,14 @@ Merging a saved iteration into the unsharded model (:func:`merge`):
   ``save_grads`` says so) and one copy per tensor-parallel shard is kept; local experts
   (``experts.local_experts.<j>``, grouped ``experts.linear_fc1.weight<j>``) are renumbered
   globally, ``ep_rank * n_local + j``.
-* **the layout** (:class:`Layout`, ``--layout``): the files present are checked against the ones its
-  ranks write; with an expert tensor-parallel size below TP the files are a diagonal of the TP x EP
-  grid and experts are joined over their ETP shards (:meth:`Layout.writers`); above TP is refused.
+* **the layout** (:class:`Layout`, ``--layout``, or the run's saved arguments: :func:`resolve`,
+  :mod:`.megatron_args`): the files present are checked against the ones its ranks write; with an expert
+  tensor-parallel size below TP the files are a diagonal of the TP x EP grid and experts are joined over
+  their ETP shards (:meth:`Layout.writers`); above TP is refused.  Without a layout, a dump holding
+  experts is refused: its ETP cannot be read from the files.
+* **sequence parallelism** (``sp``): ``dgrads`` of a column-parallel input and a row-parallel output
+  are joined along the sequence axis; ``wgrads`` join as without it.
+* **the padded vocabulary** (:func:`trim_vocab`): rows past the true vocabulary size are dropped.
 * **fused QKV** (``linear_qkv``): its rows are ``[group][q heads of the group | k | v][d]``
   (``get_query_key_value_tensors``); with ``num_heads`` (and ``num_query_groups``) they are
   reordered to ``[q heads][k groups][v groups]`` and split into ``H + 2G`` heads (``q0..``,
@@ -39,6 +44,7 @@ Merging a saved iteration into the unsharded model (:func:`merge`):
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from collections import defaultdict
@@ -48,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError, ImportSourceError, MissingShardError, ShardMismatchError, SpecError
+from gradforensics.importing.megatron_args import RunArgs, read_run_args
 from gradforensics.importing.records import ImportWriter
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.names import check_name
@@ -58,8 +65,8 @@ if TYPE_CHECKING:
     from gradforensics.runlog import RunLog
 
 __all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "Layout", "MegatronSpec", "Shard", "import_megatron",
-           "iterations", "layout_axis", "load_shard", "merge", "parse_layout", "partition_axis", "qkv_heads", "shards",
-           "store_name"]
+           "iterations", "layout_axis", "load_shard", "merge", "parse_layout", "partition_axis", "qkv_heads", "resolve",
+           "save_dir", "shards", "store_name", "trim_vocab"]
 
 
 KINDS = ("wgrads", "dgrads", "params")
@@ -80,13 +87,17 @@ _DGRAD = re.compile(r"^(?:.*\.)?([A-Za-z_0-9]+)/(input|output)\d+$")
 
 @dataclass(frozen=True)
 class Layout:
-    """The run's parallel sizes (``--layout tp=,pp=,ep=,etp=,vp=``); ``etp`` defaults to ``tp``, as in Megatron-LM."""
+    """The run's parallel sizes (``--layout tp=,pp=,ep=,etp=,vp=,sp=``); ``etp`` defaults to ``tp``, as in Megatron-LM.
+
+    ``sp``: sequence parallelism (``None``: not said, taken as off).
+    """
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     etp: int | None = None
     vp: int = 1
+    sp: bool | None = None
 
     def __post_init__(self) -> None:
         for k in ("tp", "pp", "ep", "vp"):
@@ -95,6 +106,8 @@ class Layout:
                 raise SpecError(f"--layout: {k} must be an integer >= 1; got {v!r}.")
         if self.etp is not None and (not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 1):
             raise SpecError(f"--layout: etp must be an integer >= 1; got {self.etp!r}.")
+        if self.sp not in (None, True, False):
+            raise SpecError(f"--layout: sp must be 0 or 1; got {self.sp!r}.")
 
     @property
     def etp_size(self) -> int:
@@ -129,7 +142,7 @@ class Layout:
 
 
 def parse_layout(text: str | Mapping[str, int] | Layout | None) -> Layout | None:
-    """``"tp=2,pp=2,ep=2,etp=1,vp=1"`` (or a mapping) as a :class:`Layout` (one-line SpecError when malformed)."""
+    """``"tp=2,pp=2,ep=2,etp=1,vp=1,sp=1"`` (or a mapping) as a :class:`Layout` (one-line SpecError when malformed)."""
     if text is None or isinstance(text, Layout):
         return text
     if isinstance(text, Mapping):
@@ -139,12 +152,16 @@ def parse_layout(text: str | Mapping[str, int] | Layout | None) -> Layout | None
         for part in str(text).split(","):
             key, sep, val = part.strip().partition("=")
             if not sep or not val.strip().isdigit():
-                raise SpecError(f"--layout {text!r}: expected KEY=N entries (tp=, pp=, ep=, etp=, vp=); got {part!r}.")
+                raise SpecError(f"--layout {text!r}: expected KEY=N entries (tp=, pp=, ep=, etp=, vp=, sp=); got "
+                                f"{part!r}.")
             items[key.strip()] = int(val)
-    unknown = sorted(set(items) - {"tp", "pp", "ep", "etp", "vp"})
+    unknown = sorted(set(items) - {"tp", "pp", "ep", "etp", "vp", "sp"})
     if unknown:
-        raise SpecError(f"--layout: unknown size {unknown[0]!r}; known: tp, pp, ep, etp, vp.")
-    return Layout(**items)
+        raise SpecError(f"--layout: unknown size {unknown[0]!r}; known: tp, pp, ep, etp, vp, sp.")
+    sp = items.pop("sp", None)
+    if sp not in (None, 0, 1):
+        raise SpecError(f"--layout: sp must be 0 or 1; got {sp!r}.")
+    return Layout(**items, sp=None if sp is None else bool(sp))
 
 
 @dataclass(frozen=True)
@@ -158,8 +175,15 @@ class MegatronSpec:
     #: ``{glob: axis or None}``: how tensors matching a glob are laid out across tensor-parallel ranks,
     #: overriding the name rules (``None``: replicated); the first matching glob wins
     tp_splits: Mapping[str, int | None] = field(default_factory=dict)
-    #: the run's parallel sizes; ``None``: read from the file names (a full TP x PP x EP grid)
+    #: the run's parallel sizes; ``None``: read from the file names (a full TP x PP x EP grid, no experts)
     layout: Layout | None = None
+    #: the true vocabulary size (``--vocab-size``): the padded rows of the embedding tensors are dropped
+    vocab_size: int | None = None
+    #: a checkpoint (or ``--save`` directory) holding the run's saved arguments (``--args-from``)
+    args_from: str | None = None
+    #: the run's saved arguments, once read (:func:`resolve`), and where they were looked for
+    run_args: RunArgs | None = None
+    args_note: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -172,6 +196,8 @@ class MegatronSpec:
             raise SpecError(f"megatron: num_heads must be >= 1; got {h}.")
         if g is not None and (h is None or g < 1 or h % g):
             raise SpecError(f"megatron: num_query_groups ({g}) needs num_heads and must divide it; got num_heads={h}.")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
+            raise SpecError(f"megatron: --vocab-size must be an integer >= 1; got {self.vocab_size!r}.")
 
     @property
     def groups(self) -> int | None:
@@ -186,6 +212,56 @@ class Shard:
     pp: int
     ep: int
     path: Path
+
+
+# ------------------------------------------------------------------ the run's saved arguments
+#: Megatron-LM's argument name of each --layout size
+_ARG_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+              "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
+              "vp": "virtual_pipeline_model_parallel_size", "sp": "sequence_parallel"}
+
+
+def save_dir(source: Path, kind: str) -> Path:
+    """The ``--save`` directory of *source* (``<save>`` or one of its dump directories)."""
+    return source.parent if source.name in KINDS and not (source / kind).is_dir() else source
+
+
+def resolve(spec: MegatronSpec, source: Path) -> MegatronSpec:
+    """*spec* completed from the run's saved arguments (``--args-from``, else a checkpoint in the ``--save`` dir).
+
+    What the arguments say fills what *spec* leaves open (the layout, heads, query groups, SwiGLU, the
+    vocabulary); what both say must agree, else a one-line :class:`SpecError` names the field.
+    """
+    args, where = read_run_args(save_dir(source, spec.kind), Path(spec.args_from) if spec.args_from else None)
+    if args is None:
+        return dataclasses.replace(spec, args_note=f"none found (looked for {where})")
+    said: dict[str, int | bool] = {"tp": args.tp, "pp": args.pp, "ep": args.ep, "etp": args.etp, "vp": args.vp,
+                                   "sp": args.sp}
+    lay = spec.layout
+    if lay is not None:
+        given = {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "vp": lay.vp, "sp": lay.sp}
+        for k, v in given.items():
+            if v is not None and v != said[k]:
+                raise SpecError(f"--layout {k}={int(v)} disagrees with the run's saved arguments: {_ARG_NAMES[k]}="
+                                f"{said[k]!r} in {where}.")
+    for flag, mine, theirs, name in (("--num-heads", spec.num_heads, args.num_heads, "num_attention_heads"),
+                                     ("--num-query-groups", spec.num_query_groups, args.num_query_groups,
+                                      "num_query_groups"),
+                                     ("--vocab-size", spec.vocab_size, args.vocab_size, "vocab_size")):
+        if mine is not None and theirs is not None and mine != theirs:
+            raise SpecError(f"{flag} {mine} disagrees with the run's saved arguments: {name}={theirs} in {where}.")
+    if spec.gated_mlp and not args.gated_mlp:
+        raise SpecError(f"--gated-mlp disagrees with the run's saved arguments: swiglu=False in {where}.")
+    if spec.kind == "dgrads" and args.cp > 1:
+        raise SpecError(f"{where}: context_parallel_size={args.cp}: each rank that writes dgrads holds its own part "
+                        "of the sequence, and only some of them write; a context-parallel dgrads dump is not "
+                        "supported.")
+    heads = spec.num_heads or args.num_heads
+    return dataclasses.replace(
+        spec, layout=Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vp=args.vp, sp=args.sp),
+        num_heads=heads, num_query_groups=spec.num_query_groups or (args.num_query_groups if heads else None),
+        gated_mlp=spec.gated_mlp or args.gated_mlp, vocab_size=spec.vocab_size or args.vocab_size, run_args=args,
+        args_note=where)
 
 
 # ------------------------------------------------------------------ the files
@@ -253,7 +329,8 @@ def _against_layout(d: Path, parsed: list[tuple[re.Match[str], Path]], layout: L
 
 
 def _layout_text(layout: Layout) -> str:
-    return f"tp={layout.tp},pp={layout.pp},ep={layout.ep},etp={layout.etp_size},vp={layout.vp}"
+    sp = ",sp=1" if layout.sp else ""
+    return f"tp={layout.tp},pp={layout.pp},ep={layout.ep},etp={layout.etp_size},vp={layout.vp}{sp}"
 
 
 def _one_suffix(found: list[Shard]) -> list[Shard]:
@@ -284,7 +361,7 @@ def _complete(d: Path, found: list[Shard], width: int) -> list[Shard]:
                     raise MissingShardError(f"{d}: {_file_name(t, p, e, width, pps, eps)} is missing (the others "
                                             f"make a grid of TP {tps} x PP {pps} x EP {eps}); every rank's file is "
                                             "needed to join the shards (an expert tensor-parallel size below TP "
-                                            "writes fewer: give --layout tp=,ep=,etp=).")
+                                            "writes fewer: give --layout tp=,ep=,etp= or --args-from CHECKPOINT).")
     return sorted(found, key=lambda s: (s.pp, s.ep, s.tp))
 
 
@@ -338,6 +415,8 @@ def merge(loaded: Mapping[Shard, Mapping[int, Mapping[str, torch.Tensor]]], spec
                 raise ShardMismatchError(f"{shard.path}: holds {len(chunks)} model chunk(s) "
                                          f"({', '.join(f'model_chunk{c}' for c in sorted(chunks))}); --layout vp="
                                          f"{lay.vp} says {lay.vp}: the layout disagrees with the files.")
+    if lay is None:
+        _no_expert_without_layout(loaded, spec, where)
     offsets = _layer_offsets(loaded)
     per_name: dict[str, dict[int, tuple[torch.Tensor, Shard]]] = defaultdict(dict)
     sizes: dict[str, int] = {}
@@ -356,6 +435,25 @@ def merge(loaded: Mapping[Shard, Mapping[int, Mapping[str, torch.Tensor]]], spec
                     continue
                 per_name[g][slot] = (t, shard)
     return {name: _join(name, ranks, sizes[name], spec, where) for name, ranks in per_name.items()}
+
+
+def _no_expert_without_layout(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]], spec: MegatronSpec,
+                              where: Path) -> None:
+    """Expert tensors need the expert tensor-parallel size, which neither the file names nor the values give.
+
+    ETP above TP writes a full TP x EP grid of file names (each twice, one expert shard kept); ETP x EP below
+    TP can write one too (``tp=4,etp=2,ep=1`` writes the files of ``tp=2``, half the dense shards unsaved); only
+    ETP = TP is joined right from the names.
+    """
+    for chunks in loaded.values():
+        for sd in chunks.values():
+            name = next((n for n in sd if _LOCAL_EXPERT.match(n) or _GROUPED_EXPERT.match(n)), None)
+            if name is not None:
+                raise ImportSourceError(
+                    f"{where}: holds expert tensors ({name}) and no layout is known: the expert tensor-parallel "
+                    "size cannot be read from the files (above TP, two ranks write each file name and one expert "
+                    "shard survives; with ETP x EP below TP some dense shards are never written). Pass --layout "
+                    f"tp=,pp=,ep=,etp= or --args-from CHECKPOINT (the run's saved arguments: {spec.args_note}).")
 
 
 def _same_on_two_stages(name: str, first: tuple[torch.Tensor, Shard], other: tuple[torch.Tensor, Shard]) -> None:
@@ -433,7 +531,18 @@ def layout_axis(name: str, spec: MegatronSpec) -> int | None:
     for glob, axis in spec.tp_splits.items():
         if fnmatch.fnmatchcase(name, glob):
             return axis
+    if _sp_split(name, spec):
+        return 0
     return partition_axis(name)
+
+
+def _sp_split(name: str, spec: MegatronSpec) -> bool:
+    """Whether *name* is a dgrad split along the sequence by sequence parallelism (a column-parallel layer's input,
+    a row-parallel layer's output: ``[s/tp, b, h]``)."""
+    if spec.kind != "dgrads" or spec.layout is None or not spec.layout.sp or (m := _DGRAD.match(name)) is None:
+        return False
+    leaf, side = m.groups()
+    return (leaf in COLUMN_PARALLEL and side == "input") or (leaf in ROW_PARALLEL and side == "output")
 
 
 def _join(name: str, ranks: Mapping[int, tuple[torch.Tensor, Shard]], tps: int, spec: MegatronSpec,
@@ -469,18 +578,27 @@ def _join(name: str, ranks: Mapping[int, tuple[torch.Tensor, Shard]], tps: int, 
             raise ShardMismatchError(
                 f"{where}: {name} differs between tensor-parallel ranks 0 and {differ[0]} although its name says "
                 "replicated: it is split under a name the importer does not know (or the ranks did not "
-                f"synchronise). Give its layout: --tp-split '{_glob_of(name)}=AXIS' (the split axis) or "
-                f"'{_glob_of(name)}=none'.")
+                f"synchronise{_sp_hint(name, spec)}). Give its layout: --tp-split '{_glob_of(name)}=AXIS' (the "
+                f"split axis) or '{_glob_of(name)}=none'.")
         return first
     if all(_bit_equal(p, first) for p in parts[1:]) and bool(torch.any(first != 0)):
+        sp = _sp_split(name, spec)
+        says, why = (("sequence-parallel layout", "a run without sequence parallelism?") if sp else
+                     ("name", "an expert tensor-parallel size below the tensor-parallel size?"))
         raise ShardMismatchError(
-            f"{where}: {name} holds the same values on all {tps} tensor-parallel ranks although its name says split "
-            f"along axis {axis}: it is replicated there (an expert tensor-parallel size below the tensor-parallel "
-            f"size?). Give its layout: --tp-split '{_glob_of(name)}=none'.")
+            f"{where}: {name} holds the same values on all {tps} tensor-parallel ranks although its {says} says "
+            f"split along axis {axis}: it is replicated there ({why}). Give its layout: --tp-split "
+            f"'{_glob_of(name)}=none'.")
     if spec.gated_mlp and ".linear_fc1." in name and axis == 0:
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(parts, dim=axis)
+
+
+def _sp_hint(name: str, spec: MegatronSpec) -> str:
+    if spec.kind == "dgrads" and _DGRAD.match(name) and not (spec.layout is not None and spec.layout.sp):
+        return "; a sequence-parallel run? give --layout ...,sp=1"
+    return ""
 
 
 def _glob_of(name: str) -> str:
@@ -529,9 +647,59 @@ def _apply_heads(merged: dict[str, torch.Tensor], spec: MegatronSpec, heads: Any
     return out
 
 
+# ------------------------------------------------------------------ the padded vocabulary
+_VOCAB_ROWS = re.compile(r"(?:^|\.)(?:word_embeddings\.weight|output_layer\.(?:weight|bias))$")
+_VOCAB_LAST = re.compile(r"(?:^|\.)output_layer/output\d+$")
+
+
+def trim_vocab(merged: dict[str, torch.Tensor], spec: MegatronSpec, where: Path) -> dict[str, Any] | None:
+    """Drop the padded vocabulary rows of the embedding tensors in place; what was found, for the import's attrs.
+
+    Megatron-LM pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * TP``
+    (``vocab_size_with_padding``, ``megatron/core/tokenizers/utils/build_tokenizer.py``): ``word_embeddings``
+    and ``output_layer`` hold that many rows (the logits' gradient in ``dgrads``, that many columns).  With the
+    true size known (``--vocab-size``, or the run's ``vocab_size``) the rows past it are dropped; their count
+    is checked against the run's ``padded_vocab_size`` (or the rule) when the arguments are known.
+    """
+    args = spec.run_args
+    padded = args.padded_vocab_size if args is not None else None
+    v = spec.vocab_size
+    if v is None and padded is None:
+        return None
+    rule = None
+    if padded is None and v is not None and args is not None and args.divisible_by:
+        multiple = args.divisible_by * args.tp
+        rule = -(-v // multiple) * multiple
+    src = "--vocab-size" if args is None or args.vocab_size is None else "the run's vocab_size"
+    rows = None
+    for n in list(merged):
+        axis = 0 if _VOCAB_ROWS.search(n) else -1 if spec.kind == "dgrads" and _VOCAB_LAST.search(n) else None
+        if axis is None:
+            continue
+        t = merged[n]
+        r = int(t.shape[axis])
+        want = padded if padded is not None else rule
+        if want is not None and r != want:
+            why = ("the run's padded_vocab_size" if padded is not None else
+                   f"{v} padded to a multiple of make_vocab_size_divisible_by x TP")
+            raise ShardMismatchError(f"{where}: {n} has {r} vocabulary rows; {why} is {want}: the saved arguments "
+                                     "are not this dump's run.")
+        if v is not None and r < v:
+            raise ShardMismatchError(f"{where}: {n} has {r} vocabulary rows, fewer than the vocabulary size {v} "
+                                     f"({src}).")
+        if v is not None and r > v:
+            merged[n] = t.narrow(axis % t.ndim, 0, v).contiguous()
+        rows = r
+    if rows is None:
+        return None
+    return {"size": v, "padded": rows, "rows_dropped": rows - v if v is not None else 0,
+            "from": src if v is not None else "unknown: pass --vocab-size to drop the padded rows"}
+
+
 # ------------------------------------------------------------------ the import
 def _load_iteration(d: Path, spec: MegatronSpec, like: Path | None = None) -> dict[str, torch.Tensor]:
-    """One iteration merged; with *like*, its rank files must be those of iteration directory *like*."""
+    """One iteration merged, its padded vocabulary rows dropped; with *like*, its rank files must be those of
+    iteration directory *like*."""
     grid = shards(d, spec.layout)
     if like is not None:
         want = {s.path.name for s in shards(like, spec.layout)}
@@ -543,7 +711,15 @@ def _load_iteration(d: Path, spec: MegatronSpec, like: Path | None = None) -> di
         if extra:
             raise MissingShardError(f"{like}: {extra[0]} is missing ({d.name} has it); every saved iteration is "
                                     "written by the same ranks.")
-    return merge({s: load_shard(s.path) for s in grid}, spec, d)
+    merged = merge({s: load_shard(s.path) for s in grid}, spec, d)
+    trim_vocab(merged, spec, d)
+    return merged
+
+
+def _layout_from(given: Layout | None, spec: MegatronSpec) -> str:
+    said = [w for w, on in (("--layout", given is not None), ("the run's saved arguments", spec.run_args is not None))
+            if on]
+    return " and ".join(said) or "the file names"
 
 
 def _select(merged: Mapping[str, torch.Tensor], tensors: Sequence[str] | None, where: Path) -> list[str]:
@@ -576,15 +752,21 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
     from gradforensics.importing.logjoin import LogJoin
 
     iters = iterations(source, spec.kind)
+    given = spec.layout
+    spec = resolve(spec, source)
     params = iterations(source, "params") if spec.kind != "params" and (source / "params").is_dir() else {}
     first_it, first_dir = next(iter(iters.items()))
-    merged = _load_iteration(first_dir, spec)
+    merged = merge({s: load_shard(s.path) for s in shards(first_dir, spec.layout)}, spec, first_dir)
+    vocab = trim_vocab(merged, spec, first_dir)
     names = _select(merged, tensors, first_dir)
     specs = _apply_heads(merged, spec, heads)
     extra = {"import": {"format": "megatron", "source": str(source), "kind": spec.kind,
                         "iterations": list(iters), "num_heads": spec.num_heads,
                         "num_query_groups": spec.num_query_groups, "gated_mlp": spec.gated_mlp,
                         "layout": _layout_text(spec.layout) if spec.layout else "from the file names",
+                        "layout_from": _layout_from(given, spec),
+                        "run_args": spec.run_args.as_attrs() if spec.run_args is not None else spec.args_note,
+                        "vocab": vocab,
                         "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron"}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
