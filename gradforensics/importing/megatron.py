@@ -574,32 +574,47 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
     and gradient norm; fp16 gradients are unscaled and skipped iterations marked (:mod:`.logjoin`).
     """
     from gradforensics.importing.logjoin import LogJoin
+    from gradforensics.importing.megatron_moe import expert_units, keep, left_out_moe, stack_experts
 
     iters = iterations(source, spec.kind)
     params = iterations(source, "params") if spec.kind != "params" and (source / "params").is_dir() else {}
     first_it, first_dir = next(iter(iters.items()))
     merged = _load_iteration(first_dir, spec)
+    listed = expert_units(merged) if spec.kind != "dgrads" else {}     # parameters only: (E, ...) units
+    merged = stack_experts(merged, listed)
     names = _select(merged, tensors, first_dir)
+    left_out = left_out_moe(spec.kind, iters, lambda d: _load_iteration(d, spec, first_dir),
+                            {n: merged[n] for n in names},
+                            expert_ranks=len({s.ep for s in shards(first_dir, spec.layout)}))
+    names = keep(names, left_out, first_dir)
     specs = _apply_heads(merged, spec, heads)
+    units = {store_name(u): len(m) for u, m in listed.items() if u in names}
     extra = {"import": {"format": "megatron", "source": str(source), "kind": spec.kind,
                         "iterations": list(iters), "num_heads": spec.num_heads,
                         "num_query_groups": spec.num_query_groups, "gated_mlp": spec.gated_mlp,
                         "layout": _layout_text(spec.layout) if spec.layout else "from the file names",
-                        "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron"}}
+                        "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron",
+                        "experts_units": units,
+                        "not_imported": {store_name(n): why for n, why in left_out.items()}}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
     grad_bytes = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
     per_record = {"grads": grad_bytes, "weights": grad_bytes * len(set(params) & set(iters)) // len(iters)}
     join = LogJoin(logs, gradients=spec.kind != "params")
     with ImportWriter(out, heads=store_specs, total=len(iters), per_record=per_record, framework="megatron",
-                      model_info=info, extra=extra, logged=join.logged, **writer_options) as w:
+                      model_info=info, extra=extra, logged=join.logged,
+                      experts=units, **writer_options) as w:
+        if left_out and w.say is not None:
+            print(f"import: {len(left_out)} tensor(s) not imported ({', '.join(map(store_name, sorted(left_out)[:3]))}"
+                  f"{', ...' if len(left_out) > 3 else ''}): {next(iter(left_out.values()))}; see "
+                  "extra['import']['not_imported'].", file=w.say)
         for it, d in iters.items():
             if it != first_it:
-                merged = _load_iteration(d, spec, first_dir)
+                merged = stack_experts(_load_iteration(d, spec, first_dir), listed)
                 _apply_heads(merged, spec, heads)
             snaps = []
             if it in params:
-                p = _load_iteration(params[it], spec, first_dir)
+                p = stack_experts(_load_iteration(params[it], spec, first_dir), listed)
                 _apply_heads(p, spec, heads)
                 snaps = [{store_name(n): p[n] for n in names if n in p}]
             missing = [n for n in names if n not in merged]
