@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default), none, FILE.json, or GLOB=H[:axis=A,fused=F,role=R] / GLOB=none entries "
                         "(add auto to keep the rules for the rest)")
     m = p.add_argument_group("megatron")
-    m.add_argument("--kind", choices=("wgrads", "dgrads", "params"), default="wgrads",
-                   help="which dump to import (default wgrads: the reduced main_grad)")
+    m.add_argument("--kind", choices=("wgrads", "dgrads", "params", "activations"), default="wgrads",
+                   help="which dump to import (default wgrads: the reduced main_grad; activations: statistics of "
+                        "the forward activations, acts/<module>/)")
     m.add_argument("--num-heads", type=int, metavar="H", help="attention heads: splits linear_qkv into heads")
     m.add_argument("--num-query-groups", type=int, metavar="G", help="query groups (grouped-query attention; "
                                                                      "default = --num-heads)")

@@ -74,8 +74,9 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
         ``capture``.  Megatron's fused ``linear_qkv`` is split into heads by query group
         when *num_heads* (and *num_query_groups* for grouped-query attention) are given.
     kind
-        Megatron: which dump, ``"wgrads"`` (the reduced ``main_grad``), ``"dgrads"``
-        or ``"params"``.
+        Megatron: which dump, ``"wgrads"`` (the reduced ``main_grad``), ``"dgrads"``, ``"params"``
+        or ``"activations"`` (``--save-activations-interval``: activation statistics ``acts/<module>/``
+        per saved iteration; beside another kind saved at the same iterations they join its records).
     num_heads, num_query_groups, gated_mlp
         Megatron: the model's attention heads and query groups, and whether
         ``linear_fc1`` is a gated (SwiGLU) pair whose halves each rank holds.
@@ -130,8 +131,13 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
         import_olmo_core(src, out, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     else:
         from gradforensics.importing.megatron import MegatronSpec, import_megatron, parse_layout
+        from gradforensics.importing.megatron_acts import import_activations, joined_activations
 
         spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp,
                             tp_splits=dict(tp_splits or {}), layout=parse_layout(layout))
-        import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
+        if kind == "activations":
+            import_activations(src, out, spec, tensors=tensors, writer_options=options, logs=run_log)
+        else:
+            import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log,
+                            activations=joined_activations(src, spec, quiet=quiet))
     return open_store(out, storage_options=storage_options)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +51,7 @@ from gradforensics.errors import CheckpointError, ImportSourceError, MissingShar
 from gradforensics.importing.records import ImportWriter
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.names import check_name
+from gradforensics.store.writer import Row
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +63,7 @@ __all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "Layout", "MegatronSpec",
            "store_name"]
 
 
-KINDS = ("wgrads", "dgrads", "params")
+KINDS = ("wgrads", "dgrads", "params", "activations")
 #: module leaves whose weight (and bias) are split along axis 0 across tensor-parallel ranks
 COLUMN_PARALLEL = frozenset({"linear_qkv", "linear_fc1", "linear_q", "linear_kv", "linear_q_up_proj",
                              "linear_kv_up_proj", "word_embeddings", "output_layer"})
@@ -567,8 +568,12 @@ def store_name(name: str) -> str:
 
 
 def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequence[str] | None, heads: Any,
-                    writer_options: Mapping[str, Any], logs: RunLog | None = None) -> int:
+                    writer_options: Mapping[str, Any], logs: RunLog | None = None,
+                    activations: Callable[[int], Mapping[str, Row]] | None = None) -> int:
     """Import every saved iteration of ``spec.kind`` under *source* into *out*; returns the records written.
+
+    *activations* gives each record's activation-statistics rows by iteration (its attributes ``note`` and
+    ``left_out``, when present, go to ``extra["import"]``: :func:`.megatron_acts.joined_activations`).
 
     With *logs* (the run's own, :mod:`gradforensics.runlog`), records get the logged loss, lr, loss scale
     and gradient norm; fp16 gradients are unscaled and skipped iterations marked (:mod:`.logjoin`).
@@ -589,23 +594,27 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
     names = keep(names, left_out, first_dir)
     specs = _apply_heads(merged, spec, heads)
     units = {store_name(u): len(m) for u, m in listed.items() if u in names}
+    first_acts = activations(first_it) if activations is not None else {}
+    left_out = {store_name(n): why for n, why in left_out.items()}
+    left_out.update(getattr(activations, "left_out", {}))
     extra = {"import": {"format": "megatron", "source": str(source), "kind": spec.kind,
                         "iterations": list(iters), "num_heads": spec.num_heads,
                         "num_query_groups": spec.num_query_groups, "gated_mlp": spec.gated_mlp,
                         "layout": _layout_text(spec.layout) if spec.layout else "from the file names",
                         "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron",
                         "experts_units": units,
-                        "not_imported": {store_name(n): why for n, why in left_out.items()}}}
+                        "activations": getattr(activations, "note", "none in the dump"), "not_imported": left_out}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
     grad_bytes = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
-    per_record = {"grads": grad_bytes, "weights": grad_bytes * len(set(params) & set(iters)) // len(iters)}
+    per_record = {"grads": grad_bytes, "weights": grad_bytes * len(set(params) & set(iters)) // len(iters),
+                  "acts": sum(r.data.nbytes for r in first_acts.values())}
     join = LogJoin(logs, gradients=spec.kind != "params")
     with ImportWriter(out, heads=store_specs, total=len(iters), per_record=per_record, framework="megatron",
                       model_info=info, extra=extra, logged=join.logged,
                       experts=units, **writer_options) as w:
         if left_out and w.say is not None:
-            print(f"import: {len(left_out)} tensor(s) not imported ({', '.join(map(store_name, sorted(left_out)[:3]))}"
+            print(f"import: {len(left_out)} tensor(s) not imported ({', '.join(sorted(left_out)[:3])}"
                   f"{', ...' if len(left_out) > 3 else ''}): {next(iter(left_out.values()))}; see "
                   "extra['import']['not_imported'].", file=w.say)
         for it, d in iters.items():
@@ -621,7 +630,8 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
             if missing:
                 raise ShardMismatchError(f"{d}: {missing[0]} is missing; iteration {first_it} has it.")
             iv, record = join.record(it, d.stat().st_mtime, {store_name(n): merged[n] for n in names}, merged)
-            w.record(iv, record, snaps)
+            rows = first_acts if it == first_it or activations is None else activations(it)
+            w.record(iv, record, snaps, rows)
         if join.logged:
             w.annotate(**join.summary())
     return len(iters)
