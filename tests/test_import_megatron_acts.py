@@ -31,6 +31,7 @@ from gradforensics.importing.megatron_acts import ActivationStats  # noqa: E402
 S, B, H, F, E, TP = 4, 2, 8, 6, 4, 2
 ITERS = (2, 4, 6)
 L0 = "decoder.layers.0."
+L1 = "decoder.layers.1.mlp.experts."
 
 
 def truth(it: int) -> dict[str, torch.Tensor]:
@@ -44,7 +45,14 @@ def truth(it: int) -> dict[str, torch.Tensor]:
             L0 + "self_attention.linear_proj/output0": torch.randn(S, B, H, generator=g),
             L0 + "mlp.linear_fc1/output0": torch.randn(S, B, 2 * F, generator=g),    # gated: [gate | up]
             L0 + "mlp.linear_fc2/input0": post,
-            L0 + "mlp.router/output0": torch.softmax(torch.randn(S * B, E, generator=g), -1)}
+            L0 + "mlp.router/output0": torch.softmax(torch.randn(S * B, E, generator=g), -1),
+            **{f"{L1}local_experts.{j}.linear_fc1/output0": torch.randn(m, 2 * F, generator=g) + j     # gated
+               for j, m in enumerate(routed(it))}}
+
+
+def routed(it: int) -> list[int]:
+    """Tokens routed to each expert of layer 1 (TEGroupedLinear's m_splits), different every iteration."""
+    return [it, 1, 5 - it % 3, 2]
 
 
 def shard(name: str, t: torch.Tensor, rank: int, sp: bool) -> torch.Tensor:
@@ -62,12 +70,14 @@ def write(save: Path, *, sp: bool = False, iters=ITERS, label: str = "activation
         d = save / label / f"iter_{it:07d}"
         d.mkdir(parents=True)
         for rank in range(TP):
-            sd: dict[str, object] = {n: shard(n, t, rank, sp) for n, t in acts.items()}
+            sd: dict[str, object] = {n: shard(n, t, rank, sp) for n, t in acts.items() if not n.startswith(L1)}
+            grouped = torch.cat([acts[f"{L1}local_experts.{j}.linear_fc1/output0"] for j in range(E)])
+            sd[L1 + "linear_fc1/output0"] = shard(L1 + "linear_fc1/output0", grouped, rank, sp)   # [gate | up] / TP
+            sd[L1 + "linear_fc1/input1"] = routed(it)                                # m_splits: a list
+            sd[L1 + "linear_fc2/output0"] = torch.randn(sum(routed(it)), H)          # no input1 saved here
             sd[L0 + "self_attention.linear_qkv/output1"] = torch.zeros(3 * H // TP)       # a bias: 1-D
             sd[L0 + "mlp.router/output1"] = torch.ones(S * B, E, dtype=torch.bool)        # routing map
             sd[L0 + "self_attention.linear_qkv/inference_context"] = None                 # a keyword argument
-            sd["decoder.layers.1.mlp.experts.linear_fc1/output0"] = torch.randn(it + 3, F)
-            sd["decoder.layers.1.mlp.experts.linear_fc1/input1"] = [it, 3]                # m_splits
             torch.save({"model_chunk0": sd}, d / f"mp_rank_{rank:02d}.pth")
     return truths
 
@@ -116,9 +126,9 @@ def test_activations_import_equals_torch_statistics_of_the_unsharded_activations
     assert set(store.act_modules) == {_module(n) for n in truths[2]}
     attrs = store.act_attrs(L0 + "mlp.linear_fc2.input0")
     assert attrs["units"] == F and attrs["unit_axis"] == 2 and "Megatron" in attrs["unit_axis_from"]
-    left = store.meta.extra["import"]["not_imported"]
-    assert list(left) == ["decoder.layers.1.mlp.experts.linear_fc1/output0"] and "grouped experts" in left[
-        "decoder.layers.1.mlp.experts.linear_fc1/output0"]
+    left = store.meta.extra["import"]["not_imported"]           # the grouped module's tensor without m_splits
+    assert list(left) == [L1 + "linear_fc2/output0"] and "without its tokens per expert" in left[L1 + "linear_fc2/output0"]
+    assert store.act(L1 + "local_experts.1.linear_fc1", "hist").sum(axis=1).tolist() == [2 * F] * 3   # 1 token
     assert store.act(L0 + "mlp.linear_fc2.input0", "dead")[:, 1].tolist() == [1, 1, 1]
 
 

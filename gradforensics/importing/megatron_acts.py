@@ -30,9 +30,11 @@ activation gradients (the same tensors): a column-parallel layer's output and a 
 layer's input along the last axis, every other activation the same bits on each tensor-parallel
 rank (checked) - or, under sequence parallelism, split along the sequence axis (axis 0).  A grouped
 experts module's tensors (``experts.linear_fc1/output0``: every local expert's tokens, one expert's
-rows after another's, on features that are a different neuron in each expert) are left out and
-named; ``SequentialMLP``'s per-expert modules (``local_experts.<j>``) are per expert and imported
-under their global expert number.
+rows after another's, on features that are a different neuron in each expert) are cut by expert
+with the module's ``input1`` (``m_splits``, the tokens of each local expert) and named as
+``SequentialMLP``'s per-expert modules (``experts.local_experts.<j>.linear_fc1``), which are per
+expert already; both are imported under the global expert number (:func:`merge`).  Without a
+fitting ``input1`` they are left out and named.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ UNIT_AXIS_FROM = "last axis (Megatron-LM's [sequence, batch, features] activatio
 _KEY = re.compile(r"^(.+)/((?:input|output)\d+)$")
 _CHUNK = re.compile(r"^model_chunk(\d+)$")
 _GATED = re.compile(r"(?:^|\.)linear_fc1/")
-_GROUPED_WHY = ("a grouped experts module's activations: every local expert's tokens, one expert's rows after "
-                "another's, on features that are a different neuron in each expert")
+_GROUPED_WHY = ("a grouped experts module's activations without its tokens per expert (input1, m_splits: a list of "
+                "counts summing to its rows) to split them by expert")
 
 
 def act_module(name: str) -> str:
@@ -75,8 +77,9 @@ def act_module(name: str) -> str:
     return check_name(module, "activations module")
 
 
-def load_activations(path: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """``{chunk: {key: tensor}}`` of one rank file, without the non-tensor call arguments the hook also saves."""
+def load_activations(path: Path, splits: dict[tuple[Path, str], Any] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """``{chunk: {key: tensor}}`` of one rank file, without the non-tensor call arguments the hook also saves;
+    a grouped experts module's tokens per expert (its ``input1``) go to *splits* under ``(path, module key)``."""
     import torch
 
     from gradforensics.replay.untrusted import torch_load
@@ -91,7 +94,31 @@ def load_activations(path: Path) -> dict[int, dict[str, torch.Tensor]]:
         if m is None or not isinstance(sd, Mapping):
             raise CheckpointError(f"{path}: entry {str(key)[:60]!r} is not model_chunk<i> -> {{key: activation}}.")
         out[int(m.group(1))] = {n: v for n, v in sd.items() if isinstance(n, str) and isinstance(v, torch.Tensor)}
+        if splits is not None:
+            for n in grouped_per_token(out[int(m.group(1))]):
+                splits[(path, n)] = sd.get(n.rpartition("/")[0] + "/input1")
     return out
+
+
+def _split_by_expert(sd: dict[str, torch.Tensor], name: str, counts: Any) -> bool:
+    """Replace a grouped experts module's per-token tensor *name* in *sd* by one per local expert, named as
+    ``SequentialMLP``'s (``<...>.experts.local_experts.<j>.linear_fc1/output0``), its rows cut by *counts*
+    (``TEGroupedLinear``'s ``m_splits``: the tokens of each local expert, in order).  False (and *name* dropped)
+    when *counts* does not fit."""
+    import torch
+
+    t = sd.pop(name)
+    if isinstance(counts, torch.Tensor) and not counts.is_floating_point() and counts.ndim == 1:
+        counts = counts.tolist()
+    if (not isinstance(counts, (list, tuple)) or not counts
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+            or sum(counts) != t.shape[0]):
+        return False
+    module, _, key = name.rpartition("/")
+    head, _, leaf = module.rpartition(".")
+    for j, part in enumerate(torch.split(t, list(counts), dim=0)):
+        sd[f"{head}.local_experts.{j}.{leaf}/{key}"] = part
+    return True
 
 
 class ActivationStats:
@@ -111,7 +138,7 @@ class ActivationStats:
         self.like: Path | None = None
 
     def merged(self, d: Path) -> dict[str, torch.Tensor]:
-        """Iteration directory *d* joined over the ranks (grouped experts modules' tensors dropped first)."""
+        """Iteration directory *d* joined over the ranks (grouped experts modules' tensors cut by expert first)."""
         grid = shards(d, self.spec.layout)
         if self.like is not None:
             want = {s.path.name for s in shards(self.like, self.spec.layout)}
@@ -121,12 +148,13 @@ class ActivationStats:
                 raise ShardMismatchError(f"{d}: {lost} is in one of {d.name}, {self.like.name} only; every saved "
                                          "iteration is written by the same ranks.")
         loaded = {}
+        counts: dict[tuple[Path, str], Any] = {}
         for s in grid:
-            chunks = load_activations(s.path)
+            chunks = load_activations(s.path, counts)
             for sd in chunks.values():
                 for n in grouped_per_token(sd):
-                    self.left_out.setdefault(n, _GROUPED_WHY)
-                    del sd[n]
+                    if not _split_by_expert(sd, n, counts.get((s.path, n))):
+                        self.left_out.setdefault(n, _GROUPED_WHY)
                 for n in [n for n, t in sd.items() if not t.is_floating_point() or t.ndim < 2]:
                     del sd[n]           # a routing map, token ids, a bias: no activation statistics to take
             loaded[s] = chunks
