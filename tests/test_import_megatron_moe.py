@@ -11,6 +11,7 @@ The fixtures are written byte for byte in the layout of NVIDIA/Megatron-LM at co
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 import gradforensics as gf  # noqa: E402
 from gradforensics.cli import main  # noqa: E402
-from gradforensics.errors import ImportSourceError  # noqa: E402
+from gradforensics.errors import CheckpointError, ImportSourceError  # noqa: E402
 
 E, H, F = 4, 6, 8
 
@@ -197,3 +198,64 @@ def test_fixed_shape_expert_activation_gradients_without_expert_parallelism_are_
     assert store.meta.extra["import"]["not_imported"] == {}
     got = store.read("grads/decoder.layers.0.mlp.experts.linear_fc1.output0")
     assert np.array_equal(got[1], truths[2]["decoder.layers.0.mlp.experts.linear_fc1/output0"].numpy())
+
+
+# ------------------------------------------------------------------ router loads from tokens_per_expert/
+def _tokens(it: int, layer: int) -> list[list[int]]:
+    """Per micro-batch (2), the tokens routed to each of the E experts (top-2: 32 tokens, 64 assignments): layer 0
+    collapses onto experts 0 and 1 from iteration 6 (expert 0 in every token's top 2), layer 1 stays balanced."""
+    if layer == 0 and it >= 6:
+        return [[32, 30, 1, 1], [32, 29, 2, 1]]
+    return [[16 + it % 2, 16, 15, 17 - it % 2], [16, 17, 16 - it % 2, 15 + it % 2]]
+
+
+def _log_tokens(save: Path, iters, *, tp: int = 2, ep: int = 2) -> None:
+    """``save_tpe``: every rank appends, per logged iteration and layer, its local experts' counts per micro-batch;
+    ranks in Megatron-LM's expert order tp-ep-dp-pp (ETP = TP): rank r is expert rank (r // tp) % ep."""
+    d = save / "tokens_per_expert"
+    d.mkdir(parents=True, exist_ok=True)
+    n_local = E // ep
+    for r in range(tp * ep):
+        e = (r // tp) % ep
+        with open(d / f"rank{r}.jsonl", "a") as f:
+            for it in iters:
+                for layer in range(2):
+                    tpe = [mb[e * n_local:(e + 1) * n_local] for mb in _tokens(it, layer)]
+                    f.write(json.dumps({"iter": it, "block": "decoder", "layer": layer, "tpe": tpe}) + "\n")
+
+
+def test_tokens_per_expert_become_router_loads_and_the_experts_analysis_names_the_collapse(tmp_path):
+    iters = range(1, 13)
+    for it in iters:
+        _dump_experts(tmp_path / "save", it, _truth(it, torch.float32), grouped=True)
+    _log_tokens(tmp_path / "save", iters)
+    store = gf.import_run(tmp_path / "save", tmp_path / "s.zarr", heads=None, layout="tp=2,ep=2", moe_topk=2)
+    assert store.router_modules == ["decoder.layers.0.mlp.router", "decoder.layers.1.mlp.router"]
+    for layer in range(2):
+        load = store.router(f"decoder.layers.{layer}.mlp.router", "load")
+        want = np.array([np.sum(_tokens(it, layer), axis=0) / np.sum(_tokens(it, layer)) for it in iters])
+        np.testing.assert_allclose(load, want, rtol=1e-6)
+        assert np.array_equal(store.router(f"decoder.layers.{layer}.mlp.router", "max_share"), load.max(axis=1))
+        assert np.isnan(store.router(f"decoder.layers.{layer}.mlp.router", "entropy")).all()
+    assert store.arrays["router/decoder.layers.0.mlp.router/load"].attrs["top_k"] == 2
+    found = gf.analyze(store, only=["experts"], progress=False)
+    flags = sorted(found.flags, key=lambda f: -f.severity)
+    assert flags and flags[0].tensor == "decoder.layers.0.mlp.router" and flags[0].severity >= 0.5
+    assert "collapsed onto expert 0" in flags[0].summary
+    assert not [f for f in flags if f.tensor == "decoder.layers.1.mlp.router" and f.severity >= 0.5]
+
+
+def test_tokens_per_expert_not_read_says_why_and_a_malformed_line_is_one_line(tmp_path):
+    for it in (1, 2):
+        _dump_experts(tmp_path / "save", it, _truth(it, torch.float32), grouped=True)
+    _log_tokens(tmp_path / "save", (1, 2))
+    store = gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, layout="tp=2,ep=2")
+    assert not store.router_modules
+    assert "give the run's --moe-router-topk as --moe-topk K" in store.meta.extra["import"]["router"]
+    store = gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None, moe_topk=2)
+    assert "give --layout (ep=, etp=)" in store.meta.extra["import"]["router"]
+    with open(tmp_path / "save" / "tokens_per_expert" / "rank3.jsonl", "a") as f:
+        f.write('{"iter": 2, "block": "decoder", "layer": 0, "tpe": [[1, -4]]}\n')
+    with pytest.raises(CheckpointError, match=r"rank3.jsonl:5: 'tpe' must be a list of micro-batches") as e:
+        gf.import_run(tmp_path / "save", tmp_path / "c.zarr", heads=None, layout="tp=2,ep=2", moe_topk=2)
+    assert "\n" not in str(e.value)

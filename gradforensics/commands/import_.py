@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "against it; needed when the expert tensor-parallel size is below TP")
     m.add_argument("--gated-mlp", action="store_true", help="linear_fc1 is a gated pair (SwiGLU): each rank holds "
                                                             "its part of both halves")
+    m.add_argument("--moe-topk", type=int, metavar="K",
+                   help="the run's --moe-router-topk: reads tokens_per_expert/ (--save-tokens-per-expert-interval) "
+                        "into router/<router>/load")
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
     output.add_overwrite(p, "the store")
     output.add_quiet(p)
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                            num_query_groups=args.num_query_groups, gated_mlp=args.gated_mlp,
                            overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force,
                            logs=args.logs, tp_splits=parse_tp_splits(args.tp_split),
-                           layout=args.layout)
+                           layout=args.layout, moe_topk=args.moe_topk)
     except HeadSplitError as exc:         # the fix in the command's words (--heads), not Python's
         raise SpecError(exc.cli) from None
     print(f"{args.out}: {store.n_records} records, {len(store.grads)} tensors, {store.meta.n_weights} weight "

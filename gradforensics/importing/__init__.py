@@ -53,7 +53,7 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
                gated_mlp: bool = False, overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
                quiet: bool = True, force: bool = False, logs: str | os.PathLike[str] | None = None,
                tp_splits: Mapping[str, int | None] | None = None,
-               layout: str | Mapping[str, int] | None = None) -> Store:
+               layout: str | Mapping[str, int] | None = None, moe_topk: int | None = None) -> Store:
     """Import a training run's history from *source* into a new store at *out*.
 
     Parameters
@@ -88,6 +88,9 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
         Megatron: the run's parallel sizes, ``"tp=2,pp=2,ep=2,etp=1,vp=1"`` or a mapping (``etp``
         defaults to ``tp``, the others to 1).  The files present are checked against it; it is
         needed for an expert tensor-parallel size below TP.  Default: the grid of the file names.
+    moe_topk
+        Megatron: the run's ``--moe-router-topk`` k, needed to read ``tokens_per_expert/``
+        (``--save-tokens-per-expert-interval``) into ``router/<router>/load`` (attribute ``top_k``).
     overwrite, storage_options
         As for :class:`gradforensics.Recorder`.
     quiet, force
@@ -131,7 +134,7 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
         import_olmo_core(src, out, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     else:
         from gradforensics.importing.megatron import MegatronSpec, import_megatron, parse_layout
-        from gradforensics.importing.megatron_acts import import_activations, joined_activations
+        from gradforensics.importing.megatron_acts import import_activations, record_extras
 
         spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp,
                             tp_splits=dict(tp_splits or {}), layout=parse_layout(layout))
@@ -139,5 +142,5 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
             import_activations(src, out, spec, tensors=tensors, writer_options=options, logs=run_log)
         else:
             import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log,
-                            activations=joined_activations(src, spec, quiet=quiet))
+                            extra_rows=record_extras(src, top_k=moe_topk, quiet=quiet))
     return open_store(out, storage_options=storage_options)

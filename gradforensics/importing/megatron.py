@@ -51,7 +51,6 @@ from gradforensics.errors import CheckpointError, ImportSourceError, MissingShar
 from gradforensics.importing.records import ImportWriter
 from gradforensics.store.heads import HeadSpec
 from gradforensics.store.names import check_name
-from gradforensics.store.writer import Row
 
 if TYPE_CHECKING:
     import torch
@@ -569,11 +568,12 @@ def store_name(name: str) -> str:
 
 def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequence[str] | None, heads: Any,
                     writer_options: Mapping[str, Any], logs: RunLog | None = None,
-                    activations: Callable[[int], Mapping[str, Row]] | None = None) -> int:
+                    extra_rows: Callable[[MegatronSpec, Sequence[int]], Any] | None = None) -> int:
     """Import every saved iteration of ``spec.kind`` under *source* into *out*; returns the records written.
 
-    *activations* gives each record's activation-statistics rows by iteration (its attributes ``note`` and
-    ``left_out``, when present, go to ``extra["import"]``: :func:`.megatron_acts.joined_activations`).
+    *extra_rows* makes, from the spec and the records' iterations, what gives each record's other rows (its
+    ``rows(iteration)``: activation statistics, router loads) and its ``notes`` and ``left_out`` for
+    ``extra["import"]`` (:func:`.megatron_acts.record_extras`).
 
     With *logs* (the run's own, :mod:`gradforensics.runlog`), records get the logged loss, lr, loss scale
     and gradient norm; fp16 gradients are unscaled and skipped iterations marked (:mod:`.logjoin`).
@@ -594,21 +594,23 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
     names = keep(names, left_out, first_dir)
     specs = _apply_heads(merged, spec, heads)
     units = {store_name(u): len(m) for u, m in listed.items() if u in names}
-    first_acts = activations(first_it) if activations is not None else {}
+    extras = extra_rows(spec, list(iters)) if extra_rows is not None else None
+    first_extra = extras.rows(first_it) if extras is not None else {}
     left_out = {store_name(n): why for n, why in left_out.items()}
-    left_out.update(getattr(activations, "left_out", {}))
+    left_out.update(extras.left_out if extras is not None else {})
     extra = {"import": {"format": "megatron", "source": str(source), "kind": spec.kind,
                         "iterations": list(iters), "num_heads": spec.num_heads,
                         "num_query_groups": spec.num_query_groups, "gated_mlp": spec.gated_mlp,
                         "layout": _layout_text(spec.layout) if spec.layout else "from the file names",
                         "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron",
                         "experts_units": units,
-                        "activations": getattr(activations, "note", "none in the dump"), "not_imported": left_out}}
+                        "activations": "none in the dump", "router": "none in the dump", "not_imported": left_out,
+                        **(extras.notes if extras is not None else {})}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
     grad_bytes = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
     per_record = {"grads": grad_bytes, "weights": grad_bytes * len(set(params) & set(iters)) // len(iters),
-                  "acts": sum(r.data.nbytes for r in first_acts.values())}
+                  "acts": sum(r.data.nbytes for r in first_extra.values())}
     join = LogJoin(logs, gradients=spec.kind != "params")
     with ImportWriter(out, heads=store_specs, total=len(iters), per_record=per_record, framework="megatron",
                       model_info=info, extra=extra, logged=join.logged,
@@ -630,7 +632,7 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
             if missing:
                 raise ShardMismatchError(f"{d}: {missing[0]} is missing; iteration {first_it} has it.")
             iv, record = join.record(it, d.stat().st_mtime, {store_name(n): merged[n] for n in names}, merged)
-            rows = first_acts if it == first_it or activations is None else activations(it)
+            rows = first_extra if it == first_it or extras is None else extras.rows(it)
             w.record(iv, record, snaps, rows)
         if join.logged:
             w.annotate(**join.summary())

@@ -42,13 +42,14 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError, ImportSourceError, ShardMismatchError
 from gradforensics.importing.megatron import MegatronSpec, iterations, merge, partition_axis, shards
 from gradforensics.importing.megatron_moe import grouped_per_token
+from gradforensics.importing.megatron_routing import RouterLoads, joined_routing
 from gradforensics.recording.actstats import ActRange, act_stats, make_range
 from gradforensics.store.names import check_name
 from gradforensics.store.schema import ACT_FIELDS, act_path
@@ -59,8 +60,8 @@ if TYPE_CHECKING:
 
     from gradforensics.runlog import RunLog
 
-__all__ = ["JOINED", "UNIT_AXIS_FROM", "ActivationStats", "JoinedActivations", "act_module", "import_activations",
-           "joined_activations", "load_activations"]
+__all__ = ["JOINED", "UNIT_AXIS_FROM", "ActivationStats", "JoinedActivations", "RecordExtras", "act_module",
+           "import_activations", "joined_activations", "load_activations", "record_extras"]
 
 UNIT_AXIS_FROM = "last axis (Megatron-LM's [sequence, batch, features] activations)"
 _KEY = re.compile(r"^(.+)/((?:input|output)\d+)$")
@@ -302,3 +303,40 @@ def joined_activations(source: Path, spec: MegatronSpec, *, quiet: bool = True) 
     if not quiet:
         print(f"import: activations {note}.", file=sys.stderr)
     return JoinedActivations(spec, found, note)
+
+
+class RecordExtras:
+    """The rows a ``wgrads`` / ``dgrads`` / ``params`` import's records get beside their tensors: the activation
+    statistics (:func:`joined_activations`) and the router loads (:func:`.megatron_routing.joined_routing`)."""
+
+    def __init__(self, acts: JoinedActivations | None, routing: RouterLoads | str | None) -> None:
+        self.acts, self.routing = acts, routing
+
+    def rows(self, it: int) -> dict[str, Row]:
+        out = self.acts(it) if self.acts is not None else {}
+        if isinstance(self.routing, RouterLoads):
+            out.update(self.routing(it))
+        return out
+
+    @property
+    def notes(self) -> dict[str, str]:
+        """``extra["import"]`` entries: what became of ``activations/`` and ``tokens_per_expert/``."""
+        routing = self.routing.note if isinstance(self.routing, RouterLoads) else self.routing
+        return {"activations": self.acts.note if self.acts is not None else "none in the dump",
+                "router": routing or "none in the dump"}
+
+    @property
+    def left_out(self) -> dict[str, str]:
+        return self.acts.left_out if self.acts is not None else {}
+
+
+def record_extras(source: Path, *, top_k: int | None = None,
+                  quiet: bool = True) -> Callable[[MegatronSpec, Sequence[int]], RecordExtras]:
+    """For :func:`gradforensics.importing.megatron.import_megatron`'s ``extra_rows``: the activations and router
+    loads beside the dump in *source*, made once the spec and the records' iterations are known."""
+
+    def make(spec: MegatronSpec, steps: Sequence[int]) -> RecordExtras:
+        return RecordExtras(joined_activations(source, spec, quiet=quiet),
+                            joined_routing(source, spec.layout, steps, top_k, quiet=quiet))
+
+    return make
