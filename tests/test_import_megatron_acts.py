@@ -16,6 +16,7 @@ The oracle is a direct torch computation of each statistic on the unsharded acti
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -175,3 +176,42 @@ def test_activations_at_other_iterations_are_not_joined_and_say_so(tmp_path):
     store = gf.import_run(tmp_path / "save", tmp_path / "w.zarr")
     assert not store.act_modules
     assert store.meta.extra["import"]["activations"].startswith("not joined: activations/ has no iter_0000003")
+
+
+def test_a_pickle_payload_among_the_call_arguments_runs_nothing(tmp_path, capsys):
+    """The hook saves keyword arguments as given: a hostile one is refused with the file, nothing executed."""
+    from test_import_hostile import Payload, _refused
+
+    write(tmp_path / "save", iters=(2,))
+    marker = tmp_path / "PWNED"
+    target = tmp_path / "save" / "activations" / "iter_0000002" / "mp_rank_01.pth"
+    torch.save({"model_chunk0": {L0 + "mlp.linear_fc2/input0": torch.zeros(S, B, F // TP),
+                                 L0 + "mlp.linear_fc2/packed_seq_params": Payload(marker)}}, target)
+    _refused(tmp_path, capsys, [str(tmp_path / "save"), "--format", "megatron", "--kind", "activations"],
+             "mp_rank_01.pth", "refused to unpickle", "nothing in the file")
+    assert not marker.exists()
+
+
+def test_a_tokens_per_expert_line_that_is_not_json_is_one_line(tmp_path, capsys):
+    from test_import_hostile import _refused
+
+    (tmp_path / "save" / "wgrads" / "iter_0000002").mkdir(parents=True)
+    torch.save({"model_chunk0": {"w.weight": torch.ones(2, 2)}},
+               tmp_path / "save" / "wgrads" / "iter_0000002" / "mp_rank_00.pth")
+    (tmp_path / "save" / "tokens_per_expert").mkdir()
+    (tmp_path / "save" / "tokens_per_expert" / "rank0.jsonl").write_bytes(b"\x80\x04not json\n")
+    _refused(tmp_path, capsys, [str(tmp_path / "save"), "--format", "megatron", "--moe-topk", "2"],
+             "rank0.jsonl:1: not a JSON object")
+
+
+def test_an_activations_import_also_reads_the_router_loads(tmp_path):
+    write(tmp_path / "save")
+    (tmp_path / "save" / "tokens_per_expert").mkdir()
+    counts = {it: [[it, 2, 3, 1], [1, 1, 2, 2]] for it in ITERS}
+    (tmp_path / "save" / "tokens_per_expert" / "rank0.jsonl").write_text("".join(
+        json.dumps({"iter": it, "block": "decoder", "layer": 1, "tpe": c}) + "\n" for it, c in counts.items()))
+    store = gf.import_run(tmp_path / "save", tmp_path / "a.zarr", kind="activations", gated_mlp=True, moe_topk=2)
+    load = store.router("decoder.layers.1.mlp.router", "load")
+    want = np.array([np.sum(counts[it], axis=0) / np.sum(counts[it]) for it in ITERS])
+    np.testing.assert_allclose(load, want, rtol=1e-6)
+    assert store.meta.extra["import"]["router"].startswith("load and max_share from tokens_per_expert/")

@@ -139,7 +139,7 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
         spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp,
                             tp_splits=dict(tp_splits or {}), layout=parse_layout(layout))
         if kind == "activations":
-            import_activations(src, out, spec, tensors=tensors, writer_options=options, logs=run_log)
+            import_activations(src, out, spec, tensors=tensors, writer_options=options, logs=run_log, top_k=moe_topk)
         else:
             import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log,
                             extra_rows=record_extras(src, top_k=moe_topk, quiet=quiet))

@@ -27,7 +27,8 @@ Merging a saved iteration into the unsharded model (:func:`merge`):
 * **expert parallel**: non-expert tensors are the same on every expert rank (Megatron's
   ``save_grads`` says so) and one copy per tensor-parallel shard is kept; local experts
   (``experts.local_experts.<j>``, grouped ``experts.linear_fc1.weight<j>``) are renumbered
-  globally, ``ep_rank * n_local + j``.
+  globally, ``ep_rank * n_local + j``; the import then stacks them into ``(E, ...)`` experts units
+  (:mod:`.megatron_moe`).
 * **the layout** (:class:`Layout`, ``--layout``): the files present are checked against the ones its
   ranks write; with an expert tensor-parallel size below TP the files are a diagonal of the TP x EP
   grid and experts are joined over their ETP shards (:meth:`Layout.writers`); above TP is refused.

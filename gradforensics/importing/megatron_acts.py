@@ -241,8 +241,10 @@ def _layout(spec: MegatronSpec) -> Any:
 
 
 def import_activations(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequence[str] | None,
-                       writer_options: Mapping[str, Any], logs: RunLog | None = None) -> int:
-    """Every ``activations/iter_*`` under *source* as a record of activation statistics; returns the records."""
+                       writer_options: Mapping[str, Any], logs: RunLog | None = None,
+                       top_k: int | None = None) -> int:
+    """Every ``activations/iter_*`` under *source* as a record of activation statistics (and, with *top_k*, the
+    router loads of ``tokens_per_expert/``: :func:`.megatron_routing.joined_routing`); returns the records."""
     from gradforensics.importing.logjoin import LogJoin
     from gradforensics.importing.records import ImportWriter
 
@@ -250,9 +252,13 @@ def import_activations(source: Path, out: Any, spec: MegatronSpec, *, tensors: S
     stats = ActivationStats(spec, tensors=tensors)
     first_it, first_dir = next(iter(iters.items()))
     first_rows = stats.rows(first_dir)
+    routing = joined_routing(source, spec.layout, list(iters), top_k, quiet=bool(writer_options.get("quiet", True)))
+    extras = RecordExtras(None, routing)
+    first_rows.update(extras.rows(first_it))
     extra = {"import": {"format": "megatron", "source": str(source), "kind": "activations",
                         "iterations": list(iters), "layout": _layout(spec), "sequence_parallel": stats.sp,
-                        "activations": JOINED, "not_imported": dict(stats.left_out)}}
+                        "activations": JOINED, "router": extras.notes["router"],
+                        "not_imported": dict(stats.left_out)}}
     join = LogJoin(logs, gradients=False)
     per_record = {"acts": sum(r.data.nbytes for r in first_rows.values())}
     with ImportWriter(out, heads={}, total=len(iters), per_record=per_record, framework="megatron",
@@ -260,7 +266,7 @@ def import_activations(source: Path, out: Any, spec: MegatronSpec, *, tensors: S
                       **writer_options) as w:
         _notice(w.say, stats.left_out)
         for it, d in iters.items():
-            rows = first_rows if it == first_it else stats.rows(d)
+            rows = first_rows if it == first_it else {**stats.rows(d), **extras.rows(it)}
             iv, _ = join.record(it, d.stat().st_mtime, {})
             w.record(iv, {}, (), rows)
         w.annotate(not_imported=dict(stats.left_out), **(join.summary() if join.logged else {}))
