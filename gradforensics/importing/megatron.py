@@ -586,7 +586,8 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
     params = iterations(source, "params") if spec.kind != "params" and (source / "params").is_dir() else {}
     first_it, first_dir = next(iter(iters.items()))
     merged = _load_iteration(first_dir, spec)
-    listed = expert_units(merged) if spec.kind != "dgrads" else {}     # parameters only: (E, ...) units
+    # parameters only, weights only (2-D and up): (E, ...) units; an expert's bias stays its own 1-D tensor
+    listed = expert_units(n for n, t in merged.items() if t.ndim >= 2) if spec.kind != "dgrads" else {}
     merged = stack_experts(merged, listed)
     names = _select(merged, tensors, first_dir)
     left_out = left_out_moe(spec.kind, iters, lambda d: _load_iteration(d, spec, first_dir),

@@ -12,8 +12,9 @@ with the attribute ``experts = E`` exactly as capture stores fused experts
 * ``TEGroupedMLP`` (grouped GEMM): ``<layer>.mlp.experts.linear_fc1.weight<j>`` ->
   ``<layer>.mlp.experts.linear_fc1.weight``.
 
-Only parameters (``wgrads``, ``params``) are stacked: an expert's activation gradient has one row
-per token routed to it, a different count for each expert.
+Only parameters (``wgrads``, ``params``) of two or more axes (weights) are stacked: an expert's
+activation gradient has one row per token routed to it, a different count for each expert; an
+expert's bias stays its own 1-D tensor (not imported by default, as every 1-D tensor).
 
 **Shapes that change between iterations.**  The tokens routed to each expert differ every
 iteration, so the activation gradients of the experts' layers (``dgrads``' ``...experts.linear_fc1/
