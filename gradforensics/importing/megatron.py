@@ -619,7 +619,7 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
                       experts=units, **writer_options) as w:
         if left_out and w.say is not None:
             print(f"import: {len(left_out)} tensor(s) not imported ({', '.join(sorted(left_out)[:3])}"
-                  f"{', ...' if len(left_out) > 3 else ''}): {next(iter(left_out.values()))}; see "
+                  f"{', ...' if len(left_out) > 3 else ''}): {left_out[min(left_out)]}; see "
                   "extra['import']['not_imported'].", file=w.say)
         for it, d in iters.items():
             if it != first_it:

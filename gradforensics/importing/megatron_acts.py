@@ -333,7 +333,8 @@ class RecordExtras:
 
     @property
     def left_out(self) -> dict[str, str]:
-        return self.acts.left_out if self.acts is not None else {}
+        """The activations left out, as ``"activation <dump key>"`` (beside the gradient dump's own names)."""
+        return {f"activation {n}": why for n, why in self.acts.left_out.items()} if self.acts is not None else {}
 
 
 def record_extras(source: Path, *, top_k: int | None = None,
