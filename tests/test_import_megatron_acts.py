@@ -115,7 +115,8 @@ def check(get, truths: dict[int, dict[str, torch.Tensor]]) -> None:
 
 def test_activations_import_equals_torch_statistics_of_the_unsharded_activations(tmp_path):
     truths = write(tmp_path / "save")
-    store = gf.import_run(tmp_path / "save", tmp_path / "a.zarr", kind="activations", gated_mlp=True)
+    store = gf.import_run(tmp_path / "save", tmp_path / "a.zarr", kind="activations", gated_mlp=True,
+                          layout="tp=2")
     assert store.n_records == 3 and store.batches()["step"].tolist() == list(ITERS) and not store.grads
 
     def get(module: str, i: int) -> dict:
@@ -159,7 +160,7 @@ def test_activations_join_the_gradient_records_at_the_same_iterations(tmp_path):
         for rank in range(TP):
             torch.save({"model_chunk0": {L0 + "mlp.linear_fc2.weight": torch.randn(H, F // TP)}},
                        d / f"mp_rank_{rank:02d}.pth")
-    store = gf.import_run(tmp_path / "save", tmp_path / "w.zarr", gated_mlp=True)
+    store = gf.import_run(tmp_path / "save", tmp_path / "w.zarr", gated_mlp=True, layout="tp=2")
     assert list(store.grads) == [L0 + "mlp.linear_fc2.weight"]
     assert store.act(L0 + "mlp.linear_fc2.input0", "dead").shape == (3, F)
     assert store.meta.extra["import"]["activations"].startswith("statistics of the last micro-batch")
@@ -210,7 +211,8 @@ def test_an_activations_import_also_reads_the_router_loads(tmp_path):
     counts = {it: [[it, 2, 3, 1], [1, 1, 2, 2]] for it in ITERS}
     (tmp_path / "save" / "tokens_per_expert" / "rank0.jsonl").write_text("".join(
         json.dumps({"iter": it, "block": "decoder", "layer": 1, "tpe": c}) + "\n" for it, c in counts.items()))
-    store = gf.import_run(tmp_path / "save", tmp_path / "a.zarr", kind="activations", gated_mlp=True, moe_topk=2)
+    store = gf.import_run(tmp_path / "save", tmp_path / "a.zarr", kind="activations", gated_mlp=True, moe_topk=2,
+                          layout="tp=2")
     load = store.router("decoder.layers.1.mlp.router", "load")
     want = np.array([np.sum(counts[it], axis=0) / np.sum(counts[it]) for it in ITERS])
     np.testing.assert_allclose(load, want, rtol=1e-6)

@@ -158,7 +158,7 @@ def test_moe_activation_gradients_of_varying_shape_are_named_and_the_rest_import
     truths = _dump_dgrads(tmp_path / "save")
     out = tmp_path / "d.zarr"
     assert main(["import", str(tmp_path / "save"), "--format", "megatron", "--kind", "dgrads", "--heads", "none",
-                 "--out", str(out)]) == 0
+                 "--layout", "tp=2", "--out", str(out)]) == 0
     err = [ln for ln in capsys.readouterr().err.splitlines() if "not imported" in ln]
     assert len(err) == 1 and "decoder.layers.0.mlp.experts.linear_fc1.output0" in err[0] and "(5, 8), (9, 8)" in err[0]
     store = gf.open_store(out)
@@ -176,7 +176,8 @@ def test_only_varying_tensors_chosen_is_one_line(tmp_path):
     _dump_dgrads(tmp_path / "save")
     with pytest.raises(ImportSourceError, match=r"every tensor chosen is left out: .*experts.linear_fc1/output0: its "
                                                 r"shape changes between saved iterations") as e:
-        gf.import_run(tmp_path / "save", tmp_path / "d.zarr", kind="dgrads", heads=None, tensors=["*experts*"])
+        gf.import_run(tmp_path / "save", tmp_path / "d.zarr", kind="dgrads", heads=None, tensors=["*experts*"],
+                      layout="tp=2")
     assert "\n" not in str(e.value)
 
 
@@ -194,7 +195,7 @@ def test_grouped_experts_per_token_tensors_under_expert_parallelism_are_left_out
 
 def test_fixed_shape_expert_activation_gradients_without_expert_parallelism_are_imported(tmp_path):
     truths = _dump_dgrads(tmp_path / "save", fixed=True)
-    store = gf.import_run(tmp_path / "save", tmp_path / "d.zarr", kind="dgrads", heads=None)
+    store = gf.import_run(tmp_path / "save", tmp_path / "d.zarr", kind="dgrads", heads=None, layout="tp=2")
     assert store.meta.extra["import"]["not_imported"] == {}
     got = store.read("grads/decoder.layers.0.mlp.experts.linear_fc1.output0")
     assert np.array_equal(got[1], truths[2]["decoder.layers.0.mlp.experts.linear_fc1/output0"].numpy())
@@ -252,8 +253,12 @@ def test_tokens_per_expert_not_read_says_why_and_a_malformed_line_is_one_line(tm
     store = gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, layout="tp=2,ep=2")
     assert not store.router_modules
     assert "give the run's --moe-router-topk as --moe-topk K" in store.meta.extra["import"]["router"]
-    store = gf.import_run(tmp_path / "save", tmp_path / "b.zarr", heads=None, moe_topk=2)
-    assert "give --layout (ep=, etp=)" in store.meta.extra["import"]["router"]
+    dense = tmp_path / "dense"                  # one dense rank file, the log of several ranks, no --layout
+    (dense / "wgrads" / "iter_0000001").mkdir(parents=True)
+    torch.save({"model_chunk0": {"w.weight": torch.ones(2, 2)}}, dense / "wgrads" / "iter_0000001" / "mp_rank_00.pth")
+    _log_tokens(dense, (1,))
+    store = gf.import_run(dense, tmp_path / "b.zarr", heads=None, moe_topk=2)
+    assert "give --layout (ep=, etp=)" in store.meta.extra["import"]["router"] and not store.router_modules
     with open(tmp_path / "save" / "tokens_per_expert" / "rank3.jsonl", "a") as f:
         f.write('{"iter": 2, "block": "decoder", "layer": 0, "tpe": [[1, -4]]}\n')
     with pytest.raises(CheckpointError, match=r"rank3.jsonl:5: 'tpe' must be a list of micro-batches") as e:
