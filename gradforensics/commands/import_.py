@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default), none, FILE.json, or GLOB=H[:axis=A,fused=F,role=R] / GLOB=none entries "
                         "(add auto to keep the rules for the rest)")
     m = p.add_argument_group("megatron")
-    m.add_argument("--kind", choices=("wgrads", "dgrads", "params"), default="wgrads",
-                   help="which dump to import (default wgrads: the reduced main_grad)")
+    m.add_argument("--kind", choices=("wgrads", "dgrads", "params", "activations"), default="wgrads",
+                   help="which dump to import (default wgrads: the reduced main_grad; activations: statistics of "
+                        "the forward activations, acts/<module>/)")
     m.add_argument("--num-heads", type=int, metavar="H", help="attention heads: splits linear_qkv into heads")
     m.add_argument("--num-query-groups", type=int, metavar="G", help="query groups (grouped-query attention; "
                                                                      "default = --num-heads)")
@@ -60,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the true vocabulary size: the padded rows of word_embeddings / output_layer are dropped")
     m.add_argument("--gated-mlp", action="store_true", help="linear_fc1 is a gated pair (SwiGLU): each rank holds "
                                                             "its part of both halves")
+    m.add_argument("--moe-topk", type=int, metavar="K",
+                   help="the run's --moe-router-topk: reads tokens_per_expert/ (--save-tokens-per-expert-interval) "
+                        "into router/<router>/load")
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
     output.add_overwrite(p, "the store")
     output.add_quiet(p)
@@ -102,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
                            num_query_groups=args.num_query_groups, gated_mlp=args.gated_mlp,
                            overwrite=args.overwrite, storage_options=options, quiet=args.quiet, force=args.force,
                            logs=args.logs, tp_splits=parse_tp_splits(args.tp_split),
-                           layout=args.layout, args_from=args.args_from, vocab_size=args.vocab_size)
+                           layout=args.layout, args_from=args.args_from, vocab_size=args.vocab_size,
+                           moe_topk=args.moe_topk)
     except HeadSplitError as exc:         # the fix in the command's words (--heads), not Python's
         raise SpecError(exc.cli) from None
     print(f"{args.out}: {store.n_records} records, {len(store.grads)} tensors, {store.meta.n_weights} weight "

@@ -54,7 +54,7 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
                quiet: bool = True, force: bool = False, logs: str | os.PathLike[str] | None = None,
                tp_splits: Mapping[str, int | None] | None = None,
                layout: str | Mapping[str, int] | None = None, args_from: str | os.PathLike[str] | None = None,
-               vocab_size: int | None = None) -> Store:
+               vocab_size: int | None = None, moe_topk: int | None = None) -> Store:
     """Import a training run's history from *source* into a new store at *out*.
 
     Parameters
@@ -75,8 +75,9 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
         ``capture``.  Megatron's fused ``linear_qkv`` is split into heads by query group
         when *num_heads* (and *num_query_groups* for grouped-query attention) are given.
     kind
-        Megatron: which dump, ``"wgrads"`` (the reduced ``main_grad``), ``"dgrads"``
-        or ``"params"``.
+        Megatron: which dump, ``"wgrads"`` (the reduced ``main_grad``), ``"dgrads"``, ``"params"``
+        or ``"activations"`` (``--save-activations-interval``: activation statistics ``acts/<module>/``
+        per saved iteration; beside another kind saved at the same iterations they join its records).
     num_heads, num_query_groups, gated_mlp
         Megatron: the model's attention heads and query groups, and whether
         ``linear_fc1`` is a gated (SwiGLU) pair whose halves each rank holds.
@@ -98,6 +99,9 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
     vocab_size
         Megatron: the true vocabulary size; the padded rows of ``word_embeddings`` / ``output_layer``
         are dropped (default: the run's saved ``vocab_size`` when it has one).
+    moe_topk
+        Megatron: the run's ``--moe-router-topk`` k, needed to read ``tokens_per_expert/``
+        (``--save-tokens-per-expert-interval``) into ``router/<router>/load`` (attribute ``top_k``).
     overwrite, storage_options
         As for :class:`gradforensics.Recorder`.
     quiet, force
@@ -140,10 +144,16 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
 
         import_olmo_core(src, out, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
     else:
-        from gradforensics.importing.megatron import MegatronSpec, import_megatron, parse_layout
+        from gradforensics.importing.megatron import MegatronSpec, import_megatron, parse_layout, resolve
+        from gradforensics.importing.megatron_acts import import_activations, record_extras
 
         spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp,
                             tp_splits=dict(tp_splits or {}), layout=parse_layout(layout), vocab_size=vocab_size,
                             args_from=None if args_from is None else str(args_from))
-        import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log)
+        if kind == "activations":
+            spec = resolve(spec, src)           # the run's saved arguments (import_megatron resolves its own)
+            import_activations(src, out, spec, tensors=tensors, writer_options=options, logs=run_log, top_k=moe_topk)
+        else:
+            import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log,
+                            extra_rows=record_extras(src, top_k=moe_topk, quiet=quiet))
     return open_store(out, storage_options=storage_options)

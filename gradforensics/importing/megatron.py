@@ -27,7 +27,8 @@ Merging a saved iteration into the unsharded model (:func:`merge`):
 * **expert parallel**: non-expert tensors are the same on every expert rank (Megatron's
   ``save_grads`` says so) and one copy per tensor-parallel shard is kept; local experts
   (``experts.local_experts.<j>``, grouped ``experts.linear_fc1.weight<j>``) are renumbered
-  globally, ``ep_rank * n_local + j``.
+  globally, ``ep_rank * n_local + j``; the import then stacks them into ``(E, ...)`` experts units
+  (:mod:`.megatron_moe`).
 * **the layout** (:class:`Layout`, ``--layout``, or the run's saved arguments: :func:`resolve`,
   :mod:`.megatron_args`): the files present are checked against the ones its ranks write; with an expert
   tensor-parallel size below TP the files are a diagonal of the TP x EP grid and experts are joined over
@@ -48,7 +49,7 @@ import dataclasses
 import fnmatch
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,7 @@ __all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "Layout", "MegatronSpec",
            "save_dir", "shards", "store_name", "trim_vocab"]
 
 
-KINDS = ("wgrads", "dgrads", "params")
+KINDS = ("wgrads", "dgrads", "params", "activations")
 #: module leaves whose weight (and bias) are split along axis 0 across tensor-parallel ranks
 COLUMN_PARALLEL = frozenset({"linear_qkv", "linear_fc1", "linear_q", "linear_kv", "linear_q_up_proj",
                              "linear_kv_up_proj", "word_embeddings", "output_layer"})
@@ -743,13 +744,19 @@ def store_name(name: str) -> str:
 
 
 def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequence[str] | None, heads: Any,
-                    writer_options: Mapping[str, Any], logs: RunLog | None = None) -> int:
+                    writer_options: Mapping[str, Any], logs: RunLog | None = None,
+                    extra_rows: Callable[[MegatronSpec, Sequence[int]], Any] | None = None) -> int:
     """Import every saved iteration of ``spec.kind`` under *source* into *out*; returns the records written.
+
+    *extra_rows* makes, from the spec and the records' iterations, what gives each record's other rows (its
+    ``rows(iteration)``: activation statistics, router loads) and its ``notes`` and ``left_out`` for
+    ``extra["import"]`` (:func:`.megatron_acts.record_extras`).
 
     With *logs* (the run's own, :mod:`gradforensics.runlog`), records get the logged loss, lr, loss scale
     and gradient norm; fp16 gradients are unscaled and skipped iterations marked (:mod:`.logjoin`).
     """
     from gradforensics.importing.logjoin import LogJoin
+    from gradforensics.importing.megatron_moe import expert_units, keep, left_out_moe, stack_experts
 
     iters = iterations(source, spec.kind)
     given = spec.layout
@@ -758,8 +765,20 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
     first_it, first_dir = next(iter(iters.items()))
     merged = merge({s: load_shard(s.path) for s in shards(first_dir, spec.layout)}, spec, first_dir)
     vocab = trim_vocab(merged, spec, first_dir)
+    # parameters only, weights only (2-D and up): (E, ...) units; an expert's bias stays its own 1-D tensor
+    listed = expert_units(n for n, t in merged.items() if t.ndim >= 2) if spec.kind != "dgrads" else {}
+    merged = stack_experts(merged, listed)
     names = _select(merged, tensors, first_dir)
+    left_out = left_out_moe(spec.kind, iters, lambda d: _load_iteration(d, spec, first_dir),
+                            {n: merged[n] for n in names},
+                            expert_ranks=len({s.ep for s in shards(first_dir, spec.layout)}))
+    names = keep(names, left_out, first_dir)
     specs = _apply_heads(merged, spec, heads)
+    units = {store_name(u): len(m) for u, m in listed.items() if u in names}
+    extras = extra_rows(spec, list(iters)) if extra_rows is not None else None
+    first_extra = extras.rows(first_it) if extras is not None else {}
+    left_out = {store_name(n): why for n, why in left_out.items()}
+    left_out.update(extras.left_out if extras is not None else {})
     extra = {"import": {"format": "megatron", "source": str(source), "kind": spec.kind,
                         "iterations": list(iters), "num_heads": spec.num_heads,
                         "num_query_groups": spec.num_query_groups, "gated_mlp": spec.gated_mlp,
@@ -767,28 +786,38 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
                         "layout_from": _layout_from(given, spec),
                         "run_args": spec.run_args.as_attrs() if spec.run_args is not None else spec.args_note,
                         "vocab": vocab,
-                        "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron"}}
+                        "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron",
+                        "experts_units": units,
+                        "activations": "none in the dump", "router": "none in the dump", "not_imported": left_out,
+                        **(extras.notes if extras is not None else {})}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
     grad_bytes = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)
-    per_record = {"grads": grad_bytes, "weights": grad_bytes * len(set(params) & set(iters)) // len(iters)}
+    per_record = {"grads": grad_bytes, "weights": grad_bytes * len(set(params) & set(iters)) // len(iters),
+                  "acts": sum(r.data.nbytes for r in first_extra.values())}
     join = LogJoin(logs, gradients=spec.kind != "params")
     with ImportWriter(out, heads=store_specs, total=len(iters), per_record=per_record, framework="megatron",
-                      model_info=info, extra=extra, logged=join.logged, **writer_options) as w:
+                      model_info=info, extra=extra, logged=join.logged,
+                      experts=units, **writer_options) as w:
+        if left_out and w.say is not None:
+            print(f"import: {len(left_out)} tensor(s) not imported ({', '.join(sorted(left_out)[:3])}"
+                  f"{', ...' if len(left_out) > 3 else ''}): {left_out[min(left_out)]}; see "
+                  "extra['import']['not_imported'].", file=w.say)
         for it, d in iters.items():
             if it != first_it:
-                merged = _load_iteration(d, spec, first_dir)
+                merged = stack_experts(_load_iteration(d, spec, first_dir), listed)
                 _apply_heads(merged, spec, heads)
             snaps = []
             if it in params:
-                p = _load_iteration(params[it], spec, first_dir)
+                p = stack_experts(_load_iteration(params[it], spec, first_dir), listed)
                 _apply_heads(p, spec, heads)
                 snaps = [{store_name(n): p[n] for n in names if n in p}]
             missing = [n for n in names if n not in merged]
             if missing:
                 raise ShardMismatchError(f"{d}: {missing[0]} is missing; iteration {first_it} has it.")
             iv, record = join.record(it, d.stat().st_mtime, {store_name(n): merged[n] for n in names}, merged)
-            w.record(iv, record, snaps)
+            rows = first_extra if it == first_it or extras is None else extras.rows(it)
+            w.record(iv, record, snaps, rows)
         if join.logged:
             w.annotate(**join.summary())
     return len(iters)

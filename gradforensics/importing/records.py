@@ -98,18 +98,23 @@ class ImportWriter:
     grad_attrs
         ``{tensor: attributes}`` added to a gradient array's own (an OLMo-core sampled gradient's
         ``partial`` and ``partial_region``).
+    experts
+        ``{tensor: E}`` of the mixture-of-experts units: ``(E, ...)`` gradients stored ``(N, E, ...)`` with the
+        attribute ``experts``, as capture stores them (:mod:`gradforensics.recording.experts`).
     """
 
     def __init__(self, out: str | os.PathLike[str], *, heads: Mapping[str, HeadSpec], total: int,
                  per_record: Mapping[str, int], framework: str, model_info: Mapping[str, Any], extra: Mapping[str, Any],
                  overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
                  quiet: bool = False, force: bool = False, file: IO[str] | None = None, logged: bool = False,
-                 grad_attrs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                 grad_attrs: Mapping[str, Mapping[str, Any]] | None = None,
+                 experts: Mapping[str, int] | None = None) -> None:
         from gradforensics.replay.run import Progress
 
         meta = new_meta([SOURCE], "training", framework, dict(model_info), dict(extra))
         self.heads = dict(heads)
         self.grad_attrs = {k: dict(v) for k, v in (grad_attrs or {}).items()}
+        self.experts = dict(experts or {})
         self.logged = logged
         self.total = total
         self.force = force
@@ -136,15 +141,17 @@ class ImportWriter:
                 self.writer.discard_if_empty()
 
     def record(self, interval: Interval, grads: Mapping[str, Any],
-               weights: Sequence[Mapping[str, Any]] = ()) -> None:
-        """Write one record: its gradients (or updates) and the weight snapshots taken at it."""
-        rows = self._meta_rows(interval)
+               weights: Sequence[Mapping[str, Any]] = (), rows: Mapping[str, Row] | None = None) -> None:
+        """Write one record: its gradients (or updates), the weight snapshots taken at it, and *rows* (other
+        per-record arrays by store path: activation statistics, ``acts/<module>/<stat>``)."""
+        out = self._meta_rows(interval)
         for name, g in grads.items():
-            rows[grad_path(name)] = self._grad_row(name, g)
+            out[grad_path(name)] = self._grad_row(name, g)
+        out.update(rows or {})
         snaps = [{weight_path(k): self._weight_row(w) for k, w in snap.items()} for snap in weights]
         for snap in snaps[:-1]:
             self.writer.snapshot(snap)
-        self.writer.append(rows, snaps[-1] if snaps else None)
+        self.writer.append(out, snaps[-1] if snaps else None)
         self.n += 1
         self.bar.update(self.n)
         pause_point("import-record")
@@ -179,6 +186,9 @@ class ImportWriter:
         spec = self.heads.get(name)
         attrs: dict[str, Any] = {"encoding": encoding, "source_dtype": source_dtype, "shape": list(data.shape),
                                  **self.grad_attrs.get(name, {})}
+        e = self.experts.get(name)
+        if e is not None:
+            return Row(data, {**attrs, "experts": e}, head_split=True)
         if spec is None:
             return Row(data, attrs)
         return Row(spec.split(data), {**attrs, **spec.attrs()}, head_split=True)
