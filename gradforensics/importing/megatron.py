@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from gradforensics.runlog import RunLog
 
 __all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "Layout", "MegatronSpec", "Shard", "import_megatron",
-           "iterations", "layout_axis", "load_shard", "merge", "parse_layout", "partition_axis", "qkv_heads", "resolve",
+           "iterations", "layout_axis", "load_shard", "merge", "parse_layout", "partition_axis", "qkv_heads", "read_chunks", "resolve",
            "save_dir", "shards", "store_name", "trim_vocab"]
 
 
@@ -375,25 +375,34 @@ def _file_name(t: int, p: int, e: int, width: int, pps: int, eps: int) -> str:
     return name + ".pth"
 
 
-def load_shard(path: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """``{chunk: {name: tensor}}`` of one rank file, read with ``weights_only=True`` (one-line errors)."""
-    import torch
-
+def read_chunks(path: Path, what: str = "tensor") -> dict[int, Mapping[Any, Any]]:
+    """``{chunk: {key: value}}`` of one rank file as saved, read with ``weights_only=True`` (one-line errors
+    naming *what* a key maps to)."""
     from gradforensics.replay.untrusted import torch_load
 
     obj = torch_load(path, mmap=True)
     if not isinstance(obj, Mapping) or not obj:
-        raise CheckpointError(f"{path}: expected Megatron's {{'model_chunk<i>': {{name: tensor}}}}; found "
+        raise CheckpointError(f"{path}: expected Megatron's {{'model_chunk<i>': {{name: {what}}}}}; found "
                               f"{type(obj).__name__}.")
-    out: dict[int, dict[str, torch.Tensor]] = {}
+    out: dict[int, Mapping[Any, Any]] = {}
     for key, sd in obj.items():
         m = _CHUNK.match(key) if isinstance(key, str) else None
         if m is None or not isinstance(sd, Mapping):
-            raise CheckpointError(f"{path}: entry {str(key)[:60]!r} is not model_chunk<i> -> {{name: tensor}}.")
+            raise CheckpointError(f"{path}: entry {str(key)[:60]!r} is not model_chunk<i> -> {{name: {what}}}.")
+        out[int(m.group(1))] = sd
+    return out
+
+
+def load_shard(path: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """``{chunk: {name: tensor}}`` of one rank file, read with ``weights_only=True`` (one-line errors)."""
+    import torch
+
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for chunk, sd in read_chunks(path).items():
         bad = next((k for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None)
         if bad is not None:
-            raise CheckpointError(f"{path}: {key}: entry {str(bad)[:60]!r} is not a tensor under a name.")
-        out[int(m.group(1))] = dict(sd)
+            raise CheckpointError(f"{path}: model_chunk{chunk}: entry {str(bad)[:60]!r} is not a tensor under a name.")
+        out[chunk] = dict(sd)
     return out
 
 

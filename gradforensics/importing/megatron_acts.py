@@ -46,8 +46,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradforensics.errors import CheckpointError, ImportSourceError, ShardMismatchError
-from gradforensics.importing.megatron import MegatronSpec, iterations, merge, partition_axis, shards
+from gradforensics.errors import ImportSourceError, ShardMismatchError
+from gradforensics.importing.megatron import MegatronSpec, iterations, merge, partition_axis, read_chunks, shards
 from gradforensics.importing.megatron_moe import grouped_per_token
 from gradforensics.importing.megatron_routing import RouterLoads, joined_routing
 from gradforensics.recording.actstats import ActRange, act_stats, make_range
@@ -65,7 +65,6 @@ __all__ = ["JOINED", "UNIT_AXIS_FROM", "ActivationStats", "JoinedActivations", "
 
 UNIT_AXIS_FROM = "last axis (Megatron-LM's [sequence, batch, features] activations)"
 _KEY = re.compile(r"^(.+)/((?:input|output)\d+)$")
-_CHUNK = re.compile(r"^model_chunk(\d+)$")
 _GATED = re.compile(r"(?:^|\.)linear_fc1/")
 _GROUPED_WHY = ("a grouped experts module's activations without its tokens per expert (input1, m_splits: a list of "
                 "counts summing to its rows) to split them by expert")
@@ -83,20 +82,11 @@ def load_activations(path: Path, splits: dict[tuple[Path, str], Any] | None = No
     a grouped experts module's tokens per expert (its ``input1``) go to *splits* under ``(path, module key)``."""
     import torch
 
-    from gradforensics.replay.untrusted import torch_load
-
-    obj = torch_load(path, mmap=True)
-    if not isinstance(obj, Mapping) or not obj:
-        raise CheckpointError(f"{path}: expected Megatron's {{'model_chunk<i>': {{key: activation}}}}; found "
-                              f"{type(obj).__name__}.")
     out: dict[int, dict[str, torch.Tensor]] = {}
-    for key, sd in obj.items():
-        m = _CHUNK.match(key) if isinstance(key, str) else None
-        if m is None or not isinstance(sd, Mapping):
-            raise CheckpointError(f"{path}: entry {str(key)[:60]!r} is not model_chunk<i> -> {{key: activation}}.")
-        out[int(m.group(1))] = {n: v for n, v in sd.items() if isinstance(n, str) and isinstance(v, torch.Tensor)}
+    for chunk, sd in read_chunks(path, "activation").items():
+        out[chunk] = {n: v for n, v in sd.items() if isinstance(n, str) and isinstance(v, torch.Tensor)}
         if splits is not None:
-            for n in grouped_per_token(out[int(m.group(1))]):
+            for n in grouped_per_token(out[chunk]):
                 splits[(path, n)] = sd.get(n.rpartition("/")[0] + "/input1")
     return out
 
