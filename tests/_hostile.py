@@ -343,3 +343,16 @@ def try_open(path: str) -> None:
     rec.close()
     print("OPENED", flush=True)
     sys.exit(0)
+
+
+def import_refused(tmp_path: Path, capsys: Any, source: Path, *expect: str) -> None:
+    """``gradforensics import SOURCE`` exits 2 with one error line holding each of *expect*, no traceback."""
+    from gradforensics.cli import main
+
+    out = tmp_path / f"out-{source.name}.zarr"
+    assert main(["import", str(source), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for e in expect:
+        assert e in lines[0], lines[0]

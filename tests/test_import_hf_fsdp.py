@@ -30,9 +30,9 @@ pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
 from _fsdp_workers import LORA_TARGETS, STEPS, worker  # noqa: E402
+from _hostile import import_refused  # noqa: E402
 
 import gradforensics as gf  # noqa: E402
-from gradforensics.cli import main  # noqa: E402
 
 WEIGHTS = ("0.weight", "2.weight", "4.weight", "6.weight")
 
@@ -157,7 +157,7 @@ def test_a_full_checkpoint_without_its_fsdp_bin_reads_model_safetensors(written,
                                              ("fsdp1-local", "pytorch_model_fsdp_rank0.bin")])
 def test_per_rank_files_are_refused_in_one_line(written, tmp_path, capsys, label, file):
     """``use_dcp=False`` and FSDP1's LOCAL_STATE_DICT: each rank's own (flat) shard, not joined."""
-    _refused(tmp_path, capsys, written[0] / label, file, "per-rank files are not read")
+    import_refused(tmp_path, capsys, written[0] / label, file, "per-rank files are not read")
 
 
 def test_wrapper_segments_in_names_are_dropped(written, tmp_path):
@@ -184,16 +184,6 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _refused(tmp_path: Path, capsys, source: Path, *expect: str) -> None:
-    out = tmp_path / f"out-{source.name}.zarr"
-    assert main(["import", str(source), "--out", str(out), "--quiet"]) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for e in expect:
-        assert e in lines[0], lines[0]
-
-
 @pytest.mark.parametrize(("label", "file"), [("fsdp2-full", "optimizer.bin"), ("fsdp2-full", "pytorch_model_fsdp.bin"),
                                              ("fsdp2-sharded", "optimizer_0/.metadata"),
                                              ("fsdp2-sharded", "pytorch_model_fsdp_0/.metadata")])
@@ -205,11 +195,11 @@ def test_a_hostile_fsdp_file_is_refused_and_never_runs(written, tmp_path, capsys
         target.write_bytes(pickle.dumps(Payload(marker)))
     else:
         torch.save({"state": {}, "x": Payload(marker)}, target)
-    _refused(tmp_path, capsys, src, f"checkpoint-2/{file}")
+    import_refused(tmp_path, capsys, src, f"checkpoint-2/{file}")
     assert not marker.exists()
 
 
-def test_a_missing_dcp_metadata_is_refused(written, tmp_path, capsys):
+def test_a_missing_dcp_metadata_isimport_refused(written, tmp_path, capsys):
     src = shutil.copytree(written[0] / "fsdp2-sharded", tmp_path / "src")
     (src / "checkpoint-3" / "optimizer_0" / ".metadata").unlink()
-    _refused(tmp_path, capsys, src, "checkpoint-3/optimizer_0", "no .metadata")
+    import_refused(tmp_path, capsys, src, "checkpoint-3/optimizer_0", "no .metadata")
