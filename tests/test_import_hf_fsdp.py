@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,36 +29,17 @@ pytest.importorskip("peft")
 
 from _fsdp_workers import LORA_TARGETS, STEPS, worker  # noqa: E402
 from _hostile import import_refused  # noqa: E402
+from test_multirank import run_ranks  # noqa: E402
 
 import gradforensics as gf  # noqa: E402
 
 WEIGHTS = ("0.weight", "2.weight", "4.weight", "6.weight")
 
 
-def _run_ranks(out: Path, world: int = 2, timeout: float = 240.0) -> list[int | None]:
-    import multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, world, port, str(out))) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    while any(p.is_alive() for p in procs):
-        if time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"FSDP writer ranks still running after {timeout:.0f} s")
-        time.sleep(0.05)
-    return [p.exitcode for p in procs]
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     root = tmp_path_factory.mktemp("fsdp")
-    assert _run_ranks(root) == [0, 0]
+    assert run_ranks(worker, 2, str(root)) == [0, 0]
     return root, torch.load(root / "oracle.pt", weights_only=False)      # the test's own file
 
 
