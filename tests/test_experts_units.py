@@ -79,3 +79,34 @@ def test_long_history_regime_judges_each_expert_too(tmp_path) -> None:
         findings = gf.analyze(p, progress=False, only=[kind], options={"engine": {"long_history": 0}})
         assert findings.header["regime"]["name"] == "long-history"
         _check(findings, kind)
+
+
+def test_every_report_output_says_expert(tmp_path, capsys) -> None:
+    """report.md / report.html (overview caption, flags table, layer table, analysis tables), flags.json, compare
+    and inspect: a unit of experts reads "expert j", never "head j" or "heads 0-3"."""
+    import re
+
+    from gradforensics.cli import main
+
+    before = planted_expert_units_store(tmp_path / "b.zarr", "drift", expert=J, onset=10_000)   # no turn
+    after = planted_expert_units_store(tmp_path / "a.zarr", "drift", expert=J)
+    gf.report(gf.analyze(after, progress=False), tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    html = (tmp_path / "out" / "report.html").read_text()
+    for text in (md, html):
+        assert "each block split into experts 0–3" in text and "heads 0–3" not in text      # the overview caption
+        assert not re.search(r"head \d", text)
+    assert f"| `moe.w` | expert {J} | 1.00 |" in md                                # the finding's flags table
+    assert [ln.split("|")[3].strip() for ln in md.splitlines() if ln.startswith("|  | `moe.w` |")] == \
+        ["", *(f"expert {e}" for e in range(4))]                              # the layer table: whole unit, experts
+    assert f'<td class="num" data-v="{J}">expert {J}</td>' in html                  # sorted by its index
+    assert html.count(f">expert {J}</td>") >= 3                                    # flags, layer and analysis tables
+    out = json.loads((tmp_path / "out" / "flags.json").read_text())["flags"]
+    assert all(f"expert {f['head']}" in f["summary"] for f in out if f["head"] is not None)
+    assert main(["compare", str(before), str(after), "--out", str(tmp_path / "cmp")]) == 0
+    said = capsys.readouterr().out
+    assert f"moe.w expert {J}" in said and "head" not in said
+    cmp_md = (tmp_path / "cmp" / "report.md").read_text()
+    assert f"on `moe.w expert {J}`" in cmp_md and f"| expert {J} |" in cmp_md and not re.search(r"head \d", cmp_md)
+    assert main(["inspect", str(after)]) == 0
+    assert re.search(r"moe\.w +\(48, 4, 8, 6\) float32 experts=4 ", capsys.readouterr().out)
