@@ -110,3 +110,36 @@ def test_every_report_output_says_expert(tmp_path, capsys) -> None:
     assert f"on `moe.w expert {J}`" in cmp_md and f"| expert {J} |" in cmp_md and not re.search(r"head \d", cmp_md)
     assert main(["inspect", str(after)]) == 0
     assert re.search(r"moe\.w +\(48, 4, 8, 6\) float32 experts=4 ", capsys.readouterr().out)
+
+
+def test_spectral_judges_each_expert_as_a_matrix(tmp_path) -> None:
+    """Planted: from record 20 expert 2's gradient is one rank-1 direction; the other experts keep full rank.
+    Before, an experts unit (N, E, a, b) was no matrix to spectral: it had no row at all."""
+    p = planted_expert_units_store(tmp_path / "r.zarr", "rank", expert=J)
+    findings = gf.analyze(p, progress=False, only=["spectral"])
+    t = findings.table("spectral")
+    per = t[(t["tensor"] == "moe.w") & t["head"].notna()].set_index("head")
+    assert sorted(per.index.astype(int)) == [0, 1, 2, 3] and (t["tensor"] == "moe.w").sum() == 5   # + the unit
+    assert per.loc[J, "stable_rank"] < 1.2 and per.loc[J, "stable_rank_first"] > 4                 # rank 1 from ~6
+    quiet = per.drop(index=J)["stable_rank_drop"].to_numpy()
+    assert np.all(quiet < 1.3), quiet
+    flags = [f for f in findings.flags if f.tensor == "moe.w" and f.evidence["reason"] == "rank_collapse"]
+    assert [f.head for f in flags] == [J] and flags[0].severity >= 0.5 and flags[0].evidence["expert"] == J
+    assert flags[0].summary.startswith(f"moe.w expert {J}: the window-mean gradient's stable rank fell")
+    assert "diluted by its other experts" in flags[0].summary
+
+
+def test_precision_judges_each_expert(tmp_path) -> None:
+    """Planted: expert 2's weights are 1000x its neighbours' and its updates a tenth: every update is below half
+    a bf16 ULP (swamped) while about 4% of the others' are; the whole unit's share (28%) dilutes it."""
+    p = planted_expert_units_store(tmp_path / "p.zarr", "precision", expert=J)
+    findings = gf.analyze(p, progress=False, only=["precision"])
+    t = findings.table("precision")
+    per = t[(t["tensor"] == "moe.w") & t["head"].notna()].set_index("head")
+    assert sorted(per.index.astype(int)) == [0, 1, 2, 3]
+    assert per.loc[J, "swamped_bf16"] == 1.0 and np.all(per.drop(index=J)["swamped_bf16"] < 0.1)
+    whole = t[(t["tensor"] == "moe.w") & t["head"].isna()].iloc[0]
+    np.testing.assert_allclose(whole["swamped_bf16"], per["swamped_bf16"].mean(), rtol=0.02)  # equal-size experts
+    (flag,) = [f for f in findings.flags if f.tensor == "moe.w"]
+    assert flag.head == J and flag.evidence["expert"] == J and flag.severity >= 0.9
+    assert flag.summary.startswith(f"moe.w expert {J}: 100% of its weight updates")
