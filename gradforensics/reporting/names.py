@@ -19,8 +19,8 @@ from typing import Any
 
 from gradforensics.store.names import split_layer
 
-__all__ = ["Loc", "experts_units", "head_cell", "head_text", "split_word", "heads_phrase", "int_ranges", "join_and", "location", "module_rank", "parse",
-           "short_module", "table_units", "unique_modules"]
+__all__ = ["Loc", "experts_units", "head_cell", "head_text", "heads_phrase", "int_ranges", "join_and", "location",
+           "module_rank", "parse", "short_module", "split_word", "table_units", "unique_modules"]
 
 _GENERIC = {"act_fn", "act", "activation", "activation_fn", "weight", "bias", "fn"}
 #: Leaves that several sub-layers of one block share (GPT-2/nanoGPT ``attn.c_proj`` and ``mlp.c_proj``,
