@@ -312,3 +312,46 @@ def moe_worker(rank: int, world: int, port: int, out: str) -> None:
             rec.record(step=step, loss=loss, source="ab"[rank % 2], n_samples=MOE_TOKENS)
             model.zero_grad()
     torch.distributed.destroy_process_group()
+
+
+# ------------------------------------------------------------------ a transformers MoE under FSDP2 (tests/test_experts_fsdp.py)
+HF_MOE_E, HF_MOE_K, HF_MOE_V, HF_MOE_STEPS = 4, 2, 40, 2
+
+
+def hf_mixtral() -> Any:
+    """A tiny ``MixtralForCausalLM`` (2 layers, 4 fused experts, top-2), seeded: every rank builds the same."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(vocab_size=HF_MOE_V, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=HF_MOE_E,
+                                     num_experts_per_tok=HF_MOE_K, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def hf_moe_ids(rank: int, step: int) -> Any:
+    """Rank *rank*'s token ids at *step*: 2 rows of 6 (every rank the same number of predicted tokens)."""
+    return torch.randint(0, HF_MOE_V, (2, 6), generator=torch.Generator().manual_seed(9000 + 100 * step + rank))
+
+
+def hf_moe_worker(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 of :func:`hf_mixtral` (each decoder layer, then the root, ``fully_shard``) recorded with
+    ``experts="auto"``, :data:`HF_MOE_STEPS` steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world, port)
+    model = hf_mixtral()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with gf.Recorder(f"{out}/hf.zarr", model=model, sources=["a", "b"], experts="auto", heads=None,
+                     mode="replay") as rec:
+        for step in range(HF_MOE_STEPS):
+            ids = hf_moe_ids(rank, step)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            rec.record(step=step, loss=loss, source="ab"[rank % 2], n_samples=int(ids.numel()))
+            model.zero_grad()
+    torch.distributed.destroy_process_group()

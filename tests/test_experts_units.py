@@ -79,3 +79,67 @@ def test_long_history_regime_judges_each_expert_too(tmp_path) -> None:
         findings = gf.analyze(p, progress=False, only=[kind], options={"engine": {"long_history": 0}})
         assert findings.header["regime"]["name"] == "long-history"
         _check(findings, kind)
+
+
+def test_every_report_output_says_expert(tmp_path, capsys) -> None:
+    """report.md / report.html (overview caption, flags table, layer table, analysis tables), flags.json, compare
+    and inspect: a unit of experts reads "expert j", never "head j" or "heads 0-3"."""
+    import re
+
+    from gradforensics.cli import main
+
+    before = planted_expert_units_store(tmp_path / "b.zarr", "drift", expert=J, onset=10_000)   # no turn
+    after = planted_expert_units_store(tmp_path / "a.zarr", "drift", expert=J)
+    gf.report(gf.analyze(after, progress=False), tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    html = (tmp_path / "out" / "report.html").read_text()
+    for text in (md, html):
+        assert "each block split into experts 0–3" in text and "heads 0–3" not in text      # the overview caption
+        assert not re.search(r"head \d", text)
+    assert f"| `moe.w` | expert {J} | 1.00 |" in md                                # the finding's flags table
+    assert [ln.split("|")[3].strip() for ln in md.splitlines() if ln.startswith("|  | `moe.w` |")] == \
+        ["", *(f"expert {e}" for e in range(4))]                              # the layer table: whole unit, experts
+    assert f'<td class="num" data-v="{J}">expert {J}</td>' in html                  # sorted by its index
+    assert html.count(f">expert {J}</td>") >= 3                                    # flags, layer and analysis tables
+    out = json.loads((tmp_path / "out" / "flags.json").read_text())["flags"]
+    assert all(f"expert {f['head']}" in f["summary"] for f in out if f["head"] is not None)
+    assert main(["compare", str(before), str(after), "--out", str(tmp_path / "cmp")]) == 0
+    said = capsys.readouterr().out
+    assert f"moe.w expert {J}" in said and "head" not in said
+    cmp_md = (tmp_path / "cmp" / "report.md").read_text()
+    assert f"on `moe.w expert {J}`" in cmp_md and f"| expert {J} |" in cmp_md and not re.search(r"head \d", cmp_md)
+    assert main(["inspect", str(after)]) == 0
+    assert re.search(r"moe\.w +\(48, 4, 8, 6\) float32 experts=4 ", capsys.readouterr().out)
+
+
+def test_spectral_judges_each_expert_as_a_matrix(tmp_path) -> None:
+    """Planted: from record 20 expert 2's gradient is one rank-1 direction; the other experts keep full rank.
+    Before, an experts unit (N, E, a, b) was no matrix to spectral: it had no row at all."""
+    p = planted_expert_units_store(tmp_path / "r.zarr", "rank", expert=J)
+    findings = gf.analyze(p, progress=False, only=["spectral"])
+    t = findings.table("spectral")
+    per = t[(t["tensor"] == "moe.w") & t["head"].notna()].set_index("head")
+    assert sorted(per.index.astype(int)) == [0, 1, 2, 3] and (t["tensor"] == "moe.w").sum() == 5   # + the unit
+    assert per.loc[J, "stable_rank"] < 1.2 and per.loc[J, "stable_rank_first"] > 4                 # rank 1 from ~6
+    quiet = per.drop(index=J)["stable_rank_drop"].to_numpy()
+    assert np.all(quiet < 1.3), quiet
+    flags = [f for f in findings.flags if f.tensor == "moe.w" and f.evidence["reason"] == "rank_collapse"]
+    assert [f.head for f in flags] == [J] and flags[0].severity >= 0.5 and flags[0].evidence["expert"] == J
+    assert flags[0].summary.startswith(f"moe.w expert {J}: the window-mean gradient's stable rank fell")
+    assert "diluted by its other experts" in flags[0].summary
+
+
+def test_precision_judges_each_expert(tmp_path) -> None:
+    """Planted: expert 2's weights are 1000x its neighbours' and its updates a tenth: every update is below half
+    a bf16 ULP (swamped) while about 4% of the others' are; the whole unit's share (28%) dilutes it."""
+    p = planted_expert_units_store(tmp_path / "p.zarr", "precision", expert=J)
+    findings = gf.analyze(p, progress=False, only=["precision"])
+    t = findings.table("precision")
+    per = t[(t["tensor"] == "moe.w") & t["head"].notna()].set_index("head")
+    assert sorted(per.index.astype(int)) == [0, 1, 2, 3]
+    assert per.loc[J, "swamped_bf16"] == 1.0 and np.all(per.drop(index=J)["swamped_bf16"] < 0.1)
+    whole = t[(t["tensor"] == "moe.w") & t["head"].isna()].iloc[0]
+    np.testing.assert_allclose(whole["swamped_bf16"], per["swamped_bf16"].mean(), rtol=0.02)  # equal-size experts
+    (flag,) = [f for f in findings.flags if f.tensor == "moe.w"]
+    assert flag.head == J and flag.evidence["expert"] == J and flag.severity >= 0.9
+    assert flag.summary.startswith(f"moe.w expert {J}: 100% of its weight updates")

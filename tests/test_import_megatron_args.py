@@ -378,3 +378,29 @@ def test_a_context_parallel_dgrads_dump_is_refused(tmp_path):
     with pytest.raises(SpecError) as e:
         gf.import_run(tmp_path / "save", tmp_path / "a.zarr", heads=None, kind="dgrads")
     assert "context_parallel_size=2" in _one_line(e)
+
+
+# ------------------------------------------------------------------ the router's top-k
+def test_moe_topk_defaults_to_the_saved_moe_router_topk_and_a_disagreement_is_one_line(tmp_path):
+    """tokens_per_expert/ is read with the run's own k (``moe_router_topk``) when --moe-topk is not given."""
+    import numpy as np
+
+    from tests.test_import_megatron_moe import _dump_experts, _log_tokens, _tokens, _truth
+
+    save, iters = tmp_path / "save", range(1, 5)
+    for it in iters:
+        _dump_experts(save, it, _truth(it, torch.float32), grouped=True)
+    _log_tokens(save, iters)
+    save_checkpoint(save, 4, megatron_args(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                           moe_router_topk=2))
+    store = gf.import_run(save, tmp_path / "a.zarr", heads=None)
+    load = store.arrays["router/decoder.layers.0.mlp.router/load"]
+    assert load.attrs["top_k"] == 2 and store.meta.extra["import"]["run_args"]["moe_topk"] == 2
+    want = np.array([np.sum(_tokens(it, 0), axis=0) / np.sum(_tokens(it, 0)) for it in iters])
+    np.testing.assert_allclose(store.router("decoder.layers.0.mlp.router", "load"), want, rtol=1e-6)
+    assert gf.import_run(save, tmp_path / "b.zarr", heads=None, moe_topk=2).arrays[
+        "router/decoder.layers.0.mlp.router/load"].attrs["top_k"] == 2                  # agreed
+    with pytest.raises(SpecError) as e:
+        gf.import_run(save, tmp_path / "c.zarr", heads=None, moe_topk=1)
+    assert "--moe-topk 1 disagrees with the run's saved arguments: moe_router_topk=2 in" in _one_line(e)
+    assert not (tmp_path / "c.zarr").exists()

@@ -47,10 +47,9 @@ def print_summary(c: Comparison, n: int = 10, file: IO[str] | None = None) -> No
     say(", ".join(f"{v} {k}" for k, v in c.counts().items()) + f"; report: {c.paths['html']}")
     changed = [r for r in c.rows if r.changed]
     for r in changed[:n]:
-        head = "" if r.head is None else f" head {r.head}"
         srcs = f" [{', '.join(r.sources)}]" if r.sources else ""
         b, a = (f"{v:.2f}" if v is not None else "-" for v in (r.severity_before, r.severity_after))
-        say(f"  {r.status:<10} {r.kind:<13} {r.tensor}{head}{srcs}: {b} -> {a}")
+        say(f"  {r.status:<10} {r.kind:<13} {r.where}{srcs}: {b} -> {a}")
     if len(changed) > n:
         say(f"  ... and {len(changed) - n} more in {c.paths['csv']}.")
 

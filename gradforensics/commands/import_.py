@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                             "its part of both halves")
     m.add_argument("--moe-topk", type=int, metavar="K",
                    help="the run's --moe-router-topk: reads tokens_per_expert/ (--save-tokens-per-expert-interval) "
-                        "into router/<router>/load")
+                        "into router/<router>/load (default: moe_router_topk in the run's saved arguments)")
     p.add_argument("--force", action="store_true", help="go on even if the estimate exceeds the free disk")
     output.add_overwrite(p, "the store")
     output.add_quiet(p)

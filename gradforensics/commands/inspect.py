@@ -34,6 +34,7 @@ def summarize(store: Store) -> dict:
     def entry(info):
         return {"shape": list(info.shape), "dtype": info.attrs.get("source_dtype", info.dtype),
                 "encoding": info.encoding, "heads": info.heads, "role": info.attrs.get("role") or None,
+                "experts": int(info.attrs["experts"]) if info.attrs.get("experts") else None,
                 "bytes_on_disk": info.nbytes_stored, "bytes_of_data": info.nbytes,
                 "compression_ratio": round(info.compression_ratio, 3) if info.nbytes_stored else None}
 
@@ -139,6 +140,7 @@ def summary_lines(s: dict) -> list[str]:
         width = max(len(terminal(k)) for k in group)
         for name, e in group.items():
             heads = f" heads={e['heads']}" + (f" role={e['role']}" if e["role"] else "") if e["heads"] else ""
+            heads += f" experts={e['experts']}" if e.get("experts") else ""
             extra = f" k={e['k']} {e['method']}" if "k" in e else ""
             ratio = "-" if e["compression_ratio"] is None else f"{e['compression_ratio']:.2f}x"
             out.append(f"  {terminal(name):<{width}}  {tuple(e['shape'])} {e['dtype']}{heads}{extra}  "

@@ -149,11 +149,11 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str], *, f
 
         spec = MegatronSpec(kind=kind, num_heads=num_heads, num_query_groups=num_query_groups, gated_mlp=gated_mlp,
                             tp_splits=dict(tp_splits or {}), layout=parse_layout(layout), vocab_size=vocab_size,
-                            args_from=None if args_from is None else str(args_from))
+                            args_from=None if args_from is None else str(args_from), moe_topk=moe_topk)
         if kind == "activations":
             spec = resolve(spec, src)           # the run's saved arguments (import_megatron resolves its own)
-            import_activations(src, out, spec, tensors=tensors, writer_options=options, logs=run_log, top_k=moe_topk)
+            import_activations(src, out, spec, tensors=tensors, writer_options=options, logs=run_log, top_k=spec.moe_topk)
         else:
             import_megatron(src, out, spec, tensors=tensors, heads=heads, writer_options=options, logs=run_log,
-                            extra_rows=record_extras(src, top_k=moe_topk, quiet=quiet))
+                            extra_rows=record_extras(src, quiet=quiet))
     return open_store(out, storage_options=storage_options)

@@ -182,6 +182,8 @@ class MegatronSpec:
     vocab_size: int | None = None
     #: a checkpoint (or ``--save`` directory) holding the run's saved arguments (``--args-from``)
     args_from: str | None = None
+    #: the run's ``--moe-router-topk`` (``--moe-topk``): reads ``tokens_per_expert/``; default: the saved arguments'
+    moe_topk: int | None = None
     #: the run's saved arguments, once read (:func:`resolve`), and where they were looked for
     run_args: RunArgs | None = None
     args_note: str = ""
@@ -231,7 +233,7 @@ def resolve(spec: MegatronSpec, source: Path) -> MegatronSpec:
     """*spec* completed from the run's saved arguments (``--args-from``, else a checkpoint in the ``--save`` dir).
 
     What the arguments say fills what *spec* leaves open (the layout, heads, query groups, SwiGLU, the
-    vocabulary); what both say must agree, else a one-line :class:`SpecError` names the field.
+    vocabulary, the router's top-k); what both say must agree, else a one-line :class:`SpecError` names the field.
     """
     args, where = read_run_args(save_dir(source, spec.kind), Path(spec.args_from) if spec.args_from else None)
     if args is None:
@@ -248,7 +250,8 @@ def resolve(spec: MegatronSpec, source: Path) -> MegatronSpec:
     for flag, mine, theirs, name in (("--num-heads", spec.num_heads, args.num_heads, "num_attention_heads"),
                                      ("--num-query-groups", spec.num_query_groups, args.num_query_groups,
                                       "num_query_groups"),
-                                     ("--vocab-size", spec.vocab_size, args.vocab_size, "vocab_size")):
+                                     ("--vocab-size", spec.vocab_size, args.vocab_size, "vocab_size"),
+                                     ("--moe-topk", spec.moe_topk, args.moe_topk, "moe_router_topk")):
         if mine is not None and theirs is not None and mine != theirs:
             raise SpecError(f"{flag} {mine} disagrees with the run's saved arguments: {name}={theirs} in {where}.")
     if spec.gated_mlp and not args.gated_mlp:
@@ -262,7 +265,7 @@ def resolve(spec: MegatronSpec, source: Path) -> MegatronSpec:
         spec, layout=Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vp=args.vp, sp=args.sp),
         num_heads=heads, num_query_groups=spec.num_query_groups or (args.num_query_groups if heads else None),
         gated_mlp=spec.gated_mlp or args.gated_mlp, vocab_size=spec.vocab_size or args.vocab_size, run_args=args,
-        args_note=where)
+        args_note=where, moe_topk=spec.moe_topk or args.moe_topk)
 
 
 # ------------------------------------------------------------------ the files

@@ -330,10 +330,12 @@ class RecordExtras:
 def record_extras(source: Path, *, top_k: int | None = None,
                   quiet: bool = True) -> Callable[[MegatronSpec, Sequence[int]], RecordExtras]:
     """For :func:`gradforensics.importing.megatron.import_megatron`'s ``extra_rows``: the activations and router
-    loads beside the dump in *source*, made once the spec and the records' iterations are known."""
+    loads beside the dump in *source*, made once the spec and the records' iterations are known (*top_k*: the
+    router's k; default the resolved spec's ``moe_topk``, given or from the run's saved arguments)."""
 
     def make(spec: MegatronSpec, steps: Sequence[int]) -> RecordExtras:
+        k = top_k if top_k is not None else spec.moe_topk
         return RecordExtras(joined_activations(source, spec, quiet=quiet),
-                            joined_routing(source, spec.layout, steps, top_k, quiet=quiet))
+                            joined_routing(source, spec.layout, steps, k, quiet=quiet))
 
     return make

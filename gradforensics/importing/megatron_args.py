@@ -242,6 +242,7 @@ class RunArgs:
     padded_vocab_size: int | None   #: padded_vocab_size
     vocab_size: int | None          #: vocab_size (set for the tokenizers that take --vocab-size)
     divisible_by: int | None        #: make_vocab_size_divisible_by
+    moe_topk: int | None = None     #: moe_router_topk (the experts each token is routed to)
 
     def as_attrs(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -280,7 +281,8 @@ def read_args(path: Path) -> RunArgs:
         num_query_groups=_field(ns, "num_query_groups", path) if gqa else None,
         gated_mlp=_field(ns, "swiglu", path, default=False, kind=bool),
         padded_vocab_size=_field(ns, "padded_vocab_size", path), vocab_size=_field(ns, "vocab_size", path),
-        divisible_by=_field(ns, "make_vocab_size_divisible_by", path))
+        divisible_by=_field(ns, "make_vocab_size_divisible_by", path),
+        moe_topk=_field(ns, "moe_router_topk", path))
 
 
 def _args_file(d: Path) -> Path | None:

@@ -158,7 +158,8 @@ def joined_routing(source: Path, layout: Layout | None, steps: Sequence[int], to
     elif layout is None and len(ranks) > 1:
         why = "not read: several ranks logged it; give --layout (ep=, etp=) to number their experts"
     elif top_k is None:
-        why = "not read: give the run's --moe-router-topk as --moe-topk K (the load's ceiling 1/k)"
+        why = ("not read: give the run's --moe-router-topk as --moe-topk K (the load's ceiling 1/k), or the run's "
+               "saved arguments that hold it (--args-from)")
     else:
         counts = read_tokens_per_expert(d, layout)
         lost = [s for s in steps if s not in counts]

@@ -93,11 +93,10 @@ def side_by_side(row: Row, before: Findings, after: Findings, labels: tuple[str,
             lines = [f"{visible(label)}: severity {own.severity:.2f}"]
             lines += [textwrap.fill(t, 80) for t in ax.get_title().split("\n") if t]
         else:   # the plot's own title speaks of the other run's flag: say what these cells are instead
-            head = "" if row.head is None else f" head {row.head}"
             lines = [f"{visible(label)}: no {row.kind} flag here",
-                     textwrap.fill(visible(f"the same cells as the other run's flag: {row.tensor}{head}"), 80)]
+                     textwrap.fill(visible(f"the same cells as the other run's flag: {row.where}"), 80)]
         ax.set_title("\n".join(lines), fontsize=8)
-    head = "" if row.head is None else f", head {row.head}"
+    head = "" if row.head is None else f", {row.unit_word} {row.head}"
     fig.suptitle(visible(f"{row.status}: {row.kind} on {row.tensor}{head}"), fontsize=10)
     return fig
 
@@ -120,7 +119,12 @@ def _sev(v: float | None) -> str:
 
 
 def _where(row: Row) -> str:
-    return row.tensor + ("" if row.head is None else f" head {row.head}")
+    return row.where
+
+
+def _head(row: Row) -> str:
+    """The ``head`` cell: the head's index, ``expert j`` on a mixture-of-experts unit, empty for a whole tensor."""
+    return "" if row.head is None else f"expert {row.head}" if row.unit_word == "expert" else str(row.head)
 
 
 def _headline(c: Comparison) -> str:
@@ -158,7 +162,7 @@ def render_markdown(c: Comparison, pictures: dict[int, str]) -> str:
             "|" + "---|" * 7]
     for r in c.rows[:MAX_ROWS]:
         out.append(f"| **{r.status}** | {md_text(r.kind)} | {md_code(r.tensor, table=True)} | "
-                   f"{'' if r.head is None else r.head} | {md_text(', '.join(r.sources))} | "
+                   f"{_head(r)} | {md_text(', '.join(r.sources))} | "
                    f"{_sev(r.severity_before)} | {_sev(r.severity_after)} |")
     if not c.rows:
         out.append("| | | no finding at or above 0.5 in either run | | | | |")
@@ -182,7 +186,7 @@ def render_html(c: Comparison, pngs: dict[int, bytes]) -> str:
     """``report.html``: self-contained, figures embedded as base64 PNG."""
     rows = "".join(
         f'<tr class="{r.status}"><td><b>{r.status}</b></td><td>{escape(r.kind)}</td>'
-        f"<td><code>{dotted(visible(r.tensor))}</code></td><td>{'' if r.head is None else r.head}</td>"
+        f"<td><code>{dotted(visible(r.tensor))}</code></td><td>{_head(r)}</td>"
         f"<td>{escape(visible(', '.join(r.sources)))}</td><td class=num>{_sev(r.severity_before)}</td>"
         f"<td class=num>{_sev(r.severity_after)}</td></tr>" for r in c.rows[:MAX_ROWS])
     figs = []

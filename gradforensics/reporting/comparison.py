@@ -99,6 +99,17 @@ class Row:
         assert flag is not None
         return flag
 
+    @property
+    def unit_word(self) -> str:
+        """What ``head`` counts: ``expert`` when either side's flag names an expert (``evidence["expert"]``)."""
+        return "expert" if any("expert" in (f.evidence or {}) for f in (self.before, self.after) if f is not None) \
+            else "head"
+
+    @property
+    def where(self) -> str:
+        """``tensor``, ``tensor head 3`` or ``tensor expert 3``."""
+        return self.tensor + ("" if self.head is None else f" {self.unit_word} {self.head}")
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "tensor": self.tensor, "head": self.head, "sources": list(self.sources),
                 "severity_before": self.severity_before, "severity_after": self.severity_after,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gradforensics._format import fmt_bytes
-from gradforensics.reporting import advice, figures, recordsmap, summary, tables
+from gradforensics.reporting import advice, figures, names, recordsmap, summary, tables
 from gradforensics.reporting import timeline as timeline_section
 from gradforensics.reporting.bands import band
 
@@ -73,6 +73,13 @@ class Document:
     regime: str | None = None     # the analysis regime in one sentence, under the verdict (long histories)
     #: "what moved first" (the timeline), first in the report; None when the timeline analysis did not run
     timeline: timeline_section.Timeline | None = None
+    #: the mixture-of-experts units (store attribute ``experts``, or a flag's ``evidence["expert"]``): their
+    #: ``head`` cells read ``expert j``
+    experts: frozenset[str] = frozenset()
+
+    def head_text(self, tensor: str, head: Any) -> int | str | None:
+        """A ``head`` cell as shown: ``expert j`` on an experts unit, else the head's index (None: whole tensor)."""
+        return names.head_text(tensor, head, self.experts)
 
     @property
     def pictures(self) -> list[Picture]:
@@ -235,9 +242,10 @@ def build(findings: Findings, store: Store | None = None, ordered: dict[str, Any
 def _build(findings: Findings, store: Store | None, ordered: dict[str, Any]) -> Document:
     groups = summary.group(findings.flags)
     shown, n_more = summary.sentences(findings, groups)
-    data = figures.overview_data(findings)
+    experts = _experts_units(findings, store)
+    data = figures.overview_data(findings, experts)
     heads = data.heads
-    split = f", each block split into heads 0–{heads - 1}" if heads > 1 else ""
+    split = f", each block split into {data.word} 0–{heads - 1}" if heads > 1 else ""
     ov = _picture(figures.overview(findings, data), "overview",
                   f"Map of the highest flag severity per layer (columns{split}) and analysis (rows); "
                   "the number in a block is its highest severity at or above 0.5; grey: not analysed, "
@@ -275,7 +283,18 @@ def _build(findings: Findings, store: Store | None, ordered: dict[str, Any]) -> 
         problems=problems,
         regime=regime_sentence(findings) if is_long_history(findings) else None,
         timeline=timeline_section.build(findings, groups),
+        experts=experts,
     )
+
+
+def _experts_units(findings: Findings, store: Store | None) -> frozenset[str]:
+    """The report's mixture-of-experts units: the store's (``grads/<unit>`` with attribute ``experts``, when the
+    store opens) and every tensor a flag names an expert of."""
+    out = set(names.experts_units(findings.flags))
+    st = _open_for_map(findings, store)
+    if st is not None:
+        out |= {t for t, info in st.grads.items() if info.attrs.get("experts")}
+    return frozenset(out)
 
 
 def _open_for_map(findings: Findings, store: Store | None) -> Store | None:

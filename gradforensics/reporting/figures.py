@@ -28,6 +28,8 @@ from gradforensics.reporting import names
 from gradforensics.store.names import layer_of
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
@@ -148,6 +150,8 @@ class Overview:
     #: rows the analysis could not speak for, by name: "nothing to read" (its table is empty: the store holds
     #: none of what it reads) or "not judged" (``Findings.not_judged``: too little of it); grey where unflagged
     status: dict[str, str] = field(default_factory=dict)
+    #: what a block's sub-columns are: "heads", "experts" (mixture-of-experts units) or "heads or experts"
+    word: str = "heads"
 
     def label(self, row: str) -> str:
         """The row's name on the map, with its status when it has one (``curvature: nothing to read``)."""
@@ -184,8 +188,9 @@ def _columns(idx: list[int | None], heads: list[int | None], head_flags: bool) -
     return layers, n_heads
 
 
-def overview_data(findings: Findings) -> Overview:
-    """The matrix behind :func:`overview` (tested directly)."""
+def overview_data(findings: Findings, experts: Collection[str] | None = None) -> Overview:
+    """The matrix behind :func:`overview` (tested directly); *experts*: the mixture-of-experts units (default: the
+    flagged ones, :func:`~gradforensics.reporting.names.experts_units`), whose sub-columns are experts."""
     from gradforensics.analysis import REGISTRY
 
     flag_rows = flag_analyses(findings)
@@ -230,7 +235,9 @@ def overview_data(findings: Findings) -> Overview:
         sev += [f.severity] * (b - a)
     if sev:
         np.fmax.at(m, (np.asarray(cells_r, dtype=np.intp), np.asarray(cells_c, dtype=np.intp)), np.asarray(sev))
-    return Overview(rows, layers, n_heads, m, status)
+    ex = names.experts_units(findings.flags) if experts is None else experts
+    word = names.split_word([(f.tensor, f.head) for f in findings.flags], ex)
+    return Overview(rows, layers, n_heads, m, status, word)
 
 
 def _row_status(findings: Findings, rows: list[str]) -> dict[str, str]:
@@ -283,7 +290,7 @@ def overview(findings: Findings, ov: Overview | None = None) -> Figure:
         annotate(ax, blocks, cmap, 0.0, 1.0, where=lambda r, j: (j * h + (h - 1) / 2, r))
     xl = "layer depth (block index)"
     if h > 1:
-        xl += f"\neach block split into heads 0–{h - 1}"
+        xl += f"\neach block split into {ov.word} 0–{h - 1}"
     if OTHER in ov.layers:
         xl += f"{'; ' if h > 1 else chr(10)}'{OTHER}' = outside the layer stack"
     ax.set_xlabel(xl)

@@ -129,6 +129,10 @@ def _img(pic: Picture) -> str:
             '<p class="scrollhint">The figure is drawn at full size: scroll it sideways.</p>')
 
 
+#: a ``head`` cell on a mixture-of-experts unit (:meth:`~gradforensics.reporting.document.Document.head_text`)
+_EXPERT = re.compile(r"expert \d+")
+
+
 def _cell(v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return '<td data-v=""></td>'
@@ -137,6 +141,8 @@ def _cell(v: Any) -> str:
     if isinstance(v, (int, float)):
         text = f"{v:.4g}" if isinstance(v, float) else str(v)
         return f'<td class="num" data-v="{v!r}">{escape(text)}</td>'
+    if isinstance(v, str) and _EXPERT.fullmatch(v):         # "expert 3": sorted by its index, like a head's
+        return f'<td class="num" data-v="{v.split()[1]}">{escape(v)}</td>'
     return f"<td>{escape(str(v))}</td>"
 
 
@@ -164,7 +170,7 @@ def _layer_table(doc: Document) -> str:
     head = "".join(f"<th>{escape(c)}</th>" for c in cols)
     trs = []
     for r in doc.layer_rows:
-        cells = [_cell(r["layer"]), f"<td><code>{dotted(r['tensor'])}</code></td>", _cell(r["head"])]
+        cells = [_cell(r["layer"]), f"<td><code>{dotted(r['tensor'])}</code></td>", _cell(doc.head_text(r["tensor"], r["head"]))]
         for a in [*analyses, "max"]:
             v = r[a]
             if v is None:
@@ -194,7 +200,7 @@ def _section(doc: Document, s: Section) -> str:
                      f"<p class=\"caption\">{escape(s.records_map_caption)}</p></div>")
     elif s.records_map_note:
         parts.append(f'<p class="caption" id="records-map-note">{escape(s.records_map_note)}</p>')
-    rows = [[f.tensor, f.head, f"{f.severity:.2f}", _recs(f.records), ", ".join(f.sources),
+    rows = [[f.tensor, doc.head_text(f.tensor, f.head), f"{f.severity:.2f}", _recs(f.records), ", ".join(f.sources),
              f.summary] for f in g.flags[:MAX_FLAG_ROWS]]
     more = len(g.flags) - MAX_FLAG_ROWS
     parts.append(f"<details{' open' if len(g.flags) <= 8 else ''}><summary>{len(g.flags)} flag(s)</summary>"
@@ -210,9 +216,13 @@ def _section(doc: Document, s: Section) -> str:
     return "\n".join(parts)
 
 
-def _analysis_table(name: str, t: Any) -> str:
+def _analysis_table(doc: Document, name: str, t: Any) -> str:
     shown = t.head(MAX_TABLE_ROWS)
     rows = shown.astype(object).where(shown.notna(), None).values.tolist()
+    if doc.experts and "head" in shown.columns and "tensor" in shown.columns:     # "expert j" on experts units
+        ti, hi = list(shown.columns).index("tensor"), list(shown.columns).index("head")
+        for r in rows:
+            r[hi] = doc.head_text(str(r[ti]), r[hi])
     note = f"<p>First {MAX_TABLE_ROWS} rows; the CSV has all.</p>" if len(t) > MAX_TABLE_ROWS else ""
     return (f"<details><summary><code>tables/{escape(name)}.csv</code> — {len(t)} rows</summary>"
             f'<div class="tablewrap">{_table(list(map(str, t.columns)), rows)}</div>{note}</details>')
@@ -244,7 +254,7 @@ def render(doc: Document) -> str:
     more = (f"<p>… and {doc.n_more} more finding(s), below in order of severity.</p>" if doc.n_more else "")
     problems = "".join(f'<div class="note">Report problem: {escape(p)}</div>' for p in doc.problems)
     sections = "\n".join(_section(doc, s) for s in doc.sections) or "<p>No findings.</p>"
-    details = "\n".join(_analysis_table(n, t) for n, t in doc.analysis_tables.items())
+    details = "\n".join(_analysis_table(doc, n, t) for n, t in doc.analysis_tables.items())
     regime = f'<p class="regime" id="regime">{escape(doc.regime)}</p>\n' if doc.regime else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -266,7 +276,7 @@ def render(doc: Document) -> str:
 {sections}
 </div>
 <h2 id="layers">Layer by layer</h2>
-<p>Highest flag severity per tensor (and head) and analysis; “—” analysed, no flag; empty: not analysed.
+<p>Highest flag severity per tensor (and {"head or expert" if doc.experts else "head"}) and analysis; “—” analysed, no flag; empty: not analysed.
 Click a column header to sort.</p>
 {_layer_table(doc)}
 <h2 id="tables">Analysis tables</h2>

@@ -57,7 +57,7 @@ def _recs(r: tuple[int, int]) -> str:
     return str(r[0]) if r[0] == r[1] else f"{r[0]}–{r[1]}"
 
 
-def _section(s: Section, figdir: str) -> str:
+def _section(doc: Document, s: Section, figdir: str) -> str:
     g = s.finding
     out = [f"### {g.index + 1}. {md_text(g.title)} — severity {_sev(g.severity)}", "", md_text(s.sentence), ""]
     if s.picture is not None:
@@ -66,7 +66,7 @@ def _section(s: Section, figdir: str) -> str:
         out += [_img(s.records_map, figdir), "", f"*{md_text(s.records_map_caption)}*", ""]
     elif s.records_map_note:
         out += [f"*{md_text(s.records_map_note)}*", ""]
-    rows = [[md_code(f.tensor, table=True), _num(f.head), f"{f.severity:.2f}", _recs(f.records),
+    rows = [[md_code(f.tensor, table=True), _num(doc.head_text(f.tensor, f.head)), f"{f.severity:.2f}", _recs(f.records),
              md_text(", ".join(f.sources)), md_text(f.summary)] for f in g.flags[:MAX_FLAG_ROWS]]
     out += [_table(["tensor", "head", "severity", "records", "sources", "what the analysis says"], rows), ""]
     if len(g.flags) > MAX_FLAG_ROWS:
@@ -77,12 +77,17 @@ def _section(s: Section, figdir: str) -> str:
     return "\n".join(out)
 
 
+def _unit_words(doc: Document) -> str:
+    """What a ``head`` cell counts in this report: ``head``, or ``head or expert`` when it has experts units."""
+    return "head or expert" if doc.experts else "head"
+
+
 def _layer_rows(doc: Document) -> list[list[str]]:
     analyses = doc.layer_columns[3:-2]
     rows = []
     for r in doc.layer_rows[:MAX_LAYER_ROWS]:
         vals = [("" if r[a] is None else "—" if r[a] == 0 else f"{r[a]:.2f}") for a in [*analyses, "max"]]
-        rows.append([_num(r["layer"]), md_code(r["tensor"], table=True), _num(r["head"]), *vals, md_text(r["flags"])])
+        rows.append([_num(r["layer"]), md_code(r["tensor"], table=True), _num(doc.head_text(r["tensor"], r["head"])), *vals, md_text(r["flags"])])
     return rows
 
 
@@ -114,9 +119,10 @@ def render(doc: Document, figdir: str = "figures") -> str:
     if doc.n_more:
         out += ["", f"… and {doc.n_more} more finding(s) below."]
     out += [""]
-    out += [_section(s, figdir) for s in doc.sections] or ["No findings.", ""]
+    out += [_section(doc, s, figdir) for s in doc.sections] or ["No findings.", ""]
     out += ["## Layer by layer", "",
-            "Highest flag severity per tensor (and head) and analysis; — analysed, no flag; empty: not analysed.", ""]
+            f"Highest flag severity per tensor (and {_unit_words(doc)}) and analysis; — analysed, no flag; "
+            "empty: not analysed.", ""]
     out += [_table(doc.layer_columns, _layer_rows(doc)), ""]
     if len(doc.layer_rows) > MAX_LAYER_ROWS:
         out += [f"First {MAX_LAYER_ROWS} of {len(doc.layer_rows)} rows; see report.html or `tables/`.", ""]

@@ -19,8 +19,8 @@ from typing import Any
 
 from gradforensics.store.names import split_layer
 
-__all__ = ["Loc", "experts_units", "head_cell", "heads_phrase", "int_ranges", "join_and", "location", "module_rank", "parse",
-           "short_module", "table_units", "unique_modules"]
+__all__ = ["Loc", "experts_units", "head_cell", "head_text", "heads_phrase", "int_ranges", "join_and", "location",
+           "module_rank", "parse", "short_module", "split_word", "table_units", "unique_modules"]
 
 _GENERIC = {"act_fn", "act", "activation", "activation_fn", "weight", "bias", "fn"}
 #: Leaves that several sub-layers of one block share (GPT-2/nanoGPT ``attn.c_proj`` and ``mlp.c_proj``,
@@ -164,6 +164,21 @@ def join_and(items: Sequence[str]) -> str:
 def experts_units(flags: Iterable[Any]) -> set[str]:
     """The tensors of *flags* whose ``head`` is an expert (a flag on one carries ``evidence["expert"]``)."""
     return {f.tensor for f in flags if "expert" in (f.evidence or {})}
+
+
+def head_text(tensor: str, head: Any, experts: Collection[str]) -> int | str | None:
+    """A ``head`` table cell as the report shows it: ``expert 3`` on a mixture-of-experts unit (*experts*), else
+    the head's index (None for a whole tensor)."""
+    h = head_cell(head)
+    if h is None:
+        return None
+    return f"expert {h}" if tensor in experts else h
+
+
+def split_word(units: Iterable[tuple[str, int | None]], experts: Collection[str]) -> str:
+    """What the split units of *units* (those with a head) are: ``heads``, ``experts`` or ``heads or experts``."""
+    kinds = {t in experts for t, h in units if h is not None}
+    return "heads or experts" if len(kinds) > 1 else "experts" if kinds == {True} else "heads"
 
 
 def heads_phrase(heads: Iterable[int | None], word: str = "head") -> str:

@@ -20,6 +20,14 @@ and ``s1`` alternate.  ``drift``: from record *onset* expert *j*'s direction tur
 direction orthogonal to it over ten records and stays there (the loss flat, 2.0);
 ``conflict``: source ``s1`` pulls expert *j* along ``-d_j`` while ``s0`` pulls it along ``d_j``
 (every other expert alike for both), and ``s1``'s loss stays at 2.0 while ``s0``'s falls.
+
+Two more kinds judge each expert as a matrix of its own (experts ``(24, 24)``, a Gaussian ``d_e`` of
+stable rank about 6): ``rank``: from record *onset* expert *j*'s gradient is one rank-1 direction ``u vᵀ``
+(its window-mean gradient's stable rank falls from about 6 to about 1; the others' stay);
+``precision``: the weights are recorded too (``W_e`` about 1, minus the lr-scaled gradient each record,
+lr 0.05, gradient elements about 1), expert *j*'s weights 1000 times larger and its gradient a tenth,
+so its updates (about 5e-3) sit far below half a bf16 ULP of its weights (4 near 1000) - every one
+swamped - while the others' (about 0.05) move by several ULPs (half an ULP near 1: 0.004).
 """
 
 from __future__ import annotations
@@ -102,15 +110,20 @@ def planted_experts_store(path: Path, seed: int = 0, n_records: int = 40, onset:
 
 def planted_expert_units_store(path: Path, kind: str, *, seed: int = 0, n_records: int = 48, experts: int = 4,
                                expert: int = 2, onset: int = 20, noise: float = 0.5) -> Path:
-    """Record the per-expert planted store of *kind* (``drift`` or ``conflict``) at *path* (see the module doc)."""
+    """Record the per-expert planted store of *kind* (``drift``, ``conflict``, ``rank`` or ``precision``) at *path*
+    (see the module doc)."""
     import gradforensics as gf
 
-    if kind not in ("drift", "conflict"):
-        raise ValueError(f"kind must be 'drift' or 'conflict', not {kind!r}")
-    shape = (8, 6)
+    if kind not in ("drift", "conflict", "rank", "precision"):
+        raise ValueError(f"kind must be 'drift', 'conflict', 'rank' or 'precision', not {kind!r}")
+    shape = (8, 6) if kind in ("drift", "conflict") else (24, 24)
     rng = np.random.default_rng([seed, 4343])
     d = rng.standard_normal((experts, *shape))
     d /= np.linalg.norm(d.reshape(experts, -1), axis=1).reshape(experts, 1, 1)
+    u, v = rng.standard_normal(shape[0]), rng.standard_normal(shape[1])
+    rank1 = np.outer(u, v) / (np.linalg.norm(u) * np.linalg.norm(v))
+    w = 1.0 + 0.1 * d * np.sqrt(np.prod(shape))
+    w[expert] *= 1000.0
     o = rng.standard_normal(shape)
     o -= (o * d[expert]).sum() * d[expert]
     o /= np.linalg.norm(o)
@@ -124,8 +137,16 @@ def planted_expert_units_store(path: Path, kind: str, *, seed: int = 0, n_record
                 g[expert] = np.cos(t) * d[expert] + np.sin(t) * o
             if kind == "conflict" and src == "s1":
                 g[expert] = -d[expert]
+            if kind == "rank" and i >= onset:
+                g[expert] = rank1
             g += noise * rng.standard_normal(g.shape) / np.sqrt(np.prod(shape))
-            loss = 2.0 if kind == "drift" or src == "s1" else 2.0 - i / n_records
-            rec.record(step=i, loss=loss, source=src, n_samples=8,
+            loss = 2.0 if kind in ("drift", "rank", "precision") or src == "s1" else 2.0 - i / n_records
+            weights = None
+            if kind == "precision":
+                g *= np.sqrt(np.prod(shape))            # elements about 1: updates about lr = 0.05 (expert j: 5e-3)
+                g[expert] *= 0.1
+                w = w - 0.05 * g
+                weights = {"moe.w": w.astype(np.float32)}
+            rec.record(step=i, loss=loss, source=src, n_samples=8, weights=weights,
                        grads={"moe.w": g.astype(np.float32), "other.w": rng.standard_normal((5, 5)).astype(np.float32)})
     return Path(path)

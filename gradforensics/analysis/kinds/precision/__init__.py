@@ -74,6 +74,8 @@ from gradforensics.analysis.kinds.precision.formats import (
     fp16_gradient_shares,
 )
 from gradforensics.analysis.kinds.precision.pairs import lazy, slab_reductions
+from gradforensics.analysis.toolkit.flagging import dedupe_heads
+from gradforensics.analysis.toolkit.units import head_of, heads_per_tensor, where
 from gradforensics.errors import SpecError
 
 if TYPE_CHECKING:
@@ -175,6 +177,21 @@ def _median_ulps(pairs: list[dict[str, Any]] | None) -> float:
     return float(2.0 ** ((ULP_EDGES[i] + ULP_EDGES[i + 1]) / 2))
 
 
+def _expert_rows(tensor: str, pairs: list[dict[str, Any]] | None, hists: dict[int, np.ndarray] | None,
+                 amaxes: dict[int, float] | None, runs: list[dict[str, int]] | None,
+                 scale: float) -> list[dict[str, Any]]:
+    """One row per expert of a mixture-of-experts unit (``head`` = the expert), as a whole tensor's: its own
+    pair counts, gradient exponent histogram and amax, and net update over the run."""
+    n = len(pairs[0]["experts"]) if pairs and "experts" in pairs[0] else len(hists or {})
+    out = []
+    for e in range(n):
+        own = [p["experts"][e] for p in pairs] if pairs and "experts" in pairs[0] else None
+        row = tensor_row(tensor, own, (hists or {}).get(e), scale, (amaxes or {}).get(e),
+                         runs[e] if runs and e < len(runs) else None)
+        out.append({**row, "head": e})
+    return out
+
+
 def compute(ctx: Context) -> AnalysisResult:
     import pandas as pd
 
@@ -185,7 +202,15 @@ def compute(ctx: Context) -> AnalysisResult:
     rows, series = [], {}
     for t in tensors:
         pairs = lz.get(f"pairs|{t}")
-        rows.append(tensor_row(t, pairs, lz.get(f"grad_exp|{t}"), scale, lz.get(f"grad_amax|{t}"), lz.get(f"run|{t}")))
+        hist, amax = lz.get(f"grad_exp|{t}"), lz.get(f"grad_amax|{t}")
+        per_hist, per_amax = lz.get(f"grad_exp_experts|{t}"), lz.get(f"grad_amax_experts|{t}")
+        if per_hist:                    # a mixture-of-experts unit: the whole unit's from its experts'
+            hist, amax = np.sum(list(per_hist.values()), axis=0), max(per_amax.values())
+        rows.append(tensor_row(t, pairs, hist, scale, amax, lz.get(f"run|{t}")))
+        rows += _expert_rows(t, pairs, per_hist, per_amax, lz.get(f"run_experts|{t}"), scale)
+        if pairs and "experts" in pairs[0]:
+            for e in range(len(pairs[0]["experts"])):
+                series[f"ulp_hist/{t}/{e}"] = np.sum([p["experts"][e]["ulp_hist"] for p in pairs], axis=0)
         if pairs:
             series[f"ulp_hist/{t}"] = np.sum([p["ulp_hist"] for p in pairs], axis=0)
             for f in ("bf16", *FP8):
@@ -270,15 +295,19 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
         last = int(row["record_last"]) if row["n_pairs"] else max(ctx.n_records - 1, 0)
         lost_leads = parts["lost"] >= max(parts["swamped"], parts["underflow"])
         text = _summary(row, fmt, sw, parts["lost"], under, first, last) + _format_note(own, fmt, row, lost_leads)
+        head = head_of(row["head"])
         out.append(Flag(
-            kind="precision", tensor=row["tensor"], head=None, sources=(), severity=sev,
+            kind="precision", tensor=row["tensor"], head=head, sources=(), severity=sev,
             records=(first, last),
             evidence={k: row.get(k) for k in ("swamped_bf16", "swamped_fp16", "lost_share", "median_update_ulps_bf16",
                                               "grad_underflow_fp16", "grad_overflow_fp16", "loss_scale",
                                               "snapshot_gap", "grad_underflow_fp16_energy", f"run_swamped_{fmt}")}
-            | {"format": fmt, "run_format": own or "unknown", "whatif": whatif} | parts,
+            | {"format": fmt, "run_format": own or "unknown", "whatif": whatif} | parts
+            | ({"expert": head} if head is not None else {}),
             summary=text))
-    return out
+    # an expert flagged alone names it (the whole unit's flag, diluted by the other experts, dropped); every
+    # expert flagged: the whole unit's flag alone
+    return dedupe_heads(out, heads_per_tensor(result.table), by_sources=False)
 
 
 def _format_note(own: str | None, fmt: str, row: dict[str, Any], lost_leads: bool = False) -> str:
@@ -308,7 +337,7 @@ def _num(x: Any) -> float:
 
 
 def _summary(row: dict[str, Any], fmt: str, sw: float, lost: float, under: float, first: int, last: int) -> str:
-    t = row["tensor"]
+    t = where(row["tensor"], head_of(row["head"]), experts=True)       # only an expert's row has a head
     if lost >= max(sw, under):
         return (f"{t}: {lost:.0%} of the weights that had a non-zero gradient between records {first} and {last} "
                 f"did not change at all in the stored snapshots: updates are already rounded away; keep fp32 "
@@ -325,7 +354,9 @@ def _summary(row: dict[str, Any], fmt: str, sw: float, lost: float, under: float
 def plot(result: AnalysisResult, flag: Flag, ax: Axes) -> None:
     """Histogram of per-step update size in bf16 ULPs of the weight, with the half-ULP lines."""
     edges = np.asarray(result.series["ulp_edges"])
-    h = np.asarray(result.series.get(f"ulp_hist/{flag.tensor}", np.zeros(edges.size - 1)), dtype=float)
+    own = result.series.get(f"ulp_hist/{flag.tensor}/{flag.head}") if flag.head is not None else None
+    h = np.asarray(own if own is not None else result.series.get(f"ulp_hist/{flag.tensor}", np.zeros(edges.size - 1)),
+                   dtype=float)
     share = h / h.sum() if h.sum() else h
     ax.bar(edges[:-1], share, width=np.diff(edges), align="edge", color="0.6", edgecolor="0.3")
     ax.axvline(-1.0, color="C3", lw=2, label="bf16: half an ULP")

@@ -10,6 +10,7 @@ that :func:`~gradforensics.analysis.kinds.precision.formats.pair_counts` needs. 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,20 +21,34 @@ from gradforensics.store.heads import HeadSpec
 if TYPE_CHECKING:
     from gradforensics.store.reader import Store
 
-__all__ = ["MAX_PAIRS", "lazy", "nonzero_masks", "slab_reductions"]
+__all__ = ["MAX_PAIRS", "lazy", "nonzero_masks", "slab_reductions", "unit_experts"]
 
 
 MAX_PAIRS = 32                      # snapshot pairs analysed per tensor (evenly spaced)
 
 
 def _pair_task(w0: np.ndarray, w1: np.ndarray, gnz: np.ndarray | None, steps: float, spec: Any,
-               records: tuple[int, int]) -> dict[str, Any]:
+               records: tuple[int, int], experts: int = 0) -> dict[str, Any]:
+    """The pair's counts; of a mixture-of-experts unit (*experts* E: weights ``(E, ...)``) each expert's too,
+    under ``"experts"`` (a list of E counts)."""
     if gnz is not None and spec is not None:
         gnz = spec.merge(gnz)
     out = pair_counts(w0, w1, gnz, steps)
     out["records"] = records
     out["steps"] = steps
+    if experts:
+        out["experts"] = [{**pair_counts(w0[e], w1[e], None if gnz is None else gnz[e], steps), "records": records,
+                           "steps": steps} for e in range(experts)]
     return out
+
+
+def unit_experts(store: Store, tensor: str) -> int:
+    """E when *tensor* is a mixture-of-experts unit whose weight snapshots hold its experts as its gradient
+    does (``(M, E, ...)``, judged expert by expert), else 0."""
+    e = store.experts_of(tensor) if tensor in store.grads else None
+    if not e or tensor not in store.weights:
+        return 0
+    return int(e) if tuple(store.weights[tensor].shape[1:]) == tuple(store.grads[tensor].shape[1:]) else 0
 
 
 def _pairs(n_snapshots: int) -> list[int]:
@@ -64,12 +79,14 @@ def _pair_tasks(store: Store, tensor: str, pairs: list[tuple[int, int, int, floa
 
     w = store.weight(tensor)
     spec = None if gnz is None else HeadSpec.from_attrs(store.grads[tensor].attrs)
+    experts = unit_experts(store, tensor)
     tasks, i = [], 0
     for t, r0, r1, steps in pairs:
         g = None
         if gnz is not None and r1 > r0:
             g, i = gnz[i], i + 1
-        tasks.append(dask.delayed(_pair_task)(w[t], w[t + 1], g, steps, None if g is None else spec, (r0, r1)))
+        tasks.append(dask.delayed(_pair_task)(w[t], w[t + 1], g, steps, None if g is None else spec, (r0, r1),
+                                              experts))
     return dask.delayed(list)(tasks)
 
 
@@ -85,7 +102,14 @@ def lazy(store: Store) -> dict[str, Any]:
     for t in sorted(store.weights):
         w = store.weight(t)
         out[f"run|{t}"] = dask.delayed(run_counts)(w[0], w[w.shape[0] - 1])
+        if unit_experts(store, t):
+            out[f"run_experts|{t}"] = dask.delayed(_run_experts)(w[0], w[w.shape[0] - 1])
     return out
+
+
+def _run_experts(w0: np.ndarray, w1: np.ndarray) -> list[dict[str, int]]:
+    """:func:`run_counts` of each expert of a mixture-of-experts unit (axis 0 of the snapshots)."""
+    return [run_counts(w0[e], w1[e]) for e in range(w0.shape[0])]
 
 
 def nonzero_masks(x: np.ndarray, sel: tuple[slice, ...], spans: list[tuple[int, int]]) -> dict[Any, np.ndarray]:
@@ -118,6 +142,22 @@ def _amax_chunk(x: np.ndarray, sel: tuple[slice, ...]) -> float:
     return finite_amax(x)
 
 
+def _by_expert(x: np.ndarray, sel: tuple[slice, ...], stat: Callable[[np.ndarray], Any]) -> dict[int, Any]:
+    """Chunk step on a mixture-of-experts unit's slab ``(n, e, ...)``: *stat* of each expert's part, keyed by
+    the expert's index in the unit (``sel[1]`` places the slab's experts)."""
+    e0 = int(sel[1].start)
+    return {e0 + j: stat(x[:, j]) for j in range(x.shape[1])}
+
+
+def _merge_experts(parts: Sequence[Mapping[int, Any]], op: Callable[[Any, Any], Any]) -> dict[int, Any]:
+    """Combine per-expert partials: an expert met in several slabs (its features split) meets by *op*."""
+    out: dict[int, Any] = {}
+    for part in parts:
+        for e, v in part.items():
+            out[e] = op(out[e], v) if e in out else v
+    return out
+
+
 def slab_reductions(store: Store) -> dict[str, Any]:
     """Per stored gradient, inside the engine's one read of each slab: the exponent histogram and,
     for tensors with weight snapshots, the non-zero masks between snapshots that the pair counts need."""
@@ -137,6 +177,13 @@ def slab_reductions(store: Store) -> dict[str, Any]:
                 combine=partial(merge_feature_blocks, op=np.logical_or),
                 aggregate=partial(_masks, n=len(spans), shape=shape),
                 finish=partial(_pair_tasks, store, tensor, pairs))
+        if info.attrs.get("experts") and info.split:      # per expert (the whole unit's: their sum, their max)
+            out[f"grad_exp_experts|{tensor}"] = SlabReduction(
+                tensor=tensor, chunk=partial(_by_expert, stat=partial(_hist_chunk, sel=())),
+                combine=partial(_merge_experts, op=np.add))
+            out[f"grad_amax_experts|{tensor}"] = SlabReduction(
+                tensor=tensor, chunk=partial(_by_expert, stat=finite_amax), combine=partial(_merge_experts, op=max))
+            continue
         out[f"grad_exp|{tensor}"] = SlabReduction(tensor=tensor, chunk=_hist_chunk, combine=sum)
         out[f"grad_amax|{tensor}"] = SlabReduction(tensor=tensor, chunk=_amax_chunk, combine=max)
     return out

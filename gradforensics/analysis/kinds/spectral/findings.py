@@ -32,7 +32,8 @@ from gradforensics.analysis.contract.model import AnalysisResult, Flag
 from gradforensics.analysis.contract.options import Options
 from gradforensics.analysis.kinds.spectral.reads import partner_of
 from gradforensics.analysis.kinds.spectral.recurrent import recurrent_flags
-from gradforensics.analysis.toolkit.units import head_of
+from gradforensics.analysis.toolkit.flagging import dedupe_heads
+from gradforensics.analysis.toolkit.units import head_of, heads_per_tensor, is_experts, where
 from gradforensics.errors import GradforensicsError, SpecError
 
 if TYPE_CHECKING:
@@ -257,6 +258,9 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
     measured = _measured(ctx)
     fits = {r["tensor"]: float(r["alpha"]) for r in whole.values()
             if r["alpha_n_tail"] >= MIN_TAIL and np.isfinite(r["alpha"]) and not _EMBEDDING.search(r["tensor"].lower())}
+    experts = {t for t in table["tensor"].unique() if is_experts(ctx, str(t))} if len(table) else set()
+    # an expert is a matrix of its own: judged as a whole tensor is (alpha, rank collapse), named "expert e"
+    own = [r for r in weights if _head(r) is None or r["tensor"] in experts]
     for r in weights:
         sev = qk_severity(r, opt.growth_half)
         if _head(r) is not None:   # a head only when it grows clearly faster than its tensor
@@ -266,19 +270,39 @@ def flags(result: AnalysisResult, ctx: Context) -> list[Flag]:
             sev = CONTEXT * sev
         if sev >= opt.min_severity:
             out.append(_growth_flag(r, sev, whole, guard))
-        if _head(r) is None:
-            a_flag = _alpha_flag(r, opt, fits)
-            if a_flag is not None:
-                out.append(a_flag)
+    for r in own:
+        a_flag = _alpha_flag(r, opt, fits)
+        if a_flag is not None:
+            out.append(a_flag)
     if ctx.meta.mode == "training":
         for r in _rows(table, "gradient"):
             sev = collapse_severity(r["stable_rank_drop"])
-            if sev >= opt.min_severity and _head(r) is None:
+            if sev >= opt.min_severity and (_head(r) is None or r["tensor"] in experts):
                 out.append(_flag(r, sev, "rank_collapse", (
-                    f"{r['tensor']}: the window-mean gradient's stable rank fell "
+                    f"{_where(r)}: the window-mean gradient's stable rank fell "
                     f"{r['stable_rank_drop']:.1f}-fold, to {r['stable_rank']:.1f}, between records {r['record_first']} and {r['record_last']}: its "
                     f"updates collapse onto {max(1, round(r['stable_rank']))} direction(s).")))
-    return out + recurrent_flags(result, opt.min_severity)
+    out = [_expert(f) if f.tensor in experts else f for f in out]
+    n_experts = {t: n for t, n in heads_per_tensor(table).items() if t in experts}
+    kept = [f for f in out if f.tensor not in experts]
+    for reason in dict.fromkeys(f.evidence.get("reason") for f in out if f.tensor in experts):
+        kept += dedupe_heads([f for f in out if f.tensor in experts and f.evidence.get("reason") == reason],
+                             n_experts, by_sources=False)
+    return kept + recurrent_flags(result, opt.min_severity)
+
+
+def _where(r: dict[str, Any]) -> str:
+    """The row's tensor, with ``head h`` (``expert e`` once :func:`_expert` renames it)."""
+    return where(r["tensor"], _head(r))
+
+
+def _expert(f: Flag) -> Flag:
+    """A flag on an expert of a mixture-of-experts unit: ``evidence["expert"]``, its summary says ``expert e``."""
+    if f.head is None:
+        return f
+    head = f"{f.tensor} head {f.head}"
+    return replace(f, evidence={**f.evidence, "expert": f.head},
+                   summary=f.summary.replace(head, f"{f.tensor} expert {f.head}", 1))
 
 
 def _alpha_flag(r: dict[str, Any], opt: SpectralOptions, fits: dict[str, float]) -> Flag | None:
@@ -292,7 +316,7 @@ def _alpha_flag(r: dict[str, Any], opt: SpectralOptions, fits: dict[str, float])
         return None
     n_tail = int(r["alpha_n_tail"])
     se = alpha_se(r["alpha"], n_tail)
-    text = (f"{r['tensor']}: the eigenvalue spectrum of WᵀW has power-law exponent alpha={r['alpha']:.2f} "
+    text = (f"{_where(r)}: the eigenvalue spectrum of WᵀW has power-law exponent alpha={r['alpha']:.2f} "
             f"(± {se:.2f} over a tail of {n_tail} eigenvalues) at record {r['record_last']}, outside the healthy "
             f"{lo:g}-{hi:g}: ")
     why = None
@@ -336,8 +360,7 @@ def _growth_flag(r: dict[str, Any], sev: float, whole: dict[str, dict[str, Any]]
 def _weight_growth_flag(r: dict[str, Any], sev: float, whole: dict[str, dict[str, Any]]) -> Flag:
     partner = partner_of(r["tensor"])
     pr = whole.get(partner) if partner else None
-    where = r["tensor"] + (f" head {_head(r)}" if _head(r) is not None else "")
-    text = (f"{where}: spectral norm grew x{r['norm_growth']:.2f} ({r['sigma_max_first']:.3g} -> {r['sigma_max']:.3g}) "
+    text = (f"{_where(r)}: spectral norm grew x{r['norm_growth']:.2f} ({r['sigma_max_first']:.3g} -> {r['sigma_max']:.3g}) "
             f"between records {r['record_first']} and {r['record_last']}")
     if np.isfinite(r.get("logit_scale", math.nan)):
         text += (f"; its q/k weights can now give an attention logit of {r['logit_scale']:.3g} to inputs of unit RMS "

@@ -25,10 +25,10 @@ from gradforensics.analysis.toolkit.kspace import window_edges
 from gradforensics.store.heads import HeadSpec
 
 if TYPE_CHECKING:
-    from gradforensics.store.reader import Store
+    from gradforensics.store.reader import ArrayInfo, Store
 
 __all__ = ["MAX_SNAPSHOTS", "WINDOWS", "is_matrix", "lazy", "partner_of", "qk_logit_scale", "role_of",
-           "slab_reductions", "window_means", "window_spectra", "window_sums"]
+           "slab_reductions", "unit_spec", "window_means", "window_spectra", "window_sums"]
 
 MAX_SNAPSHOTS = 16
 WINDOWS = 8
@@ -42,9 +42,22 @@ def _snapshots(m: int) -> list[int]:
 
 
 def is_matrix(attrs: dict[str, Any], shape: tuple[int, ...]) -> bool:
-    """Whether a stored gradient is of a 2-D tensor (its per-record shape, before any head split)."""
+    """Whether a stored gradient is of a 2-D tensor (its per-record shape, before any head split), or a
+    mixture-of-experts unit of 2-D experts (``(N, E, a, b)``, attribute ``experts``)."""
     orig = attrs.get("shape")
+    if attrs.get("experts"):
+        return len(orig) == 3 if orig is not None else len(shape) == 4
     return len(orig) == 2 if orig is not None else len(shape) == 3
+
+
+def unit_spec(info: ArrayInfo) -> HeadSpec | None:
+    """How one record of a stored gradient splits into the units :attr:`ArrayInfo.split` counts: a head-split
+    tensor's own :class:`HeadSpec`; the E experts ``(E, a, b)`` of a mixture-of-experts unit as E blocks along
+    axis 0 (the whole unit's matrix is the experts stacked, ``(E·a, b)``); None for a whole tensor."""
+    spec = HeadSpec.from_attrs(info.attrs)
+    if spec is None and info.split:
+        return HeadSpec(int(info.split), 0)
+    return spec
 
 
 def lazy(store: Store) -> dict[str, Any]:
@@ -54,12 +67,14 @@ def lazy(store: Store) -> dict[str, Any]:
     out: dict[str, Any] = {}
     wrec = store.weight_records()
     for tensor, info in sorted(store.weights.items()):
-        if len(info.shape) != 3:
+        experts = store.experts_of(tensor) if tensor in store.grads else None
+        if len(info.shape) != (4 if experts else 3):        # a snapshot of an experts unit: (E, a, b), split already
             continue
-        spec = HeadSpec.from_attrs(store.grads[tensor].attrs) if tensor in store.grads else None
+        spec = unit_spec(store.grads[tensor]) if tensor in store.grads else None
         handle = store.handle(info)         # read inside each task (no dask array: no metadata reads here)
         idx = _snapshots(info.shape[0])
-        out[f"weight|{tensor}"] = dask.delayed(list)([dask.delayed(_snapshot_spectra)(handle, t, spec) for t in idx])
+        out[f"weight|{tensor}"] = dask.delayed(list)([dask.delayed(_snapshot_spectra)(handle, t, spec, bool(experts))
+                                                      for t in idx])
         out[f"weight_records|{tensor}"] = dask.delayed(np.asarray)([int(wrec[t]) for t in idx])
         qk = _qk_lazy(store, tensor, idx)
         if qk is not None:
@@ -127,10 +142,10 @@ def _qk_lazy(store: Store, tensor: str, idx: list[int]) -> Any:
     return dask.delayed(list)([dask.delayed(_qk_point)(qh, kh, t, qspec, kspec) for t in idx])
 
 
-def _snapshot_spectra(handle: Any, t: int, spec: Any) -> dict[int | None, Spectrum]:
-    """Spectra of weight snapshot *t*, read in the task."""
+def _snapshot_spectra(handle: Any, t: int, spec: Any, split: bool = False) -> dict[int | None, Spectrum]:
+    """Spectra of weight snapshot *t*, read in the task (*split*: it is stored as its blocks already)."""
     rest = (slice(None),) * (len(handle.shape) - 1)
-    return block_spectra(handle[(slice(t, t + 1), *rest)][0], spec, False)
+    return block_spectra(handle[(slice(t, t + 1), *rest)][0], spec, split)
 
 
 def window_sums(x: np.ndarray, sel: tuple[slice, ...], edges: np.ndarray) -> dict[Any, np.ndarray]:
@@ -218,7 +233,7 @@ def slab_reductions(store: Store) -> dict[str, Any]:
     for tensor, info in sorted(store.grads.items()):
         if not is_matrix(info.attrs, info.shape):
             continue
-        spec = HeadSpec.from_attrs(info.attrs)
+        spec = unit_spec(info)
         out[f"gradient|{tensor}"] = SlabReduction(
             tensor=tensor, chunk=partial(window_sums, edges=edges), combine=merge_feature_blocks,
             aggregate=partial(window_means, edges=edges, shape=tuple(info.shape[1:])),
