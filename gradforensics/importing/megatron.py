@@ -84,6 +84,9 @@ _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^(.*\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 _PARAM = re.compile(r"^(?:.*\.)?([A-Za-z_0-9]+)\.(weight|bias)\d*$")
 _DGRAD = re.compile(r"^(?:.*\.)?([A-Za-z_0-9]+)/(input|output)\d+$")
+#: a gated ``linear_fc1``'s weight / bias (split along axis 0) and output (activation gradients, activations: the
+#: last axis): each tensor-parallel rank holds ``[its gate | its up]``
+_GATED_FC1 = re.compile(r"(?:^|\.)linear_fc1(?:\.(?:weight|bias)\d*|/output\d+)$")
 
 
 @dataclass(frozen=True)
@@ -590,9 +593,9 @@ def _join(name: str, ranks: Mapping[int, tuple[torch.Tensor, Shard]], tps: int, 
             f"{where}: {name} holds the same values on all {tps} tensor-parallel ranks although its {says} says "
             f"split along axis {axis}: it is replicated there ({why}). Give its layout: --tp-split "
             f"'{_glob_of(name)}=none'.")
-    if spec.gated_mlp and ".linear_fc1." in name and axis == 0:
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if spec.gated_mlp and _GATED_FC1.search(name) and axis == (-1 if "/" in name else 0):
+        halves = [p.chunk(2, dim=axis) for p in parts]      # each rank: [its gate | its up]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=axis)
     return torch.cat(parts, dim=axis)
 
 

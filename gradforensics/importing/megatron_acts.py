@@ -21,7 +21,7 @@ or more axes the statistics capture computes for a module's output (``acts/<modu
 :func:`~gradforensics.recording.actstats.act_stats` every record), the units on the last axis
 (Megatron's activations are ``[sequence, batch, features]``; a router's ``[tokens, experts]``).
 With ``gated_mlp`` (SwiGLU) a ``linear_fc1`` output is joined
-half by half, ``[gate | up]`` as in the unsharded model.  ``<module>/output0`` is stored as ``<module>`` (the module's output, as capture names it), every
+half by half, ``[gate | up]`` as in the unsharded model (by :func:`merge`, as the activation gradients).  ``<module>/output0`` is stored as ``<module>`` (the module's output, as capture names it), every
 other key as ``<module>.<key>`` (``decoder.layers.0.mlp.linear_fc2.input0``: the MLP's activation
 function output).  Non-tensor entries are call arguments, not activations: not read.
 
@@ -164,23 +164,7 @@ class ActivationStats:
             keys = {re.sub(r"\.\d+\.", ".*.", n) for c in loaded.values() for sd in c.values() for n in sd}
             splits: dict[str, int | None] = {k: 0 for k in sorted(keys) if partition_axis(k) is None}
             spec = dataclasses.replace(spec, tp_splits={**spec.tp_splits, **splits})
-        merged = merge(loaded, spec, d)
-        if spec.gated_mlp:
-            self._gated(merged, grid)
-        return merged
-
-    def _gated(self, merged: dict[str, torch.Tensor], grid: Sequence[Any]) -> None:
-        """A gated ``linear_fc1``'s output joined half by half: each rank's last axis is ``[its gate | its up]``
-        (the rows of its weight shard), so the ranks' outputs side by side are ``[g0 u0 g1 u1 ..]``."""
-        import torch
-
-        lay = self.spec.layout
-        tp = lay.tp if lay is not None else 1 + max(s.tp for s in grid)
-        etp = lay.etp_size if lay is not None else tp
-        for n, t in merged.items():
-            if _GATED.search(n) and n.endswith("/output0"):
-                parts = t.chunk(2 * (etp if ".local_experts." in n else tp), dim=-1)
-                merged[n] = torch.cat([*parts[0::2], *parts[1::2]], dim=-1)
+        return merge(loaded, spec, d)        # a gated linear_fc1 output joined half by half there
 
     def rows(self, d: Path) -> dict[str, Row]:
         """The statistics rows of iteration directory *d*."""
