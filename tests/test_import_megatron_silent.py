@@ -89,3 +89,55 @@ def test_gated_fc1_activations_are_joined_half_by_half_once(tmp_path):
     want = truths[1][f"{FC1}/output0"].reshape(-1, 2 * F).mean(0).numpy()
     np.testing.assert_allclose(mean[0], want, rtol=1e-5, atol=1e-6)
     assert (mean[0][F:] > 1.5).all() and (mean[0][:F] < 1.5).all()
+
+
+# ------------------------------------------------------------------ 2. dense dgrads / activations under EP
+PROJ_OUT = "decoder.layers.0.self_attention.linear_proj/output0"
+EXPERT_IN = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2/input0"
+
+
+def _ep_dump(save: Path, kind: str) -> dict[int, list[dict[str, torch.Tensor]]]:
+    """TP 1, EP 2: each expert rank's file holds its own micro-batch's dense activation gradient (other tokens)
+    and its local expert's (fixed shape: capacity-padded routing)."""
+    per_rank = {}
+    for it in (1, 2):
+        g = torch.Generator().manual_seed(10 + it)
+        files, ranks = {}, []
+        for e in range(2):
+            sd = {PROJ_OUT: torch.randn(S, B, H, generator=g) + 5.0 * e, EXPERT_IN: torch.randn(3, F, generator=g)}
+            ranks.append(sd)
+            files[f"mp_rank_00_{e:03d}.pth"] = {n: t.clone() for n, t in sd.items()}
+        per_rank[it] = ranks
+        _save(save, kind, it, files)
+    return per_rank
+
+
+@pytest.mark.parametrize("kind", ["dgrads", "activations"])
+def test_dense_tensors_under_expert_parallelism_are_expert_rank_0s_micro_batch_and_say_so(tmp_path, kind):
+    """Before: merge() said the expert ranks' dense copies were equal and the store did not say whose tokens."""
+    per_rank = _ep_dump(tmp_path / "save", kind)
+    store = gf.import_run(tmp_path / "save", tmp_path / "s.zarr", kind=kind, heads=None, layout="ep=2")
+    if kind == "dgrads":
+        got = store.read(f"grads/{PROJ_OUT.replace('/', '.')}")
+        for i, it in enumerate((1, 2)):
+            assert torch.equal(torch.from_numpy(got[i]), per_rank[it][0][PROJ_OUT])          # expert rank 0's
+        experts = store.read("grads/decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.input0")
+        assert torch.equal(torch.from_numpy(experts[0]), per_rank[1][1][EXPERT_IN])         # every expert rank's
+    else:
+        mean = store.read("acts/decoder.layers.0.self_attention.linear_proj/mean")
+        want = per_rank[1][0][PROJ_OUT].reshape(-1, H).mean(0).numpy()
+        np.testing.assert_allclose(mean[0], want, rtol=1e-5, atol=1e-6)
+    dense = store.meta.extra["import"]["dense"]
+    what = "activation gradients" if kind == "dgrads" else "activations"
+    assert dense.startswith("expert rank 0's micro-batch") and f"the dense {what} of the other" in dense
+    assert f"  dense layers: {dense}" in summary_lines(summarize(store))
+
+
+def test_wgrads_under_expert_parallelism_say_nothing_of_micro_batches(tmp_path):
+    save = tmp_path / "save"
+    for it in (1, 2):
+        w = torch.randn(H, H)
+        _save(save, "wgrads", it, {f"mp_rank_00_{e:03d}.pth": {"decoder.layers.0.self_attention.linear_proj.weight":
+                                                                w.clone()} for e in range(2)})
+    store = gf.import_run(save, tmp_path / "w.zarr", heads=None, layout="ep=2")
+    assert store.meta.extra["import"]["dense"] is None

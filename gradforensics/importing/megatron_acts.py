@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError, ImportSourceError, ShardMismatchError
-from gradforensics.importing.megatron import MegatronSpec, iterations, merge, partition_axis, shards
+from gradforensics.importing.megatron import MegatronSpec, dense_note, iterations, merge, partition_axis, shards
 from gradforensics.importing.megatron_moe import grouped_per_token
 from gradforensics.importing.megatron_routing import RouterLoads, joined_routing
 from gradforensics.recording.actstats import ActRange, act_stats, make_range
@@ -239,7 +239,8 @@ def import_activations(source: Path, out: Any, spec: MegatronSpec, *, tensors: S
     routing = joined_routing(source, spec.layout, list(iters), top_k, quiet=bool(writer_options.get("quiet", True)))
     extras = RecordExtras(None, routing)
     first_rows.update(extras.rows(first_it))
-    extra = {"import": {"format": "megatron", "source": str(source), "kind": "activations",
+    dense = dense_note(["activations"], len({s.ep for s in shards(first_dir, spec.layout)}))
+    extra = {"import": {"format": "megatron", "source": str(source), "kind": "activations", "dense": dense,
                         "iterations": list(iters), "layout": _layout(spec), "sequence_parallel": stats.sp,
                         "activations": JOINED, "router": extras.notes["router"],
                         "not_imported": dict(stats.left_out)}}
@@ -314,6 +315,11 @@ class RecordExtras:
         routing = self.routing.note if isinstance(self.routing, RouterLoads) else self.routing
         return {"activations": self.acts.note if self.acts is not None else "none in the dump",
                 "router": routing or "none in the dump"}
+
+    @property
+    def joined(self) -> list[str]:
+        """The dumps whose rows the records get: ``["activations"]`` when they are joined, else none."""
+        return ["activations"] if self.acts is not None and self.acts.note == JOINED else []
 
     @property
     def left_out(self) -> dict[str, str]:
