@@ -141,3 +141,86 @@ def test_wgrads_under_expert_parallelism_say_nothing_of_micro_batches(tmp_path):
                                                                 w.clone()} for e in range(2)})
     store = gf.import_run(save, tmp_path / "w.zarr", heads=None, layout="ep=2")
     assert store.meta.extra["import"]["dense"] is None
+
+
+# ------------------------------------------------------------------ 4. tokens_per_expert under pipeline parallelism
+N_EXPERTS, PP_LAYERS = 4, 4          # 4 decoder layers (2 per stage), 4 experts (2 per expert rank)
+
+
+def _pp_tokens(it: int, layer: int) -> list[list[int]]:
+    """Per micro-batch, the tokens routed to each of the 4 experts of global *layer*: each layer its own shares."""
+    return [[10 * (layer + 1) + it, 5 + layer, 3, 1 + layer * it], [8, 2 * layer + 1, 4 + it, 6]]
+
+
+def _pp_dump(save: Path, iters, *, last_stage_moe: bool = True) -> None:
+    """TP 1, PP 2, EP 2 (world 4, ranks in Megatron-LM's order tp-cp-ep-dp-pp: rank r is pipeline stage r // 2,
+    expert rank r % 2): wgrads of every stage's layers (stage-local numbers 0, 1; each with a router and two grouped
+    local experts) and every rank's ``tokens_per_expert`` log of its stage-local layers."""
+    g = torch.Generator().manual_seed(0)
+    for it in iters:
+        files = {}
+        for p in range(2):
+            for e in range(2):
+                sd: dict[str, torch.Tensor] = {}
+                for local in range(2):
+                    pre = f"decoder.layers.{local}.mlp."
+                    if p == 1 and not last_stage_moe:
+                        sd[pre + "linear_fc1.weight"] = torch.randn(F, H, generator=g)
+                        continue
+                    sd[pre + "router.weight"] = torch.ones(N_EXPERTS, H)
+                    for j in range(2):
+                        sd[f"{pre}experts.linear_fc1.weight{j}"] = torch.randn(F, H, generator=g)
+                files[f"mp_rank_00_{p:03d}_{e:03d}.pth"] = sd
+        _save(save, "wgrads", it, files)
+    d = save / "tokens_per_expert"
+    d.mkdir(parents=True, exist_ok=True)
+    for r in range(4):
+        p, e = r // 2, r % 2
+        if p == 1 and not last_stage_moe:
+            continue
+        with open(d / f"rank{r}.jsonl", "a") as f:
+            for it in iters:
+                for local in range(2):
+                    tpe = [mb[2 * e:2 * e + 2] for mb in _pp_tokens(it, 2 * p + local)]
+                    f.write(json.dumps({"iter": it, "block": "decoder", "layer": local, "tpe": tpe}) + "\n")
+
+
+def test_tokens_per_expert_under_pipeline_parallelism_land_on_their_global_layers(tmp_path):
+    """Before: not read under PP ("the log's layer numbers are per stage")."""
+    iters = (1, 2, 3)
+    _pp_dump(tmp_path / "save", iters)
+    store = gf.import_run(tmp_path / "save", tmp_path / "s.zarr", heads=None, layout="pp=2,ep=2", moe_topk=2)
+    assert store.router_modules == [f"decoder.layers.{i}.mlp.router" for i in range(PP_LAYERS)]
+    for layer in range(PP_LAYERS):
+        load = store.router(f"decoder.layers.{layer}.mlp.router", "load")
+        want = np.array([np.sum(_pp_tokens(it, layer), axis=0) / np.sum(_pp_tokens(it, layer)) for it in iters])
+        np.testing.assert_allclose(load, want, rtol=1e-6)
+    assert store.meta.extra["import"]["router"].startswith("load and max_share from tokens_per_expert/")
+
+
+def test_tokens_per_expert_under_pp_that_cannot_be_placed_is_not_read_and_says_why(tmp_path):
+    _pp_dump(tmp_path / "a", (1, 2), last_stage_moe=False)
+    store = gf.import_run(tmp_path / "a", tmp_path / "a.zarr", heads=None, layout="pp=2,ep=2", moe_topk=2)
+    assert not store.router_modules
+    assert "the last pipeline stage has no expert layer" in store.meta.extra["import"]["router"]
+    _pp_dump(tmp_path / "b", (1, 2))
+    (tmp_path / "b" / "tokens_per_expert" / "rank1.jsonl").unlink()
+    store = gf.import_run(tmp_path / "b", tmp_path / "b.zarr", heads=None, layout="pp=2,ep=2", moe_topk=2)
+    assert "rank1.jsonl is missing: pipeline stage 0" in store.meta.extra["import"]["router"]
+    with open(tmp_path / "b" / "tokens_per_expert" / "rank3.jsonl", "a") as f:     # a layer stage 1 does not have
+        f.write(json.dumps({"iter": 2, "block": "decoder", "layer": 2, "tpe": [[1, 1]]}) + "\n")
+    (tmp_path / "b" / "tokens_per_expert" / "rank1.jsonl").write_text((tmp_path / "b" / "tokens_per_expert" /
+                                                                       "rank0.jsonl").read_text())
+    store = gf.import_run(tmp_path / "b", tmp_path / "c.zarr", heads=None, layout="pp=2,ep=2", moe_topk=2)
+    assert "logs layer 2 of pipeline stage 1, which has no experts in the dump" in store.meta.extra["import"]["router"]
+
+
+def test_tokens_per_expert_with_virtual_stages_is_not_read_and_says_why(tmp_path):
+    from gradforensics.importing.megatron import parse_layout
+    from gradforensics.importing.megatron_routing import joined_routing
+
+    (tmp_path / "tokens_per_expert").mkdir()
+    (tmp_path / "tokens_per_expert" / "rank0.jsonl").write_text('{"iter": 1, "block": "decoder", "layer": 0, '
+                                                                '"tpe": [[1, 1]]}\n')
+    why = joined_routing(tmp_path, parse_layout("pp=2,vp=2"), [1], 1, stages={0: (0, frozenset({0}))})
+    assert isinstance(why, str) and "virtual pipeline stages (vp=2)" in why and "mixing the chunks" in why

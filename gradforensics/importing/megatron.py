@@ -70,8 +70,8 @@ if TYPE_CHECKING:
     from gradforensics.runlog import RunLog
 
 __all__ = ["COLUMN_PARALLEL", "DENSE_EP0", "KINDS", "ROW_PARALLEL", "Layout", "MegatronSpec", "Shard", "dense_note",
-           "import_megatron", "iterations", "layout_axis", "load_shard", "merge", "parse_layout", "partition_axis",
-           "qkv_heads", "resolve", "save_dir", "shards", "store_name", "trim_vocab"]
+           "import_megatron", "iterations", "layer_offsets", "layout_axis", "load_shard", "merge", "parse_layout",
+           "partition_axis", "qkv_heads", "resolve", "save_dir", "shards", "stage_layers", "store_name", "trim_vocab"]
 
 
 KINDS = ("wgrads", "dgrads", "params", "activations")
@@ -438,7 +438,7 @@ def merge(loaded: Mapping[Shard, Mapping[int, Mapping[str, torch.Tensor]]], spec
                                          f"{lay.vp} says {lay.vp}: the layout disagrees with the files.")
     if lay is None:
         _no_expert_without_layout(loaded, spec, where)
-    offsets = _layer_offsets(loaded)
+    offsets = layer_offsets(loaded)
     per_name: dict[str, dict[int, tuple[torch.Tensor, Shard]]] = defaultdict(dict)
     sizes: dict[str, int] = {}
     for shard, chunks in loaded.items():
@@ -500,7 +500,7 @@ def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _layer_offsets(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> dict[tuple[int, int], int]:
+def layer_offsets(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> dict[tuple[int, int], int]:
     """``{(chunk, pp rank): global number of its first layer}``: chunks by (virtual stage, pipeline rank)."""
     counts: dict[tuple[int, int], int] = {}
     for shard, chunks in loaded.items():
@@ -511,6 +511,22 @@ def _layer_offsets(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> d
     for key in sorted(counts):
         out[key] = total
         total += counts[key]
+    return out
+
+
+_MOE_LAYER = re.compile(r"^(?:.*\.)?decoder\.layers\.(\d+)\.mlp\.(?:router|experts)[./]")
+
+
+def stage_layers(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> dict[int, tuple[int, frozenset[int]]]:
+    """``{pipeline rank: (global number of its first decoder layer, its stage-local layers with experts)}`` of one
+    iteration's rank files, for a layout of one model chunk per rank (a layer has experts when the dump holds its
+    router's or experts' tensors)."""
+    offsets = layer_offsets(loaded)
+    out: dict[int, tuple[int, frozenset[int]]] = {}
+    for shard, chunks in loaded.items():
+        if shard.tp == 0 and shard.ep == 0:
+            moe = frozenset(int(m.group(1)) for sd in chunks.values() for n in sd if (m := _MOE_LAYER.match(n)))
+            out[shard.pp] = (offsets.get((0, shard.pp), 0), moe)
     return out
 
 

@@ -47,7 +47,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import CheckpointError, ImportSourceError, ShardMismatchError
-from gradforensics.importing.megatron import MegatronSpec, dense_note, iterations, merge, partition_axis, shards
+from gradforensics.importing.megatron import (
+    MegatronSpec,
+    dense_note,
+    iterations,
+    merge,
+    partition_axis,
+    shards,
+    stage_layers,
+)
 from gradforensics.importing.megatron_moe import grouped_per_token
 from gradforensics.importing.megatron_routing import RouterLoads, joined_routing
 from gradforensics.recording.actstats import ActRange, act_stats, make_range
@@ -61,7 +69,7 @@ if TYPE_CHECKING:
     from gradforensics.runlog import RunLog
 
 __all__ = ["JOINED", "UNIT_AXIS_FROM", "ActivationStats", "JoinedActivations", "RecordExtras", "act_module",
-           "import_activations", "joined_activations", "load_activations", "record_extras"]
+           "dump_stages", "import_activations", "joined_activations", "load_activations", "record_extras"]
 
 UNIT_AXIS_FROM = "last axis (Megatron-LM's [sequence, batch, features] activations)"
 _KEY = re.compile(r"^(.+)/((?:input|output)\d+)$")
@@ -120,6 +128,16 @@ def _split_by_expert(sd: dict[str, torch.Tensor], name: str, counts: Any) -> boo
     for j, part in enumerate(torch.split(t, list(counts), dim=0)):
         sd[f"{head}.local_experts.{j}.{leaf}/{key}"] = part
     return True
+
+
+def dump_stages(d: Path, spec: MegatronSpec) -> dict[int, tuple[int, frozenset[int]]] | None:
+    """The pipeline stages of iteration directory *d* (:func:`.megatron.stage_layers`: each stage's first global
+    layer and its stage-local expert layers), for ``tokens_per_expert/`` under pipeline parallelism; ``None``
+    without it (or without a layout)."""
+    lay = spec.layout
+    if lay is None or lay.pp == 1 or lay.vp > 1:
+        return None
+    return stage_layers({s: load_activations(s.path) for s in shards(d, lay) if s.tp == 0 and s.ep == 0})
 
 
 class ActivationStats:
@@ -236,7 +254,8 @@ def import_activations(source: Path, out: Any, spec: MegatronSpec, *, tensors: S
     stats = ActivationStats(spec, tensors=tensors)
     first_it, first_dir = next(iter(iters.items()))
     first_rows = stats.rows(first_dir)
-    routing = joined_routing(source, spec.layout, list(iters), top_k, quiet=bool(writer_options.get("quiet", True)))
+    routing = joined_routing(source, spec.layout, list(iters), top_k, quiet=bool(writer_options.get("quiet", True)),
+                             stages=dump_stages(first_dir, spec))
     extras = RecordExtras(None, routing)
     first_rows.update(extras.rows(first_it))
     dense = dense_note(["activations"], len({s.ep for s in shards(first_dir, spec.layout)}))
@@ -333,7 +352,9 @@ def record_extras(source: Path, *, top_k: int | None = None,
     loads beside the dump in *source*, made once the spec and the records' iterations are known."""
 
     def make(spec: MegatronSpec, steps: Sequence[int]) -> RecordExtras:
+        first = next(iter(iterations(source, spec.kind).values()))
         return RecordExtras(joined_activations(source, spec, quiet=quiet),
-                            joined_routing(source, spec.layout, steps, top_k, quiet=quiet))
+                            joined_routing(source, spec.layout, steps, top_k, quiet=quiet,
+                                           stages=dump_stages(first, spec)))
 
     return make
