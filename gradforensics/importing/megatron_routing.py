@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradforensics.errors import CheckpointError, SpecError
+from gradforensics.errors import CheckpointError, LogNotPlacedError, SpecError
 from gradforensics.store.names import check_name
 from gradforensics.store.schema import router_path
 from gradforensics.store.writer import Row
@@ -59,15 +59,11 @@ from gradforensics.store.writer import Row
 if TYPE_CHECKING:
     from gradforensics.importing.megatron import Layout
 
-__all__ = ["MAX_LINE", "NotRead", "RouterLoads", "joined_routing", "read_tokens_per_expert"]
+__all__ = ["MAX_LINE", "RouterLoads", "joined_routing", "read_tokens_per_expert"]
 
 #: the longest line read (bytes): a line is one layer's counts of one iteration
 MAX_LINE = 1 << 22
 _RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
-
-
-class NotRead(Exception):
-    """The log does not fit the layout: not read, the import says why (not a malformed log)."""
 
 
 def _router(obj: Mapping[str, Any], where: str, stage: tuple[int, frozenset[int]] | None = None,
@@ -79,8 +75,9 @@ def _router(obj: Mapping[str, Any], where: str, stage: tuple[int, frozenset[int]
         if stage is not None:           # stage-local under pipeline parallelism: the stage's first layer added
             first, moe = stage
             if layer not in moe:
-                raise NotRead(f"{where} logs layer {layer} of pipeline stage {pp_rank}, which has no experts in the "
-                              f"dump (its expert layers: {sorted(moe)}); the ranks do not fit the stages")
+                raise LogNotPlacedError(f"{where} logs layer {layer} of pipeline stage {pp_rank}, which has no "
+                                        f"experts in the dump (its expert layers: {sorted(moe)}); the ranks do not "
+                                        "fit the stages")
             layer += first
         return check_name(f"decoder.layers.{layer}.mlp.router", "router module")
     mtp = obj.get("mtp_idx")
@@ -92,20 +89,20 @@ def _router(obj: Mapping[str, Any], where: str, stage: tuple[int, frozenset[int]
 def _stage_of(files: Mapping[int, Path], pp: int,
               stages: Mapping[int, tuple[int, frozenset[int]]]) -> dict[int, int]:
     """``{rank: pipeline rank}``: stage ``R // (W / pp)``, ``W = max R + 1`` (the last stage must log); every rank
-    of a stage with expert layers must have logged (:class:`NotRead` otherwise)."""
+    of a stage with expert layers must have logged (:class:`~gradforensics.errors.LogNotPlacedError` otherwise)."""
     if not stages.get(pp - 1, (0, frozenset()))[1]:
-        raise NotRead(f"the last pipeline stage has no expert layer in the dump, so its ranks log nothing and the "
-                      f"ranks per stage cannot be told from rank{max(files)}.jsonl")
+        raise LogNotPlacedError("the last pipeline stage has no expert layer in the dump, so its ranks log "
+                                f"nothing and the ranks per stage cannot be told from rank{max(files)}.jsonl")
     world = max(files) + 1
     if world % pp:
-        raise NotRead(f"ranks 0..{world - 1} logged: not {pp} pipeline stages of equal size")
+        raise LogNotPlacedError(f"ranks 0..{world - 1} logged: not {pp} pipeline stages of equal size")
     per = world // pp
     for p in range(pp):
         if stages.get(p, (0, frozenset()))[1]:
             lost = [r for r in range(p * per, (p + 1) * per) if r not in files]
             if lost:
-                raise NotRead(f"rank{lost[0]}.jsonl is missing: pipeline stage {p} (ranks {p * per}..{(p + 1) * per - 1}"
-                              ") has expert layers and every one of its ranks logs")
+                raise LogNotPlacedError(f"rank{lost[0]}.jsonl is missing: pipeline stage {p} (ranks {p * per}.."
+                                        f"{(p + 1) * per - 1}) has expert layers and every one of its ranks logs")
     return {r: r // per for r in files}
 
 
@@ -115,7 +112,7 @@ def read_tokens_per_expert(d: Path, layout: Layout | None,
     """``{iteration: {router module: tokens per global expert (float64)}}`` of every ``rank<R>.jsonl`` in *d*.
 
     Under pipeline parallelism *stages* (:func:`gradforensics.importing.megatron.stage_layers`) maps each rank's
-    stage-local layers to global ones; :class:`NotRead` when the ranks do not fit them.
+    stage-local layers to global ones; :class:`~gradforensics.errors.LogNotPlacedError` when the ranks do not fit them.
     """
     from gradforensics.replay.untrusted import open_regular
 
@@ -217,7 +214,7 @@ def joined_routing(source: Path, layout: Layout | None, steps: Sequence[int], to
     else:
         try:
             counts = read_tokens_per_expert(d, layout, stages)
-        except NotRead as exc:
+        except LogNotPlacedError as exc:
             counts, why = {}, f"not read: {exc}"
         lost = [s for s in steps if s not in counts]
         if why is None and lost:
