@@ -23,6 +23,7 @@ The truth is the unsharded tensor built here.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -224,3 +225,19 @@ def test_tokens_per_expert_with_virtual_stages_is_not_read_and_says_why(tmp_path
                                                                 '"tpe": [[1, 1]]}\n')
     why = joined_routing(tmp_path, parse_layout("pp=2,vp=2"), [1], 1, stages={0: (0, frozenset({0}))})
     assert isinstance(why, str) and "virtual pipeline stages (vp=2)" in why and "mixing the chunks" in why
+
+
+def test_an_activations_import_places_tokens_per_expert_by_its_own_stages(tmp_path):
+    """``--kind activations``: the stages are read from the activations dump's own layer names."""
+    save = tmp_path / "save"
+    _pp_dump(save, (1, 2))
+    shutil.rmtree(save / "wgrads")
+    g = torch.Generator().manual_seed(3)
+    for it in (1, 2):
+        _save(save, "activations", it, {f"mp_rank_00_{p:03d}_{e:03d}.pth": {
+            f"decoder.layers.{local}.mlp.router/output0": torch.randn(S * B, N_EXPERTS, generator=g)
+            for local in range(2)} for p in range(2) for e in range(2)})
+    store = gf.import_run(save, tmp_path / "a.zarr", kind="activations", layout="pp=2,ep=2", moe_topk=2)
+    assert store.router_modules == [f"decoder.layers.{i}.mlp.router" for i in range(PP_LAYERS)]
+    load = store.router("decoder.layers.3.mlp.router", "load")
+    np.testing.assert_allclose(load[1], np.sum(_pp_tokens(2, 3), axis=0) / np.sum(_pp_tokens(2, 3)), rtol=1e-6)

@@ -31,7 +31,8 @@ first global layer and its stage-local layers with experts), rank ``R`` is on pi
 (``pp`` the outermost of Megatron-LM's rank order ``tp-cp-ep-dp-pp``; ``W`` the world size, ``max R + 1``: the
 last stage's ranks log when it has expert layers) and its ``layer`` becomes ``first layer of the stage + layer``.
 Checked: every logged layer is an expert layer of that rank's stage, and every rank of a stage with expert
-layers logged.
+layers logged.  ``--use-tp-pp-dp-mapping`` (order ``tp-cp-ep-pp-dp``, ``megatron/training/initialize.py``) is
+not this placement and cannot be told from the log.
 
 Refused in one line: a malformed line, a layer whose ranks log different numbers of local experts.
 Not read (the import says why, in ``extra["import"]["router"]``): virtual pipeline stages (``vp > 1``: each
