@@ -13,7 +13,7 @@ import errno
 
 __all__ = ["AttentionUnavailableError", "CaptureInterrupted", "CaptureWarning", "CheckpointError", "CompareWarning",
            "CorruptChunkError", "CorruptStoreError", "DataError", "DataFileNotFoundError", "EmptyStoreError",
-           "FlagsSchemaError", "GradforensicsError", "HeadSplitError", "ImportSourceError", "LogReadError", "MissingArrayError",
+           "FlagsSchemaError", "GradforensicsError", "HeadSplitError", "ImportSourceError", "LogNotPlacedError", "LogReadError", "MissingArrayError",
            "MissingExtraError", "MissingShardError", "ModelMismatchError", "NoAnswerError", "NotACheckpointError",
            "NotAStoreError", "OfflineError", "OutExistsError", "PlotBugWarning", "ReportInterrupted",
            "SchemaVersionError", "ShardMismatchError",
@@ -186,6 +186,10 @@ class MissingShardError(ImportSourceError, FileNotFoundError):
 
 class ShardMismatchError(ImportSourceError):
     """The shards of one tensor do not fit together (shape, dtype, or a tensor missing from a rank)."""
+
+
+class LogNotPlacedError(ImportSourceError):
+    """A run's side log (Megatron-LM's ``tokens_per_expert/``) does not fit the layout: not read, said why."""
 
 
 class FlagsSchemaError(GradforensicsError, ValueError):

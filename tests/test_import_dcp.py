@@ -175,14 +175,14 @@ def test_a_metadata_payload_is_refused_and_never_runs(series, tmp_path, capsys):
     assert not marker.exists()
 
 
-def test_a_truncated_distcp_isimport_refused(series, tmp_path, capsys):
+def test_a_truncated_distcp_is_refused(series, tmp_path, capsys):
     src = _copy(series[0], tmp_path / "src")
     f = src / "step_6" / "__0_0.distcp"
     f.write_bytes(f.read_bytes()[:-100])
     import_refused(tmp_path, capsys, src, "step_6/__0_0.distcp", "past the end")
 
 
-def test_an_offset_past_the_end_and_a_path_outside_areimport_refused(series, tmp_path, capsys):
+def test_an_offset_past_the_end_and_a_path_outside_are_refused(series, tmp_path, capsys):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     for rel, off, expect in (("__0_0.distcp", 10**9, "past the end"), ("../../outside.distcp", 0, "outside")):
@@ -196,7 +196,7 @@ def test_an_offset_past_the_end_and_a_path_outside_areimport_refused(series, tmp
         import_refused(tmp_path, capsys, src, "model.0.weight", expect)
 
 
-def test_a_missing_distcp_and_a_wrong_chunk_shape_areimport_refused(tmp_path, series):
+def test_a_missing_distcp_and_a_wrong_chunk_shape_are_refused(tmp_path, series):
     full = torch.ones(5, 4)
     _chunked(tmp_path / "a", full)
     (tmp_path / "a" / "__0_0.distcp").unlink()
@@ -212,7 +212,7 @@ def test_a_missing_distcp_and_a_wrong_chunk_shape_areimport_refused(tmp_path, se
         read_dcp(tmp_path / "b")
 
 
-def test_bytes_that_are_not_a_tensor_areimport_refused(series, tmp_path, capsys):
+def test_bytes_that_are_not_a_tensor_are_refused(series, tmp_path, capsys):
     src = _copy(series[0], tmp_path / "src")
     md = pickle.loads((src / "step_3" / ".metadata").read_bytes())      # the test's own file: trusted here
     info = next(v for k, v in md.storage_data.items() if k.fqn == "model.2.weight")

@@ -178,7 +178,30 @@ def test_a_hostile_fsdp_file_is_refused_and_never_runs(written, tmp_path, capsys
     assert not marker.exists()
 
 
-def test_a_missing_dcp_metadata_isimport_refused(written, tmp_path, capsys):
+def test_a_missing_dcp_metadata_is_refused(written, tmp_path, capsys):
     src = shutil.copytree(written[0] / "fsdp2-sharded", tmp_path / "src")
     (src / "checkpoint-3" / "optimizer_0" / ".metadata").unlink()
     import_refused(tmp_path, capsys, src, "checkpoint-3/optimizer_0", "no .metadata")
+
+
+def test_a_full_state_dict_lora_run_imports_under_peft_names_when_its_adapter_config_says_which(written, tmp_path):
+    """``FULL_STATE_DICT`` keeps the parameters' names (``lora_A.default.weight``) where SHARDED and a plain PEFT
+    checkpoint give peft's (``lora_A.weight``).  The Trainer writes ``adapter_config.json`` beside a FULL one
+    (``Trainer.save_model`` -> ``PeftModel.save_pretrained``; the ``default`` adapter's in the directory itself):
+    written here by peft's own ``LoraConfig.save_pretrained``.  Before: the same run imported under two sets of
+    names; now one, and without the config the store says why the names differ."""
+    import peft
+
+    root, oracle = written
+    src = shutil.copytree(root / "lora-full", tmp_path / "full")
+    bare = gf.import_run(src, tmp_path / "bare.zarr")
+    note = bare.meta.extra["import"]["adapter_note"]
+    assert "keep the adapter name 'default'" in note and "no adapter_config.json" in note
+    for ck in src.iterdir():
+        peft.LoraConfig(r=2, target_modules=LORA_TARGETS).save_pretrained(str(ck))
+    store = gf.import_run(src, tmp_path / "imp.zarr")
+    _check(store, oracle, 0, _lora(""))                         # the names of the SHARDED import, Adam state named
+    sharded = gf.import_run(root / "lora-sharded", tmp_path / "sharded.zarr")
+    assert sorted(store.grads) == sorted(sharded.grads)
+    imp = store.meta.extra["import"]
+    assert "adapter_note" not in imp and imp["adapter"]["r"] == 2 and imp["adapter"]["peft_type"] == "LORA"

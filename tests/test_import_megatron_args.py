@@ -94,6 +94,11 @@ def save_checkpoint(save: Path, it: int, args: argparse.Namespace, fmt: str = "t
     elif fmt == "torch_dist_common_pt":
         d.mkdir(parents=True)
         torch.save(sd, d / "common.pt")
+    elif fmt in ("torch_dcp", "fsdp_dtensor"):      # the whole state dict through torch's DCP, args a bytes entry
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({**sd, "model": {"decoder.final_layernorm.weight": torch.ones(4)}}, checkpoint_id=str(d),
+                     no_dist=True)
     else:               # torch_dist now: the common dict as the ShardedObject "common_state" inside the DCP
         blob = io.BytesIO()
         torch.save([sd], blob)
@@ -116,7 +121,8 @@ MOE = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_te
 
 
 # ------------------------------------------------------------------ 1. the run's saved arguments
-FORMATS = {"torch": "mp_rank_00_000/model_optim_rng.pt", "torch_dist_common_pt": "common.pt", "torch_dist": ".metadata"}
+FORMATS = {"torch": "mp_rank_00_000/model_optim_rng.pt", "torch_dist_common_pt": "common.pt", "torch_dist": ".metadata",
+           "torch_dcp": ".metadata", "fsdp_dtensor": ".metadata"}
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -230,6 +236,7 @@ def test_expert_dumps_without_a_layout_are_refused_and_joined_or_refused_with_th
     msg = _one_line(e)
     assert "no layout is known" in msg and "Pass --layout tp=,pp=,ep=,etp= or --args-from" in msg
     assert "looked for" in msg and "model_optim_rng.pt" in msg
+    assert "the torch, torch_dist, torch_dcp and fsdp_dtensor checkpoint formats" in msg
     save_checkpoint(tmp_path / "save", 2, megatron_args(tensor_model_parallel_size=lay["tp"],
                                                         expert_model_parallel_size=lay["ep"],
                                                         expert_tensor_parallel_size=lay.get("etp")))

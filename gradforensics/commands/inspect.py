@@ -67,7 +67,7 @@ def _megatron(imported: object) -> dict | None:
     """What a Megatron-LM import used: the layout and where it came from, the run's arguments, the vocabulary."""
     if not isinstance(imported, dict) or imported.get("format") != "megatron":
         return None
-    return {k: imported.get(k) for k in ("layout", "layout_from", "run_args", "vocab")}
+    return {k: imported.get(k) for k in ("layout", "layout_from", "run_args", "vocab", "dense")}
 
 
 def megatron_lines(m: dict) -> list[str]:
@@ -81,6 +81,8 @@ def megatron_lines(m: dict) -> list[str]:
         out.append(f"  vocabulary: {v.get('size')} tokens, {v.get('rows_dropped')} padded rows dropped "
                    f"(padded to {v.get('padded')}; size from {v.get('from')})" if v.get("size") is not None else
                    f"  vocabulary: padded to {v.get('padded')} rows, kept (true size {v.get('from')})")
+    if m.get("dense"):
+        out.append(f"  dense layers: {m['dense']}")
     return out
 
 

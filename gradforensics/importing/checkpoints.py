@@ -249,8 +249,68 @@ def _load_fsdp(d: Path) -> tuple[dict[str, torch.Tensor], Any]:
         opt = torch_load(d / FSDP_OPTIM_FILE, mmap=True)
     elif (d / "optimizer.pt").is_file():
         opt = torch_load(d / "optimizer.pt", mmap=True)
-    sd = _unwrapped(sd, d)
-    return sd, _adapter_named(_unwrapped_optim(opt, d), sd, d)
+    sd, opt = _unwrapped(sd, d), _unwrapped_optim(opt, d)
+    name = adapter_name(d)
+    if name is not None:
+        sd, opt = _without_segment(sd, name, d), _without_segment_optim(opt, name, d)
+    return sd, _adapter_named(opt, sd, d)
+
+
+def adapter_name(d: Path) -> str | None:
+    """The PEFT adapter's name a Trainer checkpoint *d* says it holds (``None``: no ``adapter_config.json``).
+
+    peft's ``PeftModel.save_pretrained`` (peft 0.21.2, ``peft_model.py``) writes the ``default`` adapter's
+    ``adapter_config.json`` into the directory itself and any other adapter's into ``<dir>/<adapter name>/``;
+    the Trainer calls it beside an FSDP ``FULL_STATE_DICT`` checkpoint (transformers 5.24 ``Trainer.save_model``
+    -> ``_save`` -> ``save_pretrained`` of the unwrapped ``PeftModel``).
+    """
+    if (d / "adapter_config.json").is_file():
+        return "default"
+    subs = [p.name for p in sorted(d.iterdir()) if p.is_dir() and (p / "adapter_config.json").is_file()]
+    return subs[0] if len(subs) == 1 else None
+
+
+def _drop(name: str, seg: str) -> str:
+    return ".".join(p for p in name.split(".") if p != seg)
+
+
+def _without_segment(sd: Mapping[str, Any], seg: str, where: Path) -> dict[str, Any]:
+    """*sd* with the adapter name's segment dropped from its names, as peft's ``get_peft_model_state_dict`` saves
+    them (``...lora_A.default.weight`` -> ``...lora_A.weight``); two names that meet are refused."""
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        p = _drop(k, seg) if isinstance(k, str) else k
+        if p in out:
+            raise CheckpointError(f"{where}: {k} and another entry both name {p} once the adapter name {seg!r} is "
+                                  "dropped; refused rather than keep one.")
+        out[p] = v
+    return out
+
+
+def _without_segment_optim(opt: Any, seg: str, where: Path) -> Any:
+    """A name-keyed optimizer state with the adapter name's segment dropped (state keys, groups' params)."""
+    if not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping) \
+            or not isinstance(opt.get("param_groups"), list):
+        return opt
+    groups = [{**g, "params": [_drop(p, seg) if isinstance(p, str) else p for p in g["params"]]}
+              if isinstance(g, Mapping) and isinstance(g.get("params"), list) else g for g in opt["param_groups"]]
+    return {**opt, "state": _without_segment(opt["state"], seg, where), "param_groups": groups}
+
+
+#: a LoRA tensor's name that still carries its adapter's name (``...lora_A.default.weight``)
+_LORA_NAMED = re.compile(r"\.lora_(?:A|B|embedding_A|embedding_B|magnitude_vector)\.([^.]+)\.(?:weight|bias)$")
+
+
+def adapter_note(ck: Checkpoint, names: Sequence[str]) -> dict[str, str]:
+    """``{"adapter_note": ...}`` when an FSDP checkpoint's LoRA tensors keep their adapter's name because no
+    ``adapter_config.json`` says which it is; else ``{}``."""
+    found = next((m for n in names if (m := _LORA_NAMED.search(n))), None)
+    if ck.kind != "hf-fsdp" or found is None:
+        return {}
+    return {"adapter_note": f"the LoRA tensors keep the adapter name {found.group(1)!r} in their names (FSDP's "
+                            "FULL_STATE_DICT saves the parameters' own names, and the checkpoint holds no "
+                            "adapter_config.json naming the adapter): a SHARDED_STATE_DICT or plain PEFT import of "
+                            f"the same run names them without '.{found.group(1)}'"}
 
 
 def _plain(name: str) -> str:
@@ -297,21 +357,8 @@ def _adapter_named(opt: Any, sd: Mapping[str, Any], where: Path) -> Any:
     missing = [k for k in opt["state"] if isinstance(k, str) and k not in sd]
     if not missing or len(missing) != len(opt["state"]):
         return opt
-
-    def drop(name: str, seg: str) -> str:
-        return ".".join(p for p in name.split(".") if p != seg)
-
-    fits = [g for g in dict.fromkeys(missing[0].split(".")) if all(drop(k, g) in sd for k in missing)]
-    if len(fits) != 1:
-        return opt
-    seg = fits[0]
-    groups = [{**g, "params": [drop(p, seg) if isinstance(p, str) else p for p in g["params"]]}
-              if isinstance(g, Mapping) and isinstance(g.get("params"), list) else g for g in opt["param_groups"]]
-    state = {drop(k, seg): v for k, v in opt["state"].items()}
-    if len(state) != len(opt["state"]):
-        raise CheckpointError(f"{where}: two optimizer states name one tensor once the adapter name {seg!r} is "
-                              "dropped; refused rather than keep one.")
-    return {**opt, "state": state, "param_groups": groups}
+    fits = [g for g in dict.fromkeys(missing[0].split(".")) if all(_drop(k, g) in sd for k in missing)]
+    return _without_segment_optim(opt, fits[0], where) if len(fits) == 1 else opt
 
 
 # ------------------------------------------------------------------ the trainer's log
@@ -405,7 +452,7 @@ def import_checkpoints(source: Path, out: Any, *, tensors: Sequence[str] | None,
     order = [n for n, _ in model.named_parameters()] if model is not None else None
     own = not _safetensors(ckpts[0])          # safetensors stores names sorted: not the optimizer's order
     extra = {"import": {"format": "checkpoints", "source": str(source), "kind": ckpts[0].kind,
-                        "steps": [c.step for c in ckpts], **_adapter(ckpts[-1])}}
+                        "steps": [c.step for c in ckpts], **_adapter(ckpts[-1]), **adapter_note(ckpts[0], names)}}
     info = {"class": ckpts[0].kind, "n_params": int(sum(prev[n].numel() for n in names))}
     moments = [summarize(opt, prev, names, order, own)]
     ratios: dict[str, list[float]] = {n: [] for n in names}
@@ -450,7 +497,8 @@ def _adapter(ck: Checkpoint) -> dict[str, Any]:
     """``{"adapter": {...}}`` of a PEFT checkpoint (its ``adapter_config.json``, read as data), else ``{}``."""
     from gradforensics.replay.untrusted import read_json_object
 
-    if ck.kind != "hf" or not any((ck.path / n).is_file() for n in ADAPTER_WEIGHTS):
+    if not ((ck.kind == "hf" and any((ck.path / n).is_file() for n in ADAPTER_WEIGHTS))
+            or (ck.kind == "hf-fsdp" and (ck.path / "adapter_config.json").is_file())):
         return {}
     cfg = read_json_object(ck.path / "adapter_config.json") if (ck.path / "adapter_config.json").is_file() else {}
     keep = ("peft_type", "r", "lora_alpha", "target_modules", "base_model_name_or_path", "use_rslora")

@@ -24,8 +24,12 @@ Merging a saved iteration into the unsharded model (:func:`merge`):
   ordered as Megatron places layers (virtual stage first, then pipeline rank) and each gets
   the count of decoder layers before it as its offset: the names carry global layer numbers.
   MTP layers (``mtp.layers.<i>``, last stage only) keep their own numbers.
-* **expert parallel**: non-expert tensors are the same on every expert rank (Megatron's
-  ``save_grads`` says so) and one copy per tensor-parallel shard is kept; local experts
+* **expert parallel**: every expert rank writes the non-expert tensors too, and expert rank 0's copy of each
+  tensor-parallel shard is kept.  For ``wgrads`` and ``params`` the copies are the same (the dense gradients are
+  all-reduced over the data-parallel group, which spans the expert ranks; Megatron's ``save_grads`` says they
+  are duplicated); for ``dgrads`` and ``activations`` they are not: each expert rank is another data-parallel
+  replica of the dense layers and ran its own micro-batch, so the dense activation gradients and activations
+  are expert rank 0's micro-batch (:data:`DENSE_EP0`, in ``extra["import"]["dense"]``).  Local experts
   (``experts.local_experts.<j>``, grouped ``experts.linear_fc1.weight<j>``) are renumbered
   globally, ``ep_rank * n_local + j``; the import then stacks them into ``(E, ...)`` experts units
   (:mod:`.megatron_moe`).
@@ -65,9 +69,10 @@ if TYPE_CHECKING:
 
     from gradforensics.runlog import RunLog
 
-__all__ = ["COLUMN_PARALLEL", "KINDS", "ROW_PARALLEL", "Layout", "MegatronSpec", "Shard", "import_megatron",
-           "iterations", "layout_axis", "load_shard", "merge", "parse_layout", "partition_axis", "qkv_heads", "read_chunks", "resolve",
-           "save_dir", "shards", "store_name", "trim_vocab"]
+__all__ = ["COLUMN_PARALLEL", "DENSE_EP0", "KINDS", "ROW_PARALLEL", "Layout", "MegatronSpec", "Shard", "dense_note",
+           "import_megatron", "iterations", "layer_offsets", "layout_axis", "load_shard", "merge", "parse_layout",
+           "partition_axis", "qkv_heads", "read_chunks",
+           "resolve", "save_dir", "shards", "stage_layers", "store_name", "trim_vocab"]
 
 
 KINDS = ("wgrads", "dgrads", "params", "activations")
@@ -84,6 +89,9 @@ _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^(.*\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 _PARAM = re.compile(r"^(?:.*\.)?([A-Za-z_0-9]+)\.(weight|bias)\d*$")
 _DGRAD = re.compile(r"^(?:.*\.)?([A-Za-z_0-9]+)/(input|output)\d+$")
+#: a gated ``linear_fc1``'s weight / bias (split along axis 0) and output (activation gradients, activations: the
+#: last axis): each tensor-parallel rank holds ``[its gate | its up]``
+_GATED_FC1 = re.compile(r"(?:^|\.)linear_fc1(?:\.(?:weight|bias)\d*|/output\d+)$")
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,19 @@ class Shard:
     pp: int
     ep: int
     path: Path
+
+
+#: ``extra["import"]["dense"]`` of a ``dgrads`` / ``activations`` import under expert parallelism
+DENSE_EP0 = ("expert rank 0's micro-batch: under expert parallelism each expert rank is another data-parallel "
+             "replica of the dense layers (other tokens); the dense {what} of the other expert ranks are not read "
+             "(the experts' come from every expert rank)")
+
+
+def dense_note(kinds: Sequence[str], expert_ranks: int) -> str | None:
+    """What ``extra["import"]["dense"]`` says of the dense tensors of *kinds* read from *expert_ranks* expert
+    ranks' files (``None``: one expert rank, or ``wgrads`` / ``params``, the same on every expert rank)."""
+    what = [w for k, w in (("dgrads", "activation gradients"), ("activations", "activations")) if k in kinds]
+    return DENSE_EP0.format(what=" and ".join(what)) if expert_ranks > 1 and what else None
 
 
 # ------------------------------------------------------------------ the run's saved arguments
@@ -430,7 +451,7 @@ def merge(loaded: Mapping[Shard, Mapping[int, Mapping[str, torch.Tensor]]], spec
                                          f"{lay.vp} says {lay.vp}: the layout disagrees with the files.")
     if lay is None:
         _no_expert_without_layout(loaded, spec, where)
-    offsets = _layer_offsets(loaded)
+    offsets = layer_offsets(loaded)
     per_name: dict[str, dict[int, tuple[torch.Tensor, Shard]]] = defaultdict(dict)
     sizes: dict[str, int] = {}
     for shard, chunks in loaded.items():
@@ -443,7 +464,9 @@ def merge(loaded: Mapping[Shard, Mapping[int, Mapping[str, torch.Tensor]]], spec
                 seen = per_name[g].get(slot)
                 if seen is not None:
                     if not expert and seen[1].pp == shard.pp and seen[1].ep != shard.ep:
-                        continue            # an expert rank's copy of a dense tensor (save_grads says so)
+                        if shard.ep < seen[1].ep:       # expert rank 0's copy of a dense tensor is the one kept
+                            per_name[g][slot] = (t, shard)
+                        continue
                     _same_on_two_stages(g, seen, (t, shard))
                     continue
                 per_name[g][slot] = (t, shard)
@@ -490,7 +513,7 @@ def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _layer_offsets(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> dict[tuple[int, int], int]:
+def layer_offsets(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> dict[tuple[int, int], int]:
     """``{(chunk, pp rank): global number of its first layer}``: chunks by (virtual stage, pipeline rank)."""
     counts: dict[tuple[int, int], int] = {}
     for shard, chunks in loaded.items():
@@ -501,6 +524,22 @@ def _layer_offsets(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> d
     for key in sorted(counts):
         out[key] = total
         total += counts[key]
+    return out
+
+
+_MOE_LAYER = re.compile(r"^(?:.*\.)?decoder\.layers\.(\d+)\.mlp\.(?:router|experts)[./]")
+
+
+def stage_layers(loaded: Mapping[Shard, Mapping[int, Mapping[str, Any]]]) -> dict[int, tuple[int, frozenset[int]]]:
+    """``{pipeline rank: (global number of its first decoder layer, its stage-local layers with experts)}`` of one
+    iteration's rank files, for a layout of one model chunk per rank (a layer has experts when the dump holds its
+    router's or experts' tensors)."""
+    offsets = layer_offsets(loaded)
+    out: dict[int, tuple[int, frozenset[int]]] = {}
+    for shard, chunks in loaded.items():
+        if shard.tp == 0 and shard.ep == 0:
+            moe = frozenset(int(m.group(1)) for sd in chunks.values() for n in sd if (m := _MOE_LAYER.match(n)))
+            out[shard.pp] = (offsets.get((0, shard.pp), 0), moe)
     return out
 
 
@@ -602,9 +641,9 @@ def _join(name: str, ranks: Mapping[int, tuple[torch.Tensor, Shard]], tps: int, 
             f"{where}: {name} holds the same values on all {tps} tensor-parallel ranks although its {says} says "
             f"split along axis {axis}: it is replicated there ({why}). Give its layout: --tp-split "
             f"'{_glob_of(name)}=none'.")
-    if spec.gated_mlp and ".linear_fc1." in name and axis == 0:
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if spec.gated_mlp and _GATED_FC1.search(name) and axis == (-1 if "/" in name else 0):
+        halves = [p.chunk(2, dim=axis) for p in parts]      # each rank: [its gate | its up]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=axis)
     return torch.cat(parts, dim=axis)
 
 
@@ -781,9 +820,9 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
     listed = expert_units(n for n, t in merged.items() if t.ndim >= 2) if spec.kind != "dgrads" else {}
     merged = stack_experts(merged, listed)
     names = _select(merged, tensors, first_dir)
+    expert_ranks = len({s.ep for s in shards(first_dir, spec.layout)})
     left_out = left_out_moe(spec.kind, iters, lambda d: _load_iteration(d, spec, first_dir),
-                            {n: merged[n] for n in names},
-                            expert_ranks=len({s.ep for s in shards(first_dir, spec.layout)}))
+                            {n: merged[n] for n in names}, expert_ranks=expert_ranks)
     names = keep(names, left_out, first_dir)
     specs = _apply_heads(merged, spec, heads)
     units = {store_name(u): len(m) for u, m in listed.items() if u in names}
@@ -801,7 +840,9 @@ def import_megatron(source: Path, out: Any, spec: MegatronSpec, *, tensors: Sequ
                         "qkv_order": "q heads, k groups, v groups" if spec.num_heads else "megatron",
                         "experts_units": units,
                         "activations": "none in the dump", "router": "none in the dump", "not_imported": left_out,
-                        **(extras.notes if extras is not None else {})}}
+                        **(extras.notes if extras is not None else {}),
+                        "dense": dense_note([spec.kind, *(extras.joined if extras is not None else ())],
+                                            expert_ranks)}}
     info = {"class": "megatron", "n_params": int(sum(merged[n].numel() for n in names))}
     store_specs = {store_name(n): s for n, s in specs.items() if n in names}
     grad_bytes = sum(merged[n].numel() * min(merged[n].element_size(), 4) for n in names)

@@ -21,7 +21,7 @@ or more axes the statistics capture computes for a module's output (``acts/<modu
 :func:`~gradforensics.recording.actstats.act_stats` every record), the units on the last axis
 (Megatron's activations are ``[sequence, batch, features]``; a router's ``[tokens, experts]``).
 With ``gated_mlp`` (SwiGLU) a ``linear_fc1`` output is joined
-half by half, ``[gate | up]`` as in the unsharded model.  ``<module>/output0`` is stored as ``<module>`` (the module's output, as capture names it), every
+half by half, ``[gate | up]`` as in the unsharded model (by :func:`merge`, as the activation gradients).  ``<module>/output0`` is stored as ``<module>`` (the module's output, as capture names it), every
 other key as ``<module>.<key>`` (``decoder.layers.0.mlp.linear_fc2.input0``: the MLP's activation
 function output).  Non-tensor entries are call arguments, not activations: not read.
 
@@ -47,7 +47,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradforensics.errors import ImportSourceError, ShardMismatchError
-from gradforensics.importing.megatron import MegatronSpec, iterations, merge, partition_axis, read_chunks, shards
+from gradforensics.importing.megatron import (
+    MegatronSpec,
+    dense_note,
+    iterations,
+    merge,
+    partition_axis,
+    read_chunks,
+    shards,
+    stage_layers,
+)
 from gradforensics.importing.megatron_moe import grouped_per_token
 from gradforensics.importing.megatron_routing import RouterLoads, joined_routing
 from gradforensics.recording.actstats import ActRange, act_stats, make_range
@@ -61,7 +70,7 @@ if TYPE_CHECKING:
     from gradforensics.runlog import RunLog
 
 __all__ = ["JOINED", "UNIT_AXIS_FROM", "ActivationStats", "JoinedActivations", "RecordExtras", "act_module",
-           "import_activations", "joined_activations", "load_activations", "record_extras"]
+           "dump_stages", "import_activations", "joined_activations", "load_activations", "record_extras"]
 
 UNIT_AXIS_FROM = "last axis (Megatron-LM's [sequence, batch, features] activations)"
 _KEY = re.compile(r"^(.+)/((?:input|output)\d+)$")
@@ -112,6 +121,16 @@ def _split_by_expert(sd: dict[str, torch.Tensor], name: str, counts: Any) -> boo
     return True
 
 
+def dump_stages(d: Path, spec: MegatronSpec) -> dict[int, tuple[int, frozenset[int]]] | None:
+    """The pipeline stages of iteration directory *d* (:func:`.megatron.stage_layers`: each stage's first global
+    layer and its stage-local expert layers), for ``tokens_per_expert/`` under pipeline parallelism; ``None``
+    without it (or without a layout)."""
+    lay = spec.layout
+    if lay is None or lay.pp == 1 or lay.vp > 1:
+        return None
+    return stage_layers({s: load_activations(s.path) for s in shards(d, lay) if s.tp == 0 and s.ep == 0})
+
+
 class ActivationStats:
     """Per saved iteration, the ``acts/<module>/<stat>`` rows of an ``activations/iter_*`` directory.
 
@@ -154,23 +173,7 @@ class ActivationStats:
             keys = {re.sub(r"\.\d+\.", ".*.", n) for c in loaded.values() for sd in c.values() for n in sd}
             splits: dict[str, int | None] = {k: 0 for k in sorted(keys) if partition_axis(k) is None}
             spec = dataclasses.replace(spec, tp_splits={**spec.tp_splits, **splits})
-        merged = merge(loaded, spec, d)
-        if spec.gated_mlp:
-            self._gated(merged, grid)
-        return merged
-
-    def _gated(self, merged: dict[str, torch.Tensor], grid: Sequence[Any]) -> None:
-        """A gated ``linear_fc1``'s output joined half by half: each rank's last axis is ``[its gate | its up]``
-        (the rows of its weight shard), so the ranks' outputs side by side are ``[g0 u0 g1 u1 ..]``."""
-        import torch
-
-        lay = self.spec.layout
-        tp = lay.tp if lay is not None else 1 + max(s.tp for s in grid)
-        etp = lay.etp_size if lay is not None else tp
-        for n, t in merged.items():
-            if _GATED.search(n) and n.endswith("/output0"):
-                parts = t.chunk(2 * (etp if ".local_experts." in n else tp), dim=-1)
-                merged[n] = torch.cat([*parts[0::2], *parts[1::2]], dim=-1)
+        return merge(loaded, spec, d)        # a gated linear_fc1 output joined half by half there
 
     def rows(self, d: Path) -> dict[str, Row]:
         """The statistics rows of iteration directory *d*."""
@@ -242,10 +245,12 @@ def import_activations(source: Path, out: Any, spec: MegatronSpec, *, tensors: S
     stats = ActivationStats(spec, tensors=tensors)
     first_it, first_dir = next(iter(iters.items()))
     first_rows = stats.rows(first_dir)
-    routing = joined_routing(source, spec.layout, list(iters), top_k, quiet=bool(writer_options.get("quiet", True)))
+    routing = joined_routing(source, spec.layout, list(iters), top_k, quiet=bool(writer_options.get("quiet", True)),
+                             stages=dump_stages(first_dir, spec))
     extras = RecordExtras(None, routing)
     first_rows.update(extras.rows(first_it))
-    extra = {"import": {"format": "megatron", "source": str(source), "kind": "activations",
+    dense = dense_note(["activations"], len({s.ep for s in shards(first_dir, spec.layout)}))
+    extra = {"import": {"format": "megatron", "source": str(source), "kind": "activations", "dense": dense,
                         "iterations": list(iters), "layout": _layout(spec), "sequence_parallel": stats.sp,
                         "activations": JOINED, "router": extras.notes["router"],
                         "not_imported": dict(stats.left_out)}}
@@ -322,6 +327,11 @@ class RecordExtras:
                 "router": routing or "none in the dump"}
 
     @property
+    def joined(self) -> list[str]:
+        """The dumps whose rows the records get: ``["activations"]`` when they are joined, else none."""
+        return ["activations"] if self.acts is not None and self.acts.note == JOINED else []
+
+    @property
     def left_out(self) -> dict[str, str]:
         """The activations left out, as ``"activation <dump key>"`` (beside the gradient dump's own names)."""
         return {f"activation {n}": why for n, why in self.acts.left_out.items()} if self.acts is not None else {}
@@ -335,7 +345,9 @@ def record_extras(source: Path, *, top_k: int | None = None,
 
     def make(spec: MegatronSpec, steps: Sequence[int]) -> RecordExtras:
         k = top_k if top_k is not None else spec.moe_topk
+        first = next(iter(iterations(source, spec.kind).values()))
         return RecordExtras(joined_activations(source, spec, quiet=quiet),
-                            joined_routing(source, spec.layout, steps, k, quiet=quiet))
+                            joined_routing(source, spec.layout, steps, k, quiet=quiet,
+                                           stages=dump_stages(first, spec)))
 
     return make

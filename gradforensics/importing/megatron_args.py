@@ -11,7 +11,12 @@ commit ``d98e8a64ddf34856e74b24714e3bedb2f5a39553``):
 * ``megatron/core/dist_checkpointing/strategies/common.py`` ``save_common``: a ``torch_dist``
   checkpoint of the older form keeps the same dict in ``<save>/iter_<N:07d>/common.pt``; the current
   form stores it inside the distributed checkpoint (``.metadata`` + ``__*.distcp``) as the
-  ``common_state`` object (:func:`_common_state`).
+  ``common_state`` object (:func:`_common_state`);
+* ``--ckpt-format torch_dcp`` and ``fsdp_dtensor`` (``save_checkpoint``, ``CheckpointType.GLOBAL``): the whole
+  state dict goes through ``torch.distributed.checkpoint.save`` into ``<save>/iter_<N:07d>/`` (``.metadata`` +
+  ``__*.distcp``, no ``metadata.json``: ``_get_checkpoint_format``), ``args`` a top-level non-tensor entry, stored
+  as the bytes of ``torch.save(args)`` under the key ``args`` (``preprocess_fsdp_dtensor_state_dict`` leaves it
+  as is); the two formats write the same files.
 
 All are ``torch.save`` bytes.  Only their pickle (``<archive>/data.pkl`` of the zip form, or the
 fourth pickle of the old stream form) is read, with a restricted unpickler: ``argparse.Namespace``,
@@ -38,7 +43,8 @@ from typing import IO, Any, ClassVar
 
 from gradforensics.errors import CheckpointError
 
-__all__ = ["ARGS_FILES", "COMMON_STATE_KEY", "Opaque", "RunArgs", "find_checkpoint", "read_args", "read_run_args"]
+__all__ = ["ARGS_FILES", "COMMON_STATE_KEY", "DCP_ARGS_KEY", "Opaque", "RunArgs", "find_checkpoint", "read_args",
+           "read_run_args"]
 
 #: the files of a checkpoint iteration directory that hold the arguments (torch_dist, legacy torch)
 ARGS_FILES = ("common.pt", "model_optim_rng.pt", ".metadata")
@@ -47,6 +53,8 @@ ARGS_FILES = ("common.pt", "model_optim_rng.pt", ".metadata")
 MAX_PICKLE_BYTES = 1 << 30
 #: the distributed-checkpoint key of Megatron-LM's common state (arguments, iteration) in a torch_dist checkpoint
 COMMON_STATE_KEY = "common_state/shard_0_1"
+#: the distributed-checkpoint key of the arguments in a torch_dcp / fsdp_dtensor checkpoint
+DCP_ARGS_KEY = "args"
 _ITER = re.compile(r"^iter_(\d{7})$")
 _RANK_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?(?:_\d{3})?$")
 #: torch's legacy (non-zip) serialization starts with this magic number
@@ -173,14 +181,17 @@ def read_pickle(path: Path) -> Any:
     from gradforensics.replay.untrusted import check_regular, open_regular
 
     if path.name == ".metadata":
-        return _common_state(path)
+        if (path.parent / "metadata.json").is_file():           # torch_dist (check_is_distributed_checkpoint)
+            return _common_state(path)
+        return {"args": _common_state(path, DCP_ARGS_KEY)}      # torch_dcp / fsdp_dtensor: the state dict itself
     size = check_regular(path)
     with open_regular(path) as fh:
         return _torch_saved(fh, size, path)
 
 
-def _common_state(meta: Path) -> Any:
-    """The ``common_state`` object of a current-form ``torch_dist`` checkpoint (a DCP directory).
+def _common_state(meta: Path, fqn: str = COMMON_STATE_KEY) -> Any:
+    """The ``common_state`` object of a current-form ``torch_dist`` checkpoint (a DCP directory); with *fqn*
+    :data:`DCP_ARGS_KEY`, the ``args`` object of a ``torch_dcp`` / ``fsdp_dtensor`` one.
 
     Megatron-LM saves the common dict as ``ShardedObject("common_state", ..., global_shape=(1,),
     global_offset=(0,))`` (``megatron/core/dist_checkpointing/serialization.py``), which the distributed
@@ -201,27 +212,28 @@ def _common_state(meta: Path) -> Any:
         raise CheckpointError(f"{meta}: not a distributed checkpoint's metadata (no storage_data).")
     for key, info in storage.items():
         k, i = getattr(key, "state", None), getattr(info, "state", None)
-        if isinstance(k, dict) and k.get("fqn") == COMMON_STATE_KEY and isinstance(i, dict):
+        if isinstance(k, dict) and k.get("fqn") == fqn and isinstance(i, dict):
             rel, off, n = i.get("relative_path"), i.get("offset"), i.get("length")
             if not (isinstance(rel, str) and "/" not in rel and rel not in ("", ".", "..") and isinstance(off, int)
                     and isinstance(n, int) and off >= 0 and 0 < n <= MAX_PICKLE_BYTES):
-                raise CheckpointError(f"{meta}: {COMMON_STATE_KEY} is stored at ({rel!r}, {off!r}, {n!r}): not a "
+                raise CheckpointError(f"{meta}: {fqn} is stored at ({rel!r}, {off!r}, {n!r}): not a "
                                       "file of this directory with a byte range.")
             file = meta.parent / rel
             if off + n > check_regular(file):
-                raise CheckpointError(f"{file}: {COMMON_STATE_KEY} is said to lie at bytes {off}..{off + n}, past "
+                raise CheckpointError(f"{file}: {fqn} is said to lie at bytes {off}..{off + n}, past "
                                       "the end of the file.")
             with open_regular(file) as fh:
                 fh.seek(off)
                 blob = fh.read(n)
-            where = f"{file} ({COMMON_STATE_KEY})"
+            where = f"{file} ({fqn})"
             obj = _torch_saved(io.BytesIO(blob), n, where)
             inner = obj.state if isinstance(obj, Opaque) and obj.qualname == "_io.BytesIO" else None
             if isinstance(inner, tuple) and inner and isinstance(inner[0], bytes):    # the BytesIO pickled itself
                 obj = _torch_saved(io.BytesIO(inner[0]), len(inner[0]), where)
             return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj      # [common dict], as saved
-    raise CheckpointError(f"{meta}: no {COMMON_STATE_KEY} entry (Megatron-LM's saved arguments) in this "
-                          "distributed checkpoint.")
+    fmt = "torch_dist" if fqn == COMMON_STATE_KEY else "torch_dcp / fsdp_dtensor (no metadata.json)"
+    raise CheckpointError(f"{meta}: no {fqn} entry (Megatron-LM's saved arguments) in this distributed checkpoint "
+                          f"(read as --ckpt-format {fmt}).")
 
 
 @dataclass(frozen=True)
@@ -292,7 +304,7 @@ def _args_file(d: Path) -> Path | None:
     for sub in sorted(p for p in d.iterdir() if p.is_dir() and _RANK_DIR.match(p.name)):
         if (sub / "model_optim_rng.pt").is_file():
             return sub / "model_optim_rng.pt"
-    if (d / ".metadata").is_file() and (d / "metadata.json").is_file():     # torch_dist (check_is_distributed_checkpoint)
+    if (d / ".metadata").is_file():     # torch_dist (with metadata.json), else torch_dcp / fsdp_dtensor
         return d / ".metadata"
     return None
 
@@ -306,7 +318,7 @@ def find_checkpoint(save: Path) -> Path | None:
         return save
     if not save.is_dir():
         return None
-    if _ITER.match(save.name) or save.name == "release" or (save / "metadata.json").is_file():
+    if _ITER.match(save.name) or save.name == "release" or (save / ".metadata").is_file():
         return _args_file(save)
     tracker = save / "latest_checkpointed_iteration.txt"
     if tracker.is_file() and tracker.stat().st_size < 64:
@@ -334,5 +346,6 @@ def read_run_args(save: Path, args_from: Path | None) -> tuple[RunArgs | None, s
         return read_args(f), str(f)
     f = find_checkpoint(save)
     if f is None:
-        return None, f"{save}/iter_*/{{common.pt,mp_rank_*/model_optim_rng.pt,.metadata}}"
+        return None, (f"{save}/iter_*/{{common.pt,mp_rank_*/model_optim_rng.pt,.metadata}}: the torch, torch_dist, "
+                      "torch_dcp and fsdp_dtensor checkpoint formats")
     return read_args(f), str(f)
