@@ -137,8 +137,8 @@ def unit_gram(store: Store, tensor: str, head: int | None) -> tuple[np.ndarray |
     except GradforensicsError as exc:
         return None, f"the saved Gram index could not be read ({exc})"
     if not index:
-        return None, ("no per-record Gram matrix is stored (above N₀ records the pass keeps window means, not record "
-                      "pairs; or analyze ran with the engine option save_grams 'none')")
+        return None, ("no per-record Gram matrix is stored (a long history: above N₀ records the pass keeps window means, "
+                      "not record pairs; or analyze ran with the engine option save_grams 'none')")
     entry = next((e for e in index if isinstance(e, dict) and e.get("tensor") == tensor and e.get("head") == head),
                  None) if isinstance(index, list) else None
     info = store.arrays.get(GRAM_ARRAY)
