@@ -34,7 +34,7 @@ def saved(tmp_path_factory):
 
 
 def test_default_saves_the_units_of_the_direction_flags_only(saved) -> None:
-    path, findings, every, _ = saved
+    path, _, every, _ = saved
     store = Store(path)
     kept = load_grams(store)
     kinds = set(records_map_kinds())
