@@ -53,8 +53,9 @@ def test_the_records_map_is_the_one_drawn_from_every_saved_unit(saved) -> None:
     assert np.array_equal(m.xy, every_map.xy) and np.array_equal(m.records, every_map.records)
 
 
-def test_none_saves_an_empty_index_and_the_report_says_why(tmp_path) -> None:
-    path = tmp_path / "s.zarr"
+@pytest.mark.parametrize("suffix", [".zarr", ".h5"])
+def test_none_saves_an_empty_index_and_the_report_says_why(tmp_path, suffix) -> None:
+    path = tmp_path / f"s{suffix}"
     planted_conflict(1, n=32).write(path)
     _analyze(path, "all")
     assert load_grams(Store(path))                          # some saved, then replaced by none: nothing stale
