@@ -7,7 +7,13 @@ Per unit, on its N x N Gram matrix K (one BLAS thread, CPU seconds of this proce
   permutation test no bookkeeping can remove (a unit in conflict runs all B);
 * ``conflict``: the whole ``conflict_units`` of ``--group`` units sharing one stream (``streams="tensor"``;
   ``--group 1``: each unit its own, the default);
-* ``eig``: oscillation's top eigenpairs of the centred K (``top_components``: ``dsyevr``);
+* ``eig``: oscillation's top eigenpairs of the centred K (``top_components``: ``dsyevr``, the top 3 only);
+* ``eigvals``: every eigenvalue and no vector (``np.linalg.eigvalsh``): the dense reduction to
+  tridiagonal form alone, which ``eig`` cannot go below with a dense method;
+* ``eigh``: the full decomposition (``np.linalg.eigh``, the oracle ``top_components`` is tested against);
+* ``subspace``: block subspace iteration, 8 vectors, 30 products ``K Q`` and QR (BLAS 3), for
+  comparison; its directions 2 and 3 are not converged where the eigenvalues after the first
+  are close (``gap``: the largest ``lam_2 / lam_4`` of the units measured);
 * ``touch``: one read of K from a memory-mapped file (what each analysis pays to take a spilled unit).
 
 Multiplied by ``--units`` (936: the realistic ``heads`` store of ``benchmarks/shape.py``) this is
@@ -37,6 +43,15 @@ def _cpu(fn, repeat: int) -> float:
         fn()
         best = min(best, time.process_time() - t)
     return best
+
+
+def _subspace(K: np.ndarray, p: int = 8, steps: int = 30) -> tuple[np.ndarray, np.ndarray]:
+    """Top 3 Ritz pairs of *K* after *steps* block products (a comparison only: not converged without a gap)."""
+    q = np.linalg.qr(np.random.default_rng(0).standard_normal((K.shape[0], p)))[0]
+    for _ in range(steps):
+        q = np.linalg.qr(K @ q)[0]
+    w, v = np.linalg.eigh(q.T @ K @ q)
+    return w[::-1][:3], (q @ v)[:, ::-1][:, :3]
 
 
 def main() -> None:
@@ -77,12 +92,17 @@ def main() -> None:
             "gemm": _cpu(gemm, args.repeat),
             "conflict": _cpu(lambda: cu.conflict_units(grams, mix, opts, True, seeds, design), args.repeat) / g,
             "eig": _cpu(lambda: top_components(centred(grams[0]), 3), args.repeat),
+            "eigvals": _cpu(lambda: np.linalg.eigvalsh(centred(grams[0])), args.repeat),
+            "eigh": _cpu(lambda: np.linalg.eigh(centred(grams[0])), args.repeat),
+            "subspace": _cpu(lambda: _subspace(centred(grams[0])), args.repeat),
             "touch": _cpu(lambda: np.array(np.memmap(path, dtype=np.float64, mode="c", shape=(n, n))), args.repeat),
         }
     print(f"N = {n}, width {args.width}, B = {B}, {args.units} units ({g} a stream)")
     print(f"{'part':10} {'ms a unit':>10} {'s for all':>10}")
     for k, v in per.items():
         print(f"{k:10} {v * 1e3:10.3f} {v * args.units:10.2f}")
+    w = [np.linalg.eigvalsh(centred(k))[::-1] for k in grams]
+    print(f"gap: lam_2 / lam_4 at most {max(x[1] / x[3] for x in w):.3f} over the {g} units")
     gf = 2 * B * n * n / per["gemm"] / 1e9
     print(f"gemm runs at {gf:.0f} GFLOP/s; conflict's exact test is at least {per['gemm'] * args.units:.2f} s here")
 

@@ -201,7 +201,7 @@ def test_local_cluster_processes_both_backends(stores) -> None:
 @pytest.mark.parametrize("suffix", [".zarr", ".h5"])
 def test_findings_and_grams_persist(stores, suffix) -> None:
     path = stores[suffix].path
-    findings = analyze(path, only=ONLY, progress=False)
+    findings = analyze(path, only=ONLY, options={"engine": {"save_grams": "all"}}, progress=False)
     store = Store(path, check_chunks=False)
     again = read_findings(store)
     assert again.flags_json() == json.loads(json.dumps(findings.flags_json()))

@@ -112,7 +112,8 @@ def test_spilled_pass_matches_the_pass_in_memory_and_leaves_nothing_behind(heads
     with registered(_probe(seen)):
         mem = gf.analyze(heads_store, only=READERS, options={"engine": {"spill": False, "persist": False}, **FEW},
                          progress=False)
-        disk = gf.analyze(heads_store, only=READERS, options={"engine": {"spill": True}, **FEW}, progress=False)
+        disk = gf.analyze(heads_store, only=READERS, options={"engine": {"spill": True, "save_grams": "all"}, **FEW},
+                          progress=False)
     assert seen == [("dict", 0), ("SpilledGrams", 3)]      # 11 units on disk, a file a tensor (3)
     assert len(mem.flags) > 0 and disk.header["regime"] == mem.header["regime"] == {"name": "exact", "n0": 3663}
     close_findings(mem, disk)

@@ -214,7 +214,8 @@ def test_saving_a_spilled_pass_does_not_double_the_disk(heads_store: str, tmp_pa
 
     monkeypatch.setattr(ZarrBackend, "write_rows", sampled)
     base = _bytes(store)
-    gf.analyze(store, only="drift", options={"engine": {"spill": True, "long_history": N}}, progress=False)
+    gf.analyze(store, only="drift", options={"engine": {"spill": True, "long_history": N, "save_grams": "all"}},
+               progress=False)
     unit = 8 * N * N                                                     # one Gram matrix: 2 MiB
     grams = 11 * unit
     assert len(samples) > 6                                              # 6 batches of k, then the rest

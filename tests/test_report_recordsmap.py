@@ -54,7 +54,7 @@ def test_cosine_map_is_pca_of_the_unit_gradients_and_skips_empty_records() -> No
 def conflict_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("conflict")
     planted_conflict(0, n=48).write(d / "s.zarr")
-    findings = gf.analyze(d / "s.zarr", progress=False)
+    findings = gf.analyze(d / "s.zarr", progress=False, options={"engine": {"save_grams": "all"}})   # a healthy unit too
     return d, findings
 
 

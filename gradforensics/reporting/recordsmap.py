@@ -137,14 +137,14 @@ def unit_gram(store: Store, tensor: str, head: int | None) -> tuple[np.ndarray |
     except GradforensicsError as exc:
         return None, f"the saved Gram index could not be read ({exc})"
     if not index:
-        return None, ("no per-record Gram matrix is stored for this long history (above N₀ records the pass keeps "
-                      "window means, not record pairs)")
+        return None, ("no per-record Gram matrix is stored (a long history: above N₀ records the pass keeps window means, "
+                      "not record pairs; or analyze ran with the engine option save_grams 'none')")
     entry = next((e for e in index if isinstance(e, dict) and e.get("tensor") == tensor and e.get("head") == head),
                  None) if isinstance(index, list) else None
     info = store.arrays.get(GRAM_ARRAY)
     if entry is None or info is None or not isinstance(entry.get("i"), int) or not 0 <= entry["i"] < info.shape[0]:
         where = tensor + ("" if head is None else f" head {head}")
-        return None, f"no saved Gram matrix for {where}"
+        return None, f"no saved Gram matrix for {where} (the engine option save_grams chose which are saved)"
     b = open_backend(store.location, "r")              # with a remote store's file-system options
     try:
         where_k = store.analysis_selection.physical(GRAM_ARRAY)       # in the committed generation

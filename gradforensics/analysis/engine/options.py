@@ -17,10 +17,13 @@ from gradforensics.analysis.engine.gram import DEFAULT_SLAB_BYTES, DEFAULT_SPLIT
 from gradforensics.analysis.engine.longhistory import BAND, N_WINDOWS, threshold
 from gradforensics.errors import SpecError
 
-__all__ = ["ENGINE_KEY", "UNIT_PLACES", "EngineOptions", "select_analyses", "split_options"]
+__all__ = ["ENGINE_KEY", "GRAM_SAVES", "UNIT_PLACES", "EngineOptions", "select_analyses", "split_options"]
 
 UNIT_PLACES = ("auto", "workers", "client")
 """Values of the engine option ``unit_statistics``."""
+
+GRAM_SAVES = ("flagged", "all", "none")
+"""Values of the engine option ``save_grams``."""
 
 ENGINE_KEY = "engine"
 
@@ -42,6 +45,12 @@ class EngineOptions(Options):
         Threads of the local scheduler (default: CPU count).  Ignored under a client.
     persist
         Save the findings and Gram matrices in the store's ``analysis/`` group.
+    save_grams
+        Which units' N×N Gram matrices the save keeps (exact regime): ``"flagged"``
+        (default) the units of the flags the report's records map is drawn for (the
+        direction kinds: conflict, oscillation, drift; ``registry.records_map_kinds``), ``"all"``
+        every tensor and head, ``"none"`` none.  Nothing but the records map reads them
+        back; every unit's matrix is ``8 N²`` bytes, far more than a narrow head's own data.
     long_history
         ``N₀``: above this many records the pass never forms the N×N Gram matrix
         and computes the banded Gram and window-source sums instead
@@ -70,6 +79,7 @@ class EngineOptions(Options):
     precision: str = "float32"
     num_workers: int | None = None
     persist: bool = True
+    save_grams: str = "flagged"
     long_history: int | None = None
     band: int = BAND
     windows: int = N_WINDOWS
@@ -93,6 +103,8 @@ class EngineOptions(Options):
             raise SpecError(f"engine option windows must be in [4, 4096]; got {self.windows}.")
         if self.spill is not None and not isinstance(self.spill, bool):
             raise SpecError(f"engine option spill must be true, false or null; got {self.spill!r}.")
+        if self.save_grams not in GRAM_SAVES:
+            raise SpecError(f"engine option save_grams must be one of {GRAM_SAVES}; got {self.save_grams!r}.")
         if self.unit_statistics not in UNIT_PLACES:
             raise SpecError(f"engine option unit_statistics must be one of {UNIT_PLACES}; "
                             f"got {self.unit_statistics!r}.")

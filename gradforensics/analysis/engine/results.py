@@ -28,14 +28,14 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
 from gradforensics.analysis.contract.grams import GramResult
 from gradforensics.analysis.contract.model import AnalysisResult, Findings, Flag, NotJudged
-from gradforensics.analysis.contract.registry import flag_kinds
+from gradforensics.analysis.contract.registry import flag_kinds, records_map_kinds
 from gradforensics.analysis.engine.seriesimage import pack_series, parse_series
 from gradforensics.errors import CorruptStoreError, UnsafeNameError
 from gradforensics.store.names import check_analysis_name
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from gradforensics.store.location import Location
     from gradforensics.store.reader import Store
 
-__all__ = ["FLAG_FIELDS", "findings_documents", "load_grams", "parse_flag", "parse_table", "read_findings",
+__all__ = ["FLAG_FIELDS", "findings_documents", "grams_to_save", "load_grams", "parse_flag", "parse_table", "read_findings",
            "save_grams", "save_results"]
 
 #: Fields of a flag (the flags.json contract); every one is required.
@@ -334,6 +334,39 @@ def gram_arrays(grams: Mapping[tuple[str, int | None], GramResult], n_records: i
                       nonfinite=nonfinite)
 
 
+class _Only(Mapping[tuple[str, int | None], GramResult]):
+    """*grams* restricted to *keys* (in *grams*' order), each still read when it is taken."""
+
+    def __init__(self, grams: Mapping[tuple[str, int | None], GramResult], keys: Iterable[tuple[str, int | None]]) -> None:
+        wanted = set(keys)
+        self._grams, self._keys = grams, [k for k in grams if k in wanted]
+        self._set = set(self._keys)
+
+    def __getitem__(self, key: tuple[str, int | None]) -> GramResult:
+        if key not in self._set:
+            raise KeyError(key)
+        return self._grams[key]
+
+    def __iter__(self) -> Iterator[tuple[str, int | None]]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def grams_to_save(grams: Mapping[tuple[str, int | None], GramResult], findings: Findings,
+                  which: str = "flagged") -> Mapping[tuple[str, int | None], GramResult]:
+    """The Gram matrices a save keeps (engine option ``save_grams``): *which* ``"all"``, ``"none"``, or
+    ``"flagged"``: the units of *findings*' flags of the kinds the report's records map is drawn for
+    (its only reader: :func:`gradforensics.reporting.recordsmap.unit_gram`), in *grams*' order."""
+    if which == "all":
+        return grams
+    if which == "none":
+        return {}
+    kinds = set(records_map_kinds())
+    return _Only(grams, {(f.tensor, f.head) for f in findings.flags if f.kind in kinds})
+
+
 def save_results(path: str | os.PathLike[str] | Location, findings: Findings | None = None,
                  grams: Mapping[tuple[str, int | None], GramResult] | None = None, *, n_records: int = 0,
                  empty_grams: bool = False,
@@ -350,7 +383,7 @@ def save_results(path: str | os.PathLike[str] | Location, findings: Findings | N
     if empty_grams:
         saved: GramArrays | None = GramArrays(n_records=0)
     else:
-        saved = gram_arrays(grams, n_records, release) if grams else None
+        saved = gram_arrays(grams, n_records, release) if grams is not None else None
     write_results(path, arrays=arrays, documents=docs, grams=saved)
 
 

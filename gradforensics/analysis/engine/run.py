@@ -42,7 +42,7 @@ from gradforensics.analysis.contract.model import Analysis, AnalysisResult, Cont
 from gradforensics.analysis.contract.registry import REGISTRY
 from gradforensics.analysis.engine.options import EngineOptions, select_analyses, split_options
 from gradforensics.analysis.engine.plan import plan_pass, units_at_once
-from gradforensics.analysis.engine.results import save_results
+from gradforensics.analysis.engine.results import grams_to_save, save_results
 from gradforensics.analysis.engine.schedule import compute_collections, default_client, units_client
 from gradforensics.analysis.engine.spill import GramSpill, SpilledGrams
 from gradforensics.analysis.toolkit.parallel import unit_threads
@@ -204,7 +204,7 @@ def _analyze(path: str | os.PathLike[str] | Location | Store, client: Client | N
     if judge is not None:                   # analyze(..., baseline=): each finding against the baseline's
         findings = judge(findings)
     if engine.persist and writer is None:
-        _persist(store, merged(store, findings, selected), grams, long is not None)
+        _persist(store, merged(store, findings, selected), grams, long is not None, engine.save_grams)
     return findings
 
 
@@ -413,14 +413,16 @@ def _h5py_version() -> str:
 
 
 def _persist(store: Store, findings: Findings, grams: Mapping[tuple[str, int | None], GramResult],
-             long: bool = False) -> None:
+             long: bool = False, which: str = "flagged") -> None:
     """Save findings and Gram matrices under ``analysis/``, holding the store's writer lock.
 
-    In the long-history regime no per-record Gram matrix exists: an empty Gram
-    index is saved (``load_grams`` then returns ``{}``) so none from an earlier
-    pass is left behind.  A spilled pass's files are removed as their matrices are
-    written into the store (the pass's disk holds one copy of them at a time; the
-    analyses are done by then).
+    Of the Gram matrices, those *which* says (engine option ``save_grams``: by default
+    the units of the flags the records map is drawn for, :func:`grams_to_save`); the
+    index saved lists those, so none from an earlier pass is left behind.  In the
+    long-history regime no per-record Gram matrix exists: an empty Gram index is saved
+    (``load_grams`` then returns ``{}``).  A spilled pass's files are removed as their
+    matrices are written into the store, the rest when the pass ends (the pass's disk
+    holds one copy of them at a time; the analyses are done by then).
 
     A store that is read-only, or that a live writer still holds, only warns: the
     findings are returned and reported either way.
@@ -428,7 +430,8 @@ def _persist(store: Store, findings: Findings, grams: Mapping[tuple[str, int | N
     from gradforensics.errors import StoreLockedError
 
     try:
-        save_results(store.location, findings, grams, n_records=store.n_records, empty_grams=long,
+        save_results(store.location, findings, grams_to_save(grams, findings, which), n_records=store.n_records,
+                     empty_grams=long,
                      release=grams.release if isinstance(grams, SpilledGrams) else None)
     except (PermissionError, StoreLockedError) as exc:
         warnings.warn(f"{store.path}: analysis results not saved in the store ({exc}); "
