@@ -196,7 +196,29 @@ def test_tokens_per_expert_under_pipeline_parallelism_land_on_their_global_layer
         load = store.router(f"decoder.layers.{layer}.mlp.router", "load")
         want = np.array([np.sum(_pp_tokens(it, layer), axis=0) / np.sum(_pp_tokens(it, layer)) for it in iters])
         np.testing.assert_allclose(load, want, rtol=1e-6)
-    assert store.meta.extra["import"]["router"].startswith("load and max_share from tokens_per_expert/")
+    router = store.meta.extra["import"]["router"]
+    assert router.startswith("load and max_share from tokens_per_expert/")
+    assert "default rank order tp-cp-ep-dp-pp, unchecked" in router      # no saved arguments: the assumption said
+
+
+def test_tokens_per_expert_under_pp_with_tp_pp_dp_mapping_is_not_read(tmp_path):
+    """A run with --use-tp-pp-dp-mapping puts its ranks on other stages: the default placement would be wrong
+    silently; its saved arguments say so and the log is not read (with the arguments saying the default order,
+    it is read and nothing is said to be unchecked)."""
+    from tests.test_import_megatron_args import megatron_args, save_checkpoint
+
+    for name, mapping in (("odd", True), ("plain", False)):
+        save = tmp_path / name
+        _pp_dump(save, (1, 2))
+        save_checkpoint(save, 2, megatron_args(pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                                               moe_router_topk=2, use_tp_pp_dp_mapping=mapping, num_attention_heads=4,
+                                               padded_vocab_size=None))
+        store = gf.import_run(save, tmp_path / f"{name}.zarr", heads=None)
+        router = store.meta.extra["import"]["router"]
+        if mapping:
+            assert not store.router_modules and "--use-tp-pp-dp-mapping" in router, router
+        else:
+            assert store.router_modules and "unchecked" not in router, router
 
 
 def test_tokens_per_expert_under_pp_that_cannot_be_placed_is_not_read_and_says_why(tmp_path):

@@ -246,7 +246,7 @@ def import_activations(source: Path, out: Any, spec: MegatronSpec, *, tensors: S
     first_it, first_dir = next(iter(iters.items()))
     first_rows = stats.rows(first_dir)
     routing = joined_routing(source, spec.layout, list(iters), top_k, quiet=bool(writer_options.get("quiet", True)),
-                             stages=dump_stages(first_dir, spec))
+                             stages=dump_stages(first_dir, spec), tp_pp_dp=_tp_pp_dp(spec))
     extras = RecordExtras(None, routing)
     first_rows.update(extras.rows(first_it))
     dense = dense_note(["activations"], len({s.ep for s in shards(first_dir, spec.layout)}))
@@ -337,6 +337,10 @@ class RecordExtras:
         return {f"activation {n}": why for n, why in self.acts.left_out.items()} if self.acts is not None else {}
 
 
+def _tp_pp_dp(spec: MegatronSpec) -> bool | None:
+    return spec.run_args.tp_pp_dp if spec.run_args is not None else None
+
+
 def record_extras(source: Path, *, top_k: int | None = None,
                   quiet: bool = True) -> Callable[[MegatronSpec, Sequence[int]], RecordExtras]:
     """For :func:`gradforensics.importing.megatron.import_megatron`'s ``extra_rows``: the activations and router
@@ -348,6 +352,6 @@ def record_extras(source: Path, *, top_k: int | None = None,
         first = next(iter(iterations(source, spec.kind).values()))
         return RecordExtras(joined_activations(source, spec, quiet=quiet),
                             joined_routing(source, spec.layout, steps, k, quiet=quiet,
-                                           stages=dump_stages(first, spec)))
+                                           stages=dump_stages(first, spec), tp_pp_dp=_tp_pp_dp(spec)))
 
     return make

@@ -255,6 +255,7 @@ class RunArgs:
     vocab_size: int | None          #: vocab_size (set for the tokenizers that take --vocab-size)
     divisible_by: int | None        #: make_vocab_size_divisible_by
     moe_topk: int | None = None     #: moe_router_topk (the experts each token is routed to)
+    tp_pp_dp: bool = False          #: use_tp_pp_dp_mapping (rank order tp-cp-ep-pp-dp, not tp-cp-ep-dp-pp)
 
     def as_attrs(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -294,7 +295,8 @@ def read_args(path: Path) -> RunArgs:
         gated_mlp=_field(ns, "swiglu", path, default=False, kind=bool),
         padded_vocab_size=_field(ns, "padded_vocab_size", path), vocab_size=_field(ns, "vocab_size", path),
         divisible_by=_field(ns, "make_vocab_size_divisible_by", path),
-        moe_topk=_field(ns, "moe_router_topk", path))
+        moe_topk=_field(ns, "moe_router_topk", path),
+        tp_pp_dp=_field(ns, "use_tp_pp_dp_mapping", path, default=False, kind=bool))
 
 
 def _args_file(d: Path) -> Path | None:

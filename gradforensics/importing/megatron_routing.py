@@ -191,12 +191,13 @@ JOINED = ("load and max_share from tokens_per_expert/ (tokens routed per expert,
 
 
 def joined_routing(source: Path, layout: Layout | None, steps: Sequence[int], top_k: int | None, *,
-                   quiet: bool = True, stages: Mapping[int, tuple[int, frozenset[int]]] | None = None
-                   ) -> RouterLoads | str | None:
+                   quiet: bool = True, stages: Mapping[int, tuple[int, frozenset[int]]] | None = None,
+                   tp_pp_dp: bool | None = None) -> RouterLoads | str | None:
     """The router loads of the records at iterations *steps* from ``<source>/tokens_per_expert/``: None when there
     is no such log, else a :class:`RouterLoads`, or the sentence saying why it is not read (also on stderr unless
     *quiet*).  *stages*: the dump's pipeline stages (:func:`gradforensics.importing.megatron.stage_layers`), which
-    place a pipeline-parallel run's stage-local layer numbers."""
+    place a pipeline-parallel run's stage-local layer numbers; *tp_pp_dp*: the run's saved
+    ``use_tp_pp_dp_mapping`` (None: no saved arguments, the default rank order assumed and said so)."""
     d = source / "tokens_per_expert"
     if not d.is_dir():
         return None
@@ -205,6 +206,9 @@ def joined_routing(source: Path, layout: Layout | None, steps: Sequence[int], to
     if layout is not None and layout.vp > 1:
         why = (f"not read: with virtual pipeline stages (vp={layout.vp}) each model chunk numbers its layers from 0 "
                "and the log keys the counts by that number alone, mixing the chunks")
+    elif layout is not None and layout.pp > 1 and tp_pp_dp:
+        why = ("not read: the run used --use-tp-pp-dp-mapping (rank order tp-cp-ep-pp-dp), whose pipeline stages "
+               "this import does not place")
     elif layout is not None and layout.pp > 1 and not stages:
         why = ("not read: under pipeline parallelism its layer numbers are per stage and the dump's stages are "
                "not known")
@@ -227,6 +231,12 @@ def joined_routing(source: Path, layout: Layout | None, steps: Sequence[int], to
             e = min(int(c.size) for per in counts.values() for c in per.values())
             if not 1 <= k <= e:
                 raise SpecError(f"--moe-topk {k}: must be between 1 and the experts of a layer ({e}).")
+            if layout is not None and layout.pp > 1 and tp_pp_dp is None:
+                assumed = ("; ranks placed on pipeline stages in Megatron-LM's default rank order tp-cp-ep-dp-pp, "
+                           "unchecked: no saved arguments say whether the run used --use-tp-pp-dp-mapping")
+                if not quiet:
+                    print(f"import: tokens_per_expert/{assumed[1:]}.", file=sys.stderr)
+                return RouterLoads(counts, k, JOINED + assumed)
             return RouterLoads(counts, k, JOINED)
     if not quiet:
         print(f"import: tokens_per_expert/ {why}.", file=sys.stderr)
